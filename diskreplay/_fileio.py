@@ -1,0 +1,146 @@
+"""Durable file writes, checksums, the writer lock and crash points.
+
+Every byte diskreplay persists goes through :func:`durable_write`: write to a
+temporary name in the same directory, flush, fsync, ``os.replace`` onto the
+final name, fsync the directory. After it returns the file survives a power
+loss with exactly these contents; if it fails or the process dies midway, the
+final name either does not exist or still holds its previous contents.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import signal
+from typing import Optional, Union
+
+import google_crc32c
+
+from .errors import StoreLockedError
+
+TMP_PREFIX = ".tmp-"
+Buffer = Union[bytes, bytearray, memoryview]
+
+# Test hook, not public API: the durability tests set DISKREPLAY_CRASH_AT to
+# the name of a commit step and the writer kills itself right after it.
+_CRASH_ENV = "DISKREPLAY_CRASH_AT"
+
+
+def crash_point(step: str) -> None:
+    """Die with SIGKILL here if the durability tests asked for it."""
+    if os.environ.get(_CRASH_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing from ``value``.
+
+    >>> hex(crc32c(b"123456789"))
+    '0xe3069283'
+    """
+    return google_crc32c.extend(value, data)
+
+
+def file_crc32c(path: str, chunk: int = 1 << 22) -> int:
+    """CRC-32C of a whole file, read in chunks."""
+    value = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return value
+            value = crc32c(block, value)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that renames and unlinks in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_dir: bool = True) -> None:
+    """Atomically and durably replace ``path`` with ``data``.
+
+    ``step`` names the commit step for crash injection (``<step>.written`` is
+    hit after the data is on disk under the temporary name, ``<step>.renamed``
+    after the rename). On any error the temporary file is removed and the
+    error re-raised; ``path`` is untouched.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); durable_write(os.path.join(d, "x"), b"hi")
+    >>> open(os.path.join(d, "x"), "rb").read(), sorted(os.listdir(d))
+    (b'hi', ['x'])
+    """
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            written = 0
+            while written < len(view):
+                written += os.write(fd, view[written:])
+            # fsync before the rename: otherwise a crash could leave the new
+            # name pointing at a file whose blocks never reached the disk.
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if step:
+            crash_point(f"{step}.written")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if step:
+        crash_point(f"{step}.renamed")
+    if sync_dir:
+        fsync_dir(directory or ".")
+
+
+def remove_quietly(path: str) -> bool:
+    """Unlink ``path``; True when it existed."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class WriterLock:
+    """An exclusive ``flock`` on ``STORE/LOCK``.
+
+    The kernel drops a flock when its holder dies, so a writer killed with
+    SIGKILL never leaves a stale lock behind.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StoreLockedError(
+                    f"{os.path.dirname(self.path)} is already open for writing by another process "
+                    "(it holds LOCK); open it with readonly=True to read while it writes") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,370 @@
+"""On-disk format v1: file names, ``FORMAT.json`` and the manifests.
+
+``docs/FORMAT.md`` is the specification; this module is its executable form.
+Every JSON document carries ``format`` and an integer ``version`` and is
+parsed into a frozen dataclass; anything unexpected raises ``FormatError``
+("Unsupported …; expected …") or ``CorruptStoreError`` naming the file.
+File names are never taken from a manifest: they are derived from integer ids,
+so no manifest can point outside the store directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from ._fileio import crc32c, durable_write
+from .errors import CorruptStoreError, FormatError
+from .schema import Schema
+
+FORMAT_FILE = "FORMAT.json"
+LOCK_FILE = "LOCK"
+MANIFEST_DIR = "manifests"
+SEGMENT_DIR = "segments"
+GROUPS_DIR = "groups"
+STATE_DIR = "state"
+DATA_DIRS = (MANIFEST_DIR, SEGMENT_DIR, GROUPS_DIR, STATE_DIR)
+
+STORE_FORMAT = "diskreplay"
+MANIFEST_FORMAT = "diskreplay.manifest"
+FORMAT_VERSION = 1
+# Manifests kept besides the newest: a damaged newest manifest falls back to
+# one of these, and a reader that loaded one of them can still open its files.
+KEEP_MANIFESTS = 4
+MAX_JSON_BYTES = 64 << 20
+_MANIFEST_NAME = re.compile(r"^(\d{12})\.json$")
+_STATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_MAX_ID = 10 ** 12 - 1
+
+
+def segment_file(seg_id: int) -> str:
+    return f"{SEGMENT_DIR}/{seg_id:012d}.arrow"
+
+
+def groups_file(seg_id: int) -> str:
+    return f"{GROUPS_DIR}/{seg_id:012d}.arrow"
+
+
+def manifest_file(generation: int) -> str:
+    return f"{MANIFEST_DIR}/{generation:012d}.json"
+
+
+def state_file(name: str, generation: int) -> str:
+    return f"{STATE_DIR}/{name}.{generation:012d}.arrow"
+
+
+def check_state_name(name: str) -> str:
+    if not isinstance(name, str) or not _STATE_NAME.match(name):
+        raise ValueError(f"state name must be 1-64 letters, digits, '_', '.' or '-' (not starting with "
+                         f"'.' or '-'), got {name!r}")
+    return name
+
+
+def _int(doc: Mapping[str, Any], key: str, where: str, *, lo: int = 0, hi: int = 1 << 62,
+         optional: bool = False) -> Optional[int]:
+    v = doc.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise FormatError(f"Unsupported {key}={v!r} in {where}; expected an integer in [{lo}, {hi}]")
+    return v
+
+
+def _check_header(doc: Any, fmt: str, where: str) -> Mapping[str, Any]:
+    if not isinstance(doc, dict):
+        raise FormatError(f"Unsupported {where}: a JSON {type(doc).__name__}; expected an object")
+    if doc.get("format") != fmt:
+        raise FormatError(f"Unsupported format {doc.get('format')!r} in {where}; expected {fmt!r}")
+    if doc.get("version") != FORMAT_VERSION:
+        raise FormatError(f"Unsupported version {doc.get('version')!r} in {where}; expected "
+                          f"{FORMAT_VERSION} (this diskreplay reads format v{FORMAT_VERSION} only)")
+    return doc
+
+
+def read_json(path: str) -> Any:
+    """Parse a small JSON file, turning every failure into CorruptStoreError."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_JSON_BYTES:
+            raise CorruptStoreError(f"{path} is {size} bytes; a diskreplay JSON file is at most {MAX_JSON_BYTES}")
+        with open(path, "rb") as f:
+            raw = f.read()
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CorruptStoreError(f"{path} is not valid JSON ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """The contents of ``FORMAT.json``: what a store is, fixed at creation.
+
+    >>> StoreOptions(group_key="prompt_id", capacity_rows=1000).to_dict()["format"]
+    'diskreplay'
+    """
+
+    group_key: Optional[str] = "prompt_id"
+    capacity_rows: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+    schema: Optional[Schema] = None
+
+    def to_dict(self) -> dict:
+        return {
+            "format": STORE_FORMAT,
+            "version": FORMAT_VERSION,
+            "group_key": self.group_key,
+            "capacity_rows": self.capacity_rows,
+            "capacity_bytes": self.capacity_bytes,
+            "schema": None if self.schema is None else self.schema.to_list(),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str = FORMAT_FILE) -> "StoreOptions":
+        doc = _check_header(doc, STORE_FORMAT, where)
+        gk = doc.get("group_key")
+        if gk is not None and (not isinstance(gk, str) or not gk):
+            raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
+        schema = doc.get("schema")
+        return cls(
+            group_key=gk,
+            capacity_rows=_int(doc, "capacity_rows", where, lo=1, optional=True),
+            capacity_bytes=_int(doc, "capacity_bytes", where, lo=1, optional=True),
+            schema=None if schema is None else Schema.from_list(schema),
+        )
+
+    def write(self, root: str) -> None:
+        durable_write(os.path.join(root, FORMAT_FILE), _dumps(self.to_dict()), step="format")
+
+    @classmethod
+    def read(cls, root: str) -> "StoreOptions":
+        path = os.path.join(root, FORMAT_FILE)
+        try:
+            return cls.from_dict(read_json(path), path)
+        except FormatError as exc:
+            raise FormatError(f"{exc} ({path})") from None
+
+
+@dataclass(frozen=True)
+class SegmentEntry:
+    """One committed segment: rows ``[first_row, first_row + num_rows)``."""
+
+    id: int
+    first_row: int
+    num_rows: int
+    bytes: int
+    crc32c: int
+    groups_bytes: int = 0
+    groups_crc32c: int = 0
+
+    @property
+    def file(self) -> str:
+        return segment_file(self.id)
+
+    @property
+    def groups_file(self) -> str:
+        return groups_file(self.id)
+
+    @property
+    def end_row(self) -> int:
+        return self.first_row + self.num_rows
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "file": self.file, "first_row": self.first_row, "num_rows": self.num_rows,
+                "bytes": self.bytes, "crc32c": self.crc32c, "groups_file": self.groups_file,
+                "groups_bytes": self.groups_bytes, "groups_crc32c": self.groups_crc32c}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "SegmentEntry":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported segment entry {d!r} in {where}; expected an object")
+        e = cls(id=_int(d, "id", where, hi=_MAX_ID), first_row=_int(d, "first_row", where),
+                num_rows=_int(d, "num_rows", where, lo=1), bytes=_int(d, "bytes", where, lo=1),
+                crc32c=_int(d, "crc32c", where, hi=0xFFFFFFFF),
+                groups_bytes=_int(d, "groups_bytes", where), groups_crc32c=_int(d, "groups_crc32c", where, hi=0xFFFFFFFF))
+        for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
+            if d.get(key, expect) != expect:
+                raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
+                                  "(file names follow from segment ids)")
+        return e
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """A saved sampler/loader state file."""
+
+    name: str
+    generation: int
+    bytes: int
+    crc32c: int
+
+    @property
+    def file(self) -> str:
+        return state_file(self.name, self.generation)
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "generation": self.generation, "bytes": self.bytes, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_dict(cls, name: str, d: Any, where: str) -> "StateEntry":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported state entry {d!r} in {where}; expected an object")
+        check_state_name(name)
+        e = cls(name, _int(d, "generation", where, lo=1), _int(d, "bytes", where, lo=1),
+                _int(d, "crc32c", where, hi=0xFFFFFFFF))
+        if d.get("file", e.file) != e.file:
+            raise FormatError(f"Unsupported state file {d.get('file')!r} in {where}; expected {e.file!r}")
+        return e
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One committed snapshot of the store.
+
+    ``head`` is the first live row id (rows below it are evicted);
+    ``next_row`` the id the next appended row gets. Live rows are exactly
+    ``[head, next_row)`` and lie in ``segments``, which are ordered by row.
+
+    >>> m = Manifest()
+    >>> m.generation, m.num_rows
+    (0, 0)
+    """
+
+    generation: int = 0
+    head: int = 0
+    next_row: int = 0
+    next_segment: int = 0
+    segments: Tuple[SegmentEntry, ...] = ()
+    states: Mapping[str, StateEntry] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.next_row - self.head
+
+    @property
+    def file(self) -> str:
+        return manifest_file(self.generation)
+
+    def files(self) -> List[str]:
+        """Every data file this manifest references (relative paths)."""
+        out = []
+        for s in self.segments:
+            out += [s.file, s.groups_file]
+        out += [st.file for st in self.states.values()]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.bytes + s.groups_bytes for s in self.segments) + sum(st.bytes for st in self.states.values())
+
+    def evolve(self, **changes: Any) -> "Manifest":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        body = {
+            "format": MANIFEST_FORMAT,
+            "version": FORMAT_VERSION,
+            "generation": self.generation,
+            "head": self.head,
+            "next_row": self.next_row,
+            "next_segment": self.next_segment,
+            "segments": [s.to_dict() for s in self.segments],
+            "states": {k: v.to_dict() for k, v in sorted(self.states.items())},
+        }
+        body["checksum"] = crc32c(_dumps(body))
+        return body
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str) -> "Manifest":
+        doc = _check_header(doc, MANIFEST_FORMAT, where)
+        body = {k: v for k, v in doc.items() if k != "checksum"}
+        if doc.get("checksum") != crc32c(_dumps(body)):
+            raise CorruptStoreError(f"{where} fails its checksum; the file is damaged")
+        segs = doc.get("segments")
+        states = doc.get("states", {})
+        if not isinstance(segs, list) or not isinstance(states, dict):
+            raise FormatError(f"Unsupported segments/states in {where}; expected a list and an object")
+        m = cls(
+            generation=_int(doc, "generation", where, lo=1, hi=_MAX_ID),
+            head=_int(doc, "head", where),
+            next_row=_int(doc, "next_row", where),
+            next_segment=_int(doc, "next_segment", where, hi=_MAX_ID + 1),
+            segments=tuple(SegmentEntry.from_dict(s, where) for s in segs),
+            states={k: StateEntry.from_dict(k, v, where) for k, v in states.items()},
+        )
+        m.validate(where)
+        return m
+
+    def validate(self, where: str) -> None:
+        if self.head > self.next_row:
+            raise FormatError(f"Unsupported head {self.head} > next_row {self.next_row} in {where}")
+        prev_end, prev_id = None, -1
+        for s in self.segments:
+            if prev_end is not None and s.first_row != prev_end:
+                raise FormatError(f"segment {s.id} in {where} starts at row {s.first_row}; expected "
+                                  f"{prev_end} (segments must be contiguous)")
+            if s.id <= prev_id or s.id >= self.next_segment:
+                raise FormatError(f"segment id {s.id} in {where} is out of order")
+            prev_end, prev_id = s.end_row, s.id
+        if self.segments:
+            if self.segments[-1].end_row != self.next_row or self.segments[0].first_row > self.head \
+                    or self.segments[0].end_row <= self.head:
+                raise FormatError(f"segments in {where} cover rows [{self.segments[0].first_row}, "
+                                  f"{self.segments[-1].end_row}) but live rows are [{self.head}, {self.next_row})")
+        elif self.head != self.next_row:
+            raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
+
+    def write(self, root: str) -> None:
+        durable_write(os.path.join(root, self.file), _dumps(self.to_dict()), step="manifest")
+
+
+def _dumps(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def list_generations(root: str) -> List[int]:
+    """Manifest generations present in ``root``, newest first."""
+    try:
+        names = os.listdir(os.path.join(root, MANIFEST_DIR))
+    except FileNotFoundError:
+        return []
+    gens = [int(m.group(1)) for m in map(_MANIFEST_NAME.match, names) if m]
+    return sorted(gens, reverse=True)
+
+
+def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
+    """The newest manifest that parses and verifies, and the problems met on the way.
+
+    An empty store gives ``Manifest()``. Raises ``CorruptStoreError`` naming the
+    files when manifests exist but none is intact.
+    """
+    problems: List[str] = []
+    for gen in list_generations(root):
+        path = os.path.join(root, manifest_file(gen))
+        try:
+            m = Manifest.from_dict(read_json(path), path)
+        except FileNotFoundError:
+            continue  # deleted by the writer's clean-up between listdir and open
+        except (CorruptStoreError, FormatError) as exc:
+            problems.append(str(exc))
+            continue
+        if m.generation != gen:
+            problems.append(f"{path} says it is generation {m.generation}")
+            continue
+        return m, problems
+    if problems:
+        raise CorruptStoreError("no intact manifest in " + root + ": " + "; ".join(problems))
+    return Manifest(), problems
+
+
+def manifest_docs(root: str) -> Dict[int, Manifest]:
+    """All intact manifests (for clean-up and verification)."""
+    out = {}
+    for gen in list_generations(root):
+        path = os.path.join(root, manifest_file(gen))
+        try:
+            out[gen] = Manifest.from_dict(read_json(path), path)
+        except (OSError, FormatError):
+            continue
+    return out

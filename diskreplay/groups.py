@@ -1,0 +1,87 @@
+"""The prompt-group index: which live rows belong to which group.
+
+Groups are numbered by first appearance ("codes"). The store keeps one code
+per live row; a :class:`GroupIndex` is the sorted view samplers use: row ids
+grouped by code, insertion order inside each group, groups without live rows
+dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class GroupIndex:
+    """Live rows grouped by key, oldest first within each group.
+
+    ``rows[offsets[g]:offsets[g + 1]]`` are the row ids of group ``g``, whose
+    key is ``keys[g]``.
+
+    >>> gi = GroupIndex.from_codes(np.array([0, 1, 0]), pa.array(["a", "b"]), base=10)
+    >>> gi.keys, gi.group(0).tolist(), gi.counts.tolist()
+    (['a', 'b'], [10, 12], [2, 1])
+    """
+
+    def __init__(self, keys: List[Any], rows: np.ndarray, offsets: np.ndarray) -> None:
+        self.keys = keys
+        self.rows = rows
+        self.offsets = offsets
+        self._lookup: Optional[Dict[Any, int]] = None
+
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, dictionary: pa.Array, base: int) -> "GroupIndex":
+        """Index rows ``base + i`` whose group code is ``codes[i]``."""
+        order = np.argsort(codes, kind="stable")
+        counts = np.bincount(codes, minlength=len(dictionary)) if len(codes) else np.zeros(
+            len(dictionary), dtype=np.int64)
+        present = np.flatnonzero(counts)
+        offsets = np.zeros(len(present) + 1, dtype=np.int64)
+        np.cumsum(counts[present], out=offsets[1:])
+        keys = dictionary.take(pa.array(present)).to_pylist() if len(present) else []
+        return cls(keys, order.astype(np.int64) + base, offsets)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def group(self, g: int) -> np.ndarray:
+        """Row ids of the ``g``-th group, oldest first."""
+        return self.rows[self.offsets[g]:self.offsets[g + 1]]
+
+    def position(self, key: Any) -> Optional[int]:
+        """Index of the group with ``key``, or None."""
+        if self._lookup is None:
+            self._lookup = {k: i for i, k in enumerate(self.keys)}
+        if isinstance(key, np.generic):
+            key = key.item()
+        return self._lookup.get(key)
+
+
+class KeyCoder:
+    """Assigns stable integer codes to group keys in order of first appearance.
+
+    >>> kc = KeyCoder(); kc.encode(pa.array([5, 7, 5])).tolist(), kc.encode(pa.array([9, 7])).tolist()
+    ([0, 1, 0], [2, 1])
+    """
+
+    def __init__(self) -> None:
+        self.dictionary: Optional[pa.Array] = None
+
+    def encode(self, keys: pa.Array) -> np.ndarray:
+        if len(keys) == 0:
+            return np.zeros(0, dtype=np.int64)
+        if self.dictionary is None:
+            self.dictionary = pc.unique(keys)
+        idx = pc.index_in(keys, value_set=self.dictionary)
+        if idx.null_count:
+            new = pc.unique(keys.filter(idx.is_null()))
+            self.dictionary = pa.concat_arrays([self.dictionary, new.cast(self.dictionary.type)])
+            idx = pc.index_in(keys, value_set=self.dictionary)
+        return idx.to_numpy(zero_copy_only=False).astype(np.int64)

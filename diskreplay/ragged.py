@@ -1,0 +1,110 @@
+"""Ragged columns: one flat ``values`` array plus ``offsets`` into it.
+
+A ragged column holds one variable-length 1-D array per row without padding:
+row ``i`` is ``values[offsets[i]:offsets[i + 1]]``. This is exactly Arrow's
+``large_list`` layout, so a column read from a segment is a view, not a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+
+class RaggedColumn:
+    """Variable-length rows stored as flat ``values`` and int64 ``offsets``.
+
+    ``offsets`` has one more entry than there are rows and need not start at
+    0 (a slice of a larger column keeps its parent's offsets). ``validity``,
+    when given, marks rows that hold no value at all (``None``: "not computed").
+
+    >>> col = RaggedColumn.from_arrays([np.array([1, 2, 3]), np.array([4])])
+    >>> len(col), col[0].tolist(), col.lengths.tolist()
+    (2, [1, 2, 3], [3, 1])
+    """
+
+    __slots__ = ("values", "offsets", "validity")
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray,
+                 validity: Optional[np.ndarray] = None) -> None:
+        self.values = values
+        self.offsets = offsets
+        self.validity = validity
+
+    @classmethod
+    def from_arrays(cls, rows: Sequence[np.ndarray], dtype=None) -> "RaggedColumn":
+        """Build a column from a sequence of 1-D arrays (copies them once).
+
+        >>> RaggedColumn.from_arrays([[1.0, 2.0], []], dtype=np.float32).offsets.tolist()
+        [0, 2, 2]
+        """
+        arrays = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if arrays:
+            values = np.concatenate(arrays)
+            if dtype is not None:
+                values = values.astype(dtype, copy=False)
+        else:
+            values = np.zeros(0, dtype=dtype if dtype is not None else np.float32)
+        return cls(values, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Number of elements in each row (int64)."""
+        return np.diff(self.offsets)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    def __getitem__(self, i: int) -> Optional[np.ndarray]:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"row {i} out of range for a ragged column of {n} rows")
+        if self.validity is not None and not self.validity[i]:
+            return None
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[Optional[np.ndarray]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def to_list(self) -> list:
+        """Rows as a list of Python lists (``None`` for a missing row)."""
+        return [None if r is None else r.tolist() for r in self]
+
+    def __repr__(self) -> str:
+        return (f"RaggedColumn(rows={len(self)}, elements={int(self.offsets[-1] - self.offsets[0])}, "
+                f"dtype={self.values.dtype})")
+
+
+def gather_ranges(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                  out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Concatenate ``values[starts[i]:starts[i] + lengths[i]]`` for every ``i``.
+
+    One fancy-index gather with no Python loop over rows, so only the returned
+    elements are touched (``values`` may be a memory map).
+
+    >>> gather_ranges(np.arange(10), np.array([7, 0]), np.array([2, 3])).tolist()
+    [7, 8, 0, 1, 2]
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if out is None:
+        out = np.empty(total, dtype=values.dtype)
+    if total == 0:
+        return out
+    out_starts = np.cumsum(lengths) - lengths
+    # index of element j of the output = starts[row(j)] + (j - out_starts[row(j)])
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - out_starts, lengths)
+    shift += np.arange(total, dtype=np.int64)
+    np.take(values, shift, out=out)
+    return out

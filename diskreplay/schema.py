@@ -1,0 +1,541 @@
+"""Column roles, batch validation and the stripping of padding.
+
+``normalize_batch`` turns whatever a training loop hands to ``extend`` (TRL's
+padded tensors with masks, lists of 1-D arrays, numpy arrays, Python lists)
+into one Arrow record batch of unpadded columns, or raises ``BatchError``
+naming the column and row *before* anything touches the disk.
+
+Column kinds:
+
+``ragged``  one variable-length 1-D array per row, stored as ``large_list``;
+            ints as int32 (token ids), floats as float32 (log-probs). Aligned
+            with ``prompt_ids`` (names starting ``prompt_``) or with
+            ``completion_ids`` (every other ragged column when completions are
+            present): each row must then have the same length as its ids.
+``scalar``  one value per row: int64, float32/float64, bool or string.
+``vector``  a fixed-width float/int vector per row (e.g. one reward per reward
+            function), stored as ``fixed_size_list``.
+
+In the TRL layout a 2-D column is per-token when it has the shape of
+``completion_ids`` (or, for ``prompt_*`` names, of ``prompt_ids``) or when its
+name says so (contains ``logp``, ``logprob`` or ``token``); any other 2-D
+column (and any whose name contains ``reward``) is a per-row vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import BatchError, SchemaError
+
+PROMPT_IDS = "prompt_ids"
+COMPLETION_IDS = "completion_ids"
+MASK_SUFFIX = "_mask"
+_INT32 = np.iinfo(np.int32)
+_TOKEN_NAME_HINTS = ("logp", "logprob", "token")
+
+RAGGED, SCALAR, VECTOR = "ragged", "scalar", "vector"
+_SCALAR_DTYPES = ("int64", "float32", "float64", "bool", "string")
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One column of a store's schema.
+
+    >>> ColumnSpec("completion_ids", "ragged", "int32", align="completion").arrow_type
+    LargeListType(large_list<item: int32>)
+    """
+
+    name: str
+    kind: str  # ragged | scalar | vector
+    dtype: str  # numpy dtype name, or "string"
+    align: Optional[str] = None  # "prompt" | "completion" | None (ragged only)
+    width: Optional[int] = None  # vector only
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        if self.dtype == "string":
+            return pa.large_string()
+        item = pa.from_numpy_dtype(np.dtype(self.dtype))
+        if self.kind == RAGGED:
+            return pa.large_list(item)
+        if self.kind == VECTOR:
+            return pa.list_(item, self.width)
+        return item
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "kind": self.kind, "dtype": self.dtype}
+        if self.align is not None:
+            d["align"] = self.align
+        if self.width is not None:
+            d["width"] = self.width
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ColumnSpec":
+        from .errors import FormatError
+
+        try:
+            spec = cls(name=str(d["name"]), kind=str(d["kind"]), dtype=str(d["dtype"]),
+                       align=d.get("align"), width=d.get("width"))
+        except (KeyError, TypeError) as exc:
+            raise FormatError(f"Unsupported column description {d!r}; expected "
+                              "name, kind and dtype") from exc
+        ok = (
+            (spec.kind == RAGGED and spec.dtype in ("int32", "float32")
+             and spec.align in (None, "prompt", "completion") and spec.width is None)
+            or (spec.kind == SCALAR and spec.dtype in _SCALAR_DTYPES and spec.width is None)
+            or (spec.kind == VECTOR and spec.dtype in ("int64", "float32", "float64", "bool")
+                and isinstance(spec.width, int) and 0 < spec.width < 1 << 20)
+        )
+        if not ok or not spec.name or len(spec.name) > 256:
+            raise FormatError(f"Unsupported column description {d!r}; expected a ragged "
+                              "int32/float32, scalar or vector column")
+        return spec
+
+
+class Schema:
+    """The ordered columns of a store; fixed by the first ``extend``.
+
+    >>> s = Schema([ColumnSpec("rewards", "scalar", "float32")])
+    >>> s.names, "rewards" in s
+    (['rewards'], True)
+    """
+
+    def __init__(self, columns: Sequence[ColumnSpec]) -> None:
+        self.columns: Dict[str, ColumnSpec] = {c.name: c for c in columns}
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.columns)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.columns
+
+    def __getitem__(self, name: str) -> ColumnSpec:
+        return self.columns[name]
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schema) and list(self.columns.values()) == list(other.columns.values())
+
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, c.arrow_type) for c in self.columns.values()])
+
+    def to_list(self) -> List[dict]:
+        return [c.to_dict() for c in self.columns.values()]
+
+    @classmethod
+    def from_list(cls, items: Any) -> "Schema":
+        from .errors import FormatError
+
+        if not isinstance(items, list) or len(items) > 4096:
+            raise FormatError(f"Unsupported schema {type(items).__name__}; expected a list of columns")
+        specs = [ColumnSpec.from_dict(d) if isinstance(d, Mapping) else ColumnSpec.from_dict({})
+                 for d in items]
+        if len({s.name for s in specs}) != len(specs):
+            raise FormatError("Unsupported schema: duplicate column names")
+        return cls(specs)
+
+    def __repr__(self) -> str:
+        return f"Schema({', '.join(f'{c.name}:{c.kind}<{c.dtype}>' for c in self.columns.values())})"
+
+
+# ---------------------------------------------------------------------------
+# Input conversion
+
+
+def _to_numpy(name: str, value: Any) -> Any:
+    """A tensor or array as numpy; lists are returned as lists."""
+    try:  # torch is a core dependency but keep the conversion duck-typed
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            if t.dtype in (torch.bfloat16, torch.float16):
+                t = t.float()
+            return t.cpu().numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if np.isscalar(value):
+        raise BatchError(f"column {name!r} is a single {type(value).__name__}; expected one value per row")
+    raise BatchError(f"column {name!r} has unsupported type {type(value).__name__}; expected a torch "
+                     "tensor, numpy array or list")
+
+
+def _is_sequence_row(x: Any) -> bool:
+    return x is None or isinstance(x, (list, tuple, np.ndarray)) or hasattr(x, "detach")
+
+
+@dataclass
+class _Ragged:
+    values: np.ndarray
+    offsets: np.ndarray  # int64, starts at 0
+    validity: Optional[np.ndarray]  # bool per row or None
+
+
+def _ragged_from_list(name: str, rows: list) -> _Ragged:
+    arrays = []
+    valid = np.ones(len(rows), dtype=bool)
+    for i, r in enumerate(rows):
+        if r is None:
+            valid[i] = False
+            arrays.append(None)
+            continue
+        a = _to_numpy(name, r)
+        a = np.asarray(a)
+        if a.ndim == 2 and a.shape[0] == 1:
+            a = a[0]
+        if a.ndim != 1:
+            raise BatchError(f"column {name!r} row {i}: expected a 1-D sequence, got shape {a.shape}")
+        if a.dtype == object:
+            raise BatchError(f"column {name!r} row {i}: elements must be numbers")
+        arrays.append(a)
+    present = [a for a in arrays if a is not None]
+    kinds = {a.dtype.kind for a in present if a.size}
+    if "f" in kinds:
+        dtype = np.result_type(*[a.dtype for a in present])
+    elif kinds <= {"i", "u", "b"} and kinds:
+        dtype = np.int64
+    else:
+        dtype = present[0].dtype if present else np.float32
+    lengths = np.fromiter((0 if a is None else a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = (np.concatenate([a.astype(dtype, copy=False) for a in present])
+              if present else np.zeros(0, dtype=dtype))
+    return _Ragged(values, offsets, None if valid.all() else valid)
+
+
+def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:
+    mask = np.asarray(mask)
+    if mask.shape != ids_shape:
+        raise BatchError(f"column {name!r} has shape {mask.shape} but its ids have shape {ids_shape}; "
+                         "a mask must have exactly the shape of its ids")
+    if mask.dtype == bool:
+        return mask
+    if mask.dtype.kind not in "iuf":
+        raise BatchError(f"column {name!r} has dtype {mask.dtype}; expected 0/1 ints or bools")
+    bad = (mask != 0) & (mask != 1)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise BatchError(f"column {name!r} row {r} position {c} holds {mask[r, c]!r}; "
+                         "a mask must hold only 0 and 1")
+    return mask.astype(bool)
+
+
+def _ragged_from_padded(name: str, padded: np.ndarray, mask: Optional[np.ndarray]) -> _Ragged:
+    b = padded.shape[0]
+    if mask is None:
+        lengths = np.full(b, padded.shape[1], dtype=np.int64)
+        values = padded.reshape(-1)
+    else:
+        lengths = mask.sum(axis=1, dtype=np.int64)
+        values = padded[mask]
+    offsets = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return _Ragged(np.ascontiguousarray(values), offsets, None)
+
+
+def _name_says_token(name: str) -> bool:
+    low = name.lower()
+    return any(h in low for h in _TOKEN_NAME_HINTS)
+
+
+def _infer_scalar_dtype(name: str, arr: np.ndarray) -> str:
+    k = arr.dtype.kind
+    if k == "b":
+        return "bool"
+    if k in "iu":
+        return "int64"
+    if k == "f":
+        return "float32" if arr.dtype == np.float32 else "float64"
+    if k in "UO":
+        return "string"
+    raise BatchError(f"column {name!r} has unsupported dtype {arr.dtype}")
+
+
+def _scalar_array(name: str, values: Any, n: int) -> np.ndarray:
+    if isinstance(values, list):
+        if any(v is None for v in values):
+            i = next(i for i, v in enumerate(values) if v is None)
+            raise BatchError(f"column {name!r} row {i} is None; per-row columns must hold a value in every row")
+        if values and all(isinstance(v, str) for v in values):
+            return np.array(values, dtype=object)
+        if any(isinstance(v, str) for v in values):
+            i = next(i for i, v in enumerate(values) if not isinstance(v, str))
+            raise BatchError(f"column {name!r} row {i} is {type(values[i]).__name__} but other rows are strings")
+        try:
+            arr = np.asarray([_to_numpy(name, v) if hasattr(v, "detach") else v for v in values])
+        except ValueError as exc:
+            raise BatchError(f"column {name!r}: rows have different shapes ({exc})") from None
+    else:
+        arr = values
+    if arr.dtype == object:
+        bad = next((i for i, v in enumerate(arr.reshape(len(arr), -1)[:, 0]) if not isinstance(v, str)), None)
+        if bad is not None:
+            raise BatchError(f"column {name!r} row {bad} holds {type(arr[bad]).__name__}; expected numbers or strings")
+    return arr
+
+
+class _Column:
+    """One validated input column, before it is matched to a schema."""
+
+    __slots__ = ("spec", "ragged", "array")
+
+    def __init__(self, spec: ColumnSpec, ragged: Optional[_Ragged] = None,
+                 array: Optional[np.ndarray] = None) -> None:
+        self.spec, self.ragged, self.array = spec, ragged, array
+
+
+def _lengths(r: _Ragged) -> np.ndarray:
+    return np.diff(r.offsets)
+
+
+def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"a batch must be a mapping of column name to values, got {type(batch).__name__}")
+    raw = {str(k): v for k, v in batch.items() if v is not None}
+    if not raw:
+        raise BatchError("the batch is empty: it has no columns with values")
+    arrays = {k: _to_numpy(k, v) for k, v in raw.items()}
+    # masks belong to "<prefix>_ids"; anything else ending in _mask is data
+    masks = {}
+    for k in list(arrays):
+        if k.endswith(MASK_SUFFIX) and (k[: -len(MASK_SUFFIX)] + "_ids") in arrays:
+            masks[k[: -len(MASK_SUFFIX)] + "_ids"] = arrays.pop(k)
+    if not arrays:
+        raise BatchError("the batch holds only masks and no data columns")
+
+    sizes = {k: len(v) for k, v in arrays.items()}
+    n = next(iter(sizes.values()))
+    for k, s in sizes.items():
+        if s != n:
+            first = next(iter(sizes))
+            raise BatchError(f"column {k!r} has {s} rows but column {first!r} has {n}; "
+                             "every column needs one entry per row")
+    for ids_name, m in masks.items():
+        if len(m) != n:
+            raise BatchError(f"column {ids_name[:-4] + MASK_SUFFIX!r} has {len(m)} rows, expected {n}")
+    if n == 0:
+        raise BatchError("the batch is empty: it has 0 rows")
+
+    cols: Dict[str, _Column] = {}
+    ids_shape: Dict[str, Tuple[int, ...]] = {}
+    bool_masks: Dict[str, np.ndarray] = {}
+    for ids_name in (PROMPT_IDS, COMPLETION_IDS):
+        v = arrays.get(ids_name)
+        if isinstance(v, np.ndarray) and v.ndim == 2:
+            ids_shape[ids_name] = v.shape
+            if ids_name in masks:
+                bool_masks[ids_name] = _check_mask(ids_name[:-4] + MASK_SUFFIX, _to_numpy("", masks[ids_name]), v.shape)
+    for ids_name, m in masks.items():
+        if ids_name not in bool_masks:
+            v = arrays[ids_name]
+            if isinstance(v, np.ndarray) and v.ndim == 2:
+                bool_masks[ids_name] = _check_mask(ids_name[:-4] + MASK_SUFFIX, _to_numpy("", m), v.shape)
+            else:
+                raise BatchError(f"column {ids_name[:-4] + MASK_SUFFIX!r} is given but {ids_name!r} is not a "
+                                 "padded 2-D tensor; masks only apply to the padded (TRL) layout")
+
+    for name, v in arrays.items():
+        align = "prompt" if name.startswith("prompt_") else (
+            "completion" if COMPLETION_IDS in arrays else None)
+        if isinstance(v, np.ndarray) and v.ndim >= 2:
+            if v.ndim > 2:
+                raise BatchError(f"column {name!r} has shape {v.shape}; at most 2 dimensions are supported")
+            ref = PROMPT_IDS if name.startswith("prompt_") else COMPLETION_IDS
+            own_ids = name in (PROMPT_IDS, COMPLETION_IDS) or name in bool_masks
+            is_token = own_ids or _name_says_token(name) or (
+                ref in ids_shape and v.shape == ids_shape[ref] and "reward" not in name.lower())
+            if is_token:
+                if own_ids:
+                    mask, col_align = bool_masks.get(name), None
+                else:
+                    if ref in ids_shape and v.shape != ids_shape[ref]:
+                        raise BatchError(f"column {name!r} has shape {v.shape} but {ref!r} has shape "
+                                         f"{ids_shape[ref]}; a per-token column must match its ids")
+                    mask, col_align = bool_masks.get(ref), _align_for(name, align, arrays)
+                r = _ragged_from_padded(name, v, mask)
+                cols[name] = _Column(ColumnSpec(name, RAGGED, _ragged_dtype(name, r.values), align=col_align),
+                                     ragged=r)
+            else:
+                arr = v
+                dt = _infer_scalar_dtype(name, arr)
+                if dt == "string":
+                    raise BatchError(f"column {name!r}: a per-row vector must be numeric")
+                cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
+        elif isinstance(v, list) and any(_is_sequence_row(x) for x in v) and not all(isinstance(x, str) for x in v):
+            bad = next((i for i, x in enumerate(v) if not _is_sequence_row(x)), None)
+            if bad is not None:
+                raise BatchError(f"column {name!r} row {bad} is a {type(v[bad]).__name__} but other rows are "
+                                 "sequences; a ragged column needs a 1-D sequence (or None) in every row")
+            r = _ragged_from_list(name, v)
+            cols[name] = _Column(ColumnSpec(name, RAGGED, _ragged_dtype(name, r.values),
+                                            align=_align_for(name, align, arrays)), ragged=r)
+        else:
+            arr = _scalar_array(name, v, n)
+            if arr.ndim == 2 and arr.dtype != object:
+                dt = _infer_scalar_dtype(name, arr)
+                cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
+            else:
+                cols[name] = _Column(ColumnSpec(name, SCALAR, _infer_scalar_dtype(name, arr)), array=arr)
+    return n, cols
+
+
+def _align_for(name: str, align: Optional[str], arrays: Mapping[str, Any]) -> Optional[str]:
+    if name in (PROMPT_IDS, COMPLETION_IDS):
+        return None
+    if align == "prompt" and PROMPT_IDS not in arrays:
+        return None
+    return align
+
+
+def _ragged_dtype(name: str, values: np.ndarray) -> str:
+    k = values.dtype.kind
+    if k in "iub":
+        return "int32"
+    if k == "f":
+        return "float32"
+    raise BatchError(f"column {name!r} has dtype {values.dtype}; ragged columns hold numbers")
+
+
+# ---------------------------------------------------------------------------
+# Matching against the schema and building Arrow arrays
+
+
+def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
+    v = r.values
+    if spec.dtype == "int32":
+        if v.dtype.kind == "f":
+            raise BatchError(f"column {spec.name!r} holds floats ({v.dtype}); token ids must be integers")
+        if v.size and v.dtype.itemsize > 4 or v.dtype.kind == "u" and v.dtype.itemsize >= 4:
+            lo, hi = (int(v.min()), int(v.max())) if v.size else (0, 0)
+            if lo < _INT32.min or hi > _INT32.max:
+                bad = int(np.argmax((v < _INT32.min) | (v > _INT32.max)))
+                row = int(np.searchsorted(r.offsets, bad, side="right") - 1)
+                raise BatchError(f"column {spec.name!r} row {row} holds {v[bad]}, outside int32; token ids "
+                                 "must fit in int32")
+        return v.astype(np.int32, copy=False)
+    if v.dtype.kind not in "f" and v.size:
+        raise BatchError(f"column {spec.name!r} holds {v.dtype} values; expected floats (e.g. log-probs)")
+    out = v.astype(np.float32, copy=False)
+    if out.size:
+        nan = np.isnan(out)
+        if nan.any():
+            bad = int(np.argmax(nan))
+            row = int(np.searchsorted(r.offsets, bad, side="right") - 1)
+            raise BatchError(f"column {spec.name!r} row {row} position {bad - int(r.offsets[row])} is NaN; "
+                             "per-token values must be numbers")
+    return out
+
+
+def _coerce_array(spec: ColumnSpec, arr: np.ndarray) -> np.ndarray:
+    want = spec.dtype
+    k = arr.dtype.kind
+    if want == "string":
+        if arr.dtype != object and k != "U":
+            raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds strings there")
+        return arr
+    if k in "UO":
+        raise SchemaError(f"column {spec.name!r} holds strings but the store holds {want} there")
+    if want == "bool" and k != "b":
+        raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds bools there")
+    if want == "int64" and k not in "iu":
+        raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds integers there")
+    if want in ("float32", "float64") and k not in "fiu":
+        raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds floats there")
+    return arr.astype(want, copy=False)
+
+
+def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int) -> pa.Array:
+    t = spec.arrow_type
+    if col is None:
+        return pa.nulls(n, type=t)
+    if spec.kind == RAGGED:
+        r = col.ragged
+        values = _coerce_ragged(spec, r)
+        mask = None if r.validity is None else pa.array(~r.validity)
+        return pa.LargeListArray.from_arrays(pa.array(r.offsets, type=pa.int64()), pa.array(values),
+                                             mask=mask)
+    arr = _coerce_array(spec, col.array)
+    if spec.kind == VECTOR:
+        flat = pa.array(np.ascontiguousarray(arr).reshape(-1))
+        return pa.FixedSizeListArray.from_arrays(flat, spec.width)
+    if spec.dtype == "string":
+        return pa.array(list(arr), type=pa.large_string())
+    return pa.array(np.ascontiguousarray(arr))
+
+
+def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> None:
+    for name, col in cols.items():
+        spec = schema[name]
+        if spec.kind != RAGGED or spec.align is None:
+            continue
+        ref = PROMPT_IDS if spec.align == "prompt" else COMPLETION_IDS
+        if ref not in cols:
+            continue
+        a, b = _lengths(col.ragged), _lengths(cols[ref].ragged)
+        va = col.ragged.validity
+        mismatch = (a != b) if va is None else ((a != b) & va)
+        if mismatch.any():
+            i = int(np.argmax(mismatch))
+            raise BatchError(f"column {name!r} row {i} has {a[i]} values but {ref!r} has {b[i]} tokens; "
+                             "per-token columns must align with their ids")
+
+
+def infer_schema(cols: Mapping[str, _Column]) -> Schema:
+    return Schema([c.spec for c in cols.values()])
+
+
+def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
+                    group_key: Optional[str]) -> Tuple[pa.RecordBatch, Schema]:
+    """Validate ``batch`` and return it as an unpadded Arrow record batch.
+
+    ``schema`` is the store's (``None`` for an empty store, in which case the
+    batch defines it). Raises ``BatchError``/``SchemaError`` naming the
+    column and row; never has side effects.
+
+    >>> rb, schema = normalize_batch({"prompt_id": [0, 0], "completion_ids": [[5, 6], [7]]}, None, "prompt_id")
+    >>> rb.num_rows, schema["completion_ids"].kind
+    (2, 'ragged')
+    """
+    n, cols = _parse_columns(batch)
+    if group_key is not None:
+        if group_key not in cols:
+            raise BatchError(f"the batch has no group key column {group_key!r}; every row needs its "
+                             f"prompt/group key (columns given: {sorted(cols)})")
+        gspec = cols[group_key].spec
+        if gspec.kind != SCALAR or gspec.dtype not in ("int64", "string"):
+            raise BatchError(f"group key column {group_key!r} must hold one int or string per row, "
+                             f"got a {gspec.kind} column of {gspec.dtype}")
+    if schema is None:
+        schema = infer_schema(cols)
+    else:
+        extra = [c for c in cols if c not in schema]
+        if extra:
+            raise SchemaError(f"column {extra[0]!r} is not in the store's schema (columns: {schema.names}); "
+                              "a store's columns are fixed by its first extend")
+        for name, col in cols.items():
+            spec, got = schema[name], col.spec
+            if spec.kind != got.kind or (spec.kind == VECTOR and spec.width != got.width):
+                desc = f"{got.kind}" + (f"[{got.width}]" if got.width else "")
+                want = f"{spec.kind}" + (f"[{spec.width}]" if spec.width else "")
+                raise SchemaError(f"column {name!r} is a {desc} column in this batch but a {want} column in "
+                                  "the store's schema")
+        missing = [c for c in schema.names if c not in cols and schema[c].kind != RAGGED]
+        if missing:
+            raise BatchError(f"the batch lacks column {missing[0]!r}, which the store holds for every row")
+    _check_alignment(n, cols, schema)
+    arrays = [_arrow_array(spec, cols.get(spec.name), n) for spec in schema.columns.values()]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema()), schema

@@ -1,0 +1,264 @@
+"""Arrow IPC files of a store: row segments, group sidecars and saved states.
+
+A segment is one uncompressed Arrow IPC *file* holding one record batch of
+unpadded rows. It is read through a memory map: opening parses the footer
+only, and every column comes back as numpy views of the mapped pages, so a
+read touches just the bytes it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import CorruptStoreError, FormatError
+from .schema import RAGGED, VECTOR, Schema
+
+_PAGE = mmap.PAGESIZE
+_STATE_META = b"diskreplay.state"
+
+
+def encode_ipc(batch: pa.RecordBatch) -> pa.Buffer:
+    """One record batch as the bytes of an uncompressed Arrow IPC file."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def group_sidecar(keys: pa.Array, first_row: int) -> pa.RecordBatch:
+    """The group sidecar of a segment whose per-row group keys are ``keys``.
+
+    One row per group in order of first appearance: ``key``, ``count`` and the
+    global ``rows`` of that group (ascending, i.e. insertion order).
+    """
+    enc = keys.dictionary_encode()
+    codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    counts = np.bincount(codes, minlength=len(enc.dictionary)).astype(np.int64)
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    rows = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(order + first_row, type=pa.int64()))
+    return pa.RecordBatch.from_arrays([enc.dictionary, pa.array(counts), rows], names=["key", "count", "rows"])
+
+
+class ArrowFile:
+    """A memory-mapped Arrow IPC file holding one record batch.
+
+    ``path`` is opened with ``O_NOFOLLOW`` (a symlink planted in a store is
+    refused) and its size checked against the manifest before parsing, so a
+    truncated or swapped file gives ``CorruptStoreError`` naming it.
+    """
+
+    def __init__(self, path: str, expected_bytes: Optional[int] = None) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise CorruptStoreError(f"cannot open {path}: {exc.strerror} (a symlink is not allowed)") from None
+        try:
+            size = os.fstat(fd).st_size
+            if expected_bytes is not None and size != expected_bytes:
+                raise CorruptStoreError(f"{path} has {size} bytes but the manifest records {expected_bytes}; "
+                                        "the file is truncated or was replaced")
+            if size == 0:
+                raise CorruptStoreError(f"{path} is empty")
+            self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            self.fd = fd
+        except BaseException:
+            os.close(fd)
+            raise
+        self.size = size
+        self._base = pa.py_buffer(self._mmap)
+        try:
+            reader = pa.ipc.open_file(self._base)
+            if reader.num_record_batches != 1:
+                raise CorruptStoreError(f"{path} holds {reader.num_record_batches} record batches; expected 1")
+            self.batch = reader.get_batch(0)
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+            if isinstance(exc, CorruptStoreError):
+                raise
+            raise CorruptStoreError(f"{path} is not a readable Arrow IPC file ({exc})") from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def advise(self, ranges: List[Tuple[int, int]]) -> None:
+        """Ask the kernel to read the given byte ranges ahead (WILLNEED)."""
+        base = self._base.address
+        for start, length in ranges:
+            if length <= 0:
+                continue
+            lo = (start - base) // _PAGE * _PAGE
+            hi = start - base + length
+            try:
+                self._mmap.madvise(mmap.MADV_WILLNEED, lo, max(0, min(hi, self.size) - lo))
+            except (OSError, ValueError):
+                return
+
+
+class Segment(ArrowFile):
+    """One committed row segment, with numpy views of its columns.
+
+    >>> import tempfile
+    >>> rb = pa.record_batch({"x": pa.array([1, 2], type=pa.int64())})
+    >>> p = tempfile.mktemp(); open(p, "wb").write(encode_ipc(rb).to_pybytes()) > 0
+    True
+    >>> Segment(p).scalar("x").tolist()
+    [1, 2]
+    """
+
+    def __init__(self, path: str, expected_bytes: Optional[int] = None,
+                 schema: Optional[Schema] = None, num_rows: Optional[int] = None) -> None:
+        super().__init__(path, expected_bytes)
+        if num_rows is not None and self.batch.num_rows != num_rows:
+            raise CorruptStoreError(f"{path} holds {self.batch.num_rows} rows; the manifest records {num_rows}")
+        if schema is not None:
+            want = schema.arrow_schema()
+            if not self.batch.schema.equals(want):
+                raise CorruptStoreError(f"{path} has schema {self.batch.schema.types} which disagrees with "
+                                        f"FORMAT.json ({want.types})")
+        self._cache: Dict[str, Any] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return self.batch.num_rows
+
+    def column(self, name: str) -> pa.Array:
+        return self.batch.column(name)
+
+    def ragged(self, name: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """``(values, offsets, validity)`` numpy views of a ragged column."""
+        hit = self._cache.get(name)
+        if hit is None:
+            arr = self.batch.column(name)
+            offsets = arr.offsets.to_numpy()
+            values = arr.values.to_numpy(zero_copy_only=True) if len(arr.values) else np.zeros(
+                0, dtype=arr.type.value_type.to_pandas_dtype())
+            validity = None if arr.null_count == 0 else arr.is_valid().to_numpy(zero_copy_only=False)
+            self._check_offsets(name, offsets, len(values))
+            hit = self._cache[name] = (values, offsets, validity)
+        return hit
+
+    def _check_offsets(self, name: str, offsets: np.ndarray, n_values: int) -> None:
+        if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_values or np.any(np.diff(offsets) < 0)):
+            raise CorruptStoreError(f"{self.path}: column {name!r} has invalid offsets")
+
+    def scalar(self, name: str) -> Any:
+        """A per-row column as a numpy array (``[n, width]`` for vectors) or list of str."""
+        hit = self._cache.get(name)
+        if hit is None:
+            arr = self.batch.column(name)
+            t = arr.type
+            if pa.types.is_large_string(t) or pa.types.is_string(t):
+                hit = arr
+            elif pa.types.is_fixed_size_list(t):
+                flat = arr.values.to_numpy(zero_copy_only=False)
+                hit = flat.reshape(len(arr), t.list_size)
+            else:
+                hit = arr.to_numpy(zero_copy_only=False)
+            self._cache[name] = hit
+        return hit
+
+    def value_ranges(self, name: str, local_rows: np.ndarray) -> List[Tuple[int, int]]:
+        """Byte ranges (absolute addresses) that reading ``local_rows`` of a ragged column touches."""
+        arr = self.batch.column(name)
+        values, offsets, _ = self.ragged(name)
+        if values.size == 0 or len(local_rows) == 0:
+            return []
+        item = values.itemsize
+        addr = values.__array_interface__["data"][0]
+        starts = offsets[local_rows]
+        ends = offsets[local_rows + 1]
+        return [(addr + int(s) * item, int(e - s) * item) for s, e in zip(starts, ends)] + [
+            (arr.offsets.buffers()[1].address, 8 * (len(arr) + 1))]
+
+
+# ---------------------------------------------------------------------------
+# Saved states: JSON for the structure, Arrow columns for the arrays.
+
+
+def encode_state(state: Dict[str, Any]) -> pa.Buffer:
+    """Serialise a state dict (JSON values, numpy arrays, torch tensors) without pickle.
+
+    >>> buf = encode_state({"step": 3, "prio": np.array([0.5, 1.0], dtype=np.float32)})
+    >>> d = decode_state(buf, "x"); d["step"], d["prio"].dtype.name
+    (3, 'float32')
+    """
+    arrays: List[np.ndarray] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"state keys must be strings, got {k!r}")
+                out[k] = walk(v)
+            return {"__dict__": out} if "__array__" in out or "__dict__" in out else out
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
+            x = x.detach().cpu().numpy()
+        if isinstance(x, np.ndarray):
+            if x.dtype.kind not in "biuf":
+                raise TypeError(f"state arrays must be numeric, got dtype {x.dtype}")
+            arrays.append(np.ascontiguousarray(x))
+            return {"__array__": len(arrays) - 1, "shape": list(x.shape), "dtype": x.dtype.str}
+        if isinstance(x, np.generic):
+            return x.item()
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise TypeError(f"cannot store a {type(x).__name__} in a state; use JSON values and arrays")
+
+    doc = walk(state)
+    cols = [pa.LargeListArray.from_arrays(pa.array([0, a.size], type=pa.int64()), pa.array(a.reshape(-1)))
+            for a in arrays]
+    names = [f"a{i}" for i in range(len(arrays))]
+    schema = pa.schema([pa.field(n, c.type) for n, c in zip(names, cols)],
+                       metadata={_STATE_META: json.dumps(doc).encode()})
+    rb = pa.RecordBatch.from_arrays(cols, schema=schema) if cols else pa.RecordBatch.from_pylist([], schema=schema)
+    return encode_ipc(rb)
+
+
+def decode_state(buf: Any, path: str) -> Dict[str, Any]:
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(buf) if not isinstance(buf, pa.Buffer) else buf)
+        batch = reader.read_all()
+        doc = json.loads(reader.schema.metadata[_STATE_META])
+    except (pa.ArrowException, KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise CorruptStoreError(f"{path} is not a readable state file ({exc})") from None
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            if "__array__" in x:
+                i = x["__array__"]
+                if not isinstance(i, int) or not 0 <= i < batch.num_columns:
+                    raise CorruptStoreError(f"{path}: bad array reference {i!r}")
+                flat = batch.column(i).chunk(0).values.to_numpy(zero_copy_only=False)
+                try:
+                    return flat.astype(np.dtype(x["dtype"]), copy=False).reshape(x["shape"]).copy()
+                except (TypeError, ValueError) as exc:
+                    raise CorruptStoreError(f"{path}: bad array {x!r} ({exc})") from None
+            if "__dict__" in x:
+                return {k: walk(v) for k, v in x["__dict__"].items()}
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(doc)

@@ -1,0 +1,622 @@
+"""``ReplayStore``: the crash-safe, unpadded, memory-mapped rollout store.
+
+Rows get global ids that only grow. Live rows are ``[head, next_row)``;
+capacity eviction moves ``head`` and drops segments wholly below it. Each
+``extend`` is one commit: new segment files, then a new manifest (see
+``docs/FORMAT.md`` for the protocol and its guarantees).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import pyarrow as pa
+
+from . import format as fmt
+from ._fileio import (TMP_PREFIX, WriterLock, crash_point, crc32c, durable_write, fsync_dir,
+                      remove_quietly)
+from .errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
+from .groups import GroupIndex, KeyCoder
+from .ragged import RaggedColumn, gather_ranges
+from .schema import RAGGED, Schema, normalize_batch
+from .segment import ArrowFile, Segment, decode_state, encode_ipc, encode_state, group_sidecar
+
+_UNSET: Any = object()
+# A single extend larger than this is split into several segments (still one
+# commit), so no segment file grows without bound.
+MAX_SEGMENT_BYTES = 256 << 20
+
+Column = Union[RaggedColumn, np.ndarray, List[str], None]
+
+
+class ReplayStore:
+    """A persistent replay store of rollouts in one directory.
+
+    Creates the store when ``path`` holds none, else reopens it; options given
+    must agree with those stored (leave them out to use the stored ones).
+    ``capacity`` bounds the live rows (exact FIFO), ``capacity_bytes`` the
+    bytes of live segments (whole oldest segments are evicted). ``group_key``
+    names the per-row column indexed at write time (``None``: no index).
+    ``readonly=True`` never writes, works on a read-only directory, and can
+    follow a live writer with :meth:`refresh`.
+
+    >>> import tempfile, numpy as np
+    >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
+    ...     rows = store.extend({"prompt_id": [7, 7], "completion_ids": [[1, 2, 3], [4]],
+    ...                          "rewards": np.array([1.0, 0.0], dtype=np.float32)})
+    ...     batch = store.read(rows)
+    >>> rows.tolist(), batch["completion_ids"][0].tolist(), batch["rewards"].tolist()
+    ([0, 1], [1, 2, 3], [1.0, 0.0])
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], capacity: Optional[int] = _UNSET,
+                 group_key: Optional[str] = _UNSET, *, readonly: bool = False,
+                 capacity_bytes: Optional[int] = _UNSET) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.readonly = readonly
+        self._lock: Optional[WriterLock] = None
+        self._segments: Dict[int, Segment] = {}
+        self._coder: Optional[KeyCoder] = None
+        self._codes: Optional[np.ndarray] = None  # group code per row in [_codes_base, next_row)
+        self._codes_base = 0
+        self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
+        self.recovered_from: List[str] = []
+        for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes)):
+            if value is not _UNSET and value is not None and (
+                    not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if group_key is not _UNSET and group_key is not None and (not isinstance(group_key, str) or not group_key):
+            raise ValueError(f"group_key must be a column name or None, got {group_key!r}")
+
+        exists = os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
+        if readonly:
+            if not exists:
+                raise FileNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
+                                        "a read-only open needs an existing store")
+        else:
+            os.makedirs(self.path, exist_ok=True)
+            self._lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
+            self._lock.acquire()
+        try:
+            if exists:
+                self.options = fmt.StoreOptions.read(self.path)
+                self._check_options(capacity, group_key, capacity_bytes)
+            else:
+                self.options = fmt.StoreOptions(
+                    group_key="prompt_id" if group_key is _UNSET else group_key,
+                    capacity_rows=None if capacity is _UNSET else (None if capacity is None else int(capacity)),
+                    capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes)
+                for d in fmt.DATA_DIRS:
+                    os.makedirs(os.path.join(self.path, d), exist_ok=True)
+                fsync_dir(self.path)
+                self.options.write(self.path)
+            self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+            if self.recovered_from:
+                warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
+                              f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
+                              stacklevel=2)
+            if not readonly:
+                self._collect_garbage(full=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_options(self, capacity: Any, group_key: Any, capacity_bytes: Any) -> None:
+        o = self.options
+        for name, given, stored in (("capacity", capacity, o.capacity_rows), ("group_key", group_key, o.group_key),
+                                    ("capacity_bytes", capacity_bytes, o.capacity_bytes)):
+            if given is not _UNSET and given != stored:
+                raise SchemaError(f"{name}={given!r} disagrees with the store at {self.path}, which was created "
+                                  f"with {name}={stored!r}; leave {name} out to use the stored value")
+
+    # ------------------------------------------------------------------ basics
+
+    def __enter__(self) -> "ReplayStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the writer lock and the memory maps. Idempotent."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        self._segments.clear()
+
+    def __len__(self) -> int:
+        return self.manifest.num_rows
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "writer"
+        return (f"ReplayStore({self.path!r}, rows={len(self)}, groups_key={self.group_key!r}, "
+                f"generation={self.generation}, {mode})")
+
+    @property
+    def schema(self) -> Optional[Schema]:
+        return self.options.schema
+
+    @property
+    def columns(self) -> List[str]:
+        """Column names, in schema order (empty before the first ``extend``)."""
+        return [] if self.schema is None else self.schema.names
+
+    @property
+    def group_key(self) -> Optional[str]:
+        return self.options.group_key
+
+    @property
+    def capacity(self) -> Optional[int]:
+        return self.options.capacity_rows
+
+    @property
+    def generation(self) -> int:
+        """The committed generation; it changes with every commit."""
+        return self.manifest.generation
+
+    @property
+    def head(self) -> int:
+        """Id of the oldest live row."""
+        return self.manifest.head
+
+    @property
+    def next_row(self) -> int:
+        """Id the next appended row will get."""
+        return self.manifest.next_row
+
+    def row_ids(self) -> np.ndarray:
+        """Ids of all live rows, oldest first."""
+        return np.arange(self.manifest.head, self.manifest.next_row, dtype=np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk of the committed data (segments, sidecars, states)."""
+        return self.manifest.nbytes
+
+    def refresh(self) -> bool:
+        """Load the newest commit (for a reader following a writer); True if it changed."""
+        gens = fmt.list_generations(self.path)
+        if not gens or gens[0] == self.manifest.generation:
+            return False
+        m, _ = fmt.load_newest_manifest(self.path)
+        if m.generation == self.manifest.generation:
+            return False
+        opts = fmt.StoreOptions.read(self.path) if self.options.schema is None else self.options
+        self._install(m, opts)
+        return True
+
+    def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
+        live = {s.id for s in manifest.segments}
+        for sid in [s for s in self._segments if s not in live]:
+            del self._segments[sid]
+        self.manifest, self.options = manifest, options
+        if self._codes is not None:
+            if manifest.head >= self._codes_base and manifest.next_row >= self._codes_base + len(self._codes):
+                self._codes = self._codes[manifest.head - self._codes_base:]
+                self._codes_base = manifest.head
+                self._extend_codes_from_sidecars()
+            else:
+                self._codes = None
+
+    # ------------------------------------------------------------------ writing
+
+    def _require_writer(self) -> None:
+        if self.readonly:
+            raise ReadOnlyError(f"{self.path} is open read-only; open it without readonly=True to write")
+        if self._lock is None:
+            raise ReadOnlyError(f"{self.path} is closed")
+
+    def extend(self, batch: Mapping[str, Any]) -> np.ndarray:
+        """Append a batch of rows in one atomic, durable commit; returns their row ids.
+
+        Accepts TRL's padded layout (``prompt_ids``/``prompt_mask`` left-padded,
+        ``completion_ids``/``completion_mask`` and per-token columns right-padded,
+        per-row columns ``[B]``) or the ragged layout (lists of 1-D arrays).
+        Padding is stripped with the masks; ``None`` columns mean "not computed".
+        Bad input raises ``ValueError`` naming the column and row and writes nothing.
+
+        >>> import tempfile, torch
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> store.extend({"prompt_id": torch.tensor([3, 3]),
+        ...               "completion_ids": torch.tensor([[5, 6], [7, 0]]),
+        ...               "completion_mask": torch.tensor([[1, 1], [1, 0]]),
+        ...               "ref_per_token_logps": None}).tolist()
+        [0, 1]
+        >>> store.read([1])["completion_ids"][0].tolist()
+        [7]
+        """
+        self._require_writer()
+        # Until a row is committed the schema is not fixed: FORMAT.json may hold
+        # one from a first append that crashed before its manifest.
+        record, schema = normalize_batch(batch, self.schema if self.next_row else None, self.group_key)
+        return self._commit_rows(record, schema)
+
+    def _commit_rows(self, record: pa.RecordBatch, schema: Schema) -> np.ndarray:
+        m = self.manifest
+        n = record.num_rows
+        options = self.options
+        if options.schema is None or options.schema != schema:
+            options = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema)
+        pieces = _split(record)
+        written: List[str] = []
+        new_entries: List[fmt.SegmentEntry] = []
+        new_keys: List[pa.Array] = []
+        try:
+            if options is not self.options:
+                options.write(self.path)
+                crash_point("format.done")
+            first, seg_id = m.next_row, m.next_segment
+            for piece in pieces:
+                data = encode_ipc(piece)
+                written.append(fmt.segment_file(seg_id))
+                durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False)
+                g_bytes, g_crc = 0, 0
+                if self.group_key is not None:
+                    keys = piece.column(self.group_key)
+                    new_keys.append(keys)
+                    gdata = encode_ipc(group_sidecar(keys, first))
+                    written.append(fmt.groups_file(seg_id))
+                    durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False)
+                    g_bytes, g_crc = gdata.size, crc32c(gdata)
+                new_entries.append(fmt.SegmentEntry(seg_id, first, piece.num_rows, data.size, crc32c(data),
+                                                    g_bytes, g_crc))
+                first += piece.num_rows
+                seg_id += 1
+            # the renames above must be durable before a manifest names them
+            fsync_dir(os.path.join(self.path, fmt.SEGMENT_DIR))
+            fsync_dir(os.path.join(self.path, fmt.GROUPS_DIR))
+            crash_point("segments.synced")
+            segments = m.segments + tuple(new_entries)
+            head, segments = _evict(m.head, m.next_row + n, segments, options)
+            new = m.evolve(generation=m.generation + 1, head=head, next_row=m.next_row + n,
+                           next_segment=seg_id, segments=segments)
+            new.write(self.path)
+        except BaseException:
+            for f in written:
+                remove_quietly(os.path.join(self.path, f))
+            raise
+        crash_point("manifest.committed")
+        old_next = m.next_row
+        self._install_commit(new, options, new_keys)
+        self._collect_garbage()
+        return np.arange(old_next, old_next + n, dtype=np.int64)
+
+    def _install_commit(self, new: fmt.Manifest, options: fmt.StoreOptions, new_keys: List[pa.Array]) -> None:
+        live = {s.id for s in new.segments}
+        for sid in [s for s in self._segments if s not in live]:
+            del self._segments[sid]
+        self.manifest, self.options = new, options
+        if self._codes is not None:
+            codes = np.concatenate([self._codes] + [self._coder.encode(k) for k in new_keys])
+            self._codes = codes[max(0, new.head - self._codes_base):]
+            self._codes_base = max(self._codes_base, new.head)
+
+    def _collect_garbage(self, full: bool = False) -> None:
+        """Delete files no retained manifest references, and old manifests.
+
+        Segments evicted by the newest manifest stay until every manifest that
+        names them is gone (``KEEP_MANIFESTS`` commits later), so a reader that
+        loaded a slightly older manifest can still open its files.
+        """
+        gens = fmt.list_generations(self.path)
+        keep = [g for g in gens if g <= self.manifest.generation][: fmt.KEEP_MANIFESTS]
+        docs = fmt.manifest_docs(self.path) if full else None
+        referenced = set(self.manifest.files())
+        for g in keep[1:]:
+            m = docs.get(g) if docs is not None else self._recent_manifest(g)
+            if m is not None:
+                referenced.update(m.files())
+        for g in gens:
+            if g not in keep:
+                crash_point("gc.manifest")
+                remove_quietly(os.path.join(self.path, fmt.manifest_file(g)))
+        for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR):
+            try:
+                names = os.listdir(os.path.join(self.path, d))
+            except FileNotFoundError:
+                continue
+            for name in names:
+                rel = f"{d}/{name}"
+                if rel in referenced:
+                    continue
+                # we hold the writer lock, so an unreferenced file is garbage
+                crash_point("gc.file")
+                remove_quietly(os.path.join(self.path, rel))
+        if full:
+            for d in (fmt.MANIFEST_DIR, ""):
+                for name in os.listdir(os.path.join(self.path, d)):
+                    if name.startswith(TMP_PREFIX):
+                        remove_quietly(os.path.join(self.path, d, name))
+
+    def _recent_manifest(self, gen: int) -> Optional[fmt.Manifest]:
+        path = os.path.join(self.path, fmt.manifest_file(gen))
+        try:
+            return fmt.Manifest.from_dict(fmt.read_json(path), path)
+        except (OSError, ValueError):
+            return None
+
+    # ------------------------------------------------------------------ states
+
+    def save_state(self, name: str, state: Mapping[str, Any]) -> None:
+        """Durably store a sampler's ``state_dict()`` under ``name`` (JSON + Arrow, committed).
+
+        >>> import tempfile, numpy as np
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> store.save_state("sampler", {"cursor": 4, "weights": np.ones(3)})
+        >>> store.load_state("sampler")["cursor"]
+        4
+        """
+        self._require_writer()
+        fmt.check_state_name(name)
+        data = encode_state(dict(state))
+        m = self.manifest
+        entry = fmt.StateEntry(name, m.generation + 1, data.size, crc32c(data))
+        path = os.path.join(self.path, entry.file)
+        durable_write(path, data, step="state")
+        new = m.evolve(generation=m.generation + 1, states={**m.states, name: entry})
+        try:
+            new.write(self.path)
+        except BaseException:
+            remove_quietly(path)
+            raise
+        self.manifest = new
+        self._collect_garbage()
+
+    def load_state(self, name: str) -> Optional[Dict[str, Any]]:
+        """The state saved under ``name`` in the current commit, or None."""
+        entry = self.manifest.states.get(name)
+        if entry is None:
+            return None
+        path = os.path.join(self.path, entry.file)
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
+            raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
+        return decode_state(raw, path)
+
+    # ------------------------------------------------------------------ reading
+
+    def _segment(self, entry: fmt.SegmentEntry) -> Segment:
+        seg = self._segments.get(entry.id)
+        if seg is None:
+            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows)
+            self._segments[entry.id] = seg
+        return seg
+
+    def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        m = self.manifest
+        if rows.size:
+            lo, hi = rows.min(), rows.max()
+            if lo < m.head or hi >= m.next_row:
+                bad = int(lo if lo < m.head else hi)
+                raise RowsEvictedError(f"row {bad} is not in the store: live rows are [{m.head}, {m.next_row})"
+                                       + (" (it was evicted)" if 0 <= bad < m.head else ""))
+        starts = np.fromiter((s.first_row for s in m.segments), dtype=np.int64, count=len(m.segments))
+        seg_idx = np.searchsorted(starts, rows, side="right") - 1
+        return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows
+
+    def read(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Column]:
+        """Read rows (any order, repeats allowed) into a dict of columns.
+
+        A ragged column comes back as a :class:`RaggedColumn` (``values``,
+        ``offsets``, ``[i]``), or ``None`` when none of the rows has a value; a
+        per-row column as a numpy array (``[n, width]`` for vectors) or a list
+        of str. Only the bytes of the returned rows are touched.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp(), group_key=None)
+        >>> _ = store.extend({"completion_ids": [[1], [2, 3]], "score": [0.5, 1.5]})
+        >>> out = store.read([1, 0], columns=["score"]); out["score"].tolist()
+        [1.5, 0.5]
+        """
+        cols = self._resolve_columns(columns)
+        try:
+            return self._read(rows, cols)
+        except FileNotFoundError:
+            # a reader whose manifest went stale while the writer evicted: reload once
+            if not self.readonly or not self.refresh():
+                raise
+            return self._read(rows, cols)
+
+    def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
+        names = self.columns
+        if columns is None:
+            return names
+        if isinstance(columns, str):
+            columns = [columns]
+        for c in columns:
+            if c not in names:
+                raise KeyError(f"column {c!r} is not in the store (columns: {names})")
+        return list(columns)
+
+    def _read(self, rows: Any, cols: List[str]) -> Dict[str, Column]:
+        rows, seg_idx, local = self._locate(rows)
+        n = rows.size
+        m = self.manifest
+        used = np.unique(seg_idx) if n else np.zeros(0, dtype=np.int64)
+        parts = [(self._segment(m.segments[int(s)]), seg_idx == s) for s in used]
+        if len(parts) == 1:
+            parts = [(parts[0][0], slice(None))]
+        out: Dict[str, Column] = {}
+        for name in cols:
+            spec = self.schema[name]
+            if spec.kind == RAGGED:
+                out[name] = _gather_ragged(name, parts, local, n, np.dtype(spec.dtype))
+            elif spec.dtype == "string":
+                res: List[Any] = [None] * n
+                for seg, sel in parts:
+                    idx = np.arange(n)[sel]
+                    vals = seg.scalar(name).take(pa.array(local[sel])).to_pylist()
+                    for i, v in zip(idx.tolist(), vals):
+                        res[i] = v
+                out[name] = res
+            else:
+                first = parts[0][0].scalar(name) if parts else None
+                shape = (n,) + (first.shape[1:] if first is not None else ())
+                arr = np.empty(shape, dtype=np.dtype(spec.dtype))
+                for seg, sel in parts:
+                    arr[sel] = seg.scalar(name)[local[sel]]
+                out[name] = arr
+        return out
+
+    def prefetch(self, rows: Any, columns: Optional[Sequence[str]] = None) -> None:
+        """Hint the kernel to read the pages these rows need (``madvise(WILLNEED)``).
+
+        Cheap and asynchronous: a loader calls it for the next batch while the
+        current one trains, so cold reads do not serialise on page faults.
+        """
+        rows, seg_idx, local = self._locate(rows)
+        m = self.manifest
+        cols = self._resolve_columns(columns)
+        for s in np.unique(seg_idx):
+            seg = self._segment(m.segments[int(s)])
+            sel = local[seg_idx == s]
+            for name in cols:
+                if self.schema[name].kind == RAGGED:
+                    seg.advise(seg.value_ranges(name, sel))
+
+    # ------------------------------------------------------------------ groups
+
+    def _ensure_codes(self) -> None:
+        if self._codes is not None:
+            return
+        if self.group_key is None:
+            raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
+                              "pass a column name to group_index(key=...)")
+        self._coder = KeyCoder()
+        self._codes_base = self.manifest.head
+        self._codes = np.zeros(0, dtype=np.int64)
+        self._extend_codes_from_sidecars()
+
+    def _extend_codes_from_sidecars(self) -> None:
+        """Append codes for rows in ``[_codes_base + len(_codes), next_row)`` from the sidecars."""
+        m = self.manifest
+        have = self._codes_base + len(self._codes)
+        if have >= m.next_row:
+            return
+        codes = np.empty(m.next_row - have, dtype=np.int64)
+        for s in m.segments:
+            if s.end_row <= have:
+                continue
+            path = os.path.join(self.path, s.groups_file)
+            side = ArrowFile(path, s.groups_bytes).batch
+            seg_codes = np.repeat(self._coder.encode(side.column("key")),
+                                  side.column("count").to_numpy(zero_copy_only=False))
+            rows = side.column("rows").values.to_numpy(zero_copy_only=False)
+            if len(rows) != s.num_rows or (len(rows) and (rows.min() < s.first_row or rows.max() >= s.end_row)):
+                raise CorruptStoreError(f"{path} does not index the rows of segment {s.id}")
+            keep = rows >= have
+            codes[rows[keep] - have] = seg_codes[keep]
+        self._codes = np.concatenate([self._codes, codes])
+
+    def group_index(self, key: Optional[str] = None) -> GroupIndex:
+        """Live rows grouped by ``key`` (default: the store's group key), oldest first.
+
+        For the store's own key this comes from the sidecars without reading
+        any segment; for another per-row column it is built from that column
+        and cached until the next commit.
+        """
+        key = self.group_key if key is None else key
+        hit = self._index_cache.get(key)
+        if hit is not None and hit[0] == self.generation:
+            return hit[1]
+        if key is not None and key == self.group_key:
+            self._ensure_codes()
+            gi = GroupIndex.from_codes(self._codes, self._coder.dictionary if self._coder.dictionary is not None
+                                       else pa.array([], type=pa.int64()), self._codes_base)
+        else:
+            if key is None:
+                raise SchemaError(f"the store at {self.path} has no group key; name a column to group by")
+            if key not in self.columns or self.schema[key].kind != "scalar":
+                raise KeyError(f"cannot group by {key!r}: it is not a per-row column of the store "
+                               f"(columns: {self.columns})")
+            values = self.read(self.row_ids(), [key])[key]
+            coder = KeyCoder()
+            codes = coder.encode(pa.array(values))
+            gi = GroupIndex.from_codes(codes, coder.dictionary if coder.dictionary is not None
+                                       else pa.array([], type=pa.int64()), self.head)
+        self._index_cache[key] = (self.generation, gi)
+        return gi
+
+    @property
+    def num_groups(self) -> int:
+        """Number of groups with at least one live row."""
+        return len(self.group_index())
+
+    def group_keys(self) -> List[Any]:
+        """Keys of the groups with live rows, in order of first appearance."""
+        return list(self.group_index().keys)
+
+    def group_rows(self, key: Any) -> np.ndarray:
+        """Row ids of the group ``key``, oldest first (empty if it has no live rows)."""
+        gi = self.group_index()
+        g = gi.position(key)
+        return gi.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
+
+
+def _split(record: pa.RecordBatch) -> List[pa.RecordBatch]:
+    nbytes = record.nbytes
+    if nbytes <= MAX_SEGMENT_BYTES or record.num_rows <= 1:
+        return [record]
+    k = min(record.num_rows, -(-nbytes // MAX_SEGMENT_BYTES))
+    step = -(-record.num_rows // k)
+    return [record.slice(i, step) for i in range(0, record.num_rows, step)]
+
+
+def _evict(head: int, next_row: int, segments: Tuple[fmt.SegmentEntry, ...],
+           options: fmt.StoreOptions) -> Tuple[int, Tuple[fmt.SegmentEntry, ...]]:
+    """New head and live segments after applying the row and byte capacities."""
+    if options.capacity_rows is not None:
+        head = max(head, next_row - options.capacity_rows)
+    if options.capacity_bytes is not None:
+        total = sum(s.bytes + s.groups_bytes for s in segments)
+        i = 0
+        while i < len(segments) - 1 and total > options.capacity_bytes:
+            total -= segments[i].bytes + segments[i].groups_bytes
+            i += 1
+        if i:
+            head = max(head, segments[i].first_row)
+    segments = tuple(s for s in segments if s.end_row > head)
+    return head, segments
+
+
+def _gather_ragged(name: str, parts: List[Tuple[Segment, Any]], local: np.ndarray, n: int,
+                   dtype: np.dtype) -> Optional[RaggedColumn]:
+    lengths = np.zeros(n, dtype=np.int64)
+    starts = np.zeros(n, dtype=np.int64)
+    validity = None
+    views = []
+    for seg, sel in parts:
+        values, offsets, valid = seg.ragged(name)
+        loc = local[sel]
+        starts[sel] = offsets[loc]
+        lengths[sel] = offsets[loc + 1] - offsets[loc]
+        if valid is not None:
+            if validity is None:
+                validity = np.ones(n, dtype=bool)
+            validity[sel] = valid[loc]
+        views.append((values, sel))
+    if validity is not None and not validity.any():
+        return None
+    out_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out_offsets[1:])
+    total = int(out_offsets[-1])
+    values_out = np.empty(total, dtype=dtype)
+    if len(views) == 1:
+        gather_ranges(views[0][0], starts, lengths, out=values_out)
+    else:
+        for values, sel in views:
+            ln = lengths[sel]
+            tot = int(ln.sum())
+            if tot == 0:
+                continue
+            cum = np.cumsum(ln) - ln
+            within = np.arange(tot, dtype=np.int64) - np.repeat(cum, ln)
+            src = np.repeat(starts[sel], ln) + within
+            dst = np.repeat(out_offsets[:-1][sel], ln) + within
+            values_out[dst] = values[src]
+    return RaggedColumn(values_out, out_offsets, validity)
