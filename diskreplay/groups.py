@@ -39,10 +39,19 @@ class GroupIndex:
         counts = np.bincount(codes, minlength=len(dictionary)) if len(codes) else np.zeros(
             len(dictionary), dtype=np.int64)
         present = np.flatnonzero(counts)
+        starts = np.zeros(len(dictionary) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        # groups are listed by their oldest live row, which after eviction need
+        # not be the order in which their keys first appeared
+        first_row = order[starts[present]]
+        present = present[np.argsort(first_row, kind="stable")]
         offsets = np.zeros(len(present) + 1, dtype=np.int64)
         np.cumsum(counts[present], out=offsets[1:])
+        rank = np.zeros(len(dictionary), dtype=np.int64)
+        rank[present] = np.arange(len(present))
+        gather = np.argsort(rank[codes], kind="stable") if len(codes) else order
         keys = dictionary.take(pa.array(present)).to_pylist() if len(present) else []
-        return cls(keys, order.astype(np.int64) + base, offsets)
+        return cls(keys, gather.astype(np.int64) + base, offsets)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -375,7 +375,7 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
                 if dt == "string":
                     raise BatchError(f"column {name!r}: a per-row vector must be numeric")
                 cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
-        elif isinstance(v, list) and any(_is_sequence_row(x) for x in v) and not all(isinstance(x, str) for x in v):
+        elif isinstance(v, list) and any(x is not None and _is_sequence_row(x) for x in v):
             bad = next((i for i, x in enumerate(v) if not _is_sequence_row(x)), None)
             if bad is not None:
                 raise BatchError(f"column {name!r} row {bad} is a {type(v[bad]).__name__} but other rows are "

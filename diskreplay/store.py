@@ -530,7 +530,8 @@ class ReplayStore:
                                        else pa.array([], type=pa.int64()), self._codes_base)
         else:
             if key is None:
-                raise SchemaError(f"the store at {self.path} has no group key; name a column to group by")
+                raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
+                                  "pass a column name to group_index(key=...)")
             if key not in self.columns or self.schema[key].kind != "scalar":
                 raise KeyError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")

@@ -1,0 +1,608 @@
+"""Checking and mending a store: :func:`verify_store` and :func:`repair_store`.
+
+``verify_store`` is read-only and thorough: where opening a store reads
+manifests and footers only, it reads every byte the newest intact commit
+references and checks it against the manifest's sizes and CRC-32C checksums,
+parses every Arrow file, compares each segment's schema with ``FORMAT.json``,
+rebuilds each group sidecar from its segment's group-key column and compares,
+and checks that row ids are contiguous. Every problem names its file.
+
+``repair_store`` holds the writer lock and brings a damaged store back to its
+newest intact commit. It never deletes: damaged, unreferenced and temporary
+files move into ``STORE/quarantine/``, where a person can inspect them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+import pyarrow as pa
+
+from . import format as fmt
+from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
+from .errors import CorruptStoreError, FormatError
+from .segment import ArrowFile, Segment, decode_state, encode_ipc, group_sidecar
+
+QUARANTINE_DIR = "quarantine"
+_ROOT_NAMES = {fmt.FORMAT_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
+
+
+def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
+    """Check every file of the store at ``path`` without changing anything.
+
+    Returns ``{"ok", "generation", "rows", "problems", "warnings",
+    "checked_files", "checked_bytes"}``. ``ok`` is False exactly when there are
+    problems: damaged, missing, hostile or inconsistent files, each named in
+    its message. Unreferenced and temporary files are warnings (a crashed
+    writer leaves them; the next writer removes them).
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(d) as store:
+    ...     _ = store.extend({"prompt_id": [1, 1, 2], "completion_ids": [[1], [2, 3], []]})
+    >>> report = verify_store(d)
+    >>> report["ok"], report["rows"], report["problems"]
+    (True, 3, [])
+    >>> with open(os.path.join(d, "segments", "000000000000.arrow"), "r+b") as f:
+    ...     _ = f.seek(-20, 2); _ = f.write(b"?")
+    >>> report = verify_store(d)
+    >>> report["ok"], "segments/000000000000.arrow" in report["problems"][0]
+    (False, True)
+    """
+    root = os.path.abspath(os.fspath(path))
+    r = _Report(root)
+    if not os.path.isdir(root):
+        r.problem(f"{root} is not a directory")
+        return r.result()
+    options = _check_format_file(r)
+    manifests, damaged = _scan_manifests(r)
+    newest = manifests[0] if manifests else None
+    for gen, message in damaged:
+        r.problem(message)
+    if newest is None and damaged:
+        r.problem(f"{_rel(r.root, fmt.MANIFEST_DIR)}: no intact manifest; the store cannot open")
+    if newest is not None:
+        r.generation, r.rows = newest.generation, newest.num_rows
+        _check_rows(r, newest, options)
+        files = _planned(newest)
+        bar = _bar(progress, sum(b for _, b in files), "verify")
+        try:
+            for seg in newest.segments:
+                _check_segment(r, seg, options, bar)
+            for st in newest.states.values():
+                _check_state(r, st, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        # Older manifests are what a damaged newest one falls back to, and
+        # what a reader that loaded them still opens: their files must exist.
+        checked = set(newest.files())
+        for m in manifests[1:]:
+            for rel, size in _sized_files(m):
+                if rel in checked or size == 0:
+                    continue
+                checked.add(rel)
+                problem = _check_size(r.root, rel, size)
+                if problem:
+                    r.warn(f"{problem} (referenced by the older {m.file})")
+    _scan_unreferenced(r, manifests)
+    return r.result()
+
+
+def repair_store(path: Any, dry_run: bool = False, progress: bool = False) -> Dict[str, Any]:
+    """Roll the store at ``path`` back to its newest intact commit and tidy it.
+
+    Holds the writer lock (raises ``StoreLockedError`` while a writer has the
+    store open). The newest manifest whose segments and saved states all match
+    their recorded sizes and checksums becomes the newest: newer or damaged
+    manifests, damaged files and files no retained manifest references move
+    into ``quarantine/`` (nothing is deleted). Damaged or missing group
+    sidecars are rebuilt from their segment's group-key column, in a new
+    commit. When every manifest references a damaged segment, the newest
+    intact manifest is kept with its head moved past the newest damaged
+    segment: the rows up to it are lost, and the actions say which.
+    ``dry_run=True`` reports the same actions without changing anything (and
+    without taking the lock). Returns ``{"actions", "generation", "rows"}``.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(d) as store:
+    ...     _ = store.extend({"prompt_id": [1, 2], "completion_ids": [[1], [2, 3]]})
+    >>> os.remove(os.path.join(d, "groups", "000000000000.arrow"))
+    >>> repair_store(d)["actions"]
+    ['rebuilt groups/000000000000.arrow from the group-key column of segments/000000000000.arrow']
+    >>> verify_store(d)["ok"]
+    True
+    """
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(os.path.join(root, fmt.FORMAT_FILE)):
+        raise FileNotFoundError(f"no diskreplay store at {root} (no {fmt.FORMAT_FILE})")
+    lock = None
+    if not dry_run:
+        lock = WriterLock(os.path.join(root, fmt.LOCK_FILE))
+        lock.acquire()
+    try:
+        return _Repair(root, dry_run, progress).run()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@dataclass
+class _Report:
+    root: str
+    problems: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    generation: int = 0
+    rows: int = 0
+    checked_files: int = 0
+    checked_bytes: int = 0
+
+    def problem(self, message: str) -> None:
+        self.problems.append(message)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def result(self) -> Dict[str, Any]:
+        return {"ok": not self.problems, "generation": self.generation, "rows": self.rows,
+                "problems": self.problems, "warnings": self.warnings,
+                "checked_files": self.checked_files, "checked_bytes": self.checked_bytes}
+
+
+def _rel(root: str, rel: str) -> str:
+    return os.path.join(root, rel)
+
+
+def _bar(progress: bool, total: int, desc: str) -> Any:
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
+
+
+def _check_format_file(r: _Report) -> Optional[fmt.StoreOptions]:
+    path = _rel(r.root, fmt.FORMAT_FILE)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        r.problem(f"{path} is missing; this is not a diskreplay store")
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        r.problem(f"{path} is not a regular file (a symlink is not allowed)")
+        return None
+    r.checked_files += 1
+    r.checked_bytes += st.st_size
+    try:
+        return fmt.StoreOptions.read(r.root)
+    except (CorruptStoreError, FormatError) as exc:
+        r.problem(str(exc) if path in str(exc) else f"{path}: {exc}")
+    except Exception as exc:  # verify reports; it never lets a damaged file crash it
+        r.problem(f"{path} cannot be read ({type(exc).__name__}: {exc})")
+    return None
+
+
+def _load_manifest(root: str, gen: int) -> fmt.Manifest:
+    path = _rel(root, fmt.manifest_file(gen))
+    if _linked_dir(root, fmt.manifest_file(gen)):
+        raise CorruptStoreError(f"{path} lies in a symlinked directory, which is not allowed")
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptStoreError(f"{path} is not a regular file (a symlink is not allowed)")
+    try:
+        m = fmt.Manifest.from_dict(fmt.read_json(path), path)
+    except (CorruptStoreError, FormatError):
+        raise
+    except Exception as exc:
+        raise CorruptStoreError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
+    if m.generation != gen:
+        raise CorruptStoreError(f"{path} says it is generation {m.generation}")
+    return m
+
+
+def _scan_manifests(r: Optional[_Report], root: Optional[str] = None
+                    ) -> Tuple[List[fmt.Manifest], List[Tuple[int, str]]]:
+    """Intact manifests newest first, and ``(generation, message)`` of damaged ones."""
+    root = r.root if r is not None else root
+    intact, damaged = [], []
+    for gen in fmt.list_generations(root):
+        try:
+            m = _load_manifest(root, gen)
+        except FileNotFoundError:
+            continue
+        except (CorruptStoreError, FormatError) as exc:
+            msg = str(exc)
+            path = _rel(root, fmt.manifest_file(gen))
+            damaged.append((gen, msg if path in msg else f"{path}: {msg}"))
+            continue
+        if r is not None:
+            r.checked_files += 1
+        intact.append(m)
+    return intact, damaged
+
+
+def _check_rows(r: _Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]) -> None:
+    where = _rel(r.root, m.file)
+    prev_end = None
+    for s in m.segments:
+        if prev_end is not None and s.first_row != prev_end:
+            r.problem(f"{where}: segment {s.id} starts at row {s.first_row}, expected {prev_end}")
+        if s.id >= m.next_segment:
+            r.problem(f"{where}: segment id {s.id} is not below next_segment {m.next_segment}")
+        prev_end = s.end_row
+    if m.segments:
+        if not m.segments[0].first_row <= m.head < m.segments[0].end_row:
+            r.problem(f"{where}: head {m.head} is not in the first segment "
+                      f"[{m.segments[0].first_row}, {m.segments[0].end_row})")
+        if m.segments[-1].end_row != m.next_row:
+            r.problem(f"{where}: next_row {m.next_row} but the segments end at {m.segments[-1].end_row}")
+    elif m.head != m.next_row:
+        r.problem(f"{where}: live rows [{m.head}, {m.next_row}) but no segments")
+    if options is not None:
+        if options.capacity_rows is not None and m.num_rows > options.capacity_rows:
+            r.problem(f"{where}: {m.num_rows} live rows exceed capacity {options.capacity_rows} "
+                      f"of {fmt.FORMAT_FILE}")
+        if m.segments and options.schema is None:
+            r.problem(f"{where} has rows but {_rel(r.root, fmt.FORMAT_FILE)} records no schema")
+
+
+def _planned(m: fmt.Manifest) -> List[Tuple[str, int]]:
+    return _sized_files(m)
+
+
+def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
+    out = []
+    for s in m.segments:
+        out.append((s.file, s.bytes))
+        out.append((s.groups_file, s.groups_bytes))
+    out += [(st.file, st.bytes) for st in m.states.values()]
+    return out
+
+
+def _linked_dir(root: str, rel: str) -> bool:
+    """True when ``rel`` lies in a data directory that is a symlink (never followed)."""
+    return "/" in rel and os.path.islink(_rel(root, rel.split("/", 1)[0]))
+
+
+def _check_size(root: str, rel: str, size: int) -> Optional[str]:
+    path = _rel(root, rel)
+    if _linked_dir(root, rel):
+        return f"{path} lies in a symlinked directory, which is not allowed"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a symlink is not allowed)"
+    if st.st_size != size:
+        return f"{path} has {st.st_size} bytes but the manifest records {size}"
+    return None
+
+
+def _check_checksum(r: _Report, rel: str, size: int, crc: int, bar: Any) -> Optional[str]:
+    """Size and CRC-32C of one file; the problem, or None."""
+    problem = _check_size(r.root, rel, size)
+    if problem:
+        return problem
+    path = _rel(r.root, rel)
+    got = file_crc32c(path)
+    r.checked_files += 1
+    r.checked_bytes += size
+    if bar is not None:
+        bar.update(size)
+    if got != crc:
+        return f"{path} fails its checksum (crc32c {got:#010x}, the manifest records {crc:#010x}); the file is damaged"
+    return None
+
+
+def _check_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreOptions], bar: Any) -> None:
+    problem = _check_checksum(r, s.file, s.bytes, s.crc32c, bar)
+    if problem:
+        r.problem(problem)
+        seg = None
+    else:
+        seg = _open_segment(r, s, options)
+    group_key = options.group_key if options is not None else None
+    if group_key is None:
+        if s.groups_bytes:
+            r.problem(f"{_rel(r.root, fmt.MANIFEST_DIR)}: segment {s.id} records a group sidecar but "
+                      f"{fmt.FORMAT_FILE} has no group key")
+        return
+    problem = _check_checksum(r, s.groups_file, s.groups_bytes, s.groups_crc32c, bar)
+    if problem:
+        r.problem(problem)
+        return
+    if seg is not None:
+        problem = _compare_sidecar(r.root, s, seg, group_key)
+        if problem:
+            r.problem(problem)
+
+
+def _open_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreOptions]) -> Optional[Segment]:
+    path = _rel(r.root, s.file)
+    try:
+        seg = Segment(path, s.bytes, options.schema if options is not None else None, s.num_rows)
+        # full validation: offsets inside their buffers, monotone, etc.
+        seg.batch.validate(full=True)
+        return seg
+    except CorruptStoreError as exc:
+        r.problem(str(exc))
+    except Exception as exc:
+        r.problem(f"{path} is not a valid segment ({type(exc).__name__}: {exc})")
+    return None
+
+
+def _compare_sidecar(root: str, s: fmt.SegmentEntry, seg: Segment, group_key: str) -> Optional[str]:
+    path = _rel(root, s.groups_file)
+    try:
+        side = ArrowFile(path, s.groups_bytes).batch
+        keys = seg.column(group_key)
+        want = group_sidecar(keys, s.first_row)
+    except CorruptStoreError as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{path} cannot be checked ({type(exc).__name__}: {exc})"
+    if not side.schema.equals(want.schema) or not side.equals(want):
+        return (f"{path} does not match the {group_key!r} column of {_rel(root, s.file)} "
+                "(keys, counts or row ids differ)")
+    return None
+
+
+def _check_state(r: _Report, st: fmt.StateEntry, bar: Any) -> None:
+    problem = _check_checksum(r, st.file, st.bytes, st.crc32c, bar)
+    if problem:
+        r.problem(problem)
+        return
+    path = _rel(r.root, st.file)
+    try:
+        with open(path, "rb") as f:
+            decode_state(f.read(), path)
+    except CorruptStoreError as exc:
+        r.problem(str(exc))
+    except Exception as exc:
+        r.problem(f"{path} is not a readable state file ({type(exc).__name__}: {exc})")
+
+
+def _referenced(manifests: Iterable[fmt.Manifest]) -> Set[str]:
+    out: Set[str] = set()
+    for m in manifests:
+        out.add(m.file)
+        out.update(rel for rel, size in _sized_files(m) if size or not rel.startswith(fmt.GROUPS_DIR))
+    return out
+
+
+def _store_entries(root: str) -> List[Tuple[str, bool]]:
+    """``(relative path, is_dir)`` of everything in the store outside ``quarantine/``."""
+    out = []
+    for name in sorted(os.listdir(root)):
+        full = _rel(root, name)
+        is_dir = os.path.isdir(full) and not os.path.islink(full)
+        out.append((name, is_dir))
+        if is_dir and name in fmt.DATA_DIRS:
+            for sub in sorted(os.listdir(full)):
+                out.append((f"{name}/{sub}", os.path.isdir(_rel(full, sub)) and not os.path.islink(_rel(full, sub))))
+    return out
+
+
+def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest]) -> None:
+    referenced = _referenced(manifests)
+    for rel, is_dir in _store_entries(r.root):
+        path = _rel(r.root, rel)
+        name = os.path.basename(rel)
+        if "/" not in rel:
+            if name in fmt.DATA_DIRS:
+                if os.path.islink(path) or not is_dir:
+                    r.problem(f"{path} is not a directory (a symlink is not allowed)")
+            elif name == QUARANTINE_DIR:
+                if is_dir and os.listdir(path):
+                    r.warn(f"{path} holds {len(os.listdir(path))} quarantined file(s) from an earlier repair")
+            elif name.startswith(TMP_PREFIX):
+                r.warn(f"{path} is a temporary file left by an interrupted write")
+            elif name not in _ROOT_NAMES:
+                r.warn(f"{path} is not part of a diskreplay store")
+            continue
+        if rel in referenced:
+            continue
+        if name.startswith(TMP_PREFIX):
+            r.warn(f"{path} is a temporary file left by an interrupted write")
+        elif os.path.islink(path):
+            r.warn(f"{path} is an unreferenced symlink")
+        elif rel.startswith(fmt.MANIFEST_DIR + "/"):
+            if not fmt._MANIFEST_NAME.match(name):
+                r.warn(f"{path} is not a manifest name")
+        else:
+            r.warn(f"{path} is not referenced by any intact manifest")
+
+
+# --------------------------------------------------------------------------- repair
+
+
+class _Repair:
+    def __init__(self, root: str, dry_run: bool, progress: bool) -> None:
+        self.root, self.dry_run, self.progress = root, dry_run, progress
+        self.actions: List[str] = []
+        self._moved: Set[str] = set()
+        self._crc_cache: Dict[Tuple[str, int, int], bool] = {}
+
+    # a file is "good" when its size and checksum match what a manifest records
+    def _good(self, rel: str, size: int, crc: int, bar: Any = None) -> bool:
+        key = (rel, size, crc)
+        hit = self._crc_cache.get(key)
+        if hit is None:
+            path = _rel(self.root, rel)
+            hit = _check_size(self.root, rel, size) is None and file_crc32c(path) == crc
+            if bar is not None:
+                bar.update(size)
+            self._crc_cache[key] = hit
+        return hit
+
+    def _bad_segments(self, m: fmt.Manifest, bar: Any = None) -> List[fmt.SegmentEntry]:
+        return [s for s in m.segments if not self._good(s.file, s.bytes, s.crc32c, bar)]
+
+    def _bad_states(self, m: fmt.Manifest, bar: Any = None) -> List[fmt.StateEntry]:
+        return [st for st in m.states.values() if not self._good(st.file, st.bytes, st.crc32c, bar)]
+
+    def run(self) -> Dict[str, Any]:
+        try:
+            options = fmt.StoreOptions.read(self.root)
+        except (CorruptStoreError, FormatError) as exc:
+            raise CorruptStoreError(f"repair cannot rebuild {fmt.FORMAT_FILE}, which holds the schema: {exc}") \
+                from None
+        if os.path.islink(_rel(self.root, fmt.FORMAT_FILE)):
+            raise CorruptStoreError(f"{_rel(self.root, fmt.FORMAT_FILE)} is a symlink; repair will not follow it")
+        for d in fmt.DATA_DIRS:
+            p = _rel(self.root, d)
+            if os.path.islink(p) or (os.path.exists(p) and not os.path.isdir(p)):
+                self._quarantine(d, "it is not a directory (a symlink is not allowed)")
+                if not self.dry_run:
+                    os.makedirs(p, exist_ok=True)
+        intact, damaged = _scan_manifests(None, self.root)
+        for gen, message in damaged:
+            self._quarantine(fmt.manifest_file(gen), f"it is damaged: {message}")
+
+        total = sum(s.bytes for m in intact[:1] for s in m.segments)
+        bar = _bar(self.progress, total, "repair")
+        try:
+            chosen, kept = self._choose(intact, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        if chosen is None:
+            self.actions.append("no intact manifest: the store is empty")
+            generation, rows = 0, 0
+        else:
+            chosen = self._rebuild_sidecars(chosen, options)
+            generation, rows = chosen.generation, chosen.num_rows
+            kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
+        self._quarantine_unreferenced(kept)
+        if not self.dry_run:
+            for d in ("",) + fmt.DATA_DIRS:
+                if os.path.isdir(_rel(self.root, d)):
+                    fsync_dir(_rel(self.root, d))
+        return {"actions": self.actions, "generation": generation, "rows": rows}
+
+    def _choose(self, intact: List[fmt.Manifest], bar: Any) -> Tuple[Optional[fmt.Manifest], List[fmt.Manifest]]:
+        """Pick the commit to keep; quarantine manifests whose files are damaged."""
+        chosen = None
+        for m in intact:
+            bad = [s.file for s in self._bad_segments(m, bar)] + [st.file for st in self._bad_states(m, bar)]
+            if bad:
+                self._quarantine(m.file, f"it references damaged or missing {', '.join(bad)}")
+                continue
+            chosen = m
+            break
+        if chosen is None and intact:
+            # Every commit references a damaged segment. Keep the newest one with
+            # its head moved past the newest damaged segment: rows are lost, but
+            # the store opens and every row it serves is intact.
+            newest = intact[0]
+            bad = self._bad_segments(newest)
+            cut = max(i for i, s in enumerate(newest.segments) if s in bad) + 1 if bad else 0
+            segments = newest.segments[cut:]
+            head = segments[0].first_row if segments else newest.next_row
+            states = {k: v for k, v in newest.states.items() if v not in self._bad_states(newest)}
+            lost = head - newest.head
+            self.actions.append(f"every manifest references a damaged segment; dropping rows "
+                                f"[{newest.head}, {head}) ({lost} rows) so that the store opens")
+            for st in newest.states.values():
+                if st.name not in states:
+                    self.actions.append(f"dropping the damaged saved state {st.name!r} ({st.file})")
+            chosen = newest.evolve(generation=newest.generation + 1, head=head, segments=segments, states=states)
+            self._commit(chosen)
+            return chosen, [chosen]
+        # older manifests stay only while their files are intact (a reader may hold one)
+        kept = [chosen] if chosen is not None else []
+        for m in intact:
+            if chosen is None or m.generation >= chosen.generation:
+                continue
+            bad = [s.file for s in m.segments if _check_size(self.root, s.file, s.bytes)]
+            if bad:
+                self._quarantine(m.file, f"it references damaged or missing {', '.join(bad)}")
+            else:
+                kept.append(m)
+        if chosen is not None and intact and chosen is not intact[0]:
+            self.actions.append(f"rolled back to generation {chosen.generation} (rows [{chosen.head}, "
+                                f"{chosen.next_row}))")
+        return chosen, kept
+
+    def _rebuild_sidecars(self, m: fmt.Manifest, options: fmt.StoreOptions) -> fmt.Manifest:
+        if options.group_key is None:
+            return m
+        entries, changed = [], False
+        for s in m.segments:
+            ok = self._good(s.groups_file, s.groups_bytes, s.groups_crc32c)
+            if ok:
+                try:
+                    seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
+                    ok = _compare_sidecar(self.root, s, seg, options.group_key) is None
+                except CorruptStoreError:
+                    ok = True  # the segment itself is unreadable; nothing to rebuild from
+            if ok:
+                entries.append(s)
+                continue
+            try:
+                seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
+                data = encode_ipc(group_sidecar(seg.column(options.group_key), s.first_row))
+            except (CorruptStoreError, KeyError) as exc:
+                self.actions.append(f"cannot rebuild {s.groups_file}: {exc}")
+                entries.append(s)
+                continue
+            if os.path.lexists(_rel(self.root, s.groups_file)):
+                self._quarantine(s.groups_file, "it is damaged")
+            self.actions.append(f"rebuilt {s.groups_file} from the group-key column of {s.file}")
+            if not self.dry_run:
+                durable_write(_rel(self.root, s.groups_file), data)
+            new = fmt.SegmentEntry(s.id, s.first_row, s.num_rows, s.bytes, s.crc32c, data.size, crc32c(data))
+            changed |= new != s
+            entries.append(new)
+        if not changed:
+            return m
+        new_m = m.evolve(generation=m.generation + 1, segments=tuple(entries))
+        self._commit(new_m)
+        return new_m
+
+    def _commit(self, m: fmt.Manifest) -> None:
+        self.actions.append(f"wrote manifest generation {m.generation} ({m.file})")
+        if not self.dry_run:
+            m.write(self.root)
+
+    def _quarantine_unreferenced(self, kept: List[fmt.Manifest]) -> None:
+        referenced = _referenced(kept)
+        for rel, is_dir in _store_entries(self.root):
+            if rel in self._moved or "/" not in rel and (rel in _ROOT_NAMES or is_dir):
+                continue
+            name = os.path.basename(rel)
+            if "/" not in rel and not name.startswith(TMP_PREFIX):
+                continue  # stray files beside the store are the user's, not ours
+            if rel in referenced:
+                continue
+            why = "it is a temporary file of an interrupted write" if name.startswith(TMP_PREFIX) \
+                else "no retained manifest references it"
+            self._quarantine(rel, why)
+
+    def _quarantine(self, rel: str, why: str) -> None:
+        if rel in self._moved:
+            return
+        self._moved.add(rel)
+        dest_rel = f"{QUARANTINE_DIR}/{rel}"
+        dest = _rel(self.root, dest_rel)
+        n = 0
+        while os.path.lexists(dest):
+            n += 1
+            dest = _rel(self.root, f"{dest_rel}.{n}")
+        self.actions.append(f"moved {rel} to {os.path.relpath(dest, self.root)} ({why})")
+        if self.dry_run:
+            return
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.rename(_rel(self.root, rel), dest)

@@ -1,0 +1,522 @@
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from diskreplay import (BatchError, CorruptStoreError, ReadOnlyError, ReplayStore, RowsEvictedError,
+                        SchemaError, StoreLockedError)
+from diskreplay.synthetic import make_rollouts
+
+from .conftest import assert_rows_equal
+
+
+def snapshot(path):
+    """Every file under ``path`` with its bytes' hash: a store 'exactly as before'."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            if f == "LOCK":
+                continue
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+# --------------------------------------------------------------------------- round trips
+
+ragged_rows = st.lists(st.integers(0, 151935), min_size=0, max_size=12)
+
+
+@st.composite
+def ragged_batches(draw):
+    n = draw(st.integers(1, 10))
+    comps = [np.array(draw(ragged_rows), dtype=np.int64) for _ in range(n)]
+    prompts = [np.array(draw(st.lists(st.integers(0, 1000), min_size=0, max_size=6)), dtype=np.int32)
+               for _ in range(n)]
+    logps = [None if draw(st.booleans()) and draw(st.booleans()) else
+             np.array(draw(st.lists(st.floats(-50, 0, width=32), min_size=len(c), max_size=len(c))),
+                      dtype=np.float32) for c in comps]
+    keys = draw(st.one_of(st.lists(st.integers(-5, 5), min_size=n, max_size=n),
+                          st.lists(st.text(min_size=0, max_size=8), min_size=n, max_size=n)))
+    return {"prompt_id": keys, "prompt_ids": prompts, "completion_ids": comps, "old_per_token_logps": logps,
+            "rewards": np.array(draw(st.lists(st.floats(-1, 1, width=32), min_size=n, max_size=n)),
+                                dtype=np.float32)}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(ragged_batches(), min_size=1, max_size=3))
+def test_ragged_round_trip(tmp_path_factory, batches):
+    kinds = {type(b["prompt_id"][0]) for b in batches}
+    if len(kinds) > 1:  # one store holds one key type
+        batches = [batches[0]]
+    path = tmp_path_factory.mktemp("s")
+    expected = []
+    with ReplayStore(path) as store:
+        for b in batches:
+            rows = store.extend(b)
+            assert len(rows) == len(b["prompt_id"])
+            expected.append((rows, b))
+        for rows, b in expected:
+            got = store.read(rows)
+            assert_rows_equal(got, {k: b[k] for k in ("prompt_ids", "completion_ids", "old_per_token_logps")})
+            assert got["prompt_id"].tolist() if not isinstance(got["prompt_id"], list) else got["prompt_id"] == \
+                b["prompt_id"]
+            np.testing.assert_array_equal(got["rewards"], b["rewards"])
+    with ReplayStore(path, readonly=True) as store:
+        allkeys = [k for _, b in expected for k in b["prompt_id"]]
+        assert len(store) == len(allkeys)
+        assert store.num_groups == len(set(allkeys))
+        for k in set(allkeys):
+            assert store.group_rows(k).tolist() == [i for i, x in enumerate(allkeys) if x == k]
+
+
+def test_trl_layout_strips_padding(store):
+    b = {
+        "prompt_ids": torch.tensor([[0, 0, 11, 12], [21, 22, 23, 24], [0, 0, 0, 0]]),
+        "prompt_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]),
+        "completion_ids": torch.tensor([[5, 6, 7], [8, 0, 0], [0, 0, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.int32),
+        "old_per_token_logps": torch.tensor([[-.1, -.2, -.3], [-.4, 9., 9.], [9., 9., 9.]]),
+        "ref_per_token_logps": None,
+        "sampling_per_token_logps": torch.tensor([[-.5, -.6, -.7], [-.8, 0., 0.], [0., 0., 0.]],
+                                                 dtype=torch.bfloat16),
+        "advantages": torch.tensor([1.0, -1.0, 0.0]),
+        "prompt_id": torch.tensor([4, 4, 9]),
+        "policy_version": 3 * torch.ones(3, dtype=torch.long),
+        "rewards": torch.tensor([[1.0, 0.5], [0.0, 0.5], [0.0, 0.0]]),
+    }
+    rows = store.extend(b)
+    got = store.read(rows)
+    assert got["prompt_ids"].to_list() == [[11, 12], [21, 22, 23, 24], []]
+    assert got["completion_ids"].to_list() == [[5, 6, 7], [8], []]
+    np.testing.assert_array_equal(got["old_per_token_logps"].values, np.float32([-.1, -.2, -.3, -.4]))
+    assert got["sampling_per_token_logps"].values.dtype == np.float32
+    assert "ref_per_token_logps" not in store.columns
+    assert got["rewards"].shape == (3, 2)
+    assert got["prompt_ids"].values.dtype == np.int32 and got["advantages"].dtype == np.float32
+    assert store.schema["rewards"].kind == "vector"
+    assert store.group_rows(4).tolist() == [0, 1]
+
+
+def test_per_row_only_batch_and_strings(store):
+    rows = store.extend({"prompt_id": ["what is 2+2?", "what is 2+2?", "name a prime"],
+                         "rewards": [1.0, 0.0, 1.0], "ok": [True, False, True]})
+    got = store.read(rows[::-1])
+    assert got["prompt_id"] == ["name a prime", "what is 2+2?", "what is 2+2?"]
+    assert got["ok"].tolist() == [True, False, True]
+    assert store.group_keys() == ["what is 2+2?", "name a prime"]
+
+
+def test_read_spanning_segments_in_any_order(store):
+    batches = [make_rollouts(3, 4, seed=s, first_group=3 * s) for s in range(4)]
+    for b in batches:
+        store.extend(b)
+    rows = np.array([47, 0, 13, 13, 30, 5, 46])
+    got = store.read(rows, columns=["completion_ids", "rewards", "prompt_id"])
+    flat = {k: [x for b in batches for x in b[k]] for k in ("completion_ids",)}
+    for i, r in enumerate(rows):
+        np.testing.assert_array_equal(got["completion_ids"][i], flat["completion_ids"][r])
+    assert got["prompt_id"].tolist() == [r // 4 for r in rows]
+    with pytest.raises(KeyError, match="nope"):
+        store.read([0], columns=["nope"])
+    with pytest.raises(RowsEvictedError, match="row 48"):
+        store.read([48])
+
+
+# --------------------------------------------------------------------------- reopen, capacity, groups
+
+def test_reopen_in_fresh_process(tmp_path):
+    path = tmp_path / "s"
+    with ReplayStore(path, capacity=1000) as store:
+        for s in range(3):
+            store.extend(make_rollouts(4, 8, seed=s, first_group=10 * s))
+        expected = store.read(store.row_ids(), ["completion_ids", "rewards"])
+    code = textwrap.dedent(f"""
+        import json, numpy as np
+        from diskreplay import ReplayStore
+        s = ReplayStore({str(path)!r}, readonly=True)
+        r = s.read(s.row_ids(), ["completion_ids", "rewards"])
+        print(json.dumps({{"n": len(s), "groups": s.group_keys(), "cap": s.capacity,
+                           "ids": r["completion_ids"].values.tolist(), "rewards": r["rewards"].tolist()}}))
+    """)
+    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                    text=True).stdout)
+    assert out["n"] == 96 and out["cap"] == 1000
+    assert out["groups"] == [g + 10 * s for s in range(3) for g in range(4)]
+    assert out["ids"] == expected["completion_ids"].values.tolist()
+    assert out["rewards"] == expected["rewards"].tolist()
+
+
+def test_capacity_keeps_newest_rows_and_deletes_files(tmp_path):
+    path = tmp_path / "s"
+    with ReplayStore(path, capacity=50) as store:
+        all_batches = []
+        for s in range(40):
+            b = make_rollouts(2, 4, seed=s, first_group=2 * s, completion_mean=20)
+            store.extend(b)
+            all_batches.append(b)
+        assert len(store) == 50 and store.head == 320 - 50
+        flat = [x for b in all_batches for x in b["completion_ids"]]
+        got = store.read(store.row_ids(), ["completion_ids"])["completion_ids"]
+        for i, r in enumerate(store.row_ids()):
+            np.testing.assert_array_equal(got[i], flat[r])
+        # groups are evicted with their rows: group 67 (rows 268..271) lost two
+        assert store.group_rows(67).tolist() == [270, 271]
+        assert store.group_keys()[0] == 67 and store.num_groups == 13
+        with pytest.raises(RowsEvictedError, match="evicted"):
+            store.read([0])
+        segs = os.listdir(path / "segments")
+        # evicted segments go once no retained manifest names them
+        assert len(segs) <= len(store.manifest.segments) + 4
+        assert len(os.listdir(path / "manifests")) <= 4
+    with ReplayStore(path) as store:  # reopen as writer sweeps everything unreferenced
+        assert len(os.listdir(path / "segments")) <= len(store.manifest.segments) + 4
+        assert store.group_rows(67).tolist() == [270, 271]
+
+
+def test_byte_capacity(tmp_path):
+    with ReplayStore(tmp_path / "s", capacity_bytes=200_000) as store:
+        for s in range(30):
+            store.extend(make_rollouts(2, 4, seed=s, first_group=2 * s, completion_mean=300))
+        live = sum(e.bytes + e.groups_bytes for e in store.manifest.segments)
+        assert live <= 200_000 and len(store) > 0
+        assert store.head == store.manifest.segments[0].first_row
+
+
+def test_group_index_by_other_column(store):
+    store.extend({"prompt_id": [1, 1, 2, 2], "task": ["a", "b", "a", "b"], "rewards": [0., 1., 0., 1.]})
+    gi = store.group_index("task")
+    assert gi.keys == ["a", "b"] and gi.group(0).tolist() == [0, 2]
+
+
+def test_no_group_key_store(tmp_path):
+    with ReplayStore(tmp_path / "s", group_key=None) as store:
+        store.extend({"completion_ids": [[1, 2]], "rewards": [1.0]})
+        assert not os.listdir(tmp_path / "s" / "groups")
+        with pytest.raises(SchemaError, match="group_key=None"):
+            store.group_keys()
+
+
+def test_options_must_agree(tmp_path):
+    ReplayStore(tmp_path / "s", capacity=10, group_key="prompt").close()
+    with pytest.raises(SchemaError, match="capacity=20 disagrees"):
+        ReplayStore(tmp_path / "s", capacity=20)
+    with pytest.raises(SchemaError, match="group_key"):
+        ReplayStore(tmp_path / "s", group_key="prompt_id")
+    with ReplayStore(tmp_path / "s") as s:
+        assert s.capacity == 10 and s.group_key == "prompt"
+    with pytest.raises(ValueError, match="capacity must be a positive integer or None, got 0"):
+        ReplayStore(tmp_path / "t", capacity=0)
+
+
+def test_second_writer_is_refused(tmp_path):
+    with ReplayStore(tmp_path / "s"):
+        with pytest.raises(StoreLockedError, match="readonly=True"):
+            ReplayStore(tmp_path / "s")
+        code = f"from diskreplay import ReplayStore; ReplayStore({str(tmp_path / 's')!r})"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode != 0 and "StoreLockedError" in r.stderr
+    ReplayStore(tmp_path / "s").close()  # released on close
+
+
+def test_reader_follows_writer(tmp_path):
+    with ReplayStore(tmp_path / "s", capacity=16) as w:
+        w.extend(make_rollouts(1, 8, seed=0))
+        r = ReplayStore(tmp_path / "s", readonly=True)
+        assert len(r) == 8 and r.group_keys() == [0]
+        w.extend(make_rollouts(1, 8, seed=1, first_group=1))
+        assert len(r) == 8 and r.refresh() and len(r) == 16
+        assert r.group_keys() == [0, 1]
+        w.extend(make_rollouts(1, 8, seed=2, first_group=2))
+        assert r.refresh() and r.group_keys() == [1, 2] and r.head == 8
+        assert not r.refresh()
+        with pytest.raises(ReadOnlyError):
+            r.extend(make_rollouts(1, 8))
+
+
+def test_save_and_load_state(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        assert store.load_state("sampler") is None
+        store.save_state("sampler", {"rng": {"state": 2 ** 100 + 7, "inc": 3}, "cursor": 5,
+                                     "prio": np.arange(4, dtype=np.float32), "t": torch.ones(2, 2)})
+        store.save_state("sampler", {"cursor": 6, "prio": np.zeros(3)})
+        store.extend({"prompt_id": [1], "rewards": [0.0]})
+    with ReplayStore(tmp_path / "s", readonly=True) as store:
+        st_ = store.load_state("sampler")
+        assert st_["cursor"] == 6 and st_["prio"].tolist() == [0, 0, 0]
+    assert len(os.listdir(tmp_path / "s" / "state")) <= 2
+    with ReplayStore(tmp_path / "s") as store:
+        with pytest.raises(ValueError, match="state name"):
+            store.save_state("../x", {})
+        with pytest.raises(TypeError, match="cannot store"):
+            store.save_state("x", {"f": object()})
+
+
+# --------------------------------------------------------------------------- bad input
+
+GOOD = {"prompt_id": [1, 1], "completion_ids": [[1, 2], [3]], "old_per_token_logps": [[-.1, -.2], [-.3]],
+        "rewards": [1.0, 0.0]}
+
+BAD_INPUTS = [
+    ("logps length mismatch", {**GOOD, "old_per_token_logps": [[-.1], [-.3]]}, "'old_per_token_logps' row 0"),
+    ("mask not 0/1", {"prompt_id": [1], "completion_ids": torch.tensor([[1, 2]]),
+                      "completion_mask": torch.tensor([[1, 2]])}, "'completion_mask' row 0"),
+    ("mask wrong shape", {"prompt_id": [1], "completion_ids": torch.tensor([[1, 2]]),
+                          "completion_mask": torch.tensor([[1, 1, 0]])}, "'completion_mask' has shape"),
+    ("missing group key", {k: v for k, v in GOOD.items() if k != "prompt_id"}, "group key column 'prompt_id'"),
+    ("float token ids", {**GOOD, "completion_ids": [[1.5, 2.0], [3.0]]}, "'completion_ids' holds floats"),
+    ("token id overflow", {**GOOD, "completion_ids": [[1, 2 ** 40], [3]]}, "'completion_ids' row 0"),
+    ("NaN log-prob", {**GOOD, "old_per_token_logps": [[-.1, float("nan")], [-.3]]},
+     "'old_per_token_logps' row 0 position 1 is NaN"),
+    ("column count mismatch", {**GOOD, "rewards": [1.0]}, "'rewards' has 1 rows"),
+    ("schema drift: new column", {**GOOD, "extra": [1, 2]}, "'extra' is not in the store's schema"),
+    ("schema drift: type", {**GOOD, "rewards": ["a", "b"]}, "'rewards' holds strings"),
+    ("schema drift: kind", {**GOOD, "rewards": [[1.0, 2.0], [3.0, 4.0]]}, "'rewards' is a ragged column"),
+    ("empty batch", {}, "empty"),
+    ("zero rows", {"prompt_id": [], "rewards": []}, "0 rows"),
+    ("None key", {**GOOD, "prompt_id": [1, None]}, "'prompt_id' row 1 is None"),
+    ("missing per-row column", {k: v for k, v in GOOD.items() if k != "rewards"}, "lacks column 'rewards'"),
+    ("not a mapping", [1, 2, 3], "mapping"),
+    ("ragged row not a sequence", {**GOOD, "completion_ids": [[1, 2], 3]}, "'completion_ids' row 1"),
+    ("3-D tensor", {**GOOD, "completion_ids": torch.zeros(2, 2, 2, dtype=torch.long)}, "at most 2 dimensions"),
+]
+
+
+@pytest.mark.parametrize("case,batch,message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_rejected_and_store_unchanged(tmp_path, case, batch, message):
+    path = tmp_path / "s"
+    with ReplayStore(path) as store:
+        store.extend(GOOD)
+        before = snapshot(path)
+        gen = store.generation
+        with pytest.raises((ValueError, TypeError)) as exc:
+            store.extend(batch)
+        assert message in str(exc.value)
+        assert snapshot(path) == before and store.generation == gen and len(store) == 2
+        store.extend(GOOD)  # and the store still works
+        assert len(store) == 4
+
+
+def test_first_batch_errors_leave_no_schema(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        with pytest.raises(BatchError):
+            store.extend({"prompt_id": [1], "completion_ids": [[1]], "old_per_token_logps": [[.1, .2]]})
+        assert store.schema is None and len(store) == 0
+
+
+# --------------------------------------------------------------------------- read-only, damage
+
+def test_readonly_open_on_write_protected_copy(tmp_path):
+    src = tmp_path / "s"
+    with ReplayStore(src) as store:
+        rows = store.extend(make_rollouts(2, 4, seed=3))
+        expected = store.read(rows)
+    ro = tmp_path / "ro"
+    shutil.copytree(src, ro)
+    os.remove(ro / "LOCK")
+    before = snapshot(ro)
+    mtimes = {p: os.stat(ro / p).st_mtime_ns for p in before}
+    for root, dirs, files in os.walk(ro):
+        for x in dirs + files:
+            os.chmod(os.path.join(root, x), stat.S_IREAD | stat.S_IEXEC if x in dirs else stat.S_IREAD)
+    os.chmod(ro, stat.S_IREAD | stat.S_IEXEC)
+    try:
+        with ReplayStore(ro, readonly=True) as store:
+            got = store.read(rows)
+            for k in ("completion_ids", "old_per_token_logps"):
+                np.testing.assert_array_equal(got[k].values, expected[k].values)
+            assert store.group_keys() == [0, 1]
+            with pytest.raises(ReadOnlyError):
+                store.save_state("x", {})
+        assert not os.path.exists(ro / "LOCK")
+        assert snapshot(ro) == before
+        assert {p: os.stat(ro / p).st_mtime_ns for p in before} == mtimes
+    finally:
+        os.chmod(ro, 0o755)
+    with pytest.raises(FileNotFoundError, match="no diskreplay store"):
+        ReplayStore(tmp_path / "nothing", readonly=True)
+
+
+def test_corrupt_newest_manifest_falls_back(tmp_path):
+    path = tmp_path / "s"
+    with ReplayStore(path) as store:
+        store.extend(GOOD)
+        store.extend(GOOD)
+        newest = path / store.manifest.file
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    newest.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="fails its checksum"):
+        store = ReplayStore(path, readonly=True)
+    assert len(store) == 2 and str(newest) in " ".join(store.recovered_from)
+
+
+def test_manifest_cannot_escape_store(tmp_path):
+    path = tmp_path / "s"
+    with ReplayStore(path) as store:
+        store.extend(GOOD)
+        mpath = path / store.manifest.file
+    doc = json.loads(mpath.read_text())
+    doc["segments"][0]["file"] = "../../etc/passwd"
+    mpath.write_text(json.dumps(doc))
+    with pytest.raises(CorruptStoreError):
+        ReplayStore(path, readonly=True)
+
+
+def test_truncated_segment_names_the_file(tmp_path):
+    path = tmp_path / "s"
+    with ReplayStore(path) as store:
+        store.extend(GOOD)
+        seg = path / store.manifest.segments[0].file
+    seg.write_bytes(seg.read_bytes()[:100])
+    store = ReplayStore(path, readonly=True)
+    with pytest.raises(CorruptStoreError, match=str(seg.name)):
+        store.read([0])
+
+
+# --------------------------------------------------------------------------- crash safety
+
+CHILD = textwrap.dedent("""
+    import sys, numpy as np
+    from diskreplay import ReplayStore
+    from diskreplay.synthetic import make_rollouts
+    path, start = sys.argv[1], int(sys.argv[2])
+    store = ReplayStore(path, capacity=400)
+    i = start
+    while True:
+        rows = store.extend(make_rollouts(2, 4, seed=i, first_group=i, completion_mean=40))
+        print(i, rows[0], flush=True)
+        i += 1
+""")
+
+
+def expected_batch(i):
+    return make_rollouts(2, 4, seed=i, first_group=i, completion_mean=40)
+
+
+def test_sigkill_during_appends_loses_nothing_committed(tmp_path):
+    path = str(tmp_path / "s")
+    rng = random.Random(1234)
+    returned = {}  # batch index -> first row id
+    next_batch = 0
+    kills = 0
+    while kills < 22:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, path, str(next_batch)], stdout=subprocess.PIPE,
+                                text=True)
+        # wait for the child to be appending, then kill it at a random moment
+        first = proc.stdout.readline()
+        assert first, "child died before its first append"
+        time.sleep(rng.uniform(0.0, 0.15))
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate()
+        kills += 1
+        for line in [first] + out.splitlines():
+            if line.strip():
+                i, row = map(int, line.split())
+                returned[i] = row
+        with ReplayStore(path, readonly=True) as store:
+            committed = store.next_row // 8
+            # every append that returned is committed; the one in flight is all-or-nothing
+            assert store.next_row % 8 == 0
+            assert committed >= max(returned) + 1
+            assert committed <= max(returned) + 2
+            head = store.head
+            for i in range(committed):
+                if (i + 1) * 8 <= head:
+                    continue
+                b = expected_batch(i)
+                got = store.read(np.arange(8 * i, 8 * i + 8), ["completion_ids", "old_per_token_logps",
+                                                              "prompt_id"])
+                for k in ("completion_ids", "old_per_token_logps"):
+                    np.testing.assert_array_equal(got[k].values, np.concatenate(b[k]))
+                assert got["prompt_id"].tolist() == b["prompt_id"].tolist()
+            assert store.group_keys() == sorted(store.group_keys())
+        next_batch = committed
+    assert kills >= 20
+
+
+# --------------------------------------------------------------------------- model-based state machine
+
+class StoreMachine(RuleBasedStateMachine):
+    """The store against a plain list of rows."""
+
+    @initialize()
+    def setup(self):
+        import tempfile
+
+        self.dir = tempfile.mkdtemp()
+        self.capacity = 13
+        self.store = ReplayStore(self.dir, capacity=self.capacity)
+        self.model = []  # (key, tokens, reward)
+        self.batch_no = 0
+
+    def teardown(self):
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @rule(n=st.integers(1, 6), keys=st.lists(st.integers(0, 4), min_size=6, max_size=6))
+    def extend(self, n, keys):
+        rng = np.random.default_rng(self.batch_no)
+        self.batch_no += 1
+        toks = [rng.integers(0, 100, rng.integers(0, 5)).astype(np.int32) for _ in range(n)]
+        rew = rng.random(n).astype(np.float32)
+        self.store.extend({"prompt_id": keys[:n], "completion_ids": toks, "rewards": rew})
+        self.model += list(zip(keys[:n], toks, rew))
+
+    @rule()
+    def reopen(self):
+        self.store.close()
+        self.store = ReplayStore(self.dir)
+
+    @precondition(lambda self: len(self.model) > 0)
+    @rule(data=st.data())
+    def read(self, data):
+        live = self.live()
+        idx = data.draw(st.lists(st.integers(0, len(live) - 1), min_size=1, max_size=8))
+        rows = np.array([self.head() + i for i in idx])
+        got = self.store.read(rows)
+        for j, i in enumerate(idx):
+            key, toks, rew = live[i]
+            assert got["prompt_id"][j] == key
+            np.testing.assert_array_equal(got["completion_ids"][j], toks)
+            assert got["rewards"][j] == rew
+
+    def head(self):
+        return max(0, len(self.model) - self.capacity)
+
+    def live(self):
+        return self.model[self.head():]
+
+    @invariant()
+    def agrees(self):
+        if not hasattr(self, "store"):
+            return
+        live = self.live()
+        assert len(self.store) == len(live)
+        assert self.store.head == self.head()
+        if live:
+            groups = {}
+            for i, (k, _, _) in enumerate(live):
+                groups.setdefault(k, []).append(self.head() + i)
+            assert self.store.group_keys() == list(groups)
+            for k, rows in groups.items():
+                assert self.store.group_rows(k).tolist() == rows
+
+
+StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+TestStoreMachine = StoreMachine.TestCase
