@@ -240,34 +240,18 @@ class ReplayStore:
         options = self.options
         if options.schema is None or options.schema != schema:
             options = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema)
-        pieces = _split(record)
         written: List[str] = []
         new_entries: List[fmt.SegmentEntry] = []
-        new_keys: List[pa.Array] = []
         try:
             if options is not self.options:
                 options.write(self.path)
                 crash_point("format.done")
             first, seg_id = m.next_row, m.next_segment
-            for piece in pieces:
-                data = encode_ipc(piece)
-                written.append(fmt.segment_file(seg_id))
-                durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False)
-                g_bytes, g_crc = 0, 0
-                if self.group_key is not None:
-                    keys = piece.column(self.group_key)
-                    new_keys.append(keys)
-                    gdata = encode_ipc(group_sidecar(keys, first))
-                    written.append(fmt.groups_file(seg_id))
-                    durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False)
-                    g_bytes, g_crc = gdata.size, crc32c(gdata)
-                new_entries.append(fmt.SegmentEntry(seg_id, first, piece.num_rows, data.size, crc32c(data),
-                                                    g_bytes, g_crc))
+            for piece in _split(record):
+                new_entries.append(self._write_segment(piece, seg_id, first, written))
                 first += piece.num_rows
                 seg_id += 1
-            # the renames above must be durable before a manifest names them
-            fsync_dir(os.path.join(self.path, fmt.SEGMENT_DIR))
-            fsync_dir(os.path.join(self.path, fmt.GROUPS_DIR))
+            self._sync_data_dirs()
             crash_point("segments.synced")
             segments = m.segments + tuple(new_entries)
             head, segments = _evict(m.head, m.next_row + n, segments, options)
@@ -275,14 +259,40 @@ class ReplayStore:
                            next_segment=seg_id, segments=segments)
             new.write(self.path)
         except BaseException:
-            for f in written:
-                remove_quietly(os.path.join(self.path, f))
+            self._abort(written, m.generation + 1)
             raise
         crash_point("manifest.committed")
         old_next = m.next_row
+        new_keys = [record.column(self.group_key)] if self.group_key is not None else []
         self._install_commit(new, options, new_keys)
         self._collect_garbage()
         return np.arange(old_next, old_next + n, dtype=np.int64)
+
+    def _write_segment(self, record: pa.RecordBatch, seg_id: int, first_row: int,
+                       written: List[str]) -> fmt.SegmentEntry:
+        """Write one segment and its group sidecar durably (directory fsync left to the caller)."""
+        data = encode_ipc(record)
+        written.append(fmt.segment_file(seg_id))
+        durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False)
+        g_bytes = g_crc = 0
+        if self.group_key is not None:
+            gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row))
+            written.append(fmt.groups_file(seg_id))
+            durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False)
+            g_bytes, g_crc = gdata.size, crc32c(gdata)
+        return fmt.SegmentEntry(seg_id, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc)
+
+    def _abort(self, written: List[str], generation: int) -> None:
+        """Undo a failed commit: remove its files unless its manifest became visible."""
+        if os.path.exists(os.path.join(self.path, fmt.manifest_file(generation))):
+            return  # the rename happened (a later fsync failed): the files are referenced
+        for f in written:
+            remove_quietly(os.path.join(self.path, f))
+
+    def _sync_data_dirs(self) -> None:
+        # the renames must be durable before a manifest names the files
+        fsync_dir(os.path.join(self.path, fmt.SEGMENT_DIR))
+        fsync_dir(os.path.join(self.path, fmt.GROUPS_DIR))
 
     def _install_commit(self, new: fmt.Manifest, options: fmt.StoreOptions, new_keys: List[pa.Array]) -> None:
         live = {s.id for s in new.segments}
@@ -337,6 +347,63 @@ class ReplayStore:
             return fmt.Manifest.from_dict(fmt.read_json(path), path)
         except (OSError, ValueError):
             return None
+
+    def compact(self, target_bytes: int = 64 << 20) -> Dict[str, int]:
+        """Rewrite the live rows into fewer, larger segments in one commit.
+
+        Row ids, groups and states are unchanged; rows below ``head`` are
+        dropped from the first segment. The old files stay until no retained
+        manifest names them, so readers keep working throughout. Returns the
+        segment counts and bytes before and after.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> for i in range(3): _ = store.extend({"prompt_id": [i], "completion_ids": [[i]]})
+        >>> store.compact()["segments_after"]
+        1
+        """
+        self._require_writer()
+        if target_bytes <= 0:
+            raise ValueError(f"target_bytes must be positive, got {target_bytes}")
+        m = self.manifest
+        before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
+        written: List[str] = []
+        entries: List[fmt.SegmentEntry] = []
+        pending: List[pa.RecordBatch] = []
+        pending_bytes = 0
+        seg_id, first = m.next_segment, m.head
+
+        def flush() -> None:
+            nonlocal pending, pending_bytes, seg_id, first
+            if not pending:
+                return
+            record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
+                else pending[0]
+            entries.append(self._write_segment(record, seg_id, first, written))
+            first += record.num_rows
+            seg_id += 1
+            pending, pending_bytes = [], 0
+
+        try:
+            for e in m.segments:
+                batch = self._segment(e).batch
+                if e.first_row < m.head:
+                    batch = batch.slice(m.head - e.first_row)
+                if pending_bytes and pending_bytes + batch.nbytes > target_bytes:
+                    flush()
+                pending.append(batch)
+                pending_bytes += batch.nbytes
+            flush()
+            self._sync_data_dirs()
+            new = m.evolve(generation=m.generation + 1, next_segment=seg_id, segments=tuple(entries))
+            new.write(self.path)
+        except BaseException:
+            self._abort(written, m.generation + 1)
+            raise
+        self._segments.clear()
+        self.manifest = new
+        self._collect_garbage()
+        return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
     # ------------------------------------------------------------------ states
 

@@ -520,3 +520,28 @@ class StoreMachine(RuleBasedStateMachine):
 
 StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
+
+
+def test_compact_keeps_rows_and_readers_working(tmp_path):
+    path = tmp_path / "s"
+    with ReplayStore(path, capacity=60) as store:
+        for s in range(12):
+            store.extend(make_rollouts(1, 8, seed=s, first_group=s, completion_mean=30))
+        reader = ReplayStore(path, readonly=True)
+        before = store.read(store.row_ids())
+        keys = store.group_keys()
+        info = store.compact(target_bytes=20_000)
+        assert info["segments_before"] == 8 and info["segments_after"] < 8
+        after = store.read(store.row_ids())
+        for k in ("completion_ids", "old_per_token_logps", "prompt_ids"):
+            np.testing.assert_array_equal(after[k].values, before[k].values)
+            np.testing.assert_array_equal(after[k].offsets - after[k].offsets[0],
+                                          before[k].offsets - before[k].offsets[0])
+        assert store.group_keys() == keys and store.head == 36
+        # the reader still holds the old manifest and reads through it
+        got = reader.read(reader.row_ids(), ["completion_ids"])["completion_ids"]
+        np.testing.assert_array_equal(got.values, before["completion_ids"].values)
+        assert reader.refresh() and len(reader.manifest.segments) == info["segments_after"]
+        store.extend(make_rollouts(1, 8, seed=99, first_group=99))
+    with ReplayStore(path, readonly=True) as again:
+        assert again.group_keys()[-1] == 99 and len(again) == 60

@@ -1,0 +1,547 @@
+"""Shared machinery of the dataset tools: errors, atomic outputs, progress
+bars, row selection, Arrow conversion and tokenizers.
+
+Everything here reads a store through its public API only (``read``,
+``manifest.segments``, ``group_index``), one bounded chunk of rows at a time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+import shutil
+import sys
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import pyarrow as pa
+
+from .._fileio import fsync_dir
+from ..errors import DiskReplayError
+from ..ragged import RaggedColumn
+from ..schema import RAGGED, VECTOR, ColumnSpec, Schema
+from ..store import ReplayStore
+
+PathLike = Union[str, "os.PathLike[str]"]
+StoreLike = Union[ReplayStore, PathLike]
+
+#: ``format`` of the metadata document every export carries (Parquet schema
+#: metadata, the Zarr group's attributes, ``diskreplay.json`` beside a HF dataset).
+EXPORT_FORMAT = "diskreplay.export"
+EXPORT_VERSION = 1
+META_KEY = b"diskreplay"
+#: Rows are read and written in chunks of about this many bytes of store data
+#: (consecutive small segments are merged, large ones split): one Parquet row
+#: group / one HF record batch per chunk, memory bounded by a few chunks.
+CHUNK_BYTES = 64 << 20
+TEXT_COLUMNS = ("prompt", "completion")
+
+
+class ExportError(DiskReplayError, ValueError):
+    """Bad input to an export, import or curation: an unknown column, a bad
+    mapping, an unparsable line, a tokenizer that does not load.
+
+    >>> issubclass(ExportError, ValueError)
+    True
+    """
+
+
+class OutputExistsError(DiskReplayError, FileExistsError):
+    """The output path exists and ``overwrite`` was not given."""
+
+
+class MissingDependencyError(DiskReplayError, ImportError):
+    """An optional library (zarr, datasets, tqdm, a tokenizer library) is missing."""
+
+
+def require(module: str, extra: str, what: str) -> Any:
+    """Import an optional dependency or say which extra installs it.
+
+    >>> require("json", "none", "JSON").__name__
+    'json'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(f"{what} needs the {module!r} package, which is not installed "
+                                     f"({exc}); install it with: pip install 'diskreplay[{extra}]'") from None
+
+
+@contextmanager
+def open_store(store: StoreLike) -> Iterator[ReplayStore]:
+    """Yield ``store`` itself, or a read-only store opened at that path (closed after)."""
+    if isinstance(store, ReplayStore):
+        yield store
+        return
+    s = ReplayStore(store, readonly=True)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------------
+# Outputs appear whole or not at all
+
+
+def _tmp_name(path: str, tag: str) -> str:
+    parent, base = os.path.split(path)
+    return os.path.join(parent, f".{base}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def remove_path(path: str) -> None:
+    """Remove a file or directory tree if it exists; never raises for a missing path."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_tree(path: str) -> None:
+    if os.path.isfile(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            _fsync_tree(os.path.join(root, f))
+        fsync_dir(root)
+
+
+def check_output(out: PathLike, overwrite: bool) -> str:
+    """Absolute ``out``; raises if it exists (without ``overwrite``) or its directory does not."""
+    out = os.path.abspath(os.fspath(out))
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise ExportError(f"the directory of the output {out} does not exist; create {parent} first")
+    if os.path.lexists(out) and not overwrite:
+        raise OutputExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+    return out
+
+
+@contextmanager
+def atomic_output(out: PathLike, *, overwrite: bool, directory: bool) -> Iterator[str]:
+    """Yield a temporary path beside ``out``; on success move it to ``out``.
+
+    The temporary name starts with a dot in the same directory, so the final
+    rename is atomic and an interrupted export leaves nothing under ``out``
+    (an existing ``out`` is replaced only once the new one is complete). On
+    any error the temporary output is deleted and the error re-raised.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); out = os.path.join(d, "a.txt")
+    >>> with atomic_output(out, overwrite=False, directory=False) as tmp:
+    ...     _ = open(tmp, "w").write("hi")
+    >>> os.listdir(d), open(out).read()
+    (['a.txt'], 'hi')
+    """
+    out = check_output(out, overwrite)
+    tmp = _tmp_name(out, "tmp")
+    if directory:
+        os.mkdir(tmp)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if os.path.lexists(out):
+            if not directory and not os.path.isdir(out):
+                os.replace(tmp, out)
+            else:
+                old = _tmp_name(out, "old")
+                os.rename(out, old)
+                os.rename(tmp, out)
+                remove_path(old)
+        else:
+            os.rename(tmp, out)
+        fsync_dir(os.path.dirname(out))
+    except BaseException:
+        remove_path(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# Progress
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+_warned_tqdm = False
+
+
+def progress_bar(total: Optional[int], desc: str, enabled: bool, unit: str = "rows") -> Any:
+    """A tqdm bar on stderr, or a do-nothing bar when disabled or tqdm is missing."""
+    global _warned_tqdm
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if not _warned_tqdm:
+            _warned_tqdm = True
+            warnings.warn("progress bars need tqdm: pip install 'diskreplay[progress]'", RuntimeWarning,
+                          stacklevel=3)
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+                leave=False)
+
+
+# ---------------------------------------------------------------------------
+# Row selection
+
+
+def parse_version_range(text: Optional[str]) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """``"A:B"`` (inclusive; either end may be empty) or ``"A"`` as a (low, high) pair.
+
+    >>> parse_version_range("3:7"), parse_version_range(":7"), parse_version_range("5")
+    ((3, 7), (None, 7), (5, 5))
+    """
+    if text is None:
+        return None
+    text = str(text).strip()
+    try:
+        if ":" not in text:
+            v = int(text)
+            return (v, v)
+        lo, hi = text.split(":", 1)
+        out = (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+    except ValueError:
+        raise ExportError(f"policy-version range must look like A:B, A: or :B with integers A <= B, got "
+                          f"{text!r}") from None
+    if out[0] is not None and out[1] is not None and out[0] > out[1]:
+        raise ExportError(f"policy-version range {text!r} is empty: {out[0]} > {out[1]}")
+    return out
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """Which live rows an export keeps (all conditions must hold).
+
+    ``policy_versions`` is an inclusive ``(low, high)`` range (``None`` ends
+    are open) on ``version_key``; ``min_reward`` keeps rows whose reward
+    (averaged over reward functions for a vector column) is ``>=`` it;
+    ``limit`` keeps the first that many matching rows, oldest first.
+
+    >>> RowFilter(min_reward=0.5).active
+    True
+    """
+
+    policy_versions: Optional[Tuple[Optional[int], Optional[int]]] = None
+    min_reward: Optional[float] = None
+    limit: Optional[int] = None
+    reward_key: str = "rewards"
+    version_key: str = "policy_version"
+
+    @property
+    def active(self) -> bool:
+        return self.policy_versions is not None or self.min_reward is not None
+
+    def columns(self) -> List[str]:
+        out = []
+        if self.policy_versions is not None:
+            out.append(self.version_key)
+        if self.min_reward is not None:
+            out.append(self.reward_key)
+        return out
+
+    def check(self, store: ReplayStore) -> None:
+        if self.limit is not None and self.limit < 0:
+            raise ExportError(f"limit must be a non-negative number of rows, got {self.limit}")
+        for name in self.columns():
+            if name not in store.columns:
+                raise ExportError(f"cannot filter on column {name!r}: the store has no such column "
+                                  f"(columns: {store.columns})")
+            spec = store.schema[name]
+            if spec.kind == RAGGED or spec.dtype in ("string", "bool"):
+                raise ExportError(f"cannot filter on column {name!r}: it is a {spec.kind} column of "
+                                  f"{spec.dtype}, not a number per row")
+
+    def mask(self, data: Mapping[str, Any], n: int) -> np.ndarray:
+        keep = np.ones(n, dtype=bool)
+        if self.policy_versions is not None:
+            v = per_row_value(data[self.version_key])
+            lo, hi = self.policy_versions
+            if lo is not None:
+                keep &= v >= lo
+            if hi is not None:
+                keep &= v <= hi
+        if self.min_reward is not None:
+            keep &= per_row_value(data[self.reward_key]) >= self.min_reward
+        return keep
+
+
+def per_row_value(arr: np.ndarray) -> np.ndarray:
+    """One float per row: a vector column (one value per reward function) is averaged.
+
+    >>> per_row_value(np.array([[1.0, 3.0], [0.0, 0.0]])).tolist()
+    [2.0, 0.0]
+    """
+    arr = np.asarray(arr)
+    if arr.ndim == 2:
+        return arr.astype(np.float64).mean(axis=1)
+    return arr.astype(np.float64, copy=False)
+
+
+def plan_chunks(store: ReplayStore, chunk_bytes: int = CHUNK_BYTES) -> List[Tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` ranges covering the live rows, about ``chunk_bytes`` each.
+
+    Sizes come from the manifest's per-segment byte counts, so planning reads
+    no data. Consecutive small segments are merged (a training loop commits
+    many small ones) and a large one is split.
+    """
+    pieces: List[Tuple[int, int, float]] = []
+    head = store.head
+    for s in store.manifest.segments:
+        lo, hi = max(s.first_row, head), s.end_row
+        if hi <= lo:
+            continue
+        per_row = s.bytes / max(s.num_rows, 1)
+        size = per_row * (hi - lo)
+        k = max(1, int(-(-size // chunk_bytes)))
+        step = -(-(hi - lo) // k)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            pieces.append((a, b, per_row * (b - a)))
+    out: List[Tuple[int, int]] = []
+    acc = 0.0
+    for a, b, size in pieces:
+        if out and out[-1][1] == a and acc + size <= chunk_bytes:
+            out[-1] = (out[-1][0], b)
+            acc += size
+        else:
+            out.append((a, b))
+            acc = size
+    return out
+
+
+def iter_rows(store: ReplayStore, flt: Optional[RowFilter] = None, chunk_bytes: int = CHUNK_BYTES,
+              bar: Any = None) -> Iterator[np.ndarray]:
+    """Yield the ids of the selected live rows, oldest first, one chunk at a time."""
+    flt = flt or RowFilter()
+    flt.check(store)
+    left = flt.limit
+    for lo, hi in plan_chunks(store, chunk_bytes):
+        if left is not None and left <= 0:
+            return
+        rows = np.arange(lo, hi, dtype=np.int64)
+        if flt.active:
+            data = store.read(rows, flt.columns())
+            rows = rows[flt.mask(data, len(rows))]
+        if left is not None:
+            rows = rows[:left]
+            left -= len(rows)
+        if bar is not None:
+            bar.update(hi - lo)
+        if len(rows):
+            yield rows
+
+
+# ---------------------------------------------------------------------------
+# Columns as Arrow
+
+
+def column_to_arrow(spec: ColumnSpec, value: Any, n: int, large: bool = True) -> pa.Array:
+    """One column as returned by ``store.read`` as an Arrow array of the store's type.
+
+    Ragged columns become ``large_list`` (``list`` when ``large`` is False),
+    with null for a row that holds no value; strings ``large_string``.
+
+    >>> col = RaggedColumn.from_arrays([[1, 2], [3]], dtype=np.int32)
+    >>> column_to_arrow(ColumnSpec("completion_ids", "ragged", "int32"), col, 2).to_pylist()
+    [[1, 2], [3]]
+    """
+    t = spec.arrow_type
+    if spec.kind == RAGGED:
+        if not large:
+            t = pa.list_(t.value_type)
+        if value is None:
+            return pa.nulls(n, type=t)
+        col: RaggedColumn = value
+        offsets = np.asarray(col.offsets, dtype=np.int64)
+        if offsets[0] != 0:
+            offsets = offsets - offsets[0]
+            values = col.values[int(col.offsets[0]):int(col.offsets[-1])]
+        else:
+            values = col.values[:int(offsets[-1])]
+        mask = None if col.validity is None else pa.array(~np.asarray(col.validity, dtype=bool))
+        values = pa.array(np.ascontiguousarray(values), type=t.value_type)
+        if large:
+            return pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), values, mask=mask)
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32), type=pa.int32()), values, mask=mask)
+    if spec.dtype == "string":
+        return pa.array(list(value), type=pa.large_string() if large else pa.string())
+    arr = np.ascontiguousarray(value)
+    if spec.kind == VECTOR:
+        return pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1), type=t.value_type), spec.width)
+    return pa.array(arr, type=t)
+
+
+def arrow_type(spec: ColumnSpec, large: bool = True) -> pa.DataType:
+    t = spec.arrow_type
+    if not large:
+        if spec.kind == RAGGED:
+            return pa.list_(t.value_type)
+        if spec.dtype == "string":
+            return pa.string()
+    return t
+
+
+def check_columns(store: ReplayStore, columns: Optional[Sequence[str]]) -> List[str]:
+    """The store columns to export, in the order asked (default: all, schema order)."""
+    if store.schema is None or not len(store):
+        if columns:
+            raise ExportError(f"the store at {store.path} is empty; it has no column {columns[0]!r}")
+        return list(store.columns)
+    if columns is None:
+        return list(store.columns)
+    if isinstance(columns, str):
+        columns = [c for c in columns.split(",") if c]
+    seen = []
+    for c in columns:
+        if c not in store.columns:
+            raise ExportError(f"column {c!r} is not in the store (columns: {', '.join(store.columns)})")
+        if c not in seen:
+            seen.append(c)
+    if not seen:
+        raise ExportError("no columns selected; name at least one column")
+    return seen
+
+
+def export_metadata(store: ReplayStore, names: Sequence[str], **extra: Any) -> Dict[str, Any]:
+    """The JSON document that lets ``import_rollouts`` rebuild an identical store."""
+    schema: Schema = store.schema
+    gk = store.group_key if store.group_key in names else None
+    doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
+           "schema": [schema[n].to_dict() for n in names], "group_key": gk,
+           "capacity": store.capacity, "capacity_bytes": getattr(store.options, "capacity_bytes", None),
+           "source": store.path}
+    doc.update(extra)
+    return doc
+
+
+def check_metadata(doc: Any, where: str) -> Optional[Dict[str, Any]]:
+    """A validated export metadata document, or None when ``doc`` is None."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"Unsupported metadata in {where}: format {doc.get('format') if isinstance(doc, dict) else doc!r}; "
+                          f"expected {EXPORT_FORMAT!r}")
+    if doc.get("version") != EXPORT_VERSION:
+        raise ExportError(f"Unsupported {EXPORT_FORMAT} version {doc.get('version')!r} in {where}; expected "
+                          f"{EXPORT_VERSION} (written by a newer diskreplay?)")
+    try:
+        doc["schema_obj"] = Schema.from_list(doc["schema"])
+    except (KeyError, ValueError) as exc:
+        raise ExportError(f"Unsupported schema in {where}: {exc}") from None
+    return doc
+
+
+# ---------------------------------------------------------------------------
+# Tokenizers (local directories only; never the hub)
+
+
+class TextDecoder:
+    """Decodes token-id rows to text with a tokenizer loaded from a local directory.
+
+    Use :func:`load_tokenizer` to build one.
+    """
+
+    def __init__(self, tokenizer: Any, kind: str, path: str, skip_special_tokens: bool = False) -> None:
+        self.tokenizer, self.kind, self.path = tokenizer, kind, path
+        self.skip_special_tokens = skip_special_tokens
+
+    def decode(self, col: Optional[RaggedColumn], n: int) -> List[Optional[str]]:
+        """Text of each row of a ragged id column (``None`` where the row has no value)."""
+        if col is None:
+            return [None] * n
+        rows = col.to_list()
+        present = [r for r in rows if r is not None]
+        if self.kind == "transformers":
+            texts = self.tokenizer.batch_decode(present, skip_special_tokens=self.skip_special_tokens,
+                                                clean_up_tokenization_spaces=False)
+        else:
+            texts = self.tokenizer.decode_batch(present, skip_special_tokens=self.skip_special_tokens)
+        it = iter(texts)
+        return [None if r is None else next(it) for r in rows]
+
+
+def load_tokenizer(path: PathLike, skip_special_tokens: bool = False) -> TextDecoder:
+    """Load a tokenizer from a local directory (no hub access).
+
+    Uses ``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``
+    when transformers is installed, else ``tokenizers.Tokenizer.from_file(path/tokenizer.json)``.
+    Raises ``ExportError`` when the directory does not load.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ExportError(f"tokenizer directory {path} does not exist; pass a local directory holding "
+                          "tokenizer.json or a saved transformers tokenizer")
+    errors = []
+    try:
+        import transformers  # noqa: F401
+        have_tf = True
+    except ImportError:
+        have_tf = False
+    if have_tf:
+        from transformers import AutoTokenizer
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return TextDecoder(tok, "transformers", path, skip_special_tokens)
+        except Exception as exc:  # transformers raises many kinds for a bad directory
+            errors.append(f"transformers: {type(exc).__name__}: {exc}")
+    tj = os.path.join(path, "tokenizer.json")
+    try:
+        tokenizers = importlib.import_module("tokenizers")
+    except ImportError:
+        if not have_tf:
+            raise MissingDependencyError("decoding tokens needs transformers or tokenizers: pip install "
+                                         "'diskreplay[trl]' (or pip install tokenizers)") from None
+        tokenizers = None
+    if tokenizers is not None:
+        if os.path.exists(tj):
+            try:
+                return TextDecoder(tokenizers.Tokenizer.from_file(tj), "tokenizers", path, skip_special_tokens)
+            except Exception as exc:
+                errors.append(f"tokenizers: {exc}")
+        else:
+            errors.append(f"tokenizers: no tokenizer.json in {path}")
+    raise ExportError(f"tokenizer directory {path} does not load ({'; '.join(errors)})")
+
+
+def resolve_tokenizer(tokenizer: Any, skip_special_tokens: bool = False) -> Optional[TextDecoder]:
+    """``None``, a :class:`TextDecoder`, a directory, or a loaded tokenizer object."""
+    if tokenizer is None or isinstance(tokenizer, TextDecoder):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return load_tokenizer(tokenizer, skip_special_tokens)
+    if hasattr(tokenizer, "batch_decode"):
+        return TextDecoder(tokenizer, "transformers", "<object>", skip_special_tokens)
+    if hasattr(tokenizer, "decode_batch"):
+        return TextDecoder(tokenizer, "tokenizers", "<object>", skip_special_tokens)
+    raise ExportError(f"tokenizer must be a directory or a tokenizer object, got {type(tokenizer).__name__}")
