@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .ragged import numpy_view
+
 
 class GroupIndex:
     """Live rows grouped by key, oldest first within each group.
@@ -93,4 +95,4 @@ class KeyCoder:
             new = pc.unique(keys.filter(idx.is_null()))
             self.dictionary = pa.concat_arrays([self.dictionary, new.cast(self.dictionary.type)])
             idx = pc.index_in(keys, value_set=self.dictionary)
-        return idx.to_numpy(zero_copy_only=False).astype(np.int64)
+        return numpy_view(idx).astype(np.int64)

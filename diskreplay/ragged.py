@@ -108,3 +108,37 @@ def gather_ranges(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     shift += np.arange(total, dtype=np.int64)
     np.take(values, shift, out=out)
     return out
+
+
+def numpy_view(arr) -> np.ndarray:
+    """A pyarrow primitive array as numpy, zero-copy where the layout allows.
+
+    ``pyarrow.Array.to_numpy`` imports pandas on first use (over 100 ms), which
+    would dominate opening a store; fixed-width numbers are read straight from
+    the Arrow data buffer instead. Null slots hold unspecified values.
+
+    >>> import pyarrow as pa
+    >>> numpy_view(pa.array([1, 2, 3], type=pa.int32())[1:]).tolist()
+    [2, 3]
+    >>> numpy_view(pa.array([True, False, True])).tolist()
+    [True, False, True]
+    """
+    import pyarrow as pa
+
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    t = arr.type
+    n = len(arr)
+    if pa.types.is_boolean(t):
+        buf = arr.buffers()[1]
+        if buf is None or n == 0:
+            return np.zeros(n, dtype=bool)
+        bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little")
+        return bits[arr.offset:arr.offset + n].astype(bool)
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        dtype = np.dtype(t.to_pandas_dtype())
+        buf = arr.buffers()[1]
+        if buf is None or n == 0:
+            return np.zeros(n, dtype=dtype)
+        return np.frombuffer(buf, dtype=dtype, count=arr.offset + n)[arr.offset:]
+    return arr.to_numpy(zero_copy_only=False)

@@ -24,6 +24,7 @@ column (and any whose name contains ``reward``) is a per-row vector.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -153,16 +154,12 @@ class Schema:
 
 def _to_numpy(name: str, value: Any) -> Any:
     """A tensor or array as numpy; lists are returned as lists."""
-    try:  # torch is a core dependency but keep the conversion duck-typed
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            t = value.detach()
-            if t.dtype in (torch.bfloat16, torch.float16):
-                t = t.float()
-            return t.cpu().numpy()
-    except ImportError:  # pragma: no cover
-        pass
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch was imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.cpu().numpy()
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, (list, tuple)):
@@ -185,6 +182,13 @@ class _Ragged:
 
 
 def _ragged_from_list(name: str, rows: list) -> _Ragged:
+    if rows and all(type(r) is np.ndarray and r.ndim == 1 for r in rows):
+        # the common case (lists of 1-D numpy arrays): one concatenate, no per-row work
+        dtypes = {r.dtype for r in rows}
+        if len(dtypes) == 1 and next(iter(dtypes)).kind in "iubf":
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), out=offsets[1:])
+            return _Ragged(np.concatenate(rows), offsets, None)
     arrays = []
     valid = np.ones(len(rows), dtype=bool)
     for i, r in enumerate(rows):
@@ -430,7 +434,8 @@ def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
     if v.dtype.kind not in "f" and v.size:
         raise BatchError(f"column {spec.name!r} holds {v.dtype} values; expected floats (e.g. log-probs)")
     out = v.astype(np.float32, copy=False)
-    if out.size:
+    # a NaN anywhere makes the sum NaN (so can inf - inf: then look closer)
+    if out.size and np.isnan(np.add.reduce(out, dtype=np.float64)):
         nan = np.isnan(out)
         if nan.any():
             bad = int(np.argmax(nan))

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import CorruptStoreError, FormatError
+from .ragged import numpy_view
 from .schema import RAGGED, VECTOR, Schema
 
 _PAGE = mmap.PAGESIZE
@@ -38,7 +39,7 @@ def group_sidecar(keys: pa.Array, first_row: int) -> pa.RecordBatch:
     global ``rows`` of that group (ascending, i.e. insertion order).
     """
     enc = keys.dictionary_encode()
-    codes = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    codes = numpy_view(enc.indices).astype(np.int64)
     order = np.argsort(codes, kind="stable")
     counts = np.bincount(codes, minlength=len(enc.dictionary)).astype(np.int64)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -147,10 +148,9 @@ class Segment(ArrowFile):
         hit = self._cache.get(name)
         if hit is None:
             arr = self.batch.column(name)
-            offsets = arr.offsets.to_numpy()
-            values = arr.values.to_numpy(zero_copy_only=True) if len(arr.values) else np.zeros(
-                0, dtype=arr.type.value_type.to_pandas_dtype())
-            validity = None if arr.null_count == 0 else arr.is_valid().to_numpy(zero_copy_only=False)
+            offsets = numpy_view(arr.offsets)
+            values = numpy_view(arr.values)
+            validity = None if arr.null_count == 0 else numpy_view(arr.is_valid())
             self._check_offsets(name, offsets, len(values))
             hit = self._cache[name] = (values, offsets, validity)
         return hit
@@ -168,10 +168,10 @@ class Segment(ArrowFile):
             if pa.types.is_large_string(t) or pa.types.is_string(t):
                 hit = arr
             elif pa.types.is_fixed_size_list(t):
-                flat = arr.values.to_numpy(zero_copy_only=False)
+                flat = numpy_view(arr.values)
                 hit = flat.reshape(len(arr), t.list_size)
             else:
-                hit = arr.to_numpy(zero_copy_only=False)
+                hit = numpy_view(arr)
             self._cache[name] = hit
         return hit
 
@@ -249,7 +249,7 @@ def decode_state(buf: Any, path: str) -> Dict[str, Any]:
                 i = x["__array__"]
                 if not isinstance(i, int) or not 0 <= i < batch.num_columns:
                     raise CorruptStoreError(f"{path}: bad array reference {i!r}")
-                flat = batch.column(i).chunk(0).values.to_numpy(zero_copy_only=False)
+                flat = numpy_view(batch.column(i).chunk(0).values)
                 try:
                     return flat.astype(np.dtype(x["dtype"]), copy=False).reshape(x["shape"]).copy()
                 except (TypeError, ValueError) as exc:

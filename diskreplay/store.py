@@ -20,7 +20,7 @@ from ._fileio import (TMP_PREFIX, WriterLock, crash_point, crc32c, durable_write
                       remove_quietly)
 from .errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
 from .groups import GroupIndex, KeyCoder
-from .ragged import RaggedColumn, gather_ranges
+from .ragged import RaggedColumn, gather_ranges, numpy_view
 from .schema import RAGGED, Schema, normalize_batch
 from .segment import ArrowFile, Segment, decode_state, encode_ipc, encode_state, group_sidecar
 
@@ -572,8 +572,8 @@ class ReplayStore:
             path = os.path.join(self.path, s.groups_file)
             side = ArrowFile(path, s.groups_bytes).batch
             seg_codes = np.repeat(self._coder.encode(side.column("key")),
-                                  side.column("count").to_numpy(zero_copy_only=False))
-            rows = side.column("rows").values.to_numpy(zero_copy_only=False)
+                                  numpy_view(side.column("count")))
+            rows = numpy_view(side.column("rows").values)
             if len(rows) != s.num_rows or (len(rows) and (rows.min() < s.first_row or rows.max() >= s.end_row)):
                 raise CorruptStoreError(f"{path} does not index the rows of segment {s.id}")
             keep = rows >= have

@@ -293,6 +293,22 @@ class RowFilter:
         return keep
 
 
+def make_filter(policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
+                reward_key: str = "rewards") -> RowFilter:
+    """A :class:`RowFilter` from user-facing options (``policy_versions`` as ``"A:B"`` or a pair).
+
+    >>> make_filter("2:", 0.5).policy_versions
+    (2, None)
+    """
+    if policy_versions is None or isinstance(policy_versions, str):
+        pv = parse_version_range(policy_versions)
+    else:
+        lo, hi = policy_versions
+        pv = (None if lo is None else int(lo), None if hi is None else int(hi))
+    return RowFilter(pv, None if min_reward is None else float(min_reward),
+                     None if limit is None else int(limit), reward_key)
+
+
 def per_row_value(arr: np.ndarray) -> np.ndarray:
     """One float per row: a vector column (one value per reward function) is averaged.
 

@@ -1,0 +1,348 @@
+"""Table writers (Parquet, JSONL, Hugging Face ``datasets``) and the row exports built on them.
+
+A *sink* receives Arrow tables chunk by chunk and writes them to a temporary
+path; :func:`export` streams a store into one, segment range by segment
+range, so memory stays bounded by a chunk however large the store is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, RowFilter, StoreLike, _tmp_name,
+                      arrow_type, atomic_output, check_columns, column_to_arrow, export_metadata, iter_rows, open_store,
+                      make_filter, progress_bar, remove_path, require, resolve_tokenizer)
+
+FORMATS = ("parquet", "jsonl", "hf", "zarr")
+HF_META_FILE = "diskreplay.json"
+
+
+class ParquetSink:
+    """Writes tables to one Parquet file; small tables are merged into row groups of ~``row_group_bytes``."""
+
+    directory = False
+
+    def __init__(self, path: str, schema: pa.Schema, metadata: Optional[dict] = None,
+                 compression: str = "snappy", row_group_bytes: int = CHUNK_BYTES) -> None:
+        if metadata is not None:
+            schema = schema.with_metadata({META_KEY: json.dumps(metadata).encode()})
+        self.schema = schema
+        self.row_group_bytes = row_group_bytes
+        self._pending: List[pa.Table] = []
+        self._pending_bytes = 0
+        self.rows = 0
+        try:
+            self._writer = pq.ParquetWriter(path, schema, compression=compression)
+        except (pa.ArrowInvalid, ValueError) as exc:
+            raise ExportError(f"cannot write Parquet with compression {compression!r}: {exc}") from None
+
+    def write(self, table: pa.Table) -> None:
+        self._pending.append(table)
+        self._pending_bytes += table.nbytes
+        self.rows += table.num_rows
+        if self._pending_bytes >= self.row_group_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        t = self._pending[0] if len(self._pending) == 1 else pa.concat_tables(self._pending)
+        self._pending, self._pending_bytes = [], 0
+        self._writer.write_table(t.replace_schema_metadata(self.schema.metadata), row_group_size=max(1, t.num_rows))
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+
+
+class JsonlSink:
+    """Writes one JSON object per row and line (``null`` for a missing value).
+
+    Floats are written with Python's shortest double repr, so a float32 read
+    back and cast to float32 is bit-exact.
+    """
+
+    directory = False
+
+    def __init__(self, path: str, schema: pa.Schema, metadata: Optional[dict] = None) -> None:
+        self.schema = schema
+        self.rows = 0
+        self._fh = open(path, "w", encoding="utf-8", newline="\n")
+
+    def write(self, table: pa.Table) -> None:
+        names = table.column_names
+        cols = [table.column(i).to_pylist() for i in range(table.num_columns)]
+        dumps = json.dumps
+        lines = [dumps(dict(zip(names, vals)), ensure_ascii=False) for vals in zip(*cols)]
+        if lines:
+            self._fh.write("\n".join(lines))
+            self._fh.write("\n")
+        self.rows += table.num_rows
+
+    def close(self) -> None:
+        self._fh.flush()
+        self._fh.close()
+
+    def abort(self) -> None:
+        self._fh.close()
+
+
+class HFSink:
+    """Builds a Hugging Face dataset (``Dataset.save_to_disk`` layout) from tables.
+
+    Tables go to one Arrow stream file through ``datasets``' own ``ArrowWriter``
+    (a memory-mapped build file next to the output), which ``close`` turns into
+    the saved dataset; the build file is removed. ``datasets.load_from_disk``
+    reads the result, token columns as ``List(Value('int32'))`` sequences.
+    """
+
+    directory = True
+
+    def __init__(self, path: str, schema: pa.Schema, metadata: Optional[dict] = None) -> None:
+        self.datasets = require("datasets", "hf", "the Hugging Face export")
+        from datasets.arrow_writer import ArrowWriter
+
+        self.path, self.metadata = path, metadata
+        self.schema = schema
+        self.rows = 0
+        self.features = self.datasets.Features.from_arrow_schema(schema)
+        self._build = _tmp_name(path, "build") + ".arrow"
+        self._writer = ArrowWriter(features=self.features, path=self._build)
+
+    def write(self, table: pa.Table) -> None:
+        self._writer.write_table(table)
+        self.rows += table.num_rows
+
+    def close(self) -> None:
+        datasets = self.datasets
+        try:
+            self._writer.finalize()
+            self._writer.close()
+            ds = datasets.Dataset.from_file(self._build)
+            with _quiet_datasets(datasets):
+                ds.save_to_disk(self.path)
+            del ds
+            if self.metadata is not None:
+                with open(os.path.join(self.path, HF_META_FILE), "w", encoding="utf-8") as fh:
+                    json.dump(self.metadata, fh, indent=1)
+        finally:
+            remove_path(self._build)
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+        remove_path(self._build)
+
+
+@contextmanager
+def _quiet_datasets(datasets: Any) -> Iterator[None]:
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def hf_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with 64-bit-offset lists and strings narrowed to the types HF users expect."""
+    fields = []
+    for f in schema:
+        t = f.type
+        if pa.types.is_large_list(t):
+            t = pa.list_(t.value_type)
+        elif pa.types.is_large_string(t):
+            t = pa.string()
+        fields.append(pa.field(f.name, t))
+    return pa.schema(fields)
+
+
+def open_sink(fmt: str, path: str, schema: pa.Schema, metadata: Optional[dict] = None, **kw: Any) -> Any:
+    if fmt == "parquet":
+        return ParquetSink(path, schema, metadata, **kw)
+    if fmt == "jsonl":
+        return JsonlSink(path, schema, metadata)
+    if fmt == "hf":
+        return HFSink(path, hf_schema(schema), metadata)
+    raise ExportError(f"format must be one of parquet, jsonl, hf here, got {fmt!r}")
+
+
+def write_tables(fmt: str, out: str, schema: pa.Schema, tables: Iterator[pa.Table], *,
+                 metadata: Optional[dict] = None, overwrite: bool = False, **kw: Any) -> int:
+    """Write a stream of tables to ``out`` atomically; returns the number of rows."""
+    directory = fmt == "hf"
+    with atomic_output(out, overwrite=overwrite, directory=directory) as tmp:
+        sink = open_sink(fmt, tmp, schema, metadata, **kw)
+        try:
+            for t in tables:
+                if t.schema != sink.schema:
+                    t = t.cast(sink.schema)
+                sink.write(t)
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        return sink.rows
+
+
+def export(store: StoreLike, out: Any, format: str = "parquet", *, columns: Optional[Sequence[str]] = None,
+           policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
+           tokenizer: Any = None, skip_special_tokens: bool = False, reward_key: str = "rewards",
+           overwrite: bool = False, progress: bool = False, compression: str = "snappy",
+           chunk_bytes: int = CHUNK_BYTES) -> Dict[str, Any]:
+    """Export a store's live rows to ``out`` as ``parquet``, ``jsonl``, ``hf`` or ``zarr``.
+
+    Streams chunk by chunk (memory bounded by ~``chunk_bytes`` of store data)
+    into a temporary name beside ``out`` and renames it at the end, so an
+    interrupted export leaves nothing under ``out``; an existing ``out`` is
+    refused unless ``overwrite``. ``columns`` picks columns; ``policy_versions``
+    (``"A:B"`` or ``(A, B)``, inclusive), ``min_reward`` and ``limit`` pick
+    rows; ``tokenizer`` (a local directory) adds decoded ``prompt`` and
+    ``completion`` text columns. Ragged columns are ``large_list`` in Parquet,
+    ``List`` sequences in HF, arrays in JSONL (``null`` for a missing row).
+    Returns a summary dict.
+
+    >>> import tempfile, os, pyarrow.parquet as pq
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(os.path.join(d, "store")) as s:
+    ...     _ = s.extend({"prompt_id": [0, 0], "completion_ids": [[1, 2], [3]], "rewards": [1.0, 0.0]})
+    ...     info = export(s, os.path.join(d, "out.parquet"))
+    >>> info["rows"], pq.read_table(os.path.join(d, "out.parquet"))["completion_ids"].to_pylist()
+    (2, [[1, 2], [3]])
+    """
+    if format not in FORMATS:
+        raise ExportError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if format == "zarr":
+        from .zarr_archive import export_zarr
+
+        if tokenizer is not None:
+            raise ExportError("a zarr export holds the store's columns only; --tokenizer applies to parquet, "
+                              "jsonl and hf")
+        return export_zarr(store, out, columns=columns, policy_versions=policy_versions, min_reward=min_reward,
+                           limit=limit, reward_key=reward_key, overwrite=overwrite, progress=progress,
+                           chunk_bytes=chunk_bytes)
+    flt = make_filter(policy_versions, min_reward, limit, reward_key)
+    with open_store(store) as st:
+        names = check_columns(st, columns)
+        flt.check(st)
+        decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
+        text_cols: List[str] = []
+        if decoder is not None:
+            for c in TEXT_COLUMNS:
+                ids = f"{c}_ids"
+                if ids not in st.columns:
+                    continue
+                if c in names:
+                    raise ExportError(f"the store already has a column {c!r}; drop it with --columns to add "
+                                      "decoded text")
+                text_cols.append(c)
+            if not text_cols:
+                raise ExportError(f"--tokenizer decodes prompt_ids / completion_ids, but the store has neither "
+                                  f"(columns: {st.columns})")
+        read_cols = list(dict.fromkeys(names + [f"{c}_ids" for c in text_cols]))
+        large = format != "hf"
+        fields = [pa.field(n, arrow_type(st.schema[n], large)) for n in names]
+        fields += [pa.field(c, pa.large_string() if large else pa.string()) for c in text_cols]
+        schema = pa.schema(fields)
+        meta = export_metadata(st, names)
+        bar = progress_bar(len(st), f"export {format}", progress)
+
+        def tables() -> Iterator[pa.Table]:
+            for rows in iter_rows(st, flt, chunk_bytes, bar):
+                data = st.read(rows, read_cols) if read_cols else {}
+                n = len(rows)
+                arrays = [column_to_arrow(st.schema[c], data[c], n, large) for c in names]
+                for c in text_cols:
+                    arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n),
+                                           type=pa.large_string() if large else pa.string()))
+                yield pa.Table.from_arrays(arrays, schema=schema)
+
+        try:
+            kw = {"compression": compression, "row_group_bytes": chunk_bytes} if format == "parquet" else {}
+            rows = write_tables(format, out, schema, tables(), metadata=meta, overwrite=overwrite, **kw)
+        finally:
+            bar.close()
+    out = os.path.abspath(os.fspath(out))
+    return {"path": out, "format": format, "rows": rows, "columns": names + text_cols,
+            "bytes": _size(out)}
+
+
+def _size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _d, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def export_parquet(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:
+    """Export to one Parquet file (pyarrow ``ParquetWriter``; a row group per ~64 MiB chunk).
+
+    Ragged columns are ``large_list<int32|float32>`` (null where a row has no
+    value); the file's schema metadata (key ``diskreplay``) carries the store
+    schema so :func:`import_rollouts` rebuilds an identical store. Readable by
+    pyarrow, polars and duckdb. Options as for :func:`export`.
+
+    >>> import tempfile, os, polars as pl
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(os.path.join(d, "s")) as s:
+    ...     _ = s.extend({"prompt_id": [5], "completion_ids": [[7, 8]]})
+    >>> _ = export_parquet(os.path.join(d, "s"), os.path.join(d, "o.parquet"))
+    >>> pl.read_parquet(os.path.join(d, "o.parquet"))["completion_ids"].to_list()
+    [[7, 8]]
+    """
+    return export(store, out, "parquet", **kw)
+
+
+def export_jsonl(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:
+    """Export one JSON object per rollout and line, streaming. Options as for :func:`export`.
+
+    >>> import tempfile, os, json
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(os.path.join(d, "s")) as s:
+    ...     _ = s.extend({"prompt_id": ["q1"], "completion_ids": [[7, 8]], "old_per_token_logps": [None]})
+    >>> _ = export_jsonl(os.path.join(d, "s"), os.path.join(d, "o.jsonl"))
+    >>> json.loads(open(os.path.join(d, "o.jsonl")).readline())
+    {'prompt_id': 'q1', 'completion_ids': [7, 8], 'old_per_token_logps': None}
+    """
+    return export(store, out, "jsonl", **kw)
+
+
+def export_hf(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:
+    """Export as a Hugging Face dataset directory (``save_to_disk`` layout).
+
+    Token and log-prob columns are ``List(Value(...))`` sequences;
+    ``datasets.load_from_disk(out)`` reads it. A ``diskreplay.json`` beside the
+    data carries the store schema for :func:`import_rollouts`. Needs
+    ``pip install 'diskreplay[hf]'``. Options as for :func:`export`.
+
+    >>> import tempfile, os, datasets
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(os.path.join(d, "s")) as s:
+    ...     _ = s.extend({"prompt_id": [5], "completion_ids": [[7, 8]]})
+    >>> _ = export_hf(os.path.join(d, "s"), os.path.join(d, "ds"))
+    >>> datasets.load_from_disk(os.path.join(d, "ds"))[0]["completion_ids"]
+    [7, 8]
+    """
+    return export(store, out, "hf", **kw)
