@@ -545,3 +545,24 @@ def test_compact_keeps_rows_and_readers_working(tmp_path):
         store.extend(make_rollouts(1, 8, seed=99, first_group=99))
     with ReplayStore(path, readonly=True) as again:
         assert again.group_keys()[-1] == 99 and len(again) == 60
+
+
+def test_store_is_readable_with_plain_pyarrow_as_documented(tmp_path):
+    """The recipe of docs/FORMAT.md, run verbatim on a store with evictions."""
+    import pyarrow as pa
+
+    path = tmp_path / "STORE"
+    with ReplayStore(path, capacity=20) as store:
+        for s in range(5):
+            store.extend(make_rollouts(1, 8, seed=s, first_group=s, completion_mean=10))
+        expected = store.read(store.row_ids(), ["completion_ids", "prompt_id"])
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "FORMAT.md")).read()
+    recipe = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    recipe = textwrap.dedent(recipe).replace('"STORE/', f'"{path}/').replace("f\"STORE/", f"f\"{path}/")
+    scope = {}
+    exec(recipe, scope)
+    table = scope["table"]
+    assert table.num_rows == 20
+    assert table.column("prompt_id").to_pylist() == expected["prompt_id"].tolist()
+    flat = pa.concat_arrays([c.flatten() for c in table.column("completion_ids").chunks])
+    assert flat.to_pylist() == expected["completion_ids"].values.tolist()
