@@ -309,7 +309,9 @@ def _lengths(r: _Ragged) -> np.ndarray:
 def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
     if not isinstance(batch, Mapping):
         raise BatchError(f"a batch must be a mapping of column name to values, got {type(batch).__name__}")
-    raw = {str(k): v for k, v in batch.items() if v is not None}
+    # a column that is None, or None in every row, was "not computed"
+    raw = {str(k): v for k, v in batch.items()
+           if v is not None and not (isinstance(v, (list, tuple)) and v and all(x is None for x in v))}
     if not raw:
         raise BatchError("the batch is empty: it has no columns with values")
     arrays = {k: _to_numpy(k, v) for k, v in raw.items()}

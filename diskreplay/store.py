@@ -63,6 +63,7 @@ class ReplayStore:
         self._codes: Optional[np.ndarray] = None  # group code per row in [_codes_base, next_row)
         self._codes_base = 0
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
+        self._retained: Dict[int, fmt.Manifest] = {}  # manifests kept for fallback and readers
         self.recovered_from: List[str] = []
         for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes)):
             if value is not _UNSET and value is not None and (
@@ -305,48 +306,45 @@ class ReplayStore:
             self._codes_base = max(self._codes_base, new.head)
 
     def _collect_garbage(self, full: bool = False) -> None:
-        """Delete files no retained manifest references, and old manifests.
+        """Delete old manifests and the files no retained manifest names.
 
-        Segments evicted by the newest manifest stay until every manifest that
-        names them is gone (``KEEP_MANIFESTS`` commits later), so a reader that
-        loaded a slightly older manifest can still open its files.
+        The newest ``KEEP_MANIFESTS`` manifests are retained: a damaged newest
+        one can fall back to them, and a reader that loaded one of them can
+        still open its files, so an evicted segment goes ``KEEP_MANIFESTS``
+        commits after its eviction. ``full`` (at open) sweeps the directories
+        for leftovers of crashed writers; otherwise only the files of the
+        manifests that just dropped out of retention are candidates.
         """
-        gens = fmt.list_generations(self.path)
-        keep = [g for g in gens if g <= self.manifest.generation][: fmt.KEEP_MANIFESTS]
-        docs = fmt.manifest_docs(self.path) if full else None
-        referenced = set(self.manifest.files())
-        for g in keep[1:]:
-            m = docs.get(g) if docs is not None else self._recent_manifest(g)
-            if m is not None:
-                referenced.update(m.files())
-        for g in gens:
-            if g not in keep:
-                crash_point("gc.manifest")
-                remove_quietly(os.path.join(self.path, fmt.manifest_file(g)))
-        for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR):
-            try:
-                names = os.listdir(os.path.join(self.path, d))
-            except FileNotFoundError:
-                continue
-            for name in names:
-                rel = f"{d}/{name}"
-                if rel in referenced:
-                    continue
-                # we hold the writer lock, so an unreferenced file is garbage
-                crash_point("gc.file")
-                remove_quietly(os.path.join(self.path, rel))
+        current = self.manifest.generation
         if full:
-            for d in (fmt.MANIFEST_DIR, ""):
+            docs = fmt.manifest_docs(self.path)
+            keep = [g for g in sorted(docs, reverse=True) if g <= current][: fmt.KEEP_MANIFESTS]
+            self._retained = {g: docs[g] for g in keep}
+            self._retained[current] = self.manifest
+            referenced = {f for m in self._retained.values() for f in m.files()}
+            for g in fmt.list_generations(self.path):
+                if g not in self._retained:
+                    remove_quietly(os.path.join(self.path, fmt.manifest_file(g)))
+            for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.MANIFEST_DIR, ""):
                 for name in os.listdir(os.path.join(self.path, d)):
-                    if name.startswith(TMP_PREFIX):
-                        remove_quietly(os.path.join(self.path, d, name))
-
-    def _recent_manifest(self, gen: int) -> Optional[fmt.Manifest]:
-        path = os.path.join(self.path, fmt.manifest_file(gen))
-        try:
-            return fmt.Manifest.from_dict(fmt.read_json(path), path)
-        except (OSError, ValueError):
-            return None
+                    rel = f"{d}/{name}" if d else name
+                    # we hold the writer lock: an unreferenced data file is garbage
+                    if name.startswith(TMP_PREFIX) or (d not in ("", fmt.MANIFEST_DIR) and rel not in referenced):
+                        remove_quietly(os.path.join(self.path, rel))
+            return
+        self._retained[current] = self.manifest
+        dropped = sorted(self._retained)[: -fmt.KEEP_MANIFESTS]
+        if not dropped:
+            return
+        old = [self._retained.pop(g) for g in dropped]
+        referenced = {f for m in self._retained.values() for f in m.files()}
+        for m in old:
+            crash_point("gc.manifest")
+            remove_quietly(os.path.join(self.path, m.file))
+            for f in m.files():
+                if f not in referenced:
+                    crash_point("gc.file")
+                    remove_quietly(os.path.join(self.path, f))
 
     def compact(self, target_bytes: int = 64 << 20) -> Dict[str, int]:
         """Rewrite the live rows into fewer, larger segments in one commit.

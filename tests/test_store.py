@@ -51,6 +51,8 @@ def ragged_batches(draw):
     logps = [None if draw(st.booleans()) and draw(st.booleans()) else
              np.array(draw(st.lists(st.floats(-50, 0, width=32), min_size=len(c), max_size=len(c))),
                       dtype=np.float32) for c in comps]
+    if all(x is None for x in logps):  # a column None in every row is "not computed": keep one row
+        logps[0] = np.zeros(len(comps[0]), dtype=np.float32)
     keys = draw(st.one_of(st.lists(st.integers(-5, 5), min_size=n, max_size=n),
                           st.lists(st.text(min_size=0, max_size=8), min_size=n, max_size=n)))
     return {"prompt_id": keys, "prompt_ids": prompts, "completion_ids": comps, "old_per_token_logps": logps,
@@ -310,6 +312,13 @@ def test_bad_input_is_rejected_and_store_unchanged(tmp_path, case, batch, messag
         assert snapshot(path) == before and store.generation == gen and len(store) == 2
         store.extend(GOOD)  # and the store still works
         assert len(store) == 4
+
+
+def test_column_none_in_every_row_is_not_stored(store):
+    store.extend({"prompt_id": [1, 1], "completion_ids": [[1], [2]], "ref_per_token_logps": [None, None]})
+    assert "ref_per_token_logps" not in store.columns
+    with pytest.raises(SchemaError, match="'ref_per_token_logps' is not in the store's schema"):
+        store.extend({"prompt_id": [1], "completion_ids": [[1]], "ref_per_token_logps": [[0.5]]})
 
 
 def test_first_batch_errors_leave_no_schema(tmp_path):
