@@ -1,5 +1,5 @@
 """Build a store from a Parquet file, a JSONL rollout dump, a Hugging Face
-dataset saved to disk, or a Zarr archive written by ``export``.
+dataset saved to disk, a Zarr archive written by ``export``, or another store.
 
 Every source is read as Arrow tables of ``chunk_rows`` rows; each table is
 renamed by the column mapping, turned into an ``extend`` batch (ragged columns
@@ -10,22 +10,19 @@ at the end, so a failed import leaves nothing under the final name.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import DiskReplayError
 from ..schema import RAGGED, SCALAR, VECTOR, ColumnSpec
 from ..store import ReplayStore
-from ._common import (META_KEY, ExportError, OutputExistsError, atomic_output, check_metadata, check_output,
-                      progress_bar, require)
+from ._common import ExportError, atomic_output, check_output, progress_bar
+from .sources import HFSource, JsonlSource, ParquetSource, StoreSource, _numeric_list, detect_format
 
-IMPORT_FORMATS = ("auto", "parquet", "jsonl", "hf", "zarr")
+IMPORT_FORMATS = ("auto", "parquet", "jsonl", "hf", "zarr", "store")
 _AUTO: Any = object()
 
 #: Names other frameworks' rollout dumps use, renamed when ``aliases=True``
@@ -117,318 +114,6 @@ def resolve_columns(src: str, available: Sequence[str], mapping: Dict[str, str],
 
 
 # ---------------------------------------------------------------------------
-# Sources
-
-
-class ParquetSource:
-    """A Parquet file, or a directory of ``*.parquet`` files read in name order."""
-
-    format = "parquet"
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        if os.path.isdir(path):
-            self.files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                                if f.endswith((".parquet", ".pq")) and not f.startswith("."))
-            if not self.files:
-                raise ExportError(f"directory {path} holds no .parquet files")
-        else:
-            self.files = [path]
-        try:
-            first = pq.ParquetFile(self.files[0])
-            self.total: Optional[int] = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
-        except (pa.ArrowException, OSError) as exc:
-            raise ExportError(f"{self.files[0]} is not a readable Parquet file ({exc})") from None
-        md = first.schema_arrow.metadata or {}
-        raw = md.get(META_KEY)
-        try:
-            doc = json.loads(raw) if raw is not None else None
-        except ValueError:
-            raise ExportError(f"{self.files[0]}: its {META_KEY.decode()!r} metadata is not JSON") from None
-        self.meta = check_metadata(doc, self.files[0])
-        self.columns = first.schema_arrow.names
-        self.skipped = 0
-
-    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
-        row = 0
-        for f in self.files:
-            try:
-                pf = pq.ParquetFile(f)
-                missing = [c for c in kept if c not in pf.schema_arrow.names]
-                if missing:
-                    raise ExportError(f"{f} lacks column {missing[0]!r}, which {self.files[0]} has")
-                for rb in pf.iter_batches(batch_size=chunk_rows, columns=list(kept)):
-                    yield pa.Table.from_batches([rb]), f"{f}: rows {row}-{row + rb.num_rows - 1}"
-                    row += rb.num_rows
-            except (pa.ArrowException, OSError) as exc:
-                raise ExportError(f"{f} could not be read at row {row} ({exc})") from None
-
-
-class HFSource:
-    """A Hugging Face dataset saved with ``save_to_disk`` (a ``DatasetDict`` needs ``split``)."""
-
-    format = "hf"
-
-    def __init__(self, path: str, split: Optional[str] = None) -> None:
-        datasets = require("datasets", "hf", "importing a Hugging Face dataset")
-        self.path = path
-        try:
-            ds = datasets.load_from_disk(path)
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            raise ExportError(f"{path} is not a dataset saved with save_to_disk ({exc})") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if split is None and len(ds) == 1:
-                split = next(iter(ds))
-            if split not in ds:
-                raise ExportError(f"{path} is a DatasetDict with splits {', '.join(ds)}; pass --split NAME")
-            ds = ds[split]
-        self.ds = ds
-        self.columns = list(ds.column_names)
-        self.total = len(ds)
-        self.skipped = 0
-        sidecar = os.path.join(path, "diskreplay.json")
-        doc = None
-        if split is None and os.path.exists(sidecar):
-            try:
-                with open(sidecar, encoding="utf-8") as fh:
-                    doc = json.load(fh)
-            except ValueError:
-                raise ExportError(f"{sidecar} is not JSON") from None
-        self.meta = check_metadata(doc, sidecar)
-
-    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
-        ds = self.ds.select_columns(list(kept)) if list(kept) != self.columns else self.ds
-        row = 0
-        for t in ds.with_format("arrow").iter(batch_size=chunk_rows):
-            yield t, f"{self.path}: rows {row}-{row + t.num_rows - 1}"
-            row += t.num_rows
-
-
-def _json_class(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "list"
-    return "object"
-
-
-def _aligned_with(name: str, present: Sequence[str]) -> Optional[str]:
-    """The ids column a ragged column must match in length (the store's rule)."""
-    if name in ("prompt_ids", "completion_ids") or "reward" in name.lower():
-        return None
-    if name.startswith("prompt_"):
-        return "prompt_ids" if "prompt_ids" in present else None
-    return "completion_ids" if "completion_ids" in present else None
-
-
-class JsonlSource:
-    """A JSONL rollout dump (``.gz`` allowed): one JSON object per line.
-
-    Lines are validated one by one: a line that does not parse, is not an
-    object, holds a nested object, changes a column's JSON type, lacks a
-    per-row value, or has a per-token list whose length differs from its ids
-    is reported as ``FILE:LINE`` or, with ``skip_bad``, skipped and counted.
-    """
-
-    format = "jsonl"
-    meta = None
-
-    def __init__(self, path: str, skip_bad: bool = False) -> None:
-        self.path, self.skip_bad = path, skip_bad
-        self.skipped = 0
-        self.bad_examples: List[str] = []
-        self.columns: Optional[List[str]] = None
-        self.total = None if path.endswith(".gz") else os.path.getsize(path)
-        self._classes: Dict[str, str] = {}
-        self.bytes_read = 0
-
-    def _bad(self, lineno: int, msg: str) -> None:
-        text = f"{self.path}:{lineno}: {msg}"
-        if not self.skip_bad:
-            raise ExportError(f"{text} (pass --skip-bad to skip bad lines)")
-        self.skipped += 1
-        if len(self.bad_examples) < 5:
-            self.bad_examples.append(text)
-
-    def _open(self) -> Any:
-        return gzip.open(self.path, "rb") if self.path.endswith(".gz") else open(self.path, "rb")
-
-    def _lines(self) -> Iterator[Tuple[int, dict]]:
-        try:
-            fh = self._open()
-        except OSError as exc:
-            raise ExportError(f"cannot open {self.path}: {exc.strerror or exc}") from None
-        with fh:
-            try:
-                for lineno, raw in enumerate(fh, 1):
-                    self.bytes_read += len(raw)
-                    if not raw.strip():
-                        continue
-                    try:
-                        obj = json.loads(raw)
-                    except ValueError as exc:
-                        msg = getattr(exc, "msg", str(exc))
-                        col = getattr(exc, "colno", None)
-                        self._bad(lineno, f"not valid JSON ({msg}" + (f" at column {col})" if col else ")"))
-                        continue
-                    if not isinstance(obj, dict):
-                        self._bad(lineno, f"is a JSON {_json_class(obj)}, not an object with one rollout")
-                        continue
-                    yield lineno, obj
-            except (OSError, EOFError) as exc:
-                raise ExportError(f"{self.path} could not be read ({exc})") from None
-
-    def peek_columns(self, limit: int) -> List[str]:
-        """Union of the keys of the first ``limit`` good lines (in order of appearance)."""
-        seen: Dict[str, None] = {}
-        skipped, examples = self.skipped, list(self.bad_examples)
-        for i, (_, obj) in enumerate(self._lines()):
-            for k in obj:
-                seen.setdefault(k, None)
-            if i + 1 >= limit:
-                break
-        self.skipped, self.bad_examples, self.bytes_read = skipped, examples, 0
-        return list(seen)
-
-    def batches(self, chunk_rows: int, kept: Sequence[str], rename: Mapping[str, str]
-                ) -> Iterator[Tuple[pa.Table, str]]:
-        keep = set(kept)
-        rows: List[dict] = []
-        lines: List[int] = []
-        for lineno, obj in self._lines():
-            row = {rename.get(k, k): v for k, v in obj.items() if k in keep}
-            if not self._check_line(lineno, row):
-                continue
-            rows.append(row)
-            lines.append(lineno)
-            if len(rows) >= chunk_rows:
-                yield from self._table(rows, lines)
-                rows, lines = [], []
-        if rows:
-            yield from self._table(rows, lines)
-
-    def _check_line(self, lineno: int, row: dict) -> bool:
-        classes = self._classes
-        for k, v in row.items():
-            c = _json_class(v)
-            if c == "object":
-                self._bad(lineno, f"column {k!r} holds a JSON object; a store holds numbers, strings and lists "
-                                  "of numbers (drop it with --columns)")
-                return False
-            if c == "null":
-                continue
-            known = classes.get(k)
-            if known is None:
-                classes[k] = c
-            elif known != c:
-                self._bad(lineno, f"column {k!r} is a {c} here but a {known} in earlier lines")
-                return False
-        for k, c in classes.items():
-            if c != "list" and row.get(k) is None:
-                self._bad(lineno, f"column {k!r} has no value; per-row columns need one in every line")
-                return False
-        present = [k for k, v in row.items() if v is not None]
-        for k in present:
-            if classes.get(k) != "list":
-                continue
-            ref = _aligned_with(k, present)
-            if ref is not None and classes.get(ref) == "list" and len(row[k]) != len(row[ref]):
-                self._bad(lineno, f"column {k!r} has {len(row[k])} values but {ref!r} has {len(row[ref])}; "
-                                  "per-token columns must align with their ids")
-                return False
-        return True
-
-    def _table(self, rows: List[dict], lines: List[int]) -> Iterator[Tuple[pa.Table, str]]:
-        names = list(dict.fromkeys(k for r in rows for k in r))
-        # a per-row column first seen after earlier lines lacked it cannot be filled in
-        late = [k for k in names if self._classes.get(k) not in (None, "list") and k not in self.columns_seen]
-        if late and self.columns_seen:
-            raise ExportError(f"{self.path}:{lines[0]}: column {late[0]!r} first appears after line 1 of the "
-                              "dump; a per-row column must be present in every line")
-        self.columns_seen.update(names)
-        bad_rows: set = set()
-        arrays: Dict[str, pa.Array] = {}
-        for k in names:
-            values = [r.get(k) for r in rows]
-            arr = None
-            try:
-                arr = pa.array(values)
-            except (pa.ArrowException, OverflowError, TypeError):
-                pass
-            if arr is None or (_json_class(next((v for v in values if v is not None), None)) == "list"
-                               and not _numeric_list(arr.type)):
-                for i, v in enumerate(values):
-                    if v is not None and not _numbers_only(v):
-                        bad_rows.add(i)
-                        self._bad(lines[i], f"column {k!r} holds a list with a non-number or a number "
-                                            "outside int64/float64")
-            arrays[k] = arr
-        if bad_rows:
-            keep = [i for i in range(len(rows)) if i not in bad_rows]
-            if not keep:
-                return
-            rows = [rows[i] for i in keep]
-            lines = [lines[i] for i in keep]
-            arrays = {k: pa.array([r.get(k) for r in rows]) for k in names}
-        table = pa.Table.from_arrays([arrays[k] for k in names], names=names)
-        yield table, f"{self.path}: lines {lines[0]}-{lines[-1]}"
-
-    columns_seen: set
-
-
-def _numbers_only(v: Any) -> bool:
-    return all(type(x) in (int, float) and (type(x) is float or -(1 << 63) <= x < (1 << 63)) for x in v)
-
-
-def _numeric_list(t: pa.DataType) -> bool:
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-        return False
-    vt = t.value_type
-    return pa.types.is_integer(vt) or pa.types.is_floating(vt) or pa.types.is_null(vt) or pa.types.is_boolean(vt)
-
-
-def detect_format(src: str) -> str:
-    """Guess a source's format from its layout, name or first bytes.
-
-    >>> detect_format(__file__)
-    Traceback (most recent call last):
-    ...
-    diskreplay.export._common.ExportError: cannot tell the format of ...; pass --format parquet|jsonl|hf|zarr
-    """
-    if not os.path.exists(src):
-        raise ExportError(f"{src} does not exist")
-    if os.path.isdir(src):
-        if os.path.exists(os.path.join(src, "zarr.json")):
-            return "zarr"
-        if any(os.path.exists(os.path.join(src, f)) for f in ("state.json", "dataset_dict.json")):
-            return "hf"
-        if any(f.endswith((".parquet", ".pq")) for f in os.listdir(src)):
-            return "parquet"
-    else:
-        low = src.lower()
-        if low.endswith((".parquet", ".pq")):
-            return "parquet"
-        if low.endswith((".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")):
-            return "jsonl"
-        try:
-            with open(src, "rb") as fh:
-                head = fh.read(64)
-        except OSError as exc:
-            raise ExportError(f"cannot read {src}: {exc.strerror or exc}") from None
-        if head.startswith(b"PAR1"):
-            return "parquet"
-        if head.lstrip().startswith(b"{"):
-            return "jsonl"
-    raise ExportError(f"cannot tell the format of {src}; pass --format parquet|jsonl|hf|zarr")
-
-
-# ---------------------------------------------------------------------------
 # Arrow tables -> extend batches
 
 
@@ -459,16 +144,15 @@ def _ragged_rows(arr: pa.Array, dtype: Optional[str]) -> List[Optional[np.ndarra
     return [values[a:b] if ok else None for a, b, ok in zip(starts, ends, valid.tolist())]
 
 
-def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], first: bool, where: str) -> Dict[str, Any]:
+def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: str) -> Dict[str, Any]:
     """One Arrow table as an ``extend`` batch (ragged columns as lists of arrays).
 
     ``hints`` are the expected column specs (the store's schema once it has
-    one, else the export metadata); ``first`` marks the store's first append,
-    which fixes its schema (an all-missing ragged column must then be given
-    as a list of ``None`` rather than left out).
+    one, else the export metadata). A ragged column with no value in any row
+    is given as ``None`` (the store then records every row as missing).
 
     >>> t = pa.table({"completion_ids": pa.array([[1, 2], None]), "rewards": pa.array([0.5, 1.0])})
-    >>> b = table_to_batch(t, {}, True, "x"); [None if r is None else r.tolist() for r in b["completion_ids"]]
+    >>> b = table_to_batch(t, {}, "x"); [None if r is None else r.tolist() for r in b["completion_ids"]]
     [[1, 2], None]
     """
     batch: Dict[str, Any] = {}
@@ -504,7 +188,7 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], first: bool
             if hint is not None and hint.kind != RAGGED:
                 raise ExportError(f"{where}: column {name!r} holds lists but the store holds a {hint.kind} "
                                   "column there")
-            if n_valid == 0 and not first:
+            if n_valid == 0:
                 batch[name] = None  # the store fills an absent ragged column with missing rows
                 continue
             batch[name] = _ragged_rows(arr, hint.dtype if hint is not None else None)
@@ -524,13 +208,15 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], first: bool
             if hint is not None and hint.kind == SCALAR and hint.dtype != "string" and v.dtype.kind in "iuf" \
                     and (hint.dtype.startswith("float") or v.dtype.kind != "f"):
                 v = v.astype(hint.dtype, copy=False)
+            elif hint is None and v.dtype.kind in "iu" and ("reward" in name.lower() or "advantage" in name.lower()):
+                v = v.astype(np.float64)  # a JSON dump writes a reward of 1.0 as 1
             elif v.dtype.kind == "u":
                 v = v.astype(np.int64)
             batch[name] = v
         elif pa.types.is_null(t):
             if hint is not None and hint.kind != RAGGED:
                 raise _null_rows_error(name, pa.nulls(len(arr)), where)
-            batch[name] = [None] * len(arr) if first else None
+            batch[name] = None
         else:
             raise ExportError(f"{where}: column {name!r} has type {t}, which a store cannot hold (it holds "
                               "numbers, strings, and lists of numbers); drop it with --columns")
@@ -548,6 +234,8 @@ def _open_source(fmt: str, src: str, skip_bad: bool, split: Optional[str]) -> An
         return JsonlSource(src, skip_bad)
     if fmt == "hf":
         return HFSource(src, split)
+    if fmt == "store":
+        return StoreSource(src)
     from .zarr_archive import ZarrSource
 
     return ZarrSource(src)
@@ -557,9 +245,10 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
                     columns: Optional[Sequence[str]] = None, group_key: Any = _AUTO, capacity: Any = _AUTO,
                     skip_bad: bool = False, chunk_rows: int = 4096, append: bool = False,
                     overwrite: bool = False, split: Optional[str] = None, progress: bool = False) -> Dict[str, Any]:
-    """Build a store at ``path`` from ``src`` (Parquet, JSONL, HF dataset dir or Zarr archive).
+    """Build a store at ``path`` from ``src`` (Parquet, JSONL, HF dataset dir, Zarr archive or another store).
 
-    ``format="auto"`` guesses from the layout and name. ``mapping``
+    ``format="auto"`` guesses from the layout and name (``store`` copies or,
+    with ``append``, merges another diskreplay store). ``mapping``
     (``{"new": "old"}`` or ``["new=old", ...]``) renames source columns;
     ``aliases=True`` also renames well-known names of other frameworks
     (:data:`ALIASES`: ``prompt_token_ids``, ``response_tokens``, ``logprobs``,
@@ -600,7 +289,21 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
         raise ExportError(f"--append needs an existing store at {path}")
     if not append:
         check_output(path, overwrite)
+        if exists:  # never replace a store a writer has open: this raises StoreLockedError then
+            ReplayStore(path).close()
     source = _open_source(fmt, src, skip_bad, split)
+    try:
+        return _import(source, src, path, fmt, mapping, aliases, columns, group_key, capacity, chunk_rows,
+                       append, overwrite, progress)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
+def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: bool,
+            columns: Optional[Sequence[str]], group_key: Any, capacity: Any, chunk_rows: int, append: bool,
+            overwrite: bool, progress: bool) -> Dict[str, Any]:
     mapping = parse_mapping(mapping)
     available = source.columns if source.columns is not None else source.peek_columns(max(chunk_rows, 1000))
     rename, kept = resolve_columns(src, available, mapping, aliases, columns)
@@ -614,6 +317,7 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
                 s = specs[old]
                 new = rename.get(old, old)
                 hints[new] = ColumnSpec(new, s.kind, s.dtype, s.align, s.width)
+    explicit_key = group_key is not _AUTO
     if group_key is _AUTO:
         mk = meta.get("group_key") if meta is not None else None
         mk = rename.get(mk, mk) if mk is not None else None
@@ -634,17 +338,16 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
         if store.schema is not None and len(store.columns):
             hints = dict(store.schema.columns)
         if fmt == "jsonl":
-            source.columns_seen = set()
             batches = source.batches(chunk_rows, kept, rename)
         else:
             batches = ((t.rename_columns([rename.get(c, c) for c in t.column_names]), w)
                        for t, w in source.batches(chunk_rows, kept))
         last = 0
-        for table, where in batches:
+        for table, where in _first_rows_with_values(batches, hints) if first else batches:
             if fmt != "jsonl":
                 order = [c for c in final_names if c in table.column_names]
                 table = table.select(order)
-            batch = table_to_batch(table, hints, first, where)
+            batch = table_to_batch(table, hints, where)
             try:
                 store.extend(batch)
             except DiskReplayError as exc:
@@ -663,8 +366,7 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
 
     try:
         if append:
-            kw = {} if group_key is _AUTO else {}
-            with ReplayStore(path, **kw) as store:
+            with ReplayStore(path, **({"group_key": group_key} if explicit_key else {})) as store:
                 fill(store)
         else:
             with atomic_output(path, overwrite=overwrite, directory=True) as tmp:
@@ -677,6 +379,44 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
     if getattr(source, "bad_examples", None):
         out["bad_lines"] = list(source.bad_examples)
     return out
+
+
+def _empty_ragged(table: pa.Table, hints: Mapping[str, ColumnSpec]) -> List[str]:
+    """Ragged (or untyped) columns of ``table`` without a value in any row."""
+    out = []
+    for name in table.column_names:
+        col = table.column(name)
+        hint = hints.get(name)
+        ragged = (hint.kind == RAGGED) if hint is not None else (
+            pa.types.is_null(col.type) or (_is_list(col.type) and "reward" not in name.lower()))
+        if ragged and col.null_count == len(col):
+            out.append(name)
+    return out
+
+
+def _first_rows_with_values(batches: Iterator[Tuple[pa.Table, str]], hints: Mapping[str, ColumnSpec]
+                            ) -> Iterator[Tuple[pa.Table, str]]:
+    """Merge leading tables until every ragged column has a value somewhere.
+
+    The first ``extend`` fixes a store's columns and a ragged column with no
+    value in it would be left out, so the first table handed on reaches to
+    the first row where each ragged column holds a value (or to the end).
+    """
+    pending: List[Tuple[pa.Table, str]] = []
+    for table, where in batches:
+        pending.append((table, where))
+        merged = pa.concat_tables([t for t, _ in pending], promote_options="permissive") \
+            if len(pending) > 1 else table
+        if not _empty_ragged(merged, hints):
+            break
+    else:
+        if not pending:
+            return
+    if len(pending) == 1:
+        yield pending[0]
+    else:
+        yield merged, f"{pending[0][1]} .. {pending[-1][1]}"
+    yield from batches
 
 
 def _check_schema(store: ReplayStore, hints: Mapping[str, ColumnSpec], src: str) -> None:

@@ -12,11 +12,10 @@ import os
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, RowFilter, StoreLike, _tmp_name,
+from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, StoreLike, _tmp_name,
                       arrow_type, atomic_output, check_columns, column_to_arrow, export_metadata, iter_rows, open_store,
                       make_filter, progress_bar, remove_path, require, resolve_tokenizer)
 
@@ -47,7 +46,7 @@ class ParquetSink:
         self._pending.append(table)
         self._pending_bytes += table.nbytes
         self.rows += table.num_rows
-        if self._pending_bytes >= self.row_group_bytes:
+        if self._pending_bytes >= self.row_group_bytes // 2:  # row groups of 0.5 to 1.5 chunks
             self._flush()
 
     def _flush(self) -> None:
@@ -265,14 +264,17 @@ def export(store: StoreLike, out: Any, format: str = "parquet", *, columns: Opti
         bar = progress_bar(len(st), f"export {format}", progress)
 
         def tables() -> Iterator[pa.Table]:
-            for rows in iter_rows(st, flt, chunk_bytes, bar):
-                data = st.read(rows, read_cols) if read_cols else {}
-                n = len(rows)
-                arrays = [column_to_arrow(st.schema[c], data[c], n, large) for c in names]
-                for c in text_cols:
-                    arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n),
-                                           type=pa.large_string() if large else pa.string()))
-                yield pa.Table.from_arrays(arrays, schema=schema)
+            for pieces in iter_rows(st, flt, chunk_bytes, bar):
+                parts = []
+                for rows in pieces:
+                    data = st.read(rows, read_cols) if read_cols else {}
+                    n = len(rows)
+                    arrays = [column_to_arrow(st.schema[c], data[c], n, large) for c in names]
+                    for c in text_cols:
+                        arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n),
+                                               type=pa.large_string() if large else pa.string()))
+                    parts.append(pa.Table.from_arrays(arrays, schema=schema))
+                yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
         try:
             kw = {"compression": compression, "row_group_bytes": chunk_bytes} if format == "parquet" else {}
@@ -320,7 +322,8 @@ def export_jsonl(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:
     >>> from diskreplay import ReplayStore
     >>> d = tempfile.mkdtemp()
     >>> with ReplayStore(os.path.join(d, "s")) as s:
-    ...     _ = s.extend({"prompt_id": ["q1"], "completion_ids": [[7, 8]], "old_per_token_logps": [None]})
+    ...     _ = s.extend({"prompt_id": ["q1", "q1"], "completion_ids": [[7, 8], [9]],
+    ...                   "old_per_token_logps": [None, [-0.5]]})
     >>> _ = export_jsonl(os.path.join(d, "s"), os.path.join(d, "o.jsonl"))
     >>> json.loads(open(os.path.join(d, "o.jsonl")).readline())
     {'prompt_id': 'q1', 'completion_ids': [7, 8], 'old_per_token_logps': None}

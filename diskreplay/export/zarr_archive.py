@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..schema import RAGGED, VECTOR, ColumnSpec
-from ._common import (CHUNK_BYTES, ExportError, RowFilter, StoreLike, atomic_output, check_columns,
+from ._common import (CHUNK_BYTES, ExportError, StoreLike, atomic_output, check_columns,
                       check_metadata, column_to_arrow, export_metadata, iter_rows, open_store,
                       make_filter, progress_bar, require)
 
@@ -166,13 +166,14 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
                 writers = [_ColumnWriter(root, st.schema[n], paths[n]) for n in names]
                 keys: List[Any] = []
                 rows_total = 0
-                for rows in iter_rows(st, flt, chunk_bytes, bar):
-                    data = st.read(rows, names) if names else {}
-                    for w, n in zip(writers, names):
-                        w.append(data[n], len(rows))
-                    if gk is not None:
-                        keys.append(column_to_arrow(st.schema[gk], data[gk], len(rows)))
-                    rows_total += len(rows)
+                for pieces in iter_rows(st, flt, chunk_bytes, bar):
+                    for rows in pieces:
+                        data = st.read(rows, names) if names else {}
+                        for w, n in zip(writers, names):
+                            w.append(data[n], len(rows))
+                        if gk is not None:
+                            keys.append(column_to_arrow(st.schema[gk], data[gk], len(rows)))
+                        rows_total += len(rows)
                 for w in writers:
                     w.close()
                 if gk is not None:
@@ -185,7 +186,11 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names}
+    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": _tree_size(out)}
+
+
+def _tree_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _d, files in os.walk(path) for f in files)
 
 
 def _write_index(root: Any, spec: ColumnSpec, keys: List[pa.Array]) -> None:
@@ -235,18 +240,19 @@ class ZarrSource:
         self.total: Optional[int] = int(self.meta.get("rows", 0))
         self.skipped = 0
 
-    def batches(self, chunk_rows: int) -> Iterator[Tuple[pa.Table, int]]:
+    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
         n = self.total or 0
+        names = list(kept)
         for lo in range(0, n, chunk_rows):
             hi = min(n, lo + chunk_rows)
             arrays = []
-            for name in self.columns:
+            for name in names:
                 spec, path = self.schema[name], self.paths[name]
                 try:
                     arrays.append(self._read(spec, path, lo, hi))
                 except KeyError:
                     raise ExportError(f"archive {self.path} lacks the arrays of column {name!r} ({path})") from None
-            yield pa.Table.from_arrays(arrays, names=self.columns), lo
+            yield pa.Table.from_arrays(arrays, names=names), f"{self.path}: rows {lo}-{hi - 1}"
 
     def _read(self, spec: ColumnSpec, path: str, lo: int, hi: int) -> pa.Array:
         g = self.root

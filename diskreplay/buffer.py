@@ -1,0 +1,147 @@
+"""``ReplayBuffer``: the TorchRL-shaped ``extend`` / ``sample`` convenience over a store.
+
+It runs everything on the caller's thread, one call at a time: ``sample``
+draws row ids with the sampler, reads them, collates them and moves them to
+``device``. For a prefetching pipeline use :class:`~diskreplay.loader.ReplayLoader`;
+both hold :func:`~diskreplay.loader.store_lock` on the store they share, so
+``ReplayBuffer.extend`` may append while a loader iterates the same store.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+from .collate import collate
+from .loader import store_lock
+
+__all__ = ["ReplayBuffer"]
+
+
+class ReplayBuffer:
+    """A replay buffer on a :class:`~diskreplay.store.ReplayStore`, in the shape TorchRL users know.
+
+    ``extend(batch)`` appends rollouts (``store.extend``: TRL's padded layout
+    or lists of arrays) and returns their row ids. ``sample()`` draws
+    ``batch_size`` rows with ``sampler`` (extra keyword arguments such as
+    ``groups=`` or ``min_policy_version=`` go to ``sampler.sample``) and
+    returns ``collate_fn(store.read(rows), pad_token_id)``: a dict of tensors
+    in TRL's layout (per-row columns only, when the store has no token
+    columns), plus ``"rows"``, the int64 row ids drawn, for
+    :meth:`update_priorities`. Tensors are fresh (never reused) and moved to
+    ``device`` when one is given. A read-only store is refreshed before every
+    draw, so the buffer follows a live writer.
+
+    The sampler's state lives in the store under ``state_name``: restored on
+    construction when present, written by :meth:`save` and by :meth:`close`
+    (on a writable store), so a restarted job continues the same stream.
+
+    >>> import tempfile, torch
+    >>> from diskreplay import ReplayStore, PromptGroupSampler
+    >>> path = tempfile.mkdtemp()
+    >>> rb = ReplayBuffer(ReplayStore(path, capacity=100, group_key="prompt"),
+    ...                   sampler=PromptGroupSampler(num_groups=2, group_key="prompt"), batch_size=8)
+    >>> rb.extend({"prompt": torch.tensor([0,0,0,0,1,1,1,1,2,2,2,2]), "reward": torch.arange(12.0)}).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    >>> s = rb.sample()   # 2 distinct prompts, 8 rows
+    >>> sorted(s), s["reward"].shape, len(set(s["prompt"].tolist()))
+    (['prompt', 'reward', 'rows'], torch.Size([8]), 2)
+    >>> len(rb)
+    12
+    >>> rb.close()
+    """
+
+    def __init__(self, store: Any, sampler: Any, batch_size: int, pad_token_id: int = 0,
+                 collate_fn: Callable[[Mapping[str, Any], int], Dict[str, Any]] = collate,
+                 device: Union[None, str, torch.device] = None,
+                 state_name: Optional[str] = "replay_buffer") -> None:
+        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not hasattr(sampler, "sample"):
+            raise TypeError(f"sampler must have sample(store, batch_size), got {type(sampler).__name__}; "
+                            "pass e.g. PromptGroupSampler(num_groups=8)")
+        self.store, self.sampler = store, sampler
+        self.batch_size, self.pad_token_id = int(batch_size), pad_token_id
+        self.collate_fn = collate_fn
+        self.device = None if device is None else torch.device(device)
+        self.state_name = state_name
+        self._closed = False
+        if state_name is not None:
+            saved = store.load_state(state_name)
+            if saved is not None:
+                sampler.load_state_dict(saved)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __repr__(self) -> str:
+        return f"ReplayBuffer({self.store!r}, sampler={self.sampler!r}, batch_size={self.batch_size})"
+
+    def extend(self, batch: Mapping[str, Any]) -> np.ndarray:
+        """Append rows in one durable commit; returns their int64 row ids."""
+        with store_lock(self.store):
+            return self.store.extend(batch)
+
+    def sample(self, batch_size: Optional[int] = None, **sampler_kwargs: Any) -> Dict[str, Any]:
+        """Draw, read and collate ``batch_size`` rows (default: the buffer's); see the class docstring."""
+        with store_lock(self.store):
+            if self.store.readonly:
+                self.store.refresh()
+            rows = np.array(self.sampler.sample(self.store, self.batch_size if batch_size is None else batch_size,
+                                                 **sampler_kwargs), dtype=np.int64)
+            batch = self.store.read(rows)
+        out = self.collate_fn(batch, self.pad_token_id)
+        if self.device is not None:
+            out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        out["rows"] = torch.from_numpy(rows)
+        return out
+
+    def update_priorities(self, rows: Any, values: Any) -> None:
+        """Forward to ``sampler.update_priorities``; a no-op for samplers without priorities (as in TorchRL)."""
+        update = getattr(self.sampler, "update_priorities", None)
+        if update is None:
+            return
+        if isinstance(rows, torch.Tensor):
+            rows = rows.detach().cpu().numpy()
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().numpy()
+        update(rows, values)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The sampler's ``state_dict()``."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a sampler state; the next ``sample()`` continues that stream."""
+        self.sampler.load_state_dict(dict(state))
+
+    def save(self) -> None:
+        """Persist the sampler's state in the store under ``state_name`` (a durable commit)."""
+        if self.state_name is None:
+            raise ValueError("save() needs a state_name; pass state_name='...' to ReplayBuffer")
+        with store_lock(self.store):
+            self.store.save_state(self.state_name, self.sampler.state_dict())
+
+    def close(self, save: bool = True) -> None:
+        """Save the sampler state (``save=True``, a writable store, a ``state_name``) and close the store.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if save and self.state_name is not None and not self.store.readonly:
+                self.save()
+        finally:
+            with store_lock(self.store):
+                self.store.close()
+
+    def __enter__(self) -> "ReplayBuffer":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # after an error the sampler may be mid-draw: keep the last saved state
+        self.close(save=exc_type is None)

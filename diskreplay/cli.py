@@ -1,0 +1,426 @@
+"""The ``diskreplay`` command: inspect, export, import, curate, compact, verify and repair stores.
+
+A thin layer over :mod:`diskreplay.export` (and ``ReplayStore.compact``,
+:mod:`diskreplay.verify`). ``main(argv)`` returns the exit status instead of
+exiting, so it can be called in-process:
+
+- 0: success (``verify``: the store is healthy);
+- 1: an expected failure (bad input, existing output, damaged store, missing
+  optional dependency), reported as one line on stderr without a traceback
+  (set ``DISKREPLAY_DEBUG=1`` to get the traceback);
+- 2: a usage error (unknown option, missing argument);
+- 130: interrupted (Ctrl-C); no partial output is left under the final name.
+
+>>> main(["--version"])  # doctest: +ELLIPSIS
+diskreplay ...
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .errors import DiskReplayError
+
+PROG = "diskreplay"
+
+
+def _version() -> str:
+    try:
+        from . import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.quiet and sys.stderr.isatty()
+
+
+def _emit(args: argparse.Namespace, result: Dict[str, Any], text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(text)
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "?"
+    f = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if f < 1024:
+            return f"{f:.0f} {unit}" if unit == "B" else f"{f:.1f} {unit}"
+        f /= 1024
+    return f"{f:.1f} TiB"
+
+
+def _columns(text: Optional[str]) -> Optional[List[str]]:
+    if text is None:
+        return None
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+# ---------------------------------------------------------------------------
+# Commands
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .export import format_info, store_info
+
+    info = store_info(args.path, progress=_progress(args))
+    _emit(args, info, format_info(info))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    res = export(args.path, args.out, args.format, columns=_columns(args.columns),
+                 policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
+                 tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
+                 reward_key=args.reward_key, overwrite=args.overwrite, progress=_progress(args),
+                 compression=args.compression, chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))))
+    _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
+                     + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")"))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .export import import_rollouts
+    from .export.importer import _AUTO
+
+    if args.no_group_key and args.group_key:
+        raise DiskReplayError("--group-key and --no-group-key exclude each other")
+    group_key: Any = None if args.no_group_key else (args.group_key or _AUTO)
+    res = import_rollouts(args.src, args.path, format=args.format, mapping=args.map or None,
+                          aliases=args.aliases, columns=_columns(args.columns), group_key=group_key,
+                          capacity=_AUTO if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
+                          chunk_rows=args.chunk_rows, append=args.append, overwrite=args.overwrite,
+                          split=args.split, progress=_progress(args))
+    text = (f"imported {res['rows']:,} rows from {args.src} ({res['format']}) into {res['path']}; "
+            f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
+    if res.get("skipped"):
+        text += f"\nskipped {res['skipped']:,} bad lines"
+        for line in res.get("bad_lines", []):
+            print(f"  {line}", file=sys.stderr)
+    _emit(args, res, text)
+    return 0
+
+
+def cmd_pairs(args: argparse.Namespace) -> int:
+    from .export import preference_pairs
+
+    res = preference_pairs(args.path, args.out, min_margin=args.min_margin, format=args.format,
+                           tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
+                           group_key=args.group_key, reward_key=args.reward_key,
+                           policy_versions=args.policy_versions, overwrite=args.overwrite,
+                           progress=_progress(args))
+    _emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups to {res['path']} "
+                     f"({res['format']}: {', '.join(res['columns'])})")
+    return 0
+
+
+def cmd_best_of_n(args: argparse.Namespace) -> int:
+    from .export import best_of_n
+
+    res = best_of_n(args.path, args.out, k=args.k, min_reward=args.min_reward, format=args.format,
+                    tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
+                    group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
+                    overwrite=args.overwrite, progress=_progress(args))
+    _emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
+                     f"({res['format']}: {', '.join(res['columns'])})")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .store import ReplayStore
+
+    if not hasattr(ReplayStore, "compact"):
+        raise DiskReplayError("this version of diskreplay has no ReplayStore.compact")
+    with ReplayStore(args.path) as store:
+        res = store.compact()
+    res = dict(res) if isinstance(res, dict) else {"result": res}
+    parts = []
+    for what in ("segments", "bytes"):
+        if f"{what}_before" in res and f"{what}_after" in res:
+            b, a = res[f"{what}_before"], res[f"{what}_after"]
+            parts.append(f"{what} {b:,} -> {a:,}" if what == "segments" else f"{what} {_size(b)} -> {_size(a)}")
+    parts += [f"{k} {v}" for k, v in res.items() if not k.startswith(("segments_", "bytes_"))]
+    _emit(args, res, f"compacted {args.path}: " + ", ".join(parts))
+    return 0
+
+
+def _verify_module() -> Any:
+    if importlib.util.find_spec("diskreplay.verify") is None:
+        raise DiskReplayError("this version of diskreplay has no verify/repair (diskreplay.verify is missing)")
+    from . import verify  # type: ignore[attr-defined]
+
+    return verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    res = _verify_module().verify_store(args.path, progress=_progress(args))
+    ok = bool(res.get("ok"))
+    problems = list(res.get("problems", []))
+    text = f"{args.path}: ok" if ok else f"{args.path}: {len(problems)} problem(s)\n" + "\n".join(
+        f"  - {p}" for p in problems)
+    warnings_ = list(res.get("warnings", []))
+    if warnings_:
+        text += "\nwarnings:\n" + "\n".join(f"  - {w}" for w in warnings_)
+    _emit(args, res, text)
+    return 0 if ok else 1
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    res = _verify_module().repair_store(args.path, dry_run=args.dry_run, progress=_progress(args))
+    actions = list(res.get("actions", []))
+    verb = "would do" if args.dry_run else "did"
+    text = f"{args.path}: nothing to repair" if not actions else f"{args.path}: {verb}:\n" + "\n".join(
+        f"  - {a}" for a in actions)
+    _emit(args, res, text)
+    return 0 if res.get("ok", True) else 1
+
+
+# ---------------------------------------------------------------------------
+# The parser
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32, width=100)
+
+
+def _sub(subs: Any, name: str, func: Callable[[argparse.Namespace], int], help: str, description: str,
+         epilog: str, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = subs.add_parser(name, help=help, description=description, epilog="examples:\n" + epilog,
+                        formatter_class=_Formatter, parents=list(parents))
+    p.set_defaults(func=func, command=name)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``diskreplay`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bars (they are shown only when stderr is a terminal anyway)")
+    common.add_argument("--json", action="store_true", help="print the result as JSON (for scripts)")
+
+    tok = argparse.ArgumentParser(add_help=False)
+    tok.add_argument("--tokenizer", metavar="DIR",
+                     help="local tokenizer directory (a saved transformers tokenizer or a tokenizer.json); "
+                          "adds decoded text. Never downloads. e.g. --tokenizer ./Qwen2.5-0.5B")
+    tok.add_argument("--skip-special-tokens", action="store_true",
+                     help="drop special tokens (BOS/EOS, chat markers) from decoded text")
+
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace OUT if it exists (the old one stays until the new one is complete)")
+
+    rows = argparse.ArgumentParser(add_help=False)
+    rows.add_argument("--policy-versions", metavar="A:B",
+                      help="keep rows whose policy_version is in A..B, inclusive; either end may be left "
+                           "open (e.g. 100:, :50, 7)")
+    rows.add_argument("--reward-key", default="rewards", metavar="COL",
+                      help="reward column (default: rewards); a vector is averaged over reward functions")
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=_Formatter,
+        description="Inspect, export, import and curate diskreplay rollout stores.",
+        epilog="examples:\n"
+               "  diskreplay info runs/grpo/replay\n"
+               "  diskreplay export runs/grpo/replay rollouts.parquet --format parquet\n"
+               "  diskreplay import other_run.jsonl runs/imported --aliases\n"
+               "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer --min-margin 0.5\n"
+               "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 2 --min-reward 1\n"
+               "\nrun 'diskreplay COMMAND --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    subs = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = _sub(subs, "info", cmd_info, "summary of a store",
+             "Rows, groups, segments, bytes on disk, bytes per completion token, columns with their\n"
+             "kinds and types, reward/advantage statistics (mean/std/min/max over live rows) and the\n"
+             "policy-version range. Opens the store read-only; streams it to count tokens.",
+             "  diskreplay info runs/grpo/replay\n"
+             "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n", [common])
+    p.add_argument("path", metavar="PATH", help="store directory")
+
+    p = _sub(subs, "export", cmd_export, "export live rows to parquet / jsonl / hf / zarr",
+             "Export the live rows of a store, streaming chunk by chunk (memory bounded by ~64 MiB of\n"
+             "store data). The output is written under a temporary name beside OUT and renamed at the\n"
+             "end: an interrupted export leaves nothing under OUT.\n\n"
+             "  parquet  one file; token columns large_list<int32>, log-probs large_list<float32>\n"
+             "           (null = not computed); readable by pyarrow, polars, duckdb, pandas\n"
+             "  jsonl    one JSON object per rollout and line\n"
+             "  hf       a Hugging Face datasets directory (datasets.load_from_disk(OUT))\n"
+             "  zarr     a Zarr v3 archive (zstd, sharded): flat values + int64 offsets per ragged\n"
+             "           column, per-row arrays, the group index, the schema in the attributes\n\n"
+             "parquet, hf and zarr exports carry the store's schema: 'diskreplay import' turns them\n"
+             "back into an identical store.",
+             "  diskreplay export runs/grpo/replay rollouts.parquet\n"
+             "  diskreplay export runs/grpo/replay rollouts.jsonl --format jsonl --limit 1000\n"
+             "  diskreplay export runs/grpo/replay hf_ds --format hf --tokenizer ./tokenizer\n"
+             "  diskreplay export runs/grpo/replay late.parquet --policy-versions 200: --min-reward 0.5 \\\n"
+             "      --columns prompt_id,completion_ids,rewards\n"
+             "  diskreplay export runs/grpo/replay archive.zarr --format zarr --overwrite\n",
+             [common, out, rows, tok])
+    p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("out", metavar="OUT", help="output file (parquet, jsonl) or directory (hf, zarr)")
+    p.add_argument("--format", "-f", choices=["parquet", "jsonl", "hf", "zarr"], default="parquet",
+                   help="output format (default: parquet)")
+    p.add_argument("--columns", metavar="A,B,...",
+                   help="comma-separated columns to export, in this order (default: all), e.g. "
+                        "--columns prompt_id,completion_ids,rewards")
+    p.add_argument("--min-reward", type=float, metavar="R",
+                   help="keep rows whose reward is >= R (see --reward-key), e.g. --min-reward 1")
+    p.add_argument("--limit", type=int, metavar="N", help="export at most N rows (the oldest matching ones)")
+    p.add_argument("--compression", default="snappy", metavar="CODEC",
+                   help="parquet compression: snappy (default), zstd, gzip, lz4, none")
+    p.add_argument("--chunk-mb", type=float, default=64.0, metavar="MB",
+                   help="read and write about MB of store data at a time: the memory bound and the "
+                        "Parquet row-group size (default: 64)")
+
+    p = _sub(subs, "import", cmd_import, "build a store from parquet / jsonl / hf / zarr",
+             "Build a store at PATH from SRC: a Parquet file (or directory of them), a JSONL rollout\n"
+             "dump (.jsonl / .jsonl.gz, one object per line), a Hugging Face dataset saved with\n"
+             "save_to_disk, or a Zarr archive written by 'diskreplay export'. Exports of diskreplay\n"
+             "restore bit-exactly. Rows are appended in chunks; a new store is built under a temporary\n"
+             "name and appears at PATH only when complete.\n\n"
+             "Columns become store columns: lists of numbers are per-token (ragged) columns, numbers\n"
+             "and strings per-row columns (a list column named *reward* is a per-row vector). Rename\n"
+             "other frameworks' names with --map NEW=OLD, or --aliases for the common ones:\n"
+             "  prompt_token_ids -> prompt_ids    response_tokens/response_ids -> completion_ids\n"
+             "  logprobs -> old_per_token_logps   reward/score -> rewards   step -> policy_version\n"
+             "  uid/group_id/prompt_idx -> prompt_id   advantage -> advantages",
+             "  diskreplay import rollouts.parquet runs/restored\n"
+             "  diskreplay import dump.jsonl runs/imported --map completion_ids=response_tokens \\\n"
+             "      --map old_per_token_logps=logprobs --map rewards=reward --map policy_version=step\n"
+             "  diskreplay import dump.jsonl.gz runs/imported --aliases --group-key prompt --skip-bad\n"
+             "  diskreplay import hf_ds runs/restored --format hf\n"
+             "  diskreplay import more.parquet runs/restored --append\n"
+             "  diskreplay import runs/other_run/replay runs/merged --append\n", [common])
+    p.add_argument("src", metavar="SRC", help="source file or directory")
+    p.add_argument("path", metavar="PATH", help="store directory to create")
+    p.add_argument("--format", "-f", choices=["auto", "parquet", "jsonl", "hf", "zarr", "store"], default="auto",
+                   help="source format (default: auto, from the layout, name or first bytes); 'store' copies "
+                        "another diskreplay store (with --append: merges it)")
+    p.add_argument("--map", action="append", metavar="NEW=OLD",
+                   help="rename source column OLD to NEW (repeatable), e.g. --map completion_ids=response_tokens")
+    p.add_argument("--aliases", action="store_true",
+                   help="also rename the well-known names listed above when the diskreplay name is absent")
+    p.add_argument("--columns", metavar="A,B,...",
+                   help="import only these columns (names after --map), e.g. --columns prompt_id,completion_ids")
+    p.add_argument("--group-key", metavar="COL",
+                   help="per-row column to index groups by (default: the exported store's key, else "
+                        "prompt_id if present, else none), e.g. --group-key prompt")
+    p.add_argument("--no-group-key", action="store_true", help="build a store without a group index")
+    p.add_argument("--capacity", type=int, metavar="ROWS",
+                   help="row capacity of the new store (default: the exported store's, else unbounded)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip and count JSONL lines that do not parse or do not fit (default: stop at the "
+                        "first, naming FILE:LINE)")
+    p.add_argument("--chunk-rows", type=int, default=4096, metavar="N",
+                   help="rows per append/commit (default: 4096)")
+    p.add_argument("--split", metavar="NAME", help="split of a saved DatasetDict, e.g. --split train")
+    p.add_argument("--append", action="store_true",
+                   help="append to the existing store at PATH (each chunk is its own commit)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing PATH (the old one stays until the new store is complete)")
+
+    cur = argparse.ArgumentParser(add_help=False)
+    cur.add_argument("--format", "-f", choices=["jsonl", "parquet", "hf"], default="jsonl",
+                     help="output format (default: jsonl)")
+    cur.add_argument("--group-key", metavar="COL",
+                     help="group rows by this per-row column instead of the store's group key")
+
+    p = _sub(subs, "pairs", cmd_pairs, "chosen/rejected preference pairs (TRL DPO layout)",
+             "One pair per group: the highest-reward completion (chosen) against the lowest (rejected).\n"
+             "Groups with fewer than two rows, or a margin (chosen - rejected reward) not above 0 and\n"
+             "at least --min-margin, give no pair; ties go to the oldest row.\n\n"
+             "With --tokenizer the columns are TRL DPOTrainer's text columns prompt, chosen, rejected;\n"
+             "without, the token ids prompt_ids, chosen_ids, rejected_ids (what TRL's\n"
+             "DataCollatorForPreference reads). Always added: the group key, chosen_reward,\n"
+             "rejected_reward, margin, chosen_row, rejected_row.",
+             "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer\n"
+             "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
+             "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n",
+             [common, out, rows, tok, cur])
+    p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
+    p.add_argument("--min-margin", type=float, default=0.0, metavar="M",
+                   help="keep pairs whose reward margin is >= M (default: 0, i.e. any positive margin)")
+
+    p = _sub(subs, "best-of-n", cmd_best_of_n, "top-k completions per group as an SFT set",
+             "The --k highest-reward completions of each group whose reward is >= --min-reward.\n"
+             "With --tokenizer the columns are TRL SFTTrainer's prompt / completion text; without,\n"
+             "prompt_ids, completion_ids and the pre-tokenized input_ids (prompt + completion) with\n"
+             "completion_mask. Always added: the group key, reward, rank (0 = best), row.",
+             "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
+             "  diskreplay best-of-n runs/grpo/replay sft.parquet --format parquet --k 4\n",
+             [common, out, rows, tok, cur])
+    p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
+    p.add_argument("--k", type=int, default=1, metavar="K", help="completions per group (default: 1)")
+    p.add_argument("--min-reward", type=float, metavar="R",
+                   help="only completions with reward >= R (default: no threshold)")
+
+    p = _sub(subs, "compact", cmd_compact, "rewrite live rows into fewer, larger segments",
+             "Rewrite the live rows into fewer, larger segments in one atomic commit (readers that\n"
+             "have the store open keep working). Takes the writer lock: stop the writer first.",
+             "  diskreplay compact runs/grpo/replay\n", [common])
+    p.add_argument("path", metavar="PATH", help="store directory")
+
+    p = _sub(subs, "verify", cmd_verify, "check a store's files and checksums",
+             "Check every committed file of a store (sizes, checksums, manifests, group sidecars).\n"
+             "Exit status 0 when the store is healthy, 1 when problems were found.",
+             "  diskreplay verify runs/grpo/replay\n"
+             "  diskreplay verify runs/grpo/replay --json\n", [common])
+    p.add_argument("path", metavar="PATH", help="store directory")
+
+    p = _sub(subs, "repair", cmd_repair, "repair what verify finds",
+             "Repair a damaged store (fall back to the newest intact commit, remove garbage).\n"
+             "--dry-run lists the actions without changing anything.",
+             "  diskreplay repair runs/grpo/replay --dry-run\n"
+             "  diskreplay repair runs/grpo/replay\n", [common])
+    p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be done")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``diskreplay`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return 2
+    # tokenizers are loaded from local directories only; make sure nothing reaches for the hub
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted; no partial output was kept", file=sys.stderr)
+        return 130
+    except (DiskReplayError, OSError, ValueError, KeyError) as exc:
+        if os.environ.get("DISKREPLAY_DEBUG"):
+            raise
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        if isinstance(exc, OSError) and not isinstance(exc, DiskReplayError) and exc.filename and \
+                str(exc.filename) not in msg:
+            msg = f"{msg}: {exc.filename}"
+        print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Dataset tools: exports, imports, preference pairs, best-of-n sets and store summaries.
+
+Everything streams a store chunk by chunk through its public API, so a store
+larger than RAM exports with memory bounded by one chunk (~64 MiB of store
+data), and every output appears under its final name only once complete.
+
+- :func:`export` / :func:`export_parquet` / :func:`export_jsonl` /
+  :func:`export_hf` / :func:`export_zarr`: live rows to Parquet, JSONL, a
+  Hugging Face dataset directory or a Zarr v3 archive.
+- :func:`import_rollouts`: build a store from any of those, or from another
+  framework's JSONL / Parquet rollout dump with a column mapping.
+- :func:`preference_pairs`, :func:`best_of_n`: TRL-ready DPO pairs and SFT sets.
+- :func:`store_info`: rows, groups, bytes, tokens, reward statistics.
+
+zarr, datasets, tqdm and transformers/tokenizers are optional and imported
+only when used (``pip install 'diskreplay[zarr]'``, ``[hf]``, ``[progress]``,
+``[trl]``).
+
+>>> from diskreplay.export import export_parquet, import_rollouts
+"""
+
+from ._common import (ExportError, MissingDependencyError, OutputExistsError, RowFilter, TextDecoder,
+                      load_tokenizer)
+from .curate import best_of_n, preference_pairs
+from .importer import ALIASES, import_rollouts
+from .info import format_info, store_info
+from .writers import export, export_hf, export_jsonl, export_parquet
+from .zarr_archive import export_zarr
+
+__all__ = [
+    "ALIASES",
+    "ExportError",
+    "MissingDependencyError",
+    "OutputExistsError",
+    "RowFilter",
+    "TextDecoder",
+    "best_of_n",
+    "export",
+    "export_hf",
+    "export_jsonl",
+    "export_parquet",
+    "export_zarr",
+    "format_info",
+    "import_rollouts",
+    "load_tokenizer",
+    "preference_pairs",
+    "store_info",
+]

@@ -1,0 +1,305 @@
+"""Training sets curated from groups: chosen/rejected preference pairs and best-of-n SFT sets.
+
+Both read one reward per live row (streamed, a vector reward averaged over
+reward functions), pick rows per group with one vectorised sort, then read
+only the picked rows, a bounded batch at a time.
+
+Layouts follow TRL. ``DPOTrainer`` reads text columns ``prompt``, ``chosen``,
+``rejected`` and tokenizes them itself; its ``DataCollatorForPreference``
+consumes ``prompt_ids``, ``chosen_ids``, ``rejected_ids``, which is what a
+pair set holds when no tokenizer is given. ``SFTTrainer`` reads ``prompt`` /
+``completion`` text, or, pre-tokenized, ``input_ids`` with a
+``completion_mask`` (1 on completion tokens), which a best-of-n set holds
+(beside ``prompt_ids`` / ``completion_ids``) when no tokenizer is given.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from ..schema import RAGGED
+from ..store import ReplayStore
+from ._common import (CHUNK_BYTES, ExportError, StoreLike, make_filter, open_store, per_row_value, plan_chunks,
+                      progress_bar, resolve_tokenizer)
+from .writers import write_tables
+
+CURATE_FORMATS = ("jsonl", "parquet", "hf")
+_READ_BATCH = 4096
+
+
+def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, policy_versions: Any,
+               progress: bool, what: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray, List[Any], str]:
+    """``(rows, rewards, group ids, group keys, key name)`` of the eligible live rows.
+
+    Rows are listed group by group in the group index's order (groups by first
+    appearance, rows oldest first within a group).
+    """
+    if not len(st):
+        raise ExportError(f"the store at {st.path} is empty")
+    key = group_key or st.group_key
+    if key is None:
+        raise ExportError(f"the store at {st.path} has no group key; pass --group-key COLUMN to group rows")
+    if reward_key not in st.columns:
+        raise ExportError(f"the store has no reward column {reward_key!r} (columns: {', '.join(st.columns)}); "
+                          "pass --reward-key")
+    spec = st.schema[reward_key]
+    if spec.kind == RAGGED or spec.dtype in ("string", "bool"):
+        raise ExportError(f"reward column {reward_key!r} is a {spec.kind} column of {spec.dtype}; expected "
+                          "a number (or a vector of numbers) per row")
+    if "completion_ids" not in st.columns:
+        raise ExportError(f"{what} needs a completion_ids column; the store has {', '.join(st.columns)}")
+    try:
+        gi = st.group_index(key)
+    except (KeyError, ValueError) as exc:
+        raise ExportError(f"cannot group by {key!r}: {exc.args[0] if exc.args else exc}") from None
+    flt = make_filter(policy_versions, None, None, reward_key)
+    flt.check(st)
+    head = st.head
+    rewards = np.empty(len(st), dtype=np.float64)
+    eligible = np.ones(len(st), dtype=bool)
+    cols = [reward_key] + flt.columns()
+    with progress_bar(len(st), f"{what}: rewards", progress) as bar:
+        for lo, hi in (piece for chunk in plan_chunks(st, CHUNK_BYTES) for piece in chunk):
+            data = st.read(np.arange(lo, hi), list(dict.fromkeys(cols)))
+            rewards[lo - head:hi - head] = per_row_value(data[reward_key])
+            if flt.active:
+                eligible[lo - head:hi - head] = flt.mask(data, hi - lo)
+            bar.update(hi - lo)
+    gid = np.repeat(np.arange(len(gi), dtype=np.int64), gi.counts)
+    rows = gi.rows
+    keep = eligible[rows - head] & ~np.isnan(rewards[rows - head])
+    return rows[keep], rewards[rows - head][keep], gid[keep], list(gi.keys), key
+
+
+def _ranked(gid: np.ndarray, r: np.ndarray, descending: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """Order by (group, reward, position) and each row's rank inside its group.
+
+    Position breaks ties, so on equal rewards the oldest row ranks first.
+    """
+    pos = np.arange(len(gid))
+    order = np.lexsort((pos, -r if descending else r, gid))
+    g = gid[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if len(g) else np.zeros(0, dtype=np.int64)
+    rank = pos - np.repeat(starts, np.diff(np.r_[starts, len(g)]))
+    return order, rank
+
+
+def _key_array(keys: List[Any], gid: np.ndarray) -> pa.Array:
+    return pa.array([keys[g] for g in gid.tolist()])
+
+
+def _batches(n: int) -> Iterator[slice]:
+    for a in range(0, n, _READ_BATCH):
+        yield slice(a, min(n, a + _READ_BATCH))
+
+
+def _ids(col: Any, n: int) -> pa.Array:
+    if col is None:
+        return pa.nulls(n, pa.list_(pa.int32()))
+    off = col.offsets - col.offsets[0]
+    vals = col.values[int(col.offsets[0]):int(col.offsets[-1])]
+    mask = None if col.validity is None else pa.array(~col.validity)
+    return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(vals.astype(np.int32, copy=False)),
+                                    mask=mask)
+
+
+def _prompt_column(st: ReplayStore, key: str, text: bool) -> Optional[str]:
+    if "prompt_ids" in st.columns:
+        return "prompt_ids"
+    if text and st.schema[key].dtype == "string":
+        return None  # the group key is the prompt text
+    if text:
+        raise ExportError("the store has no prompt_ids column and its group key is not prompt text; "
+                          "nothing to decode as the prompt")
+    return None
+
+
+def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, format: str = "jsonl",
+                     tokenizer: Any = None, skip_special_tokens: bool = False, group_key: Optional[str] = None,
+                     reward_key: str = "rewards", policy_versions: Any = None, overwrite: bool = False,
+                     progress: bool = False) -> Dict[str, Any]:
+    """Write one chosen/rejected pair per group: its highest- vs lowest-reward completion.
+
+    Groups with fewer than two eligible rows, or whose margin (highest minus
+    lowest reward) is not above 0 and at least ``min_margin``, give no pair;
+    on equal rewards the oldest row is picked. With a ``tokenizer`` (local
+    directory) the columns are TRL DPO's ``prompt``, ``chosen``, ``rejected``
+    text; without, ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (the
+    tokenized columns TRL's preference collator reads). Always added: the group
+    key, ``chosen_reward``, ``rejected_reward``, ``margin``, ``chosen_row``,
+    ``rejected_row``. ``format`` is ``jsonl``, ``parquet`` or ``hf``.
+
+    >>> import tempfile, os, json
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(os.path.join(d, "s")) as s:
+    ...     _ = s.extend({"prompt_id": [1, 1, 1], "prompt_ids": [[9], [9], [9]],
+    ...                   "completion_ids": [[5], [6], [7]], "rewards": [0.2, 1.0, 0.0]})
+    >>> preference_pairs(os.path.join(d, "s"), os.path.join(d, "p.jsonl"))["pairs"]
+    1
+    >>> row = json.loads(open(os.path.join(d, "p.jsonl")).readline())
+    >>> row["prompt_ids"], row["chosen_ids"], row["rejected_ids"], row["margin"]
+    ([9], [6], [7], 1.0)
+    """
+    if format not in CURATE_FORMATS:
+        raise ExportError(f"format must be one of {', '.join(CURATE_FORMATS)}, got {format!r}")
+    with open_store(store) as st:
+        rows, r, gid, keys, key = _selection(st, group_key, reward_key, policy_versions, progress, "pairs")
+        decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
+        text = decoder is not None
+        prompt_col = _prompt_column(st, key, text)
+        desc, rank_d = _ranked(gid, r, True)
+        asc, rank_a = _ranked(gid, r, False)
+        best, worst = desc[rank_d == 0], asc[rank_a == 0]  # one each per group, in group order
+        counts = np.bincount(gid, minlength=len(keys))
+        margin = r[best] - r[worst]
+        ok = (counts[gid[best]] >= 2) & (margin > 0) & (margin >= min_margin)
+        best, worst, margin = best[ok], worst[ok], margin[ok]
+        key_type = pa.large_string() if st.schema[key].dtype == "string" else pa.int64()
+        seq = pa.string() if text else pa.list_(pa.int32())
+        names = ["prompt", "chosen", "rejected"] if text else ["prompt_ids", "chosen_ids", "rejected_ids"]
+        fields = [pa.field(names[0], seq)] if (prompt_col is not None or text) else []
+        fields += [pa.field(names[1], seq), pa.field(names[2], seq), pa.field(key, key_type),
+                   pa.field("chosen_reward", pa.float64()), pa.field("rejected_reward", pa.float64()),
+                   pa.field("margin", pa.float64()), pa.field("chosen_row", pa.int64()),
+                   pa.field("rejected_row", pa.int64())]
+        schema = pa.schema(fields)
+
+        def tables() -> Iterator[pa.Table]:
+            with progress_bar(len(best), "pairs", progress, unit="pairs") as bar:
+                for sl in _batches(len(best)):
+                    b, w = best[sl], worst[sl]
+                    n = len(b)
+                    cols = ["completion_ids"] + ([prompt_col] if prompt_col else [])
+                    cd = st.read(rows[b], cols)
+                    rd = st.read(rows[w], ["completion_ids"])
+                    gk = _key_array(keys, gid[b])
+                    if text:
+                        prompt = (decoder.decode(cd[prompt_col], n) if prompt_col else gk.to_pylist())
+                        arrays = [pa.array(prompt, pa.string()),
+                                  pa.array(decoder.decode(cd["completion_ids"], n), pa.string()),
+                                  pa.array(decoder.decode(rd["completion_ids"], n), pa.string())]
+                    else:
+                        arrays = ([_ids(cd[prompt_col], n)] if prompt_col else []) + [
+                            _ids(cd["completion_ids"], n), _ids(rd["completion_ids"], n)]
+                    arrays += [gk.cast(key_type), pa.array(r[b]), pa.array(r[w]), pa.array(margin[sl]),
+                               pa.array(rows[b]), pa.array(rows[w])]
+                    bar.update(n)
+                    yield pa.Table.from_arrays(arrays, schema=schema)
+
+        n = write_tables(format, out, schema, tables(), overwrite=overwrite)
+    return {"path": os.path.abspath(os.fspath(out)), "format": format, "pairs": n, "groups": len(keys),
+            "columns": schema.names}
+
+
+def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[float] = None,
+              format: str = "jsonl", tokenizer: Any = None, skip_special_tokens: bool = False,
+              group_key: Optional[str] = None, reward_key: str = "rewards", policy_versions: Any = None,
+              overwrite: bool = False, progress: bool = False) -> Dict[str, Any]:
+    """Write the ``k`` highest-reward completions of each group (reward ``>= min_reward``) as an SFT set.
+
+    With a ``tokenizer`` the columns are TRL SFT's ``prompt`` / ``completion``
+    text; without, ``prompt_ids``, ``completion_ids`` and the pre-tokenized
+    ``input_ids`` (prompt + completion) with ``completion_mask``. Always
+    added: the group key, ``reward``, ``rank`` (0 = best in its group) and
+    ``row``. Ties go to the oldest row. ``format`` is ``jsonl``, ``parquet``
+    or ``hf``.
+
+    >>> import tempfile, os, json
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(os.path.join(d, "s")) as s:
+    ...     _ = s.extend({"prompt_id": [1, 1, 2], "prompt_ids": [[9], [9], [8]],
+    ...                   "completion_ids": [[5], [6], [7]], "rewards": [0.2, 1.0, 0.0]})
+    >>> best_of_n(os.path.join(d, "s"), os.path.join(d, "b.jsonl"), k=1, min_reward=0.1)["rows"]
+    1
+    >>> row = json.loads(open(os.path.join(d, "b.jsonl")).readline())
+    >>> row["input_ids"], row["completion_mask"], row["reward"]
+    ([9, 6], [0, 1], 1.0)
+    """
+    if format not in CURATE_FORMATS:
+        raise ExportError(f"format must be one of {', '.join(CURATE_FORMATS)}, got {format!r}")
+    if not isinstance(k, (int, np.integer)) or k <= 0:
+        raise ExportError(f"k must be a positive number of completions per group, got {k!r}")
+    with open_store(store) as st:
+        rows, r, gid, keys, key = _selection(st, group_key, reward_key, policy_versions, progress, "best-of-n")
+        decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
+        text = decoder is not None
+        prompt_col = _prompt_column(st, key, text)
+        if min_reward is not None:
+            sel = r >= float(min_reward)
+            rows, r, gid = rows[sel], r[sel], gid[sel]
+        order, rank = _ranked(gid, r, True)
+        pick = order[rank < k]
+        ranks = rank[rank < k]
+        key_type = pa.large_string() if st.schema[key].dtype == "string" else pa.int64()
+        if text:
+            fields = [pa.field("prompt", pa.string()), pa.field("completion", pa.string())]
+        else:
+            ids = pa.list_(pa.int32())
+            fields = ([pa.field("prompt_ids", ids)] if prompt_col else []) + [pa.field("completion_ids", ids)]
+            if prompt_col:
+                fields += [pa.field("input_ids", ids), pa.field("completion_mask", pa.list_(pa.int8()))]
+        fields += [pa.field(key, key_type), pa.field("reward", pa.float64()), pa.field("rank", pa.int64()),
+                   pa.field("row", pa.int64())]
+        schema = pa.schema(fields)
+
+        def tables() -> Iterator[pa.Table]:
+            with progress_bar(len(pick), "best-of-n", progress) as bar:
+                for sl in _batches(len(pick)):
+                    p = pick[sl]
+                    n = len(p)
+                    data = st.read(rows[p], ["completion_ids"] + ([prompt_col] if prompt_col else []))
+                    gk = _key_array(keys, gid[p])
+                    if text:
+                        prompt = decoder.decode(data[prompt_col], n) if prompt_col else gk.to_pylist()
+                        arrays = [pa.array(prompt, pa.string()),
+                                  pa.array(decoder.decode(data["completion_ids"], n), pa.string())]
+                    else:
+                        comp = _ids(data["completion_ids"], n)
+                        arrays = [comp]
+                        if prompt_col:
+                            prm = _ids(data[prompt_col], n)
+                            arrays = [prm, comp] + list(_sft_ids(data[prompt_col], data["completion_ids"], n))
+                    arrays += [gk.cast(key_type), pa.array(r[p]), pa.array(ranks[sl]), pa.array(rows[p])]
+                    bar.update(n)
+                    yield pa.Table.from_arrays(arrays, schema=schema)
+
+        n = write_tables(format, out, schema, tables(), overwrite=overwrite)
+    return {"path": os.path.abspath(os.fspath(out)), "format": format, "rows": n, "groups": len(keys),
+            "columns": schema.names}
+
+
+def _sft_ids(prompt: Any, completion: Any, n: int) -> Tuple[pa.Array, pa.Array]:
+    """``input_ids`` (prompt then completion) and ``completion_mask``, without a per-token loop."""
+    def parts(col: Any) -> Tuple[np.ndarray, np.ndarray]:
+        if col is None:
+            return np.zeros(0, dtype=np.int32), np.zeros(n, dtype=np.int64)
+        lengths = np.diff(col.offsets).astype(np.int64)
+        if col.validity is not None:
+            lengths = np.where(col.validity, lengths, 0)
+            keep = np.repeat(col.validity, np.diff(col.offsets))
+            vals = col.values[int(col.offsets[0]):int(col.offsets[-1])][keep]
+        else:
+            vals = col.values[int(col.offsets[0]):int(col.offsets[-1])]
+        return vals.astype(np.int32, copy=False), lengths
+
+    pv, pl = parts(prompt)
+    cv, cl = parts(completion)
+    total = pl + cl
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(total, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.int32)
+    mask = np.zeros(int(offsets[-1]), dtype=np.int8)
+    # element j of row i sits at offsets[i] + j; prompt tokens first, then completion tokens
+    p_dst = np.repeat(offsets[:-1], pl) + (np.arange(len(pv)) - np.repeat(np.cumsum(pl) - pl, pl))
+    c_dst = np.repeat(offsets[:-1] + pl, cl) + (np.arange(len(cv)) - np.repeat(np.cumsum(cl) - cl, cl))
+    values[p_dst] = pv
+    values[c_dst] = cv
+    mask[c_dst] = 1
+    off32 = pa.array(offsets.astype(np.int32))
+    return pa.ListArray.from_arrays(off32, pa.array(values)), pa.ListArray.from_arrays(off32, pa.array(mask))

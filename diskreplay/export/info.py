@@ -1,0 +1,168 @@
+"""A summary of a store: size, layout, columns, token counts, reward statistics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..schema import RAGGED
+from ._common import CHUNK_BYTES, StoreLike, open_store, plan_chunks, progress_bar
+
+_STAT_HINTS = ("reward", "advantage")
+
+
+class RunningStats:
+    """Count, mean, std, min and max merged chunk by chunk (Chan et al.'s parallel update).
+
+    >>> s = RunningStats(); s.add(np.array([1.0, 2.0])); s.add(np.array([3.0, 4.0]))
+    >>> s.summary()
+    {'count': 4, 'mean': 2.5, 'std': 1.118033988749895, 'min': 1.0, 'max': 4.0}
+    """
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+        self.lo, self.hi = math.inf, -math.inf
+
+    def add(self, x: np.ndarray) -> None:
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        x = x[~np.isnan(x)]
+        if not x.size:
+            return
+        n, mean = x.size, float(x.mean())
+        m2 = float(((x - mean) ** 2).sum())
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.n = total
+        self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
+
+    def summary(self) -> Optional[Dict[str, Any]]:
+        if not self.n:
+            return None
+        return {"count": self.n, "mean": self.mean, "std": math.sqrt(self.m2 / self.n), "min": self.lo,
+                "max": self.hi}
+
+
+def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "policy_version"
+               ) -> Dict[str, Any]:
+    """Rows, groups, segments, bytes, token counts, columns and reward/advantage statistics.
+
+    Statistics cover every numeric per-row column whose name contains
+    ``reward`` or ``advantage`` (a vector column per component and averaged),
+    over the live rows, streamed chunk by chunk; the policy-version range comes
+    from ``version_key``.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> with ReplayStore(tempfile.mkdtemp()) as s:
+    ...     _ = s.extend({"prompt_id": [0, 0], "completion_ids": [[1, 2, 3], [4]], "rewards": [1.0, 0.0],
+    ...                   "policy_version": [3, 4]})
+    ...     info = store_info(s)
+    >>> info["rows"], info["groups"], info["tokens"]["completion"], info["stats"]["rewards"]["mean"]
+    (2, 1, 4, 0.5)
+    >>> info["policy_version"]
+    {'min': 3, 'max': 4}
+    """
+    with open_store(store) as st:
+        schema = st.schema
+        segments = [s for s in st.manifest.segments if s.end_row > st.head]
+        columns: List[Dict[str, Any]] = [] if schema is None else [c.to_dict() for c in schema.columns.values()]
+        info: Dict[str, Any] = {
+            "path": st.path, "rows": len(st), "head": st.head, "next_row": st.next_row,
+            "generation": st.generation, "group_key": st.group_key,
+            "groups": st.num_groups if st.group_key is not None and len(st) else (0 if st.group_key else None),
+            "segments": len(segments), "bytes": int(st.nbytes), "capacity": st.capacity,
+            "capacity_bytes": getattr(st.options, "capacity_bytes", None), "columns": columns,
+        }
+        names = [] if schema is None else schema.names
+        token_cols = [c for c in ("prompt_ids", "completion_ids") if c in names]
+        stat_cols = [c for c in names if schema[c].kind != RAGGED and schema[c].dtype not in ("string", "bool")
+                     and any(h in c.lower() for h in _STAT_HINTS)]
+        version = version_key if version_key in names and schema[version_key].kind == "scalar" \
+            and schema[version_key].dtype not in ("string", "bool") else None
+        tokens = {c: 0 for c in token_cols}
+        stats = {c: RunningStats() for c in stat_cols}
+        parts: Dict[str, List[RunningStats]] = {c: [RunningStats() for _ in range(schema[c].width)]
+                                                for c in stat_cols if schema[c].kind == "vector"}
+        vmin, vmax = math.inf, -math.inf
+        read = token_cols + stat_cols + ([version] if version and version not in stat_cols else [])
+        if read and len(st):
+            with progress_bar(len(st), "info", progress) as bar:
+                for lo, hi in (piece for chunk in plan_chunks(st, CHUNK_BYTES) for piece in chunk):
+                    data = st.read(np.arange(lo, hi), read)
+                    for c in token_cols:
+                        col = data[c]
+                        if col is not None:
+                            lengths = np.diff(col.offsets)
+                            if col.validity is not None:
+                                lengths = lengths[col.validity]
+                            tokens[c] += int(lengths.sum())
+                    for c in stat_cols:
+                        v = np.asarray(data[c], dtype=np.float64)
+                        if v.ndim == 2:
+                            for j, p in enumerate(parts[c]):
+                                p.add(v[:, j])
+                            v = v.mean(axis=1)
+                        stats[c].add(v)
+                    if version:
+                        v = np.asarray(data[version])
+                        vmin, vmax = min(vmin, v.min()), max(vmax, v.max())
+                    bar.update(hi - lo)
+        info["tokens"] = {c.split("_")[0]: n for c, n in tokens.items()}
+        comp = tokens.get("completion_ids", 0)
+        info["bytes_per_completion_token"] = (info["bytes"] / comp) if comp else None
+        info["stats"] = {}
+        for c in stat_cols:
+            s = stats[c].summary()
+            if s is not None and c in parts:
+                s["per_component"] = [p.summary() for p in parts[c]]
+            info["stats"][c] = s
+        info["policy_version"] = ({"min": int(vmin), "max": int(vmax)} if version and vmin <= vmax else None)
+    return info
+
+
+def format_info(info: Dict[str, Any]) -> str:
+    """``store_info``'s dict as aligned human-readable text."""
+    def size(n: Optional[float]) -> str:
+        if n is None:
+            return "-"
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if n < 1024 or unit == "TiB":
+                return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            n /= 1024
+        return str(n)
+
+    lines = [f"store       {info['path']}",
+             f"rows        {info['rows']:,} live (ids {info['head']:,}..{info['next_row'] - 1:,}), "
+             f"generation {info['generation']}",
+             f"groups      {info['groups'] if info['groups'] is not None else '-'}"
+             f" (key: {info['group_key'] or 'none'})",
+             f"segments    {info['segments']}",
+             f"on disk     {size(info['bytes'])}"
+             + (f", {info['bytes_per_completion_token']:.2f} bytes per completion token"
+                if info.get("bytes_per_completion_token") else ""),
+             f"capacity    {info['capacity'] if info['capacity'] is not None else 'unbounded'} rows"
+             + (f", {size(info['capacity_bytes'])}" if info.get("capacity_bytes") else "")]
+    if info.get("tokens"):
+        lines.append("tokens      " + ", ".join(f"{k} {v:,}" for k, v in info["tokens"].items()))
+    if info.get("policy_version"):
+        pv = info["policy_version"]
+        lines.append(f"policy      versions {pv['min']}..{pv['max']}")
+    if info["columns"]:
+        lines.append("columns")
+        w = max(len(c["name"]) for c in info["columns"])
+        for c in info["columns"]:
+            extra = f"[{c['width']}]" if c.get("width") else ""
+            align = f"  aligned with {c['align']}" if c.get("align") else ""
+            lines.append(f"  {c['name']:<{w}}  {c['kind']:<6}  {c['dtype']}{extra}{align}")
+    w = max([11] + [len(n) + 1 for n in info.get("stats", {})])
+    for name, s in info.get("stats", {}).items():
+        if s is None:
+            lines.append(f"{name:<{w}} no values")
+            continue
+        lines.append(f"{name:<{w}} mean {s['mean']:.4g}  std {s['std']:.4g}  min {s['min']:.4g}  "
+                     f"max {s['max']:.4g}  (n={s['count']:,})")
+    return "\n".join(lines)

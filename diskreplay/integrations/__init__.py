@@ -1,0 +1,12 @@
+"""Optional integrations with training libraries, each imported on demand.
+
+Importing ``diskreplay`` never imports a training library; import the
+integration module itself (``import diskreplay.integrations.trl``) to pull in
+TRL. Install the extra first: ``pip install 'diskreplay[trl]'``.
+
+>>> import diskreplay.integrations
+>>> "trl" in diskreplay.integrations.__all__
+True
+"""
+
+__all__ = ["trl"]

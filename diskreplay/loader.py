@@ -1,0 +1,635 @@
+"""``ReplayLoader``: sampled batches, built on a background thread, handed to the device.
+
+The data path of one batch, stage by stage (``k`` is the batch the consumer
+will ask for next):
+
+1. **sample** (worker thread): ``sampler.sample(store, batch_size)`` gives
+   row ids. Every sampler call happens on the worker, one at a time and in
+   batch order, so the stream is the one a plain loop over ``sample`` would
+   give. A read-only store is ``refresh()``-ed first, so a reader follows a
+   live writer. ``sampler.state_dict()`` is taken right after each draw and
+   travels with the batch: the loader's own ``state_dict()`` is the one of
+   the last batch the consumer *received*, not of the ones built ahead.
+2. **hint** (worker): the rows of batch k+1 are sampled *before* batch k is
+   read, and ``store.prefetch`` asks the kernel (``madvise(WILLNEED)``) for
+   their pages. On a cold page cache the reads of k+1 then proceed in
+   parallel, in the background, instead of serialising on page faults when
+   k+1 is read.
+3. **read** (worker): ``store.read(rows, columns)`` gathers just those rows'
+   bytes from the memory-mapped segments into packed values + offsets.
+4. **collate** (worker) into one of ``prefetch + 1`` reused sets of host
+   buffers (pinned when the target is a CUDA device): ``collate`` pads there
+   on the host; with ``pad_on_device=True``, ``collate_unpadded`` only packs
+   values + offsets (int32 ids stay int32): for 512 synthetic GRPO rows
+   4.3 MB instead of the 56 MB of padded int64 ids, masks and log-probs.
+5. **move** (consumer thread, in ``__next__``): the tensors go to ``device``
+   with ``non_blocking=True`` on a side CUDA stream; the consumer's current
+   stream waits on it with an event, and the same event guards the host
+   buffer: the worker does not refill it before that copy has finished. With
+   ``pad_on_device=True`` the padding is done on the device by
+   :func:`~diskreplay.collate.pad_on_device` (on the side stream, whose only
+   host sync is one small read of the longest row lengths).
+
+Batch validity. On a CUDA (or other non-CPU) device, and with
+``pad_on_device=True`` anywhere, every batch is a set of fresh tensors the
+loader never touches again. On the host path (``device`` None or ``"cpu"``,
+``pad_on_device=False``) the batch's tensors are views of a host buffer set
+that is reused: **a batch stays valid until the consumer asks for**
+``prefetch`` **more batches** (batch k is overwritten at the earliest while
+the consumer waits for batch k + prefetch); ``.clone()`` what must live
+longer. In the steady state the worker is then one built batch ahead (and
+two sampled and hinted ahead); on the other paths up to ``prefetch + 1``
+built ones.
+
+Threads. The sampler and the host buffers belong to the worker while the
+loader runs: update priorities through :meth:`ReplayLoader.update_priorities`,
+not on the sampler. A ``ReplayStore`` object is not thread-safe; loaders and
+``ReplayBuffer`` calls sharing one hold :func:`store_lock` while they sample,
+read or write, so append through ``ReplayBuffer.extend`` (or under that lock),
+or give the loader its own read-only ``ReplayStore`` on the same path, which
+follows the writer's commits.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import queue
+import threading
+import weakref
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .collate import collate, collate_unpadded, pad_on_device as _pad_on_device
+from .errors import DiskReplayError, RowsEvictedError
+from .ragged import RaggedColumn
+
+__all__ = ["ReplayLoader", "store_lock"]
+
+# How often a blocked worker looks at the stop flag, in seconds: the bound on
+# how long close() waits for a worker that is parked on a full queue.
+_POLL_S = 0.05
+# How long close() waits for a worker busy inside one read or sample.
+_JOIN_S = 10.0
+# A batch whose rows were evicted between sampling and reading (a reader
+# following a writer with a capacity) is drawn again this many times.
+_EVICTED_RETRIES = 3
+# Headroom when a host buffer grows: widths change from batch to batch, and
+# re-allocating pinned memory costs far more than a few spare bytes.
+_GROW = 1.25
+# State entries that are data the consumer updates (priorities), not stream
+# position: state_dict() takes them from the live sampler, so a checkpoint
+# keeps the priority updates made after the worker drew its last batch.
+_LIVE_STATE_KEYS = ("prio_base", "priorities", "pending_rows", "pending_values")
+
+_END = object()
+
+_STORE_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_STORE_LOCKS_GUARD = threading.Lock()
+
+
+def store_lock(store: Any) -> threading.RLock:
+    """The lock that serialises loaders and buffers using one ``ReplayStore`` object.
+
+    A ``ReplayStore`` is not thread-safe (its group index and segment maps are
+    built lazily), so every ``ReplayLoader`` worker and every
+    ``ReplayBuffer`` call holds this lock while it samples, reads or writes.
+    Writes made on the store object directly do not take it.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> with store_lock(store):  # e.g. while a loader iterates this store object
+    ...     rows = store.extend({"prompt_id": [1], "completion_ids": [[2, 3]]})
+    >>> store_lock(store) is store_lock(store)
+    True
+    """
+    with _STORE_LOCKS_GUARD:
+        lock = _STORE_LOCKS.get(store)
+        if lock is None:
+            lock = _STORE_LOCKS[store] = threading.RLock()
+        return lock
+
+
+class LoaderError(DiskReplayError, RuntimeError):
+    """The loader's worker thread ended without delivering a batch or an error.
+
+    >>> issubclass(LoaderError, RuntimeError)
+    True
+    """
+
+
+class _Failure:
+    __slots__ = ("exc", "batch")
+
+    def __init__(self, exc: BaseException, batch: int) -> None:
+        self.exc, self.batch = exc, batch
+
+
+# --------------------------------------------------------------------------- host buffers
+
+
+def _out_dtype(dtype: np.dtype) -> torch.dtype:
+    """collate's output dtype: bool stays bool, integers widen to int64, floats keep their width."""
+    if dtype == np.bool_:
+        return torch.bool
+    if dtype.kind in "iu":
+        return torch.int64
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _stored_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _host_needs(batch: Mapping[str, Any], n: int, unpadded: bool) -> Dict[str, tuple]:
+    """Elements and dtype of every host buffer the batch's collate will write.
+
+    Row lengths come from the raw offsets, an upper bound of what collate
+    pads to (it zeroes rows flagged "not computed"): a buffer only has to be
+    large enough.
+    """
+    needs: Dict[str, tuple] = {}
+    width = {True: 0, False: 0}
+    ragged = []
+    for name, col in batch.items():
+        if isinstance(col, RaggedColumn):
+            off = col.offsets
+            if unpadded:
+                needs[name] = (int(off[-1] - off[0]), _stored_dtype(col.values.dtype))
+                needs[name + ".offsets"] = (n + 1, torch.int64)
+            else:
+                ragged.append((name, col.values.dtype))
+                if n:
+                    left = name.startswith("prompt_")
+                    width[left] = max(width[left], int(np.diff(off).max()))
+        elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
+            needs[name] = (col.size, _out_dtype(col.dtype))
+    for name, dtype in ragged:
+        numel = n * width[name.startswith("prompt_")]
+        needs[name] = (numel, _out_dtype(dtype))
+        mask = {"prompt_ids": "prompt_mask", "completion_ids": "completion_mask"}.get(name)
+        if mask is not None:
+            needs[mask] = (numel, torch.int64)
+    return needs
+
+
+class _Ring:
+    """``size`` reusable sets of host buffers and the rule for reusing them.
+
+    A set is taken by the worker (``acquire``), filled, handed to the consumer
+    and given back (``release``) when the batch in it may be overwritten,
+    optionally with a CUDA event that must complete first (the copy out of it).
+    """
+
+    def __init__(self, size: int, pin: bool) -> None:
+        self.pin = pin
+        self.sets: list = [dict() for _ in range(size)]
+        self.events: list = [None] * size
+        self.free: "queue.Queue[int]" = queue.Queue()
+        for i in range(size):
+            self.free.put(i)
+
+    def acquire(self, stop: threading.Event) -> Optional[int]:
+        while True:
+            try:
+                slot = self.free.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if stop.is_set():
+                    return None
+        ev, self.events[slot] = self.events[slot], None
+        if ev is not None:
+            ev.synchronize()
+        return slot
+
+    def release(self, slot: int, event: Any = None) -> None:
+        self.events[slot] = event
+        self.free.put(slot)
+
+    def buffers(self, slot: int, needs: Mapping[str, tuple]) -> Dict[str, torch.Tensor]:
+        bufs = self.sets[slot]
+        for name, (numel, dtype) in needs.items():
+            buf = bufs.get(name)
+            if buf is None or buf.dtype != dtype or buf.numel() < numel:
+                size = max(1, math.ceil(numel * _GROW))
+                bufs[name] = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+        return bufs
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class _Worker:
+    """Everything the background thread touches; it holds no reference to the loader,
+    so a loader that is dropped without ``close()`` is collected and stops its thread."""
+
+    def __init__(self, store: Any, sampler: Any, batch_size: int, sample_kwargs: Dict[str, Any],
+                 columns: Optional[Sequence[str]], pad_token_id: int, unpadded: bool,
+                 remaining: Optional[int], ring: _Ring, ready: "queue.Queue", lock: threading.Lock) -> None:
+        self.store, self.sampler, self.batch_size = store, sampler, batch_size
+        self.sample_kwargs, self.columns = sample_kwargs, columns
+        self.pad_token_id, self.unpadded, self.remaining = pad_token_id, unpadded, remaining
+        self.ring, self.ready, self.lock = ring, ready, lock
+        self.store_lock = store_lock(store)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="ReplayLoader-worker", daemon=True)
+
+    def shutdown(self, timeout: Optional[float] = _JOIN_S) -> bool:
+        """Stop the thread; True when it has ended."""
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _sample(self) -> tuple:
+        with self.store_lock, self.lock:
+            if self.store.readonly:
+                self.store.refresh()
+            rows = self.sampler.sample(self.store, self.batch_size, **self.sample_kwargs)
+            state = self.sampler.state_dict()
+        return np.array(rows, dtype=np.int64), state  # a copy: it becomes the batch's "rows"
+
+    def _lookahead(self) -> tuple:
+        """(rows, state) of the next batch with its pages hinted, or (None, error)."""
+        try:
+            rows, state = self._sample()
+        except Exception as exc:  # surfaces after the batch before it was delivered
+            return None, exc
+        try:
+            with self.store_lock:
+                self.store.prefetch(rows, self.columns)
+        except (RowsEvictedError, OSError):
+            pass  # only a hint: the read of these rows deals with an eviction
+        return rows, state
+
+    def run(self) -> None:
+        k = 0
+        try:
+            if self.remaining == 0:
+                self._put(_END)
+                return
+            nxt = self._lookahead()
+            while not self.stop.is_set():
+                rows, state = nxt
+                if rows is None:
+                    raise state
+                last = self.remaining is not None and k + 1 >= self.remaining
+                # hint the next batch's pages before reading this one
+                nxt = (None, None) if last else self._lookahead()
+                for attempt in range(_EVICTED_RETRIES + 1):
+                    try:
+                        with self.store_lock:
+                            batch = self.store.read(rows, self.columns)
+                        break
+                    except RowsEvictedError:
+                        # a writer evicted rows after they were drawn: draw this batch and the
+                        # next again, in order, so each batch keeps the state of its own draw
+                        if attempt == _EVICTED_RETRIES:
+                            raise
+                        rows, state = self._sample()
+                        if not last:
+                            nxt = self._lookahead()
+                slot = self.ring.acquire(self.stop)
+                if slot is None:
+                    return
+                bufs = self.ring.buffers(slot, _host_needs(batch, len(rows), self.unpadded))
+                host = (collate_unpadded(batch, out=bufs) if self.unpadded
+                        else collate(batch, self.pad_token_id, out=bufs))
+                if not self._put((slot, host, rows, state)):
+                    return
+                k += 1
+                if last:
+                    self._put(_END)
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            self._put(_Failure(exc, k))
+
+
+def _copy_state(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _copy_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_state(v) for v in state]
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    return state
+
+
+# --------------------------------------------------------------------------- the loader
+
+
+class ReplayLoader:
+    """An iterator of collated batches (dicts of tensors in TRL's layout) sampled from a store.
+
+    Each batch holds ``batch_size`` rows drawn by ``sampler`` and read from
+    ``store`` (only ``columns``, default all), padded like :func:`collate`
+    (``prompt_ids`` / ``prompt_mask`` left-padded with ``pad_token_id``,
+    ``completion_ids`` / ``completion_mask`` and per-token columns
+    right-padded, per-row columns ``[B]``), plus ``"rows"``: the int64 row ids
+    on the CPU (for ``update_priorities``). Batches are built on a background
+    thread, up to ``prefetch`` ahead (see the module docstring for the data
+    path), into reused host buffers (``pin_memory``; default: pinned iff
+    ``device`` is CUDA), then moved to ``device`` (None: stay on the host)
+    with ``non_blocking=True``. ``pad_on_device=True`` ships only the unpadded
+    values and offsets and pads on ``device``; the result is identical.
+
+    **Validity**: on the host path (``device`` None or CPU, host padding) a
+    batch stays valid until the consumer asks for ``prefetch`` more batches;
+    copy what you keep longer. Device batches and ``pad_on_device`` batches
+    are never reused.
+
+    ``num_batches`` bounds the iteration (None: endless). ``min_policy_version``
+    is passed to every ``sampler.sample``. A read-only store is refreshed
+    before every draw (it follows a live writer). ``state_dict()`` is the
+    sampler's state after the last batch the consumer received;
+    ``state_name`` names where :meth:`save_state` keeps it in the store, and
+    the constructor restores it when the store has it. An exception in the
+    worker is re-raised (the same exception object, carrying the worker's
+    traceback and a note) by the ``__next__`` that would have returned the
+    batch it spoiled, and by every call after. Close with :meth:`close` or a
+    ``with`` block; a loader that is dropped, or left open at interpreter
+    exit, stops its thread too. ``close()`` rewinds the sampler to
+    ``state_dict()``, so a new loader on it continues the consumer's stream.
+
+    >>> import tempfile, numpy as np
+    >>> from diskreplay import ReplayStore, PromptGroupSampler
+    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> _ = store.extend({"prompt_id": [0, 0, 1, 1], "prompt_ids": [[5], [5], [6, 7], [6, 7]],
+    ...                   "completion_ids": [[1, 2], [3], [4], [5, 6, 7]],
+    ...                   "rewards": np.array([1, 0, 0, 1], dtype=np.float32)})
+    >>> with ReplayLoader(store, PromptGroupSampler(num_groups=1, seed=0), batch_size=2,
+    ...                   pad_token_id=0, num_batches=3) as loader:
+    ...     shapes = [tuple(b["completion_ids"].shape) for b in loader]
+    >>> len(shapes), all(s[0] == 2 for s in shapes)
+    (3, True)
+    """
+
+    def __init__(self, store: Any, sampler: Any, batch_size: int, pad_token_id: int,
+                 device: Union[None, str, torch.device] = None, prefetch: int = 2,
+                 pin_memory: Optional[bool] = None, pad_on_device: bool = False,
+                 columns: Optional[Sequence[str]] = None, min_policy_version: Optional[float] = None,
+                 state_name: Optional[str] = None, num_batches: Optional[int] = None) -> None:
+        for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1)):
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if num_batches is not None and (not _is_int(num_batches) or num_batches < 0):
+            raise ValueError(f"num_batches must be None (endless) or an integer >= 0, got {num_batches!r}")
+        if not _is_int(pad_token_id):
+            raise ValueError(f"pad_token_id must be an integer token id, got {pad_token_id!r}")
+        if not hasattr(sampler, "sample") or not hasattr(sampler, "state_dict"):
+            raise TypeError(f"sampler must have sample(store, batch_size) and state_dict(), got "
+                            f"{type(sampler).__name__}; pass e.g. PromptGroupSampler(num_groups=8)")
+        dev = None if device is None else torch.device(device)
+        if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} needs CUDA, which this machine lacks; pass device=None or 'cpu'")
+        if dev is not None and dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if pin_memory is None:
+            pin_memory = dev is not None and dev.type == "cuda"
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA, which this machine lacks; "
+                             "leave pin_memory=None (pinned iff device is CUDA)")
+        if columns is not None:
+            columns = [columns] if isinstance(columns, str) else list(columns)
+        self.store, self.sampler = store, sampler
+        self.batch_size, self.pad_token_id = int(batch_size), int(pad_token_id)
+        self.device, self.prefetch, self.pin_memory = dev, int(prefetch), bool(pin_memory)
+        self.pad_on_device, self.columns = bool(pad_on_device), columns
+        self.min_policy_version, self.state_name = min_policy_version, state_name
+        self.num_batches = num_batches
+        self._host = dev is None or dev.type == "cpu"
+        # host-path batches alias the ring; all others are fresh tensors
+        self._alias = self._host and not self.pad_on_device
+        self._cuda = dev is not None and dev.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(dev) if self._cuda else None
+        self._lock = threading.Lock()
+        self._received = 0
+        self._failure: Optional[_Failure] = None
+        self._failure_tb: Any = None
+        self._done = False
+        self._closed = False
+        self._worker: Optional[_Worker] = None
+        self._finalizer: Optional[weakref.finalize] = None
+        if state_name is not None:
+            saved = store.load_state(state_name)
+            if saved is not None:
+                sampler.load_state_dict(saved)
+        self._state = _copy_state(sampler.state_dict())
+        self._start()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _start(self) -> None:
+        size = self.prefetch + 1
+        kwargs = {} if self.min_policy_version is None else {"min_policy_version": self.min_policy_version}
+        remaining = None if self.num_batches is None else max(0, self.num_batches - self._received)
+        self._held: collections.deque = collections.deque()
+        self._start_received = self._received
+        self._ready: "queue.Queue" = queue.Queue(maxsize=size + 1)
+        self._ring = _Ring(size, self.pin_memory)
+        self._worker = _Worker(self.store, self.sampler, self.batch_size, kwargs, self.columns,
+                               self.pad_token_id, self.pad_on_device, remaining, self._ring, self._ready,
+                               self._lock)
+        self._finalizer = weakref.finalize(self, self._worker.shutdown, 1.0)
+        self._worker.thread.start()
+
+    def _stop(self, timeout: Optional[float]) -> bool:
+        """Stop the worker and drop what it built; True when the thread has ended."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return True
+        self._finalizer.detach()
+        ended = worker.shutdown(timeout)
+        while True:
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+        return ended
+
+    def close(self) -> None:
+        """Stop the worker thread (promptly, even while it waits on a full queue). Idempotent.
+
+        The sampler is rewound to :meth:`state_dict` (the state after the last
+        batch received), so batches built ahead are not lost from its stream.
+        Batches already received stay valid.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._stop(_JOIN_S):
+            self.sampler.load_state_dict(self.state_dict())
+
+    def __enter__(self) -> "ReplayLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __iter__(self) -> "ReplayLoader":
+        return self
+
+    def __repr__(self) -> str:
+        return (f"ReplayLoader(batch_size={self.batch_size}, device={self.device}, prefetch={self.prefetch}, "
+                f"pad_on_device={self.pad_on_device}, received={self._received}"
+                f"{', closed' if self._closed else ''})")
+
+    # ----------------------------------------------------------------- batches
+
+    def __next__(self) -> Dict[str, Any]:
+        if self._failure is not None:
+            self._raise()
+        if self._closed or self._done:
+            raise StopIteration
+        if self._alias and len(self._held) >= self.prefetch:
+            # the consumer asks for batch k + prefetch: batch k may now be overwritten
+            self._ring.release(self._held.popleft())
+        item = self._get()
+        if item is _END:
+            self._done = True
+            self._stop(_JOIN_S)
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._failure, self._failure_tb = item, item.exc.__traceback__
+            item.exc.add_note(f"(raised in the ReplayLoader worker thread while building batch "
+                              f"{self._start_received + item.batch} of this loader)")
+            self._stop(_JOIN_S)
+            self._raise()
+        slot, host, rows, state = item
+        batch = self._deliver(slot, host)
+        batch["rows"] = torch.from_numpy(rows)
+        self._state = state
+        self._received += 1
+        return batch
+
+    def _raise(self) -> None:
+        # the worker's traceback, not one that grows with every re-raise
+        raise self._failure.exc.with_traceback(self._failure_tb)
+
+    def _get(self) -> Any:
+        while True:
+            try:
+                return self._ready.get(timeout=0.5)
+            except queue.Empty:
+                if self._closed:  # closed from another thread
+                    raise StopIteration from None
+                worker = self._worker
+                if worker is None or not worker.thread.is_alive():
+                    try:
+                        return self._ready.get_nowait()
+                    except queue.Empty:
+                        raise LoaderError("the ReplayLoader worker thread ended without a batch or an error; "
+                                          "create a new loader") from None
+
+    def _deliver(self, slot: int, host: Dict[str, Any]) -> Dict[str, Any]:
+        if self._alias:
+            self._held.append(slot)
+            return dict(host)
+        ragged = {n[:-len(".offsets")] for n in host if n.endswith(".offsets")}
+        if self._host:
+            out = _pad_on_device(host, self.pad_token_id)
+            # per-row tensors pass through pad_on_device: copy them out of the ring
+            for name, value in out.items():
+                if name not in ragged and isinstance(value, torch.Tensor) and name in host:
+                    out[name] = value.clone()
+            self._ring.release(slot)
+            return out
+        if not self._cuda:
+            out = {n: v.to(self.device) if isinstance(v, torch.Tensor) else v for n, v in host.items()}
+            self._ring.release(slot)
+            return _pad_on_device(out, self.pad_token_id) if self.pad_on_device else out
+        stream = self._copy_stream
+        current = torch.cuda.current_stream(self.device)
+        # no wait on the consumer's stream: the copies only read the host buffer and write fresh
+        # memory, so they overlap the consumer's queued work
+        with torch.cuda.stream(stream):
+            out = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                   for n, v in host.items()}
+            if self.pad_on_device:
+                out = _pad_on_device(out, self.pad_token_id)
+            done = torch.cuda.Event()
+            done.record(stream)
+        current.wait_event(done)
+        for value in out.values():
+            if isinstance(value, torch.Tensor):
+                # allocated on the side stream, used on the consumer's: keep the allocator from
+                # handing the memory out again before the consumer's work on it is done
+                value.record_stream(current)
+        self._ring.release(slot, done)
+        return out
+
+    # ----------------------------------------------------------------- state
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The sampler's state after the last batch the consumer received.
+
+        Loading it into a sampler (or a loader) continues exactly the stream
+        this consumer would have seen next. Priorities (``PrioritizedSampler``)
+        are taken from the live sampler, so updates made since are kept.
+        """
+        state = _copy_state(self._state)
+        if any(k in state for k in _LIVE_STATE_KEYS):
+            with self._lock:
+                live = self.sampler.state_dict()
+            for k in _LIVE_STATE_KEYS:
+                if k in live:
+                    state[k] = live[k]
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a sampler state; the next batch is the one that follows it.
+
+        Batches built ahead are dropped (the worker restarts); batches already
+        received stay valid.
+        """
+        state = dict(state)
+        if self._closed:
+            self.sampler.load_state_dict(state)
+            self._state = _copy_state(state)
+            return
+        self._stop(None)
+        self.sampler.load_state_dict(state)
+        self._state = _copy_state(state)
+        self._failure, self._done = None, False
+        self._start()
+
+    def save_state(self) -> None:
+        """Persist :meth:`state_dict` in the store under ``state_name`` (a durable commit)."""
+        if self.state_name is None:
+            raise ValueError("save_state() needs a state_name; pass state_name='...' to ReplayLoader")
+        state = self.state_dict()
+        with store_lock(self.store):
+            self.store.save_state(self.state_name, state)
+
+    def update_priorities(self, rows: Any, values: Any) -> None:
+        """Forward to ``sampler.update_priorities`` without racing the worker's draws.
+
+        Batches already drawn ahead (up to ``prefetch + 1``) keep the
+        priorities of their draw.
+        """
+        update = getattr(self.sampler, "update_priorities", None)
+        if update is None:
+            raise TypeError(f"{type(self.sampler).__name__} has no update_priorities; "
+                            "use a PrioritizedSampler")
+        if isinstance(rows, torch.Tensor):
+            rows = rows.detach().cpu().numpy()
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().numpy()
+        with self._lock:
+            update(rows, values)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

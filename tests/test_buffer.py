@@ -1,0 +1,135 @@
+"""ReplayBuffer: the TorchRL-shaped extend / sample convenience."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+import torch
+
+import diskreplay.buffer as buffer_module
+from diskreplay import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReadOnlyError, ReplayStore)
+from diskreplay.buffer import ReplayBuffer
+from diskreplay.collate import collate
+from diskreplay.synthetic import make_rollouts
+
+
+def test_the_snippet(tmp_path):
+    path = tmp_path / "rb"
+    rb = ReplayBuffer(ReplayStore(path, capacity=100, group_key="prompt"),
+                      sampler=PromptGroupSampler(num_groups=2, group_key="prompt"), batch_size=8)
+    rb.extend({"prompt": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]), "reward": torch.arange(12.0)})
+    s = rb.sample()   # 2 distinct prompts, 8 rows
+    assert set(s) == {"prompt", "reward", "rows"}  # no token columns: per-row tensors only
+    assert s["prompt"].shape == (8,) and s["reward"].shape == (8,) and s["rows"].dtype == torch.int64
+    assert len(set(s["prompt"].tolist())) == 2
+    # laid out group by group, and the values are the rows' own
+    assert len(set(s["prompt"][:4].tolist())) == 1 and len(set(s["prompt"][4:].tolist())) == 1
+    assert torch.equal(s["reward"], s["rows"].float())
+    assert len(rb) == 12
+    rb.close()
+
+
+def test_doctests():
+    assert doctest.testmod(buffer_module).failed == 0
+
+
+@pytest.fixture
+def rb(tmp_path):
+    with ReplayBuffer(ReplayStore(tmp_path / "s"), PromptGroupSampler(samples_per_group=4, seed=0), batch_size=8,
+                      pad_token_id=5) as buf:
+        buf.extend(make_rollouts(6, 4, seed=0, prompt_mean=10, completion_mean=12, layout="trl"))
+        yield buf
+
+
+def test_sample_is_collate_of_the_rows(rb):
+    s = rb.sample()
+    rows = s["rows"].numpy()
+    want = collate(rb.store.read(rows), 5)
+    assert set(s) == set(want) | {"rows"}
+    assert "policy_version" in s and "completion_mask" in s
+    for k, v in want.items():
+        assert torch.equal(s[k], v), k
+    assert s["completion_ids"].shape[0] == 8
+
+
+def test_sample_passes_keyword_arguments(rb):
+    s = rb.sample(12, groups=[3, 1, 4])
+    assert s["prompt_id"].tolist() == [3] * 4 + [1] * 4 + [4] * 4
+    assert rb.sample(batch_size=4)["rows"].shape == (4,)
+
+
+def test_device(rb):
+    s = ReplayBuffer(rb.store, PromptGroupSampler(num_groups=2, seed=0), 8, pad_token_id=5, device="cpu",
+                     state_name=None).sample()
+    assert all(v.device.type == "cpu" for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def test_save_and_resume(tmp_path):
+    path = tmp_path / "s"
+    batch = make_rollouts(10, 4, seed=1, prompt_mean=8, completion_mean=8)
+    with ReplayBuffer(ReplayStore(path), PromptGroupSampler(num_groups=2, seed=3), 8) as buf:
+        buf.extend(batch)
+        first = [buf.sample()["rows"] for _ in range(3)]
+        buf.save()
+        want = [buf.sample()["rows"] for _ in range(3)]
+        buf.load_state_dict(buf.store.load_state("replay_buffer"))
+        assert all(torch.equal(a, b) for a, b in zip(want, [buf.sample()["rows"] for _ in range(3)]))
+        buf.load_state_dict(buf.store.load_state("replay_buffer"))
+    # close() saved the state after the last sample; rewind to the saved one to compare
+    with ReplayBuffer(ReplayStore(path), PromptGroupSampler(num_groups=2, seed=77), 8) as buf:
+        got = [buf.sample()["rows"] for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not all(torch.equal(a, b) for a, b in zip(first, got))
+
+
+def test_close_saves_only_without_an_error(tmp_path):
+    path = tmp_path / "s"
+    with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:
+        buf.extend(make_rollouts(4, 2, seed=0, prompt_mean=4, completion_mean=4))
+        buf.sample()
+        saved = buf.state_dict()
+    with pytest.raises(RuntimeError):
+        with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:
+            assert buf.state_dict()["cursor"] == saved["cursor"]
+            buf.sample()
+            raise RuntimeError("training failed")
+    with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:  # the writer lock was released
+        assert buf.state_dict()["cursor"] == saved["cursor"]
+
+
+def test_update_priorities(tmp_path):
+    with ReplayBuffer(ReplayStore(tmp_path / "s"), PrioritizedSampler(eps=0.0, seed=0), 4) as buf:
+        buf.extend(make_rollouts(2, 4, seed=0, prompt_mean=4, completion_mean=4))
+        buf.update_priorities(torch.arange(8), torch.tensor([0.0] * 7 + [5.0]))
+        assert buf.sample()["rows"].tolist() == [7, 7, 7, 7]
+    with ReplayBuffer(ReplayStore(tmp_path / "t"), RandomSampler(seed=0), 4) as buf:
+        buf.extend(make_rollouts(2, 4, seed=0, prompt_mean=4, completion_mean=4))
+        buf.update_priorities([0], [1.0])  # no priorities: a no-op, as in TorchRL
+
+
+def test_readonly_buffer_follows_the_writer(tmp_path):
+    path = tmp_path / "s"
+    writer = ReplayStore(path)
+    writer.extend(make_rollouts(2, 4, seed=0, prompt_mean=4, completion_mean=4))
+    with ReplayBuffer(ReplayStore(path, readonly=True), PromptGroupSampler(samples_per_group=4, seed=0), 4,
+                      state_name=None) as buf:
+        with pytest.raises(ReadOnlyError):
+            buf.extend(make_rollouts(1, 4, seed=1))
+        writer.extend(make_rollouts(2, 4, seed=1, first_group=2, prompt_mean=4, completion_mean=4))
+        s = buf.sample(8, groups=[3, 2])
+        assert s["prompt_id"].tolist() == [3] * 4 + [2] * 4
+        assert len(buf) == 16
+    writer.close()
+
+
+def test_bad_arguments(tmp_path):
+    store = ReplayStore(tmp_path / "s")
+    with pytest.raises(ValueError):
+        ReplayBuffer(store, RandomSampler(), 0)
+    with pytest.raises(TypeError):
+        ReplayBuffer(store, object(), 4)
+    with pytest.raises(ValueError):
+        ReplayBuffer(store, RandomSampler(), 4, state_name=None).save()
+    store.close()

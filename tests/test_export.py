@@ -1,0 +1,579 @@
+"""Exports, imports, preference pairs, best-of-n and store_info against the store's own reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from diskreplay import ReplayStore
+from diskreplay.export import (ExportError, MissingDependencyError, OutputExistsError, best_of_n, export,
+                               export_hf, export_jsonl, export_parquet, export_zarr, import_rollouts,
+                               load_tokenizer, preference_pairs, store_info)
+from diskreplay.export._common import plan_chunks
+
+VOCAB = 300
+
+
+# --------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------
+
+def fill_store(path, *, string_keys=True, extends=5, batch=16, seed=0, capacity=1000):
+    """A store of several segments with every column kind: string or int group
+    keys, a log-prob row that is None, a vector reward, a bool flag."""
+    rng = np.random.default_rng(seed)
+    with ReplayStore(path, capacity=capacity) as s:
+        for e in range(extends):
+            keys = [f"prompt {e}-{i // 4}" if string_keys else e * 100 + i // 4 for i in range(batch)]
+            comp = [rng.integers(2, VOCAB, rng.integers(0, 9)).astype(np.int32) for _ in range(batch)]
+            logp = [None if (e == 0 and i == 3) else -rng.random(len(c)).astype(np.float32)
+                    for i, c in enumerate(comp)]
+            s.extend({"prompt_id": keys,
+                      "prompt_ids": [rng.integers(2, VOCAB, rng.integers(1, 6)) for _ in range(batch)],
+                      "completion_ids": comp, "old_per_token_logps": logp,
+                      "rewards": rng.random(batch).astype(np.float32),
+                      "advantages": rng.standard_normal(batch).astype(np.float32),
+                      "policy_version": np.full(batch, e, dtype=np.int64),
+                      "reward_parts": rng.random((batch, 2)).astype(np.float32),
+                      "truncated": rng.random(batch) < 0.5})
+    return path
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return fill_store(str(tmp_path_factory.mktemp("store") / "store"))
+
+
+@pytest.fixture(scope="module")
+def int_store_path(tmp_path_factory):
+    return fill_store(str(tmp_path_factory.mktemp("store") / "store"), string_keys=False, seed=1)
+
+
+@pytest.fixture
+def store(store_path):
+    s = ReplayStore(store_path, readonly=True)
+    yield s
+    s.close()
+
+
+def make_tokenizer(directory, with_transformers=True):
+    """A WordLevel tokenizer (w0..w299 are ids 2..301) saved as tokenizer.json,
+    wrapped as a transformers tokenizer when transformers is installed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[EOS]": 1, **{f"w{i}": i + 2 for i in range(VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["[EOS]"])
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    if with_transformers:
+        try:
+            import transformers
+        except ImportError:
+            return directory
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]",
+                                             unk_token="[UNK]").save_pretrained(directory)
+    return directory
+
+
+def words(ids):
+    return " ".join(f"w{i - 2}" if i >= 2 else ("[EOS]" if i == 1 else "[UNK]") for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    return make_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def assert_same_store(a, b):
+    """Every live row, column, dtype and group of two stores agrees bit for bit."""
+    assert a.schema == b.schema
+    assert (a.group_key, a.capacity, len(a)) == (b.group_key, b.capacity, len(b))
+    ra, rb = a.read(a.row_ids()), b.read(b.row_ids())
+    assert list(ra) == list(rb)
+    for name in ra:
+        x, y = ra[name], rb[name]
+        if hasattr(x, "offsets"):
+            assert x.values.dtype == y.values.dtype, name
+            assert x.to_list() == y.to_list(), name
+            assert np.array_equal(np.diff(x.offsets), np.diff(y.offsets))
+            assert x.values.tobytes() == y.values.tobytes(), name
+        elif isinstance(x, list):
+            assert x == y, name
+        else:
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+    assert a.group_keys() == b.group_keys()
+    for k in a.group_keys():
+        assert np.array_equal(a.group_rows(k) - a.head, b.group_rows(k) - b.head)
+
+
+def leftovers(directory):
+    return [f for f in os.listdir(directory) if f.startswith(".")]
+
+
+# --------------------------------------------------------------------------
+# round trips
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["parquet", "zarr", "hf"])
+def test_round_trip_is_exact(store, tmp_path, fmt):
+    if fmt == "zarr":
+        pytest.importorskip("zarr")
+    if fmt == "hf":
+        pytest.importorskip("datasets")
+    out = str(tmp_path / f"out.{fmt}")
+    res = export(store, out, fmt)
+    assert res["rows"] == len(store)
+    info = import_rollouts(out, str(tmp_path / "back"))
+    assert info["rows"] == len(store) and info["format"] == fmt and info["group_key"] == "prompt_id"
+    with ReplayStore(str(tmp_path / "back"), readonly=True) as back:
+        assert back.read(np.arange(8))["old_per_token_logps"][3] is None  # the None row survives
+        assert_same_store(store, back)
+    assert leftovers(tmp_path) == []
+
+
+def test_round_trip_int_keys_and_small_chunks(int_store_path, tmp_path):
+    """Many row groups and import chunks that do not line up with them."""
+    with ReplayStore(int_store_path, readonly=True) as s:
+        export_parquet(s, str(tmp_path / "o.parquet"), chunk_bytes=1500)
+        assert pq.ParquetFile(str(tmp_path / "o.parquet")).num_row_groups > 2
+        import_rollouts(str(tmp_path / "o.parquet"), str(tmp_path / "back"), chunk_rows=7)
+        with ReplayStore(str(tmp_path / "back"), readonly=True) as back:
+            assert_same_store(s, back)
+
+
+def test_round_trip_after_eviction(tmp_path):
+    """Only live rows are exported, and the capacity comes back."""
+    path = fill_store(str(tmp_path / "s"), capacity=50)
+    with ReplayStore(path, readonly=True) as s:
+        assert s.head > 0
+        export_parquet(s, str(tmp_path / "a.parquet"))
+        import_rollouts(str(tmp_path / "a.parquet"), str(tmp_path / "back"))
+        with ReplayStore(str(tmp_path / "back"), readonly=True) as back:
+            assert back.capacity == 50
+            assert_same_store(s, back)
+
+
+def test_plan_chunks_covers_live_rows_in_order(store):
+    starts = [seg.first_row for seg in store.manifest.segments]
+    for size in (1, 2000, 10 ** 9):
+        chunks = plan_chunks(store, size)
+        pieces = [p for c in chunks for p in c]
+        assert pieces[0][0] == store.head and pieces[-1][1] == store.next_row
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        for lo, hi in pieces:  # a piece never crosses a segment boundary
+            assert not any(lo < s < hi for s in starts)
+    assert len(plan_chunks(store, 10 ** 9)) == 1  # small segments share a chunk
+    assert len(plan_chunks(store, 1)) == len(store)  # and large ones are split
+
+
+# --------------------------------------------------------------------------
+# the files, read by the ecosystem's libraries
+# --------------------------------------------------------------------------
+
+def test_parquet_readable_by_pyarrow_polars_duckdb(store, tmp_path):
+    out = str(tmp_path / "o.parquet")
+    export_parquet(store, out)
+    data = store.read(store.row_ids())
+    t = pq.read_table(out)
+    assert t.schema.field("completion_ids").type == pa.large_list(pa.int32())
+    assert t.schema.field("old_per_token_logps").type == pa.large_list(pa.float32())
+    assert t["completion_ids"].to_pylist() == data["completion_ids"].to_list()
+    assert t["old_per_token_logps"][3].as_py() is None
+    assert t["prompt_id"].to_pylist() == data["prompt_id"]
+    total_tokens = int(np.diff(data["completion_ids"].offsets).sum())
+
+    pl = pytest.importorskip("polars")
+    df = pl.read_parquet(out)
+    assert df.height == len(store)
+    assert df["completion_ids"].list.len().sum() == total_tokens
+    assert df["old_per_token_logps"].null_count() == 1
+    assert df["rewards"].to_numpy().tobytes() == data["rewards"].tobytes()
+
+    duckdb = pytest.importorskip("duckdb")
+    con = duckdb.connect()
+    n, toks, groups = con.execute(
+        f"SELECT count(*), sum(len(completion_ids)), count(DISTINCT prompt_id) FROM read_parquet('{out}')").fetchone()
+    assert (n, toks, groups) == (len(store), total_tokens, store.num_groups)
+
+
+def test_hf_load_from_disk_has_sequence_features(store, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    out = str(tmp_path / "ds")
+    export_hf(store, out)
+    ds = datasets.load_from_disk(out)
+    assert len(ds) == len(store)
+    for name, dtype in (("completion_ids", "int32"), ("prompt_ids", "int32"), ("old_per_token_logps", "float32")):
+        feat = ds.features[name]
+        assert isinstance(feat, (datasets.Sequence, getattr(datasets, "List", datasets.Sequence))), feat
+        assert feat.feature.dtype == dtype
+    data = store.read(store.row_ids())
+    assert ds["completion_ids"][:] == data["completion_ids"].to_list()
+    assert ds[3]["old_per_token_logps"] is None
+
+
+def test_jsonl_one_rollout_per_line(store, tmp_path):
+    out = str(tmp_path / "o.jsonl")
+    res = export_jsonl(store, out)
+    lines = open(out, encoding="utf-8").read().splitlines()
+    assert len(lines) == res["rows"] == len(store)
+    data = store.read(store.row_ids())
+    for i in (0, 3, len(store) - 1):
+        row = json.loads(lines[i])
+        assert row["prompt_id"] == data["prompt_id"][i]
+        assert row["completion_ids"] == data["completion_ids"][i].tolist()
+        assert np.float32(row["rewards"]) == data["rewards"][i]  # float32 survives the decimal text
+        assert row["reward_parts"] == data["reward_parts"][i].tolist()
+        assert isinstance(row["truncated"], bool)
+    assert json.loads(lines[3])["old_per_token_logps"] is None
+
+
+def test_zarr_layout(store, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    out = str(tmp_path / "a.zarr")
+    export_zarr(store, out)
+    g = zarr.open_group(out, mode="r")
+    meta = dict(g.attrs)["diskreplay"]
+    assert [c["name"] for c in meta["schema"]] == store.columns and meta["group_key"] == "prompt_id"
+    data = store.read(store.row_ids())
+    off = g["columns/completion_ids/offsets"][:]
+    assert off.dtype == np.int64 and np.array_equal(off, data["completion_ids"].offsets)
+    assert g["columns/completion_ids/values"][:].tobytes() == data["completion_ids"].values.tobytes()
+    assert not g["columns/old_per_token_logps/validity"][3]
+    assert g["columns/reward_parts"].shape == (len(store), 2)
+    assert g["columns/prompt_id"][:].tolist() == data["prompt_id"]
+    assert any(type(c).__name__ == "ShardingCodec" for c in g["columns/completion_ids/values"].metadata.codecs)
+    gi = store.group_index()
+    assert g["index/keys"][:].tolist() == list(gi.keys)
+    assert np.array_equal(g["index/offsets"][:], gi.offsets)
+    assert np.array_equal(g["index/rows"][:], gi.rows - store.head)
+
+
+# --------------------------------------------------------------------------
+# filters, columns, tokenizer
+# --------------------------------------------------------------------------
+
+def test_filters_and_columns(store, tmp_path):
+    out = str(tmp_path / "o.parquet")
+    res = export(store, out, columns=["prompt_id", "completion_ids", "rewards"], policy_versions="1:3",
+                 min_reward=0.3, limit=20)
+    data = store.read(store.row_ids())
+    keep = np.flatnonzero((data["policy_version"] >= 1) & (data["policy_version"] <= 3)
+                          & (data["rewards"] >= np.float32(0.3)))[:20]
+    t = pq.read_table(out)
+    assert t.column_names == ["prompt_id", "completion_ids", "rewards"] == res["columns"]
+    assert t.num_rows == len(keep) == 20
+    assert t["rewards"].to_numpy().tobytes() == data["rewards"][keep].tobytes()
+    assert t["completion_ids"].to_pylist() == [data["completion_ids"][i].tolist() for i in keep]
+    # a subset export still imports (with the group key it names)
+    import_rollouts(out, str(tmp_path / "back"))
+    with ReplayStore(str(tmp_path / "back"), readonly=True) as back:
+        assert back.columns == ["prompt_id", "completion_ids", "rewards"] and back.group_key == "prompt_id"
+
+
+@pytest.mark.parametrize("bad", [dict(columns=["nope"]), dict(policy_versions="3:1"), dict(policy_versions="x"),
+                                 dict(min_reward=0.5, reward_key="truncated"), dict(format="csv")])
+def test_bad_export_options(store, tmp_path, bad):
+    kw = dict(bad)
+    fmt = kw.pop("format", "parquet")
+    with pytest.raises(ExportError):
+        export(store, str(tmp_path / "o"), fmt, **kw)
+    assert os.listdir(tmp_path) == []
+
+
+def test_tokenizer_adds_text(store, tmp_path, tokenizer_dir):
+    out = str(tmp_path / "o.jsonl")
+    export_jsonl(store, out, tokenizer=tokenizer_dir, limit=5)
+    data = store.read(np.arange(5))
+    for i, line in enumerate(open(out).read().splitlines()):
+        row = json.loads(line)
+        assert row["completion"] == words(data["completion_ids"][i])
+        assert row["prompt"] == words(data["prompt_ids"][i])
+
+
+def test_tokenizers_only_directory(tmp_path):
+    pytest.importorskip("tokenizers")
+    d = make_tokenizer(str(tmp_path / "t"), with_transformers=False)
+    dec = load_tokenizer(d)
+    from diskreplay.ragged import RaggedColumn
+
+    assert dec.decode(RaggedColumn.from_arrays([[2, 3], [4]]), 2) == ["w0 w1", "w2"]
+
+
+def test_bad_tokenizer_directory(store, tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{not json")
+    for d in (str(tmp_path / "tok"), str(tmp_path / "missing")):
+        with pytest.raises(ExportError, match="tokenizer directory"):
+            export(store, str(tmp_path / "o.jsonl"), "jsonl", tokenizer=d)
+    assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+# --------------------------------------------------------------------------
+# atomic outputs
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "hf", "zarr"])
+def test_failure_midway_leaves_nothing(store_path, tmp_path, monkeypatch, fmt):
+    if fmt in ("hf", "zarr"):
+        pytest.importorskip({"hf": "datasets", "zarr": "zarr"}[fmt])
+    calls = {"n": 0}
+    real = ReplayStore.read
+
+    def failing(self, rows, columns=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("disk went away")
+        return real(self, rows, columns)
+
+    monkeypatch.setattr(ReplayStore, "read", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk went away"):
+        export(store_path, str(out), fmt, chunk_bytes=2000)
+    assert calls["n"] == 3
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_output_is_refused_then_overwritten(store, tmp_path):
+    out = tmp_path / "o.parquet"
+    out.write_text("precious")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        export_parquet(store, str(out))
+    assert out.read_text() == "precious"
+    export_parquet(store, str(out), overwrite=True)
+    assert pq.read_table(str(out)).num_rows == len(store)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OutputExistsError):
+        import_rollouts(str(out), str(tmp_path / "d"))
+    import_rollouts(str(out), str(tmp_path / "d"), overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
+def test_missing_optional_dependency(store, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "zarr", None)
+    with pytest.raises(MissingDependencyError, match=r"diskreplay\[zarr\]"):
+        export(store, str(tmp_path / "a.zarr"), "zarr")
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------
+# imports of other frameworks' dumps
+# --------------------------------------------------------------------------
+
+def write_dump(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+    return str(path)
+
+
+def dump_rows(n=10):
+    return [{"uid": f"q{i // 3}", "prompt_token_ids": [1, 2, i], "response_tokens": list(range(i % 4 + 1)),
+             "logprobs": None if i == 2 else [-0.5] * (i % 4 + 1), "reward": i % 2, "step": i // 5,
+             "meta_text": f"row {i}"} for i in range(n)]
+
+
+def test_import_jsonl_with_mapping(tmp_path):
+    src = write_dump(tmp_path / "dump.jsonl", dump_rows())
+    res = import_rollouts(src, str(tmp_path / "s"), mapping=[
+        "prompt_ids=prompt_token_ids", "completion_ids=response_tokens", "old_per_token_logps=logprobs",
+        "rewards=reward", "policy_version=step", "prompt_id=uid"], chunk_rows=4)
+    assert res["rows"] == 10 and res["group_key"] == "prompt_id"
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        d = s.read(s.row_ids())
+        assert s.columns == ["prompt_id", "prompt_ids", "completion_ids", "old_per_token_logps", "rewards",
+                             "policy_version", "meta_text"]
+        assert d["completion_ids"][4].tolist() == [0] and d["completion_ids"][4].dtype == np.int32
+        assert d["old_per_token_logps"][2] is None and d["old_per_token_logps"][1].tolist() == [-0.5, -0.5]
+        assert d["rewards"].dtype == np.float64 and d["rewards"].tolist() == [i % 2 for i in range(10)]
+        assert d["policy_version"].tolist() == [i // 5 for i in range(10)]
+        assert s.num_groups == 4
+
+
+def test_import_jsonl_with_aliases_and_columns(tmp_path):
+    src = write_dump(tmp_path / "dump.jsonl", dump_rows())
+    import_rollouts(src, str(tmp_path / "s"), aliases=True,
+                    columns=["prompt_id", "completion_ids", "rewards", "policy_version"])
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        assert s.columns == ["prompt_id", "completion_ids", "rewards", "policy_version"]
+        assert s.group_key == "prompt_id" and len(s) == 10
+
+
+def test_import_bad_mapping(tmp_path):
+    src = write_dump(tmp_path / "dump.jsonl", dump_rows())
+    for mapping, match in ((["completion_ids=nope"], "'nope' named in the mapping"),
+                           (["completion_ids"], "NEW=OLD"),
+                           (["meta_text=uid"], "clashes")):
+        with pytest.raises(ExportError, match=match):
+            import_rollouts(src, str(tmp_path / "s"), mapping=mapping)
+    with pytest.raises(ExportError, match="'nope' is not in"):
+        import_rollouts(src, str(tmp_path / "s"), columns=["nope"])
+    with pytest.raises(ExportError, match="group key"):
+        import_rollouts(src, str(tmp_path / "s"), group_key="nope")
+    assert sorted(os.listdir(tmp_path)) == ["dump.jsonl"]
+
+
+def test_import_bad_lines(tmp_path):
+    rows = dump_rows(12)
+    rows[4] = '{"uid": "q1", "response_tokens": [1, 2'  # truncated line
+    rows[6] = "[1, 2, 3]"  # not an object
+    rows[7]["logprobs"] = [-0.5] * 9  # does not align with its tokens
+    rows[8]["reward"] = "high"  # changes type
+    src = write_dump(tmp_path / "dump.jsonl", rows)
+    with pytest.raises(ExportError, match=r"dump\.jsonl:5: not valid JSON.*--skip-bad"):
+        import_rollouts(src, str(tmp_path / "s"), chunk_rows=2, aliases=True)
+    assert sorted(os.listdir(tmp_path)) == ["dump.jsonl"]  # no half-built store
+    res = import_rollouts(src, str(tmp_path / "s"), aliases=True, skip_bad=True, chunk_rows=2)
+    assert res["skipped"] == 4 and res["rows"] == 8
+    assert [b.split(":")[1] for b in res["bad_lines"]] == ["5", "7", "8", "9"]
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        assert s.read(s.row_ids(), ["meta_text"])["meta_text"] == [f"row {i}" for i in (0, 1, 2, 3, 5, 9, 10, 11)]
+
+
+def test_import_first_rows_without_logprobs(tmp_path):
+    """A per-token column absent from the first chunk still becomes a store column."""
+    rows = [{"prompt_id": 0, "completion_ids": [1, 2], "logps": None} for _ in range(5)]
+    rows += [{"prompt_id": 1, "completion_ids": [3], "logps": [-1.5]}]
+    src = write_dump(tmp_path / "d.jsonl", rows)
+    import_rollouts(src, str(tmp_path / "s"), chunk_rows=2)
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        d = s.read(s.row_ids())
+        assert d["logps"].to_list() == [None] * 5 + [[-1.5]]
+
+
+def test_import_append_and_format_detection(store_path, tmp_path):
+    with ReplayStore(store_path, readonly=True) as s:
+        export_parquet(s, str(tmp_path / "o.bin"))
+        n = len(s)
+    import_rollouts(str(tmp_path / "o.bin"), str(tmp_path / "s"))
+    res = import_rollouts(str(tmp_path / "o.bin"), str(tmp_path / "s"), append=True)
+    assert res["store_rows"] == 2 * n
+    with pytest.raises(ExportError, match="--append needs an existing store"):
+        import_rollouts(str(tmp_path / "o.bin"), str(tmp_path / "t"), append=True)
+    (tmp_path / "x.dat").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(ExportError, match="--format"):
+        import_rollouts(str(tmp_path / "x.dat"), str(tmp_path / "u"))
+
+
+# --------------------------------------------------------------------------
+# pairs and best-of-n on hand-made groups
+# --------------------------------------------------------------------------
+
+@pytest.fixture
+def groups_store(tmp_path):
+    path = str(tmp_path / "g")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": ["a", "a", "a", "b", "c", "c", "d", "d"],
+                  "prompt_ids": [[2, 3]] * 3 + [[4]] + [[5]] * 2 + [[6]] * 2,
+                  "completion_ids": [[10], [11, 12], [13], [14], [15], [16], [17], [18]],
+                  "rewards": np.array([0.2, 1.0, 0.0, 1.0, 0.5, 0.5, 0.3, 0.0], dtype=np.float32),
+                  "policy_version": [0, 0, 1, 1, 1, 1, 2, 2]})
+        s.extend({"prompt_id": ["a"], "prompt_ids": [[2, 3]], "completion_ids": [[19]],
+                  "rewards": np.array([1.0], dtype=np.float32), "policy_version": [3]})
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_preference_pairs(groups_store, tmp_path):
+    res = preference_pairs(groups_store, str(tmp_path / "p.jsonl"))
+    rows = read_jsonl(tmp_path / "p.jsonl")
+    # a: highest 1.0 (row 1, older than row 8), lowest 0.0 (row 2); b: one row; c: a tie; d: margin 0.3
+    assert res["pairs"] == 2 and [r["prompt_id"] for r in rows] == ["a", "d"]
+    a = rows[0]
+    assert (a["prompt_ids"], a["chosen_ids"], a["rejected_ids"]) == ([2, 3], [11, 12], [13])
+    assert (a["chosen_row"], a["rejected_row"], a["margin"]) == (1, 2, 1.0)
+    preference_pairs(groups_store, str(tmp_path / "q.parquet"), min_margin=0.5, format="parquet")
+    assert pq.read_table(str(tmp_path / "q.parquet"))["prompt_id"].to_pylist() == ["a"]
+    preference_pairs(groups_store, str(tmp_path / "r.jsonl"), policy_versions="1:")
+    assert [(r["prompt_id"], r["chosen_row"], r["rejected_row"]) for r in read_jsonl(tmp_path / "r.jsonl")] == [
+        ("a", 8, 2), ("d", 6, 7)]
+
+
+def test_preference_pairs_text(groups_store, tmp_path, tokenizer_dir):
+    preference_pairs(groups_store, str(tmp_path / "p.jsonl"), tokenizer=tokenizer_dir)
+    a = read_jsonl(tmp_path / "p.jsonl")[0]
+    assert (a["prompt"], a["chosen"], a["rejected"]) == ("w0 w1", "w9 w10", "w11")
+    assert "prompt_ids" not in a
+
+
+def test_best_of_n(groups_store, tmp_path):
+    res = best_of_n(groups_store, str(tmp_path / "b.jsonl"), k=2, min_reward=0.25)
+    rows = read_jsonl(tmp_path / "b.jsonl")
+    # a: rows 1 and 8 tie at 1.0 (older first), row 0 is below 0.25; c: a tie; d: only row 6 passes
+    assert [(r["prompt_id"], r["row"], r["rank"]) for r in rows] == [
+        ("a", 1, 0), ("a", 8, 1), ("b", 3, 0), ("c", 4, 0), ("c", 5, 1), ("d", 6, 0)]
+    assert res["rows"] == 6
+    first = rows[0]
+    assert first["input_ids"] == [2, 3, 11, 12] and first["completion_mask"] == [0, 0, 1, 1]
+    assert first["completion_ids"] == [11, 12] and first["reward"] == 1.0
+
+
+def test_best_of_n_counts_and_text(groups_store, tmp_path, tokenizer_dir):
+    res = best_of_n(groups_store, str(tmp_path / "b.parquet"), k=1, format="parquet", tokenizer=tokenizer_dir)
+    t = pq.read_table(str(tmp_path / "b.parquet"))
+    assert res["rows"] == 4 and t.column_names[:2] == ["prompt", "completion"]
+    assert t["completion"].to_pylist() == ["w9 w10", "w12", "w13", "w15"]
+    with pytest.raises(ExportError, match="positive"):
+        best_of_n(groups_store, str(tmp_path / "c.jsonl"), k=0)
+    with pytest.raises(ExportError, match="reward column"):
+        best_of_n(groups_store, str(tmp_path / "c.jsonl"), reward_key="nope")
+
+
+# --------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------
+
+def test_store_info(store):
+    info = store_info(store)
+    d = store.read(store.row_ids())
+    assert (info["rows"], info["groups"], info["segments"]) == (len(store), store.num_groups, 5)
+    assert info["tokens"]["completion"] == int(np.diff(d["completion_ids"].offsets).sum())
+    r = d["rewards"].astype(np.float64)
+    s = info["stats"]["rewards"]
+    assert s["count"] == len(r) and np.isclose(s["mean"], r.mean()) and np.isclose(s["std"], r.std())
+    assert (s["min"], s["max"]) == (r.min(), r.max())
+    assert info["policy_version"] == {"min": 0, "max": 4}
+    assert info["bytes_per_completion_token"] == info["bytes"] / info["tokens"]["completion"]
+    assert [c["name"] for c in info["columns"]] == store.columns
+
+
+def test_import_from_another_store_and_merge(store, tmp_path):
+    res = import_rollouts(store.path, str(tmp_path / "copy"))
+    assert res["format"] == "store"
+    with ReplayStore(str(tmp_path / "copy"), readonly=True) as c:
+        assert_same_store(store, c)
+    import_rollouts(store.path, str(tmp_path / "copy"), append=True, chunk_rows=7)
+    with ReplayStore(str(tmp_path / "copy"), readonly=True) as c:
+        assert len(c) == 2 * len(store) and c.num_groups == store.num_groups
+
+
+def test_import_refuses_to_replace_an_open_store(store_path, tmp_path):
+    from diskreplay import StoreLockedError
+
+    export_parquet(store_path, str(tmp_path / "o.parquet"))
+    with ReplayStore(str(tmp_path / "live")) as live:
+        live.extend({"prompt_id": [1], "completion_ids": [[1]]})
+        with pytest.raises(StoreLockedError):
+            import_rollouts(str(tmp_path / "o.parquet"), str(tmp_path / "live"), overwrite=True)
+        assert len(live) == 1
+
+
+def test_import_jsonl_column_missing_from_first_lines(tmp_path):
+    rows = [{"prompt_id": i, "completion_ids": [1, 2]} for i in range(4)]
+    rows += [{"prompt_id": 9, "completion_ids": [3], "ref_logps": [-0.25]}]
+    src = write_dump(tmp_path / "d.jsonl", rows)
+    import_rollouts(src, str(tmp_path / "s"), chunk_rows=2)
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        assert s.read(s.row_ids())["ref_logps"].to_list() == [None] * 4 + [[-0.25]]

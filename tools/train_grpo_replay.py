@@ -1,0 +1,125 @@
+"""Train a tiny GRPO policy on CPU with replay from disk, and watch the replay work.
+
+Builds a 2-layer Qwen2 from a config and a character tokenizer in code (nothing
+is downloaded), rewards completions for their share of lowercase letters, and
+trains with ``DiskReplayGRPOTrainer``. Every generated row is written to a
+``ReplayStore``; per step the script prints the fresh reward, the share of the
+loss batch that was replayed from disk and how many optimizer steps old those
+rows are.
+
+    python tools/train_grpo_replay.py                      # RePO, 60 steps, under a minute on 2 cores
+    python tools/train_grpo_replay.py --mode ssr --steps 40
+    python tools/train_grpo_replay.py --mode swap_zero_std --store /tmp/replay --resume
+
+Run it twice with the same ``--store`` and ``--resume`` to continue from the
+last checkpoint: the store and the sampler pick up where they stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, PrinterCallback, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from diskreplay import ReplayStore  # noqa: E402
+from diskreplay.integrations.trl import DiskReplayGRPOConfig, DiskReplayGRPOTrainer  # noqa: E402
+
+PROMPTS = ["Write: ", "Say something: ", "Reply in lowercase: ", "Go! ", "Text: ", "const: "]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+
+
+def build_model(vocab_size: int, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        tie_word_embeddings=False))
+
+
+def lowercase_share(prompts, completions, **kwargs):
+    """Share of lowercase letters; the 'const' prompt always gets 1.0 (a zero-spread group to swap out)."""
+    return [1.0 if p.startswith("const") else sum(ch.islower() for ch in c) / max(len(c), 1)
+            for p, c in zip(prompts, completions)]
+
+
+class PrintReplay(TrainerCallback):
+    """Prints one line per generation from ``trainer.replay_history``."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.printed = 0
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        history = list(self.trainer.replay_history)
+        for h in history[self.printed:]:
+            lag = "-" if h["replayed_rows"].size == 0 else f"{h['policy_lag_mean']:.2f}"
+            print(f"{h['global_step']:>5} {h['reward_mean']:>8.3f} {h['replay_fraction']:>9.0%} {lag:>6} "
+                  f"{h['batch_size']:>6} {h['store_rows']:>8} {time.perf_counter() - self.start:>7.1f}s")
+        self.printed = len(history)
+        return control
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="repo", choices=["off", "repo", "ssr", "swap_zero_std"])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--store", default=None, help="replay store directory (default: a new temporary one)")
+    p.add_argument("--output-dir", default=None, help="checkpoints (default: beside the store)")
+    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument("--k", type=int, default=2, help="repo: past generations per prompt")
+    p.add_argument("--strategy", default=None, choices=["random", "recency", "reward", "variance"])
+    p.add_argument("--fraction", type=float, default=0.25, help="ssr: replayed share of the batch")
+    p.add_argument("--max-lag", type=int, default=8, help="never replay rows older than this many steps")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+
+    warnings.filterwarnings("ignore")
+    hf_logging.disable_progress_bar()
+    root = a.store and os.path.dirname(os.path.abspath(a.store)) or tempfile.mkdtemp(prefix="grpo-replay-")
+    store_path = a.store or os.path.join(root, "replay")
+    output_dir = a.output_dir or os.path.join(root, "checkpoints")
+    tokenizer = build_tokenizer()
+    args = DiskReplayGRPOConfig(
+        output_dir=output_dir, replay_store_path=store_path, replay_mode=a.mode, replay_k=a.k,
+        replay_strategy=a.strategy, ssr_replay_fraction=a.fraction, ssr_capacity_scalar=8,
+        max_policy_lag=a.max_lag, per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
+        max_steps=a.steps, learning_rate=3e-3, temperature=1.0, beta=0.0, report_to=[], use_cpu=True,
+        bf16=False, fp16=False, logging_steps=1, disable_tqdm=True, log_level="error", seed=a.seed,
+        save_strategy="steps", save_steps=10)
+    printer = PrintReplay()
+    trainer = DiskReplayGRPOTrainer(model=build_model(len(tokenizer), a.seed), reward_funcs=lowercase_share,
+                                    args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+                                    processing_class=tokenizer, callbacks=[printer])
+    trainer.remove_callback(PrinterCallback)  # the per-step log dicts; PrintReplay prints a table instead
+    printer.trainer = trainer
+    print(f"replay_mode={a.mode}  store={store_path}")
+    print(f"{'step':>5} {'reward':>8} {'replayed':>9} {'lag':>6} {'batch':>6} {'stored':>8} {'time':>8}")
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    with ReplayStore(store_path, readonly=True) as store:
+        print(f"done: {len(store)} rows, {store.num_groups} prompt groups, {store.nbytes / 1024:.0f} KiB on disk "
+              f"at {store.path}")
+
+
+if __name__ == "__main__":
+    main()
