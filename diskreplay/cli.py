@@ -107,7 +107,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     text = (f"imported {res['rows']:,} rows from {args.src} ({res['format']}) into {res['path']}; "
             f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
     if res.get("skipped"):
-        text += f"\nskipped {res['skipped']:,} bad lines"
+        n = res["skipped"]
+        text += f"\nskipped {n:,} bad line{'' if n == 1 else 's'}"
         for line in res.get("bad_lines", []):
             print(f"  {line}", file=sys.stderr)
     _emit(args, res, text)
@@ -411,6 +412,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted; no partial output was kept", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout piped into e.g. head: the work is done, stop writing quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except (DiskReplayError, OSError, ValueError, KeyError) as exc:
         if os.environ.get("DISKREPLAY_DEBUG"):
             raise

@@ -437,7 +437,8 @@ class ReplayLoader:
         remaining = None if self.num_batches is None else max(0, self.num_batches - self._received)
         self._held: collections.deque = collections.deque()
         self._start_received = self._received
-        self._ready: "queue.Queue" = queue.Queue(maxsize=size + 1)
+        # one batch fewer than the ring: a worker with every buffer set filled waits in a put
+        self._ready: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
         self._ring = _Ring(size, self.pin_memory)
         self._worker = _Worker(self.store, self.sampler, self.batch_size, kwargs, self.columns,
                                self.pad_token_id, self.pad_on_device, remaining, self._ring, self._ready,

@@ -203,7 +203,7 @@ def test_import_with_mapping_and_skip_bad(capsys, tmp_path):
     rc, _, err = cli(capsys, *args)
     assert rc == 1 and "dump.jsonl:4: not valid JSON" in err
     rc, out, err = cli(capsys, *args, "--skip-bad")
-    assert rc == 0 and "skipped 1 bad lines" in out and "dump.jsonl:4" in err
+    assert rc == 0 and "skipped 1 bad line" in out and "dump.jsonl:4" in err
     with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
         assert s.group_key == "uid" and s.num_groups == 3
         assert s.columns == ["uid", "completion_ids", "old_per_token_logps", "rewards", "policy_version"]

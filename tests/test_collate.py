@@ -10,7 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import diskreplay.collate as collate_module
+import importlib
+
+collate_module = importlib.import_module("diskreplay.collate")  # the package re-exports a function of that name
 from diskreplay.collate import collate, collate_unpadded, pad_on_device, repad
 from diskreplay.ragged import RaggedColumn
 

@@ -307,12 +307,29 @@ CRASH_CASES = (
 )
 
 
+@pytest.fixture(scope="module")
+def crash_runs(request, tmp_path_factory):
+    """Run the children of every selected crash case at once (they mostly wait on fsync)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = [item.callspec.params for item in request.session.items
+              if getattr(item, "originalname", None) == "test_crash_point" and hasattr(item, "callspec")]
+    root = tmp_path_factory.mktemp("crash")
+
+    def run(case):
+        step, mode = case
+        path = str(root / f"{mode}-{step}")
+        crash_batch = 0 if mode == "first" else CRASH_BATCH
+        return case, (path, run_child(CRASH_CHILD, path, step, crash_batch, N_APPENDS, CAPACITY, mode))
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        return dict(pool.map(run, [(p["step"], p["mode"]) for p in wanted]))
+
+
 @pytest.mark.parametrize("step,mode", CRASH_CASES, ids=[f"{m}-{s}" for s, m in CRASH_CASES])
-def test_crash_point(tmp_path, step, mode):
+def test_crash_point(crash_runs, step, mode):
     """Killed at ``step``: returned appends intact, the in-flight one all-or-nothing, store usable."""
-    path = str(tmp_path / "store")
-    crash_batch = 0 if mode == "first" else CRASH_BATCH
-    proc = run_child(CRASH_CHILD, path, step, crash_batch, N_APPENDS, CAPACITY, mode)
+    path, proc = crash_runs[(step, mode)]
     # the child must have died at the crash point, not finished or failed
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     returned, states, _ = parse_lines(proc.stdout)
@@ -646,7 +663,13 @@ def test_io_errors_in_save_state_before_commit(tmp_path, monkeypatch):
                 store.close()
                 continue  # test_io_error_in_save_state_after_commit_point
             cases += 1
-            assert snapshot(path) == before, (call, k)
+            after = snapshot(path)
+            orphan = fmt.state_file("sampler", gen + 1)
+            if orphan in after and orphan not in before:
+                # the fault hit the state directory's fsync after the rename; the
+                # file is garbage (see test_failed_save_state_leaves_no_orphan)
+                del after[orphan]
+            assert after == before, (call, k)
             assert store.generation == gen
             assert state_mismatch(store.load_state("sampler"), 1) is None
             _save(store)
@@ -657,6 +680,16 @@ def test_io_errors_in_save_state_before_commit(tmp_path, monkeypatch):
                 assert state_mismatch(ro.load_state("sampler"), 2) is None
                 check_live_rows(ro, 10)
     assert cases >= counts["write"] + counts["fsync"] - 1
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "store bug (minor): ReplayStore.save_state calls durable_write for the state file outside its "
+    "try block, so a failing fsync of state/ after the rename leaves an unreferenced state file"))
+def test_failed_save_state_leaves_no_orphan(tmp_path, monkeypatch):
+    path, store, before, gen, n, after_rename = _inject(tmp_path, monkeypatch, "fsync", 2, errno.EIO,
+                                                        "state-orphan", _save)
+    assert not after_rename
+    assert snapshot(path) == before
 
 
 @pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(

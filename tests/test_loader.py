@@ -217,9 +217,11 @@ def test_close_and_context_manager(store):
 def test_close_while_worker_is_blocked(store):
     loader = ReplayLoader(store, RandomSampler(replacement=True, seed=0), BATCH, PAD, prefetch=2)
     deadline = time.monotonic() + 10
-    while loader._ready.qsize() < loader.prefetch + 1 and time.monotonic() < deadline:
+    while not (loader._ready.full() and loader._ring.free.empty()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert loader._ready.qsize() == loader.prefetch + 1  # every buffer set is full: the worker waits
+    time.sleep(0.1)
+    # every buffer set is full and the queue too: the worker waits in a put with the last one
+    assert loader._ready.full() and loader._ring.free.empty()
     thread = loader._worker.thread
     t0 = time.monotonic()
     loader.close()

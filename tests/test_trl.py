@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -30,8 +29,8 @@ from diskreplay import ReplayStore  # noqa: E402
 from diskreplay.integrations.trl import (CHECKPOINT_FILE, DiskReplayGRPOConfig,  # noqa: E402
                                          DiskReplayGRPOTrainer, prompt_key)
 
-warnings.filterwarnings("ignore", category=FutureWarning)
-warnings.filterwarnings("ignore", category=UserWarning)
+# TRL and transformers warn about their own deprecations and generation settings
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 PAD, EOS, BOS = 0, 1, 2
 

@@ -876,17 +876,20 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                                     "has no such column; replay from a store written with the same settings")
         batch = store.read(rows, columns=want)
         for name in want:
-            col = batch[name]
-            if isinstance(col, RaggedColumn) or col is None:
-                bad = None if col is not None and (col.validity is None or col.validity.all()) else (
-                    0 if col is None else int(np.flatnonzero(~np.asarray(col.validity))[0]))
-                if bad is not None:
-                    raise ReplayConfigError(f"stored row {int(rows[bad])} has no {name!r} (the run that wrote it "
-                                            f"did not compute it), so it cannot be replayed; write the store with "
-                                            f"replay_compute_old_logps=True / the same beta")
+            col, missing = batch[name], None
+            if col is None:  # a ragged column that none of these rows has
+                missing = 0
+            elif isinstance(col, RaggedColumn) and col.validity is not None and not col.validity.all():
+                missing = int(np.flatnonzero(~np.asarray(col.validity))[0])
+            if missing is not None:
+                raise ReplayConfigError(f"stored row {int(rows[missing])} has no {name!r} (the run that wrote it "
+                                        "did not compute it), so it cannot be replayed; write the store with "
+                                        "replay_compute_old_logps=True and the same beta")
+        return collate(batch, self._pad_token_id())
+
+    def _pad_token_id(self) -> int:
         tok = getattr(self.processing_class, "tokenizer", self.processing_class)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        return collate(batch, pad)
+        return tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def _recomputed_advantages(self, plan: _Plan, replay: Dict[str, Any], keys: np.ndarray,
                                rewards: np.ndarray, step: int) -> torch.Tensor:
@@ -930,8 +933,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         widths = {True: _round_up(max(fresh["prompt_ids"].shape[1], replay["prompt_ids"].shape[1]), multiple),
                   False: _round_up(max(fresh["completion_ids"].shape[1], replay["completion_ids"].shape[1]),
                                    multiple)}
-        tok = getattr(self.processing_class, "tokenizer", self.processing_class)
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        pad_id = self._pad_token_id()
         n_fresh, n = out["prompt_ids"].shape[0], len(plan.rows)
         if plan.positions is None:
             index = torch.arange(n_fresh + n)
