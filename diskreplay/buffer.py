@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from .collate import collate
+from .padding import collate
 from .loader import store_lock
 
 __all__ = ["ReplayBuffer"]

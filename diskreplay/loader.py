@@ -27,7 +27,7 @@ will ask for next):
    stream waits on it with an event, and the same event guards the host
    buffer: the worker does not refill it before that copy has finished. With
    ``pad_on_device=True`` the padding is done on the device by
-   :func:`~diskreplay.collate.pad_on_device` (on the side stream, whose only
+   :func:`~diskreplay.padding.pad_on_device` (on the side stream, whose only
    host sync is one small read of the longest row lengths).
 
 Batch validity. On a CUDA (or other non-CPU) device, and with
@@ -40,6 +40,12 @@ the consumer waits for batch k + prefetch); ``.clone()`` what must live
 longer. In the steady state the worker is then one built batch ahead (and
 two sampled and hinted ahead); on the other paths up to ``prefetch + 1``
 built ones.
+
+Measured (``tools/bench.py sample``, 512 rows of synthetic GRPO rollouts, a
+loaded 2-core VM): warm, sample + read + collate takes 10-15 ms per batch,
+the read about 60% of it; evicted from the page cache, a batch of a 2.7 GB
+store takes ~200 ms serially, and the loader hides it behind a training step
+of ~100 ms (with 50 ms steps, ~24 ms per batch remain visible).
 
 Threads. The sampler and the host buffers belong to the worker while the
 loader runs: update priorities through :meth:`ReplayLoader.update_priorities`,
@@ -62,7 +68,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .collate import collate, collate_unpadded, pad_on_device as _pad_on_device
+from .padding import collate, collate_unpadded, pad_on_device as _pad_on_device
 from .errors import DiskReplayError, RowsEvictedError
 from .ragged import RaggedColumn
 
@@ -93,10 +99,9 @@ _STORE_LOCKS_GUARD = threading.Lock()
 def store_lock(store: Any) -> threading.RLock:
     """The lock that serialises loaders and buffers using one ``ReplayStore`` object.
 
-    A ``ReplayStore`` is not thread-safe (its group index and segment maps are
-    built lazily), so every ``ReplayLoader`` worker and every
-    ``ReplayBuffer`` call holds this lock while it samples, reads or writes.
-    Writes made on the store object directly do not take it.
+    It is the store's own re-entrant ``lock`` (every ``ReplayStore`` method
+    takes it); loaders and buffers hold it across a whole sample + read so that
+    both see the same commit, even while the training loop appends.
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -106,6 +111,9 @@ def store_lock(store: Any) -> threading.RLock:
     >>> store_lock(store) is store_lock(store)
     True
     """
+    lock = getattr(store, "lock", None)
+    if lock is not None:
+        return lock
     with _STORE_LOCKS_GUARD:
         lock = _STORE_LOCKS.get(store)
         if lock is None:

@@ -73,6 +73,14 @@ class ArrowFile:
                 raise CorruptStoreError(f"{path} is empty")
             self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             self.fd = fd
+            # Rows are read at random: without this, each page fault reads ahead
+            # (up to MBs on some VMs) and cold batches pay for bytes they never use.
+            # Readers that need many pages ask for them explicitly (advise, advise_all).
+            try:
+                self._mmap.madvise(mmap.MADV_RANDOM)
+            except (AttributeError, OSError):
+                pass
+            self.advised_all = False
         except BaseException:
             os.close(fd)
             raise
@@ -98,6 +106,15 @@ class ArrowFile:
             self.close()
         except Exception:
             pass
+
+    def advise_all(self) -> None:
+        """Ask the kernel to read the whole file ahead (for scans: export, compact)."""
+        if not self.advised_all:
+            self.advised_all = True
+            try:
+                self._mmap.madvise(mmap.MADV_WILLNEED)
+            except OSError:
+                pass
 
     def advise(self, ranges: List[Tuple[int, int]]) -> None:
         """Ask the kernel to read the given byte ranges ahead (WILLNEED)."""
@@ -135,6 +152,7 @@ class Segment(ArrowFile):
                 raise CorruptStoreError(f"{path} has schema {self.batch.schema.types} which disagrees with "
                                         f"FORMAT.json ({want.types})")
         self._cache: Dict[str, Any] = {}
+        self._offset_keys: Dict[str, str] = {}
 
     @property
     def num_rows(self) -> int:
@@ -154,6 +172,20 @@ class Segment(ArrowFile):
             self._check_offsets(name, offsets, len(values))
             hit = self._cache[name] = (values, offsets, validity)
         return hit
+
+    def offsets_key(self, name: str) -> str:
+        """The first ragged column (in asking order) whose offsets equal ``name``'s.
+
+        Columns aligned with the same ids share it, so a read can compute its
+        gather indices once for all of them.
+        """
+        key = self._offset_keys.get(name)
+        if key is None:
+            offsets = self.ragged(name)[1]
+            key = next((canon for canon in set(self._offset_keys.values())
+                        if np.array_equal(self.ragged(canon)[1], offsets)), name)
+            self._offset_keys[name] = key
+        return key
 
     def _check_offsets(self, name: str, offsets: np.ndarray, n_values: int) -> None:
         if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_values or np.any(np.diff(offsets) < 0)):

@@ -19,8 +19,6 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-import pyarrow as pa
-
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
 from .errors import CorruptStoreError, FormatError
@@ -68,7 +66,7 @@ def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
     if newest is not None:
         r.generation, r.rows = newest.generation, newest.num_rows
         _check_rows(r, newest, options)
-        files = _planned(newest)
+        files = _sized_files(newest)
         bar = _bar(progress, sum(b for _, b in files), "verify")
         try:
             for seg in newest.segments:
@@ -104,8 +102,9 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False) -> Di
     sidecars are rebuilt from their segment's group-key column, in a new
     commit. When every manifest references a damaged segment, the newest
     intact manifest is kept with its head moved past the newest damaged
-    segment: the rows up to it are lost, and the actions say which.
-    ``dry_run=True`` reports the same actions without changing anything (and
+    segment: the rows up to it are lost, and the actions say which. When no
+    manifest is intact at all, it raises ``CorruptStoreError`` and changes
+    nothing. ``dry_run=True`` reports the same actions without changing anything (and
     without taking the lock). Returns ``{"actions", "generation", "rows"}``.
 
     >>> import tempfile
@@ -255,10 +254,6 @@ def _check_rows(r: _Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]
                       f"of {fmt.FORMAT_FILE}")
         if m.segments and options.schema is None:
             r.problem(f"{where} has rows but {_rel(r.root, fmt.FORMAT_FILE)} records no schema")
-
-
-def _planned(m: fmt.Manifest) -> List[Tuple[str, int]]:
-    return _sized_files(m)
 
 
 def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
@@ -468,6 +463,11 @@ class _Repair:
                 if not self.dry_run:
                     os.makedirs(p, exist_ok=True)
         intact, damaged = _scan_manifests(None, self.root)
+        if damaged and not intact:
+            # Nothing says which files hold committed rows: quarantining them all
+            # would empty the store, so leave it for a person to look at.
+            raise CorruptStoreError(f"no intact manifest in {_rel(self.root, fmt.MANIFEST_DIR)}; repair will not "
+                                    "guess which files hold committed rows: " + "; ".join(m for _, m in damaged))
         for gen, message in damaged:
             self._quarantine(fmt.manifest_file(gen), f"it is damaged: {message}")
 

@@ -16,7 +16,6 @@ import inspect
 import json
 import os
 import random
-import select
 import shutil
 import signal
 import subprocess
@@ -1108,3 +1107,13 @@ def test_verify_and_repair_progress_bars(tmp_path, monkeypatch, capsys):
     assert repair_store(path, progress=True)["actions"] == []
     monkeypatch.setitem(sys.modules, "tqdm", None)  # tqdm missing: no bar, same answer
     assert verify_store(path, progress=True)["ok"]
+
+
+def test_repair_refuses_when_no_manifest_is_intact(tmp_path):
+    path = _repair_store(tmp_path)
+    for gen in fmt.list_generations(path):
+        _flip(path, fmt.manifest_file(gen), 5)
+    before = snapshot(path)
+    with pytest.raises(CorruptStoreError, match="no intact manifest"):
+        repair_store(path)
+    assert snapshot(path) == before

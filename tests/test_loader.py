@@ -17,7 +17,7 @@ import torch
 
 import diskreplay
 from diskreplay import PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplayStore
-from diskreplay.collate import collate
+from diskreplay.padding import collate
 from diskreplay.loader import ReplayLoader
 from diskreplay.synthetic import rollout_stream
 

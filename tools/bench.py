@@ -26,8 +26,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from diskreplay import ReplayStore  # noqa: E402
+import mmap  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+
+from diskreplay import (PromptGroupSampler, RaggedColumn, ReplayStore, collate,  # noqa: E402
+                        collate_unpadded)
+from diskreplay.loader import ReplayLoader, _host_needs, _Ring  # noqa: E402  the worker's own buffer ring
+from diskreplay.samplers import STRATEGIES  # noqa: E402
 from diskreplay.synthetic import rollout_stream  # noqa: E402
+
 
 TOKEN_COLUMNS = ("completion_ids", "old_per_token_logps", "ref_per_token_logps")
 
@@ -109,6 +119,18 @@ def reopen_ms(path: str, cold: bool) -> Dict[str, float]:
     return {k: min(r[k] for r in runs) for k in runs[0]}
 
 
+def big_store(work: str, args) -> str:
+    """The ``args.big`` times larger store (built once per work directory, then reused)."""
+    path = os.path.join(work, f"store_x{args.big}")
+    if not os.path.exists(os.path.join(path, "manifests")) or not os.listdir(os.path.join(path, "manifests")):
+        print(f"  writing the {args.big}x store ({args.groups * args.big} groups) ...", flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+        with ReplayStore(path) as store:
+            for b in rollout_stream(args.groups * args.big, 64, 8, seed=1):
+                store.extend(b)
+    return path
+
+
 def bench_store(args) -> None:
     work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-")
     os.makedirs(work, exist_ok=True)
@@ -136,12 +158,7 @@ def bench_store(args) -> None:
     row("bytes/token", f"{nbytes / pay['completion_tokens']:.2f}", f"{pay['raw'] / pay['completion_tokens']:.2f}",
         f"{nbytes / pay['raw']:.3f}")
     del batches
-    big_path = os.path.join(work, "store_big")
-    if args.big > 1 and not os.path.exists(os.path.join(big_path, "FORMAT.json")):
-        print(f"\nwriting a {args.big}x store for the reopen comparison ...", flush=True)
-        with ReplayStore(big_path) as store:
-            for b in rollout_stream(args.groups * args.big, 64, 8, seed=1):
-                store.extend(b)
+    big_path = big_store(work, args) if args.big > 1 else None
     print("\nreopen in a fresh process until the first row is read (ms, best of 3)")
     small_w, small_c = reopen_ms(store_path, cold=False), reopen_ms(store_path, cold=True)
     row("1x store, warm / cold", f"{small_w['open_first_row_ms']:.1f} / {small_c['open_first_row_ms']:.1f}")
@@ -155,6 +172,473 @@ def bench_store(args) -> None:
     os.remove(raw_path)
 
 
+EXPORT_CHILD = textwrap.dedent("""
+    import json, os, sys, threading, time
+    import pyarrow as pa
+    from diskreplay.export import export_parquet
+
+    def anon_kib():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("RssAnon:"))
+
+    base, peak, done = anon_kib(), [0], []
+    def sample():
+        while not done:
+            peak[0] = max(peak[0], anon_kib()); time.sleep(0.005)
+    threading.Thread(target=sample, daemon=True).start()
+    t = time.perf_counter()
+    res = export_parquet(sys.argv[1], sys.argv[2], overwrite=True)
+    done.append(1)
+    print(json.dumps({"s": time.perf_counter() - t, "rows": res["rows"], "bytes": res["bytes"],
+                      "peak_anon_mib": (max(peak[0], anon_kib()) - base) / 1024,
+                      "arrow_pool_peak_mib": pa.default_memory_pool().max_memory() / 2**20}))
+""")
+
+
+def export_child(store_path: str, out: str) -> Dict[str, float]:
+    out_json = subprocess.run([sys.executable, "-c", EXPORT_CHILD, store_path, out], check=True,
+                              capture_output=True, text=True).stdout
+    return json.loads(out_json)
+
+
+def bench_export(args) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from diskreplay.export import export_parquet
+    from diskreplay.export._common import column_to_arrow
+
+    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-")
+    os.makedirs(work, exist_ok=True)
+    store_path = os.path.join(work, "store")
+    if not os.path.exists(store_path):
+        write_store(make_batches(args.groups), store_path)
+    print(f"workload: {args.groups} groups x 8 rows; work dir {work}")
+    with ReplayStore(store_path, readonly=True) as store:
+        data = store.read(store.row_ids())  # the same rows, in memory, as one Arrow table
+        table = pa.table({c: column_to_arrow(store.schema[c], data[c], len(store)) for c in store.columns})
+        del data
+        base_t, ours_t = [], []
+        for _ in range(5):  # interleaved, best of 5: the machine may be shared
+            t = time.perf_counter()
+            pq.write_table(table, os.path.join(work, "baseline.parquet"))
+            base_t.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            export_parquet(store, os.path.join(work, "export.parquet"), overwrite=True)
+            ours_t.append(time.perf_counter() - t)
+        seg_mib = max(s.bytes for s in store.manifest.segments) / 2**20
+    b, o = min(base_t), min(ours_t)
+    print(f"  {len(table):,} rows, {table.nbytes / 2**20:.0f} MiB in Arrow; largest segment {seg_mib:.1f} MiB")
+    row("parquet export incl. fsync (s, best of 5)", f"{o:.3f}", f"write_table {b:.3f}", f"{o / b:.2f}x")
+    del table
+    one = export_child(store_path, os.path.join(work, "export.parquet"))
+    row("export peak anon RSS / arrow pool (MiB)", f"{one['peak_anon_mib']:.0f} / {one['arrow_pool_peak_mib']:.0f}")
+    if args.big > 1:
+        big_path = big_store(work, args)
+        res = export_child(big_path, os.path.join(work, "export_big.parquet"))
+        row(f"{args.big}x store: rows / export s", f"{res['rows']:,} / {res['s']:.1f}")
+        row(f"{args.big}x store: peak anon RSS (MiB)", f"{res['peak_anon_mib']:.0f}",
+            f"1x: {one['peak_anon_mib']:.0f}", f"{res['peak_anon_mib'] / max(one['peak_anon_mib'], 1):.2f}x")
+        row(f"{args.big}x store: arrow pool peak (MiB)", f"{res['arrow_pool_peak_mib']:.0f}")
+        os.remove(os.path.join(work, "export_big.parquet"))
+
+
+_RAGGED = ("prompt_ids", "completion_ids", "old_per_token_logps", "ref_per_token_logps")
+_MASKS = {"prompt_ids": "prompt_mask", "completion_ids": "completion_mask"}
+
+
+def evict_store(store):
+    """Make every page of an open store cold, keeping it open (a long-running loader's view).
+
+    POSIX_FADV_DONTNEED skips pages mapped into a process, so first drop this
+    process's mappings of the open segments' pages (MADV_DONTNEED on a shared
+    file mapping keeps the data, in the page cache), then evict the files.
+    """
+    for seg in list(store._segments.values()):
+        seg._mmap.madvise(mmap.MADV_DONTNEED)
+    evict_from_page_cache(store.path)
+
+
+def _mem_mb():
+    """VmRSS, RssAnon, VmHWM of this process in MB, from /proc/self/status."""
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "VmHWM"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+def _nbytes(batch):
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def _median_ms(fn, n, before=None):
+    times = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+class _FlatGather:
+    """The "ideal numpy gather": every row's values in one flat memory-mapped .npy per column plus
+    offsets, gathered into preallocated padded arrays (same outputs and dtypes as collate)."""
+
+    def __init__(self, store, directory, chunk=4096):
+        os.makedirs(directory, exist_ok=True)
+        rows = store.row_ids()
+        self.cols = {}
+        for name in _RAGGED:
+            vpath, opath = os.path.join(directory, name + ".values.npy"), os.path.join(directory, name + ".offsets.npy")
+            if not os.path.exists(opath):
+                parts = [store.read(rows[i:i + chunk], [name])[name] for i in range(0, len(rows), chunk)]
+                lengths = np.concatenate([p.lengths for p in parts])
+                offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+                np.cumsum(lengths, out=offsets[1:])
+                values = np.lib.format.open_memmap(vpath, mode="w+", dtype=parts[0].values.dtype,
+                                                   shape=(int(offsets[-1]),))
+                for p, lo in zip(parts, offsets[:-1:chunk]):
+                    values[lo:lo + p.values.size] = p.values
+                values.flush()
+                del values
+                np.save(opath, offsets)
+            self.cols[name] = (np.load(vpath, mmap_mode="r"), np.load(opath, mmap_mode="r"))
+        self.base = int(rows[0]) if len(rows) else 0
+        self.bufs = {}
+
+    def _buf(self, name, numel, dtype):
+        b = self.bufs.get(name)
+        if b is None or b.size < numel:
+            b = self.bufs[name] = np.empty(int(numel * 1.25) + 1, dtype=dtype)
+        return b
+
+    def gather(self, rows, pad):
+        rows = np.asarray(rows) - self.base
+        B = len(rows)
+        out = {}
+        for name, (values, offsets) in self.cols.items():
+            starts = offsets[rows]
+            lengths = offsets[rows + 1] - starts
+            W = int(lengths.max())
+            left = name.startswith("prompt_")
+            dtype = np.int64 if values.dtype.kind in "iu" else values.dtype
+            arr = self._buf(name, B * W, dtype)[:B * W].reshape(B, W)
+            pos = np.arange(W)
+            mask = pos >= (W - lengths)[:, None] if left else pos < lengths[:, None]
+            total = int(lengths.sum())
+            index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
+            arr.fill(pad if name in _MASKS else 0)
+            arr[mask] = np.take(values, index)
+            out[name] = arr
+            if name in _MASKS:
+                m = self._buf(_MASKS[name], B * W, np.int64)[:B * W].reshape(B, W)
+                np.copyto(m, mask)
+                out[_MASKS[name]] = m
+        return out
+
+
+class _TorchRLPadded:
+    """Baseline: TorchRL's LazyMemmapStorage holding the same rollouts padded to 1024 / 4096 tokens.
+
+    Appending pads each step's rows and fsyncs the memmaps; sampling gathers the
+    rows and trims them to the batch's own maxima, as a TorchRL user would.
+    Needs the ``bench`` extra (torchrl, tensordict).
+    """
+
+    P, C = 1024, 4096
+
+    def __init__(self, directory: str, capacity: int) -> None:
+        from torchrl.data import LazyMemmapStorage
+
+        self.dir = directory
+        self.storage = LazyMemmapStorage(capacity, scratch_dir=directory)
+        self.cursor = 0
+
+    def append(self, batch) -> None:
+        from tensordict import TensorDict
+
+        n = len(batch["completion_ids"])
+        data = {"prompt_ids": np.zeros((n, self.P), np.int32), "completion_ids": np.zeros((n, self.C), np.int32),
+                "old_per_token_logps": np.zeros((n, self.C), np.float32),
+                "ref_per_token_logps": np.zeros((n, self.C), np.float32)}
+        for i in range(n):
+            p = batch["prompt_ids"][i]
+            data["prompt_ids"][i, self.P - len(p):] = p
+            for k in ("completion_ids", "old_per_token_logps", "ref_per_token_logps"):
+                data[k][i, :len(batch[k][i])] = batch[k][i]
+        data = {k: torch.from_numpy(v) for k, v in data.items()}
+        data["prompt_len"] = torch.tensor([len(x) for x in batch["prompt_ids"]])
+        data["completion_len"] = torch.tensor([len(x) for x in batch["completion_ids"]])
+        self.storage.set(torch.arange(self.cursor, self.cursor + n), TensorDict(data, batch_size=[n]))
+        self.cursor += n
+        for f in os.listdir(self.dir):
+            if f.endswith(".memmap"):
+                fd = os.open(os.path.join(self.dir, f), os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+
+    def reopen(self) -> None:
+        from pathlib import Path
+
+        from torchrl.data import LazyMemmapStorage
+
+        self.storage.dumps(Path(self.dir))  # writes its metadata; the memmaps stay where they are
+        self.storage = LazyMemmapStorage(self.cursor)
+        self.storage.loads(Path(self.dir))
+
+    def sample(self, local_rows: np.ndarray, pad: int) -> Dict[str, torch.Tensor]:
+        td = self.storage.get(torch.from_numpy(np.asarray(local_rows)))
+        pl, cl = td["prompt_len"], td["completion_len"]
+        P, C = int(pl.max()), int(cl.max())
+        pos_p, pos_c = torch.arange(P), torch.arange(C)
+        out = {"prompt_mask": (pos_p >= (P - pl)[:, None]).long(), "completion_mask": (pos_c < cl[:, None]).long()}
+        out["prompt_ids"] = td["prompt_ids"][:, self.P - P:].long().masked_fill_(out["prompt_mask"] == 0, pad)
+        out["completion_ids"] = td["completion_ids"][:, :C].long().masked_fill_(out["completion_mask"] == 0, pad)
+        for k in ("old_per_token_logps", "ref_per_token_logps"):
+            out[k] = td[k][:, :C]
+        return out
+
+
+def _torchrl_baseline(store: ReplayStore, directory: str, report) -> "_TorchRLPadded | None":
+    try:
+        import torchrl  # noqa: F401
+    except ImportError:
+        report("  (TorchRL baseline skipped: pip install 'diskreplay[bench]')")
+        return None
+    meta = os.path.join(directory, "storage_metadata.json")
+    base = _TorchRLPadded(directory, len(store))
+    if os.path.exists(meta):
+        base.cursor = len(store)
+        base.reopen()
+        return base
+    rows = store.row_ids()
+    t = time.perf_counter()
+    for i in range(0, len(rows), 512):
+        b = store.read(rows[i:i + 512], list(_RAGGED))
+        base.append({k: list(b[k]) for k in _RAGGED})
+    report(f"  TorchRL LazyMemmapStorage (padded 1024/4096) built: {len(rows) / (time.perf_counter() - t):,.0f} "
+           f"rows/s appended incl. fsync, {sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)) / 2**30:.1f} GiB")
+    base.reopen()
+    return base
+
+
+def _trl_list(store, rows):
+    """TRL-style buffer: a Python list with one dict of per-row tensors per row."""
+    items = []
+    for i in range(0, len(rows), 4096):
+        b = store.read(rows[i:i + 4096], list(_RAGGED))
+        for j in range(len(b["completion_ids"])):
+            p = torch.from_numpy(b["prompt_ids"][j].astype(np.int64))
+            c = torch.from_numpy(b["completion_ids"][j].astype(np.int64))
+            items.append({"prompt_ids": p, "prompt_mask": torch.ones_like(p),
+                          "completion_ids": c, "completion_mask": torch.ones_like(c),
+                          "old_per_token_logps": torch.from_numpy(b["old_per_token_logps"][j].copy()),
+                          "ref_per_token_logps": torch.from_numpy(b["ref_per_token_logps"][j].copy())})
+    return items
+
+
+def _trl_pad(items, idx, pad):
+    from torch.nn.utils.rnn import pad_sequence
+    picked = [items[i] for i in idx]
+    out = {}
+    for name in picked[0]:
+        side = "left" if name.startswith("prompt_") else "right"
+        value = pad if name in _MASKS else 0
+        out[name] = pad_sequence([r[name] for r in picked], batch_first=True, padding_value=value,
+                                 padding_side=side)
+    return out
+
+
+def _rss_probe(path, batch_rows, batches):
+    """Run in a fresh process: peak anonymous memory while a ReplayLoader samples, per strategy."""
+    import gc
+    store = ReplayStore(path, readonly=True)
+    store.group_index()
+    before = _mem_mb()
+    peaks = {}
+    for strategy in STRATEGIES:
+        sampler = PromptGroupSampler(num_groups=batch_rows // 8, strategy=strategy, seed=0)
+        peak = 0.0
+        loader = ReplayLoader(store, sampler, batch_rows, 0, num_batches=batches)
+        for _ in loader:
+            peak = max(peak, _mem_mb()["RssAnon"])
+        loader.close()
+        del loader
+        gc.collect()
+        peaks[strategy] = peak
+    after = _mem_mb()
+    return {"rows": len(store), "bytes": store.nbytes, "anon_after_open_mb": before["RssAnon"],
+            "peak_anon_mb": max(peaks.values()), "peaks": peaks, "peak_rss_mb": after["VmHWM"]}
+
+
+def _probe_in_subprocess(path, batch_rows, batches):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_rss_probe, (path, batch_rows, batches))
+
+
+def _bench_cold(store, label, batch_groups, B, cold, step_ms, res, report, pad=0):
+    """Cold page cache, evicted before each timed batch: with and without a WILLNEED hint, and the
+    loader (which hints batch k+1 while batch k trains)."""
+    ring = _Ring(1, pin=False)
+    for strategy in STRATEGIES:
+        for hint in (False, True):
+            sampler = PromptGroupSampler(num_groups=batch_groups, strategy=strategy, seed=2)
+
+            def cold_step():
+                rows = sampler.sample(store, B)
+                if hint:
+                    store.prefetch(rows)  # what the loader's worker does, one batch ahead
+                batch = store.read(rows)
+                collate(batch, pad, out=ring.buffers(0, _host_needs(batch, B, False)))
+            ms = _median_ms(cold_step, cold, before=lambda: evict_store(store))
+            res[f"cold{label}_{strategy}{'_hint' if hint else ''}_ms"] = ms
+        report(f"  cold{label} {strategy:9s} no hint {res[f'cold{label}_{strategy}_ms']:7.1f} ms/batch, WILLNEED "
+               f"first {res[f'cold{label}_{strategy}_hint_ms']:7.1f} ms/batch", flush=True)
+    # the groups of successive batches barely overlap, so their pages are cold after one eviction
+    for step_s in (0.0, step_ms / 1e3):
+        evict_store(store)
+        waits = []
+        with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=3), B, pad,
+                          num_batches=cold * 2) as loader:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    next(loader)
+                except StopIteration:
+                    break
+                waits.append(time.perf_counter() - t0)
+                time.sleep(step_s)
+        key = f"cold{label}_loader_step{int(step_s * 1e3)}ms_wait_ms"
+        res[key] = 1e3 * statistics.median(waits[1:])
+        report(f"  cold{label} ReplayLoader (random), {step_s * 1e3:.0f} ms training step: next() waits "
+               f"{res[key]:.1f} ms/batch (median after the first)", flush=True)
+
+
+def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=50.0, report=print):
+    """sample: warm/cold sample+read+collate per PromptGroupSampler strategy, against an ideal numpy
+    gather, TorchRL's LazyMemmapStorage (padded) and a TRL-style list + pad_sequence; host->device
+    bytes; peak memory vs store size."""
+    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-")
+    os.makedirs(work, exist_ok=True)
+    store_path = os.path.join(work, "store")
+    if not os.path.exists(os.path.join(store_path, "FORMAT.json")):
+        write_store(make_batches(args.groups), store_path)
+    B = batch_groups * group_size
+    pad = 0
+    res = {"batch_rows": B}
+    store = ReplayStore(store_path, readonly=True)
+    flat = _FlatGather(store, store_path.rstrip("/") + ".flat")
+    trl = _trl_list(store, store.row_ids())
+    torchrl_base = _torchrl_baseline(store, os.path.join(work, "torchrl_padded"), report)
+    report(f"sample: store {len(store)} rows ({store.nbytes / 1e6:.0f} MB), batch {batch_groups} groups x "
+           f"{group_size} rows")
+
+    # --- warm page cache
+    rows0 = PromptGroupSampler(num_groups=batch_groups, seed=0).sample(store, B)
+    ref = collate(store.read(rows0), pad)
+    got = flat.gather(rows0, pad)
+    assert all(np.array_equal(ref[k].numpy(), got[k]) for k in got), "ideal gather disagrees with collate"
+    got = _trl_pad(trl, rows0 - store.head, pad)
+    assert all(torch.equal(ref[k], got[k]) for k in got), "TRL-style pad disagrees with collate"
+    res["padded_mb"] = _nbytes(ref) / 1e6
+    report(f"  padded output {res['padded_mb']:.1f} MB per batch (int64 ids and masks, float32 log-probs)")
+    for _ in range(3):  # warm the pages and the buffers
+        flat.gather(rows0, pad)
+        store.read(rows0)
+    # ours, the ideal gather and the TRL-style list are timed in turn on the same rows, so that load
+    # from other processes hits all three alike
+    ring = _Ring(1, pin=False)
+    for strategy in STRATEGIES:
+        sampler = PromptGroupSampler(num_groups=batch_groups, strategy=strategy, seed=0)
+        t = {"ours": [], "ideal": [], "trl": [], "torchrl": []}
+        for i in range(warm + 3):
+            t0 = time.perf_counter()
+            rows = sampler.sample(store, B)  # exactly the loader worker's host path:
+            batch = store.read(rows)  # sample, read, collate into a reused buffer set
+            collate(batch, pad, out=ring.buffers(0, _host_needs(batch, B, False)))
+            t1 = time.perf_counter()
+            flat.gather(rows, pad)
+            t2 = time.perf_counter()
+            _trl_pad(trl, rows - store.head, pad)
+            t3 = time.perf_counter()
+            if torchrl_base is not None:
+                torchrl_base.sample(rows - store.head, pad)
+            t4 = time.perf_counter()
+            if i >= 3:
+                t["ours"].append(t1 - t0), t["ideal"].append(t2 - t1), t["trl"].append(t3 - t2)
+                t["torchrl"].append(t4 - t3)
+        ours, ideal, trl_ms, trl_rl = (1e3 * statistics.median(t[k]) for k in ("ours", "ideal", "trl", "torchrl"))
+        res[f"warm_{strategy}_ms"], res[f"ideal_{strategy}_ms"], res[f"trl_{strategy}_ms"] = ours, ideal, trl_ms
+        res[f"torchrl_{strategy}_ms"] = trl_rl
+        report(f"  warm {strategy:9s} ours {ours:5.1f} ms | ideal numpy gather {ideal:5.1f} ms ({ideal / ours:.2f}x) | "
+               f"TorchRL padded memmap {trl_rl:5.1f} ms ({trl_rl / ours:.2f}x) | TRL list + pad_sequence "
+               f"{trl_ms:5.1f} ms ({trl_ms / ours:.1f}x)", flush=True)
+
+    # --- the loader, warm: consumer-visible time per batch with no training step
+    for pod in (False, True):
+        with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=1), B, pad, prefetch=2,
+                          device="cpu" if pod else None, pad_on_device=pod) as loader:
+            for _ in range(3):
+                next(loader)
+            ms = _median_ms(lambda: next(loader), warm)
+        res[f"loader_warm{'_pad_on_device' if pod else ''}_ms"] = ms
+        report(f"  warm ReplayLoader next() {'(pad_on_device, cpu) ' if pod else ''}{ms:.1f} ms/batch")
+
+    _bench_cold(store, "", batch_groups, B, cold, step_ms, res, report, pad)
+    if torchrl_base is not None:
+        sampler = PromptGroupSampler(num_groups=batch_groups, seed=2)
+
+        def torchrl_cold():
+            torchrl_base.reopen()
+            torchrl_base.sample(sampler.sample(store, B) - store.head, pad)
+
+        def ours_cold():
+            fresh = ReplayStore(store_path, readonly=True)
+            b = fresh.read(sampler.sample(fresh, B))
+            collate(b, pad)
+            fresh.close()
+
+        rl = _median_ms(torchrl_cold, cold, before=lambda: evict_from_page_cache(torchrl_base.dir))
+        ou = _median_ms(ours_cold, cold, before=lambda: evict_from_page_cache(store_path))
+        res["cold_reopen_first_batch_ms"], res["torchrl_cold_reopen_first_batch_ms"] = ou, rl
+        report(f"  cold reopen + first batch: ours {ou:.1f} ms, TorchRL padded memmap {rl:.1f} ms "
+               f"({rl / ou:.1f}x)", flush=True)
+
+    # --- bytes host -> device per batch
+    batch = store.read(rows0)
+    payload = sum(c.values.nbytes if isinstance(c, RaggedColumn) else getattr(c, "nbytes", 0)
+                  for c in batch.values() if c is not None)
+    res["bytes_padded"] = _nbytes(collate(batch, pad))
+    res["bytes_pad_on_device"] = _nbytes(collate_unpadded(batch))
+    res["bytes_payload"] = payload
+    report(f"  host->device bytes/batch: padded {res['bytes_padded'] / 1e6:.1f} MB "
+           f"({res['bytes_padded'] / payload:.2f}x payload), pad_on_device {res['bytes_pad_on_device'] / 1e6:.1f} MB "
+           f"({res['bytes_pad_on_device'] / payload:.3f}x), unpadded payload {payload / 1e6:.1f} MB")
+    store.close()
+    del trl, flat
+
+    # --- peak memory while sampling, this store and one big_factor times larger, each in a fresh process
+    big_factor = args.big
+    big = big_store(work, args)
+    with ReplayStore(big, readonly=True) as big_st:
+        big_st.group_index()
+        _bench_cold(big_st, f"[{big_factor}x store]", batch_groups, B, cold, step_ms, res, report, pad)
+    for name, path in (("1x", store_path), (f"{big_factor}x", big)):
+        m = _probe_in_subprocess(path, B, cold * 2)
+        res[f"mem_{name}"] = m
+        report(f"  memory, {name} store ({m['rows']} rows, {m['bytes'] / 1e9:.2f} GB): RssAnon "
+               f"{m['anon_after_open_mb']:.0f} MB after open + index, peak {m['peak_anon_mb']:.0f} MB while a "
+               f"ReplayLoader samples (per strategy: "
+               + ", ".join(f"{k} {v:.0f}" for k, v in m["peaks"].items())
+               + f"); peak RSS incl. mapped file pages {m['peak_rss_mb']:.0f} MB", flush=True)
+    return res
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["store", "sample", "export"])
@@ -162,7 +646,7 @@ def main(argv=None) -> None:
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
     args = p.parse_args(argv)
-    {"store": bench_store}[args.what](args)
+    {"store": bench_store, "export": bench_export, "sample": bench_sample}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -221,7 +221,9 @@ def main(argv=None) -> int:
 
     from diskreplay.store import ReplayStore
     from diskreplay.verify import verify_store
-    exec(CONTENT, globals())  # expected_rows, rows_mismatch, state_for, state_ok
+    content: dict = {"np": np}
+    exec(CONTENT, content)  # the children's own definitions, so both sides agree
+    rows_mismatch, state_ok = content["rows_mismatch"], content["state_ok"]
 
     base = args.dir or tempfile.mkdtemp(prefix="diskreplay-soak-")
     os.makedirs(base, exist_ok=True)

@@ -114,7 +114,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .._fileio import durable_write
-from ..collate import collate
+from ..padding import collate
 from ..errors import DiskReplayError, FormatError
 from ..format import FORMAT_FILE
 from ..ragged import RaggedColumn

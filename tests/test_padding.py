@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import importlib
 
-collate_module = importlib.import_module("diskreplay.collate")  # the package re-exports a function of that name
-from diskreplay.collate import collate, collate_unpadded, pad_on_device, repad
+collate_module = importlib.import_module("diskreplay.padding")
+from diskreplay.padding import collate, collate_unpadded, pad_on_device, repad
 from diskreplay.ragged import RaggedColumn
 
 PAD = 99
