@@ -104,6 +104,26 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
         fsync_dir(directory or ".")
 
 
+def read_file(path: str, limit: Optional[int] = None) -> bytes:
+    """The bytes of ``path``, refusing symlinks (``O_NOFOLLOW``) and files over ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            from .errors import CorruptStoreError
+
+            raise CorruptStoreError(f"{path} is a symlink; a store's files must be plain files") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if limit is not None:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                from .errors import CorruptStoreError
+
+                raise CorruptStoreError(f"{path} is {size} bytes; at most {limit} are expected here")
+        return f.read()
+
+
 def remove_quietly(path: str) -> bool:
     """Unlink ``path``; True when it existed."""
     try:
@@ -125,7 +145,14 @@ class WriterLock:
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                from .errors import CorruptStoreError
+
+                raise CorruptStoreError(f"{self.path} is a symlink; a store's LOCK must be a plain file") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

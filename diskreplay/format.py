@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ._fileio import crc32c, durable_write
+from ._fileio import crc32c, durable_write, read_file
 from .errors import CorruptStoreError, FormatError
 from .schema import Schema
 
@@ -86,15 +86,22 @@ def _check_header(doc: Any, fmt: str, where: str) -> Mapping[str, Any]:
 
 def read_json(path: str) -> Any:
     """Parse a small JSON file, turning every failure into CorruptStoreError."""
+    raw = read_file(path, MAX_JSON_BYTES)
     try:
-        size = os.stat(path).st_size
-        if size > MAX_JSON_BYTES:
-            raise CorruptStoreError(f"{path} is {size} bytes; a diskreplay JSON file is at most {MAX_JSON_BYTES}")
-        with open(path, "rb") as f:
-            raw = f.read()
         return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also 4300+ digit ints
         raise CorruptStoreError(f"{path} is not valid JSON ({type(exc).__name__}: {exc})") from None
+
+
+def _signed(body: dict) -> dict:
+    """``body`` plus a ``checksum``: CRC-32C of its canonical JSON."""
+    return {**body, "checksum": crc32c(_dumps(body))}
+
+
+def _check_signature(doc: Mapping[str, Any], where: str) -> None:
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    if doc.get("checksum") != crc32c(_dumps(body)):
+        raise CorruptStoreError(f"{where} fails its checksum; the file is damaged")
 
 
 @dataclass(frozen=True)
@@ -111,18 +118,19 @@ class StoreOptions:
     schema: Optional[Schema] = None
 
     def to_dict(self) -> dict:
-        return {
+        return _signed({
             "format": STORE_FORMAT,
             "version": FORMAT_VERSION,
             "group_key": self.group_key,
             "capacity_rows": self.capacity_rows,
             "capacity_bytes": self.capacity_bytes,
             "schema": None if self.schema is None else self.schema.to_list(),
-        }
+        })
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE) -> "StoreOptions":
         doc = _check_header(doc, STORE_FORMAT, where)
+        _check_signature(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -183,6 +191,8 @@ class SegmentEntry:
                 num_rows=_int(d, "num_rows", where, lo=1), bytes=_int(d, "bytes", where, lo=1),
                 crc32c=_int(d, "crc32c", where, hi=0xFFFFFFFF),
                 groups_bytes=_int(d, "groups_bytes", where), groups_crc32c=_int(d, "groups_crc32c", where, hi=0xFFFFFFFF))
+        if e.num_rows > 8 * e.bytes:  # even a single bool column needs a bit per row
+            raise FormatError(f"Unsupported num_rows={e.num_rows} for a {e.bytes}-byte segment in {where}")
         for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
             if d.get(key, expect) != expect:
                 raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
@@ -210,7 +220,10 @@ class StateEntry:
     def from_dict(cls, name: str, d: Any, where: str) -> "StateEntry":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported state entry {d!r} in {where}; expected an object")
-        check_state_name(name)
+        try:
+            check_state_name(name)
+        except ValueError as exc:
+            raise FormatError(f"Unsupported state in {where}: {exc}") from None
         e = cls(name, _int(d, "generation", where, lo=1), _int(d, "bytes", where, lo=1),
                 _int(d, "crc32c", where, hi=0xFFFFFFFF))
         if d.get("file", e.file) != e.file:
@@ -272,15 +285,12 @@ class Manifest:
             "segments": [s.to_dict() for s in self.segments],
             "states": {k: v.to_dict() for k, v in sorted(self.states.items())},
         }
-        body["checksum"] = crc32c(_dumps(body))
-        return body
+        return _signed(body)
 
     @classmethod
     def from_dict(cls, doc: Any, where: str) -> "Manifest":
         doc = _check_header(doc, MANIFEST_FORMAT, where)
-        body = {k: v for k, v in doc.items() if k != "checksum"}
-        if doc.get("checksum") != crc32c(_dumps(body)):
-            raise CorruptStoreError(f"{where} fails its checksum; the file is damaged")
+        _check_signature(doc, where)
         segs = doc.get("segments")
         states = doc.get("states", {})
         if not isinstance(segs, list) or not isinstance(states, dict):

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
+from ._fileio import crc32c
 from .errors import CorruptStoreError, FormatError
 from .ragged import numpy_view
 from .schema import RAGGED, VECTOR, Schema
@@ -48,6 +49,32 @@ def group_sidecar(keys: pa.Array, first_row: int) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([enc.dictionary, pa.array(counts), rows], names=["key", "count", "rows"])
 
 
+def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
+                       num_rows: int) -> Tuple[pa.Array, np.ndarray, np.ndarray]:
+    """``(keys, counts, rows)`` of a segment's group sidecar, every invariant checked.
+
+    Raises ``CorruptStoreError`` naming the file unless the sidecar has the
+    documented columns and types and its rows are exactly the segment's.
+    """
+    batch = ArrowFile(path, nbytes, crc).batch
+    want = {"key": key_type, "count": pa.int64(), "rows": pa.large_list(pa.int64())}
+    got = {f.name: f.type for f in batch.schema}
+    if got != want:
+        raise CorruptStoreError(f"{path} has columns {got}; a group sidecar has {want}")
+    keys = batch.column("key")
+    counts = numpy_view(batch.column("count"))
+    rows_col = batch.column("rows")
+    rows = numpy_view(rows_col.values)
+    offsets = numpy_view(rows_col.offsets)
+    if (keys.null_count or batch.column("count").null_count or rows_col.null_count
+            or np.any(counts <= 0) or int(counts.sum()) != num_rows or len(rows) != num_rows
+            or not np.array_equal(np.diff(offsets), counts)
+            or (len(rows) and (rows.min() < first_row or rows.max() >= first_row + num_rows))
+            or len(np.unique(rows)) != num_rows):
+        raise CorruptStoreError(f"{path} does not index the {num_rows} rows of its segment")
+    return keys, counts, rows
+
+
 class ArrowFile:
     """A memory-mapped Arrow IPC file holding one record batch.
 
@@ -56,7 +83,8 @@ class ArrowFile:
     truncated or swapped file gives ``CorruptStoreError`` naming it.
     """
 
-    def __init__(self, path: str, expected_bytes: Optional[int] = None) -> None:
+    def __init__(self, path: str, expected_bytes: Optional[int] = None,
+                 expected_crc: Optional[int] = None) -> None:
         self.path = path
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -86,6 +114,12 @@ class ArrowFile:
             raise
         self.size = size
         self._base = pa.py_buffer(self._mmap)
+        # The checksum is checked before Arrow parses a byte: a damaged file must
+        # neither be served nor reach the parser (some flips crash it).
+        if expected_crc is not None and crc32c(self._base) != expected_crc:
+            self.close()
+            raise CorruptStoreError(f"{path} fails its checksum (crc32c); the file is damaged and is not "
+                                    "served; run `diskreplay verify` / `diskreplay repair`")
         try:
             reader = pa.ipc.open_file(self._base)
             if reader.num_record_batches != 1:
@@ -142,8 +176,9 @@ class Segment(ArrowFile):
     """
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
-                 schema: Optional[Schema] = None, num_rows: Optional[int] = None) -> None:
-        super().__init__(path, expected_bytes)
+                 schema: Optional[Schema] = None, num_rows: Optional[int] = None,
+                 expected_crc: Optional[int] = None) -> None:
+        super().__init__(path, expected_bytes, expected_crc)
         if num_rows is not None and self.batch.num_rows != num_rows:
             raise CorruptStoreError(f"{path} holds {self.batch.num_rows} rows; the manifest records {num_rows}")
         if schema is not None:
@@ -279,18 +314,27 @@ def decode_state(buf: Any, path: str) -> Dict[str, Any]:
         if isinstance(x, dict):
             if "__array__" in x:
                 i = x["__array__"]
-                if not isinstance(i, int) or not 0 <= i < batch.num_columns:
+                if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < batch.num_columns:
                     raise CorruptStoreError(f"{path}: bad array reference {i!r}")
-                flat = numpy_view(batch.column(i).chunk(0).values)
                 try:
-                    return flat.astype(np.dtype(x["dtype"]), copy=False).reshape(x["shape"]).copy()
-                except (TypeError, ValueError) as exc:
+                    dtype = np.dtype(x["dtype"])
+                    if dtype.kind not in "biuf":
+                        raise TypeError(f"non-numeric dtype {dtype}")
+                    flat = numpy_view(batch.column(i).chunk(0).values)
+                    return flat.astype(dtype, copy=False).reshape(x["shape"]).copy()
+                except (KeyError, TypeError, ValueError) as exc:
                     raise CorruptStoreError(f"{path}: bad array {x!r} ({exc})") from None
             if "__dict__" in x:
-                return {k: walk(v) for k, v in x["__dict__"].items()}
+                inner = x["__dict__"]
+                if not isinstance(inner, dict):
+                    raise CorruptStoreError(f"{path}: bad object {inner!r}")
+                return {k: walk(v) for k, v in inner.items()}
             return {k: walk(v) for k, v in x.items()}
         if isinstance(x, list):
             return [walk(v) for v in x]
         return x
 
-    return walk(doc)
+    try:
+        return walk(doc)
+    except RecursionError:
+        raise CorruptStoreError(f"{path}: state nested too deeply") from None

@@ -18,13 +18,13 @@ import numpy as np
 import pyarrow as pa
 
 from . import format as fmt
-from ._fileio import (TMP_PREFIX, WriterLock, crash_point, crc32c, durable_write, fsync_dir,
+from ._fileio import (TMP_PREFIX, WriterLock, crash_point, crc32c, durable_write, fsync_dir, read_file,
                       remove_quietly)
 from .errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
 from .groups import GroupIndex, KeyCoder
 from .ragged import RaggedColumn, numpy_view
 from .schema import RAGGED, Schema, normalize_batch
-from .segment import ArrowFile, Segment, decode_state, encode_ipc, encode_state, group_sidecar
+from .segment import Segment, decode_state, encode_ipc, encode_state, group_sidecar, read_group_sidecar
 
 _UNSET: Any = object()
 # A single extend larger than this is split into several segments (still one
@@ -52,7 +52,10 @@ class ReplayStore:
     bytes of live segments (whole oldest segments are evicted). ``group_key``
     names the per-row column indexed at write time (``None``: no index).
     ``readonly=True`` never writes, works on a read-only directory, and can
-    follow a live writer with :meth:`refresh`.
+    follow a live writer with :meth:`refresh`. ``verify_reads`` checks each
+    segment's checksum the first time this process opens it, so damaged data
+    is never served (it costs one sequential read of the segment; turn it off
+    only on storage you trust, and run ``diskreplay verify`` instead).
 
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
@@ -65,9 +68,11 @@ class ReplayStore:
 
     def __init__(self, path: Union[str, os.PathLike], capacity: Optional[int] = _UNSET,
                  group_key: Optional[str] = _UNSET, *, readonly: bool = False,
-                 capacity_bytes: Optional[int] = _UNSET) -> None:
+                 capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
+        #: check each segment's CRC-32C when this process first opens it (see docs/FORMAT.md)
+        self.verify_reads = verify_reads
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
         self.lock = threading.RLock()
         self._lock: Optional[WriterLock] = None
@@ -95,6 +100,10 @@ class ReplayStore:
             self._lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
             self._lock.acquire()
         try:
+            for d in fmt.DATA_DIRS:
+                if os.path.islink(os.path.join(self.path, d)):
+                    raise CorruptStoreError(f"{os.path.join(self.path, d)} is a symlink; a store's directories "
+                                            "must be its own (nothing outside it is ever read or deleted)")
             if exists:
                 self.options = fmt.StoreOptions.read(self.path)
                 self._check_options(capacity, group_key, capacity_bytes)
@@ -209,11 +218,11 @@ class ReplayStore:
         for sid in [s for s in self._segments if s not in live]:
             del self._segments[sid]
         self.manifest, self.options = manifest, options
+        # the group codes of rows still live stay valid; new rows are indexed lazily
         if self._codes is not None:
             if manifest.head >= self._codes_base and manifest.next_row >= self._codes_base + len(self._codes):
                 self._codes = self._codes[manifest.head - self._codes_base:]
                 self._codes_base = manifest.head
-                self._extend_codes_from_sidecars()
             else:
                 self._codes = None
 
@@ -270,20 +279,16 @@ class ReplayStore:
                 seg_id += 1
             self._sync_data_dirs()
             crash_point("segments.synced")
-            segments = m.segments + tuple(new_entries)
-            head, segments = _evict(m.head, m.next_row + n, segments, options)
-            new = m.evolve(generation=m.generation + 1, head=head, next_row=m.next_row + n,
-                           next_segment=seg_id, segments=segments)
-            new.write(self.path)
         except BaseException:
             self._abort(written, m.generation + 1)
             raise
-        crash_point("manifest.committed")
-        old_next = m.next_row
+        segments = m.segments + tuple(new_entries)
+        head, segments = _evict(m.head, m.next_row + n, segments, options)
+        new = m.evolve(generation=m.generation + 1, head=head, next_row=m.next_row + n,
+                       next_segment=seg_id, segments=segments)
         new_keys = [record.column(self.group_key)] if self.group_key is not None else []
-        self._install_commit(new, options, new_keys)
-        self._collect_garbage()
-        return np.arange(old_next, old_next + n, dtype=np.int64)
+        self._publish(new, written, lambda: self._install_commit(new, options, new_keys))
+        return np.arange(m.next_row, m.next_row + n, dtype=np.int64)
 
     def _write_segment(self, record: pa.RecordBatch, seg_id: int, first_row: int,
                        written: List[str]) -> fmt.SegmentEntry:
@@ -299,12 +304,36 @@ class ReplayStore:
             g_bytes, g_crc = gdata.size, crc32c(gdata)
         return fmt.SegmentEntry(seg_id, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc)
 
-    def _abort(self, written: List[str], generation: int) -> None:
-        """Undo a failed commit: remove its files unless its manifest became visible."""
+    def _abort(self, written: List[str], generation: int) -> bool:
+        """Undo a failed commit: remove its files unless its manifest became visible.
+
+        Returns True when the manifest is visible (its rename happened and only
+        a later fsync failed): then the commit exists and its files stay. The
+        writer removed every manifest newer than its own at open, so a visible
+        ``generation`` can only be this commit's.
+        """
         if os.path.exists(os.path.join(self.path, fmt.manifest_file(generation))):
-            return  # the rename happened (a later fsync failed): the files are referenced
+            return True
         for f in written:
             remove_quietly(os.path.join(self.path, f))
+        return False
+
+    def _publish(self, new: fmt.Manifest, written: List[str], install) -> None:
+        """Write ``new`` (the commit point) and make it the writer's state.
+
+        If the write fails after the rename, readers may already see the
+        commit, so the writer installs it too before re-raising: it must never
+        reuse the generation, segment ids or row ids of a visible commit.
+        """
+        try:
+            new.write(self.path)
+        except BaseException:
+            if self._abort(written, new.generation):
+                install()
+            raise
+        crash_point("manifest.committed")
+        install()
+        self._collect_garbage()
 
     def _sync_data_dirs(self) -> None:
         # the renames must be durable before a manifest names the files
@@ -315,11 +344,16 @@ class ReplayStore:
         live = {s.id for s in new.segments}
         for sid in [s for s in self._segments if s not in live]:
             del self._segments[sid]
+        old_next = self.manifest.next_row
         self.manifest, self.options = new, options
-        if self._codes is not None:
-            codes = np.concatenate([self._codes] + [self._coder.encode(k) for k in new_keys])
-            self._codes = codes[max(0, new.head - self._codes_base):]
-            self._codes_base = max(self._codes_base, new.head)
+        if self._codes is None:
+            return
+        if self._codes_base + len(self._codes) == old_next:
+            # index the new rows from the keys in hand rather than re-reading their sidecars
+            self._codes = np.concatenate([self._codes] + [self._coder.encode(k) for k in new_keys])
+        if new.head > self._codes_base:
+            self._codes = self._codes[new.head - self._codes_base:]
+            self._codes_base = new.head
 
     def _collect_garbage(self, full: bool = False) -> None:
         """Delete old manifests and the files no retained manifest names.
@@ -410,14 +444,11 @@ class ReplayStore:
                 pending_bytes += batch.nbytes
             flush()
             self._sync_data_dirs()
-            new = m.evolve(generation=m.generation + 1, next_segment=seg_id, segments=tuple(entries))
-            new.write(self.path)
         except BaseException:
             self._abort(written, m.generation + 1)
             raise
-        self._segments.clear()
-        self.manifest = new
-        self._collect_garbage()
+        new = m.evolve(generation=m.generation + 1, next_segment=seg_id, segments=tuple(entries))
+        self._publish(new, written, lambda: self._install_commit(new, self.options, []))
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
     # ------------------------------------------------------------------ states
@@ -437,16 +468,13 @@ class ReplayStore:
         data = encode_state(dict(state))
         m = self.manifest
         entry = fmt.StateEntry(name, m.generation + 1, data.size, crc32c(data))
-        path = os.path.join(self.path, entry.file)
-        durable_write(path, data, step="state")
-        new = m.evolve(generation=m.generation + 1, states={**m.states, name: entry})
         try:
-            new.write(self.path)
+            durable_write(os.path.join(self.path, entry.file), data, step="state")
         except BaseException:
-            remove_quietly(path)
+            self._abort([entry.file], m.generation + 1)
             raise
-        self.manifest = new
-        self._collect_garbage()
+        new = m.evolve(generation=m.generation + 1, states={**m.states, name: entry})
+        self._publish(new, [entry.file], lambda: self._install_commit(new, self.options, []))
 
     @_locked
     def load_state(self, name: str) -> Optional[Dict[str, Any]]:
@@ -455,8 +483,7 @@ class ReplayStore:
         if entry is None:
             return None
         path = os.path.join(self.path, entry.file)
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        raw = read_file(path, entry.bytes)
         if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
             raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
         return decode_state(raw, path)
@@ -466,7 +493,8 @@ class ReplayStore:
     def _segment(self, entry: fmt.SegmentEntry) -> Segment:
         seg = self._segments.get(entry.id)
         if seg is None:
-            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows)
+            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
+                          entry.crc32c if self.verify_reads else None)
             self._segments[entry.id] = seg
         return seg
 
@@ -578,15 +606,26 @@ class ReplayStore:
     # ------------------------------------------------------------------ groups
 
     def _ensure_codes(self) -> None:
-        if self._codes is not None:
-            return
+        """Bring the per-row group codes up to ``next_row``, from the sidecars alone."""
         if self.group_key is None:
             raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
                               "pass a column name to group_index(key=...)")
-        self._coder = KeyCoder()
-        self._codes_base = self.manifest.head
-        self._codes = np.zeros(0, dtype=np.int64)
-        self._extend_codes_from_sidecars()
+        for attempt in range(3):
+            try:
+                if self._codes is None:
+                    self._coder = KeyCoder()
+                    self._codes_base = self.manifest.head
+                    self._codes = np.zeros(0, dtype=np.int64)
+                self._extend_codes_from_sidecars()
+                return
+            except FileNotFoundError:
+                # a reader that fell more than KEEP_MANIFESTS commits behind: the
+                # writer collected the sidecars it wanted; catch up and rebuild
+                if not self.readonly or attempt == 2:
+                    raise
+                self._codes = None
+                m, _ = fmt.load_newest_manifest(self.path)
+                self._install(m, self.options)
 
     def _extend_codes_from_sidecars(self) -> None:
         """Append codes for rows in ``[_codes_base + len(_codes), next_row)`` from the sidecars."""
@@ -594,20 +633,17 @@ class ReplayStore:
         have = self._codes_base + len(self._codes)
         if have >= m.next_row:
             return
-        codes = np.empty(m.next_row - have, dtype=np.int64)
+        key_type = self.schema.arrow_schema().field(self.group_key).type
+        parts = [self._codes]
         for s in m.segments:
             if s.end_row <= have:
                 continue
-            path = os.path.join(self.path, s.groups_file)
-            side = ArrowFile(path, s.groups_bytes).batch
-            seg_codes = np.repeat(self._coder.encode(side.column("key")),
-                                  numpy_view(side.column("count")))
-            rows = numpy_view(side.column("rows").values)
-            if len(rows) != s.num_rows or (len(rows) and (rows.min() < s.first_row or rows.max() >= s.end_row)):
-                raise CorruptStoreError(f"{path} does not index the rows of segment {s.id}")
-            keep = rows >= have
-            codes[rows[keep] - have] = seg_codes[keep]
-        self._codes = np.concatenate([self._codes, codes])
+            keys, counts, rows = read_group_sidecar(os.path.join(self.path, s.groups_file), s.groups_bytes,
+                                                    s.groups_crc32c, key_type, s.first_row, s.num_rows)
+            seg_codes = np.empty(s.num_rows, dtype=np.int64)
+            seg_codes[rows - s.first_row] = np.repeat(self._coder.encode(keys), counts)
+            parts.append(seg_codes[max(0, have - s.first_row):])
+        self._codes = np.concatenate(parts)
 
     @_locked
     def group_index(self, key: Optional[str] = None) -> GroupIndex:

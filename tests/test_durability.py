@@ -621,10 +621,6 @@ def test_io_errors_before_commit_leave_previous_commit(tmp_path, monkeypatch):
     assert cases >= 2 * (counts["write"] + counts["fsync"] - 1)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "store bug: when an fsync after the manifest rename fails, ReplayStore._commit_rows keeps the old "
-    "manifest in memory although the new one is visible, so the next extend reuses its generation, "
-    "segment ids and row ids: rows a reader already saw change or vanish"))
 def test_io_error_after_commit_point(tmp_path, monkeypatch):
     """A fault after the manifest rename: the commit may stand or not, but row ids never go back."""
     counts = _count_calls(tmp_path, monkeypatch)
@@ -681,9 +677,6 @@ def test_io_errors_in_save_state_before_commit(tmp_path, monkeypatch):
     assert cases >= counts["write"] + counts["fsync"] - 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "store bug (minor): ReplayStore.save_state calls durable_write for the state file outside its "
-    "try block, so a failing fsync of state/ after the rename leaves an unreferenced state file"))
 def test_failed_save_state_leaves_no_orphan(tmp_path, monkeypatch):
     path, store, before, gen, n, after_rename = _inject(tmp_path, monkeypatch, "fsync", 2, errno.EIO,
                                                         "state-orphan", _save)
@@ -691,9 +684,6 @@ def test_failed_save_state_leaves_no_orphan(tmp_path, monkeypatch):
     assert snapshot(path) == before
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "store bug: when the fsync after the manifest rename fails in ReplayStore.save_state, its except "
-    "branch deletes the state file that the now-visible manifest references"))
 def test_io_error_in_save_state_after_commit_point(tmp_path, monkeypatch):
     counts = _count_calls(tmp_path, monkeypatch, _save)
     path, store, before, gen, n, after_rename = _inject(tmp_path, monkeypatch, "fsync", counts["fsync"],
@@ -832,8 +822,8 @@ FLIP_BUG = ("store bug: {} crc32c is not checked when the store opens it, so bit
 
 
 @pytest.mark.parametrize("kind", [
-    pytest.param("segment", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=FLIP_BUG.format("a segment's"))),
-    pytest.param("groups", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=FLIP_BUG.format("a group sidecar's"))),
+    "segment",
+    "groups",
     "manifest", "old-manifest", "state"])
 @DAMAGE_SETTINGS
 @given(data=st.data())
@@ -842,8 +832,6 @@ def test_flipped_bit_is_detected(template, kind, data):
     check_damaged(path, rel, kind)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="store bug: FORMAT.json carries no checksum, so a bit flip that keeps "
-                                       "it valid JSON (here capacity_rows 1000 -> 1001) is silently obeyed")
 def test_flipped_format_json_is_detected(template, tmp_path):
     path = str(tmp_path / "store")
     shutil.copytree(template[0], path)
@@ -958,10 +946,6 @@ def test_readers_during_writes_and_eviction(tmp_path):
         check_live_rows(ro, 25)
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "store bug: ReplayStore.refresh() -> _install() -> _extend_codes_from_sidecars() opens the new "
-    "manifest's group sidecars; when the writer commits KEEP_MANIFESTS times in between, they are gone "
-    "and refresh() raises FileNotFoundError"))
 def test_reader_refresh_survives_gc(tmp_path, monkeypatch):
     """A reader descheduled between reading a manifest and its sidecars (made deterministic)."""
     path = str(tmp_path / "store")
@@ -988,9 +972,6 @@ def test_reader_refresh_survives_gc(tmp_path, monkeypatch):
     check_live_rows(reader, 8)
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "store bug: a reader's group_index() on a manifest that the writer has since garbage-collected raises "
-    "FileNotFoundError; read() refreshes and retries in that case, group_index() does not"))
 def test_stale_reader_group_index(tmp_path):
     path = str(tmp_path / "store")
     writer = ReplayStore(path, capacity=8)
