@@ -8,13 +8,10 @@ dropped.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-
-from .ragged import numpy_view
 
 
 class GroupIndex:
@@ -23,7 +20,7 @@ class GroupIndex:
     ``rows[offsets[g]:offsets[g + 1]]`` are the row ids of group ``g``, whose
     key is ``keys[g]``.
 
-    >>> gi = GroupIndex.from_codes(np.array([0, 1, 0]), pa.array(["a", "b"]), base=10)
+    >>> gi = GroupIndex.from_codes(np.array([0, 1, 0]), ["a", "b"], base=10)
     >>> gi.keys, gi.group(0).tolist(), gi.counts.tolist()
     (['a', 'b'], [10, 12], [2, 1])
     """
@@ -35,8 +32,8 @@ class GroupIndex:
         self._lookup: Optional[Dict[Any, int]] = None
 
     @classmethod
-    def from_codes(cls, codes: np.ndarray, dictionary: pa.Array, base: int) -> "GroupIndex":
-        """Index rows ``base + i`` whose group code is ``codes[i]``."""
+    def from_codes(cls, codes: np.ndarray, dictionary: Sequence[Any], base: int) -> "GroupIndex":
+        """Index rows ``base + i`` whose group code is ``codes[i]`` (``dictionary[code]`` is the key)."""
         order = np.argsort(codes, kind="stable")
         counts = np.bincount(codes, minlength=len(dictionary)) if len(codes) else np.zeros(
             len(dictionary), dtype=np.int64)
@@ -52,7 +49,7 @@ class GroupIndex:
         rank = np.zeros(len(dictionary), dtype=np.int64)
         rank[present] = np.arange(len(present))
         gather = np.argsort(rank[codes], kind="stable") if len(codes) else order
-        keys = dictionary.take(pa.array(present)).to_pylist() if len(present) else []
+        keys = [dictionary[i] for i in present.tolist()]
         return cls(keys, gather.astype(np.int64) + base, offsets)
 
     def __len__(self) -> int:
@@ -78,21 +75,32 @@ class GroupIndex:
 class KeyCoder:
     """Assigns stable integer codes to group keys in order of first appearance.
 
+    A plain dict: encoding n keys costs O(n) however many groups exist (an
+    Arrow ``index_in`` against a growing value set rebuilt its hash table on
+    every call, which made rebuilding a large store's index quadratic).
+
     >>> kc = KeyCoder(); kc.encode(pa.array([5, 7, 5])).tolist(), kc.encode(pa.array([9, 7])).tolist()
     ([0, 1, 0], [2, 1])
+    >>> kc.keys
+    [5, 7, 9]
     """
 
     def __init__(self) -> None:
-        self.dictionary: Optional[pa.Array] = None
+        self.keys: List[Any] = []
+        self._codes: Dict[Any, int] = {}
 
-    def encode(self, keys: pa.Array) -> np.ndarray:
-        if len(keys) == 0:
-            return np.zeros(0, dtype=np.int64)
-        if self.dictionary is None:
-            self.dictionary = pc.unique(keys)
-        idx = pc.index_in(keys, value_set=self.dictionary)
-        if idx.null_count:
-            new = pc.unique(keys.filter(idx.is_null()))
-            self.dictionary = pa.concat_arrays([self.dictionary, new.cast(self.dictionary.type)])
-            idx = pc.index_in(keys, value_set=self.dictionary)
-        return numpy_view(idx).astype(np.int64)
+    def encode(self, keys: Any) -> np.ndarray:
+        """Codes of ``keys`` (a pyarrow array, numpy array or list), new keys numbered next."""
+        if isinstance(keys, (pa.Array, pa.ChunkedArray)):
+            keys = keys.to_pylist()
+        elif isinstance(keys, np.ndarray):
+            keys = keys.tolist()
+        codes = self._codes
+        out = np.empty(len(keys), dtype=np.int64)
+        for i, k in enumerate(keys):
+            c = codes.get(k)
+            if c is None:
+                c = codes[k] = len(self.keys)
+                self.keys.append(k)
+            out[i] = c
+        return out

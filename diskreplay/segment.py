@@ -23,21 +23,81 @@ from .schema import RAGGED, VECTOR, Schema
 
 _PAGE = mmap.PAGESIZE
 _STATE_META = b"diskreplay.state"
+# Page checksums of a segment live in its group sidecar's schema metadata.
+PAGE_BYTES = 4096
+_META_PAGE_BYTES = b"diskreplay.page_bytes"
+_META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
+_META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's buffers
+
+
+class PageChecksums:
+    """CRC-32C of every ``page_bytes`` page of a segment file, and where its data buffers lie.
+
+    A reader checks the pages outside ``body`` (Arrow's schema, batch header
+    and footer) before parsing the file, and each data page the first time it
+    reads from it, so nothing damaged is parsed or served while a sample of a
+    few rows still reads only the pages those rows live in.
+    """
+
+    __slots__ = ("crcs", "page_bytes", "body")
+
+    def __init__(self, crcs: np.ndarray, page_bytes: int, body: Tuple[int, int]) -> None:
+        self.crcs, self.page_bytes, self.body = crcs, page_bytes, body
+
+    @classmethod
+    def of(cls, data: pa.Buffer, page_bytes: int = PAGE_BYTES) -> "PageChecksums":
+        n = data.size
+        crcs = np.fromiter((crc32c(data.slice(i, min(page_bytes, n - i))) for i in range(0, n, page_bytes)),
+                           dtype=np.uint32, count=-(-n // page_bytes))
+        batch = pa.ipc.open_file(data).get_batch(0)
+        spans = [(b.address - data.address, b.address - data.address + b.size)
+                 for col in batch.columns for b in col.buffers() if b is not None and b.size]
+        body = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+        return cls(crcs, page_bytes, body)
+
+    def metadata(self) -> Dict[bytes, bytes]:
+        return {_META_PAGE_BYTES: str(self.page_bytes).encode(),
+                _META_PAGE_CRCS: self.crcs.astype("<u4").tobytes(),
+                _META_BODY: f"{self.body[0]} {self.body[1]}".encode()}
+
+    @classmethod
+    def from_metadata(cls, meta: Optional[Dict[bytes, bytes]], path: str) -> Optional["PageChecksums"]:
+        if not meta or _META_PAGE_CRCS not in meta:
+            return None
+        try:
+            page_bytes = int(meta[_META_PAGE_BYTES])
+            start, end = (int(x) for x in meta[_META_BODY].split())
+            crcs = np.frombuffer(meta[_META_PAGE_CRCS], dtype="<u4")
+        except (KeyError, ValueError) as exc:
+            raise CorruptStoreError(f"{path}: bad page checksums ({exc})") from None
+        if page_bytes < 512 or not 0 <= start <= end:
+            raise CorruptStoreError(f"{path}: bad page checksums")
+        return cls(crcs, page_bytes, (start, end))
 
 
 def encode_ipc(batch: pa.RecordBatch) -> pa.Buffer:
-    """One record batch as the bytes of an uncompressed Arrow IPC file."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue()
+    """One record batch as the bytes of an uncompressed Arrow IPC file.
+
+    A dry run into a byte-counting sink sizes the buffer exactly, so the real
+    pass writes every byte once (a growing stream would reallocate and copy).
+    """
+    def write(sink) -> None:
+        with pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+
+    mock = pa.MockOutputStream()
+    write(mock)
+    buf = pa.allocate_buffer(mock.size())
+    write(pa.FixedSizeBufferWriter(buf))
+    return buf
 
 
-def group_sidecar(keys: pa.Array, first_row: int) -> pa.RecordBatch:
+def group_sidecar(keys: pa.Array, first_row: int, checksums: Optional[PageChecksums] = None) -> pa.RecordBatch:
     """The group sidecar of a segment whose per-row group keys are ``keys``.
 
     One row per group in order of first appearance: ``key``, ``count`` and the
-    global ``rows`` of that group (ascending, i.e. insertion order).
+    global ``rows`` of that group (ascending, i.e. insertion order); the
+    segment's page checksums ride in the schema metadata.
     """
     enc = keys.dictionary_encode()
     codes = numpy_view(enc.indices).astype(np.int64)
@@ -46,12 +106,13 @@ def group_sidecar(keys: pa.Array, first_row: int) -> pa.RecordBatch:
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     rows = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(order + first_row, type=pa.int64()))
-    return pa.RecordBatch.from_arrays([enc.dictionary, pa.array(counts), rows], names=["key", "count", "rows"])
+    batch = pa.RecordBatch.from_arrays([enc.dictionary, pa.array(counts), rows], names=["key", "count", "rows"])
+    return batch if checksums is None else batch.replace_schema_metadata(checksums.metadata())
 
 
 def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
-                       num_rows: int) -> Tuple[pa.Array, np.ndarray, np.ndarray]:
-    """``(keys, counts, rows)`` of a segment's group sidecar, every invariant checked.
+                       num_rows: int) -> Tuple[pa.Array, np.ndarray, np.ndarray, Optional[PageChecksums]]:
+    """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, every invariant checked.
 
     Raises ``CorruptStoreError`` naming the file unless the sidecar has the
     documented columns and types and its rows are exactly the segment's.
@@ -69,10 +130,13 @@ def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, 
     if (keys.null_count or batch.column("count").null_count or rows_col.null_count
             or np.any(counts <= 0) or int(counts.sum()) != num_rows or len(rows) != num_rows
             or not np.array_equal(np.diff(offsets), counts)
-            or (len(rows) and (rows.min() < first_row or rows.max() >= first_row + num_rows))
-            or len(np.unique(rows)) != num_rows):
+            or (len(rows) and (rows.min() < first_row or rows.max() >= first_row + num_rows))):
         raise CorruptStoreError(f"{path} does not index the {num_rows} rows of its segment")
-    return keys, counts, rows
+    seen = np.zeros(num_rows, dtype=bool)
+    seen[rows - first_row] = True
+    if not seen.all():  # num_rows ids in range, all present: each row exactly once
+        raise CorruptStoreError(f"{path} does not index the {num_rows} rows of its segment")
+    return keys, counts, rows, PageChecksums.from_metadata(batch.schema.metadata, path)
 
 
 class ArrowFile:
@@ -84,8 +148,9 @@ class ArrowFile:
     """
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
-                 expected_crc: Optional[int] = None) -> None:
+                 expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None) -> None:
         self.path = path
+        self.pages = pages
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -114,9 +179,21 @@ class ArrowFile:
             raise
         self.size = size
         self._base = pa.py_buffer(self._mmap)
-        # The checksum is checked before Arrow parses a byte: a damaged file must
-        # neither be served nor reach the parser (some flips crash it).
-        if expected_crc is not None and crc32c(self._base) != expected_crc:
+        # Checksums are checked before Arrow parses a byte: a damaged file must
+        # neither be served nor reach the parser (some flips crash it). With page
+        # checksums only the non-data pages are checked here, data pages on first read.
+        if pages is not None:
+            n_pages = -(-size // pages.page_bytes)
+            if len(pages.crcs) != n_pages or pages.body[1] > size:
+                self.close()
+                raise CorruptStoreError(f"{path}: its page checksums describe {len(pages.crcs)} pages, the file "
+                                        f"has {n_pages}")
+            self._verified = np.zeros(n_pages, dtype=bool)
+            p = pages.page_bytes
+            head = np.arange(0, -(-pages.body[0] // p))
+            tail = np.arange(pages.body[1] // p, n_pages)
+            self._verify_pages(np.concatenate([head, tail]))
+        elif expected_crc is not None and crc32c(self._base) != expected_crc:
             self.close()
             raise CorruptStoreError(f"{path} fails its checksum (crc32c); the file is damaged and is not "
                                     "served; run `diskreplay verify` / `diskreplay repair`")
@@ -129,6 +206,37 @@ class ArrowFile:
             if isinstance(exc, CorruptStoreError):
                 raise
             raise CorruptStoreError(f"{path} is not a readable Arrow IPC file ({exc})") from None
+
+    def _verify_pages(self, pages: np.ndarray) -> None:
+        """Check the CRC of each given page not checked before (raises naming the file)."""
+        todo = pages[~self._verified[pages]]
+        if not len(todo):
+            return
+        p = self.pages.page_bytes
+        pending = np.zeros(len(self._verified), dtype=bool)
+        pending[todo] = True  # (np.unique would import numpy.ma: ~80 ms on first use)
+        for i in np.flatnonzero(pending).tolist():
+            if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != self.pages.crcs[i]:
+                self.close()
+                raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{i * p}, {(i + 1) * p}); the "
+                                        "file is damaged and is not served; run `diskreplay verify` / "
+                                        "`diskreplay repair`")
+            self._verified[i] = True
+
+    def verify_span(self, start: int, end: int) -> None:
+        """Check the pages holding bytes ``[start, end)`` of the file (no-op without page checksums)."""
+        if self.pages is not None and end > start:
+            p = self.pages.page_bytes
+            self._verify_pages(np.arange(start // p, (end - 1) // p + 1))
+
+    def verify_buffers(self, arr: pa.Array) -> None:
+        """Check every page holding a buffer of ``arr`` (``buffers()`` includes its children's)."""
+        if self.pages is None:
+            return
+        base = self._base.address
+        for b in arr.buffers():
+            if b is not None and b.size:
+                self.verify_span(b.address - base, b.address - base + b.size)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -177,8 +285,8 @@ class Segment(ArrowFile):
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
                  schema: Optional[Schema] = None, num_rows: Optional[int] = None,
-                 expected_crc: Optional[int] = None) -> None:
-        super().__init__(path, expected_bytes, expected_crc)
+                 expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None) -> None:
+        super().__init__(path, expected_bytes, expected_crc, pages)
         if num_rows is not None and self.batch.num_rows != num_rows:
             raise CorruptStoreError(f"{path} holds {self.batch.num_rows} rows; the manifest records {num_rows}")
         if schema is not None:
@@ -188,6 +296,7 @@ class Segment(ArrowFile):
                                         f"FORMAT.json ({want.types})")
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
+        self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
 
     @property
     def num_rows(self) -> int:
@@ -201,12 +310,39 @@ class Segment(ArrowFile):
         hit = self._cache.get(name)
         if hit is None:
             arr = self.batch.column(name)
+            if self.pages is not None:
+                base = self._base.address
+                for b in arr.buffers()[:2]:  # validity and offsets; values page by page in check_rows
+                    if b is not None and b.size:
+                        self.verify_span(b.address - base, b.address - base + b.size)
+                self._rows_checked[name] = np.zeros(len(arr), dtype=bool)
             offsets = numpy_view(arr.offsets)
             values = numpy_view(arr.values)
             validity = None if arr.null_count == 0 else numpy_view(arr.is_valid())
             self._check_offsets(name, offsets, len(values))
             hit = self._cache[name] = (values, offsets, validity)
         return hit
+
+    def check_rows(self, name: str, local_rows: np.ndarray) -> None:
+        """Check the pages holding the values of ``local_rows`` of a ragged column (once per row)."""
+        checked = self._rows_checked.get(name)
+        if checked is None:
+            return
+        todo = local_rows[~checked[local_rows]]
+        if not len(todo):
+            return
+        values, offsets, _ = self.ragged(name)
+        item = values.itemsize
+        start = values.__array_interface__["data"][0] - self._base.address if values.size else 0
+        lo = start + offsets[todo] * item
+        hi = start + offsets[todo + 1] * item
+        keep = hi > lo
+        p = self.pages.page_bytes
+        first, last = lo[keep] // p, (hi[keep] - 1) // p
+        counts = last - first + 1
+        pages = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+        self._verify_pages(pages)
+        checked[todo] = True
 
     def offsets_key(self, name: str) -> str:
         """The first ragged column (in asking order) whose offsets equal ``name``'s.
@@ -231,6 +367,7 @@ class Segment(ArrowFile):
         hit = self._cache.get(name)
         if hit is None:
             arr = self.batch.column(name)
+            self.verify_buffers(arr)
             t = arr.type
             if pa.types.is_large_string(t) or pa.types.is_string(t):
                 hit = arr

@@ -24,7 +24,8 @@ from .errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaEr
 from .groups import GroupIndex, KeyCoder
 from .ragged import RaggedColumn, numpy_view
 from .schema import RAGGED, Schema, normalize_batch
-from .segment import Segment, decode_state, encode_ipc, encode_state, group_sidecar, read_group_sidecar
+from .segment import (PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_sidecar,
+                      read_group_sidecar)
 
 _UNSET: Any = object()
 # A single extend larger than this is split into several segments (still one
@@ -298,7 +299,7 @@ class ReplayStore:
         durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False)
         g_bytes = g_crc = 0
         if self.group_key is not None:
-            gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row))
+            gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, PageChecksums.of(data)))
             written.append(fmt.groups_file(seg_id))
             durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False)
             g_bytes, g_crc = gdata.size, crc32c(gdata)
@@ -493,10 +494,22 @@ class ReplayStore:
     def _segment(self, entry: fmt.SegmentEntry) -> Segment:
         seg = self._segments.get(entry.id)
         if seg is None:
+            pages, whole_crc = None, None
+            if self.verify_reads:
+                if entry.groups_bytes:  # page checksums: check what is read, when it is first read
+                    pages = self._sidecar(entry)[3]
+                if pages is None:  # no sidecar (group_key=None): check the whole file once
+                    whole_crc = entry.crc32c
             seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
-                          entry.crc32c if self.verify_reads else None)
+                          whole_crc, pages)
             self._segments[entry.id] = seg
         return seg
+
+    def _sidecar(self, entry: fmt.SegmentEntry):
+        """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, checked."""
+        key_type = self.schema.arrow_schema().field(self.group_key).type
+        return read_group_sidecar(os.path.join(self.path, entry.groups_file), entry.groups_bytes,
+                                  entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
 
     def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -596,7 +609,7 @@ class ReplayStore:
         rows, seg_idx, local = self._locate(rows)
         m = self.manifest
         cols = self._resolve_columns(columns)
-        for s in np.unique(seg_idx):
+        for s in sorted(set(seg_idx.tolist())):
             seg = self._segment(m.segments[int(s)])
             sel = local[seg_idx == s]
             for name in cols:
@@ -633,13 +646,11 @@ class ReplayStore:
         have = self._codes_base + len(self._codes)
         if have >= m.next_row:
             return
-        key_type = self.schema.arrow_schema().field(self.group_key).type
         parts = [self._codes]
         for s in m.segments:
             if s.end_row <= have:
                 continue
-            keys, counts, rows = read_group_sidecar(os.path.join(self.path, s.groups_file), s.groups_bytes,
-                                                    s.groups_crc32c, key_type, s.first_row, s.num_rows)
+            keys, counts, rows, _ = self._sidecar(s)
             seg_codes = np.empty(s.num_rows, dtype=np.int64)
             seg_codes[rows - s.first_row] = np.repeat(self._coder.encode(keys), counts)
             parts.append(seg_codes[max(0, have - s.first_row):])
@@ -651,7 +662,9 @@ class ReplayStore:
 
         For the store's own key this comes from the sidecars without reading
         any segment; for another per-row column it is built from that column
-        and cached until the next commit.
+        and cached until the next commit. A read-only store that fell more than
+        ``KEEP_MANIFESTS`` commits behind its writer (whose clean-up removed the
+        sidecars it wanted) catches up to the newest commit first.
         """
         key = self.group_key if key is None else key
         hit = self._index_cache.get(key)
@@ -659,8 +672,7 @@ class ReplayStore:
             return hit[1]
         if key is not None and key == self.group_key:
             self._ensure_codes()
-            gi = GroupIndex.from_codes(self._codes, self._coder.dictionary if self._coder.dictionary is not None
-                                       else pa.array([], type=pa.int64()), self._codes_base)
+            gi = GroupIndex.from_codes(self._codes, self._coder.keys, self._codes_base)
         else:
             if key is None:
                 raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
@@ -669,10 +681,20 @@ class ReplayStore:
                 raise KeyError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")
             values = self.read(self.row_ids(), [key])[key]
-            coder = KeyCoder()
-            codes = coder.encode(pa.array(values))
-            gi = GroupIndex.from_codes(codes, coder.dictionary if coder.dictionary is not None
-                                       else pa.array([], type=pa.int64()), self.head)
+            if isinstance(values, np.ndarray) and values.ndim == 1:
+                # any consistent numbering works: from_codes orders the groups itself
+                order = np.argsort(values, kind="stable")
+                sorted_values = values[order]
+                new_group = np.empty(len(values), dtype=bool)
+                new_group[:1] = True
+                np.not_equal(sorted_values[1:], sorted_values[:-1], out=new_group[1:])
+                codes = np.empty(len(values), dtype=np.int64)
+                codes[order] = np.cumsum(new_group) - 1
+                keys = sorted_values[new_group].tolist()
+                gi = GroupIndex.from_codes(codes, keys, self.head)
+            else:
+                coder = KeyCoder()
+                gi = GroupIndex.from_codes(coder.encode(values), coder.keys, self.head)
         self._index_cache[key] = (self.generation, gi)
         return gi
 
@@ -751,6 +773,8 @@ class _RangePlan:
 def _gather_ragged(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
                    plans: Dict[Any, _RangePlan]) -> Optional[RaggedColumn]:
     columns = [seg.ragged(name) for seg, _, _ in parts]
+    for seg, _, loc in parts:
+        seg.check_rows(name, loc)
     validity = None
     if any(valid is not None for _, _, valid in columns):
         validity = np.ones(n, dtype=bool)

@@ -19,10 +19,12 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
+import pyarrow as pa
+
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
 from .errors import CorruptStoreError, FormatError
-from .segment import ArrowFile, Segment, decode_state, encode_ipc, group_sidecar
+from .segment import ArrowFile, PageChecksums, Segment, decode_state, encode_ipc, group_sidecar
 
 QUARANTINE_DIR = "quarantine"
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
@@ -553,7 +555,9 @@ class _Repair:
                 continue
             try:
                 seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
-                data = encode_ipc(group_sidecar(seg.column(options.group_key), s.first_row))
+                with open(_rel(self.root, s.file), "rb") as fh:
+                    pages = PageChecksums.of(pa.py_buffer(fh.read()))
+                data = encode_ipc(group_sidecar(seg.column(options.group_key), s.first_row, pages))
             except (CorruptStoreError, KeyError) as exc:
                 self.actions.append(f"cannot rebuild {s.groups_file}: {exc}")
                 entries.append(s)
