@@ -41,19 +41,15 @@ longer. In the steady state the worker is then one built batch ahead (and
 two sampled and hinted ahead); on the other paths up to ``prefetch + 1``
 built ones.
 
-Measured (``tools/bench.py sample``, 512 rows of synthetic GRPO rollouts, a
-loaded 2-core VM): warm, sample + read + collate takes 10-15 ms per batch,
-the read about 60% of it; evicted from the page cache, a batch of a 2.7 GB
-store takes ~200 ms serially, and the loader hides it behind a training step
-of ~100 ms (with 50 ms steps, ~24 ms per batch remain visible).
+Measured numbers are printed by ``tools/bench.py sample`` (warm and cold,
+against an ideal numpy gather and TorchRL's padded memmap storage).
 
 Threads. The sampler and the host buffers belong to the worker while the
 loader runs: update priorities through :meth:`ReplayLoader.update_priorities`,
-not on the sampler. A ``ReplayStore`` object is not thread-safe; loaders and
-``ReplayBuffer`` calls sharing one hold :func:`store_lock` while they sample,
-read or write, so append through ``ReplayBuffer.extend`` (or under that lock),
-or give the loader its own read-only ``ReplayStore`` on the same path, which
-follows the writer's commits.
+not on the sampler. Every ``ReplayStore`` method takes the store's re-entrant
+``lock``; the worker holds it (:func:`store_lock`) across each sample + read,
+so the training loop may keep appending to the same store object while a
+loader draws from it.
 """
 
 from __future__ import annotations

@@ -182,13 +182,17 @@ class _Ragged:
 
 
 def _ragged_from_list(name: str, rows: list) -> _Ragged:
-    if rows and all(type(r) is np.ndarray and r.ndim == 1 for r in rows):
-        # the common case (lists of 1-D numpy arrays): one concatenate, no per-row work
-        dtypes = {r.dtype for r in rows}
-        if len(dtypes) == 1 and next(iter(dtypes)).kind in "iubf":
-            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), out=offsets[1:])
-            return _Ragged(np.concatenate(rows), offsets, None)
+    # the common case (1-D numeric rows): one concatenate, no per-row Python work;
+    # anything else (None rows, 2-D rows, strings, bf16 tensors) takes the checked path
+    try:
+        values = np.concatenate(rows) if rows else None
+    except (ValueError, TypeError, RuntimeError):
+        values = None
+    if values is not None and values.ndim == 1 and values.dtype.kind in "iubf":
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), out=offsets[1:])
+        if offsets[-1] == len(values):
+            return _Ragged(values, offsets, None)
     arrays = []
     valid = np.ones(len(rows), dtype=bool)
     for i, r in enumerate(rows):

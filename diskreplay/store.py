@@ -576,9 +576,14 @@ class ReplayStore:
                 seg.advise_all()
         out: Dict[str, Column] = {}
         plans: Dict[Any, _RangePlan] = {}
+        # a run of consecutive rows of one segment (a scan) is returned as views, not copied
+        run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
+               and bool(np.all(np.diff(parts[0][2]) == 1)))
         for name in cols:
             spec = self.schema[name]
-            if spec.kind == RAGGED:
+            if spec.kind == RAGGED and run:
+                out[name] = _ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
+            elif spec.kind == RAGGED:
                 out[name] = _gather_ragged(name, parts, n, np.dtype(spec.dtype), plans)
             elif spec.dtype == "string":
                 res: List[Any] = [None] * n
@@ -768,6 +773,17 @@ class _RangePlan:
         if not self.pieces:
             return np.zeros(0, dtype=dtype)
         return np.concatenate([sources[p][a:b] for p, a, b in self.pieces]).astype(dtype, copy=False)
+
+
+def _ragged_run(name: str, seg: Segment, first: int, n: int) -> Optional[RaggedColumn]:
+    """Rows ``[first, first + n)`` of one segment as zero-copy views of its memory map."""
+    seg.check_rows(name, np.arange(first, first + n))
+    values, offsets, valid = seg.ragged(name)
+    validity = None if valid is None else valid[first:first + n]
+    if validity is not None and not validity.any():
+        return None
+    offs = offsets[first:first + n + 1]
+    return RaggedColumn(values[int(offs[0]):int(offs[-1])], offs - offs[0], validity)
 
 
 def _gather_ragged(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,

@@ -575,3 +575,14 @@ def test_store_is_readable_with_plain_pyarrow_as_documented(tmp_path):
     assert table.column("prompt_id").to_pylist() == expected["prompt_id"].tolist()
     flat = pa.concat_arrays([c.flatten() for c in table.column("completion_ids").chunks])
     assert flat.to_pylist() == expected["completion_ids"].values.tolist()
+
+
+def test_consecutive_rows_read_as_views_equal_copies(store):
+    store.extend(make_rollouts(2, 8, seed=5))
+    run = store.read(np.arange(3, 12), ["completion_ids", "old_per_token_logps"])
+    scattered = store.read(np.array([3, 4, 5, 6, 7, 8, 9, 10, 11])[::-1], ["completion_ids"])
+    col = run["completion_ids"]
+    assert col.offsets[0] == 0 and col.offsets[-1] == len(col.values)
+    assert not col.values.flags.writeable or col.values.base is not None  # a view of the map
+    for i in range(9):
+        np.testing.assert_array_equal(col[i], scattered["completion_ids"][8 - i])
