@@ -62,7 +62,8 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_dir: bool = True) -> None:
+def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_dir: bool = True,
+                  atomic: bool = True) -> None:
     """Atomically and durably replace ``path`` with ``data``.
 
     ``step`` names the commit step for crash injection (``<step>.written`` is
@@ -70,14 +71,18 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
     after the rename). On any error the temporary file is removed and the
     error re-raised; ``path`` is untouched.
 
+    ``atomic=False`` writes ``path`` in place (no temporary name, no rename):
+    for a new file that nothing references until a later commit, where a torn
+    file is harmless garbage, this saves a rename and its journal commit.
+
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp(); durable_write(os.path.join(d, "x"), b"hi")
     >>> open(os.path.join(d, "x"), "rb").read(), sorted(os.listdir(d))
     (b'hi', ['x'])
     """
     directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}") if atomic else path
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         try:
             view = memoryview(data).cast("B")
@@ -91,7 +96,8 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
             os.close(fd)
         if step:
             crash_point(f"{step}.written")
-        os.replace(tmp, path)
+        if atomic:
+            os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)

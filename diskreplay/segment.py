@@ -24,7 +24,7 @@ from .schema import RAGGED, VECTOR, Schema
 _PAGE = mmap.PAGESIZE
 _STATE_META = b"diskreplay.state"
 # Page checksums of a segment live in its group sidecar's schema metadata.
-PAGE_BYTES = 4096
+PAGE_BYTES = 8192
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 _META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
 _META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's buffers

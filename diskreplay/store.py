@@ -296,12 +296,13 @@ class ReplayStore:
         """Write one segment and its group sidecar durably (directory fsync left to the caller)."""
         data = encode_ipc(record)
         written.append(fmt.segment_file(seg_id))
-        durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False)
+        # written in place: no manifest names this id yet, so a torn file is garbage
+        durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False, atomic=False)
         g_bytes = g_crc = 0
         if self.group_key is not None:
             gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, PageChecksums.of(data)))
             written.append(fmt.groups_file(seg_id))
-            durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False)
+            durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False, atomic=False)
             g_bytes, g_crc = gdata.size, crc32c(gdata)
         return fmt.SegmentEntry(seg_id, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc)
 
