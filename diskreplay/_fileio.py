@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import google_crc32c
 
-from .errors import StoreLockedError
+from .errors import CorruptStoreError, StoreLockedError
 
 TMP_PREFIX = ".tmp-"
 Buffer = Union[bytes, bytearray, memoryview]
@@ -116,16 +116,12 @@ def read_file(path: str, limit: Optional[int] = None) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            from .errors import CorruptStoreError
-
             raise CorruptStoreError(f"{path} is a symlink; a store's files must be plain files") from None
         raise
     with os.fdopen(fd, "rb") as f:
         if limit is not None:
             size = os.fstat(f.fileno()).st_size
             if size > limit:
-                from .errors import CorruptStoreError
-
                 raise CorruptStoreError(f"{path} is {size} bytes; at most {limit} are expected here")
         return f.read()
 
@@ -155,8 +151,6 @@ class WriterLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                from .errors import CorruptStoreError
-
                 raise CorruptStoreError(f"{self.path} is a symlink; a store's LOCK must be a plain file") from None
             raise
         try:

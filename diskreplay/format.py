@@ -84,18 +84,49 @@ def _check_header(doc: Any, fmt: str, where: str) -> Mapping[str, Any]:
     return doc
 
 
-def read_json(path: str) -> Any:
-    """Parse a small JSON file, turning every failure into CorruptStoreError."""
-    raw = read_file(path, MAX_JSON_BYTES)
+def _parse_json(raw: bytes, path: str) -> Any:
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also 4300+ digit ints
         raise CorruptStoreError(f"{path} is not valid JSON ({type(exc).__name__}: {exc})") from None
 
 
+def read_json(path: str) -> Any:
+    """Parse a small JSON file, turning every failure into CorruptStoreError."""
+    return _parse_json(read_file(path, MAX_JSON_BYTES), path)
+
+
+def read_signed_json(path: str) -> Tuple[Any, bool]:
+    """A signed JSON file and whether its bytes already proved its checksum (see ``signed_bytes``)."""
+    raw = read_file(path, MAX_JSON_BYTES)
+    return _parse_json(raw, path), _signature_in_bytes(raw)
+
+
 def _signed(body: dict) -> dict:
     """``body`` plus a ``checksum``: CRC-32C of its canonical JSON."""
     return {**body, "checksum": crc32c(_dumps(body))}
+
+
+def signed_bytes(body: dict) -> bytes:
+    """The file form of a signed document: its canonical JSON with ``"checksum"`` appended last.
+
+    The checksum is the CRC-32C of the canonical JSON of ``body`` (sorted keys,
+    no spaces), which is exactly the file's bytes before ``,"checksum":`` plus
+    the closing brace, so a reader verifies it without serialising again.
+    """
+    text = _dumps(body)
+    return text[:-1] + b',"checksum":%d}' % crc32c(text)
+
+
+def _signature_in_bytes(raw: bytes) -> bool:
+    i = raw.rfind(b',"checksum":')
+    if i < 0 or not raw.endswith(b"}"):
+        return False
+    try:
+        value = int(raw[i + 12:-1])
+    except ValueError:
+        return False
+    return crc32c(raw[:i] + b"}") == value
 
 
 def _check_signature(doc: Mapping[str, Any], where: str) -> None:
@@ -128,9 +159,10 @@ class StoreOptions:
         })
 
     @classmethod
-    def from_dict(cls, doc: Any, where: str = FORMAT_FILE) -> "StoreOptions":
+    def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
         doc = _check_header(doc, STORE_FORMAT, where)
-        _check_signature(doc, where)
+        if not verified:
+            _check_signature(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -143,13 +175,15 @@ class StoreOptions:
         )
 
     def write(self, root: str) -> None:
-        durable_write(os.path.join(root, FORMAT_FILE), _dumps(self.to_dict()), step="format")
+        body = {k: v for k, v in self.to_dict().items() if k != "checksum"}
+        durable_write(os.path.join(root, FORMAT_FILE), signed_bytes(body), step="format")
 
     @classmethod
     def read(cls, root: str) -> "StoreOptions":
         path = os.path.join(root, FORMAT_FILE)
         try:
-            return cls.from_dict(read_json(path), path)
+            doc, verified = read_signed_json(path)
+            return cls.from_dict(doc, path, verified)
         except FormatError as exc:
             raise FormatError(f"{exc} ({path})") from None
 
@@ -275,7 +309,10 @@ class Manifest:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        body = {
+        return _signed(self.body())
+
+    def body(self) -> dict:
+        return {
             "format": MANIFEST_FORMAT,
             "version": FORMAT_VERSION,
             "generation": self.generation,
@@ -285,12 +322,12 @@ class Manifest:
             "segments": [s.to_dict() for s in self.segments],
             "states": {k: v.to_dict() for k, v in sorted(self.states.items())},
         }
-        return _signed(body)
 
     @classmethod
-    def from_dict(cls, doc: Any, where: str) -> "Manifest":
+    def from_dict(cls, doc: Any, where: str, verified: bool = False) -> "Manifest":
         doc = _check_header(doc, MANIFEST_FORMAT, where)
-        _check_signature(doc, where)
+        if not verified:
+            _check_signature(doc, where)
         segs = doc.get("segments")
         states = doc.get("states", {})
         if not isinstance(segs, list) or not isinstance(states, dict):
@@ -326,11 +363,17 @@ class Manifest:
             raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
 
     def write(self, root: str) -> None:
-        durable_write(os.path.join(root, self.file), _dumps(self.to_dict()), step="manifest")
+        durable_write(os.path.join(root, self.file), signed_bytes(self.body()), step="manifest")
 
 
 def _dumps(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def load_manifest(path: str) -> Manifest:
+    """Read, verify and parse one manifest file."""
+    doc, verified = read_signed_json(path)
+    return Manifest.from_dict(doc, path, verified)
 
 
 def list_generations(root: str) -> List[int]:
@@ -353,7 +396,7 @@ def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
     for gen in list_generations(root):
         path = os.path.join(root, manifest_file(gen))
         try:
-            m = Manifest.from_dict(read_json(path), path)
+            m = load_manifest(path)
         except FileNotFoundError:
             continue  # deleted by the writer's clean-up between listdir and open
         except (CorruptStoreError, FormatError) as exc:
@@ -374,7 +417,7 @@ def manifest_docs(root: str) -> Dict[int, Manifest]:
     for gen in list_generations(root):
         path = os.path.join(root, manifest_file(gen))
         try:
-            out[gen] = Manifest.from_dict(read_json(path), path)
+            out[gen] = load_manifest(path)
         except (OSError, FormatError):
             continue
     return out

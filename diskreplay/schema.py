@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from .errors import BatchError, SchemaError
+from .errors import BatchError, FormatError, SchemaError
 
 PROMPT_IDS = "prompt_ids"
 COMPLETION_IDS = "completion_ids"
@@ -78,8 +78,6 @@ class ColumnSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ColumnSpec":
-        from .errors import FormatError
-
         try:
             spec = cls(name=str(d["name"]), kind=str(d["kind"]), dtype=str(d["dtype"]),
                        align=d.get("align"), width=d.get("width"))
@@ -134,8 +132,6 @@ class Schema:
 
     @classmethod
     def from_list(cls, items: Any) -> "Schema":
-        from .errors import FormatError
-
         if not isinstance(items, list) or len(items) > 4096:
             raise FormatError(f"Unsupported schema {type(items).__name__}; expected a list of columns")
         specs = [ColumnSpec.from_dict(d) if isinstance(d, Mapping) else ColumnSpec.from_dict({})
