@@ -188,6 +188,11 @@ class StoreOptions:
             raise FormatError(f"{exc} ({path})") from None
 
 
+_SEGMENT_INT_FIELDS = ("id", "first_row", "num_rows", "bytes", "crc32c", "groups_bytes", "groups_crc32c")
+_SEGMENT_INT_RANGES = ((0, 10 ** 12 - 1), (0, 1 << 62), (1, 1 << 62), (1, 1 << 62), (0, 0xFFFFFFFF),
+                       (0, 1 << 62), (0, 0xFFFFFFFF))
+
+
 @dataclass(frozen=True)
 class SegmentEntry:
     """One committed segment: rows ``[first_row, first_row + num_rows)``."""
@@ -221,10 +226,12 @@ class SegmentEntry:
     def from_dict(cls, d: Any, where: str) -> "SegmentEntry":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported segment entry {d!r} in {where}; expected an object")
-        e = cls(id=_int(d, "id", where, hi=_MAX_ID), first_row=_int(d, "first_row", where),
-                num_rows=_int(d, "num_rows", where, lo=1), bytes=_int(d, "bytes", where, lo=1),
-                crc32c=_int(d, "crc32c", where, hi=0xFFFFFFFF),
-                groups_bytes=_int(d, "groups_bytes", where), groups_crc32c=_int(d, "groups_crc32c", where, hi=0xFFFFFFFF))
+        values = [d.get(k) for k in _SEGMENT_INT_FIELDS]
+        # one cheap pass for the common, valid case (a manifest lists every segment)
+        if not all(type(v) is int and lo <= v <= hi for v, (lo, hi) in zip(values, _SEGMENT_INT_RANGES)):
+            for key, (lo, hi) in zip(_SEGMENT_INT_FIELDS, _SEGMENT_INT_RANGES):
+                _int(d, key, where, lo=lo, hi=hi)  # raises, naming the field
+        e = cls(*values)
         if e.num_rows > 8 * e.bytes:  # even a single bool column needs a bit per row
             raise FormatError(f"Unsupported num_rows={e.num_rows} for a {e.bytes}-byte segment in {where}")
         for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
