@@ -134,8 +134,10 @@ class Schema:
     def from_list(cls, items: Any) -> "Schema":
         if not isinstance(items, list) or len(items) > 4096:
             raise FormatError(f"Unsupported schema {type(items).__name__}; expected a list of columns")
-        specs = [ColumnSpec.from_dict(d) if isinstance(d, Mapping) else ColumnSpec.from_dict({})
-                 for d in items]
+        for d in items:
+            if not isinstance(d, Mapping):
+                raise FormatError(f"Unsupported column description {d!r}; expected an object")
+        specs = [ColumnSpec.from_dict(d) for d in items]
         if len({s.name for s in specs}) != len(specs):
             raise FormatError("Unsupported schema: duplicate column names")
         return cls(specs)
@@ -269,7 +271,7 @@ def _infer_scalar_dtype(name: str, arr: np.ndarray) -> str:
     raise BatchError(f"column {name!r} has unsupported dtype {arr.dtype}")
 
 
-def _scalar_array(name: str, values: Any, n: int) -> np.ndarray:
+def _scalar_array(name: str, values: Any) -> np.ndarray:
     if isinstance(values, list):
         if any(v is None for v in values):
             i = next(i for i, v in enumerate(values) if v is None)
@@ -390,7 +392,7 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
             cols[name] = _Column(ColumnSpec(name, RAGGED, _ragged_dtype(name, r.values),
                                             align=_align_for(name, align, arrays)), ragged=r)
         else:
-            arr = _scalar_array(name, v, n)
+            arr = _scalar_array(name, v)
             if arr.ndim == 2 and arr.dtype != object:
                 dt = _infer_scalar_dtype(name, arr)
                 cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
