@@ -53,10 +53,10 @@ class ReplayStore:
     bytes of live segments (whole oldest segments are evicted). ``group_key``
     names the per-row column indexed at write time (``None``: no index).
     ``readonly=True`` never writes, works on a read-only directory, and can
-    follow a live writer with :meth:`refresh`. ``verify_reads`` checks each
-    segment's checksum the first time this process opens it, so damaged data
-    is never served (it costs one sequential read of the segment; turn it off
-    only on storage you trust, and run ``diskreplay verify`` instead).
+    follow a live writer with :meth:`refresh`. ``verify_reads`` checks every
+    page of a segment against its checksum the first time this process reads
+    from it, so damaged data is never served; turn it off only on storage you
+    trust, and run ``diskreplay verify`` instead.
 
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
@@ -72,11 +72,11 @@ class ReplayStore:
                  capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
-        #: check each segment's CRC-32C when this process first opens it (see docs/FORMAT.md)
+        #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
         self.verify_reads = verify_reads
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
         self.lock = threading.RLock()
-        self._lock: Optional[WriterLock] = None
+        self._writer_lock: Optional[WriterLock] = None
         self._segments: Dict[int, Segment] = {}
         self._coder: Optional[KeyCoder] = None
         self._codes: Optional[np.ndarray] = None  # group code per row in [_codes_base, next_row)
@@ -98,8 +98,8 @@ class ReplayStore:
                                         "a read-only open needs an existing store")
         else:
             os.makedirs(self.path, exist_ok=True)
-            self._lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
-            self._lock.acquire()
+            self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
+            self._writer_lock.acquire()
         try:
             for d in fmt.DATA_DIRS:
                 if os.path.islink(os.path.join(self.path, d)):
@@ -147,9 +147,9 @@ class ReplayStore:
     @_locked
     def close(self) -> None:
         """Release the writer lock and the memory maps. Idempotent."""
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
         self._segments.clear()
 
     def __len__(self) -> int:
@@ -157,7 +157,7 @@ class ReplayStore:
 
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writer"
-        return (f"ReplayStore({self.path!r}, rows={len(self)}, groups_key={self.group_key!r}, "
+        return (f"ReplayStore({self.path!r}, rows={len(self)}, group_key={self.group_key!r}, "
                 f"generation={self.generation}, {mode})")
 
     @property
@@ -232,7 +232,7 @@ class ReplayStore:
     def _require_writer(self) -> None:
         if self.readonly:
             raise ReadOnlyError(f"{self.path} is open read-only; open it without readonly=True to write")
-        if self._lock is None:
+        if self._writer_lock is None:
             raise ReadOnlyError(f"{self.path} is closed")
 
     @_locked
