@@ -486,13 +486,32 @@ class _Side:
         self.width = int(lengths.max()) if lengths.numel() else 0
         self.id_rows = id_rows
 
+    def _host_mask(self) -> np.ndarray:
+        if getattr(self, "_mask", None) is None:
+            lengths = np.diff(self.offsets.numpy())
+            self._mask = (_left_mask if self.left else _right_mask)(lengths, self.width)
+        return self._mask
+
+    def _on_host(self, dtype: torch.dtype) -> bool:
+        # CPU tensors of a numpy dtype use the host kernels (fill + one masked
+        # scatter); the sentinel gather of _pad_torch is built for devices
+        return self.keep.device.type == "cpu" and dtype not in (torch.bfloat16,)
+
     def pad(self, name: str, row_tensors: Sequence[torch.Tensor], pad_value) -> torch.Tensor:
         flat = torch.cat(row_tensors)
-        padded, _ = _pad_torch(flat[self.keep], self.offsets, self.width, pad_value,
-                               flat.dtype, self.left)
+        kept = flat[self.keep]
+        if self._on_host(flat.dtype):
+            out = torch.empty((len(self.offsets) - 1, self.width), dtype=flat.dtype)
+            arr = out.numpy()
+            arr.fill(pad_value)
+            arr[self._host_mask()] = kept.numpy()
+            return out
+        padded, _ = _pad_torch(kept, self.offsets, self.width, pad_value, flat.dtype, self.left)
         return padded
 
     def padded_mask(self) -> torch.Tensor:
+        if self._on_host(self.mask_dtype):
+            return torch.from_numpy(self._host_mask()).to(self.mask_dtype)
         ones = torch.ones(int(self.offsets[-1]), dtype=self.mask_dtype, device=self.keep.device)
         padded, _ = _pad_torch(ones, self.offsets, self.width, 0, self.mask_dtype, self.left)
         return padded

@@ -452,6 +452,27 @@ def _trl_pad(items, idx, pad):
     return out
 
 
+def _trl_buffer_entries(batch):
+    """What TRL's replay buffer held: one dict per row, sliced from the step's padded batch."""
+    return [{k: v[i] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+            for i in range(len(batch["completion_ids"]))]
+
+
+def _trl_buffer_repad(entries, pad):
+    """TRL-style re-padding of buffered entries: drop mask-0 positions row by row, then pad_sequence."""
+    from torch.nn.utils.rnn import pad_sequence
+    pm = [e["prompt_mask"].bool() for e in entries]
+    cm = [e["completion_mask"].bool() for e in entries]
+    out = {}
+    for name, masks, side in (("prompt_ids", pm, "left"), ("prompt_mask", pm, "left")):
+        out[name] = pad_sequence([e[name][m] for e, m in zip(entries, masks)], batch_first=True,
+                                 padding_value=pad if name in _MASKS else 0, padding_side=side)
+    for name in ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps"):
+        out[name] = pad_sequence([e[name][m] for e, m in zip(entries, cm)], batch_first=True,
+                                 padding_value=pad if name in _MASKS else 0)
+    return out
+
+
 def _rss_probe(path, batch_rows, batches):
     """Run in a fresh process: peak anonymous memory while a ReplayLoader samples, per strategy."""
     import gc
@@ -554,7 +575,7 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     ring = _Ring(1, pin=False)
     for strategy in STRATEGIES:
         sampler = PromptGroupSampler(num_groups=batch_groups, strategy=strategy, seed=0)
-        t = {"ours": [], "ideal": [], "trl": [], "torchrl": []}
+        t = {"ours": [], "ideal": [], "trl": [], "torchrl": [], "trl_buffer": []}
         for i in range(warm + 3):
             t0 = time.perf_counter()
             rows = sampler.sample(store, B)  # exactly the loader worker's host path:
@@ -568,15 +589,21 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
             if torchrl_base is not None:
                 torchrl_base.sample(rows - store.head, pad)
             t4 = time.perf_counter()
+            entries = _trl_buffer_entries(collate(batch, pad))  # built untimed, as TRL's buffer held them
+            t5 = time.perf_counter()
+            _trl_buffer_repad(entries, pad)
+            t6 = time.perf_counter()
             if i >= 3:
                 t["ours"].append(t1 - t0), t["ideal"].append(t2 - t1), t["trl"].append(t3 - t2)
-                t["torchrl"].append(t4 - t3)
-        ours, ideal, trl_ms, trl_rl = (1e3 * statistics.median(t[k]) for k in ("ours", "ideal", "trl", "torchrl"))
+                t["torchrl"].append(t4 - t3), t["trl_buffer"].append(t6 - t5)
+        ours, ideal, trl_ms, trl_rl, trl_buf = (1e3 * statistics.median(t[k])
+                                                for k in ("ours", "ideal", "trl", "torchrl", "trl_buffer"))
         res[f"warm_{strategy}_ms"], res[f"ideal_{strategy}_ms"], res[f"trl_{strategy}_ms"] = ours, ideal, trl_ms
-        res[f"torchrl_{strategy}_ms"] = trl_rl
+        res[f"torchrl_{strategy}_ms"], res[f"trl_buffer_{strategy}_ms"] = trl_rl, trl_buf
         report(f"  warm {strategy:9s} ours {ours:5.1f} ms | ideal numpy gather {ideal:5.1f} ms ({ideal / ours:.2f}x) | "
-               f"TorchRL padded memmap {trl_rl:5.1f} ms ({trl_rl / ours:.2f}x) | TRL list + pad_sequence "
-               f"{trl_ms:5.1f} ms ({trl_ms / ours:.1f}x)", flush=True)
+               f"TorchRL padded memmap {trl_rl:5.1f} ms ({trl_rl / ours:.2f}x) | unpadded list + pad_sequence "
+               f"{trl_ms:5.1f} ms ({trl_ms / ours:.1f}x) | TRL buffer entries, drop padding + re-pad "
+               f"{trl_buf:5.1f} ms ({trl_buf / ours:.1f}x)", flush=True)
 
     # --- the loader, warm: consumer-visible time per batch with no training step
     for pod in (False, True):
