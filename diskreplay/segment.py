@@ -165,7 +165,7 @@ class ArrowFile:
             if size == 0:
                 raise CorruptStoreError(f"{path} is empty")
             self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            self.fd = fd
+            self.fd = -1  # the map keeps its own descriptor; ours is closed below
             # Rows are read at random: without this, each page fault reads ahead
             # (up to MBs on some VMs) and cold batches pay for bytes they never use.
             # Readers that need many pages ask for them explicitly (advise, advise_all).
@@ -174,9 +174,8 @@ class ArrowFile:
             except (AttributeError, OSError):
                 pass
             self.advised_all = False
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
         self.size = size
         self._base = pa.py_buffer(self._mmap)
         # Checksums are checked before Arrow parses a byte: a damaged file must

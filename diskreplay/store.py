@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 import threading
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -31,6 +32,9 @@ _UNSET: Any = object()
 # A single extend larger than this is split into several segments (still one
 # commit), so no segment file grows without bound.
 MAX_SEGMENT_BYTES = 256 << 20
+# Segments a store keeps mapped at once (each map holds a file descriptor, and
+# 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
+MAX_OPEN_SEGMENTS = 256
 
 Column = Union[RaggedColumn, np.ndarray, List[str], None]
 
@@ -77,7 +81,7 @@ class ReplayStore:
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
         self.lock = threading.RLock()
         self._writer_lock: Optional[WriterLock] = None
-        self._segments: Dict[int, Segment] = {}
+        self._segments: "OrderedDict[int, Segment]" = OrderedDict()  # open maps, least recent first
         self._coder: Optional[KeyCoder] = None
         self._codes: Optional[np.ndarray] = None  # group code per row in [_codes_base, next_row)
         self._codes_base = 0
@@ -494,7 +498,9 @@ class ReplayStore:
 
     def _segment(self, entry: fmt.SegmentEntry) -> Segment:
         seg = self._segments.get(entry.id)
-        if seg is None:
+        if seg is not None:
+            self._segments.move_to_end(entry.id)
+        else:
             pages, whole_crc = None, None
             if self.verify_reads:
                 if entry.groups_bytes:  # page checksums: check what is read, when it is first read
@@ -504,6 +510,9 @@ class ReplayStore:
             seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
                           whole_crc, pages)
             self._segments[entry.id] = seg
+            # each open map holds a file descriptor: keep the most recently used ones
+            while len(self._segments) > MAX_OPEN_SEGMENTS:
+                self._segments.popitem(last=False)
         return seg
 
     def _sidecar(self, entry: fmt.SegmentEntry):

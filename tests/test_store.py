@@ -586,3 +586,18 @@ def test_consecutive_rows_read_as_views_equal_copies(store):
     assert not col.values.flags.writeable or col.values.base is not None  # a view of the map
     for i in range(9):
         np.testing.assert_array_equal(col[i], scattered["completion_ids"][8 - i])
+
+
+def test_open_segments_are_bounded(store, monkeypatch):
+    import diskreplay.store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_OPEN_SEGMENTS", 2)
+    batches = [make_rollouts(1, 4, seed=s, first_group=s, completion_mean=20) for s in range(6)]
+    for b in batches:
+        store.extend(b)
+    rows = np.array([23, 0, 9, 17, 4, 12])
+    got = store.read(rows, ["completion_ids"])["completion_ids"]
+    flat = [x for b in batches for x in b["completion_ids"]]
+    for i, r in enumerate(rows):
+        np.testing.assert_array_equal(got[i], flat[r])
+    assert len(store._segments) <= 2
