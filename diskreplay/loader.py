@@ -47,9 +47,8 @@ against an ideal numpy gather and TorchRL's padded memmap storage).
 Threads. The sampler and the host buffers belong to the worker while the
 loader runs: update priorities through :meth:`ReplayLoader.update_priorities`,
 not on the sampler. Every ``ReplayStore`` method takes the store's re-entrant
-``lock``; the worker holds it (:func:`store_lock`) across each sample + read,
-so the training loop may keep appending to the same store object while a
-loader draws from it.
+``lock`` (:func:`store_lock`), so the training loop may keep appending to the
+same store object while a loader draws from it.
 """
 
 from __future__ import annotations
@@ -96,8 +95,9 @@ def store_lock(store: Any) -> threading.RLock:
     """The lock that serialises loaders and buffers using one ``ReplayStore`` object.
 
     It is the store's own re-entrant ``lock`` (every ``ReplayStore`` method
-    takes it); loaders and buffers hold it across a whole sample + read so that
-    both see the same commit, even while the training loop appends.
+    takes it). The loader's worker holds it while it samples and again while
+    it reads, so the training loop can append in between; rows evicted in that
+    gap are drawn again (``RowsEvictedError`` is retried).
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore

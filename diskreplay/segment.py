@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from ._fileio import crc32c
-from .errors import CorruptStoreError, FormatError
+from .errors import CorruptStoreError
 from .ragged import numpy_view
-from .schema import RAGGED, VECTOR, Schema
+from .schema import Schema
 
 _PAGE = mmap.PAGESIZE
 _STATE_META = b"diskreplay.state"
@@ -39,10 +39,12 @@ class PageChecksums:
     few rows still reads only the pages those rows live in.
     """
 
-    __slots__ = ("crcs", "page_bytes", "body")
+    __slots__ = ("crcs", "page_bytes", "body", "verified")
 
     def __init__(self, crcs: np.ndarray, page_bytes: int, body: Tuple[int, int]) -> None:
         self.crcs, self.page_bytes, self.body = crcs, page_bytes, body
+        # pages that passed, kept here so a segment unmapped and mapped again is not re-checked
+        self.verified = np.zeros(len(crcs), dtype=bool)
 
     @classmethod
     def of(cls, data: pa.Buffer, page_bytes: int = PAGE_BYTES) -> "PageChecksums":
@@ -187,7 +189,7 @@ class ArrowFile:
                 self.close()
                 raise CorruptStoreError(f"{path}: its page checksums describe {len(pages.crcs)} pages, the file "
                                         f"has {n_pages}")
-            self._verified = np.zeros(n_pages, dtype=bool)
+            self._verified = pages.verified
             p = pages.page_bytes
             head = np.arange(0, -(-pages.body[0] // p))
             tail = np.arange(pages.body[1] // p, n_pages)

@@ -13,7 +13,7 @@ import os
 from collections import OrderedDict
 import threading
 import warnings
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,7 @@ from ._fileio import (TMP_PREFIX, WriterLock, crash_point, crc32c, durable_write
                       remove_quietly)
 from .errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
 from .groups import GroupIndex, KeyCoder
-from .ragged import RaggedColumn, numpy_view
+from .ragged import RaggedColumn
 from .schema import RAGGED, Schema, normalize_batch
 from .segment import (PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_sidecar,
                       read_group_sidecar)
@@ -82,6 +82,8 @@ class ReplayStore:
         self.lock = threading.RLock()
         self._writer_lock: Optional[WriterLock] = None
         self._segments: "OrderedDict[int, Segment]" = OrderedDict()  # open maps, least recent first
+        self._pages: Dict[int, Any] = {}
+        self._starts: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))  # (manifest, first rows)  # page checksums (and which pages passed) per segment id
         self._coder: Optional[KeyCoder] = None
         self._codes: Optional[np.ndarray] = None  # group code per row in [_codes_base, next_row)
         self._codes_base = 0
@@ -218,10 +220,15 @@ class ReplayStore:
         self._install(m, opts)
         return True
 
-    def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
+    def _drop_dead_segments(self, manifest: fmt.Manifest) -> None:
         live = {s.id for s in manifest.segments}
         for sid in [s for s in self._segments if s not in live]:
             del self._segments[sid]
+        for sid in [s for s in self._pages if s not in live]:
+            del self._pages[sid]
+
+    def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
+        self._drop_dead_segments(manifest)
         self.manifest, self.options = manifest, options
         # the group codes of rows still live stay valid; new rows are indexed lazily
         if self._codes is not None:
@@ -347,9 +354,7 @@ class ReplayStore:
         fsync_dir(os.path.join(self.path, fmt.GROUPS_DIR))
 
     def _install_commit(self, new: fmt.Manifest, options: fmt.StoreOptions, new_keys: List[pa.Array]) -> None:
-        live = {s.id for s in new.segments}
-        for sid in [s for s in self._segments if s not in live]:
-            del self._segments[sid]
+        self._drop_dead_segments(new)
         old_next = self.manifest.next_row
         self.manifest, self.options = new, options
         if self._codes is None:
@@ -504,7 +509,9 @@ class ReplayStore:
             pages, whole_crc = None, None
             if self.verify_reads:
                 if entry.groups_bytes:  # page checksums: check what is read, when it is first read
-                    pages = self._sidecar(entry)[3]
+                    pages = self._pages.get(entry.id)
+                    if pages is None:
+                        pages = self._pages[entry.id] = self._sidecar(entry)[3]
                 if pages is None:  # no sidecar (group_key=None): check the whole file once
                     whole_crc = entry.crc32c
             seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
@@ -530,7 +537,9 @@ class ReplayStore:
                 bad = int(lo if lo < m.head else hi)
                 raise RowsEvictedError(f"row {bad} is not in the store: live rows are [{m.head}, {m.next_row})"
                                        + (" (it was evicted)" if 0 <= bad < m.head else ""))
-        starts = np.fromiter((s.first_row for s in m.segments), dtype=np.int64, count=len(m.segments))
+        if self._starts[0] is not m:
+            self._starts = (m, np.fromiter((s.first_row for s in m.segments), dtype=np.int64, count=len(m.segments)))
+        starts = self._starts[1]
         seg_idx = np.searchsorted(starts, rows, side="right") - 1
         return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows
 
@@ -787,8 +796,8 @@ class _RangePlan:
 
 def _ragged_run(name: str, seg: Segment, first: int, n: int) -> Optional[RaggedColumn]:
     """Rows ``[first, first + n)`` of one segment as zero-copy views of its memory map."""
+    values, offsets, valid = seg.ragged(name)  # first: it sets up the per-row check record
     seg.check_rows(name, np.arange(first, first + n))
-    values, offsets, valid = seg.ragged(name)
     validity = None if valid is None else valid[first:first + n]
     if validity is not None and not validity.any():
         return None

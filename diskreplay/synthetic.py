@@ -9,7 +9,7 @@ one advantage per row (advantages are group-normalised rewards).
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator
 
 import numpy as np
 

@@ -601,3 +601,18 @@ def test_open_segments_are_bounded(store, monkeypatch):
     for i, r in enumerate(rows):
         np.testing.assert_array_equal(got[i], flat[r])
     assert len(store._segments) <= 2
+
+
+def test_damaged_page_is_never_served_by_any_read_path(tmp_path):
+    """A flipped byte in token data is caught by scans (zero-copy runs) and by scattered reads alike."""
+    path = tmp_path / "s"
+    with ReplayStore(path) as store:
+        store.extend(make_rollouts(4, 8, seed=1, completion_mean=200))
+        seg = path / store.manifest.segments[0].file
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    seg.write_bytes(bytes(data))
+    for rows in (np.arange(0, 32), np.arange(0, 32)[::-1]):
+        reader = ReplayStore(path, readonly=True)
+        with pytest.raises(CorruptStoreError, match="fails its checksum"):
+            reader.read(rows)
