@@ -184,6 +184,10 @@ class ReplayStore:
         return self.options.capacity_rows
 
     @property
+    def capacity_bytes(self) -> Optional[int]:
+        return self.options.capacity_bytes
+
+    @property
     def generation(self) -> int:
         """The committed generation; it changes with every commit."""
         return self.manifest.generation

@@ -459,7 +459,7 @@ def export_metadata(store: ReplayStore, names: Sequence[str], **extra: Any) -> D
     gk = store.group_key if store.group_key in names else None
     doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
            "schema": [schema[n].to_dict() for n in names], "group_key": gk,
-           "capacity": store.capacity, "capacity_bytes": getattr(store.options, "capacity_bytes", None),
+           "capacity": store.capacity, "capacity_bytes": store.capacity_bytes,
            "source": store.path}
     doc.update(extra)
     return doc

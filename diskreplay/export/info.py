@@ -75,7 +75,7 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "generation": st.generation, "group_key": st.group_key,
             "groups": st.num_groups if st.group_key is not None and len(st) else (0 if st.group_key else None),
             "segments": len(segments), "bytes": int(st.nbytes), "capacity": st.capacity,
-            "capacity_bytes": getattr(st.options, "capacity_bytes", None), "columns": columns,
+            "capacity_bytes": st.capacity_bytes, "columns": columns,
         }
         names = [] if schema is None else schema.names
         token_cols = [c for c in ("prompt_ids", "completion_ids") if c in names]
