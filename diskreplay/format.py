@@ -149,14 +149,17 @@ class StoreOptions:
     schema: Optional[Schema] = None
 
     def to_dict(self) -> dict:
-        return _signed({
+        return _signed(self.body())
+
+    def body(self) -> dict:
+        return {
             "format": STORE_FORMAT,
             "version": FORMAT_VERSION,
             "group_key": self.group_key,
             "capacity_rows": self.capacity_rows,
             "capacity_bytes": self.capacity_bytes,
             "schema": None if self.schema is None else self.schema.to_list(),
-        })
+        }
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
@@ -175,8 +178,7 @@ class StoreOptions:
         )
 
     def write(self, root: str) -> None:
-        body = {k: v for k, v in self.to_dict().items() if k != "checksum"}
-        durable_write(os.path.join(root, FORMAT_FILE), signed_bytes(body), step="format")
+        durable_write(os.path.join(root, FORMAT_FILE), signed_bytes(self.body()), step="format")
 
     @classmethod
     def read(cls, root: str) -> "StoreOptions":

@@ -167,7 +167,6 @@ class ArrowFile:
             if size == 0:
                 raise CorruptStoreError(f"{path} is empty")
             self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            self.fd = -1  # the map keeps its own descriptor; ours is closed below
             # Rows are read at random: without this, each page fault reads ahead
             # (up to MBs on some VMs) and cold batches pay for bytes they never use.
             # Readers that need many pages ask for them explicitly (advise, advise_all).
@@ -186,7 +185,6 @@ class ArrowFile:
         if pages is not None:
             n_pages = -(-size // pages.page_bytes)
             if len(pages.crcs) != n_pages or pages.body[1] > size:
-                self.close()
                 raise CorruptStoreError(f"{path}: its page checksums describe {len(pages.crcs)} pages, the file "
                                         f"has {n_pages}")
             self._verified = pages.verified
@@ -195,7 +193,6 @@ class ArrowFile:
             tail = np.arange(pages.body[1] // p, n_pages)
             self._verify_pages(np.concatenate([head, tail]))
         elif expected_crc is not None and crc32c(self._base) != expected_crc:
-            self.close()
             raise CorruptStoreError(f"{path} fails its checksum (crc32c); the file is damaged and is not "
                                     "served; run `diskreplay verify` / `diskreplay repair`")
         try:
@@ -218,7 +215,6 @@ class ArrowFile:
         pending[todo] = True  # (np.unique would import numpy.ma: ~80 ms on first use)
         for i in np.flatnonzero(pending).tolist():
             if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != self.pages.crcs[i]:
-                self.close()
                 raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{i * p}, {(i + 1) * p}); the "
                                         "file is damaged and is not served; run `diskreplay verify` / "
                                         "`diskreplay repair`")
@@ -238,17 +234,6 @@ class ArrowFile:
         for b in arr.buffers():
             if b is not None and b.size:
                 self.verify_span(b.address - base, b.address - base + b.size)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def advise_all(self) -> None:
         """Ask the kernel to read the whole file ahead (for scans: export, compact)."""
