@@ -409,7 +409,8 @@ CHILD = textwrap.dedent("""
     i = start
     while True:
         rows = store.extend(make_rollouts(2, 4, seed=i, first_group=i, completion_mean=40))
-        print(i, rows[0], flush=True)
+        sys.stdout.write(f"{i} {rows[0]}\\n")  # one write: a kill cannot split the line
+        sys.stdout.flush()
         i += 1
 """)
 
@@ -434,10 +435,10 @@ def test_sigkill_during_appends_loses_nothing_committed(tmp_path):
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate()
         kills += 1
-        for line in [first] + out.splitlines():
-            if line.strip():
-                i, row = map(int, line.split())
-                returned[i] = row
+        text = first + out
+        for line in text[: text.rfind("\n") + 1].splitlines():  # a line cut by the kill was never printed
+            i, row = map(int, line.split())
+            returned[i] = row
         with ReplayStore(path, readonly=True) as store:
             committed = store.next_row // 8
             # every append that returned is committed; the one in flight is all-or-nothing
