@@ -225,7 +225,7 @@ def test_close_while_worker_is_blocked(store):
     thread = loader._worker.thread
     t0 = time.monotonic()
     loader.close()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # a blocked put must not wait for a consumer (generous for slow CI)
     assert not thread.is_alive()
 
 
