@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 # Manifests kept besides the newest: a damaged newest manifest falls back to
 # one of these, and a reader that loaded one of them can still open its files.
 KEEP_MANIFESTS = 4
+MAX_RELISTS = 1000  # listings of manifests/ a reader tries before giving up
 MAX_JSON_BYTES = 64 << 20
 _MANIFEST_NAME = re.compile(r"^(\d{12})\.json$")
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -399,22 +400,33 @@ def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
     """The newest manifest that parses and verifies, and the problems met on the way.
 
     An empty store gives ``Manifest()``. Raises ``CorruptStoreError`` naming the
-    files when manifests exist but none is intact.
+    files when manifests exist but none is intact. A reader whose directory
+    listing went stale while a writer committed and cleaned up (every listed
+    manifest deleted before it could be opened) lists again rather than
+    mistaking the store for an empty one.
     """
-    problems: List[str] = []
-    for gen in list_generations(root):
-        path = os.path.join(root, manifest_file(gen))
-        try:
-            m = load_manifest(path)
-        except FileNotFoundError:
-            continue  # deleted by the writer's clean-up between listdir and open
-        except (CorruptStoreError, FormatError) as exc:
-            problems.append(str(exc))
-            continue
-        if m.generation != gen:
-            problems.append(f"{path} says it is generation {m.generation}")
-            continue
-        return m, problems
+    for _ in range(MAX_RELISTS):
+        problems: List[str] = []
+        vanished = False
+        for gen in list_generations(root):
+            path = os.path.join(root, manifest_file(gen))
+            try:
+                m = load_manifest(path)
+            except FileNotFoundError:
+                vanished = True  # deleted by the writer's clean-up between listdir and open
+                continue
+            except (CorruptStoreError, FormatError) as exc:
+                problems.append(str(exc))
+                continue
+            if m.generation != gen:
+                problems.append(f"{path} says it is generation {m.generation}")
+                continue
+            return m, problems
+        if not vanished:
+            break
+    else:
+        raise CorruptStoreError(f"the manifests of {root} kept vanishing while being read "
+                                f"({MAX_RELISTS} listings): is something deleting them?")
     if problems:
         raise CorruptStoreError("no intact manifest in " + root + ": " + "; ".join(problems))
     return Manifest(), problems

@@ -13,7 +13,7 @@ import os
 from collections import OrderedDict
 import threading
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,8 @@ MAX_SEGMENT_BYTES = 256 << 20
 # Segments a store keeps mapped at once (each map holds a file descriptor, and
 # 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
 MAX_OPEN_SEGMENTS = 256
+STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
+T = TypeVar("T")
 
 Column = Union[RaggedColumn, np.ndarray, List[str], None]
 
@@ -213,16 +215,31 @@ class ReplayStore:
 
     @_locked
     def refresh(self) -> bool:
-        """Load the newest commit (for a reader following a writer); True if it changed."""
+        """Load the newest commit (for a reader following a writer); True if it changed.
+
+        Never goes back: a commit older than the one held is ignored.
+        """
         gens = fmt.list_generations(self.path)
-        if not gens or gens[0] == self.manifest.generation:
+        if not gens or gens[0] <= self.manifest.generation:
             return False
         m, _ = fmt.load_newest_manifest(self.path)
-        if m.generation == self.manifest.generation:
+        if m.generation <= self.manifest.generation:
             return False
         opts = fmt.StoreOptions.read(self.path) if self.options.schema is None else self.options
         self._install(m, opts)
         return True
+
+    def _following(self, action: Callable[[], T]) -> T:
+        """Run ``action``; in a reader that fell more than ``KEEP_MANIFESTS`` commits
+        behind its writer (whose clean-up removed a file the held commit names),
+        catch up to the newest commit and run it again."""
+        for _ in range(STALE_RETRIES):
+            try:
+                return action()
+            except FileNotFoundError:
+                if not self.readonly or not self.refresh():
+                    raise
+        return action()
 
     def _drop_dead_segments(self, manifest: fmt.Manifest) -> None:
         live = {s.id for s in manifest.segments}
@@ -563,13 +580,7 @@ class ReplayStore:
         [1.5, 0.5]
         """
         cols = self._resolve_columns(columns)
-        try:
-            return self._read(rows, cols)
-        except FileNotFoundError:
-            # a reader whose manifest went stale while the writer evicted: reload once
-            if not self.readonly or not self.refresh():
-                raise
-            return self._read(rows, cols)
+        return self._following(lambda: self._read(rows, cols))
 
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
         names = self.columns
@@ -634,15 +645,19 @@ class ReplayStore:
         Cheap and asynchronous: a loader calls it for the next batch while the
         current one trains, so cold reads do not serialise on page faults.
         """
-        rows, seg_idx, local = self._locate(rows)
-        m = self.manifest
         cols = self._resolve_columns(columns)
-        for s in sorted(set(seg_idx.tolist())):
-            seg = self._segment(m.segments[int(s)])
-            sel = local[seg_idx == s]
-            for name in cols:
-                if self.schema[name].kind == RAGGED:
-                    seg.advise(seg.value_ranges(name, sel))
+
+        def advise() -> None:
+            ids, seg_idx, local = self._locate(rows)
+            m = self.manifest
+            for s in sorted(set(seg_idx.tolist())):
+                seg = self._segment(m.segments[int(s)])
+                sel = local[seg_idx == s]
+                for name in cols:
+                    if self.schema[name].kind == RAGGED:
+                        seg.advise(seg.value_ranges(name, sel))
+
+        self._following(advise)
 
     # ------------------------------------------------------------------ groups
 
@@ -651,22 +666,15 @@ class ReplayStore:
         if self.group_key is None:
             raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
                               "pass a column name to group_index(key=...)")
-        for attempt in range(3):
-            try:
-                if self._codes is None:
-                    self._coder = KeyCoder()
-                    self._codes_base = self.manifest.head
-                    self._codes = np.zeros(0, dtype=np.int64)
-                self._extend_codes_from_sidecars()
-                return
-            except FileNotFoundError:
-                # a reader that fell more than KEEP_MANIFESTS commits behind: the
-                # writer collected the sidecars it wanted; catch up and rebuild
-                if not self.readonly or attempt == 2:
-                    raise
-                self._codes = None
-                m, _ = fmt.load_newest_manifest(self.path)
-                self._install(m, self.options)
+
+        def extend_codes() -> None:
+            if self._codes is None:
+                self._coder = KeyCoder()
+                self._codes_base = self.manifest.head
+                self._codes = np.zeros(0, dtype=np.int64)
+            self._extend_codes_from_sidecars()
+
+        self._following(extend_codes)
 
     def _extend_codes_from_sidecars(self) -> None:
         """Append codes for rows in ``[_codes_base + len(_codes), next_row)`` from the sidecars."""
