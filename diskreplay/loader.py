@@ -63,9 +63,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .padding import collate, collate_unpadded, pad_on_device as _pad_on_device
+from .padding import buffer_needs, collate, collate_unpadded, pad_on_device as _pad_on_device
 from .errors import DiskReplayError, RowsEvictedError
-from .ragged import RaggedColumn
+from .ragged import is_int as _is_int
 
 __all__ = ["ReplayLoader", "store_lock"]
 
@@ -133,51 +133,6 @@ class _Failure:
 
 
 # --------------------------------------------------------------------------- host buffers
-
-
-def _out_dtype(dtype: np.dtype) -> torch.dtype:
-    """collate's output dtype: bool stays bool, integers widen to int64, floats keep their width."""
-    if dtype == np.bool_:
-        return torch.bool
-    if dtype.kind in "iu":
-        return torch.int64
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-
-
-def _stored_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-
-
-def _host_needs(batch: Mapping[str, Any], n: int, unpadded: bool) -> Dict[str, tuple]:
-    """Elements and dtype of every host buffer the batch's collate will write.
-
-    Row lengths come from the raw offsets, an upper bound of what collate
-    pads to (it zeroes rows flagged "not computed"): a buffer only has to be
-    large enough.
-    """
-    needs: Dict[str, tuple] = {}
-    width = {True: 0, False: 0}
-    ragged = []
-    for name, col in batch.items():
-        if isinstance(col, RaggedColumn):
-            off = col.offsets
-            if unpadded:
-                needs[name] = (int(off[-1] - off[0]), _stored_dtype(col.values.dtype))
-                needs[name + ".offsets"] = (n + 1, torch.int64)
-            else:
-                ragged.append((name, col.values.dtype))
-                if n:
-                    left = name.startswith("prompt_")
-                    width[left] = max(width[left], int(np.diff(off).max()))
-        elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
-            needs[name] = (col.size, _out_dtype(col.dtype))
-    for name, dtype in ragged:
-        numel = n * width[name.startswith("prompt_")]
-        needs[name] = (numel, _out_dtype(dtype))
-        mask = {"prompt_ids": "prompt_mask", "completion_ids": "completion_mask"}.get(name)
-        if mask is not None:
-            needs[mask] = (numel, torch.int64)
-    return needs
 
 
 class _Ring:
@@ -308,7 +263,7 @@ class _Worker:
                 slot = self.ring.acquire(self.stop)
                 if slot is None:
                     return
-                bufs = self.ring.buffers(slot, _host_needs(batch, len(rows), self.unpadded))
+                bufs = self.ring.buffers(slot, buffer_needs(batch, len(rows), self.unpadded))
                 host = (collate_unpadded(batch, out=bufs) if self.unpadded
                         else collate(batch, self.pad_token_id, out=bufs))
                 if not self._put((slot, host, rows, state)):
@@ -636,5 +591,3 @@ class ReplayLoader:
             update(rows, values)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

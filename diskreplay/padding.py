@@ -135,6 +135,11 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
                      "expected bool, integer or float values")
 
 
+def _stored_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of the same width as ``dtype`` (unpadded values keep it)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
 _NUMPY = {torch.bool: np.bool_, torch.int64: np.int64, torch.float16: np.float16,
           torch.float32: np.float32, torch.float64: np.float64}
 
@@ -356,8 +361,7 @@ def collate_unpadded(batch: Mapping[str, Any], *,
             result[name] = None
         elif isinstance(col, RaggedColumn):
             values, lengths = _packed(name, col)
-            dtype = torch.from_numpy(np.empty(0, dtype=values.dtype)).dtype
-            vt = _buffer(out, name, (values.size,), dtype)
+            vt = _buffer(out, name, (values.size,), _stored_dtype(values.dtype))
             np.copyto(vt.numpy(), values)
             ot = _buffer(out, name + _OFFSETS, (B + 1,), torch.int64)
             o = ot.numpy()
@@ -370,6 +374,43 @@ def collate_unpadded(batch: Mapping[str, Any], *,
         else:
             result[name] = _passthrough(col)
     return result
+
+
+def buffer_needs(batch: Mapping[str, Any], n: int, unpadded: bool) -> dict[str, tuple]:
+    """``{output name: (elements, torch dtype)}`` of what :func:`collate` (or, with
+    ``unpadded``, :func:`collate_unpadded`) writes for ``batch`` of ``n`` rows:
+    the sizes of reusable ``out`` buffers (a loader's pinned ring).
+
+    Row lengths come from the raw offsets, an upper bound of what collate pads
+    to (it zeroes rows flagged "not computed"): a buffer only has to be large
+    enough.
+
+    >>> b = {"completion_ids": RaggedColumn.from_arrays([[1], [2, 3]], dtype=np.int32)}
+    >>> buffer_needs(b, 2, unpadded=False)
+    {'completion_ids': (4, torch.int64), 'completion_mask': (4, torch.int64)}
+    """
+    needs: dict[str, tuple] = {}
+    width = {True: 0, False: 0}
+    ragged = []
+    for name, col in batch.items():
+        if isinstance(col, RaggedColumn):
+            off = col.offsets
+            if unpadded:
+                needs[name] = (int(off[-1] - off[0]), _stored_dtype(col.values.dtype))
+                needs[name + _OFFSETS] = (n + 1, torch.int64)
+            else:
+                ragged.append((name, col.values.dtype))
+                if n:
+                    width[_is_prompt(name)] = max(width[_is_prompt(name)], int(np.diff(off).max()))
+        elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
+            needs[name] = (col.size, _torch_dtype(col.dtype))
+    for name, dtype in ragged:
+        numel = n * width[_is_prompt(name)]
+        needs[name] = (numel, _torch_dtype(dtype))
+        mask = _mask_name(name)
+        if mask is not None:
+            needs[mask] = (numel, torch.int64)
+    return needs
 
 
 def pad_on_device(unpadded: Mapping[str, Any], pad_token_id: int) -> dict[str, Any]:

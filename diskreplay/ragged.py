@@ -110,6 +110,15 @@ def gather_ranges(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     return out
 
 
+def is_int(x) -> bool:
+    """True for a Python or numpy integer, False for a bool (which Python calls an int).
+
+    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def numpy_view(arr) -> np.ndarray:
     """A pyarrow primitive array as numpy, zero-copy where the layout allows.
 

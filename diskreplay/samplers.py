@@ -25,12 +25,12 @@ after eviction renumbered its internal group codes, yields the same stream.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .errors import DiskReplayError, FormatError
-from .ragged import gather_ranges
+from .ragged import gather_ranges, is_int as _is_int
 
 __all__ = ["PrioritizedSampler", "PromptGroupSampler", "RandomSampler", "ReplacementWarning", "SamplerError",
            "STRATEGIES"]
@@ -59,10 +59,6 @@ class ReplacementWarning(UserWarning):
 
 
 # --------------------------------------------------------------------------- argument checks
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _positive(name: str, value: Any, fix: str) -> int:
@@ -115,64 +111,73 @@ def _as_array(x: Any) -> np.ndarray:
 # --------------------------------------------------------------------------- bookkeeping shared by samplers
 
 
-class _RowValues:
-    """One immutable per-row column for the live rows, read once per row and cached.
+class _LiveRows:
+    """Per-row values aligned with a store's live rows ``[head, next_row)``.
 
-    Rows never change after their commit, so only rows appended since the last
-    call are read; evicted rows are dropped from the front. A cache, not state.
+    Rows never change after their commit, so :meth:`sync` only drops evicted
+    rows from the front and appends ``fill(store, start, stop)`` for rows
+    committed since the last call. Another store (or one that went back)
+    starts over. A cache of the store, or sampler state where ``fill`` makes it
+    so (counts, priorities).
     """
 
-    def __init__(self, column: str, arg: str) -> None:
-        self.column, self.arg = column, arg
+    def __init__(self, fill: Callable[[Any, int, int], np.ndarray], dtype: Any = np.float64) -> None:
+        self.fill = fill
         self.path: Optional[str] = None
         self.base = 0
-        self.values = np.zeros(0)
+        self.values = np.zeros(0, dtype=dtype)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.values)
+
+    def restore(self, base: int, values: np.ndarray) -> None:
+        """Take saved values of rows ``[base, base + len(values))`` (from a state dict)."""
+        self.path, self.base, self.values = None, int(base), values
+
+    def sync(self, store: Any) -> bool:
+        """Align with ``store``'s live rows; True if the values changed."""
+        head, nxt, end = store.head, store.next_row, self.end
+        same_store = self.path is None or self.path == store.path
+        self.path = store.path
+        if same_store and head == self.base and nxt == end:
+            return False
+        if not same_store or head < self.base or nxt < end:
+            self.base, self.values, end = head, self.values[:0], head
+        if head > self.base:
+            self.values = self.values[min(head - self.base, len(self.values)):]
+            self.base, end = head, max(end, head)
+        if nxt > end:
+            new = self.fill(store, end, nxt)
+            self.values = np.concatenate([self.values, new]) if len(self.values) else new
+        return True
 
     def live(self, store: Any) -> np.ndarray:
         """Values of rows ``[store.head, store.next_row)``."""
-        head, nxt = store.head, store.next_row
-        end = self.base + len(self.values)
-        if self.path != store.path or head < self.base or nxt < end:
-            self.path, self.base, self.values, end = store.path, head, np.zeros(0), head
-        if head > self.base:
-            self.values = self.values[min(head - self.base, len(self.values)):]
-            self.base = head
-            end = max(end, head)
-        if nxt > end:
-            _numeric_column(store, self.column, self.arg, allow_vector=False)
-            new = np.asarray(store.read(np.arange(end, nxt, dtype=np.int64), [self.column])[self.column])
-            self.values = np.concatenate([self.values.astype(new.dtype, copy=False), new]) if len(self.values) \
-                else new
+        self.sync(store)
         return self.values
 
-
-class _RowCounts:
-    """How many times each live row was drawn, indexed by ``row - base``."""
-
-    def __init__(self) -> None:
-        self.base = 0
-        self.counts = np.zeros(0, dtype=np.int64)
-
-    def align(self, head: int, nxt: int) -> None:
-        end = self.base + len(self.counts)
-        if head == self.base and nxt == end:
-            return
-        if head < self.base or nxt < end:  # another store, or one that went back in time
-            self.base, self.counts = head, np.zeros(nxt - head, dtype=np.int64)
-            return
-        keep = self.counts[min(head - self.base, len(self.counts)):]
-        self.counts = np.concatenate([keep, np.zeros(nxt - head - len(keep), dtype=np.int64)])
-        self.base = head
-
-    def add(self, rows: np.ndarray) -> None:
-        np.add.at(self.counts, rows - self.base, 1)
-
-    def get(self, rows: Any) -> np.ndarray:
+    def get(self, rows: Any, default: Any = 0) -> np.ndarray:
+        """Values of ``rows`` (``default`` for rows outside ``[base, end)``)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        out = np.zeros(len(rows), dtype=np.int64)
-        inside = (rows >= self.base) & (rows < self.base + len(self.counts))
-        out[inside] = self.counts[rows[inside] - self.base]
+        out = np.full(len(rows), default, dtype=self.values.dtype)
+        inside = (rows >= self.base) & (rows < self.end)
+        out[inside] = self.values[rows[inside] - self.base]
         return out
+
+
+def live_column(column: str, arg: str = "column", allow_vector: bool = False) -> _LiveRows:
+    """A :class:`_LiveRows` of one numeric per-row store column, read once per row."""
+
+    def fill(store: Any, start: int, stop: int) -> np.ndarray:
+        _numeric_column(store, column, arg, allow_vector=allow_vector)
+        return np.asarray(store.read(np.arange(start, stop, dtype=np.int64), [column])[column])
+
+    return _LiveRows(fill)
+
+
+def _zeros(store: Any, start: int, stop: int) -> np.ndarray:
+    return np.zeros(stop - start, dtype=np.int64)
 
 
 class _SamplerBase:
@@ -185,8 +190,8 @@ class _SamplerBase:
         self.policy_version_key = policy_version_key
         # PCG64 explicitly (not default_rng) so the saved state names its generator
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
-        self._counts = _RowCounts()
-        self._versions = _RowValues(policy_version_key, "policy_version_key")
+        self._counts = _LiveRows(_zeros, np.int64)  # how many times each live row was drawn
+        self._versions = live_column(policy_version_key, "policy_version_key")
 
     # -- hooks
     def _config(self) -> Dict[str, Any]:
@@ -225,7 +230,7 @@ class _SamplerBase:
                  "config": self._config(),
                  "rng": {"bit_generator": st["bit_generator"], "state": dict(st["state"]),
                          "has_uint32": int(st["has_uint32"]), "uinteger": int(st["uinteger"])},
-                 "counts_base": int(self._counts.base), "counts": self._counts.counts.copy()}
+                 "counts_base": int(self._counts.base), "counts": self._counts.values.copy()}
         state.update(self._extra_state())
         return state
 
@@ -270,7 +275,7 @@ class _SamplerBase:
             raise FormatError(f"Unsupported sampler state: {exc!r}; expected a dict from "
                               f"{type(self).__name__}.state_dict()") from None
         self._rng = np.random.Generator(bitgen)
-        self._counts.base, self._counts.counts = base, counts.copy()
+        self._counts.restore(base, counts.copy())
 
 
 # --------------------------------------------------------------------------- prompt groups
@@ -449,7 +454,7 @@ class PromptGroupSampler(_SamplerBase):
                                "group_key=<column> to PromptGroupSampler")
         gi = store.group_index(key)
         head = store.head
-        self._counts.align(head, store.next_row)
+        self._counts.sync(store)
 
         emask = self._eligible(store, bound)
         if emask is None:
@@ -500,7 +505,7 @@ class PromptGroupSampler(_SamplerBase):
             warnings.warn(f"{what}{stale}; the draw was completed by repeating "
                           f"{'groups' if replaced else 'rows'} (warned once per sampler)", ReplacementWarning,
                           stacklevel=2)
-        self._counts.add(rows)
+        np.add.at(self._counts.values, rows - self._counts.base, 1)
         return rows
 
     def _pick(self, store: Any, gi: Any, chosen: np.ndarray, k: int,
@@ -653,7 +658,7 @@ class RandomSampler(_SamplerBase):
         batch_size = _positive("batch_size", batch_size, "pass the number of rows to draw")
         bound = _check_bound(min_policy_version)
         head, nxt = store.head, store.next_row
-        self._counts.align(head, nxt)
+        self._counts.sync(store)
         elig = self._eligible(store, bound)
         n_elig = nxt - head if elig is None else int(np.count_nonzero(elig))
         stale = "" if bound is None else f" with {self.policy_version_key} >= {bound}"
@@ -672,7 +677,7 @@ class RandomSampler(_SamplerBase):
                                    "RandomSampler(replacement=True)")
             rows = self._take(head, nxt, elig, batch_size)
         rows = rows.astype(np.int64, copy=False)
-        self._counts.add(rows)
+        np.add.at(self._counts.values, rows - self._counts.base, 1)
         return rows
 
     def _new_pass(self, head: int, nxt: int) -> None:
@@ -748,8 +753,7 @@ class PrioritizedSampler(_SamplerBase):
                                    f"{1.0 if name == 'alpha' else 1e-4}")
         self.priority_key = priority_key
         self.alpha, self.eps = float(alpha), float(eps)
-        self._base = 0
-        self._prio = np.zeros(0, dtype=np.float64)  # |priority| of rows [_base, _base + len)
+        self._prio = _LiveRows(self._read_priorities)  # |priority| of the live rows
         self._pending_rows = np.zeros(0, dtype=np.int64)  # overrides for rows not read yet
         self._pending_values = np.zeros(0, dtype=np.float64)
         self._cdf_key: Any = None
@@ -764,44 +768,36 @@ class PrioritizedSampler(_SamplerBase):
                 "policy_version_key": self.policy_version_key}
 
     def _extra_state(self) -> Dict[str, Any]:
-        return {"prio_base": int(self._base), "priorities": self._prio.copy(),
+        return {"prio_base": int(self._prio.base), "priorities": self._prio.values.copy(),
                 "pending_rows": self._pending_rows.copy(), "pending_values": self._pending_values.copy()}
 
     def _load_extra(self, state: Dict[str, Any]) -> None:
-        self._base = int(state["prio_base"])
-        self._prio = np.asarray(state["priorities"], dtype=np.float64).reshape(-1).copy()
+        self._prio.restore(int(state["prio_base"]),
+                           np.asarray(state["priorities"], dtype=np.float64).reshape(-1).copy())
         self._pending_rows = np.asarray(state["pending_rows"], dtype=np.int64).reshape(-1).copy()
         self._pending_values = np.asarray(state["pending_values"], dtype=np.float64).reshape(-1).copy()
         self._cdf_key = None
 
-    def _sync(self, store: Any) -> None:
-        """Track exactly the live rows: drop evicted ones, read priorities of new ones."""
-        head, nxt = store.head, store.next_row
-        end = self._base + len(self._prio)
-        if head < self._base or nxt < end:  # not the store these priorities came from
-            self._base, self._prio, end, self._cdf_key = head, np.zeros(0), head, None
-        if head > self._base:
-            self._prio = self._prio[min(head - self._base, len(self._prio)):]
-            self._base, end, self._cdf_key = head, max(end, head), None
-        if nxt > end:
-            _numeric_column(store, self.priority_key, "priority_key")
-            new = np.abs(_as_scalar(store.read(np.arange(end, nxt, dtype=np.int64),
-                                               [self.priority_key])[self.priority_key]))
-            new[np.isnan(new)] = 0.0
-            if len(self._pending_rows):
-                pr, pv = self._pending_rows, self._pending_values
-                hit = (pr >= end) & (pr < nxt)
-                new[pr[hit] - end] = pv[hit]
-                keep = pr >= nxt
-                self._pending_rows, self._pending_values = pr[keep], pv[keep]
-            self._prio = np.concatenate([self._prio, new])
-            self._cdf_key = None
+    def _read_priorities(self, store: Any, start: int, stop: int) -> np.ndarray:
+        """|priority| of rows ``[start, stop)`` newly seen, with pending updates applied."""
+        _numeric_column(store, self.priority_key, "priority_key")
+        new = np.abs(_as_scalar(store.read(np.arange(start, stop, dtype=np.int64),
+                                           [self.priority_key])[self.priority_key]))
+        new[np.isnan(new)] = 0.0
+        if len(self._pending_rows):
+            pr, pv = self._pending_rows, self._pending_values
+            hit = (pr >= start) & (pr < stop)
+            new[pr[hit] - start] = pv[hit]
+            keep = pr >= stop
+            self._pending_rows, self._pending_values = pr[keep], pv[keep]
+        return new
 
     def _weights_cdf(self, store: Any, bound: Optional[float]) -> np.ndarray:
-        self._sync(store)
+        if self._prio.sync(store):
+            self._cdf_key = None
         if self._cdf_key is not None and self._cdf_key == (bound,):
             return self._cdf
-        w = (self._prio + self.eps) ** self.alpha
+        w = (self._prio.values + self.eps) ** self.alpha
         elig = self._eligible(store, bound)
         if elig is not None:
             w = np.where(elig, w, 0.0)
@@ -828,7 +824,7 @@ class PrioritizedSampler(_SamplerBase):
         total = cdf[-1] if len(cdf) else 0.0
         if not total > 0:
             return np.zeros(len(rows))
-        i = rows - self._base
+        i = rows - self._prio.base
         if len(i) and (i.min() < 0 or i.max() >= len(cdf)):
             raise SamplerError(f"rows must be live rows of the store [{store.head}, {store.next_row}), got "
                                f"{rows.tolist()}")
@@ -848,7 +844,7 @@ class PrioritizedSampler(_SamplerBase):
         """
         batch_size = _positive("batch_size", batch_size, "pass the number of rows to draw")
         bound = _check_bound(min_policy_version)
-        self._counts.align(store.head, store.next_row)
+        self._counts.sync(store)
         cdf = self._weights_cdf(store, bound)
         total = float(cdf[-1]) if len(cdf) else 0.0
         if not total > 0 or not np.isfinite(total):
@@ -859,8 +855,8 @@ class PrioritizedSampler(_SamplerBase):
         # side="right" skips zero-weight rows (an empty [cdf[i-1], cdf[i]) interval); u can round up
         # to total, so clip to the last row that has weight
         idx = np.minimum(np.searchsorted(cdf, u, side="right"), self._last)
-        rows = (idx + self._base).astype(np.int64)
-        self._counts.add(rows)
+        rows = (idx + self._prio.base).astype(np.int64)
+        np.add.at(self._counts.values, rows - self._counts.base, 1)
         return rows
 
     def update_priorities(self, rows: Any, values: Any) -> None:
@@ -888,9 +884,9 @@ class PrioritizedSampler(_SamplerBase):
         _, last = np.unique(rows[::-1], return_index=True)
         last = len(rows) - 1 - last
         rows, vals = rows[last], np.abs(vals[last])
-        end = self._base + len(self._prio)
-        known = (rows >= self._base) & (rows < end)
-        self._prio[rows[known] - self._base] = vals[known]
+        end = self._prio.end
+        known = (rows >= self._prio.base) & (rows < end)
+        self._prio.values[rows[known] - self._prio.base] = vals[known]
         later = rows >= end
         if later.any():
             pr = np.concatenate([self._pending_rows, rows[later]])

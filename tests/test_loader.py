@@ -11,7 +11,6 @@ import textwrap
 import time
 import traceback
 
-import numpy as np
 import pytest
 import torch
 

@@ -34,7 +34,8 @@ import torch  # noqa: E402
 
 from diskreplay import (PromptGroupSampler, RaggedColumn, ReplayStore, collate,  # noqa: E402
                         collate_unpadded)
-from diskreplay.loader import ReplayLoader, _host_needs, _Ring  # noqa: E402  the worker's own buffer ring
+from diskreplay.loader import ReplayLoader, _Ring  # noqa: E402  the worker's own buffer ring
+from diskreplay.padding import buffer_needs  # noqa: E402
 from diskreplay.samplers import STRATEGIES  # noqa: E402
 from diskreplay.synthetic import rollout_stream  # noqa: E402
 
@@ -514,7 +515,7 @@ def _bench_cold(store, label, batch_groups, B, cold, step_ms, res, report, pad=0
                 if hint:
                     store.prefetch(rows)  # what the loader's worker does, one batch ahead
                 batch = store.read(rows)
-                collate(batch, pad, out=ring.buffers(0, _host_needs(batch, B, False)))
+                collate(batch, pad, out=ring.buffers(0, buffer_needs(batch, B, False)))
             ms = _median_ms(cold_step, cold, before=lambda: evict_store(store))
             res[f"cold{label}_{strategy}{'_hint' if hint else ''}_ms"] = ms
         report(f"  cold{label} {strategy:9s} no hint {res[f'cold{label}_{strategy}_ms']:7.1f} ms/batch, WILLNEED "
@@ -580,7 +581,7 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
             t0 = time.perf_counter()
             rows = sampler.sample(store, B)  # exactly the loader worker's host path:
             batch = store.read(rows)  # sample, read, collate into a reused buffer set
-            collate(batch, pad, out=ring.buffers(0, _host_needs(batch, B, False)))
+            collate(batch, pad, out=ring.buffers(0, buffer_needs(batch, B, False)))
             t1 = time.perf_counter()
             flat.gather(rows, pad)
             t2 = time.perf_counter()

@@ -117,8 +117,8 @@ from .._fileio import durable_write
 from ..padding import collate
 from ..errors import DiskReplayError, FormatError
 from ..format import FORMAT_FILE
-from ..ragged import RaggedColumn
-from ..samplers import STRATEGIES, PrioritizedSampler, PromptGroupSampler
+from ..ragged import RaggedColumn, is_int as _is_int
+from ..samplers import STRATEGIES, PrioritizedSampler, PromptGroupSampler, live_column
 from ..segment import decode_state, encode_state
 from ..store import ReplayStore
 
@@ -207,10 +207,6 @@ class DiskReplayGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_config(self)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_number(x: Any) -> bool:
@@ -307,29 +303,6 @@ def _group_std(x: np.ndarray) -> float:
     return float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
 
 
-class _LiveColumn:
-    """A per-row store column for the live rows, read once per row (rows never change)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.base = 0
-        self.values = np.zeros(0)
-
-    def get(self, store: ReplayStore) -> np.ndarray:
-        head, nxt = store.head, store.next_row
-        end = self.base + len(self.values)
-        if head < self.base or nxt < end:
-            self.base, self.values, end = head, np.zeros(0), head
-        if head > self.base:
-            self.values = self.values[min(head - self.base, len(self.values)):]
-            self.base, end = head, max(end, head)
-        if nxt > end:
-            new = np.asarray(store.read(np.arange(end, nxt, dtype=np.int64), [self.name])[self.name])
-            self.values = np.concatenate([self.values.astype(new.dtype, copy=False), new]) if len(self.values) \
-                else new
-        return self.values
-
-
 @dataclass
 class _Plan:
     """Rows to replay in one generation batch."""
@@ -413,8 +386,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         seed = self.args.replay_seed if self.args.replay_seed is not None else int(self.args.seed)
         self._sampler = self._make_sampler(seed)
         self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 1])))
-        self._versions = _LiveColumn(VERSION_KEY)
-        self._rewards = _LiveColumn("rewards")
+        self._versions = live_column(VERSION_KEY)
+        self._rewards = live_column("rewards")
         self._pending_rewards: Optional[torch.Tensor] = None
         self._warned_keys = False
         self.add_callback(_CheckpointCallback(self))
@@ -756,7 +729,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             # rows are appended in step order, so "the newest W rows" is "versions >= that of row next_row - W"
             window = scalar * self.args.per_device_train_batch_size * self.args.steps_per_generation
             first = max(store.head, store.next_row - window)
-            v = int(self._versions.get(store)[first - store.head])
+            v = int(self._versions.live(store)[first - store.head])
             bound = v if bound is None else max(bound, v)
         return bound
 
@@ -765,7 +738,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         if store.next_row <= store.head:
             return False
         # versions never decrease along the rows, so the newest row decides
-        return bound is None or int(self._versions.get(store)[-1]) >= bound
+        return bound is None or int(self._versions.live(store)[-1]) >= bound
 
     def _plan(self, out: Dict[str, Any], keys: np.ndarray, rewards: np.ndarray, step: int) -> Optional[_Plan]:
         if self.replay_mode == "off":
@@ -790,7 +763,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
     def _plan_repo(self, keys: np.ndarray, bound: Optional[int]) -> _Plan:
         store, g, k = self.replay_store, self.args.num_generations, self.args.replay_k
         need = self.args.replay_min_generations or k
-        versions = self._versions.get(store) if bound is not None else None
+        versions = self._versions.live(store) if bound is not None else None
         chosen = []
         for j, key in enumerate(self._group_keys(keys).tolist()):
             rows = store.group_rows(key)
@@ -851,10 +824,10 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         if not len(gi):
             return []
         idx = gi.rows - store.head
-        r = self._rewards.get(store).astype(np.float64)[idx]
+        r = self._rewards.live(store).astype(np.float64)[idx]
         ok = np.isfinite(r)
         if bound is not None:
-            ok &= self._versions.get(store)[idx] >= bound
+            ok &= self._versions.live(store)[idx] >= bound
         starts = gi.offsets[:-1]
         count = np.add.reduceat(ok.astype(np.int64), starts)
         # max > min is exact where a variance from running sums would cancel
@@ -911,8 +884,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             else:
                 rows = store.group_rows(int(rkeys[i]))
                 if bound is not None:
-                    rows = rows[self._versions.get(store)[rows - store.head] >= bound]
-                ref = self._rewards.get(store)[rows - store.head].astype(np.float64)
+                    rows = rows[self._versions.live(store)[rows - store.head] >= bound]
+                ref = self._rewards.live(store)[rows - store.head].astype(np.float64)
             a = r[i] - np.nanmean(ref)
             if scale == "group":
                 a = a / (_group_std(ref) + 1e-4)
