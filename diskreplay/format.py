@@ -380,10 +380,13 @@ def _dumps(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
-def load_manifest(path: str) -> Manifest:
-    """Read, verify and parse one manifest file."""
+def load_manifest(path: str, generation: Optional[int] = None) -> Manifest:
+    """Read, verify and parse one manifest file (which must say it is ``generation``, if given)."""
     doc, verified = read_signed_json(path)
-    return Manifest.from_dict(doc, path, verified)
+    m = Manifest.from_dict(doc, path, verified)
+    if generation is not None and m.generation != generation:
+        raise CorruptStoreError(f"{path} says it is generation {m.generation}")
+    return m
 
 
 def list_generations(root: str) -> List[int]:
@@ -411,17 +414,11 @@ def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
         for gen in list_generations(root):
             path = os.path.join(root, manifest_file(gen))
             try:
-                m = load_manifest(path)
+                return load_manifest(path, gen), problems
             except FileNotFoundError:
                 vanished = True  # deleted by the writer's clean-up between listdir and open
-                continue
             except (CorruptStoreError, FormatError) as exc:
                 problems.append(str(exc))
-                continue
-            if m.generation != gen:
-                problems.append(f"{path} says it is generation {m.generation}")
-                continue
-            return m, problems
         if not vanished:
             break
     else:

@@ -202,14 +202,11 @@ def _load_manifest(root: str, gen: int) -> fmt.Manifest:
     if not stat.S_ISREG(st.st_mode):
         raise CorruptStoreError(f"{path} is not a regular file (a symlink is not allowed)")
     try:
-        m = fmt.Manifest.from_dict(fmt.read_json(path), path)
-    except (CorruptStoreError, FormatError):
+        return fmt.load_manifest(path, gen)
+    except (CorruptStoreError, FormatError, FileNotFoundError):
         raise
     except Exception as exc:
         raise CorruptStoreError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
-    if m.generation != gen:
-        raise CorruptStoreError(f"{path} says it is generation {m.generation}")
-    return m
 
 
 def _scan_manifests(r: Optional[_Report], root: Optional[str] = None
