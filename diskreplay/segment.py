@@ -220,6 +220,14 @@ class ArrowFile:
                                         "`diskreplay repair`")
             self._verified[i] = True
 
+    def verify_whole(self, crc: int) -> None:
+        """Check the whole file against its manifest CRC-32C (before its data is copied elsewhere)."""
+        if crc32c(self._base) != crc:
+            raise CorruptStoreError(f"{self.path} fails its checksum (crc32c); the file is damaged and is not "
+                                    "copied; run `diskreplay verify` / `diskreplay repair`")
+        if self.pages is not None:
+            self._verified[:] = True
+
     def verify_span(self, start: int, end: int) -> None:
         """Check the pages holding bytes ``[start, end)`` of the file (no-op without page checksums)."""
         if self.pages is not None and end > start:

@@ -114,6 +114,10 @@ class ReplayStore:
                     raise CorruptStoreError(f"{os.path.join(self.path, d)} is a symlink; a store's directories "
                                             "must be its own (nothing outside it is ever read or deleted)")
             if exists:
+                if readonly:
+                    # the manifest first: a FORMAT.json read after it is at least as new as the
+                    # commit (a writer's first extend fixes the schema before it commits)
+                    self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
                 self.options = fmt.StoreOptions.read(self.path)
                 self._check_options(capacity, group_key, capacity_bytes)
             else:
@@ -124,8 +128,10 @@ class ReplayStore:
                 for d in fmt.DATA_DIRS:
                     os.makedirs(os.path.join(self.path, d), exist_ok=True)
                 fsync_dir(self.path)
+                fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
                 self.options.write(self.path)
-            self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+            if not readonly:
+                self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
             if self.recovered_from:
                 warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
@@ -225,8 +231,9 @@ class ReplayStore:
         m, _ = fmt.load_newest_manifest(self.path)
         if m.generation <= self.manifest.generation:
             return False
-        opts = fmt.StoreOptions.read(self.path) if self.options.schema is None else self.options
-        self._install(m, opts)
+        # the schema is fixed by the first committed row: until then a writer may rewrite FORMAT.json
+        fixed = self.options.schema is not None and self.manifest.next_row > 0
+        self._install(m, self.options if fixed else fmt.StoreOptions.read(self.path))
         return True
 
     def _following(self, action: Callable[[], T]) -> T:
@@ -367,7 +374,13 @@ class ReplayStore:
             raise
         crash_point("manifest.committed")
         install()
-        self._collect_garbage()
+        try:
+            self._collect_garbage()
+        except OSError as exc:
+            # the commit stands: raising would invite a retry that appends the rows twice
+            warnings.warn(f"{self.path}: generation {new.generation} is committed, but removing files it no "
+                          f"longer needs failed ({exc}); the next writer open removes them", RuntimeWarning,
+                          stacklevel=3)
 
     def _sync_data_dirs(self) -> None:
         # the renames must be durable before a manifest names the files
@@ -467,7 +480,11 @@ class ReplayStore:
 
         try:
             for e in m.segments:
-                batch = self._segment(e).batch
+                seg = self._segment(e)
+                # every byte is checked before it is copied: the new files get fresh
+                # checksums, which would otherwise vouch for damaged data
+                seg.verify_whole(e.crc32c)
+                batch = seg.batch
                 if e.first_row < m.head:
                     batch = batch.slice(m.head - e.first_row)
                 if pending_bytes and pending_bytes + batch.nbytes > target_bytes:
@@ -511,14 +528,17 @@ class ReplayStore:
     @_locked
     def load_state(self, name: str) -> Optional[Dict[str, Any]]:
         """The state saved under ``name`` in the current commit, or None."""
-        entry = self.manifest.states.get(name)
-        if entry is None:
-            return None
-        path = os.path.join(self.path, entry.file)
-        raw = read_file(path, entry.bytes)
-        if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
-            raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
-        return decode_state(raw, path)
+        def load() -> Optional[Dict[str, Any]]:
+            entry = self.manifest.states.get(name)
+            if entry is None:
+                return None
+            path = os.path.join(self.path, entry.file)
+            raw = read_file(path, entry.bytes)
+            if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
+                raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
+            return decode_state(raw, path)
+
+        return self._following(load)
 
     # ------------------------------------------------------------------ reading
 
@@ -716,21 +736,7 @@ class ReplayStore:
             if key not in self.columns or self.schema[key].kind != "scalar":
                 raise KeyError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")
-            values = self.read(self.row_ids(), [key])[key]
-            if isinstance(values, np.ndarray) and values.ndim == 1:
-                # any consistent numbering works: from_codes orders the groups itself
-                order = np.argsort(values, kind="stable")
-                sorted_values = values[order]
-                new_group = np.empty(len(values), dtype=bool)
-                new_group[:1] = True
-                np.not_equal(sorted_values[1:], sorted_values[:-1], out=new_group[1:])
-                codes = np.empty(len(values), dtype=np.int64)
-                codes[order] = np.cumsum(new_group) - 1
-                keys = sorted_values[new_group].tolist()
-                gi = GroupIndex.from_codes(codes, keys, self.head)
-            else:
-                coder = KeyCoder()
-                gi = GroupIndex.from_codes(coder.encode(values), coder.keys, self.head)
+            gi = self._following(lambda: _index_of_column(self._read(self.row_ids(), [key])[key], self.head))
         self._index_cache[key] = (self.generation, gi)
         return gi
 
@@ -748,6 +754,22 @@ class ReplayStore:
         gi = self.group_index()
         g = gi.position(key)
         return gi.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
+
+
+def _index_of_column(values: Any, head: int) -> GroupIndex:
+    """The groups of live rows ``head, head + 1, ...`` by their ``values`` of one per-row column."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        # any consistent numbering works: from_codes orders the groups itself
+        order = np.argsort(values, kind="stable")
+        sorted_values = values[order]
+        new_group = np.empty(len(values), dtype=bool)
+        new_group[:1] = True
+        np.not_equal(sorted_values[1:], sorted_values[:-1], out=new_group[1:])
+        codes = np.empty(len(values), dtype=np.int64)
+        codes[order] = np.cumsum(new_group) - 1
+        return GroupIndex.from_codes(codes, sorted_values[new_group].tolist(), head)
+    coder = KeyCoder()
+    return GroupIndex.from_codes(coder.encode(values), coder.keys, head)
 
 
 def _split(record: pa.RecordBatch) -> List[pa.RecordBatch]:

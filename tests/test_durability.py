@@ -987,6 +987,133 @@ def test_stale_listing_is_not_an_empty_store(tmp_path, monkeypatch):
     assert not reader.refresh() and len(reader) == 8
 
 
+
+def _fall_behind(writer, commits=fmt.KEEP_MANIFESTS + 1):
+    """Let the writer run far enough ahead (compaction renumbers every segment) that the
+    files of a reader's commit are collected."""
+    for _ in range(2):
+        writer.extend(expected_rows(np.arange(writer.next_row, writer.next_row + 4)))
+    writer.compact()
+    for k in range(commits):
+        writer.save_state("s", state_for(k + 1))
+
+
+def test_stale_reader_group_index_by_another_column(tmp_path):
+    path = str(tmp_path / "store")
+    writer = ReplayStore(path)
+    writer.extend(expected_rows(np.arange(0, 4)))
+    reader = ReplayStore(path, readonly=True)  # holds generation 1, has mapped nothing
+    _fall_behind(writer)
+    gi = reader.group_index("rewards")  # another per-row column: built from the segments
+    assert reader.generation == writer.generation
+    want = writer.group_index("rewards")
+    assert gi.keys == want.keys and [gi.group(g).tolist() for g in range(len(gi))] == \
+        [want.group(g).tolist() for g in range(len(want))]
+    assert int(gi.counts.sum()) == len(writer)
+
+
+def test_stale_reader_load_state(tmp_path):
+    path = str(tmp_path / "store")
+    writer = ReplayStore(path)
+    writer.extend(expected_rows(np.arange(0, 4)))
+    writer.save_state("sampler", state_for(1))
+    reader = ReplayStore(path, readonly=True)
+    for k in range(2, 3 + fmt.KEEP_MANIFESTS):
+        writer.save_state("sampler", state_for(k))
+    assert state_mismatch(reader.load_state("sampler"), 2 + fmt.KEEP_MANIFESTS) is None
+
+
+def test_reader_opening_during_the_first_commit_has_the_schema(tmp_path, monkeypatch):
+    path = str(tmp_path / "store")
+    writer = ReplayStore(path)  # FORMAT.json without a schema, no manifest yet
+    real = fmt.load_newest_manifest
+
+    def racing(root):
+        if not getattr(racing, "done", False):
+            racing.done = True
+            writer.extend(expected_rows(np.arange(0, 4)))  # the first commit lands mid-open
+        return real(root)
+
+    monkeypatch.setattr(fmt, "load_newest_manifest", racing)
+    reader = ReplayStore(path, readonly=True)
+    monkeypatch.setattr(fmt, "load_newest_manifest", real)
+    assert reader.schema is not None
+    check_live_rows(reader)
+
+
+def test_reader_takes_the_schema_of_the_first_commit(tmp_path, monkeypatch):
+    """A first extend that failed after writing FORMAT.json fixed nothing: a reader that
+    opened then takes the schema of the first commit that lands."""
+    import diskreplay.store as store_mod
+
+    path = str(tmp_path / "store")
+    writer = ReplayStore(path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_mod.ReplayStore, "_write_segment", full)
+    first = expected_rows(np.arange(0, 4))
+    first["extra"] = np.arange(4, dtype=np.int64)
+    with pytest.raises(OSError):
+        writer.extend(first)
+    monkeypatch.undo()
+    reader = ReplayStore(path, readonly=True)
+    assert "extra" in reader.columns and len(reader) == 0
+    writer.extend(expected_rows(np.arange(0, 4)))  # another schema: allowed, no row was committed
+    assert reader.refresh()
+    assert "extra" not in reader.columns
+    check_live_rows(reader)
+
+
+def test_compact_does_not_launder_damaged_data(tmp_path):
+    path = str(tmp_path / "store")
+    with ReplayStore(path) as store:
+        for k in range(3):
+            store.extend(expected_rows(np.arange(600 * k, 600 * k + 600)))  # segments of many 8 KiB pages
+        seg = store.manifest.segments[1]
+    _flip(path, seg.file, offset=seg.bytes // 2)  # a data page, checked only when a read touches it
+    with ReplayStore(path) as store:
+        before = sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR)))
+        with pytest.raises(CorruptStoreError, match=os.path.basename(seg.file)):
+            store.compact()
+        assert len(store.manifest.segments) == 3
+        assert sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR))) == before
+    assert not verify_store(path)["ok"]
+
+
+def test_garbage_collection_failure_does_not_fail_a_commit(tmp_path, monkeypatch):
+    import diskreplay.store as store_mod
+
+    path = str(tmp_path / "store")
+    store = ReplayStore(path, capacity=4)
+    for k in range(fmt.KEEP_MANIFESTS):
+        store.extend(expected_rows(np.arange(4 * k, 4 * k + 4)))
+
+    def denied(p):
+        raise PermissionError(errno.EACCES, "Permission denied", p)
+
+    monkeypatch.setattr(store_mod, "remove_quietly", denied)
+    with pytest.warns(RuntimeWarning, match="is committed"):
+        rows = store.extend(expected_rows(np.arange(16, 20)))
+    assert rows.tolist() == [16, 17, 18, 19]
+    monkeypatch.undo()
+    store.close()
+    with ReplayStore(path) as again:  # the next writer open collects what was left
+        check_live_rows(again, 4)
+    assert_verifies(path, allow_warnings=False)
+
+
+def test_new_store_directory_entry_is_synced(tmp_path, monkeypatch):
+    import diskreplay.store as store_mod
+
+    synced = []
+    real = store_mod.fsync_dir
+    monkeypatch.setattr(store_mod, "fsync_dir", lambda p: (synced.append(os.path.abspath(p)), real(p)))
+    ReplayStore(str(tmp_path / "new")).close()
+    assert str(tmp_path) in synced and str(tmp_path / "new") in synced
+
+
 def test_stale_reader_group_index(tmp_path):
     path = str(tmp_path / "store")
     writer = ReplayStore(path, capacity=8)
