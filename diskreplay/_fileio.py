@@ -27,9 +27,17 @@ Buffer = Union[bytes, bytearray, memoryview]
 _CRASH_ENV = "DISKREPLAY_CRASH_AT"
 
 
+_crash_hits: dict = {}
+
+
 def crash_point(step: str) -> None:
-    """Die with SIGKILL here if the durability tests asked for it."""
-    if os.environ.get(_CRASH_ENV) == step:
+    """Die with SIGKILL here if the durability tests asked for it (``step`` or
+    ``step#N``: its N-th hit since that value was set)."""
+    want = os.environ.get(_CRASH_ENV)
+    if not want or want.partition("#")[0] != step:
+        return
+    _crash_hits[want] = _crash_hits.get(want, 0) + 1
+    if _crash_hits[want] >= int(want.partition("#")[2] or 1):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -35,6 +35,13 @@ MAX_SEGMENT_BYTES = 256 << 20
 # Segments a store keeps mapped at once (each map holds a file descriptor, and
 # 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
 MAX_OPEN_SEGMENTS = 256
+# Small commits (a training loop appends one generation batch at a time) are
+# merged, size-tiered, so that segment count, manifest size and open maps stay
+# small: MERGE_FANIN segments of one tier (x16 per tier from MERGE_MIN_BYTES)
+# become one, for segments below MERGE_MAX_BYTES.
+MERGE_FANIN = 16
+MERGE_MIN_BYTES = 64 << 10
+MERGE_MAX_BYTES = 1 << 20
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
 T = TypeVar("T")
 
@@ -328,6 +335,12 @@ class ReplayStore:
                        next_segment=seg_id, segments=segments)
         new_keys = [record.column(self.group_key)] if self.group_key is not None else []
         self._publish(new, written, lambda: self._install_commit(new, options, new_keys))
+        try:
+            self._merge_small_tail()
+        except Exception as exc:
+            # the append is committed: the merge is an optimisation, retried after the next one
+            warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
+                          "store is intact and the merge is retried later", RuntimeWarning, stacklevel=3)
         return np.arange(m.next_row, m.next_row + n, dtype=np.int64)
 
     def _write_segment(self, record: pa.RecordBatch, seg_id: int, first_row: int,
@@ -461,11 +474,17 @@ class ReplayStore:
             raise ValueError(f"target_bytes must be positive, got {target_bytes}")
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
+        new = self._rewrite(0, target_bytes)
+        return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
+
+    def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
+        """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
+        m = self.manifest
         written: List[str] = []
         entries: List[fmt.SegmentEntry] = []
         pending: List[pa.RecordBatch] = []
         pending_bytes = 0
-        seg_id, first = m.next_segment, m.head
+        seg_id, first = m.next_segment, max(m.head, m.segments[start].first_row if m.segments else m.head)
 
         def flush() -> None:
             nonlocal pending, pending_bytes, seg_id, first
@@ -479,7 +498,7 @@ class ReplayStore:
             pending, pending_bytes = [], 0
 
         try:
-            for e in m.segments:
+            for e in m.segments[start:]:
                 seg = self._segment(e)
                 # every byte is checked before it is copied: the new files get fresh
                 # checksums, which would otherwise vouch for damaged data
@@ -493,12 +512,34 @@ class ReplayStore:
                 pending_bytes += batch.nbytes
             flush()
             self._sync_data_dirs()
+            crash_point("segments.synced")
         except BaseException:
             self._abort(written, m.generation + 1)
             raise
-        new = m.evolve(generation=m.generation + 1, next_segment=seg_id, segments=tuple(entries))
+        new = m.evolve(generation=m.generation + 1, next_segment=seg_id,
+                       segments=m.segments[:start] + tuple(entries))
         self._publish(new, written, lambda: self._install_commit(new, self.options, []))
-        return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
+        return new
+
+    def _merge_small_tail(self) -> None:
+        """Keep the number of segments small when every commit is small (a training loop's).
+
+        Size-tiered: when the newest ``MERGE_FANIN`` segments all lie in one
+        size tier below ``MERGE_MAX_BYTES``, they are merged into one segment
+        (one tier up; repeated while that completes another run). Each byte is
+        rewritten at most once per tier, and larger appends are never touched.
+        """
+        while True:
+            segs = self.manifest.segments
+            if len(segs) < MERGE_FANIN:
+                return
+            tier = _merge_tier(segs[-1])
+            run = 0
+            while run < len(segs) and _merge_tier(segs[-1 - run]) == tier:
+                run += 1
+            if tier is None or run < MERGE_FANIN:
+                return
+            self._rewrite(len(segs) - run, MERGE_MAX_BYTES << 4)
 
     # ------------------------------------------------------------------ states
 
@@ -770,6 +811,17 @@ def _index_of_column(values: Any, head: int) -> GroupIndex:
         return GroupIndex.from_codes(codes, sorted_values[new_group].tolist(), head)
     coder = KeyCoder()
     return GroupIndex.from_codes(coder.encode(values), coder.keys, head)
+
+
+def _merge_tier(entry: fmt.SegmentEntry) -> Optional[int]:
+    """Size tier of a segment for merging (x16 per tier from 64 KiB), None when too large to merge."""
+    size = entry.bytes
+    if size >= MERGE_MAX_BYTES:
+        return None
+    tier = 0
+    while size >= (MERGE_MIN_BYTES << (4 * tier)):
+        tier += 1
+    return tier
 
 
 def _split(record: pa.RecordBatch) -> List[pa.RecordBatch]:

@@ -369,6 +369,61 @@ def test_crash_point(crash_runs, step, mode):
             assert state_mismatch(ro.load_state("sampler"), 3) is None
 
 
+MERGE_CHILD = """
+from diskreplay import ReplayStore
+from diskreplay.store import MERGE_FANIN
+path, step = sys.argv[1:3]
+store = ReplayStore(path)
+for b in range(MERGE_FANIN):
+    if b == MERGE_FANIN - 1:
+        os.environ["DISKREPLAY_CRASH_AT"] = step + "#2"  # the 1st hit is the append's own, the 2nd the merge's
+    first = store.next_row
+    rows = store.extend(expected_rows(np.arange(first, first + batch_size(b))))
+    print("rows", int(rows[0]), len(rows), flush=True)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("step", ["segment.written", "groups.written", "segments.synced", "manifest.written",
+                                  "manifest.renamed", "manifest.committed", "gc.manifest"])
+def test_crash_point_in_merge_of_small_segments(tmp_path, step):
+    """The merge that follows a small append is its own commit: a crash in it keeps the append."""
+    from diskreplay.store import MERGE_FANIN
+
+    path = str(tmp_path / "store")
+    proc = run_child(MERGE_CHILD, path, step)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    returned, _, _ = parse_lines(proc.stdout)
+    assert len(returned) == MERGE_FANIN - 1
+    total = sum(batch_size(b) for b in range(MERGE_FANIN))
+    assert_verifies(path)
+    with ReplayStore(path, readonly=True) as ro:
+        assert ro.next_row == total  # the last append committed before its merge began
+        assert len(ro.manifest.segments) in (1, MERGE_FANIN)
+        check_live_rows(ro)
+    with ReplayStore(path) as store:
+        store.extend(expected_rows(np.arange(total, total + 3)))
+        check_live_rows(store)
+    assert_verifies(path, allow_warnings=False)
+
+
+def test_small_appends_are_merged(tmp_path):
+    from diskreplay.store import MERGE_FANIN
+
+    path = str(tmp_path / "store")
+    with ReplayStore(path) as store:
+        for b in range(MERGE_FANIN ** 2 + 3):
+            store.extend(expected_rows(np.arange(store.next_row, store.next_row + 1 + b % 3)))
+            assert len(store.manifest.segments) < 2 * MERGE_FANIN
+        counts = [s.num_rows for s in store.manifest.segments]
+        check_live_rows(store)
+    # 16 x 16 single-digit appends became few segments, oldest rows in the largest
+    assert len(counts) <= 2 * MERGE_FANIN and counts[0] > MERGE_FANIN
+    assert_verifies(path, allow_warnings=False)
+    with ReplayStore(path, readonly=True) as ro:
+        check_live_rows(ro)
+
+
 # --------------------------------------------------------------------------- random SIGKILL
 
 KILL_CHILD = """
