@@ -541,6 +541,7 @@ class _Repair:
         entries, changed = [], False
         for s in m.segments:
             ok = self._good(s.groups_file, s.groups_bytes, s.groups_crc32c)
+            seg = None
             if ok:
                 try:
                     seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
@@ -551,7 +552,8 @@ class _Repair:
                 entries.append(s)
                 continue
             try:
-                seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
+                if seg is None:
+                    seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
                 with open(_rel(self.root, s.file), "rb") as fh:
                     pages = PageChecksums.of(pa.py_buffer(fh.read()))
                 data = encode_ipc(group_sidecar(seg.column(options.group_key), s.first_row, pages))
