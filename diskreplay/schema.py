@@ -172,6 +172,23 @@ def _is_sequence_row(x: Any) -> bool:
     return x is None or isinstance(x, (list, tuple, np.ndarray)) or hasattr(x, "detach")
 
 
+def _has_sequence_rows(name: str, rows: list) -> bool:
+    """Whether a list column is ragged (its rows are sequences, or None); raises if it mixes
+    sequences with scalars. Decided per row type, not per row: a batch has thousands of rows."""
+    kinds = {t: t is not type(None) and _is_sequence_row_type(t) for t in set(map(type, rows))}
+    if not any(kinds.values()):
+        return False
+    if all(ok or t is type(None) for t, ok in kinds.items()):
+        return True
+    bad = next(i for i, x in enumerate(rows) if not _is_sequence_row(x))
+    raise BatchError(f"column {name!r} row {bad} is a {type(rows[bad]).__name__} but other rows are "
+                     "sequences; a ragged column needs a 1-D sequence (or None) in every row")
+
+
+def _is_sequence_row_type(t: type) -> bool:
+    return issubclass(t, (list, tuple, np.ndarray)) or hasattr(t, "detach")
+
+
 @dataclass
 class _Ragged:
     values: np.ndarray
@@ -383,11 +400,7 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
                 if dt == "string":
                     raise BatchError(f"column {name!r}: a per-row vector must be numeric")
                 cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
-        elif isinstance(v, list) and any(x is not None and _is_sequence_row(x) for x in v):
-            bad = next((i for i, x in enumerate(v) if not _is_sequence_row(x)), None)
-            if bad is not None:
-                raise BatchError(f"column {name!r} row {bad} is a {type(v[bad]).__name__} but other rows are "
-                                 "sequences; a ragged column needs a 1-D sequence (or None) in every row")
+        elif isinstance(v, list) and _has_sequence_rows(name, v):
             r = _ragged_from_list(name, v)
             cols[name] = _Column(ColumnSpec(name, RAGGED, _ragged_dtype(name, r.values),
                                             align=_align_for(name, align, arrays)), ragged=r)
