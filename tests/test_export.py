@@ -236,6 +236,31 @@ def test_jsonl_one_rollout_per_line(store, tmp_path):
     assert json.loads(lines[3])["old_per_token_logps"] is None
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "json"])
+def test_jsonl_is_exact_with_and_without_orjson(store, tmp_path, monkeypatch, fast):
+    import diskreplay.export.writers as writers
+
+    if fast:
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(writers, "_orjson", lambda: None)
+    out = str(tmp_path / "o.jsonl")
+    export_jsonl(store, out)
+    rows = [json.loads(line) for line in open(out, encoding="utf-8")]
+    data = store.read(store.row_ids())
+    assert len(rows) == len(store)
+    for i, row in enumerate(rows):
+        for name, col in data.items():
+            want = col[i] if col is not None else None
+            got = row[name]
+            if isinstance(want, np.ndarray):
+                assert np.array_equal(np.asarray(got, dtype=want.dtype), want), (i, name)
+            elif want is None or isinstance(want, str):
+                assert got == want, (i, name)
+            else:
+                assert np.asarray(got, dtype=col.dtype) == want, (i, name)
+
+
 def test_zarr_layout(store, tmp_path):
     zarr = pytest.importorskip("zarr")
     out = str(tmp_path / "a.zarr")
