@@ -37,10 +37,9 @@ MAX_SEGMENT_BYTES = 256 << 20
 MAX_OPEN_SEGMENTS = 256
 # Small commits (a training loop appends one generation batch at a time) are
 # merged, size-tiered, so that segment count, manifest size and open maps stay
-# small: MERGE_FANIN segments of one tier (x16 per tier from MERGE_MIN_BYTES)
-# become one, for segments below MERGE_MAX_BYTES.
+# small (see ReplayStore._merge_small_tail).
 MERGE_FANIN = 16
-MERGE_MIN_BYTES = 64 << 10
+MERGE_RATIO = 4
 MERGE_MAX_BYTES = 1 << 20
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
 T = TypeVar("T")
@@ -524,22 +523,33 @@ class ReplayStore:
     def _merge_small_tail(self) -> None:
         """Keep the number of segments small when every commit is small (a training loop's).
 
-        Size-tiered: when the newest ``MERGE_FANIN`` segments all lie in one
-        size tier below ``MERGE_MAX_BYTES``, they are merged into one segment
-        (one tier up; repeated while that completes another run). Each byte is
-        rewritten at most once per tier, and larger appends are never touched.
+        Size-tiered: the newest segments with at most ``MERGE_RATIO`` times
+        the rows of the newest one (and below ``MERGE_MAX_BYTES``) are merged into one
+        once there are ``MERGE_FANIN`` of them, repeated while that completes
+        another run. A merged segment is about ``MERGE_FANIN`` times its
+        inputs, so it joins a run again only with its peers: a byte is
+        rewritten about log16(1 MiB / commit size) times. Should commits of
+        very different sizes alternate so that no run forms, the whole tail of
+        small segments is merged once it holds ``MERGE_FANIN * MERGE_RATIO``.
+        Appends of ``MERGE_MAX_BYTES`` or more are never touched.
         """
         while True:
             segs = self.manifest.segments
-            if len(segs) < MERGE_FANIN:
+            small = 0
+            while small < len(segs) and segs[-1 - small].bytes < MERGE_MAX_BYTES:
+                small += 1
+            if small < MERGE_FANIN:
                 return
-            tier = _merge_tier(segs[-1])
-            run = 0
-            while run < len(segs) and _merge_tier(segs[-1 - run]) == tier:
+            limit = MERGE_RATIO * segs[-1].num_rows  # rows, not bytes: a tiny file is mostly header
+            run = 1
+            while run < small and segs[-1 - run].num_rows <= limit:
                 run += 1
-            if tier is None or run < MERGE_FANIN:
+            if run >= MERGE_FANIN:
+                self._rewrite(len(segs) - run, MERGE_MAX_BYTES << 4)
+            elif small >= MERGE_FANIN * MERGE_RATIO:
+                self._rewrite(len(segs) - small, MERGE_MAX_BYTES << 4)
+            else:
                 return
-            self._rewrite(len(segs) - run, MERGE_MAX_BYTES << 4)
 
     # ------------------------------------------------------------------ states
 
@@ -811,17 +821,6 @@ def _index_of_column(values: Any, head: int) -> GroupIndex:
         return GroupIndex.from_codes(codes, sorted_values[new_group].tolist(), head)
     coder = KeyCoder()
     return GroupIndex.from_codes(coder.encode(values), coder.keys, head)
-
-
-def _merge_tier(entry: fmt.SegmentEntry) -> Optional[int]:
-    """Size tier of a segment for merging (x16 per tier from 64 KiB), None when too large to merge."""
-    size = entry.bytes
-    if size >= MERGE_MAX_BYTES:
-        return None
-    tier = 0
-    while size >= (MERGE_MIN_BYTES << (4 * tier)):
-        tier += 1
-    return tier
 
 
 def _split(record: pa.RecordBatch) -> List[pa.RecordBatch]:

@@ -407,18 +407,21 @@ def test_crash_point_in_merge_of_small_segments(tmp_path, step):
     assert_verifies(path, allow_warnings=False)
 
 
-def test_small_appends_are_merged(tmp_path):
-    from diskreplay.store import MERGE_FANIN
+@pytest.mark.parametrize("sizes", [(1, 2, 3), (1, 40)], ids=["similar", "alternating"])
+def test_small_appends_are_merged(tmp_path, sizes):
+    from diskreplay.store import MERGE_FANIN, MERGE_RATIO
 
     path = str(tmp_path / "store")
+    most = 0
     with ReplayStore(path) as store:
         for b in range(MERGE_FANIN ** 2 + 3):
-            store.extend(expected_rows(np.arange(store.next_row, store.next_row + 1 + b % 3)))
-            assert len(store.manifest.segments) < 2 * MERGE_FANIN
+            store.extend(expected_rows(np.arange(store.next_row, store.next_row + sizes[b % len(sizes)])))
+            most = max(most, len(store.manifest.segments))
         counts = [s.num_rows for s in store.manifest.segments]
         check_live_rows(store)
-    # 16 x 16 single-digit appends became few segments, oldest rows in the largest
-    assert len(counts) <= 2 * MERGE_FANIN and counts[0] > MERGE_FANIN
+    # 259 small appends became a few segments, oldest rows in the largest
+    assert most <= MERGE_FANIN * MERGE_RATIO and len(counts) < MERGE_FANIN * MERGE_RATIO // 2, counts
+    assert counts[0] >= MERGE_FANIN * min(sizes)
     assert_verifies(path, allow_warnings=False)
     with ReplayStore(path, readonly=True) as ro:
         check_live_rows(ro)

@@ -381,12 +381,14 @@ class _TorchRLPadded:
                 os.fsync(fd)
                 os.close(fd)
 
-    def reopen(self) -> None:
+    def reopen(self, save: bool = True) -> None:
+        """A fresh storage over the memmaps on disk (``save``: write this one's metadata first)."""
         from pathlib import Path
 
         from torchrl.data import LazyMemmapStorage
 
-        self.storage.dumps(Path(self.dir))  # writes its metadata; the memmaps stay where they are
+        if save:
+            self.storage.dumps(Path(self.dir))  # writes its metadata; the memmaps stay where they are
         self.storage = LazyMemmapStorage(self.cursor)
         self.storage.loads(Path(self.dir))
 
@@ -413,7 +415,7 @@ def _torchrl_baseline(store: ReplayStore, directory: str, report) -> "_TorchRLPa
     base = _TorchRLPadded(directory, len(store))
     if os.path.exists(meta):
         base.cursor = len(store)
-        base.reopen()
+        base.reopen(save=False)  # built by an earlier run in this work directory
         return base
     rows = store.row_ids()
     t = time.perf_counter()
