@@ -57,6 +57,7 @@ class GroupIndex:
 
     @property
     def counts(self) -> np.ndarray:
+        """Rows per group, in group order."""
         return np.diff(self.offsets)
 
     def group(self, g: int) -> np.ndarray:

@@ -61,6 +61,7 @@ class RaggedColumn:
 
     @property
     def dtype(self) -> np.dtype:
+        """The dtype of the values."""
         return self.values.dtype
 
     def __getitem__(self, i: int) -> Optional[np.ndarray]:

@@ -182,6 +182,7 @@ class ReplayStore:
 
     @property
     def schema(self) -> Optional[Schema]:
+        """The stored columns (None until the first row is committed)."""
         return self.options.schema
 
     @property
@@ -191,14 +192,17 @@ class ReplayStore:
 
     @property
     def group_key(self) -> Optional[str]:
+        """The column the write-time group index is kept for (None: no index)."""
         return self.options.group_key
 
     @property
     def capacity(self) -> Optional[int]:
+        """The most rows kept (FIFO), or None for no bound."""
         return self.options.capacity_rows
 
     @property
     def capacity_bytes(self) -> Optional[int]:
+        """The most bytes of segments and sidecars kept (whole oldest segments go first), or None."""
         return self.options.capacity_bytes
 
     @property
