@@ -23,6 +23,7 @@ from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, StoreLik
                       make_filter, progress_bar, remove_path, require, resolve_tokenizer)
 
 FORMATS = ("parquet", "jsonl", "hf", "zarr")
+JSONL_ROWS_PER_WRITE = 256
 HF_META_FILE = "diskreplay.json"
 
 
@@ -89,18 +90,21 @@ class JsonlSink:
         self._fh = open(path, "wb")
 
     def write(self, table: pa.Table) -> None:
-        names = table.column_names
-        if self._orjson is not None:
-            dumps, option = self._orjson.dumps, self._orjson.OPT_SERIALIZE_NUMPY
-            cols = [_rows_for_json(table.column(i)) for i in range(table.num_columns)]
-            lines = [dumps(dict(zip(names, vals)), option=option) for vals in zip(*cols)]
-        else:
-            cols = [table.column(i).to_pylist() for i in range(table.num_columns)]
-            lines = [json.dumps(dict(zip(names, vals)), ensure_ascii=False).encode("utf-8")
-                     for vals in zip(*cols)]
-        if lines:
+        # a few hundred rows at a time: the text is ~2x the Arrow bytes, and memory
+        # must stay bounded by the export's chunk, not grow with it
+        for start in range(0, table.num_rows, JSONL_ROWS_PER_WRITE):
+            part = table.slice(start, JSONL_ROWS_PER_WRITE)
+            names = part.column_names
+            if self._orjson is not None:
+                dumps, option = self._orjson.dumps, self._orjson.OPT_SERIALIZE_NUMPY
+                cols = [_rows_for_json(part.column(i)) for i in range(part.num_columns)]
+                lines = [dumps(dict(zip(names, vals)), option=option) for vals in zip(*cols)]
+            else:
+                cols = [part.column(i).to_pylist() for i in range(part.num_columns)]
+                lines = [json.dumps(dict(zip(names, vals)), ensure_ascii=False).encode("utf-8")
+                         for vals in zip(*cols)]
+            lines.append(b"")
             self._fh.write(b"\n".join(lines))
-            self._fh.write(b"\n")
         self.rows += table.num_rows
 
     def close(self) -> None:
