@@ -41,6 +41,7 @@ MAX_OPEN_SEGMENTS = 256
 MERGE_FANIN = 16
 MERGE_RATIO = 4
 MERGE_MAX_BYTES = 1 << 20
+MERGE_CAPACITY_SHARE = 8
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
 T = TypeVar("T")
 
@@ -549,11 +550,24 @@ class ReplayStore:
             while run < small and segs[-1 - run].num_rows <= limit:
                 run += 1
             if run >= MERGE_FANIN:
-                self._rewrite(len(segs) - run, MERGE_MAX_BYTES << 4)
+                start = len(segs) - run
             elif small >= MERGE_FANIN * MERGE_RATIO:
-                self._rewrite(len(segs) - small, MERGE_MAX_BYTES << 4)
+                start = len(segs) - small
             else:
                 return
+            if not self._mergeable(segs[start:]):
+                return
+            self._rewrite(start, MERGE_MAX_BYTES << 4)
+
+    def _mergeable(self, segs: Sequence[fmt.SegmentEntry]) -> bool:
+        """Whether a merge of ``segs`` keeps eviction fine-grained: a segment's file goes only
+        when all its rows are evicted, so no merged segment may hold more than
+        ``1 / MERGE_CAPACITY_SHARE`` of a capacity."""
+        o = self.options
+        rows = sum(s.num_rows for s in segs)
+        nbytes = sum(s.bytes + s.groups_bytes for s in segs)
+        return ((o.capacity_rows is None or rows * MERGE_CAPACITY_SHARE <= o.capacity_rows)
+                and (o.capacity_bytes is None or nbytes * MERGE_CAPACITY_SHARE <= o.capacity_bytes))
 
     # ------------------------------------------------------------------ states
 

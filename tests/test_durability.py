@@ -427,6 +427,21 @@ def test_small_appends_are_merged(tmp_path, sizes):
         check_live_rows(ro)
 
 
+def test_merges_stay_small_against_the_capacity(tmp_path):
+    """A file goes only when all its rows are evicted: merging must not make one hold a
+    large share of the capacity (disk use would then overshoot it)."""
+    from diskreplay.store import MERGE_CAPACITY_SHARE, MERGE_FANIN
+
+    for capacity, merged in ((64, False), (40 * MERGE_FANIN * MERGE_CAPACITY_SHARE, True)):
+        path = str(tmp_path / f"store{capacity}")
+        with ReplayStore(path, capacity=capacity) as store:
+            for _ in range(3 * MERGE_FANIN):
+                store.extend(expected_rows(np.arange(store.next_row, store.next_row + 2)))
+            biggest = max(s.num_rows for s in store.manifest.segments)
+            check_live_rows(store, capacity)
+        assert (biggest > 2) == merged and biggest * MERGE_CAPACITY_SHARE <= capacity, biggest
+
+
 # --------------------------------------------------------------------------- random SIGKILL
 
 KILL_CHILD = """
