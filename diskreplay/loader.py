@@ -27,8 +27,8 @@ will ask for next):
    stream waits on it with an event, and the same event guards the host
    buffer: the worker does not refill it before that copy has finished. With
    ``pad_on_device=True`` the padding is done on the device by
-   :func:`~diskreplay.padding.pad_on_device` (on the side stream, whose only
-   host sync is one small read of the longest row lengths).
+   :func:`~diskreplay.padding.pad_on_device` (on the side stream, with the
+   widths taken from the host offsets: no host sync).
 
 Batch validity. On a CUDA (or other non-CPU) device, and with
 ``pad_on_device=True`` anywhere, every batch is a set of fresh tensors the
@@ -63,7 +63,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .padding import buffer_needs, collate, collate_unpadded, pad_on_device as _pad_on_device
+from .padding import buffer_needs, collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
 from .errors import DiskReplayError, RowsEvictedError
 from .ragged import is_int as _is_int
 
@@ -509,16 +509,19 @@ class ReplayLoader:
         if not self._cuda:
             out = {n: v.to(self.device) if isinstance(v, torch.Tensor) else v for n, v in host.items()}
             self._ring.release(slot)
-            return _pad_on_device(out, self.pad_token_id) if self.pad_on_device else out
+            return _pad_on_device(out, self.pad_token_id, widths=padded_widths(host)) if self.pad_on_device \
+                else out
         stream = self._copy_stream
         current = torch.cuda.current_stream(self.device)
+        # the widths from the host offsets: padding on the device then needs no host sync
+        widths = padded_widths(host) if self.pad_on_device else None
         # no wait on the consumer's stream: the copies only read the host buffer and write fresh
         # memory, so they overlap the consumer's queued work
         with torch.cuda.stream(stream):
             out = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                    for n, v in host.items()}
             if self.pad_on_device:
-                out = _pad_on_device(out, self.pad_token_id)
+                out = _pad_on_device(out, self.pad_token_id, widths=widths)
             done = torch.cuda.Event()
             done.record(stream)
         current.wait_event(done)

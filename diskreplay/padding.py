@@ -413,29 +413,21 @@ def buffer_needs(batch: Mapping[str, Any], n: int, unpadded: bool) -> dict[str, 
     return needs
 
 
-def pad_on_device(unpadded: Mapping[str, Any], pad_token_id: int) -> dict[str, Any]:
-    """Pad what :func:`collate_unpadded` made, with torch ops on its tensors' device.
+def padded_widths(unpadded: Mapping[str, Any]) -> dict[bool, int]:
+    """``{True: P, False: C}``: the widths :func:`pad_on_device` pads prompt-aligned
+    (``True``) and completion-aligned columns to, from the offsets of
+    :func:`collate_unpadded`'s output. Computed where the offsets are: on host
+    offsets (before they are copied to a GPU) it costs no device sync.
 
-    The result equals ``collate`` of the same batch, on whatever device the
-    values and offsets live (no copy back to the host). Finding the widths
-    costs one small device-to-host read of the maximum row lengths.
-
-    >>> b = {"prompt_ids": RaggedColumn.from_arrays([[5, 6], [7]], dtype=np.int32)}
-    >>> t = pad_on_device(collate_unpadded(b), pad_token_id=0)
-    >>> t["prompt_ids"].tolist(), t["prompt_mask"].tolist()
-    ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
+    >>> b = {"completion_ids": RaggedColumn.from_arrays([[1], [2, 3, 4]], dtype=np.int32)}
+    >>> padded_widths(collate_unpadded(b))
+    {True: 0, False: 3}
     """
-    pad_token_id = _check_pad(pad_token_id)
-    ragged = [name for name in unpadded
-              if not name.endswith(_OFFSETS) and name + _OFFSETS in unpadded]
-    for name in ragged:
-        if unpadded[name] is None or unpadded[name + _OFFSETS] is None:
-            raise BatchError(f"column {name!r} has values and offsets of which one is None; "
-                             "pass what collate_unpadded returned")
+    ragged = _ragged_names(unpadded)
     width = {True: 0, False: 0}
     if ragged:
-        device = unpadded[ragged[0]].device
         longest = []
+        device = unpadded[ragged[0] + _OFFSETS].device
         for name in ragged:
             offsets = unpadded[name + _OFFSETS].to(device=device, dtype=torch.int64)
             lengths = offsets[1:] - offsets[:-1]
@@ -443,6 +435,37 @@ def pad_on_device(unpadded: Mapping[str, Any], pad_token_id: int) -> dict[str, A
         # one read of every column's longest row, not one sync per column
         for name, m in zip(ragged, torch.stack(longest).tolist()):
             width[_is_prompt(name)] = max(width[_is_prompt(name)], int(m))
+    return width
+
+
+def _ragged_names(unpadded: Mapping[str, Any]) -> list[str]:
+    ragged = [name for name in unpadded
+              if not name.endswith(_OFFSETS) and name + _OFFSETS in unpadded]
+    for name in ragged:
+        if unpadded[name] is None or unpadded[name + _OFFSETS] is None:
+            raise BatchError(f"column {name!r} has values and offsets of which one is None; "
+                             "pass what collate_unpadded returned")
+    return ragged
+
+
+def pad_on_device(unpadded: Mapping[str, Any], pad_token_id: int, *,
+                  widths: Optional[Mapping[bool, int]] = None) -> dict[str, Any]:
+    """Pad what :func:`collate_unpadded` made, with torch ops on its tensors' device.
+
+    The result equals ``collate`` of the same batch, on whatever device the
+    values and offsets live (no copy back to the host). Finding the widths
+    costs one small device-to-host read of the maximum row lengths, unless
+    ``widths`` (:func:`padded_widths` of the host offsets, taken before they
+    were moved) is given: then nothing waits for the device.
+
+    >>> b = {"prompt_ids": RaggedColumn.from_arrays([[5, 6], [7]], dtype=np.int32)}
+    >>> t = pad_on_device(collate_unpadded(b), pad_token_id=0)
+    >>> t["prompt_ids"].tolist(), t["prompt_mask"].tolist()
+    ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
+    """
+    pad_token_id = _check_pad(pad_token_id)
+    ragged = _ragged_names(unpadded)
+    width = padded_widths(unpadded) if widths is None else {True: int(widths[True]), False: int(widths[False])}
 
     offset_names = {name + _OFFSETS for name in ragged}
     result: dict[str, Any] = {}

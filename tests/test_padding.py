@@ -378,3 +378,20 @@ def test_repad_rejects_bad_rows(rows, match):
 def test_doctests():
     result = doctest.testmod(collate_module, extraglobs={"np": np, "torch": torch})
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_pad_on_device_with_host_widths_equals_without():
+    from diskreplay.padding import padded_widths
+
+    rng = np.random.default_rng(3)
+    batch = {"prompt_ids": RaggedColumn.from_arrays([rng.integers(0, 9, n) for n in (3, 0, 5)], dtype=np.int32),
+             "completion_ids": RaggedColumn.from_arrays([rng.integers(0, 9, n) for n in (1, 4, 0)], dtype=np.int32),
+             "old_per_token_logps": RaggedColumn.from_arrays([rng.random(n) for n in (1, 4, 0)], dtype=np.float32)}
+    unpadded = collate_unpadded(batch)
+    widths = padded_widths(unpadded)
+    assert widths == {True: 5, False: 4}
+    a, b = pad_on_device(unpadded, 7), pad_on_device(unpadded, 7, widths=widths)
+    ref = collate(batch, 7)
+    assert a.keys() == b.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], ref[k]), k
