@@ -638,6 +638,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             old = self._behaviour_logps(out)
         # draw before writing, so that the fresh rows are never replayed into their own batch
         plan = self._plan(out, keys, rewards, step)
+        if self.args.replay_append and self.replay_mode != "off" and self.accelerator.num_processes > 1:
+            plan = self._common_append(plan, out["prompt_ids"].device)
         record = self._record(out, keys, rewards, rewards_per_func, old, step)
         fresh_rows = store.extend(record)
 
@@ -780,6 +782,19 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         # the last k rows of each chosen group give way: fresh rows are exchangeable
         positions = np.concatenate([j * g + g - k + np.arange(k) for j in chosen]).astype(np.int64)
         return _Plan(rows, positions)
+
+    def _common_append(self, plan: Optional[_Plan], device: torch.device) -> Optional[_Plan]:
+        """Cut appended rows to the fewest any process drew (a collective: every process calls it).
+
+        TRL's loss gathers per-row tensors across processes, which needs the same
+        batch size on each; each process's store holds other rows, so ``repo`` can
+        draw a different number of rows per process.
+        """
+        n = 0 if plan is None else len(plan.rows)
+        common = int(self.accelerator.gather(torch.tensor([n], device=device)).min())
+        if plan is None or common == n:
+            return plan
+        return _Plan(plan.rows[:common], None)  # a multiple of steps_per_generation, as every process's count
 
     def _whole_steps(self, rows: np.ndarray) -> np.ndarray:
         # TRL splits the batch into steps_per_generation equal parts and drops a remainder
