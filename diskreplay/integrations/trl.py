@@ -77,8 +77,11 @@ store and stay replayable (their ``policy_version`` may exceed the resumed
 step); a warning says how many.
 
 With several processes each process writes its own store,
-``<replay_store_path>/rank-<i>``. Tested with TRL 1.16.0 and transformers
-5.24.0 (text models; multimodal batches can be stored in ``off`` mode only).
+``<replay_store_path>/rank-<i>``, and replays from it; with ``replay_append``
+every process appends as many rows as the one that drew the fewest (TRL
+gathers per-row tensors across processes). Tested with TRL 1.16.0 and
+transformers 5.24.0, in one process and in two (torchrun, gloo, CPU; text
+models; multimodal batches can be stored in ``off`` mode only).
 
 >>> args = DiskReplayGRPOConfig(output_dir="/tmp/x", replay_mode="repo", replay_k=2,
 ...                             num_generations=4, per_device_train_batch_size=8, use_cpu=True, report_to=[])
