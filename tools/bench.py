@@ -1,6 +1,6 @@
 """Benchmarks of diskreplay against baselines measured in the same run.
 
-    python tools/bench.py store  [--groups 4096] [--big 10] [--dir DIR]
+    python tools/bench.py store  [--groups 4096] [--big 10] [--dir DIR] [--small-commits 3000]
     python tools/bench.py sample [--groups 4096] [--dir DIR]
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
 
@@ -170,6 +170,57 @@ def bench_store(args) -> None:
         row(f"{args.big}x store, group index rebuilt (warm)", f"{big_w['group_index_ms']:.1f}", "",
             f"{big_w['group_index_ms'] / max(small_w['group_index_ms'], 1e-3):.2f}")
     os.remove(raw_path)
+    bench_small_commits(work, args.small_commits)
+
+
+SMALL_CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    import diskreplay.store
+    from diskreplay import ReplayStore
+    from diskreplay.synthetic import make_rollouts
+    path, n, merge = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    if not merge:
+        diskreplay.store.MERGE_FANIN = 1 << 40  # one segment per commit, as before merging existed
+    store = ReplayStore(path)
+    batch = make_rollouts(2, 4, seed=0, completion_mean=50)
+    t0 = time.perf_counter()
+    last = max(n - 500, 0)
+    for i in range(n):
+        if i == last:
+            t1 = time.perf_counter()
+        store.extend(batch)
+    t2 = time.perf_counter()
+    manifest = os.path.getsize(os.path.join(path, store.manifest.file))
+    segments = len(store.manifest.segments)
+    store.close()
+    t = time.perf_counter()
+    ReplayStore(path, readonly=True).read([0])
+    print(json.dumps({"total_s": t2 - t0, "last_ms": 1e3 * (t2 - t1) / (n - last), "segments": segments,
+                      "manifest": manifest, "reopen_ms": 1e3 * (time.perf_counter() - t)}))
+""")
+
+
+def bench_small_commits(work: str, n: int) -> None:
+    """A training loop's small steps (8 rows each): merging small segments vs one segment per commit."""
+    if n <= 0:
+        return
+    runs = {}
+    for merge in (True, False):
+        path = os.path.join(work, f"small_{'merged' if merge else 'unmerged'}")
+        shutil.rmtree(path, ignore_errors=True)
+        out = subprocess.run([sys.executable, "-c", SMALL_CHILD, path, str(n), "1" if merge else "0"], check=True,
+                             capture_output=True, text=True).stdout
+        runs[merge] = json.loads(out)
+        shutil.rmtree(path, ignore_errors=True)
+    on, off = runs[True], runs[False]
+    print(f"\n{n:,} commits of 8 rows (small training steps)        merged   one per commit     ratio")
+    row("total time (s)", f"{on['total_s']:.2f}", f"{off['total_s']:.2f}", f"{off['total_s'] / on['total_s']:.2f}")
+    row("ms per commit, last 500", f"{on['last_ms']:.2f}", f"{off['last_ms']:.2f}",
+        f"{off['last_ms'] / on['last_ms']:.2f}")
+    row("segments / manifest bytes", f"{on['segments']} / {on['manifest']:,}",
+        f"{off['segments']} / {off['manifest']:,}")
+    row("reopen to first row (ms, warm)", f"{on['reopen_ms']:.1f}", f"{off['reopen_ms']:.1f}",
+        f"{off['reopen_ms'] / on['reopen_ms']:.2f}")
 
 
 EXPORT_CHILD = textwrap.dedent("""
@@ -674,6 +725,8 @@ def main(argv=None) -> None:
     p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
+    p.add_argument("--small-commits", type=int, default=3000,
+                   help="store: commits of 8 rows for the small-commit comparison (0: skip it)")
     args = p.parse_args(argv)
     {"store": bench_store, "export": bench_export, "sample": bench_sample}[args.what](args)
 
