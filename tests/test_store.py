@@ -465,19 +465,29 @@ def test_sigkill_during_appends_loses_nothing_committed(tmp_path):
 class StoreMachine(RuleBasedStateMachine):
     """The store against a plain list of rows."""
 
-    @initialize()
-    def setup(self):
+    @initialize(capacity=st.sampled_from([13, 40, None]))
+    def setup(self, capacity):
         import tempfile
 
+        import diskreplay.store as store_mod
+
+        # merges after every other small append: the machine meets them constantly
+        self.fanin = store_mod.MERGE_FANIN
+        store_mod.MERGE_FANIN = 2
         self.dir = tempfile.mkdtemp()
-        self.capacity = 13
+        self.capacity = capacity
         self.store = ReplayStore(self.dir, capacity=self.capacity)
         self.model = []  # (key, tokens, reward)
         self.batch_no = 0
 
     def teardown(self):
-        self.store.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        import diskreplay.store as store_mod
+
+        if hasattr(self, "fanin"):
+            store_mod.MERGE_FANIN = self.fanin
+        if hasattr(self, "store"):
+            self.store.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     @rule(n=st.integers(1, 6), keys=st.lists(st.integers(0, 4), min_size=6, max_size=6))
     def extend(self, n, keys):
@@ -493,6 +503,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.close()
         self.store = ReplayStore(self.dir)
 
+    @rule()
+    def compact(self):
+        self.store.compact()
+
     @precondition(lambda self: len(self.model) > 0)
     @rule(data=st.data())
     def read(self, data):
@@ -507,7 +521,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert got["rewards"][j] == rew
 
     def head(self):
-        return max(0, len(self.model) - self.capacity)
+        return max(0, len(self.model) - self.capacity) if self.capacity is not None else 0
 
     def live(self):
         return self.model[self.head():]
@@ -528,7 +542,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert self.store.group_rows(k).tolist() == rows
 
 
-StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
 
 
