@@ -529,13 +529,13 @@ class ReplayStore:
         """Keep the number of segments small when every commit is small (a training loop's).
 
         Size-tiered: the newest segments with at most ``MERGE_RATIO`` times
-        the rows of the newest one (and below ``MERGE_MAX_BYTES``) are merged into one
-        once there are ``MERGE_FANIN`` of them, repeated while that completes
-        another run. A merged segment is about ``MERGE_FANIN`` times its
+        the rows of the newest one (and below ``MERGE_MAX_BYTES``) are merged,
+        ``MERGE_FANIN`` at a time, repeated while that completes another run. A merged segment is about ``MERGE_FANIN`` times its
         inputs, so it joins a run again only with its peers: a byte is
-        rewritten about log16(1 MiB / commit size) times. Should commits of
-        very different sizes alternate so that no run forms, the whole tail of
-        small segments is merged once it holds ``MERGE_FANIN * MERGE_RATIO``.
+        rewritten about log16(1 MiB / commit size) times (measured: 1.0 for
+        64-rollout steps, 1.9 for commits of 1-12 rows). Should commits of very
+        different sizes alternate so that no run forms, the newest
+        ``MERGE_FANIN * MERGE_RATIO`` small segments are merged.
         Appends of ``MERGE_MAX_BYTES`` or more are never touched.
         """
         while True:
@@ -549,10 +549,12 @@ class ReplayStore:
             run = 1
             while run < small and segs[-1 - run].num_rows <= limit:
                 run += 1
+            # the newest MERGE_FANIN of a run (older ones left for later runs: a run that was
+            # blocked, e.g. by the capacity rule, must not grow until it can never merge)
             if run >= MERGE_FANIN:
-                start = len(segs) - run
+                start = len(segs) - MERGE_FANIN
             elif small >= MERGE_FANIN * MERGE_RATIO:
-                start = len(segs) - small
+                start = len(segs) - MERGE_FANIN * MERGE_RATIO
             else:
                 return
             if not self._mergeable(segs[start:]):

@@ -442,6 +442,22 @@ def test_merges_stay_small_against_the_capacity(tmp_path):
         assert (biggest > 2) == merged and biggest * MERGE_CAPACITY_SHARE <= capacity, biggest
 
 
+def test_merges_keep_up_with_random_small_appends_under_a_capacity(tmp_path):
+    """A run of mergeable segments longer than MERGE_FANIN (the capacity rule blocked it, or
+    the ratio rule let it grow) is merged from its newest end, not left to grow past merging."""
+    from diskreplay.store import MERGE_FANIN, MERGE_RATIO
+
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "store")
+    with ReplayStore(path, capacity=1000) as store:
+        for _ in range(600):
+            store.extend(expected_rows(np.arange(store.next_row, store.next_row + int(rng.integers(1, 13)))))
+        segments = len(store.manifest.segments)
+        check_live_rows(store, 1000)
+    assert segments < MERGE_FANIN * MERGE_RATIO // 2, segments
+    assert_verifies(path, allow_warnings=False)
+
+
 # --------------------------------------------------------------------------- random SIGKILL
 
 KILL_CHILD = """

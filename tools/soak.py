@@ -38,7 +38,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CAPACITY = 200
+CAPACITY = 1000  # large enough that small segments get merged (a merge may hold 1/8 of it)
 
 # The soak's children import the store without diskreplay/__init__.py (which
 # imports torch, ~2 s a process), so that a minute holds dozens of kills.
