@@ -5,6 +5,9 @@ prompt, prompt lengths log-normal around 256 tokens clipped to [16, 1024],
 completion lengths log-normal around 600 clipped to [1, 4096], token ids in
 [0, 151936), float32 old/ref log-probs per completion token, one reward and
 one advantage per row (advantages are group-normalised rewards).
+
+:func:`char_tokenizer` is the tiny tokenizer the TRL tests and the example
+trainer build in code (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -100,3 +103,24 @@ def rollout_stream(num_groups: int, groups_per_step: int = 64, group_size: int =
         yield make_rollouts(min(groups_per_step, num_groups - first), group_size, seed=seed + step,
                             first_group=first, policy_version=step, **kwargs)
         step += 1
+
+
+def char_tokenizer() -> object:
+    """A character-level ``PreTrainedTokenizerFast`` built in code: ``<pad>`` 0, ``<eos>`` 1,
+    ``<bos>`` 2, then printable ASCII (98 entries). Needs ``transformers`` and ``tokenizers``
+    (``pip install 'diskreplay[trl]'``).
+
+    >>> tok = char_tokenizer()
+    >>> tok("ab")["input_ids"], tok.decode([68, 69]), len(tok)
+    ([68, 69], 'ab', 98)
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")

@@ -21,11 +21,11 @@ pytest.importorskip("trl")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from diskreplay import ReplayStore  # noqa: E402
+from diskreplay.synthetic import char_tokenizer  # noqa: E402
 from diskreplay.integrations.trl import (CHECKPOINT_FILE, DiskReplayGRPOConfig,  # noqa: E402
                                          DiskReplayGRPOTrainer, prompt_key)
 
@@ -36,13 +36,7 @@ PAD, EOS, BOS = 0, 1, 2
 
 
 def make_tokenizer():
-    vocab = {"<pad>": PAD, "<eos>": EOS, "<bos>": BOS}
-    for c in range(32, 127):
-        vocab[chr(c)] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    return char_tokenizer()
 
 
 def make_model(seed=0):

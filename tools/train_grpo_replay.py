@@ -26,26 +26,16 @@ import warnings
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, PrinterCallback, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import PrinterCallback, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from diskreplay import ReplayStore  # noqa: E402
 from diskreplay.integrations.trl import DiskReplayGRPOConfig, DiskReplayGRPOTrainer  # noqa: E402
+from diskreplay.synthetic import char_tokenizer  # noqa: E402
 
 PROMPTS = ["Write: ", "Say something: ", "Reply in lowercase: ", "Go! ", "Text: ", "const: "]
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
-    for c in range(32, 127):
-        vocab[chr(c)] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
 
 
 def build_model(vocab_size: int, seed: int) -> Qwen2ForCausalLM:
@@ -99,7 +89,7 @@ def main() -> None:
     root = a.store and os.path.dirname(os.path.abspath(a.store)) or tempfile.mkdtemp(prefix="grpo-replay-")
     store_path = a.store or os.path.join(root, "replay")
     output_dir = a.output_dir or os.path.join(root, "checkpoints")
-    tokenizer = build_tokenizer()
+    tokenizer = char_tokenizer()
     args = DiskReplayGRPOConfig(
         output_dir=output_dir, replay_store_path=store_path, replay_mode=a.mode, replay_k=a.k,
         replay_strategy=a.strategy, ssr_replay_fraction=a.fraction, ssr_capacity_scalar=8,
