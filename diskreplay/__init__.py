@@ -16,8 +16,9 @@ True
 import importlib
 from typing import Any
 
-from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
-                     RowsEvictedError, SchemaError, StoreLockedError)
+from .errors import (BatchError, CorruptStoreError, DiskReplayError, EvictionRefusedError, ExportError,
+                     FormatError, MissingDependencyError, OutputExistsError, ReadOnlyError, RowsEvictedError,
+                     SchemaError, StoreLockedError, StoreNotFoundError)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
 from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
@@ -39,8 +40,12 @@ __all__ = [
     "BatchError",
     "CorruptStoreError",
     "DiskReplayError",
+    "EvictionRefusedError",
+    "ExportError",
     "FormatError",
     "GroupIndex",
+    "MissingDependencyError",
+    "OutputExistsError",
     "PrioritizedSampler",
     "PromptGroupSampler",
     "RaggedColumn",
@@ -54,6 +59,7 @@ __all__ = [
     "SamplerError",
     "SchemaError",
     "StoreLockedError",
+    "StoreNotFoundError",
     "collate",
     "collate_unpadded",
     "pad_on_device",

@@ -5,11 +5,16 @@ A thin layer over :mod:`diskreplay.export` (and ``ReplayStore.compact``,
 exiting, so it can be called in-process:
 
 - 0: success (``verify``: the store is healthy);
-- 1: an expected failure (bad input, existing output, damaged store, missing
-  optional dependency), reported as one line on stderr without a traceback
-  (set ``DISKREPLAY_DEBUG=1`` to get the traceback);
-- 2: a usage error (unknown option, missing argument);
-- 130: interrupted (Ctrl-C); no partial output is left under the final name.
+- 1: an expected failure (bad input, no store at PATH, existing output,
+  damaged store, missing optional dependency), reported as one line on
+  stderr without a traceback (set ``DISKREPLAY_DEBUG=1`` to get the traceback);
+- 2: a usage error (unknown option, missing or invalid argument);
+- 130: interrupted (Ctrl-C, i.e. 128 + SIGINT): one line on stderr; no
+  partial output is left under the final name (``import --append`` keeps the
+  chunks it committed before).
+
+Only ``import`` creates a store; every other command refuses a path that
+holds none ("no diskreplay store at PATH") and creates nothing there.
 
 >>> main(["--version"])  # doctest: +ELLIPSIS
 diskreplay ...
@@ -27,6 +32,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from .errors import DiskReplayError
 
 PROG = "diskreplay"
+EXIT_CODES = ("exit status: 0 success, 1 error (one line on stderr), 2 usage error, "
+              "130 interrupted by Ctrl-C (nothing partial is left)")
 
 
 def _version() -> str:
@@ -66,6 +73,53 @@ def _columns(text: Optional[str]) -> Optional[List[str]]:
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def _chunk_bytes(text: str) -> int:
+    """``--chunk-mb`` as bytes: a positive, finite number of MiB of at least one byte."""
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = float("nan")
+    if not (0 < mb < float("inf")) or int(mb * (1 << 20)) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB (e.g. 64 or 0.5), got {text!r}")
+    return int(mb * (1 << 20))
+
+
+def _codec(text: str) -> str:
+    from .export.writers import check_compression
+
+    try:
+        return check_compression(text)
+    except DiskReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _store(args: argparse.Namespace) -> str:
+    """The command's store path, or the one-line refusal when no store is there (nothing is created)."""
+    from .export import require_store
+
+    return require_store(args.path)
+
+
 # ---------------------------------------------------------------------------
 # Commands
 
@@ -73,7 +127,7 @@ def _columns(text: Optional[str]) -> Optional[List[str]]:
 def cmd_info(args: argparse.Namespace) -> int:
     from .export import format_info, store_info
 
-    info = store_info(args.path, progress=_progress(args))
+    info = store_info(_store(args), progress=_progress(args))
     _emit(args, info, format_info(info))
     return 0
 
@@ -81,11 +135,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export
 
-    res = export(args.path, args.out, args.format, columns=_columns(args.columns),
+    res = export(_store(args), args.out, args.format, columns=_columns(args.columns),
                  policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
                  tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                  reward_key=args.reward_key, overwrite=args.overwrite, progress=_progress(args),
-                 compression=args.compression, chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))))
+                 compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force)
     _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
                      + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")"))
     return 0
@@ -95,14 +149,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .export import import_rollouts
     from .export.importer import _AUTO
 
-    if args.no_group_key and args.group_key:
-        raise DiskReplayError("--group-key and --no-group-key exclude each other")
     group_key: Any = None if args.no_group_key else (args.group_key or _AUTO)
     res = import_rollouts(args.src, args.path, format=args.format, mapping=args.map or None,
                           aliases=args.aliases, columns=_columns(args.columns), group_key=group_key,
                           capacity=_AUTO if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
                           chunk_rows=args.chunk_rows, append=args.append, overwrite=args.overwrite,
-                          split=args.split, progress=_progress(args))
+                          split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
     text = (f"imported {res['rows']:,} rows from {args.src} ({res['format']}) into {res['path']}; "
             f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
     if res.get("skipped"):
@@ -117,11 +169,11 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_pairs(args: argparse.Namespace) -> int:
     from .export import preference_pairs
 
-    res = preference_pairs(args.path, args.out, min_margin=args.min_margin, format=args.format,
+    res = preference_pairs(_store(args), args.out, min_margin=args.min_margin, format=args.format,
                            tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                            group_key=args.group_key, reward_key=args.reward_key,
                            policy_versions=args.policy_versions, overwrite=args.overwrite,
-                           progress=_progress(args))
+                           progress=_progress(args), force=args.force)
     _emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups to {res['path']} "
                      f"({res['format']}: {', '.join(res['columns'])})")
     return 0
@@ -130,10 +182,10 @@ def cmd_pairs(args: argparse.Namespace) -> int:
 def cmd_best_of_n(args: argparse.Namespace) -> int:
     from .export import best_of_n
 
-    res = best_of_n(args.path, args.out, k=args.k, min_reward=args.min_reward, format=args.format,
+    res = best_of_n(_store(args), args.out, k=args.k, min_reward=args.min_reward, format=args.format,
                     tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                     group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
-                    overwrite=args.overwrite, progress=_progress(args))
+                    overwrite=args.overwrite, progress=_progress(args), force=args.force)
     _emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
                      f"({res['format']}: {', '.join(res['columns'])})")
     return 0
@@ -142,7 +194,7 @@ def cmd_best_of_n(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from .store import ReplayStore
 
-    with ReplayStore(args.path) as store:
+    with ReplayStore(_store(args)) as store:  # the check first: a writer's open creates a missing store
         res = store.compact()
     parts = []
     for what in ("segments", "bytes"):
@@ -161,7 +213,7 @@ def _verify_module() -> Any:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    res = _verify_module().verify_store(args.path, progress=_progress(args))
+    res = _verify_module().verify_store(_store(args), progress=_progress(args))
     ok = bool(res.get("ok"))
     problems = list(res.get("problems", []))
     text = f"{args.path}: ok" if ok else f"{args.path}: {len(problems)} problem(s)\n" + "\n".join(
@@ -174,11 +226,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    res = _verify_module().repair_store(args.path, dry_run=args.dry_run, progress=_progress(args))
+    res = _verify_module().repair_store(_store(args), dry_run=args.dry_run, progress=_progress(args))
     actions = list(res.get("actions", []))
-    verb = "would do" if args.dry_run else "did"
-    text = f"{args.path}: nothing to repair" if not actions else f"{args.path}: {verb}:\n" + "\n".join(
-        f"  - {a}" for a in actions)
+    if not actions:
+        text = f"{args.path}: nothing to repair"
+    elif args.dry_run:
+        # the actions are a repair's log (past tense); a dry run shows that log without acting
+        text = (f"{args.path}: dry run, nothing was changed; 'diskreplay repair {args.path}' would report:\n"
+                + "\n".join(f"  - {a}" for a in actions))
+    else:
+        text = f"{args.path}: repaired:\n" + "\n".join(f"  - {a}" for a in actions)
     _emit(args, res, text)
     return 0 if res.get("ok", True) else 1
 
@@ -216,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--overwrite", action="store_true",
-                     help="replace OUT if it exists (the old one stays until the new one is complete)")
+                     help="replace OUT if it exists (the old one stays until the new one is complete); a "
+                          "directory is replaced only if it is empty or an earlier output of the same kind")
+    out.add_argument("--force", action="store_true",
+                     help="write the --format asked even when OUT's extension names another format")
 
     rows = argparse.ArgumentParser(add_help=False)
     rows.add_argument("--policy-versions", metavar="A:B",
@@ -234,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  diskreplay import other_run.jsonl runs/imported --aliases\n"
                "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer --min-margin 0.5\n"
                "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 2 --min-reward 1\n"
-               "\nrun 'diskreplay COMMAND --help' for the options of a command.")
+               "\nrun 'diskreplay COMMAND --help' for the options of a command.\n"
+               "Only 'import' creates a store; the other commands refuse a PATH that holds none.\n"
+               + EXIT_CODES + ".")
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     subs = parser.add_subparsers(title="commands", metavar="COMMAND")
 
@@ -249,7 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "export", cmd_export, "export live rows to parquet / jsonl / hf / zarr",
              "Export the live rows of a store, streaming chunk by chunk (memory bounded by ~64 MiB of\n"
              "store data). The output is written under a temporary name beside OUT and renamed at the\n"
-             "end: an interrupted export leaves nothing under OUT.\n\n"
+             "end: an interrupted export (an error, or Ctrl-C: exit status 130) leaves nothing behind.\n\n"
+             "Without --format the format comes from OUT's name: .parquet/.pq parquet, .jsonl/.ndjson/\n"
+             ".json jsonl, .zarr zarr, no extension (or an existing directory) hf; any other name needs\n"
+             "--format. A --format that contradicts the extension (-f parquet out.jsonl) is refused\n"
+             "unless --force; nothing is written compressed, so .gz names are refused too.\n\n"
              "  parquet  one file; token columns large_list<int32>, log-probs large_list<float32>\n"
              "           (null = not computed); readable by pyarrow, polars, duckdb, pandas\n"
              "  jsonl    one JSON object per rollout and line\n"
@@ -259,26 +325,28 @@ def build_parser() -> argparse.ArgumentParser:
              "parquet, hf and zarr exports carry the store's schema: 'diskreplay import' turns them\n"
              "back into an identical store.",
              "  diskreplay export runs/grpo/replay rollouts.parquet\n"
-             "  diskreplay export runs/grpo/replay rollouts.jsonl --format jsonl --limit 1000\n"
-             "  diskreplay export runs/grpo/replay hf_ds --format hf --tokenizer ./tokenizer\n"
+             "  diskreplay export runs/grpo/replay rollouts.jsonl --limit 1000\n"
+             "  diskreplay export runs/grpo/replay hf_ds --tokenizer ./tokenizer\n"
              "  diskreplay export runs/grpo/replay late.parquet --policy-versions 200: --min-reward 0.5 \\\n"
              "      --columns prompt_id,completion_ids,rewards\n"
-             "  diskreplay export runs/grpo/replay archive.zarr --format zarr --overwrite\n",
+             "  diskreplay export runs/grpo/replay archive.zarr --overwrite\n"
+             "  diskreplay export runs/grpo/replay rollouts.txt --format jsonl\n"
+             + EXIT_CODES + "\n",
              [common, out, rows, tok])
     p.add_argument("path", metavar="PATH", help="store directory")
     p.add_argument("out", metavar="OUT", help="output file (parquet, jsonl) or directory (hf, zarr)")
-    p.add_argument("--format", "-f", choices=["parquet", "jsonl", "hf", "zarr"], default="parquet",
-                   help="output format (default: parquet)")
+    p.add_argument("--format", "-f", choices=["parquet", "jsonl", "hf", "zarr"],
+                   help="output format (default: from OUT's name, see above)")
     p.add_argument("--columns", metavar="A,B,...",
                    help="comma-separated columns to export, in this order (default: all), e.g. "
                         "--columns prompt_id,completion_ids,rewards")
     p.add_argument("--min-reward", type=float, metavar="R",
                    help="keep rows whose reward is >= R (see --reward-key), e.g. --min-reward 1")
-    p.add_argument("--limit", type=int, metavar="N", help="export at most N rows (the oldest matching ones)")
-    p.add_argument("--compression", default="snappy", metavar="CODEC",
-                   help="parquet compression: snappy (default), zstd, gzip, lz4, none")
-    p.add_argument("--chunk-mb", type=float, default=64.0, metavar="MB",
-                   help="read and write about MB of store data at a time: the memory bound and the "
+    p.add_argument("--limit", type=_count, metavar="N", help="export at most N rows (the oldest matching ones)")
+    p.add_argument("--compression", type=_codec, metavar="CODEC",
+                   help="parquet compression: snappy (default), zstd, gzip, brotli, lz4 or none")
+    p.add_argument("--chunk-mb", type=_chunk_bytes, default=64 << 20, metavar="MB", dest="chunk_bytes",
+                   help="read and write about MB (> 0) of store data at a time: the memory bound and the "
                         "Parquet row-group size (default: 64)")
 
     p = _sub(subs, "import", cmd_import, "build a store from parquet / jsonl / hf / zarr",
@@ -299,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay import dump.jsonl.gz runs/imported --aliases --group-key prompt --skip-bad\n"
              "  diskreplay import hf_ds runs/restored --format hf\n"
              "  diskreplay import more.parquet runs/restored --append\n"
-             "  diskreplay import runs/other_run/replay runs/merged --append\n", [common])
+             "  diskreplay import runs/other_run/replay runs/merged --append\n"
+             "  diskreplay import more.parquet runs/capped --append --allow-evict\n"
+             + EXIT_CODES + "\n", [common])
     p.add_argument("src", metavar="SRC", help="source file or directory")
     p.add_argument("path", metavar="PATH", help="store directory to create")
     p.add_argument("--format", "-f", choices=["auto", "parquet", "jsonl", "hf", "zarr", "store"], default="auto",
@@ -311,26 +381,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also rename the well-known names listed above when the diskreplay name is absent")
     p.add_argument("--columns", metavar="A,B,...",
                    help="import only these columns (names after --map), e.g. --columns prompt_id,completion_ids")
-    p.add_argument("--group-key", metavar="COL",
-                   help="per-row column to index groups by (default: the exported store's key, else "
-                        "prompt_id if present, else none), e.g. --group-key prompt")
-    p.add_argument("--no-group-key", action="store_true", help="build a store without a group index")
-    p.add_argument("--capacity", type=int, metavar="ROWS",
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--group-key", metavar="COL",
+                     help="per-row column to index groups by (default: the exported store's key, else "
+                          "prompt_id if present, else none), e.g. --group-key prompt")
+    key.add_argument("--no-group-key", action="store_true", help="build a store without a group index")
+    p.add_argument("--capacity", type=_positive_int, metavar="ROWS",
                    help="row capacity of the new store (default: the exported store's, else unbounded)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip and count JSONL lines that do not parse or do not fit (default: stop at the "
                         "first, naming FILE:LINE)")
-    p.add_argument("--chunk-rows", type=int, default=4096, metavar="N",
+    p.add_argument("--chunk-rows", type=_positive_int, default=4096, metavar="N",
                    help="rows per append/commit (default: 4096)")
     p.add_argument("--split", metavar="NAME", help="split of a saved DatasetDict, e.g. --split train")
     p.add_argument("--append", action="store_true",
-                   help="append to the existing store at PATH (each chunk is its own commit)")
+                   help="append to the existing store at PATH (each chunk is its own commit); refused when "
+                        "the store's capacity would evict rows it holds, unless --allow-evict")
+    p.add_argument("--allow-evict", action="store_true",
+                   help="with --append: go ahead even if the store's capacity evicts its oldest rows")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing PATH (the old one stays until the new store is complete)")
 
     cur = argparse.ArgumentParser(add_help=False)
-    cur.add_argument("--format", "-f", choices=["jsonl", "parquet", "hf"], default="jsonl",
-                     help="output format (default: jsonl)")
+    cur.add_argument("--format", "-f", choices=["jsonl", "parquet", "hf"],
+                     help="output format (default: from OUT's name: .jsonl/.ndjson/.json, .parquet/.pq, "
+                          "no extension for hf)")
     cur.add_argument("--group-key", metavar="COL",
                      help="group rows by this per-row column instead of the store's group key")
 
@@ -344,8 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
              "rejected_reward, margin, chosen_row, rejected_row.",
              "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer\n"
              "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
-             "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n",
-             [common, out, rows, tok, cur])
+             "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n"
+             + EXIT_CODES + "\n", [common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--min-margin", type=float, default=0.0, metavar="M",
@@ -357,32 +432,33 @@ def build_parser() -> argparse.ArgumentParser:
              "prompt_ids, completion_ids and the pre-tokenized input_ids (prompt + completion) with\n"
              "completion_mask. Always added: the group key, reward, rank (0 = best), row.",
              "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
-             "  diskreplay best-of-n runs/grpo/replay sft.parquet --format parquet --k 4\n",
-             [common, out, rows, tok, cur])
+             "  diskreplay best-of-n runs/grpo/replay sft.parquet --k 4\n"
+             + EXIT_CODES + "\n", [common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
-    p.add_argument("--k", type=int, default=1, metavar="K", help="completions per group (default: 1)")
+    p.add_argument("--k", type=_positive_int, default=1, metavar="K", help="completions per group (default: 1)")
     p.add_argument("--min-reward", type=float, metavar="R",
                    help="only completions with reward >= R (default: no threshold)")
 
     p = _sub(subs, "compact", cmd_compact, "rewrite live rows into fewer, larger segments",
              "Rewrite the live rows into fewer, larger segments in one atomic commit (readers that\n"
              "have the store open keep working). Takes the writer lock: stop the writer first.",
-             "  diskreplay compact runs/grpo/replay\n", [common])
+             "  diskreplay compact runs/grpo/replay\n" + EXIT_CODES + "\n", [common])
     p.add_argument("path", metavar="PATH", help="store directory")
 
     p = _sub(subs, "verify", cmd_verify, "check a store's files and checksums",
              "Check every committed file of a store (sizes, checksums, manifests, group sidecars).\n"
              "Exit status 0 when the store is healthy, 1 when problems were found.",
              "  diskreplay verify runs/grpo/replay\n"
-             "  diskreplay verify runs/grpo/replay --json\n", [common])
+             "  diskreplay verify runs/grpo/replay --json\n" + EXIT_CODES + " (1 also: problems found)\n",
+             [common])
     p.add_argument("path", metavar="PATH", help="store directory")
 
     p = _sub(subs, "repair", cmd_repair, "repair what verify finds",
              "Repair a damaged store (fall back to the newest intact commit, remove garbage).\n"
-             "--dry-run lists the actions without changing anything.",
+             "--dry-run lists the actions a repair would report, without changing anything.",
              "  diskreplay repair runs/grpo/replay --dry-run\n"
-             "  diskreplay repair runs/grpo/replay\n", [common])
+             "  diskreplay repair runs/grpo/replay\n" + EXIT_CODES + "\n", [common])
     p.add_argument("path", metavar="PATH", help="store directory")
     p.add_argument("--dry-run", action="store_true", help="only list what would be done")
     return parser
@@ -404,7 +480,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted; no partial output was kept", file=sys.stderr)
+        if args.command == "import" and args.append:
+            what = "the chunks committed before it stay in the store"
+        elif args.command in ("export", "import", "pairs", "best-of-n"):
+            what = "no partial output was left"
+        else:
+            what = "the store is as it was or fully updated, never half"
+        print(f"{PROG} {args.command}: interrupted; {what}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout piped into e.g. head: the work is done, stop writing quietly
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -99,3 +99,55 @@ class RowsEvictedError(DiskReplayError, IndexError):
     ...     print(exc)
     row 0 is not in the store: live rows are [1, 2) (it was evicted)
     """
+
+
+class StoreNotFoundError(DiskReplayError, FileNotFoundError):
+    """A path that should hold a store does not (it is missing, a file, or a
+    directory without a store in it). Nothing was created there.
+
+    >>> import tempfile
+    >>> from diskreplay.export import store_info
+    >>> try:
+    ...     store_info(tempfile.gettempdir() + "/no/such/store")
+    ... except StoreNotFoundError as exc:
+    ...     print(str(exc).split(" (")[0].startswith("no diskreplay store at"))
+    True
+    """
+
+
+class ExportError(DiskReplayError, ValueError):
+    """Bad input to an export, import or curation: an unknown column, a bad
+    mapping, an unparsable line, a tokenizer that does not load, an output
+    name whose extension names another format.
+
+    >>> issubclass(ExportError, ValueError)
+    True
+    """
+
+
+class OutputExistsError(DiskReplayError, FileExistsError):
+    """The output path exists and ``overwrite`` was not given (or it exists
+    and is not something an export may replace).
+
+    >>> issubclass(OutputExistsError, FileExistsError)
+    True
+    """
+
+
+class MissingDependencyError(DiskReplayError, ImportError):
+    """An optional library (zarr, datasets, tqdm, a tokenizer library) is missing;
+    the message names the extra that installs it.
+
+    >>> issubclass(MissingDependencyError, ImportError)
+    True
+    """
+
+
+class EvictionRefusedError(ExportError):
+    """An append (``import --append``) would evict rows the target store
+    already holds because of its capacity; nothing was written. The message
+    says how many; pass ``allow_evict=True`` (``--allow-evict``) to append anyway.
+
+    >>> issubclass(EvictionRefusedError, ExportError)
+    True
+    """

@@ -6,8 +6,10 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,33 @@ def test_usage_errors_exit_2(capsys):
     assert cli(capsys)[0] == 2
 
 
+@pytest.mark.parametrize("args, message", [
+    (["export", "{store}", "{tmp}/o.parquet", "--compression", "brotli2"], "snappy, zstd, gzip"),
+    (["export", "{store}", "{tmp}/o.parquet", "--chunk-mb", "0"], "positive number of MiB"),
+    (["export", "{store}", "{tmp}/o.parquet", "--chunk-mb", "-1"], "positive number of MiB"),
+    (["export", "{store}", "{tmp}/o.parquet", "--chunk-mb", "nan"], "positive number of MiB"),
+    (["export", "{store}", "{tmp}/o.parquet", "--limit", "-3"], "non-negative"),
+    (["best-of-n", "{store}", "{tmp}/b.jsonl", "--k", "0"], "positive integer"),
+    (["import", "{tmp}/d.jsonl", "{tmp}/s", "--capacity", "0"], "positive integer"),
+    (["import", "{tmp}/d.jsonl", "{tmp}/s", "--chunk-rows", "0"], "positive integer"),
+    (["import", "{tmp}/d.jsonl", "{tmp}/s", "--group-key", "a", "--no-group-key"], "not allowed with"),
+])
+def test_bad_option_values_are_usage_errors_before_any_work(capsys, store, tmp_path, args, message):
+    """Checked by the parser (exit 2, one message naming the option), so nothing is opened or written."""
+    before = sorted(os.listdir(tmp_path))
+    rc, out, err = cli(capsys, *[a.format(store=store, tmp=tmp_path) for a in args])
+    assert rc == 2 and message in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_exit_codes_are_documented(capsys):
+    for args in ([], ["export"], ["import"], ["repair"]):
+        rc, out, _ = cli(capsys, *args, "--help")
+        assert rc == 0 and "130 interrupted" in out, args
+    readme = (ROOT / "README.md").read_text()
+    assert "130" in readme.split("## The `diskreplay` command")[1].split("##")[0]
+
+
 # --------------------------------------------------------------------------
 # each subcommand in a real process
 # --------------------------------------------------------------------------
@@ -146,6 +175,20 @@ def test_verify_and_repair(store):
     res = json.loads(run("verify", store, "--json").stdout)
     assert res["ok"] is True
     run("repair", store, "--dry-run")
+
+
+@pytest.mark.skipif(not HAS_VERIFY, reason="diskreplay.verify is not there yet")
+def test_repair_dry_run_wording(capsys, store):
+    with ReplayStore(store, readonly=True) as s:
+        sidecar = os.path.join(store, s.manifest.segments[0].groups_file)
+    os.remove(sidecar)
+    rc, out, _ = cli(capsys, "repair", store, "--dry-run")
+    assert rc == 0 and "would do" not in out
+    head, *actions = out.strip().splitlines()
+    assert head == f"{store}: dry run, nothing was changed; 'diskreplay repair {store}' would report:"
+    assert actions and actions[0].startswith("  - rebuilt ") and not os.path.exists(sidecar)
+    rc, out, _ = cli(capsys, "repair", store)
+    assert rc == 0 and out.startswith(f"{store}: repaired:\n  - rebuilt ") and os.path.exists(sidecar)
 
 
 @pytest.mark.skipif(not HAS_VERIFY, reason="diskreplay.verify is not there yet")
@@ -221,7 +264,7 @@ def test_import_with_mapping_and_skip_bad(capsys, tmp_path):
     (["import", "{tmp}/dump.jsonl", "{tmp}/s", "--columns", "nope"], "'nope' is not in"),
     (["import", "{tmp}/nothing.jsonl", "{tmp}/s"], "does not exist"),
     (["pairs", "{store}", "{tmp}/p.jsonl", "--reward-key", "nope"], "no reward column"),
-    (["best-of-n", "{store}", "{tmp}/b.jsonl", "--k", "0"], "positive"),
+    (["best-of-n", "{store}", "{tmp}/b.jsonl", "--group-key", "rewards_nope"], "cannot group by"),
     (["info", "{tmp}/no_store"], "no diskreplay store"),
 ])
 def test_expected_errors_exit_1_without_traceback(capsys, store, tmp_path, args, message):
@@ -260,3 +303,305 @@ def test_interrupted_export_leaves_nothing(capsys, store, tmp_path, monkeypatch,
         rc, _, err = cli(capsys, "export", store, out_dir / f"o.{fmt}", "--format", fmt, "--chunk-mb", "0.0005")
         assert rc == code and calls["n"] == 2, err
         assert os.listdir(out_dir) == []
+
+
+# --------------------------------------------------------------------------
+# no command but import creates a store
+# --------------------------------------------------------------------------
+
+STORE_COMMANDS = [["info"], ["compact"], ["verify"], ["repair"], ["repair", "--dry-run"],
+                  ["export", "{tmp}/o.parquet"], ["pairs", "{tmp}/p.jsonl"], ["best-of-n", "{tmp}/b.jsonl"]]
+
+
+@pytest.mark.parametrize("where", ["missing", "empty dir", "file", "other dir"])
+@pytest.mark.parametrize("command", STORE_COMMANDS, ids=lambda c: " ".join(c).split(" {")[0])
+def test_a_path_without_a_store_is_refused_and_left_alone(capsys, tmp_path, command, where):
+    target = tmp_path / "target"
+    if where == "empty dir":
+        target.mkdir()
+    elif where == "file":
+        target.write_text("not a store")
+    elif where == "other dir":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    args = [command[0], target] + [a.format(tmp=tmp_path) for a in command[1:]]
+    rc, out, err = cli(capsys, *args)
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"diskreplay {command[0]}: error: no diskreplay store at {target} (")
+    assert "Errno" not in err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_compact_of_a_file_in_a_real_process(tmp_path):
+    (tmp_path / "afile.txt").write_text("x")
+    p = run("compact", tmp_path / "afile.txt", ok=False)
+    assert p.returncode == 1 and "Errno 17" not in p.stderr and "no diskreplay store at" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["afile.txt"]
+
+
+def test_import_still_creates_a_store(capsys, store, tmp_path):
+    assert cli(capsys, "export", store, tmp_path / "o.parquet")[0] == 0
+    (tmp_path / "empty").mkdir()
+    rc, _, err = cli(capsys, "import", tmp_path / "o.parquet", tmp_path / "empty", "--overwrite")
+    assert rc == 0, err
+    with ReplayStore(str(tmp_path / "empty"), readonly=True) as s:
+        assert len(s) == 24
+
+
+# --------------------------------------------------------------------------
+# the output format follows the output's name
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, fmt", [("y.jsonl", "jsonl"), ("y.JSON", "jsonl"), ("y.ndjson", "jsonl"),
+                                       ("y.parquet", "parquet"), ("y.pq", "parquet"), ("y.zarr", "zarr"),
+                                       ("y", "hf")])
+def test_export_format_comes_from_the_name(capsys, store, tmp_path, name, fmt):
+    pytest.importorskip({"zarr": "zarr", "hf": "datasets"}.get(fmt, "json"))
+    rc, out, err = cli(capsys, "export", store, tmp_path / name, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["format"] == fmt
+    path = tmp_path / name
+    if fmt == "jsonl":
+        assert [json.loads(line)["prompt_id"] for line in open(path)][:2] == ["q0", "q0"]
+    elif fmt == "parquet":
+        assert pq.read_table(str(path)).num_rows == 24
+    elif fmt == "zarr":
+        assert (path / "zarr.json").exists()
+    else:
+        import datasets
+
+        assert len(datasets.load_from_disk(str(path))) == 24
+
+
+def test_export_name_and_format_must_agree(capsys, store, tmp_path):
+    rc, _, err = cli(capsys, "export", store, tmp_path / "y.jsonl", "-f", "parquet")
+    assert rc == 1 and "y.jsonl ends in .jsonl" in err and "--force" in err
+    rc, _, err = cli(capsys, "export", store, tmp_path / "y.csv")
+    assert rc == 1 and "cannot tell the output format" in err and "--format" in err
+    rc, _, err = cli(capsys, "export", store, tmp_path / "y.jsonl.gz")
+    assert rc == 1 and "compress" in err
+    rc, _, err = cli(capsys, "export", store, tmp_path / "y.jsonl.gz", "-f", "jsonl")
+    assert rc == 1 and "--force" in err
+    rc, _, err = cli(capsys, "export", store, tmp_path / "y.csv", "-f", "jsonl", "--compression", "zstd")
+    assert rc == 1 and "applies to parquet" in err
+    assert os.listdir(tmp_path) == ["store"]
+    # an explicit format for a name without a known extension, and --force
+    assert cli(capsys, "export", store, tmp_path / "y.csv", "-f", "jsonl")[0] == 0
+    assert len(open(tmp_path / "y.csv").readlines()) == 24
+    assert cli(capsys, "export", store, tmp_path / "y.jsonl", "-f", "parquet", "--force")[0] == 0
+    assert pq.read_table(str(tmp_path / "y.jsonl")).num_rows == 24
+
+
+def test_pairs_and_best_of_n_take_the_format_from_the_name(capsys, store, tmp_path):
+    assert cli(capsys, "pairs", store, tmp_path / "dpo.parquet")[0] == 0
+    assert pq.read_table(str(tmp_path / "dpo.parquet")).num_rows == 6
+    assert cli(capsys, "best-of-n", store, tmp_path / "sft.parquet", "--k", "2")[0] == 0
+    assert pq.read_table(str(tmp_path / "sft.parquet")).num_rows == 12
+    rc, _, err = cli(capsys, "pairs", store, tmp_path / "dpo.zarr")
+    assert rc == 1 and "writes jsonl, parquet, hf" in err
+    rc, _, err = cli(capsys, "best-of-n", store, tmp_path / "sft.jsonl", "-f", "parquet")
+    assert rc == 1 and "--force" in err
+
+
+@pytest.mark.parametrize("fmt", ["hf", "zarr"])
+def test_overwrite_never_replaces_a_directory_of_other_things(capsys, store, tmp_path, fmt):
+    pytest.importorskip({"hf": "datasets", "zarr": "zarr"}[fmt])
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "thesis.tex").write_text("years of it")
+    rc, _, err = cli(capsys, "export", store, work, "-f", fmt, "--overwrite")
+    assert rc == 1 and "refusing to replace" in err
+    assert os.listdir(work) == ["thesis.tex"]
+    rc, _, err = cli(capsys, "import", store, work, "--overwrite")
+    assert rc == 1 and "refusing to replace" in err and os.listdir(work) == ["thesis.tex"]
+    # an earlier export of the same kind is replaced
+    assert cli(capsys, "export", store, tmp_path / "out", "-f", fmt)[0] == 0
+    assert cli(capsys, "export", store, tmp_path / "out", "-f", fmt, "--overwrite", "--limit", "3")[0] == 0
+
+
+def test_group_key_errors_are_said_once(capsys, store, tmp_path):
+    rc, _, err = cli(capsys, "pairs", store, tmp_path / "p.jsonl", "--group-key", "nope")
+    assert rc == 1 and err.count("cannot group by") == 1 and "prompt_id" in err
+    rc, _, err = cli(capsys, "pairs", store, tmp_path / "p.jsonl", "--group-key", "completion_ids")
+    assert rc == 1 and "a ragged column" in err
+    # a float column is a valid (if odd) key: its values, not a cast to int, are written
+    rc, _, err = cli(capsys, "best-of-n", store, tmp_path / "b.parquet", "--group-key", "rewards")
+    assert rc == 0, err
+    t = pq.read_table(str(tmp_path / "b.parquet"))
+    with ReplayStore(store, readonly=True) as s:
+        assert sorted(t["rewards"].to_pylist()) == sorted(s.read(s.row_ids())["rewards"].tolist())
+
+
+# --------------------------------------------------------------------------
+# import --append into a store with a capacity
+# --------------------------------------------------------------------------
+
+def capped_store(path, rows=1024, capacity=1024, capacity_bytes=None):
+    with ReplayStore(path, capacity=capacity, capacity_bytes=capacity_bytes) as s:
+        s.extend({"prompt_id": [f"c{i // 4}" for i in range(rows)], "completion_ids": [[1, 2, 3]] * rows,
+                  "rewards": np.ones(rows, dtype=np.float32)})
+    return str(path)
+
+
+SAME_COLUMNS = ["--columns", "prompt_id,completion_ids,rewards"]
+
+
+def test_append_that_would_evict_is_refused(capsys, store, tmp_path):
+    target = capped_store(tmp_path / "capped")
+    with ReplayStore(target, readonly=True) as s:
+        gen = s.generation
+    rc, _, err = cli(capsys, "import", store, target, "--append", *SAME_COLUMNS)
+    assert rc == 1 and "would evict 24 of the 1,024 rows it holds" in err and "--allow-evict" in err
+    assert err.count("\n") == 1
+    with ReplayStore(target, readonly=True) as s:
+        assert (len(s), s.head, s.generation) == (1024, 0, gen)
+    rc, out, err = cli(capsys, "import", store, target, "--append", "--allow-evict", *SAME_COLUMNS)
+    assert rc == 0, err
+    with ReplayStore(target, readonly=True) as s:
+        assert (len(s), s.head) == (1024, 24)
+
+
+def test_append_below_capacity_needs_no_flag(capsys, store, tmp_path):
+    target = capped_store(tmp_path / "capped", rows=1000)
+    assert cli(capsys, "import", store, target, "--append", *SAME_COLUMNS)[0] == 0
+    with ReplayStore(target, readonly=True) as s:
+        assert (len(s), s.head) == (1024, 0)
+
+
+def test_append_jsonl_counts_the_rows_that_would_really_be_appended(capsys, tmp_path):
+    """A JSONL dump's rows are counted exactly before anything is written (bad lines skipped)."""
+    target = capped_store(tmp_path / "capped", rows=1000)
+    src = tmp_path / "d.jsonl"
+    lines = [json.dumps({"prompt_id": f"j{i}", "completion_ids": [5], "rewards": 0.5}) for i in range(30)]
+    lines[3] = "not json"
+    src.write_text("\n".join(lines) + "\n")
+    rc, _, err = cli(capsys, "import", src, target, "--append", "--skip-bad")
+    assert rc == 1 and "appending 29 rows" in err and "would evict 5 of the 1,000" in err
+    with ReplayStore(target, readonly=True) as s:
+        assert len(s) == 1000
+    rc, out, err = cli(capsys, "import", src, target, "--append", "--skip-bad", "--allow-evict")
+    assert rc == 0 and "skipped 1 bad line" in out
+    with ReplayStore(target, readonly=True) as s:
+        assert (len(s), s.head) == (1024, 5)
+
+
+def test_append_under_a_byte_capacity_is_refused(capsys, store, tmp_path):
+    with ReplayStore(str(tmp_path / "big"), capacity=None) as s:
+        s.extend({"prompt_id": [f"b{i // 4}" for i in range(2000)], "completion_ids": [np.arange(50)] * 2000,
+                  "rewards": np.ones(2000, dtype=np.float32)})
+        nbytes = s.nbytes
+    target = capped_store(tmp_path / "capped", rows=300, capacity=None, capacity_bytes=nbytes)
+    with ReplayStore(target, readonly=True) as s:
+        assert s.head == 0
+    rc, _, err = cli(capsys, "import", tmp_path / "big", target, "--append")
+    assert rc == 1 and "would evict about 300 of the 300 rows" in err
+    with ReplayStore(target, readonly=True) as s:
+        assert (len(s), s.head) == (300, 0)
+    # the estimate was right: appended anyway, the store drops every row it had
+    assert cli(capsys, "import", tmp_path / "big", target, "--append", "--allow-evict")[0] == 0
+    with ReplayStore(target, readonly=True) as s:
+        assert s.head == 300 and len(s) == 2000
+
+
+# --------------------------------------------------------------------------
+# Ctrl-C: a real process, a real SIGINT in the middle of the write
+# --------------------------------------------------------------------------
+
+# Runs the command with a slowed-down step and touches READY when it is
+# reached, so that the SIGINT lands in the middle of the write whatever the
+# machine's speed, instead of racing a fast export:
+# - "read": every store read after the second takes >= 20 ms (200 chunks to go);
+# - "zarr": zarr's own file writes (on its worker threads while the main
+#   thread waits for them) take 20 ms, the third one 1 s: the signal arrives
+#   while the main thread waits inside zarr, where a KeyboardInterrupt used to
+#   leave zarr's workers writing into the removed temporary directory (and
+#   re-creating it) before the process exited.
+SLOW_CHILD = """
+import pathlib, sys, time
+from diskreplay import ReplayStore
+from diskreplay.cli import main
+mode, ready, calls = sys.argv[1], pathlib.Path(sys.argv[2]), [0]
+if mode == "read":
+    real = ReplayStore.read
+    def read(self, rows, columns=None):
+        calls[0] += 1
+        if calls[0] == 3:
+            ready.touch()
+        if calls[0] >= 3:
+            time.sleep(0.02)
+        return real(self, rows, columns)
+    ReplayStore.read = read
+else:
+    import zarr.storage._local as local
+    real = local._put
+    def put(path, value, exclusive=False):
+        calls[0] += 1
+        if calls[0] == 3:
+            ready.touch()
+        time.sleep(1.0 if calls[0] == 3 else 0.02)
+        return real(path, value, exclusive=exclusive)
+    local._put = put
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def big_store(tmp_path_factory):
+    """20,000 rows (10 MB): at --chunk-mb 0.05 an export writes 200 chunks."""
+    path = tmp_path_factory.mktemp("big") / "store"
+    rng = np.random.default_rng(0)
+    with ReplayStore(str(path)) as s:
+        s.extend({"prompt_id": np.arange(20_000) // 8,
+                  "completion_ids": list(rng.integers(0, 30000, (20_000, 64)).astype(np.int32)),
+                  "old_per_token_logps": list(-rng.random((20_000, 64)).astype(np.float32)),
+                  "rewards": rng.random(20_000)})
+    return str(path)
+
+
+def interrupt(tmp_path, args, out_name, slow="read"):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CHILD, slow, str(ready), *map(str, args)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ready.exists() and (out_name is None or any(f.startswith(f".{out_name}.")
+                                                               for f in os.listdir(tmp_path)))):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the export never started writing"
+            time.sleep(0.01)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("fmt, slow", [("zarr", "zarr"), ("parquet", "read"), ("jsonl", "read"), ("hf", "read")])
+def test_ctrl_c_during_export_leaves_nothing(big_store, tmp_path, fmt, slow):
+    pytest.importorskip({"zarr": "zarr", "hf": "datasets"}.get(fmt, "json"))
+    name = "out." + {"hf": "ds"}.get(fmt, fmt)
+    rc, out, err = interrupt(tmp_path, ["export", big_store, tmp_path / name, "-f", fmt, "--chunk-mb", "0.05"],
+                             name, slow)
+    assert rc == 130, err
+    assert err == "diskreplay export: interrupted; no partial output was left\n"
+    time.sleep(0.5)  # nothing may appear later either (a library thread still writing)
+    assert sorted(os.listdir(tmp_path)) == ["ready"]
+
+
+def test_ctrl_c_during_import_leaves_nothing(big_store, tmp_path):
+    rc, out, err = interrupt(tmp_path, ["import", big_store, tmp_path / "copy", "--chunk-rows", "50"], "copy")
+    assert rc == 130 and err == "diskreplay import: interrupted; no partial output was left\n"
+    assert sorted(os.listdir(tmp_path)) == ["ready"]
+
+
+def test_ctrl_c_during_import_append_keeps_whole_chunks(big_store, tmp_path):
+    target = tmp_path / "target"
+    with ReplayStore(str(target)) as s:
+        s.extend({"prompt_id": [0], "completion_ids": [[1]], "old_per_token_logps": [[-0.5]], "rewards": [1.0]})
+    rc, out, err = interrupt(tmp_path, ["import", big_store, target, "--append", "--chunk-rows", "50"], None)
+    assert rc == 130 and err.count("\n") == 1 and "committed before it stay" in err
+    with ReplayStore(str(target), readonly=True) as s:
+        assert 1 < len(s) < 20_001 and (len(s) - 1) % 50 == 0

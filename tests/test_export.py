@@ -602,3 +602,141 @@ def test_import_jsonl_column_missing_from_first_lines(tmp_path):
     import_rollouts(src, str(tmp_path / "s"), chunk_rows=2)
     with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
         assert s.read(s.row_ids())["ref_logps"].to_list() == [None] * 4 + [[-0.25]]
+
+
+# --------------------------------------------------------------------------
+# token ids must be integers, in every source (issue 12 item 8)
+# --------------------------------------------------------------------------
+
+def _bad_ids_table(kind):
+    """Rows 0-3 fine-looking, row 2 of completion_ids of the given bad kind."""
+    ids = {"floats": [[1.0, 2.0], [3.0], [4.5, 5.0], [6.0]],
+           "strings": [["1", "2"], ["3"], ["4"], ["5"]],
+           "scalar strings": ["1 2", "3", "4", "5"],
+           "scalar floats": [1.0, 2.0, 3.0, 4.0]}[kind]
+    return pa.table({"prompt_id": [0, 0, 1, 1], "completion_ids": ids, "rewards": [1.0, 0.0, 1.0, 0.5]})
+
+
+@pytest.mark.parametrize("kind, what", [("floats", "double values (1.0)"), ("strings", "string values ('1')"),
+                                        ("scalar strings", "a string per row ('1 2')"),
+                                        ("scalar floats", "a double per row (1.0)")])
+def test_import_parquet_refuses_non_integer_token_ids(tmp_path, kind, what):
+    src = tmp_path / "bad.parquet"
+    pq.write_table(_bad_ids_table(kind), str(src))
+    with pytest.raises(ExportError) as e:
+        import_rollouts(str(src), str(tmp_path / "s"))
+    msg = str(e.value)
+    assert msg.startswith(f"{src}, row 0: column 'completion_ids' holds {what}") and "integers" in msg
+    assert sorted(os.listdir(tmp_path)) == ["bad.parquet"]
+
+
+def test_import_names_the_row_across_files_and_chunks(tmp_path):
+    d = tmp_path / "parts"
+    d.mkdir()
+    good = pa.table({"prompt_id": [0] * 10, "completion_ids": [[1, 2]] * 10})
+    pq.write_table(good, str(d / "a.parquet"))
+    bad = pa.table({"prompt_id": [1] * 10, "completion_ids": [[]] * 7 + [[3.5]] + [[4.0]] * 2})
+    pq.write_table(bad, str(d / "b.parquet"))
+    with pytest.raises(ExportError, match=r"b\.parquet, row 7: column 'completion_ids' holds double values \(3\.5\)"):
+        import_rollouts(str(d), str(tmp_path / "s"), chunk_rows=4)
+    assert not (tmp_path / "s").exists()
+
+
+def test_import_jsonl_float_or_string_ids_are_bad_lines(tmp_path):
+    rows = [{"prompt_id": 0, "completion_ids": [1, 2], "rewards": 1.0},
+            {"prompt_id": 0, "completion_ids": [3, 4.5], "rewards": 0.0},
+            {"prompt_id": 1, "completion_ids": [5], "rewards": 1.0},
+            {"prompt_id": 1, "completion_ids": ["6"], "rewards": 0.0},
+            {"prompt_id": 2, "completion_ids": [7.0], "rewards": 1.0}]
+    src = write_dump(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ExportError, match=r"d\.jsonl:2: column 'completion_ids' holds 4\.5 at position 1; token "
+                                          r"ids must be integers \(pass --skip-bad"):
+        import_rollouts(src, str(tmp_path / "s"))
+    assert not (tmp_path / "s").exists()
+    # --skip-bad keeps its documented meaning: bad lines are skipped and counted
+    res = import_rollouts(src, str(tmp_path / "s"), skip_bad=True)
+    assert (res["rows"], res["skipped"]) == (2, 3)
+    assert [line.split(": ")[0].rsplit(":", 1)[1] for line in res["bad_lines"]] == ["2", "4", "5"]
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        assert s.schema["completion_ids"].dtype == "int32"
+        assert s.read(s.row_ids())["completion_ids"].to_list() == [[1, 2], [5]]
+
+
+def test_import_hf_refuses_float_ids(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"prompt_id": [0, 1], "completion_ids": [[1.0, 2.0], [3.25]]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(ExportError, match=r"ds, row 0: column 'completion_ids' holds double values"):
+        import_rollouts(str(tmp_path / "ds"), str(tmp_path / "s"))
+    assert not (tmp_path / "s").exists()
+
+
+def test_import_zarr_refuses_float_ids(store, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    out = str(tmp_path / "a.zarr")
+    export_zarr(store, out, columns=["prompt_id", "completion_ids", "rewards"])
+    g = zarr.open_group(out, mode="r+")
+    values = g["columns/completion_ids/values"][:]
+    del g["columns/completion_ids/values"]
+    g.create_array("columns/completion_ids/values", data=values.astype(np.float32) + 0.5)
+    with pytest.raises(ExportError, match=r"a\.zarr, row \d+: column 'completion_ids' holds float values"):
+        import_rollouts(out, str(tmp_path / "s"))
+    assert not (tmp_path / "s").exists()
+
+
+def test_import_keeps_extends_alignment_rule_and_says_where(tmp_path):
+    """Per-token floats must align with the completions: extend's check, located in the file."""
+    t = pa.table({"prompt_id": list(range(10)), "completion_ids": [[1, 2]] * 10,
+                  "old_per_token_logps": [[-0.5, -0.5]] * 6 + [[-0.5]] + [[-0.5, -0.5]] * 3})
+    pq.write_table(t, str(tmp_path / "m.parquet"))
+    with pytest.raises(ExportError) as e:
+        import_rollouts(str(tmp_path / "m.parquet"), str(tmp_path / "s"), chunk_rows=4)
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'm.parquet'}, rows 4-7: ") and "'old_per_token_logps'" in msg
+    assert "row 2" in msg and "counts the rows of" in msg
+    assert not (tmp_path / "s").exists()
+
+
+def test_info_on_a_store_whose_ids_are_not_ragged(tmp_path):
+    """A store written before imports were checked may hold token ids as strings; info still works."""
+    with ReplayStore(str(tmp_path / "s")) as s:
+        s.extend({"prompt_id": [0, 1], "completion_ids": ["1 2", "3"], "rewards": [1.0, 0.0]})
+    info = store_info(str(tmp_path / "s"))
+    assert info["rows"] == 2 and info["tokens"] == {} and info["stats"]["rewards"]["count"] == 2
+
+
+def test_the_error_classes_live_in_errors_and_keep_their_old_homes():
+    import diskreplay
+    import diskreplay.errors as errors
+    import diskreplay.export as export_pkg
+    import diskreplay.export._common as common
+
+    for name in ("ExportError", "OutputExistsError", "MissingDependencyError", "EvictionRefusedError",
+                 "StoreNotFoundError"):
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.DiskReplayError) and cls.__module__ == "diskreplay.errors"
+        assert getattr(diskreplay, name) is cls and name in diskreplay.__all__
+        assert getattr(export_pkg, name) is cls and name in export_pkg.__all__
+    assert common.ExportError is errors.ExportError
+
+
+def test_no_bare_builtin_errors_are_raised_from_cli_and_export():
+    """Every ``raise`` in the CLI and the export package raises one of our classes (or re-raises)."""
+    import ast
+    import pathlib
+
+    import diskreplay
+
+    root = pathlib.Path(diskreplay.__file__).parent
+    ours = {n for n in dir(__import__("diskreplay.errors", fromlist=["x"])) if n.endswith("Error")}
+    ours |= {"KeyboardInterrupt", "ArgumentTypeError"}  # Ctrl-C re-raised; argparse's own usage error
+    helpers = {"missing_store", "_null_rows_error"}  # functions returning one of ours
+    bad = []
+    for path in [root / "cli.py", *sorted((root / "export").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                name = exc.id if isinstance(exc, ast.Name) else getattr(exc, "attr", None)
+                if name not in ours and name not in helpers:
+                    bad.append(f"{path.name}:{node.lineno} raises {name}")
+    assert bad == []

@@ -11,6 +11,8 @@ data), and every output appears under its final name only once complete.
   framework's JSONL / Parquet rollout dump with a column mapping.
 - :func:`preference_pairs`, :func:`best_of_n`: TRL-ready DPO pairs and SFT sets.
 - :func:`store_info`: rows, groups, bytes, tokens, reward statistics.
+- :func:`output_format`: the format an output name asks for; :func:`is_store`
+  / :func:`require_store`: whether a path holds a store (never creating one).
 
 zarr, datasets, tqdm and transformers/tokenizers are optional and imported
 only when used (``pip install 'diskreplay[zarr]'``, ``[hf]``, ``[progress]``,
@@ -19,8 +21,9 @@ only when used (``pip install 'diskreplay[zarr]'``, ``[hf]``, ``[progress]``,
 >>> from diskreplay.export import export_parquet, import_rollouts
 """
 
-from ._common import (ExportError, MissingDependencyError, OutputExistsError, RowFilter, TextDecoder,
-                      load_tokenizer)
+from ..errors import (EvictionRefusedError, ExportError, MissingDependencyError, OutputExistsError,
+                      StoreNotFoundError)
+from ._common import RowFilter, TextDecoder, is_store, load_tokenizer, output_format, require_store
 from .curate import best_of_n, preference_pairs
 from .importer import ALIASES, import_rollouts
 from .info import format_info, store_info
@@ -29,10 +32,12 @@ from .zarr_archive import export_zarr
 
 __all__ = [
     "ALIASES",
+    "EvictionRefusedError",
     "ExportError",
     "MissingDependencyError",
     "OutputExistsError",
     "RowFilter",
+    "StoreNotFoundError",
     "TextDecoder",
     "best_of_n",
     "export",
@@ -42,7 +47,10 @@ __all__ = [
     "export_zarr",
     "format_info",
     "import_rollouts",
+    "is_store",
     "load_tokenizer",
+    "output_format",
     "preference_pairs",
+    "require_store",
     "store_info",
 ]

@@ -12,7 +12,9 @@ import importlib.util
 import os
 import secrets
 import shutil
+import signal
 import sys
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +24,10 @@ import numpy as np
 import pyarrow as pa
 
 from .._fileio import fsync_dir
-from ..errors import DiskReplayError
+# the error classes live in diskreplay.errors; imported here so that
+# ``from diskreplay.export import ExportError`` (the old home) keeps working
+from ..errors import (DiskReplayError, ExportError, MissingDependencyError, OutputExistsError,  # noqa: F401
+                      StoreNotFoundError)
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, VECTOR, ColumnSpec, Schema
 from ..store import ReplayStore
@@ -42,23 +47,6 @@ CHUNK_BYTES = 64 << 20
 TEXT_COLUMNS = ("prompt", "completion")
 
 
-class ExportError(DiskReplayError, ValueError):
-    """Bad input to an export, import or curation: an unknown column, a bad
-    mapping, an unparsable line, a tokenizer that does not load.
-
-    >>> issubclass(ExportError, ValueError)
-    True
-    """
-
-
-class OutputExistsError(DiskReplayError, FileExistsError):
-    """The output path exists and ``overwrite`` was not given."""
-
-
-class MissingDependencyError(DiskReplayError, ImportError):
-    """An optional library (zarr, datasets, tqdm, a tokenizer library) is missing."""
-
-
 def require(module: str, extra: str, what: str) -> Any:
     """Import an optional dependency or say which extra installs it.
 
@@ -72,17 +60,146 @@ def require(module: str, extra: str, what: str) -> Any:
                                      f"({exc}); install it with: pip install 'diskreplay[{extra}]'") from None
 
 
+def missing_store(path: PathLike) -> StoreNotFoundError:
+    """The error for a path that holds no store, with what is there instead.
+
+    >>> import tempfile
+    >>> print(missing_store(tempfile.gettempdir() + "/nope"))  # doctest: +ELLIPSIS
+    no diskreplay store at .../nope (the path does not exist)
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.lexists(path):
+        what = "the path does not exist"
+    elif not os.path.isdir(path):
+        what = "it is a file, not a directory"
+    elif not os.listdir(path):
+        what = "an empty directory"
+    else:
+        what = "a directory that holds no store; see docs/FORMAT.md"
+    return StoreNotFoundError(f"no diskreplay store at {path} ({what})")
+
+
+def require_store(path: PathLike) -> str:
+    """``path`` made absolute, or :class:`StoreNotFoundError` when no store is there.
+
+    Probes with a read-only open, which never creates anything. A store that
+    is there but damaged passes (``verify`` and ``repair`` exist for it); only
+    the absence of a store is refused.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> d = tempfile.mkdtemp()
+    >>> require_store(d)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.StoreNotFoundError: no diskreplay store at ... (an empty directory)
+    >>> ReplayStore(d).close(); require_store(d) == d
+    True
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not is_store(path):
+        raise missing_store(path)
+    return path
+
+
+def is_store(path: PathLike) -> bool:
+    """Whether a store (possibly damaged) is at ``path``; probes with a read-only open, creating nothing.
+
+    >>> import tempfile
+    >>> is_store(tempfile.gettempdir() + "/no/such/store")
+    False
+    """
+    try:
+        ReplayStore(path, readonly=True).close()
+    except FileNotFoundError:
+        return False
+    except DiskReplayError:
+        pass  # a damaged store is still a store
+    return True
+
+
 @contextmanager
 def open_store(store: StoreLike) -> Iterator[ReplayStore]:
-    """Yield ``store`` itself, or a read-only store opened at that path (closed after)."""
+    """Yield ``store`` itself, or a read-only store opened at that path (closed after).
+
+    A path without a store raises :class:`StoreNotFoundError`; nothing is created.
+    """
     if isinstance(store, ReplayStore):
         yield store
         return
-    s = ReplayStore(store, readonly=True)
+    try:
+        s = ReplayStore(store, readonly=True)
+    except FileNotFoundError:
+        raise missing_store(store) from None
     try:
         yield s
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C while an output is written
+
+
+class _Interrupts:
+    """Defers SIGINT to safe points while outputs are being written.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread happens to
+    be. Inside a zarr write that is in the middle of an ``asyncio`` call run
+    on zarr's own event-loop thread, which keeps writing into the temporary
+    directory after we removed it (a hidden ``.NAME.tmp-...`` came back) and
+    prints loop tracebacks. So while an output is written the first Ctrl-C
+    only sets a flag; the writer checks it between chunks (``check``), where
+    no library call is in flight, and raises ``KeyboardInterrupt`` there;
+    the usual clean-up then removes the temporary output. A second Ctrl-C
+    raises at once, as Python would. Only the main thread can own a signal
+    handler, and a handler the application installed is left alone: then
+    nothing is deferred.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.hits = 0
+        self.previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.hits += 1
+        if self.hits > 1:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.hits:
+            self.hits = 0
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        if self.depth:
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+            return
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+        self.hits, self.depth = 0, 1
+        signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield
+        finally:
+            self.depth = 0
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.check()  # a Ctrl-C after the last check still stops the program
+
+
+_INTERRUPTS = _Interrupts()
+#: ``with interrupts_deferred():`` Ctrl-C stops at the next :func:`check_interrupt`.
+interrupts_deferred = _INTERRUPTS.deferred
+#: raises ``KeyboardInterrupt`` when Ctrl-C was pressed inside :func:`interrupts_deferred`
+check_interrupt = _INTERRUPTS.check
 
 
 # ---------------------------------------------------------------------------
@@ -119,25 +236,40 @@ def _fsync_tree(path: str) -> None:
         fsync_dir(root)
 
 
-def check_output(out: PathLike, overwrite: bool) -> str:
-    """Absolute ``out``; raises if it exists (without ``overwrite``) or its directory does not."""
+def check_output(out: PathLike, overwrite: bool, replaceable: Any = None) -> str:
+    """Absolute ``out``; raises if it exists (without ``overwrite``) or its directory does not.
+
+    With ``overwrite``, an existing ``out`` is replaced only if
+    ``replaceable(out)`` says it may be (default: a file, or an empty
+    directory), so a typo never deletes a directory full of someone's work.
+    """
     out = os.path.abspath(os.fspath(out))
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output {out} does not exist; create {parent} first")
-    if os.path.lexists(out) and not overwrite:
-        raise OutputExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+    if os.path.lexists(out):
+        if not overwrite:
+            raise OutputExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+        ok = replaceable(out) if replaceable is not None else (
+            not os.path.isdir(out) or os.path.islink(out) or not os.listdir(out))
+        if not ok:
+            raise OutputExistsError(f"{out} exists and is not an output of this kind (it is a "
+                                    f"{'directory' if os.path.isdir(out) else 'file'} with other contents); "
+                                    "refusing to replace it even with --overwrite: remove it yourself or "
+                                    "choose another name")
     return out
 
 
 @contextmanager
-def atomic_output(out: PathLike, *, overwrite: bool, directory: bool) -> Iterator[str]:
+def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceable: Any = None) -> Iterator[str]:
     """Yield a temporary path beside ``out``; on success move it to ``out``.
 
     The temporary name starts with a dot in the same directory, so the final
     rename is atomic and an interrupted export leaves nothing under ``out``
     (an existing ``out`` is replaced only once the new one is complete). On
-    any error the temporary output is deleted and the error re-raised.
+    any error the temporary output is deleted and the error re-raised. Ctrl-C
+    is deferred to :func:`check_interrupt` points meanwhile (see
+    :class:`_Interrupts`), and checked once more before the rename.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp(); out = os.path.join(d, "a.txt")
@@ -146,27 +278,100 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool) -> Iterato
     >>> os.listdir(d), open(out).read()
     (['a.txt'], 'hi')
     """
-    out = check_output(out, overwrite)
-    tmp = _tmp_name(out, "tmp")
-    if directory:
-        os.mkdir(tmp)
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if os.path.lexists(out):
-            if not directory and not os.path.isdir(out):
-                os.replace(tmp, out)
+    out = check_output(out, overwrite, replaceable)
+    with interrupts_deferred():
+        tmp = _tmp_name(out, "tmp")
+        if directory:
+            os.mkdir(tmp)
+        try:
+            yield tmp
+            check_interrupt()
+            _fsync_tree(tmp)
+            if os.path.lexists(out):
+                if not directory and not os.path.isdir(out):
+                    os.replace(tmp, out)
+                else:
+                    old = _tmp_name(out, "old")
+                    os.rename(out, old)
+                    os.rename(tmp, out)
+                    remove_path(old)
             else:
-                old = _tmp_name(out, "old")
-                os.rename(out, old)
                 os.rename(tmp, out)
-                remove_path(old)
-        else:
-            os.rename(tmp, out)
-        fsync_dir(os.path.dirname(out))
-    except BaseException:
-        remove_path(tmp)
-        raise
+            fsync_dir(os.path.dirname(out))
+        except BaseException:
+            remove_path(tmp)
+            raise
+
+
+def replaceable_file(path: str) -> bool:
+    """``overwrite`` of a file output may replace a file (or a link), never a directory."""
+    return not os.path.isdir(path) or os.path.islink(path)
+
+
+def replaceable_dir(*markers: str) -> Any:
+    """``overwrite`` of a directory output may replace a file, an empty directory, or
+    a directory holding one of ``markers`` (an earlier output of the same kind)."""
+    def ok(path: str) -> bool:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return True
+        names = os.listdir(path)
+        return not names or any(m in names for m in markers)
+    return ok
+
+
+#: Output names: what each extension says the file is. A compressed suffix
+#: names no format we write (the bytes would not be what the name promises).
+EXTENSION_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
+                     ".json": "jsonl", ".zarr": "zarr"}
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")
+
+
+def output_format(out: PathLike, format: Optional[str] = None, *, formats: Sequence[str] = ("parquet", "jsonl",
+                  "hf", "zarr"), force: bool = False) -> str:
+    """The format to write ``out`` in: ``format``, or the one its name says.
+
+    Rules: ``.parquet`` / ``.pq`` are Parquet; ``.jsonl`` / ``.ndjson`` /
+    ``.json`` JSONL; ``.zarr`` a Zarr archive; a name without an extension
+    (or an existing directory) a Hugging Face dataset directory (``hf``).
+    Any other extension needs an explicit ``format``. An explicit ``format``
+    that disagrees with a known extension (``-f parquet out.jsonl``), or any
+    format for a compressed name (``.gz`` ...: nothing is written compressed),
+    is refused unless ``force``.
+
+    >>> output_format("rollouts.jsonl"), output_format("ds"), output_format("a.zarr", "zarr")
+    ('jsonl', 'hf', 'zarr')
+    >>> output_format("rollouts.jsonl", "parquet")
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.ExportError: rollouts.jsonl ends in .jsonl, which names jsonl, but the format asked is parquet; rename the output or pass --force (force=True) to write parquet into it anyway
+    """
+    path = os.fspath(out)
+    name = os.path.basename(os.path.normpath(path))
+    ext = os.path.splitext(name)[1].lower()
+    choices = ", ".join(formats)
+    if format is not None:
+        if format not in formats:
+            raise ExportError(f"format must be one of {choices}, got {format!r}")
+        implied = EXTENSION_FORMATS.get(ext)
+        if not force and (ext in _COMPRESSED or (implied is not None and implied != format)):
+            says = "a compressed file, which diskreplay does not write" if implied is None else f"{implied}"
+            raise ExportError(f"{name} ends in {ext}, which names {says}, but the format asked is {format}; "
+                              f"rename the output or pass --force (force=True) to write {format} into it anyway")
+        return format
+    if ext in EXTENSION_FORMATS:
+        fmt = EXTENSION_FORMATS[ext]
+    elif not ext or os.path.isdir(path):
+        fmt = "hf"
+    else:
+        hint = (f"; diskreplay writes uncompressed files: export to {name[:-len(ext)]} and compress that"
+                if ext in _COMPRESSED else "")
+        raise ExportError(f"cannot tell the output format from the name {name}: name it .parquet/.pq, "
+                          f".jsonl/.ndjson/.json, .zarr or without an extension (a Hugging Face dataset "
+                          f"directory), or pass --format ({choices}){hint}")
+    if fmt not in formats:
+        raise ExportError(f"{name} names a {fmt} output, but this command writes {choices}; "
+                          "choose another name or pass --format")
+    return fmt
 
 
 # ---------------------------------------------------------------------------
@@ -322,6 +527,17 @@ def per_row_value(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.float64, copy=False)
 
 
+def check_chunk_bytes(chunk_bytes: Any) -> int:
+    """``chunk_bytes`` as a positive int, or :class:`ExportError` naming the option.
+
+    >>> check_chunk_bytes(1 << 20)
+    1048576
+    """
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes <= 0:
+        raise ExportError(f"chunk_bytes (--chunk-mb) must be a positive number of bytes, got {chunk_bytes!r}")
+    return int(chunk_bytes)
+
+
 def plan_chunks(store: ReplayStore, chunk_bytes: int = CHUNK_BYTES) -> List[List[Tuple[int, int]]]:
     """The live rows as chunks of about ``chunk_bytes``, each a list of ``[lo, hi)`` pieces.
 
@@ -363,6 +579,7 @@ def iter_rows(store: ReplayStore, flt: Optional[RowFilter] = None, chunk_bytes: 
     flt.check(store)
     left = flt.limit
     for chunk in plan_chunks(store, chunk_bytes):
+        check_interrupt()
         out = []
         for lo, hi in chunk:
             if left is not None and left <= 0:

@@ -23,8 +23,8 @@ import pyarrow as pa
 
 from ..schema import RAGGED
 from ..store import ReplayStore
-from ._common import (CHUNK_BYTES, ExportError, StoreLike, make_filter, open_store, per_row_value, plan_chunks,
-                      progress_bar, resolve_tokenizer)
+from ._common import (CHUNK_BYTES, ExportError, StoreLike, make_filter, open_store, output_format, per_row_value,
+                      plan_chunks, progress_bar, resolve_tokenizer)
 from .writers import write_tables
 
 CURATE_FORMATS = ("jsonl", "parquet", "hf")
@@ -52,10 +52,12 @@ def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, polic
                           "a number (or a vector of numbers) per row")
     if "completion_ids" not in st.columns:
         raise ExportError(f"{what} needs a completion_ids column; the store has {', '.join(st.columns)}")
-    try:
-        gi = st.group_index(key)
-    except (KeyError, ValueError) as exc:
-        raise ExportError(f"cannot group by {key!r}: {exc.args[0] if exc.args else exc}") from None
+    per_row = [c for c in st.columns if st.schema[c].kind == "scalar"]
+    if key not in per_row:
+        what = "not a column of the store" if key not in st.columns else f"a {st.schema[key].kind} column"
+        raise ExportError(f"cannot group by {key!r}: it is {what}; --group-key takes a per-row column "
+                          f"({', '.join(per_row)})")
+    gi = st.group_index(key)
     flt = make_filter(policy_versions, None, None, reward_key)
     flt.check(st)
     head = st.head
@@ -118,10 +120,10 @@ def _prompt_column(st: ReplayStore, key: str, text: bool) -> Optional[str]:
     return None
 
 
-def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, format: str = "jsonl",
+def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, format: Optional[str] = None,
                      tokenizer: Any = None, skip_special_tokens: bool = False, group_key: Optional[str] = None,
                      reward_key: str = "rewards", policy_versions: Any = None, overwrite: bool = False,
-                     progress: bool = False) -> Dict[str, Any]:
+                     progress: bool = False, force: bool = False) -> Dict[str, Any]:
     """Write one chosen/rejected pair per group: its highest- vs lowest-reward completion.
 
     Groups with fewer than two eligible rows, or whose margin (highest minus
@@ -131,7 +133,8 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
     text; without, ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (the
     tokenized columns TRL's preference collator reads). Always added: the group
     key, ``chosen_reward``, ``rejected_reward``, ``margin``, ``chosen_row``,
-    ``rejected_row``. ``format`` is ``jsonl``, ``parquet`` or ``hf``.
+    ``rejected_row``. ``format`` is ``jsonl``, ``parquet`` or ``hf``; by default
+    it comes from ``out``'s name as for :func:`export` (``force`` as there).
 
     >>> import tempfile, os, json
     >>> from diskreplay import ReplayStore
@@ -145,8 +148,7 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
     >>> row["prompt_ids"], row["chosen_ids"], row["rejected_ids"], row["margin"]
     ([9], [6], [7], 1.0)
     """
-    if format not in CURATE_FORMATS:
-        raise ExportError(f"format must be one of {', '.join(CURATE_FORMATS)}, got {format!r}")
+    format = output_format(out, format, formats=CURATE_FORMATS, force=force)
     with open_store(store) as st:
         rows, r, gid, keys, key = _selection(st, group_key, reward_key, policy_versions, progress, "pairs")
         decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
@@ -159,7 +161,7 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
         margin = r[best] - r[worst]
         ok = (counts[gid[best]] >= 2) & (margin > 0) & (margin >= min_margin)
         best, worst, margin = best[ok], worst[ok], margin[ok]
-        key_type = pa.large_string() if st.schema[key].dtype == "string" else pa.int64()
+        key_type = st.schema[key].arrow_type
         seq = pa.string() if text else pa.list_(pa.int32())
         names = ["prompt", "chosen", "rejected"] if text else ["prompt_ids", "chosen_ids", "rejected_ids"]
         fields = [pa.field(names[0], seq)] if (prompt_col is not None or text) else []
@@ -197,9 +199,9 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
 
 
 def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[float] = None,
-              format: str = "jsonl", tokenizer: Any = None, skip_special_tokens: bool = False,
+              format: Optional[str] = None, tokenizer: Any = None, skip_special_tokens: bool = False,
               group_key: Optional[str] = None, reward_key: str = "rewards", policy_versions: Any = None,
-              overwrite: bool = False, progress: bool = False) -> Dict[str, Any]:
+              overwrite: bool = False, progress: bool = False, force: bool = False) -> Dict[str, Any]:
     """Write the ``k`` highest-reward completions of each group (reward ``>= min_reward``) as an SFT set.
 
     With a ``tokenizer`` the columns are TRL SFT's ``prompt`` / ``completion``
@@ -207,7 +209,7 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
     ``input_ids`` (prompt + completion) with ``completion_mask``. Always
     added: the group key, ``reward``, ``rank`` (0 = best in its group) and
     ``row``. Ties go to the oldest row. ``format`` is ``jsonl``, ``parquet``
-    or ``hf``.
+    or ``hf``; by default it comes from ``out``'s name as for :func:`export`.
 
     >>> import tempfile, os, json
     >>> from diskreplay import ReplayStore
@@ -221,8 +223,7 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
     >>> row["input_ids"], row["completion_mask"], row["reward"]
     ([9, 6], [0, 1], 1.0)
     """
-    if format not in CURATE_FORMATS:
-        raise ExportError(f"format must be one of {', '.join(CURATE_FORMATS)}, got {format!r}")
+    format = output_format(out, format, formats=CURATE_FORMATS, force=force)
     if not isinstance(k, (int, np.integer)) or k <= 0:
         raise ExportError(f"k must be a positive number of completions per group, got {k!r}")
     with open_store(store) as st:
@@ -236,7 +237,7 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
         order, rank = _ranked(gid, r, True)
         pick = order[rank < k]
         ranks = rank[rank < k]
-        key_type = pa.large_string() if st.schema[key].dtype == "string" else pa.int64()
+        key_type = st.schema[key].arrow_type
         if text:
             fields = [pa.field("prompt", pa.string()), pa.field("completion", pa.string())]
         else:

@@ -16,11 +16,13 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from ..errors import DiskReplayError
+from ..errors import DiskReplayError, EvictionRefusedError
 from ..schema import RAGGED, SCALAR, VECTOR, ColumnSpec
 from ..store import ReplayStore
-from ._common import ExportError, atomic_output, check_output, progress_bar
-from .sources import HFSource, JsonlSource, ParquetSource, StoreSource, _numeric_list, detect_format
+from ._common import (ExportError, atomic_output, check_interrupt, check_output, interrupts_deferred, is_store,
+                      progress_bar, replaceable_dir)
+from .sources import (TOKEN_ID_COLUMNS, HFSource, JsonlSource, ParquetSource, StoreSource, Where, _numeric_list,
+                      detect_format)
 
 IMPORT_FORMATS = ("auto", "parquet", "jsonl", "hf", "zarr", "store")
 _AUTO: Any = object()
@@ -121,10 +123,53 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
-def _null_rows_error(name: str, arr: pa.Array, where: str) -> ExportError:
+def _at(where: Union[Where, str], i: int) -> str:
+    return where.row(i) if isinstance(where, Where) else f"{where}, row {i}"
+
+
+def _null_rows_error(name: str, arr: pa.Array, where: Union[Where, str]) -> ExportError:
     i = int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
-    return ExportError(f"{where}: column {name!r} is null in row {i} of this chunk; per-row columns need a value "
-                       "in every row")
+    return ExportError(f"{_at(where, i)}: column {name!r} is null; per-row columns need a value in every row")
+
+
+def check_token_ids(table: pa.Table, where: Union[Where, str]) -> None:
+    """Refuse token-id columns that are not a list of integers per row, naming the first bad row.
+
+    ``extend`` stores ``prompt_ids`` / ``completion_ids`` as int32 and refuses
+    floats once the store has them; a first batch of floats or strings would
+    otherwise fix the column's type wrongly (and ``collate`` would hand float
+    ids to a model), so an import checks before anything is written.
+
+    >>> check_token_ids(pa.table({"completion_ids": [[1.0, 2.5]]}), Where.rows("f.parquet", 0, 1))
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.ExportError: f.parquet, row 0: column 'completion_ids' holds double values (1.0); token ids must be integers: write them as integers (pyarrow: cast the column to list<int32>) or map another column to it
+    """
+    for name in TOKEN_ID_COLUMNS:
+        if name not in table.column_names:
+            continue
+        arr = table.column(name).combine_chunks()
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.dictionary_decode()
+        t = arr.type
+        if pa.types.is_null(t) or arr.null_count == len(arr):
+            continue
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        if not (_is_list(t) or pa.types.is_fixed_size_list(t)):
+            i = int(np.flatnonzero(valid)[0])
+            raise ExportError(f"{_at(where, i)}: column {name!r} holds a {t} per row ({arr[i].as_py()!r}); token "
+                              "ids are a list of integers per row")
+        vt = t.value_type
+        if pa.types.is_integer(vt) or pa.types.is_null(vt):
+            continue
+        lengths = arr.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(valid & (lengths > 0))
+        if not len(rows):
+            continue  # only empty rows: nothing of the wrong type is stored
+        i = int(rows[0])
+        raise ExportError(f"{_at(where, i)}: column {name!r} holds {vt} values ({arr[i].as_py()[0]!r}); token ids "
+                          "must be integers: write them as integers (pyarrow: cast the column to list<int32>) or "
+                          "map another column to it")
 
 
 def _ragged_rows(arr: pa.Array, dtype: Optional[str]) -> List[Optional[np.ndarray]]:
@@ -144,17 +189,19 @@ def _ragged_rows(arr: pa.Array, dtype: Optional[str]) -> List[Optional[np.ndarra
     return [values[a:b] if ok else None for a, b, ok in zip(starts, ends, valid.tolist())]
 
 
-def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: str) -> Dict[str, Any]:
+def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Union[Where, str]) -> Dict[str, Any]:
     """One Arrow table as an ``extend`` batch (ragged columns as lists of arrays).
 
     ``hints`` are the expected column specs (the store's schema once it has
-    one, else the export metadata). A ragged column with no value in any row
+    one, else the export metadata). Token ids are checked first
+    (:func:`check_token_ids`). A ragged column with no value in any row
     is given as ``None`` (the store then records every row as missing).
 
     >>> t = pa.table({"completion_ids": pa.array([[1, 2], None]), "rewards": pa.array([0.5, 1.0])})
     >>> b = table_to_batch(t, {}, "x"); [None if r is None else r.tolist() for r in b["completion_ids"]]
     [[1, 2], None]
     """
+    check_token_ids(table, where)
     batch: Dict[str, Any] = {}
     for name in table.column_names:
         col = table.column(name)
@@ -165,6 +212,13 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: str)
         t = arr.type
         if pa.types.is_dictionary(t):
             arr = arr.dictionary_decode()
+            t = arr.type
+        if name in TOKEN_ID_COLUMNS and pa.types.is_fixed_size_list(t):  # equal lengths are still token rows
+            arr = arr.cast(pa.large_list(t.value_type))
+            t = arr.type
+        if name in TOKEN_ID_COLUMNS and _is_list(t) and not pa.types.is_integer(t.value_type):
+            # check_token_ids let it through, so no row holds a value: only the declared type is wrong
+            arr = arr.cast(pa.large_list(pa.int32()))
             t = arr.type
         if _is_list(t) and _numeric_list(t):
             n_valid = len(arr) - arr.null_count
@@ -179,8 +233,9 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: str)
                 lengths = np.diff(arr.offsets.to_numpy(zero_copy_only=False)) if lengths is None else lengths
                 width = int(lengths[0]) if len(lengths) else (hint.width if hint else 0)
                 if len(lengths) and (lengths != width).any():
-                    raise ExportError(f"{where}: column {name!r} is a per-row vector of width {width} but a row "
-                                      f"holds {int(lengths[lengths != width][0])} values")
+                    i = int(np.flatnonzero(lengths != width)[0])
+                    raise ExportError(f"{_at(where, i)}: column {name!r} is a per-row vector of width {width} but "
+                                      f"this row holds {int(lengths[i])} values")
                 flat = arr.flatten().to_numpy(zero_copy_only=False)
                 batch[name] = flat.reshape(len(arr), width) if hint is None else \
                     flat.reshape(len(arr), width).astype(hint.dtype, copy=False)
@@ -191,7 +246,8 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: str)
             if n_valid == 0:
                 batch[name] = None  # the store fills an absent ragged column with missing rows
                 continue
-            batch[name] = _ragged_rows(arr, hint.dtype if hint is not None else None)
+            dtype = hint.dtype if hint is not None else ("int32" if name in TOKEN_ID_COLUMNS else None)
+            batch[name] = _ragged_rows(arr, dtype)
         elif pa.types.is_fixed_size_list(t):
             if arr.null_count:
                 raise _null_rows_error(name, arr, where)
@@ -244,7 +300,8 @@ def _open_source(fmt: str, src: str, skip_bad: bool, split: Optional[str]) -> An
 def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any = None, aliases: bool = False,
                     columns: Optional[Sequence[str]] = None, group_key: Any = _AUTO, capacity: Any = _AUTO,
                     skip_bad: bool = False, chunk_rows: int = 4096, append: bool = False,
-                    overwrite: bool = False, split: Optional[str] = None, progress: bool = False) -> Dict[str, Any]:
+                    overwrite: bool = False, split: Optional[str] = None, progress: bool = False,
+                    allow_evict: bool = False) -> Dict[str, Any]:
     """Build a store at ``path`` from ``src`` (Parquet, JSONL, HF dataset dir, Zarr archive or another store).
 
     ``format="auto"`` guesses from the layout and name (``store`` copies or,
@@ -259,8 +316,14 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
     ``export`` (Parquet, HF, Zarr) restores the store bit-exactly. ``path``
     must not exist (unless ``overwrite``, or ``append`` to add to an existing
     store, where each chunk is its own commit); a new store is built under a
-    temporary name and appears whole. ``skip_bad`` skips and counts bad JSONL
-    lines. Returns a summary dict.
+    temporary name and appears whole; ``overwrite`` replaces only a store, a
+    file or an empty directory. An ``append`` that would evict rows the store
+    already holds (because of its row or byte capacity) raises
+    :class:`EvictionRefusedError` saying how many, before writing anything,
+    unless ``allow_evict``. Token ids (``prompt_ids``, ``completion_ids``) must
+    be lists of integers in every source. ``skip_bad`` skips and counts bad
+    JSONL lines. Ctrl-C stops between chunks: a new store is then removed, an
+    ``append`` keeps the chunks committed before it. Returns a summary dict.
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp(); src = os.path.join(d, "dump.jsonl")
@@ -284,26 +347,99 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
         raise ExportError("the source and the store are the same path")
     if append and overwrite:
         raise ExportError("append and overwrite exclude each other")
-    exists = os.path.exists(os.path.join(path, "FORMAT.json"))
+    exists = is_store(path)
     if append and not exists:
         raise ExportError(f"--append needs an existing store at {path}")
     if not append:
-        check_output(path, overwrite)
+        check_output(path, overwrite, _replaceable_by_store)
         if exists:  # never replace a store a writer has open: this raises StoreLockedError then
             ReplayStore(path).close()
     source = _open_source(fmt, src, skip_bad, split)
     try:
         return _import(source, src, path, fmt, mapping, aliases, columns, group_key, capacity, chunk_rows,
-                       append, overwrite, progress)
+                       append, overwrite, progress, allow_evict)
     finally:
         close = getattr(source, "close", None)
         if close is not None:
             close()
 
 
+def _replaceable_by_store(path: str) -> bool:
+    """``overwrite`` may replace a store, a file or an empty directory: never a
+    directory of other things, which the replaced store's removal would delete."""
+    return replaceable_dir()(path) or is_store(path)
+
+
+def _tables(source: Any, fmt: str, chunk_rows: int, kept: Sequence[str], rename: Mapping[str, str]
+            ) -> Iterator[Tuple[pa.Table, Where]]:
+    """The source's tables with store column names."""
+    if fmt == "jsonl":
+        return source.batches(chunk_rows, kept, rename)
+    return ((t.rename_columns([rename.get(c, c) for c in t.column_names]), w)
+            for t, w in source.batches(chunk_rows, kept))
+
+
+def _incoming(source: Any, fmt: str, chunk_rows: int, kept: Sequence[str], rename: Mapping[str, str],
+              need_bytes: bool) -> Tuple[int, Optional[int]]:
+    """``(rows, Arrow bytes or None)`` the import would append, before anything is written.
+
+    Parquet, HF, Zarr and store sources know their row count; a JSONL dump
+    (and any source when bytes are needed) is read once without writing,
+    with the same checks as the real pass, so its count is exact.
+    """
+    if fmt != "jsonl" and not need_bytes and source.total is not None:
+        return int(source.total), None
+    skipped, examples = source.skipped, list(getattr(source, "bad_examples", []))
+    rows = nbytes = 0
+    for table, _ in _tables(source, fmt, chunk_rows, kept, rename):
+        check_interrupt()
+        rows += table.num_rows
+        # a segment is about its Arrow bytes plus ~1 KiB of schema and footer; its group
+        # sidecar ~16 bytes a row plus ~2 KiB (measured); err on the large side
+        nbytes += table.nbytes + 16 * table.num_rows + 4096
+    source.skipped = skipped  # the real pass counts the skipped lines (and the bytes read) again
+    if hasattr(source, "bytes_read"):
+        source.bytes_read = 0
+    if hasattr(source, "bad_examples"):
+        source.bad_examples = examples
+    return rows, nbytes
+
+
+def _check_eviction(store: ReplayStore, src: str, n: int, nbytes: Optional[int]) -> None:
+    """Refuse an append of ``n`` rows (about ``nbytes``) that would evict rows ``store`` holds now."""
+    live = len(store)
+    if not live:
+        return
+    by_rows = 0 if store.capacity is None else min(live, max(0, live + n - store.capacity))
+    by_bytes = 0
+    if store.capacity_bytes is not None and nbytes:
+        # the store drops its oldest segments while its files exceed the byte
+        # capacity; the new rows' files are estimated by their Arrow size
+        segs = [s for s in store.manifest.segments if s.end_row > store.head]
+        total = sum(s.bytes + s.groups_bytes for s in segs) + nbytes
+        for s in segs:
+            if total <= store.capacity_bytes:
+                break
+            total -= s.bytes + s.groups_bytes
+            by_bytes += s.end_row - max(s.first_row, store.head)
+    evicted = max(by_rows, by_bytes)
+    if not evicted:
+        return
+    limits = []
+    if store.capacity is not None:
+        limits.append(f"{store.capacity:,} rows")
+    if store.capacity_bytes is not None:
+        limits.append(f"{store.capacity_bytes:,} bytes")
+    about = "" if by_rows >= by_bytes else "about "
+    raise EvictionRefusedError(
+        f"appending {n:,} rows from {src} to the store at {store.path} would evict {about}{evicted:,} of the "
+        f"{live:,} rows it holds (its capacity is {' and '.join(limits)}); nothing was written. Pass --allow-evict "
+        "(allow_evict=True) to append anyway, or import into a new store with a larger --capacity")
+
+
 def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: bool,
             columns: Optional[Sequence[str]], group_key: Any, capacity: Any, chunk_rows: int, append: bool,
-            overwrite: bool, progress: bool) -> Dict[str, Any]:
+            overwrite: bool, progress: bool, allow_evict: bool) -> Dict[str, Any]:
     mapping = parse_mapping(mapping)
     available = source.columns if source.columns is not None else source.peek_columns(max(chunk_rows, 1000))
     rename, kept = resolve_columns(src, available, mapping, aliases, columns)
@@ -337,13 +473,10 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
         first = not len(store) and store.next_row == 0
         if store.schema is not None and len(store.columns):
             hints = dict(store.schema.columns)
-        if fmt == "jsonl":
-            batches = source.batches(chunk_rows, kept, rename)
-        else:
-            batches = ((t.rename_columns([rename.get(c, c) for c in t.column_names]), w)
-                       for t, w in source.batches(chunk_rows, kept))
+        batches = _tables(source, fmt, chunk_rows, kept, rename)
         last = 0
         for table, where in _first_rows_with_values(batches, hints) if first else batches:
+            check_interrupt()  # between commits: an append keeps whole chunks only
             if fmt != "jsonl":
                 order = [c for c in final_names if c in table.column_names]
                 table = table.select(order)
@@ -351,7 +484,8 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             try:
                 store.extend(batch)
             except DiskReplayError as exc:
-                raise ExportError(f"{where}: {exc}") from None
+                note = where.offset_note if isinstance(where, Where) else ""
+                raise ExportError(f"{where}: {exc}{note}") from None
             if first:
                 _check_schema(store, hints, src)
                 hints = dict(store.schema.columns)
@@ -366,10 +500,14 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
 
     try:
         if append:
-            with ReplayStore(path, **({"group_key": group_key} if explicit_key else {})) as store:
+            key_option = {"group_key": group_key} if explicit_key else {}
+            with interrupts_deferred(), ReplayStore(path, **key_option) as store:
+                if not allow_evict and (store.capacity is not None or store.capacity_bytes is not None):
+                    n, nbytes = _incoming(source, fmt, chunk_rows, kept, rename, store.capacity_bytes is not None)
+                    _check_eviction(store, src, n, nbytes)
                 fill(store)
         else:
-            with atomic_output(path, overwrite=overwrite, directory=True) as tmp:
+            with atomic_output(path, overwrite=overwrite, directory=True, replaceable=_replaceable_by_store) as tmp:
                 with ReplayStore(tmp, capacity=capacity, group_key=group_key, capacity_bytes=capacity_bytes) as store:
                     fill(store)
     finally:
@@ -394,15 +532,15 @@ def _empty_ragged(table: pa.Table, hints: Mapping[str, ColumnSpec]) -> List[str]
     return out
 
 
-def _first_rows_with_values(batches: Iterator[Tuple[pa.Table, str]], hints: Mapping[str, ColumnSpec]
-                            ) -> Iterator[Tuple[pa.Table, str]]:
+def _first_rows_with_values(batches: Iterator[Tuple[pa.Table, Where]], hints: Mapping[str, ColumnSpec]
+                            ) -> Iterator[Tuple[pa.Table, Where]]:
     """Merge leading tables until every ragged column has a value somewhere.
 
     The first ``extend`` fixes a store's columns and a ragged column with no
     value in it would be left out, so the first table handed on reaches to
     the first row where each ragged column holds a value (or to the end).
     """
-    pending: List[Tuple[pa.Table, str]] = []
+    pending: List[Tuple[pa.Table, Where]] = []
     for table, where in batches:
         pending.append((table, where))
         merged = pa.concat_tables([t for t, _ in pending], promote_options="permissive") \
@@ -415,7 +553,10 @@ def _first_rows_with_values(batches: Iterator[Tuple[pa.Table, str]], hints: Mapp
     if len(pending) == 1:
         yield pending[0]
     else:
-        yield merged, f"{pending[0][1]} .. {pending[-1][1]}"
+        where = pending[0][1]
+        for _, w in pending[1:]:
+            where = where + w
+        yield merged, where
     yield from batches
 
 

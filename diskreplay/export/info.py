@@ -78,7 +78,8 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "capacity_bytes": st.capacity_bytes, "columns": columns,
         }
         names = [] if schema is None else schema.names
-        token_cols = [c for c in ("prompt_ids", "completion_ids") if c in names]
+        # a store written before imports checked token ids may hold them as another kind
+        token_cols = [c for c in ("prompt_ids", "completion_ids") if c in names and schema[c].kind == RAGGED]
         stat_cols = [c for c in names if schema[c].kind != RAGGED and schema[c].dtype not in ("string", "bool")
                      and any(h in c.lower() for h in _STAT_HINTS)]
         version = version_key if version_key in names and schema[version_key].kind == "scalar" \

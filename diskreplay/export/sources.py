@@ -1,8 +1,9 @@
 """Readers of import sources: Parquet, JSONL rollout dumps, Hugging Face datasets, other stores.
 
 Each yields ``(Arrow table, where)`` pairs of at most ``chunk_rows`` rows of the
-kept source columns; ``where`` names the file and rows (or lines) for error
-messages. The Zarr reader lives with the Zarr writer in ``zarr_archive``.
+kept source columns; ``where`` (a :class:`Where`) names the file and the row
+(or line) of every table row for error messages. The Zarr reader lives with
+the Zarr writer in ``zarr_archive``.
 """
 
 from __future__ import annotations
@@ -10,15 +11,72 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..schema import COMPLETION_IDS, PROMPT_IDS
 from ..store import ReplayStore
 from ._common import (CHUNK_BYTES, META_KEY, ExportError, check_metadata, column_to_arrow, export_metadata,
                       plan_chunks, require)
+
+@dataclass(frozen=True)
+class Where:
+    """Where the rows of one source table come from: per part, the file, the
+    number of its first row (0-based) and the row count, or for JSONL the line
+    of each row. ``row(i)`` names table row ``i`` exactly.
+
+    >>> w = Where.rows("a.parquet", 4096, 10)
+    >>> str(w), w.row(3)
+    ('a.parquet, rows 4096-4105', 'a.parquet, row 4099')
+    >>> Where.lines("d.jsonl", [3, 5]).row(1)
+    'd.jsonl:5'
+    """
+
+    parts: Tuple[Tuple[str, int, int, Optional[Tuple[int, ...]]], ...]
+
+    @classmethod
+    def rows(cls, file: str, first: int, n: int) -> "Where":
+        return cls(((file, first, n, None),))
+
+    @classmethod
+    def lines(cls, file: str, lines: Sequence[int]) -> "Where":
+        return cls(((file, 0, len(lines), tuple(lines)),))
+
+    def __add__(self, other: "Where") -> "Where":
+        return Where(self.parts + other.parts)
+
+    def row(self, i: int) -> str:
+        for file, first, n, lines in self.parts:
+            if i < n:
+                return f"{file}:{lines[i]}" if lines is not None else f"{file}, row {first + i}"
+            i -= n
+        return str(self)
+
+    def __str__(self) -> str:
+        def one(part: Tuple[str, int, int, Optional[Tuple[int, ...]]]) -> str:
+            file, first, n, lines = part
+            if lines is not None:
+                return f"{file}, lines {lines[0]}-{lines[-1]}" if lines else file
+            return f"{file}, rows {first}-{first + n - 1}"
+        if len(self.parts) > 2:
+            return f"{one(self.parts[0])} .. {one(self.parts[-1])}"
+        return " and ".join(one(p) for p in self.parts)
+
+    @property
+    def offset_note(self) -> str:
+        """How a message that numbers rows of this table from 0 maps onto the source."""
+        if len(self.parts) == 1 and self.parts[0][3] is None and self.parts[0][1] == 0:
+            return ""
+        return f" (a row number below counts the rows of {self} from 0)"
+
+
+#: Columns of token ids: a list of integers per row, whatever the source (as ``extend`` requires).
+TOKEN_ID_COLUMNS = (PROMPT_IDS, COMPLETION_IDS)
+
 
 class ParquetSource:
     """A Parquet file, or a directory of ``*.parquet`` files read in name order."""
@@ -49,16 +107,16 @@ class ParquetSource:
         self.columns = first.schema_arrow.names
         self.skipped = 0
 
-    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
-        row = 0
+    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, Where]]:
         for f in self.files:
+            row = 0
             try:
                 pf = pq.ParquetFile(f)
                 missing = [c for c in kept if c not in pf.schema_arrow.names]
                 if missing:
                     raise ExportError(f"{f} lacks column {missing[0]!r}, which {self.files[0]} has")
                 for rb in pf.iter_batches(batch_size=chunk_rows, columns=list(kept)):
-                    yield pa.Table.from_batches([rb]), f"{f}: rows {row}-{row + rb.num_rows - 1}"
+                    yield pa.Table.from_batches([rb]), Where.rows(f, row, rb.num_rows)
                     row += rb.num_rows
             except (pa.ArrowException, OSError) as exc:
                 raise ExportError(f"{f} could not be read at row {row} ({exc})") from None
@@ -96,11 +154,11 @@ class HFSource:
                 raise ExportError(f"{sidecar} is not JSON") from None
         self.meta = check_metadata(doc, sidecar)
 
-    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
+    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, Where]]:
         ds = self.ds.select_columns(list(kept)) if list(kept) != self.columns else self.ds
         row = 0
         for t in ds.with_format("arrow").iter(batch_size=chunk_rows):
-            yield t, f"{self.path}: rows {row}-{row + t.num_rows - 1}"
+            yield t, Where.rows(self.path, row, t.num_rows)
             row += t.num_rows
 
 
@@ -120,7 +178,7 @@ class StoreSource:
         self.total: Optional[int] = len(self.store)
         self.skipped = 0
 
-    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
+    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, Where]]:
         st, names = self.store, list(kept)
         for chunk in plan_chunks(st, CHUNK_BYTES):
             for lo, hi in chunk:
@@ -128,10 +186,19 @@ class StoreSource:
                     rows = np.arange(a, min(hi, a + chunk_rows), dtype=np.int64)
                     data = st.read(rows, names)
                     arrays = [column_to_arrow(st.schema[c], data[c], len(rows)) for c in names]
-                    yield pa.Table.from_arrays(arrays, names=names), f"{self.path}: rows {a}-{rows[-1]}"
+                    # numbered by the source store's row ids, which its own tools show
+                    yield pa.Table.from_arrays(arrays, names=names), Where.rows(self.path, a, len(rows))
 
     def close(self) -> None:
         self.store.close()
+
+
+_NONE = object()
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _json_class(v: Any) -> str:
@@ -241,7 +308,7 @@ class JsonlSource:
         return list(seen)
 
     def batches(self, chunk_rows: int, kept: Sequence[str], rename: Mapping[str, str]
-                ) -> Iterator[Tuple[pa.Table, str]]:
+                ) -> Iterator[Tuple[pa.Table, Where]]:
         keep = set(kept)
         self._classes = {rename.get(k, k): c for k, c in self._peeked.items() if k in keep}
         self._order = [rename.get(k, k) for k in self._peek_order if k in keep]
@@ -276,6 +343,19 @@ class JsonlSource:
             elif known != c:
                 self._bad(lineno, f"column {k!r} is a {c} here but a {known} in earlier lines")
                 return False
+        for k in TOKEN_ID_COLUMNS:
+            v = row.get(k)
+            if v is None:
+                continue
+            if not isinstance(v, list):
+                self._bad(lineno, f"column {k!r} holds a {_json_class(v)} ({_short(v)}); token ids are a list of "
+                                  "integers per row")
+                return False
+            bad = next((x for x in v if type(x) is not int), _NONE)
+            if bad is not _NONE:
+                self._bad(lineno, f"column {k!r} holds {_short(bad)} at position {v.index(bad)}; token ids must be "
+                                  "integers")
+                return False
         for k, c in classes.items():
             if c != "list" and row.get(k) is None:
                 self._bad(lineno, f"column {k!r} has no value; per-row columns need one in every line")
@@ -291,7 +371,7 @@ class JsonlSource:
                 return False
         return True
 
-    def _table(self, rows: List[dict], lines: List[int]) -> Iterator[Tuple[pa.Table, str]]:
+    def _table(self, rows: List[dict], lines: List[int]) -> Iterator[Tuple[pa.Table, Where]]:
         known = set(self._order)
         late = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in known]
         if late and self._started:
@@ -327,7 +407,7 @@ class JsonlSource:
             lines = [lines[i] for i in keep]
             arrays = {k: pa.array([r.get(k) for r in rows]) for k in names}
         table = pa.Table.from_arrays([arrays[k] for k in names], names=names)
-        yield table, f"{self.path}: lines {lines[0]}-{lines[-1]}"
+        yield table, Where.lines(self.path, lines)
 
 
 def _numbers_only(v: Any) -> bool:
@@ -347,7 +427,7 @@ def detect_format(src: str) -> str:
     >>> detect_format(__file__)
     Traceback (most recent call last):
     ...
-    diskreplay.export._common.ExportError: cannot tell the format of ...; pass --format parquet|jsonl|hf|zarr|store
+    diskreplay.errors.ExportError: cannot tell the format of ...; pass --format parquet|jsonl|hf|zarr|store
     """
     if not os.path.exists(src):
         raise ExportError(f"{src} does not exist")

@@ -18,11 +18,15 @@ import pyarrow.parquet as pq
 
 from ..ragged import numpy_view
 
-from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, StoreLike, _tmp_name,
-                      arrow_type, atomic_output, check_columns, column_to_arrow, export_metadata, iter_rows, open_store,
-                      make_filter, progress_bar, remove_path, require, resolve_tokenizer)
+from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, StoreLike, _tmp_name, arrow_type,
+                      atomic_output, check_chunk_bytes, check_columns, check_interrupt, column_to_arrow,
+                      export_metadata, iter_rows, make_filter, open_store, output_format, progress_bar, remove_path,
+                      replaceable_dir, replaceable_file, require, resolve_tokenizer)
 
 FORMATS = ("parquet", "jsonl", "hf", "zarr")
+#: Parquet codecs ``compression`` accepts (``none``: uncompressed); those this
+#: pyarrow build lacks are refused up front with the list of what it has.
+PARQUET_CODECS = ("snappy", "zstd", "gzip", "brotli", "lz4", "none")
 JSONL_ROWS_PER_WRITE = 256
 HF_META_FILE = "diskreplay.json"
 
@@ -41,10 +45,7 @@ class ParquetSink:
         self._pending: List[pa.Table] = []
         self._pending_bytes = 0
         self.rows = 0
-        try:
-            self._writer = pq.ParquetWriter(path, schema, compression=compression)
-        except (pa.ArrowInvalid, ValueError) as exc:
-            raise ExportError(f"cannot write Parquet with compression {compression!r}: {exc}") from None
+        self._writer = pq.ParquetWriter(path, schema, compression=check_compression(compression))
 
     def write(self, table: pa.Table) -> None:
         self._pending.append(table)
@@ -113,6 +114,24 @@ class JsonlSink:
 
     def abort(self) -> None:
         self._fh.close()
+
+
+def check_compression(codec: Any) -> str:
+    """``codec`` if this pyarrow writes Parquet with it, else :class:`ExportError` listing those it does.
+
+    >>> check_compression("zstd")
+    'zstd'
+    >>> check_compression("brotli2")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.ExportError: unknown Parquet compression 'brotli2'; choose one of snappy, zstd, ...
+    """
+    valid = [c for c in PARQUET_CODECS if c == "none" or pa.Codec.is_available(c)]
+    if not isinstance(codec, str) or codec.lower() not in valid:
+        missing = isinstance(codec, str) and codec.lower() in PARQUET_CODECS
+        raise ExportError(f"{'this pyarrow build lacks' if missing else 'unknown'} Parquet compression "
+                          f"{codec!r}; choose one of {', '.join(valid)}")
+    return codec.lower()
 
 
 def _orjson() -> Any:
@@ -223,14 +242,22 @@ def open_sink(fmt: str, path: str, schema: pa.Schema, metadata: Optional[dict] =
     raise ExportError(f"format must be one of parquet, jsonl, hf here, got {fmt!r}")
 
 
+#: what ``overwrite`` may replace, per format: a Parquet/JSONL export replaces
+#: a file, an HF / Zarr export an earlier one of its kind (or an empty directory)
+REPLACEABLE = {"parquet": replaceable_file, "jsonl": replaceable_file,
+               "hf": replaceable_dir("state.json", "dataset_dict.json", HF_META_FILE),
+               "zarr": replaceable_dir("zarr.json")}
+
+
 def write_tables(fmt: str, out: str, schema: pa.Schema, tables: Iterator[pa.Table], *,
                  metadata: Optional[dict] = None, overwrite: bool = False, **kw: Any) -> int:
     """Write a stream of tables to ``out`` atomically; returns the number of rows."""
     directory = fmt == "hf"
-    with atomic_output(out, overwrite=overwrite, directory=directory) as tmp:
+    with atomic_output(out, overwrite=overwrite, directory=directory, replaceable=REPLACEABLE[fmt]) as tmp:
         sink = open_sink(fmt, tmp, schema, metadata, **kw)
         try:
             for t in tables:
+                check_interrupt()
                 if t.schema != sink.schema:
                     t = t.cast(sink.schema)
                 sink.write(t)
@@ -241,12 +268,18 @@ def write_tables(fmt: str, out: str, schema: pa.Schema, tables: Iterator[pa.Tabl
         return sink.rows
 
 
-def export(store: StoreLike, out: Any, format: str = "parquet", *, columns: Optional[Sequence[str]] = None,
+def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns: Optional[Sequence[str]] = None,
            policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
            tokenizer: Any = None, skip_special_tokens: bool = False, reward_key: str = "rewards",
-           overwrite: bool = False, progress: bool = False, compression: str = "snappy",
-           chunk_bytes: int = CHUNK_BYTES) -> Dict[str, Any]:
+           overwrite: bool = False, progress: bool = False, compression: Optional[str] = None,
+           chunk_bytes: int = CHUNK_BYTES, force: bool = False) -> Dict[str, Any]:
     """Export a store's live rows to ``out`` as ``parquet``, ``jsonl``, ``hf`` or ``zarr``.
+
+    ``format=None`` takes the format from ``out``'s name (:func:`output_format`:
+    ``.parquet``/``.pq``, ``.jsonl``/``.ndjson``/``.json``, ``.zarr``, no
+    extension for ``hf``); a ``format`` that contradicts the extension is
+    refused unless ``force``. ``compression`` is Parquet's codec (default
+    snappy; see :data:`PARQUET_CODECS`).
 
     Streams chunk by chunk (memory bounded by ~``chunk_bytes`` of store data)
     into a temporary name beside ``out`` and renames it at the end, so an
@@ -267,8 +300,11 @@ def export(store: StoreLike, out: Any, format: str = "parquet", *, columns: Opti
     >>> info["rows"], pq.read_table(os.path.join(d, "out.parquet"))["completion_ids"].to_pylist()
     (2, [[1, 2], [3]])
     """
-    if format not in FORMATS:
-        raise ExportError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    format = output_format(out, format, formats=FORMATS, force=force)
+    chunk_bytes = check_chunk_bytes(chunk_bytes)
+    if compression is not None and format != "parquet":
+        raise ExportError(f"compression (--compression) applies to parquet exports, not {format}")
+    compression = check_compression("snappy" if compression is None else compression)
     if format == "zarr":
         from .zarr_archive import export_zarr
 
@@ -277,7 +313,7 @@ def export(store: StoreLike, out: Any, format: str = "parquet", *, columns: Opti
                               "jsonl and hf")
         return export_zarr(store, out, columns=columns, policy_versions=policy_versions, min_reward=min_reward,
                            limit=limit, reward_key=reward_key, overwrite=overwrite, progress=progress,
-                           chunk_bytes=chunk_bytes)
+                           chunk_bytes=chunk_bytes, force=True)  # the name was checked above
     flt = make_filter(policy_versions, min_reward, limit, reward_key)
     with open_store(store) as st:
         names = check_columns(st, columns)

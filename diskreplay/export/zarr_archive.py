@@ -27,9 +27,10 @@ import numpy as np
 import pyarrow as pa
 
 from ..schema import RAGGED, VECTOR, ColumnSpec
-from ._common import (CHUNK_BYTES, ExportError, StoreLike, atomic_output, check_columns,
-                      check_metadata, column_to_arrow, export_metadata, iter_rows, open_store,
-                      make_filter, progress_bar, require)
+from ._common import (CHUNK_BYTES, ExportError, StoreLike, atomic_output, check_chunk_bytes, check_columns,
+                      check_metadata, column_to_arrow, export_metadata, iter_rows, make_filter, open_store,
+                      output_format, progress_bar, replaceable_dir, require)
+from .sources import Where
 
 ZARR_ATTR = "diskreplay"
 # Elements per inner chunk / per shard of flat value arrays, and rows per
@@ -133,7 +134,7 @@ def _column_paths(names: Sequence[str]) -> Dict[str, str]:
 def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] = None,
                 policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
                 reward_key: str = "rewards", overwrite: bool = False, progress: bool = False,
-                chunk_bytes: int = CHUNK_BYTES) -> Dict[str, Any]:
+                chunk_bytes: int = CHUNK_BYTES, force: bool = False) -> Dict[str, Any]:
     """Export to a Zarr v3 archive (zstd, sharded) from which ``import_rollouts`` restores an identical store.
 
     Per ragged column flat ``values`` + int64 ``offsets`` + bool ``validity``;
@@ -152,6 +153,8 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
     >>> g["columns/completion_ids/values"][:].tolist(), g["columns/completion_ids/offsets"][:].tolist()
     ([7, 8, 9], [0, 2, 3])
     """
+    output_format(out, "zarr", force=force)
+    chunk_bytes = check_chunk_bytes(chunk_bytes)
     zarr = _zarr()
     flt = make_filter(policy_versions, min_reward, limit, reward_key)
     with open_store(store) as st:
@@ -161,7 +164,8 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         gk = st.group_key if st.group_key in names else None
         bar = progress_bar(len(st), "export zarr", progress)
         try:
-            with atomic_output(out, overwrite=overwrite, directory=True) as tmp:
+            with atomic_output(out, overwrite=overwrite, directory=True,
+                               replaceable=replaceable_dir("zarr.json")) as tmp:
                 root = zarr.open_group(tmp, mode="w", zarr_format=3)
                 writers = [_ColumnWriter(root, st.schema[n], paths[n]) for n in names]
                 keys: List[Any] = []
@@ -240,7 +244,7 @@ class ZarrSource:
         self.total: Optional[int] = int(self.meta.get("rows", 0))
         self.skipped = 0
 
-    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, str]]:
+    def batches(self, chunk_rows: int, kept: Sequence[str]) -> Iterator[Tuple[pa.Table, Where]]:
         n = self.total or 0
         names = list(kept)
         for lo in range(0, n, chunk_rows):
@@ -252,7 +256,7 @@ class ZarrSource:
                     arrays.append(self._read(spec, path, lo, hi))
                 except KeyError:
                     raise ExportError(f"archive {self.path} lacks the arrays of column {name!r} ({path})") from None
-            yield pa.Table.from_arrays(arrays, names=names), f"{self.path}: rows {lo}-{hi - 1}"
+            yield pa.Table.from_arrays(arrays, names=names), Where.rows(self.path, lo, hi - lo)
 
     def _read(self, spec: ColumnSpec, path: str, lo: int, hi: int) -> pa.Array:
         g = self.root
