@@ -411,6 +411,9 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
                 cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
             else:
                 cols[name] = _Column(ColumnSpec(name, SCALAR, _infer_scalar_dtype(name, arr)), array=arr)
+        if name in (PROMPT_IDS, COMPLETION_IDS) and cols[name].spec.kind != RAGGED:
+            raise BatchError(f"column {name!r} holds one {cols[name].spec.dtype} per row; token ids are a "
+                             "sequence of integers per row (a padded [B, L] tensor or a list of 1-D arrays)")
     return n, cols
 
 
@@ -426,6 +429,10 @@ def _ragged_dtype(name: str, values: np.ndarray) -> str:
     k = values.dtype.kind
     if k in "iub":
         return "int32"
+    if name in (PROMPT_IDS, COMPLETION_IDS):
+        # float ids would be stored as float32 and come back from collate as floats
+        raise BatchError(f"column {name!r} holds floats ({values.dtype}); token ids must be integers "
+                         "(cast them, e.g. ids.long())")
     if k == "f":
         return "float32"
     raise BatchError(f"column {name!r} has dtype {values.dtype}; ragged columns hold numbers")

@@ -697,10 +697,14 @@ def test_import_keeps_extends_alignment_rule_and_says_where(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_info_on_a_store_whose_ids_are_not_ragged(tmp_path):
-    """A store written before imports were checked may hold token ids as strings; info still works."""
-    with ReplayStore(str(tmp_path / "s")) as s:
-        s.extend({"prompt_id": [0, 1], "completion_ids": ["1 2", "3"], "rewards": [1.0, 0.0]})
+def test_info_on_a_store_whose_ids_are_not_ragged(tmp_path, monkeypatch):
+    """A store written before extend checked token ids may hold them as strings; info still works."""
+    import diskreplay.schema as schema
+
+    with monkeypatch.context() as m:  # what an older diskreplay accepted
+        m.setattr(schema, "COMPLETION_IDS", "not-a-column")
+        with ReplayStore(str(tmp_path / "s")) as s:
+            s.extend({"prompt_id": [0, 1], "completion_ids": ["1 2", "3"], "rewards": [1.0, 0.0]})
     info = store_info(str(tmp_path / "s"))
     assert info["rows"] == 2 and info["tokens"] == {} and info["stats"]["rewards"]["count"] == 2
 
