@@ -16,8 +16,8 @@ True
 import importlib
 from typing import Any
 
-from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
-                     RowsEvictedError, SchemaError, StoreLockedError)
+from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, IntegrationError, ReadOnlyError,
+                     ReplayConfigError, RowsEvictedError, SchemaError, StoreLockedError)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
 from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
@@ -41,12 +41,14 @@ __all__ = [
     "DiskReplayError",
     "FormatError",
     "GroupIndex",
+    "IntegrationError",
     "PrioritizedSampler",
     "PromptGroupSampler",
     "RaggedColumn",
     "RandomSampler",
     "ReadOnlyError",
     "ReplacementWarning",
+    "ReplayConfigError",
     "ReplayBuffer",
     "ReplayLoader",
     "ReplayStore",

@@ -99,3 +99,24 @@ class RowsEvictedError(DiskReplayError, IndexError):
     ...     print(exc)
     row 0 is not in the store: live rows are [1, 2) (it was evicted)
     """
+
+
+class ReplayConfigError(DiskReplayError, ValueError):
+    """A replay option of the TRL integration, or the store it was given, cannot serve the replay mode.
+
+    Raised when a ``DiskReplayGRPOConfig`` or ``DiskReplayGRPOTrainer`` is
+    built, before any training step.
+
+    >>> issubclass(ReplayConfigError, ValueError)
+    True
+    """
+
+
+class IntegrationError(DiskReplayError, RuntimeError):
+    """A training library does not behave as the integration was built for (another version of TRL?).
+
+    The message names the method or the layout that differs, and the version range that works.
+
+    >>> issubclass(IntegrationError, RuntimeError)
+    True
+    """

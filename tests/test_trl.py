@@ -8,7 +8,6 @@ batch keeps the parent's keys, dtypes and size, and that a resumed run
 continues the store and the sampler.
 """
 
-import json
 import math
 import os
 import subprocess
@@ -26,8 +25,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from diskreplay import ReplayStore  # noqa: E402
 from diskreplay.synthetic import char_tokenizer  # noqa: E402
-from diskreplay.integrations.trl import (CHECKPOINT_FILE, DiskReplayGRPOConfig,  # noqa: E402
-                                         DiskReplayGRPOTrainer, prompt_key)
+from diskreplay.integrations.trl import DiskReplayGRPOConfig, DiskReplayGRPOTrainer, prompt_key  # noqa: E402
+from diskreplay.integrations.trl.checkpoint import checkpoint_state_path, load_checkpoint_state  # noqa: E402
 
 # TRL and transformers warn about their own deprecations and generation settings
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -296,9 +295,9 @@ def test_restart_continues_the_store_and_the_sampler(tmp_path):
     first = train(tmp_path, name="resumed", save_strategy="steps", save_steps=2, stop_at=2, **opts)
     assert first.state.global_step == 2 and len(first.replay_history) == 2
     ckpt = os.path.join(first.args.output_dir, "checkpoint-2")
-    with open(os.path.join(ckpt, CHECKPOINT_FILE)) as fh:
-        doc = json.load(fh)
-    assert doc["next_row"] == 16 and doc["store_path"] == os.path.abspath(first.args.replay_store_path)
+    saved = load_checkpoint_state(checkpoint_state_path(ckpt))
+    assert saved.next_row == 16 and saved.store_path == os.path.abspath(first.args.replay_store_path)
+    assert saved.global_step == 2 and saved.timeline.excluded == ()
     resumed = train(tmp_path, name="resumed", save_strategy="steps", save_steps=2, resume=ckpt, **opts)
     straight = train(tmp_path, name="straight", **opts)
     with open_store(resumed) as a, open_store(straight) as b:
