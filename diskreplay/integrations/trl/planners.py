@@ -195,13 +195,15 @@ class TimelineView:
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
-    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> store = ReplayStore(tmp.name)
     >>> _ = store.extend({"prompt_id": [1, 1, 1], "policy_version": [0, 1, 2]})
     >>> view = TimelineView(store, Timeline(((1, 2),)))
     >>> view.read([0, 1, 2], ["policy_version"])["policy_version"].tolist() == [0, EXCLUDED_VERSION, 2]
     True
     >>> len(view), view.path == store.path
     (3, True)
+    >>> store.close(); tmp.cleanup()
     """
 
     def __init__(self, store: Any, timeline: Timeline) -> None:
@@ -230,10 +232,12 @@ class LiveValues:
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
-    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> store = ReplayStore(tmp.name)
     >>> _ = store.extend({"prompt_id": [1, 2], "policy_version": [3, 4]})
     >>> LiveValues("policy_version").live(store).tolist()
     [3, 4]
+    >>> store.close(); tmp.cleanup()
     """
 
     def __init__(self, column: str) -> None:
