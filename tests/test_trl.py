@@ -500,3 +500,65 @@ def test_resume_after_sigkill_never_replays_rows_of_the_discarded_timeline(tmp_p
     saved = load_checkpoint_state(checkpoint_state_path(str(out / "checkpoint-4")))
     assert saved.timeline.excluded == ((16, 32),) and saved.next_row == 48
     assert_finite_losses(resumed)
+
+
+def test_stores_that_cannot_serve_the_run_fail_at_construction(tmp_path):
+    def build(**kw):
+        return DiskReplayGRPOTrainer(model=make_model(), reward_funcs=lowercase_reward,
+                                     args=make_config(tmp_path, **kw),
+                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                     processing_class=make_tokenizer())
+
+    # everything SSR replays is there, but not rewards_per_func, which every step writes: the first step failed
+    path = tmp_path / "no_rpf"
+    with ReplayStore(path) as store:
+        store.extend({"prompt_id": [1, 1], "prompt_ids": [[5, 6], [5, 6]], "completion_ids": [[7], [8]],
+                      "old_per_token_logps": [[-1.0], [-2.0]], "policy_version": [0, 0],
+                      "rewards": np.array([1.0, 0.0], dtype=np.float32),
+                      "advantages": np.array([1.0, -1.0], dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"writes \['rewards_per_func'\] with every row"):
+        build(replay_mode="ssr", replay_store_path=str(path))
+    with ReplayStore(path):  # the failed trainer released the writer lock
+        pass
+
+    # a file is not a store directory (it used to say "denies writes")
+    afile = tmp_path / "afile.txt"
+    afile.write_text("not a store")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        build(replay_mode="off", replay_store_path=str(afile))
+    assert afile.read_text() == "not a store"
+
+    # a non-empty directory without a store (it used to be silently turned into one)
+    other = tmp_path / "my_data"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="non-empty directory that holds no replay store"):
+        build(replay_mode="off", replay_store_path=str(other))
+    assert sorted(os.listdir(other)) == ["notes.txt"]
+
+    # an empty directory is fine: the store is created in it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    trainer = build(replay_mode="off", replay_store_path=str(empty))
+    trainer.close_replay_store()
+    with ReplayStore(empty, readonly=True) as store:
+        assert len(store) == 0
+
+
+def test_example_script_resume_starts_fresh_then_resumes(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tools", "train_grpo_replay.py")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    store = str(tmp_path / "replay")
+
+    def run(steps):
+        cmd = [sys.executable, script, "--steps", str(steps), "--save-steps", "2", "--batch-size", "8",
+               "--store", store, "--resume"]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    first = run(2)  # --resume on a fresh store: "No valid checkpoint found" before
+    assert "starting fresh" in first and "done: 16 rows" in first
+    second = run(3)
+    assert "resuming from" in second and "checkpoint-2" in second and "done: 24 rows" in second
