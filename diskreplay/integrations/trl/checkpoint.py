@@ -94,6 +94,8 @@ class ReplayState:
             return cls(mode, d.get("sampler"), _rng_from(d["rng"]), int(d.get("next_row", 0)),
                        int(d.get("global_step", 0)), str(d.get("store_path", "")),
                        Timeline.from_list(d.get("excluded")))
+        except FormatError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"Unsupported replay state in {where}: {exc}; expected a dict saved by "
                               "DiskReplayGRPOTrainer") from None

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...errors import IntegrationError
+from ...errors import FormatError, IntegrationError
 
 __all__ = ["EXCLUDED_VERSION", "GROUP_KEY", "REPLAY_MODES", "REWARD_KEY", "VERSION_KEY", "RepoPlanner",
            "ReplayPlan", "SsrPlanner", "SwapZeroStdPlanner", "Timeline", "TimelineView", "group_advantages",
@@ -180,7 +180,8 @@ class Timeline:
             return cls()
         if not isinstance(pairs, (list, tuple)) or not all(
                 isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in pairs):
-            raise ValueError(f"excluded row ranges must be a list of [start, stop] integer pairs, got {pairs!r}")
+            raise FormatError(f"Unsupported excluded row ranges {pairs!r}; expected a list of [start, stop] "
+                              "integer pairs")
         return cls(_ranges(pairs))
 
 
