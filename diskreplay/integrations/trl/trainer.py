@@ -301,6 +301,10 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             self._sampler.load_state_dict(state.sampler)
         self._rng.bit_generator.state = state.rng.bit_generator.state
 
+    def load_replay_state_dict(self, state: Dict[str, Any]) -> None:
+        """:meth:`load_replay_state` from a :meth:`replay_state_dict` (its excluded rows are not applied)."""
+        self.load_replay_state(ReplayState.from_dict(state))
+
     def _checkpoint_state_path(self, folder: str) -> str:
         return checkpoint_state_path(folder, self.accelerator.process_index, self.accelerator.num_processes)
 
