@@ -16,9 +16,8 @@ True
 import importlib
 from typing import Any
 
-from .errors import (BatchError, CorruptStoreError, DiskReplayError, EvictionRefusedError, ExportError,
-                     FormatError, MissingDependencyError, OutputExistsError, ReadOnlyError, RowsEvictedError,
-                     SchemaError, StoreLockedError, StoreNotFoundError)
+from . import errors as _errors
+from .errors import *  # noqa: F401,F403  (every error class; errors.__all__ lists them)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
 from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
@@ -36,35 +35,22 @@ _LAZY = {
     "ReplayBuffer": "buffer",
 }
 
-__all__ = [
-    "BatchError",
-    "CorruptStoreError",
-    "DiskReplayError",
-    "EvictionRefusedError",
-    "ExportError",
-    "FormatError",
+__all__ = sorted([
     "GroupIndex",
-    "MissingDependencyError",
-    "OutputExistsError",
     "PrioritizedSampler",
     "PromptGroupSampler",
     "RaggedColumn",
     "RandomSampler",
-    "ReadOnlyError",
     "ReplacementWarning",
     "ReplayBuffer",
     "ReplayLoader",
     "ReplayStore",
-    "RowsEvictedError",
     "SamplerError",
-    "SchemaError",
-    "StoreLockedError",
-    "StoreNotFoundError",
     "collate",
     "collate_unpadded",
     "pad_on_device",
     "repad",
-]
+] + _errors.__all__)
 
 
 def __getattr__(name: str) -> Any:

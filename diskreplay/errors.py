@@ -151,3 +151,31 @@ class EvictionRefusedError(ExportError):
     >>> issubclass(EvictionRefusedError, ExportError)
     True
     """
+
+
+class ReplayConfigError(DiskReplayError, ValueError):
+    """A replay option of the TRL integration, or the store it was given, cannot serve the replay mode.
+
+    Raised when a ``DiskReplayGRPOConfig`` or ``DiskReplayGRPOTrainer`` is
+    built, before any training step.
+
+    >>> issubclass(ReplayConfigError, ValueError)
+    True
+    """
+
+
+class IntegrationError(DiskReplayError, RuntimeError):
+    """A training library does not behave as the integration was built for (another version of TRL?).
+
+    The message names the method or the layout that differs, and the version range that works.
+
+    >>> issubclass(IntegrationError, RuntimeError)
+    True
+    """
+
+
+
+# every class above, exported from ``diskreplay`` too (kept last: new classes join it by themselves)
+__all__ = sorted(name for name, value in list(globals().items())
+                 if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
+                 and value.__module__ == __name__)

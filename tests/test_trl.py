@@ -8,11 +8,12 @@ batch keeps the parent's keys, dtypes and size, and that a resumed run
 continues the store and the sampler.
 """
 
-import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -26,8 +27,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from diskreplay import ReplayStore  # noqa: E402
 from diskreplay.synthetic import char_tokenizer  # noqa: E402
-from diskreplay.integrations.trl import (CHECKPOINT_FILE, DiskReplayGRPOConfig,  # noqa: E402
-                                         DiskReplayGRPOTrainer, prompt_key)
+from diskreplay.integrations.trl import DiskReplayGRPOConfig, DiskReplayGRPOTrainer, prompt_key  # noqa: E402
+from diskreplay.integrations.trl.checkpoint import checkpoint_state_path, load_checkpoint_state  # noqa: E402
 
 # TRL and transformers warn about their own deprecations and generation settings
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -296,9 +297,9 @@ def test_restart_continues_the_store_and_the_sampler(tmp_path):
     first = train(tmp_path, name="resumed", save_strategy="steps", save_steps=2, stop_at=2, **opts)
     assert first.state.global_step == 2 and len(first.replay_history) == 2
     ckpt = os.path.join(first.args.output_dir, "checkpoint-2")
-    with open(os.path.join(ckpt, CHECKPOINT_FILE)) as fh:
-        doc = json.load(fh)
-    assert doc["next_row"] == 16 and doc["store_path"] == os.path.abspath(first.args.replay_store_path)
+    saved = load_checkpoint_state(checkpoint_state_path(ckpt))
+    assert saved.next_row == 16 and saved.store_path == os.path.abspath(first.args.replay_store_path)
+    assert saved.global_step == 2 and saved.timeline.excluded == ()
     resumed = train(tmp_path, name="resumed", save_strategy="steps", save_steps=2, resume=ckpt, **opts)
     straight = train(tmp_path, name="straight", **opts)
     with open_store(resumed) as a, open_store(straight) as b:
@@ -352,3 +353,212 @@ def test_bad_input_fails_at_construction(tmp_path):
     # a capacity that disagrees with the store's
     with pytest.raises(ValueError, match="replay_capacity"):
         build(make_config(tmp_path, replay_mode="off", replay_store_path=str(path), replay_capacity=7))
+
+
+# --------------------------------------------------------------------------- unscorable rewards (None -> NaN)
+
+
+def two_scorable_rows(prompts, completions, **kwargs):
+    """Per group of 4 (TRL lays groups out consecutively): rows 0 and 1 scored, rows 2 and 3 unscorable.
+
+    'same' prompts score [1, 1, None, None] (TRL: no gradient), 'vary' prompts [1, 0, None, None],
+    'const' prompts 1.0 everywhere.
+    """
+    out = []
+    for i, p in enumerate(prompts):
+        if p.startswith("const"):
+            out.append(1.0)
+        elif i % 4 >= 2:
+            out.append(None)
+        else:
+            out.append(1.0 if i % 4 == 0 or p.startswith("same") else 0.0)
+    return out
+
+
+def trl_group_advantages(rewards):
+    """TRL's advantages of one group: NaN rewards left out of mean and std, their advantage 0."""
+    r = np.asarray(rewards, dtype=np.float64)
+    ok = r[~np.isnan(r)]
+    std = ok.std(ddof=1) if len(ok) > 1 else np.nan
+    return np.nan_to_num((r - ok.mean()) / (std + 1e-4), nan=0.0)
+
+
+def test_unscorable_rewards_are_nan_and_replayed_with_trl_advantages(tmp_path):
+    # RePO with recomputed advantages: a group [1, 1, nan, nan] gives TRL no gradient, and its replayed rows
+    # get none either (the bug: stored as [1, 1, 0, 0] and replayed with +-0.866)
+    trainer = train(tmp_path, name="repo", prompts=["same: a", "same: b"], reward=two_scorable_rows,
+                    replay_mode="repo", replay_k=2, recompute_advantages=True)
+    with open_store(trainer) as store:
+        got = store.read(store.row_ids(), ["rewards", "rewards_per_func", "advantages"])
+        assert np.isnan(got["rewards"]).reshape(-1, 4)[:, 2:].all()
+        assert (got["rewards"].reshape(-1, 4)[:, :2] == 1).all()
+        assert np.isnan(got["rewards_per_func"][:, 0]).sum() == 12
+        assert (got["advantages"] == 0).all()
+    replayed = [h for h in trainer.replay_history if len(h["replayed_rows"])]
+    assert replayed, "RePO replayed nothing"
+    for batch in trainer.loss_batches:
+        assert (batch["advantages"] == 0).all(), batch["advantages"]
+    logged = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert logged == [1.0] * 3  # TRL's own reward log leaves the NaN rows out
+
+    # swap_zero_std: the 'const' group has no spread, and neither would a stored [1, 1, nan, nan] group;
+    # stored 'vary' groups [1, 0, nan, nan] have spread and replace it with TRL's NaN-aware advantages
+    trainer = train(tmp_path, name="swap", prompts=["const: x", "vary: y"], reward=two_scorable_rows,
+                    replay_mode="swap_zero_std", recompute_advantages=True)
+    tok = make_tokenizer()
+    vary_key = prompt_key(tok("vary: y")["input_ids"])
+    history = [h for h in trainer.replay_history if len(h["replayed_rows"])]
+    assert len(history) == 2
+    with open_store(trainer) as store:
+        for h in history:
+            got = store.read(h["replayed_rows"], ["prompt_id", "rewards", "completion_ids"])
+            assert got["prompt_id"].tolist() == [vary_key] * 4
+            batch = trainer.loss_batches[h["global_step"]]
+            seen = {tuple(x[1]): x[3] for x in loss_rows(trainer, [batch])}
+            adv = [seen[tuple(got["completion_ids"][i].tolist())] for i in range(4)]
+            np.testing.assert_allclose(adv, trl_group_advantages(got["rewards"]), rtol=1e-4, atol=1e-6)
+            if h is history[0]:  # only step 0's group is stored: [1, 0, nan, nan]
+                assert sorted(np.round(adv, 3).tolist()) == [-0.707, 0.0, 0.0, 0.707]
+    assert_finite_losses(trainer)
+
+
+# --------------------------------------------------------------------------- kill, resume, discarded rows
+
+
+class BlockAt(TrainerCallback):
+    """After optimizer step ``step``, writes ``marker`` and waits to be killed."""
+
+    def __init__(self, step, marker):
+        self.step, self.marker = step, marker
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            with open(self.marker, "w") as fh:
+                fh.write(str(state.global_step))
+            while True:
+                time.sleep(1)
+        return control
+
+
+KILL_RUN = dict(name="killed", replay_mode="repo", replay_k=2, replay_strategy="recency", save_strategy="steps",
+                save_steps=2, max_steps=8)
+
+
+def _run_until_killed(tmp_path, marker):
+    """The training subprocess of the kill test: checkpoints at step 2, blocks after step 4 (before saving)."""
+    trainer = ProbeTrainer(model=make_model(), reward_funcs=lowercase_reward, args=make_config(tmp_path, **{
+        k: v for k, v in KILL_RUN.items() if k != "name"}, name=KILL_RUN["name"]),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=make_tokenizer(),
+        callbacks=[BlockAt(4, marker)])
+    trainer.train()
+
+
+def test_resume_after_sigkill_never_replays_rows_of_the_discarded_timeline(tmp_path):
+    marker = tmp_path / "blocked"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    code = f"import pathlib, tests.test_trl as t; t._run_until_killed(pathlib.Path({str(tmp_path)!r}), {str(marker)!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-4000:]
+            assert time.monotonic() < deadline, "the training subprocess never reached step 4"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    out = tmp_path / "killed" / "out"
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    with ReplayStore(tmp_path / "killed" / "store", readonly=True) as store:
+        # steps 0-3 generated 32 rows; the checkpoint saw 16
+        assert store.next_row == 32
+    assert load_checkpoint_state(checkpoint_state_path(str(out / "checkpoint-2"))).next_row == 16
+
+    with pytest.warns(RuntimeWarning, match=r"16 row\(s\) \[16, 32\).*excluded from replay"):
+        resumed = train(tmp_path, resume=True, stop_at=4, **KILL_RUN)
+    assert resumed.excluded_rows == 16
+    history = list(resumed.replay_history)
+    assert [h["global_step"] for h in history] == [2, 3]
+    for h in history:
+        rows = h["replayed_rows"]
+        assert len(rows) == 4 and not ((rows >= 16) & (rows < 32)).any(), rows
+        assert h["policy_lag_mean"] >= 1  # the bug: -1 at step 2 (the discarded step-3 rows were the newest)
+    with open_store(resumed) as store:
+        assert len(store) == 48  # the discarded rows stay on disk
+        versions = store.read(store.row_ids(), ["policy_version"])["policy_version"]
+        assert versions.tolist() == [s for s in (0, 1, 2, 3, 2, 3) for _ in range(8)]
+        assert store.load_state("trl.replay")["excluded"] == [[16, 32]]
+        assert_replayed_rows_reached_the_loss(resumed, store, history[0]["replayed_rows"])
+    # the checkpoint the resumed run wrote carries the exclusion, for the next resume
+    saved = load_checkpoint_state(checkpoint_state_path(str(out / "checkpoint-4")))
+    assert saved.timeline.excluded == ((16, 32),) and saved.next_row == 48
+    assert_finite_losses(resumed)
+
+
+def test_stores_that_cannot_serve_the_run_fail_at_construction(tmp_path):
+    def build(**kw):
+        return DiskReplayGRPOTrainer(model=make_model(), reward_funcs=lowercase_reward,
+                                     args=make_config(tmp_path, **kw),
+                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                     processing_class=make_tokenizer())
+
+    # everything SSR replays is there, but not rewards_per_func, which every step writes: the first step failed
+    path = tmp_path / "no_rpf"
+    with ReplayStore(path) as store:
+        store.extend({"prompt_id": [1, 1], "prompt_ids": [[5, 6], [5, 6]], "completion_ids": [[7], [8]],
+                      "old_per_token_logps": [[-1.0], [-2.0]], "policy_version": [0, 0],
+                      "rewards": np.array([1.0, 0.0], dtype=np.float32),
+                      "advantages": np.array([1.0, -1.0], dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"writes \['rewards_per_func'\] with every row"):
+        build(replay_mode="ssr", replay_store_path=str(path))
+    with ReplayStore(path):  # the failed trainer released the writer lock
+        pass
+
+    # a file is not a store directory (it used to say "denies writes")
+    afile = tmp_path / "afile.txt"
+    afile.write_text("not a store")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        build(replay_mode="off", replay_store_path=str(afile))
+    assert afile.read_text() == "not a store"
+
+    # a non-empty directory without a store (it used to be silently turned into one)
+    other = tmp_path / "my_data"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="non-empty directory that holds no replay store"):
+        build(replay_mode="off", replay_store_path=str(other))
+    assert sorted(os.listdir(other)) == ["notes.txt"]
+
+    # an empty directory is fine: the store is created in it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    trainer = build(replay_mode="off", replay_store_path=str(empty))
+    trainer.close_replay_store()
+    with ReplayStore(empty, readonly=True) as store:
+        assert len(store) == 0
+
+
+def test_example_script_resume_starts_fresh_then_resumes(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tools", "train_grpo_replay.py")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    store = str(tmp_path / "replay")
+
+    def run(steps):
+        cmd = [sys.executable, script, "--steps", str(steps), "--save-steps", "2", "--batch-size", "8",
+               "--store", store, "--resume"]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    first = run(2)  # --resume on a fresh store: "No valid checkpoint found" before
+    assert "starting fresh" in first and "done: 16 rows" in first
+    second = run(3)
+    assert "resuming from" in second and "checkpoint-2" in second and "done: 24 rows" in second

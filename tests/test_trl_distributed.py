@@ -73,7 +73,7 @@ def _worker(out_dir):
 
         def _plan(self, *args, **kwargs):
             plan = super()._plan(*args, **kwargs)
-            self.drawn.append(0 if plan is None else len(plan.rows))
+            self.drawn.append(len(plan))
             return plan
 
     trainer = None

@@ -12,7 +12,10 @@ rows are.
     python tools/train_grpo_replay.py --mode swap_zero_std --store /tmp/replay --resume
 
 Run it twice with the same ``--store`` and ``--resume`` to continue from the
-last checkpoint: the store and the sampler pick up where they stopped.
+last checkpoint: the store and the sampler pick up where they stopped. The
+first run with ``--resume`` finds no checkpoint and starts fresh. Rows a
+killed run wrote after its last checkpoint stay in the store but are never
+replayed (the script prints how many).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import warnings
 import torch
 from datasets import Dataset
 from transformers import PrinterCallback, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -76,7 +80,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--store", default=None, help="replay store directory (default: a new temporary one)")
     p.add_argument("--output-dir", default=None, help="checkpoints (default: beside the store)")
-    p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the last checkpoint in --output-dir (start fresh if there is none)")
+    p.add_argument("--save-steps", type=int, default=10, help="checkpoint every this many steps")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per step (a multiple of 4, the group size)")
     p.add_argument("--k", type=int, default=2, help="repo: past generations per prompt")
     p.add_argument("--strategy", default=None, choices=["random", "recency", "reward", "variance"])
     p.add_argument("--fraction", type=float, default=0.25, help="ssr: replayed share of the batch")
@@ -93,10 +100,10 @@ def main() -> None:
     args = DiskReplayGRPOConfig(
         output_dir=output_dir, replay_store_path=store_path, replay_mode=a.mode, replay_k=a.k,
         replay_strategy=a.strategy, ssr_replay_fraction=a.fraction, ssr_capacity_scalar=8,
-        max_policy_lag=a.max_lag, per_device_train_batch_size=16, num_generations=4, max_completion_length=16,
+        max_policy_lag=a.max_lag, per_device_train_batch_size=a.batch_size, num_generations=4, max_completion_length=16,
         max_steps=a.steps, learning_rate=3e-3, temperature=1.0, beta=0.0, report_to=[], use_cpu=True,
         bf16=False, fp16=False, logging_steps=1, disable_tqdm=True, log_level="error", seed=a.seed,
-        save_strategy="steps", save_steps=10)
+        save_strategy="steps", save_steps=a.save_steps)
     printer = PrintReplay()
     trainer = DiskReplayGRPOTrainer(model=build_model(len(tokenizer), a.seed), reward_funcs=lowercase_share,
                                     args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
@@ -104,8 +111,15 @@ def main() -> None:
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts; PrintReplay prints a table instead
     printer.trainer = trainer
     print(f"replay_mode={a.mode}  store={store_path}")
+    # TRL's resume_from_checkpoint=True fails when there is no checkpoint yet; a first run starts fresh
+    checkpoint = get_last_checkpoint(output_dir) if a.resume and os.path.isdir(output_dir) else None
+    if a.resume:
+        print(f"resuming from {checkpoint}" if checkpoint else f"no checkpoint in {output_dir}: starting fresh")
     print(f"{'step':>5} {'reward':>8} {'replayed':>9} {'lag':>6} {'batch':>6} {'stored':>8} {'time':>8}")
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.excluded_rows:
+        print(f"{trainer.excluded_rows} stored rows were written after the checkpoint by the run that stopped; "
+              "they stay in the store and are never replayed")
     with ReplayStore(store_path, readonly=True) as store:
         print(f"done: {len(store)} rows, {store.num_groups} prompt groups, {store.nbytes / 1024:.0f} KiB on disk "
               f"at {store.path}")

@@ -1,0 +1,123 @@
+"""Tensor work on TRL's padded batch: the rows to record, and the batch with replayed rows mixed in.
+
+TRL's layout: ``prompt_ids``/``prompt_mask`` left-padded; ``completion_ids``,
+``completion_mask`` and the per-token columns right-padded; one value per row
+for ``advantages`` (and a per-token or per-sequence ``importance_sampling_ratio``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from .planners import GROUP_KEY, VERSION_KEY, ReplayPlan, prompt_key
+
+__all__ = ["COMPLETION_SIDE", "KNOWN_KEYS", "OPTIONAL_KEYS", "PROMPT_SIDE", "assemble", "prompt_keys", "record"]
+
+PROMPT_SIDE = ("prompt_ids", "prompt_mask")
+COMPLETION_SIDE = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
+                   "sampling_per_token_logps", "tool_mask")
+OPTIONAL_KEYS = ("ref_per_token_logps", "sampling_per_token_logps", "tool_mask", "importance_sampling_ratio")
+KNOWN_KEYS = frozenset(PROMPT_SIDE + COMPLETION_SIDE + ("advantages", "num_items_in_batch",
+                                                        "importance_sampling_ratio"))
+
+
+def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> np.ndarray:
+    """:func:`~.planners.prompt_key` of every row of a left-padded prompt batch.
+
+    >>> ids = torch.tensor([[0, 5, 6], [5, 6, 7]]); mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    >>> prompt_keys(ids, mask).tolist() == [prompt_key([5, 6]), prompt_key([5, 6, 7])]
+    True
+    """
+    ids = prompt_ids.detach().cpu().numpy()
+    mask = prompt_mask.detach().cpu().numpy().astype(bool)
+    return np.array([prompt_key(ids[i][mask[i]]) for i in range(len(ids))], dtype=np.int64)
+
+
+def sequence_ratio(ratio: torch.Tensor, mode: str) -> bool:
+    """Whether TRL's importance-sampling ratio holds one value per row (``sequence_*`` modes)."""
+    return ratio.dim() == 2 and ratio.shape[1] == 1 and mode.startswith("sequence")
+
+
+def record(out: Dict[str, Any], keys: np.ndarray, rewards: np.ndarray, rewards_per_func: np.ndarray,
+           old: Optional[torch.Tensor], step: int, ratio_mode: str) -> Dict[str, Any]:
+    """The ``store.extend`` batch of the fresh rows (the store strips the padding with the masks)."""
+    n = len(keys)
+    rec: Dict[str, Any] = {
+        "prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
+        "completion_ids": out["completion_ids"], "completion_mask": out["completion_mask"],
+        GROUP_KEY: keys, VERSION_KEY: np.full(n, step, dtype=np.int64),
+        "rewards": rewards, "rewards_per_func": rewards_per_func,
+        "advantages": out["advantages"].detach().float(),
+        "old_per_token_logps": old,
+    }
+    for name in ("ref_per_token_logps", "sampling_per_token_logps", "tool_mask"):
+        if out.get(name) is not None:
+            rec[name] = out[name]
+    sampling = rec.get("sampling_per_token_logps")
+    if sampling is not None and torch.isnan(sampling).any():
+        # the store refuses NaN per-token values; vLLM marks unscorable tokens so. Take the behaviour
+        # log-prob there: TRL already excluded those tokens from the importance ratio it computed.
+        fill = old if old is not None else torch.zeros_like(sampling)
+        rec["sampling_per_token_logps"] = torch.where(torch.isnan(sampling), fill.to(sampling.dtype), sampling)
+    ratio = out.get("importance_sampling_ratio")
+    if ratio is not None:
+        rec["importance_sampling_ratio"] = ratio[:, 0] if sequence_ratio(ratio, ratio_mode) else ratio
+    return rec
+
+
+def _pad(t: torch.Tensor, width: int, left: bool, value: Any) -> torch.Tensor:
+    extra = width - t.shape[1]
+    if extra <= 0:
+        return t
+    fill = t.new_full((t.shape[0], extra) + tuple(t.shape[2:]), value)
+    return torch.cat([fill, t] if left else [t, fill], dim=1)
+
+
+def _round_up(n: int, multiple: Optional[int]) -> int:
+    if not multiple or multiple <= 1:
+        return n
+    return -(-n // multiple) * multiple
+
+
+def assemble(out: Dict[str, Any], old: Optional[torch.Tensor], replay: Dict[str, Any], plan: ReplayPlan,
+             pad_token_id: int, pad_to_multiple_of: Optional[int], ratio_mode: str) -> Dict[str, Any]:
+    """TRL's batch ``out`` with ``plan``'s rows (collated in ``replay``) swapped in or appended.
+
+    Every tensor keeps its dtype and device; widths grow to the longest row,
+    rounded up to ``pad_to_multiple_of``. ``num_items_in_batch`` is left for
+    the caller to recount.
+    """
+    device = out["prompt_ids"].device
+    fresh = dict(out)
+    if fresh.get("old_per_token_logps") is None:
+        fresh["old_per_token_logps"] = old  # replayed rows need theirs, so every row gets one
+    multiple = pad_to_multiple_of if isinstance(pad_to_multiple_of, int) else None
+    widths = {True: _round_up(max(fresh["prompt_ids"].shape[1], replay["prompt_ids"].shape[1]), multiple),
+              False: _round_up(max(fresh["completion_ids"].shape[1], replay["completion_ids"].shape[1]),
+                               multiple)}
+    n_fresh, n = out["prompt_ids"].shape[0], len(plan.rows)
+    if plan.positions is None:
+        index = torch.arange(n_fresh + n)
+    else:
+        index = torch.arange(n_fresh)
+        index[torch.from_numpy(plan.positions)] = n_fresh + torch.arange(n)
+    index = index.to(device)
+    ratio = out.get("importance_sampling_ratio")
+    token_ratio = ratio is not None and not sequence_ratio(ratio, ratio_mode)
+    result: Dict[str, Any] = {}
+    for key, f in fresh.items():
+        if f is None or key == "num_items_in_batch" or not isinstance(f, torch.Tensor):
+            result[key] = f
+            continue
+        r = replay[key].to(device=device, dtype=f.dtype)
+        if key in PROMPT_SIDE or key in COMPLETION_SIDE or (key == "importance_sampling_ratio" and token_ratio):
+            left = key in PROMPT_SIDE
+            value = pad_token_id if key in ("prompt_ids", "completion_ids") else (1 if key == "tool_mask" else 0)
+            f, r = _pad(f, widths[left], left, value), _pad(r, widths[left], left, value)
+        elif f.dim() == 2 and r.dim() == 1:  # a sequence-level ratio is stored as one value per row
+            r = r[:, None]
+        result[key] = torch.cat([f, r])[index]
+    return result

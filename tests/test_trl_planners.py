@@ -1,0 +1,176 @@
+"""The TRL integration's replay planners and replay state, on real stores, without TRL.
+
+TRL's reward rules (a reward function returning None makes the row's reward
+NaN, left out of its group's statistics, advantage 0) and the exclusion of
+rows of a discarded timeline are checked here against plain numpy models.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from diskreplay import PrioritizedSampler, PromptGroupSampler, ReplayStore
+from diskreplay.integrations.trl.checkpoint import ReplayState, load_checkpoint_state, save_checkpoint_state
+from diskreplay.integrations.trl.planners import (EXCLUDED_VERSION, FreshBatch, RepoPlanner, SsrPlanner,
+                                                  SwapZeroStdPlanner, Timeline, TimelineView, group_advantages,
+                                                  recompute_advantages, zero_spread_groups)
+
+NAN = float("nan")
+
+
+def trl_advantages(rewards, g):
+    """TRL 1.16's sum_then_normalize / scale_rewards='group' advantages, written out with numpy."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, g)
+    out = np.zeros_like(r)
+    for j, row in enumerate(r):
+        ok = row[~np.isnan(row)]
+        mean = ok.mean() if len(ok) else np.nan
+        std = ok.std(ddof=1) if len(ok) > 1 else np.nan
+        out[j] = (row - mean) / (std + 1e-4)
+    return np.nan_to_num(out, nan=0.0).reshape(-1)
+
+
+def extend(store, keys, versions, rewards, advantages=None):
+    n = len(keys)
+    return store.extend({"prompt_id": np.asarray(keys, dtype=np.int64), "completion_ids": [[1, 2]] * n,
+                         "policy_version": np.asarray(versions, dtype=np.int64),
+                         "rewards": np.asarray(rewards, dtype=np.float32),
+                         "advantages": np.asarray(np.ones(n) if advantages is None else advantages,
+                                                  dtype=np.float32)})
+
+
+def test_planners_import_without_trl():
+    code = ("import sys; import diskreplay.integrations.trl.planners, diskreplay.integrations.trl.checkpoint; "
+            "assert 'trl' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- TRL's reward rules
+
+
+def test_unscorable_rows_give_no_advantage():
+    # the issue's reproduction: [1, 1, nan, nan] was replayed with [0.866, 0.866, -0.866, -0.866]
+    r = np.array([1, 1, NAN, NAN])
+    assert group_advantages(r, r, "group").tolist() == [0.0, 0.0, 0.0, 0.0]
+    np.testing.assert_allclose(group_advantages(r, r, "group"), trl_advantages(r, 4))
+    assert zero_spread_groups(r, 4).tolist() == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(NAN), st.sampled_from([0.0, 0.5, 1.0, 2.0])), min_size=8, max_size=8))
+def test_advantages_and_zero_spread_match_trl(values):
+    r = np.array(values)
+    want = trl_advantages(r, 4)
+    got = np.concatenate([group_advantages(r[j:j + 4], r[j:j + 4], "group") for j in (0, 4)])
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    # a group is "zero spread" exactly when TRL gives every row of it advantage 0
+    zero = set(zero_spread_groups(r, 4).tolist())
+    assert zero == {j for j in (0, 1) if not np.any(want[4 * j:4 * j + 4])}
+
+
+# --------------------------------------------------------------------------- planners and NaN rewards
+
+
+def test_swap_candidates_need_two_scorable_rows_that_differ(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        # group 1: [1, 1, nan, nan] (no gradient in TRL), group 2: [1, 0, nan, nan], group 3: all nan
+        extend(store, [1] * 4 + [2] * 4 + [3] * 4, [0] * 12, [1, 1, NAN, NAN, 1, 0, NAN, NAN] + [NAN] * 4)
+        planner = SwapZeroStdPlanner(PromptGroupSampler(samples_per_group=4, strategy="variance", seed=0),
+                                     np.random.Generator(np.random.PCG64(0)), num_generations=4)
+        assert planner.candidates(planner.view(store), None) == [2]
+        fresh = FreshBatch(np.array([7] * 4 + [8] * 4), np.array([1, 1, NAN, NAN, 0, 1, 0, 1.0]), np.zeros(8))
+        plan = planner.plan(store, fresh, step=1)
+        assert plan.positions.tolist() == [0, 1, 2, 3] and plan.group_size == 4
+        got = store.read(plan.rows, ["prompt_id", "rewards"])
+        assert got["prompt_id"].tolist() == [2] * 4
+        # the replayed group's recomputed advantages are TRL's for it
+        adv = recompute_advantages(plan, got["rewards"], got["prompt_id"], fresh, planner, store, 1, "group")
+        np.testing.assert_allclose(adv, trl_advantages(got["rewards"], 4))
+
+
+def test_repo_recomputes_against_fresh_rows_with_nan(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        extend(store, [5] * 4, [0] * 4, [1, 1, NAN, NAN])
+        planner = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                              num_generations=4)
+        fresh = FreshBatch(np.array([5] * 4), np.array([1, 1, NAN, NAN]), np.zeros(4))
+        plan = planner.plan(store, fresh, step=1)
+        assert plan.rows.tolist() == [3, 2] and plan.positions.tolist() == [2, 3]
+        got = store.read(plan.rows, ["prompt_id", "rewards"])
+        adv = recompute_advantages(plan, got["rewards"], got["prompt_id"], fresh, planner, store, 1, "group")
+        assert adv.tolist() == [0.0, 0.0]
+        plan = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="reward", seed=0), 2,
+                           num_generations=4).plan(store, fresh, step=1)
+        assert plan.rows.tolist() == [1, 0]  # an unscorable row ranks last
+
+
+# --------------------------------------------------------------------------- timelines
+
+
+def discarded_timeline_store(path):
+    """Rows 0-7 at versions 0, 1 (kept), 8-15 at versions 2, 3 (after the checkpoint: discarded),
+    16-23 at versions 2, 3 again (the resumed run). Versions are not monotone along the rows."""
+    store = ReplayStore(path)
+    for v in (0, 1, 2, 3, 2, 3):
+        extend(store, [1, 1, 2, 2], [v] * 4, [0, 1, 0, 1], advantages=[5.0] * 4)
+    return store
+
+
+def test_timeline_view_hides_excluded_rows_from_every_sampler(tmp_path):
+    with discarded_timeline_store(tmp_path / "s") as store:
+        timeline = Timeline().resumed(checkpoint_rows=8, store_rows=16)
+        assert timeline.count(store.head, store.next_row) == 8
+        view = TimelineView(store, timeline)
+        assert (view.read(np.arange(24), ["policy_version"])["policy_version"][8:16] == EXCLUDED_VERSION).all()
+
+        ssr = SsrPlanner(PrioritizedSampler(seed=0), 1.0, num_generations=4, timeline=timeline)
+        for step in range(5):
+            drawn = ssr.plan(store, FreshBatch(np.zeros(64, dtype=np.int64), np.zeros(64), np.zeros(64)), step).rows
+            assert len(drawn) == 64 and not timeline.contains(drawn).any()
+
+
+def test_resume_excludes_rows_newer_than_the_checkpoint(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        for v in (0, 1, 2, 3):  # a run that checkpointed at step 2 (8 rows) and died after step 3
+            extend(store, [1, 1, 2, 2], [v] * 4, [0, 1, 0, 1])
+        timeline = Timeline().resumed(checkpoint_rows=8, store_rows=store.next_row)
+        repo = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                           num_generations=4, timeline=timeline)
+        fresh = FreshBatch(np.array([1] * 4 + [2] * 4), np.zeros(8), np.zeros(8))
+        plan = repo.plan(store, fresh, step=2)
+        versions = store.read(plan.rows, ["policy_version"])["policy_version"]
+        assert versions.tolist() == [1] * 4  # not the discarded step-3 rows, although they are newer
+        unbounded = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                                num_generations=4)
+        assert store.read(unbounded.plan(store, fresh, 2).rows, ["policy_version"])["policy_version"].tolist() \
+            == [3] * 4
+
+
+def test_window_and_lag_with_versions_that_go_back(tmp_path):
+    with discarded_timeline_store(tmp_path / "s") as store:
+        timeline = Timeline(((8, 16),))
+        ssr = SsrPlanner(PrioritizedSampler(seed=0), 1.0, num_generations=4, window=8, timeline=timeline)
+        view = ssr.view(store)
+        assert ssr.bound(view, 4) == 2  # the newest 8 kept rows are 16-23 (versions 2, 3)
+        fresh = FreshBatch(np.zeros(32, dtype=np.int64), np.zeros(32), np.zeros(32))
+        assert (ssr.plan(store, fresh, 4).rows >= 16).all()
+        # a lag bound that only the discarded rows would meet: nothing is replayable
+        lagged = SsrPlanner(PrioritizedSampler(seed=0), 1.0, num_generations=4, max_policy_lag=0,
+                            timeline=Timeline(((8, 24),)))
+        assert lagged.plan(store, fresh, 3).rows.tolist() == []
+
+
+def test_replay_state_survives_a_checkpoint_holder(tmp_path):
+    rng = np.random.Generator(np.random.PCG64(7))
+    sampler = PrioritizedSampler(seed=3)
+    state = ReplayState("ssr", sampler.state_dict(), rng, next_row=40, global_step=5, store_path="/s",
+                        timeline=Timeline(((16, 32), (8, 12))))
+    save_checkpoint_state(str(tmp_path / "holder"), state)
+    back = load_checkpoint_state(str(tmp_path / "holder"))
+    assert back.timeline.excluded == ((8, 12), (16, 32)) and back.next_row == 40 and back.global_step == 5
+    assert back.rng.random() == rng.random()
+    PrioritizedSampler(seed=0).load_state_dict(back.sampler)
+    assert load_checkpoint_state(str(tmp_path / "none")) is None
