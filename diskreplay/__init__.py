@@ -17,11 +17,10 @@ import importlib
 from typing import Any
 
 from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
-                     RowsEvictedError, SchemaError, StoreLockedError)
+                     ReplacementWarning, RowsEvictedError, SamplerError, SchemaError, SettingError, StoreLockedError)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
-from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
-                       SamplerError)
+from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler
 from .store import ReplayStore
 
 __version__ = "0.1.0"
@@ -53,6 +52,7 @@ __all__ = [
     "RowsEvictedError",
     "SamplerError",
     "SchemaError",
+    "SettingError",
     "StoreLockedError",
     "collate",
     "collate_unpadded",

@@ -99,3 +99,37 @@ class RowsEvictedError(DiskReplayError, IndexError):
     ...     print(exc)
     row 0 is not in the store: live rows are [1, 2) (it was evicted)
     """
+
+
+class SamplerError(DiskReplayError, ValueError):
+    """A sampler was built or called with arguments it cannot honour.
+
+    >>> issubclass(SamplerError, ValueError)
+    True
+    """
+
+
+class SettingError(DiskReplayError, AttributeError):
+    """A sampler setting that only takes effect at construction was assigned afterwards.
+
+    Settings that can change mid-run (``alpha``, ``eps``, ``strategy``, ...)
+    are plain assignments; the others (``seed``, ``rank``, ``group_key``, ...)
+    raise this instead of being silently ignored.
+
+    >>> from diskreplay import RandomSampler
+    >>> try:
+    ...     RandomSampler(seed=0).seed = 1
+    ... except SettingError as exc:
+    ...     print(type(exc).__name__, "AttributeError" in [c.__name__ for c in type(exc).__mro__])
+    SettingError True
+    """
+
+
+class ReplacementWarning(UserWarning):
+    """A group draw had to repeat rows or groups (too few eligible ones).
+
+    :class:`~diskreplay.PromptGroupSampler` issues it at most once per sampler instance.
+
+    >>> issubclass(ReplacementWarning, UserWarning)
+    True
+    """

@@ -91,11 +91,11 @@ def test_close_saves_only_without_an_error(tmp_path):
         saved = buf.state_dict()
     with pytest.raises(RuntimeError):
         with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:
-            assert buf.state_dict()["cursor"] == saved["cursor"]
+            assert buf.state_dict()["position"]["cursor"] == saved["position"]["cursor"]
             buf.sample()
             raise RuntimeError("training failed")
     with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:  # the writer lock was released
-        assert buf.state_dict()["cursor"] == saved["cursor"]
+        assert buf.state_dict()["position"]["cursor"] == saved["position"]["cursor"]
 
 
 def test_update_priorities(tmp_path):

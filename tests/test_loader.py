@@ -355,8 +355,8 @@ def test_priority_updates_survive_state_dict(store):
         b = next(loader)
         time.sleep(0.05)
         loader.update_priorities(b["rows"], torch.full((BATCH,), 123.0))
-        prio = loader.state_dict()["priorities"]
-        base = loader.state_dict()["prio_base"]
+        prio = loader.state_dict()["data"]["priorities"]
+        base = loader.state_dict()["data"]["prio_base"]
     assert (prio[b["rows"].numpy() - base] == 123.0).all()
     with pytest.raises(TypeError):
         ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, num_batches=0).update_priorities([0], [1.0])

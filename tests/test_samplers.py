@@ -231,7 +231,7 @@ def test_warns_once_when_completing_with_replacement(store):
             assert len(groups_of(rows, 2)) == 4
         fresh.sample(store, 8, groups=["a", "a", "b", "b"])
     assert len([w for w in rec if issubclass(w.category, ReplacementWarning)]) == 1
-    assert fresh.state_dict()["warned"] is True
+    assert fresh.state_dict()["position"]["warned"] is True
 
 
 def test_staleness_bound(store):
@@ -383,7 +383,7 @@ def test_ssr_evicted_rows_drop_out(tmp_path):
         assert set(s.sample(st_, 100).tolist()) == {0, 1}
         put(st_, ["b"] * 2, advantages=[0, 1])  # rows 0, 1 evicted
         assert set(s.sample(st_, 100).tolist()) == {5}
-        assert s.state_dict()["prio_base"] == 2
+        assert s.state_dict()["data"]["prio_base"] == 2
 
 
 # --------------------------------------------------------------------------- state and resume
@@ -456,9 +456,15 @@ def test_state_dict_is_plain_and_checked(store):
     s = PromptGroupSampler(num_groups=2, seed=0)
     s.sample(store, 4)
     d = s.state_dict()
-    for k, v in d.items():
-        assert isinstance(v, (np.ndarray, int, str, bool, dict, type(None))), k
-    json.dumps({k: v for k, v in d.items() if not isinstance(v, np.ndarray)})
+
+    def plain(x):  # JSON values, with numpy arrays where the store keeps Arrow arrays
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        assert isinstance(x, (np.ndarray, int, float, str, bool, type(None))), x
+        return x.tolist() if isinstance(x, np.ndarray) else x
+
+    json.dumps(plain(d))
+    assert set(d) == {"format", "version", "type", "config", "position", "data"}
     with pytest.raises(SamplerError, match="strategy"):
         PromptGroupSampler.recency(num_groups=2).load_state_dict(d)
     with pytest.raises(SamplerError, match="PromptGroupSampler"):
