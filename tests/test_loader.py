@@ -438,3 +438,16 @@ def test_buffer_extends_while_a_loader_reads_the_same_store(tmp_path):
                 append(buf, i + 1)  # evicts as it goes
                 b = next(loader)
                 assert torch.equal(b["prompt_id"], b["rows"] // 4)
+
+
+def test_state_dict_counts_only_the_batches_received(store):
+    import numpy as np
+    sampler = RandomSampler(replacement=True, seed=2)
+    with ReplayLoader(store, sampler, BATCH, PAD, prefetch=3) as loader:
+        got = [next(loader)["rows"].numpy().copy() for _ in range(2)]
+        time.sleep(0.1)  # the worker draws batches ahead
+        state = loader.state_dict()
+    rows = np.concatenate(got)
+    want = np.bincount(rows - state["data"]["counts_base"], minlength=len(state["data"]["counts"]))
+    assert state["data"]["counts"].tolist() == want.tolist()
+    assert "counts" not in state["position"] and state["position"]["draws"] == 2

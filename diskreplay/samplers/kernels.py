@@ -189,6 +189,8 @@ class SumTree:
             raise IndexError(f"row {int(bad)} is outside the tree's rows [{self.base}, {self.end})")
 
     def _set(self, leaves: np.ndarray, weights: np.ndarray) -> None:
+        if not len(leaves):
+            return
         if self._min is not None and len(leaves):
             old = self._tree[leaves]
             if (old[weights != old] == self._min).any():
@@ -203,7 +205,7 @@ class SumTree:
             return
         i = leaves
         # level by level: a repeated ancestor is just written twice with the same sum
-        while i[0] > 1:
+        for _ in range(self._cap.bit_length() - 1):
             i = i >> 1
             self._tree[i] = self._tree[2 * i] + self._tree[2 * i + 1]
 
