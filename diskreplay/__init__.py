@@ -17,7 +17,8 @@ import importlib
 from typing import Any
 
 from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
-                     ReplacementWarning, RowsEvictedError, SamplerError, SchemaError, SettingError, StoreLockedError)
+                     ReplacementWarning, RowsEvictedError, SamplerError, SchemaError, SettingError, StoreLockedError,
+                     UnsupportedError)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
 from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler
@@ -54,6 +55,7 @@ __all__ = [
     "SchemaError",
     "SettingError",
     "StoreLockedError",
+    "UnsupportedError",
     "collate",
     "collate_unpadded",
     "pad_on_device",

@@ -133,3 +133,14 @@ class ReplacementWarning(UserWarning):
     >>> issubclass(ReplacementWarning, UserWarning)
     True
     """
+
+
+class UnsupportedError(DiskReplayError, NotImplementedError):
+    """An operation a peer library's interface has that a diskreplay store cannot honour.
+
+    For example emptying a TorchRL storage backed by a persistent store, or
+    overwriting a committed row in place.
+
+    >>> issubclass(UnsupportedError, NotImplementedError)
+    True
+    """
