@@ -29,7 +29,8 @@ compiled extension is not needed: its pure-Python samplers are enough.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+import warnings
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
@@ -224,9 +225,16 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         return {"path": self.store.path, "next_row": int(self.store.next_row)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        # the rows are in the store already: only check that the state is of this store
-        if state_dict.get("path") not in (None, self.store.path):
-            raise SchemaError(f"the state is of the store at {state_dict.get('path')!r}, not {self.store.path!r}")
+        """Keep this store's rows: they are persistent, and a state never carries rows to copy.
+
+        TorchRL's in-memory storages copy the saved rows back; a store already
+        holds its own. A state saved from another path changes nothing here and
+        says so with a warning.
+        """
+        path = state_dict.get("path") if isinstance(state_dict, dict) else None
+        if path is not None and path != self.store.path:
+            warnings.warn(f"the storage state is of the store at {path!r}; this storage keeps the rows of "
+                          f"{self.store.path!r} (open that path to use its rows)", stacklevel=2)
         self._bump_mutation_revision()
 
     def __getstate__(self) -> Dict[str, Any]:
