@@ -754,3 +754,12 @@ def test_agree_generation_without_torch_distributed(store):
         gen = snap.generation
         put(store, ["c"])
         assert snap.generation == gen and len(snap) == 2 and store.generation > gen
+
+
+def test_ssr_moving_to_another_store_starts_over(tmp_path):
+    with ReplayStore(tmp_path / "a") as a, ReplayStore(tmp_path / "b") as b:
+        put(a, ["x"] * 2, advantages=[5.0, 0.0])
+        put(b, ["x"] * 3, advantages=[0.0, 0.0, 5.0])
+        s = PrioritizedSampler(eps=0.0, seed=0)
+        assert set(s.sample(a, 20).tolist()) == {0}
+        assert set(s.sample(b, 20).tolist()) == {2}  # b's own priorities, not a's left in the tree

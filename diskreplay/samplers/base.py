@@ -153,6 +153,7 @@ class LiveRows:
         self.base = 0
         self._buf = np.zeros(0, dtype=dtype)
         self._start = self._n = 0
+        self.epoch = 0  # counts restarts (another store, a restored state): values before it are gone
 
     @property
     def values(self) -> np.ndarray:
@@ -167,9 +168,11 @@ class LiveRows:
         """Take saved values of rows ``[base, base + len(values))`` (from a state dict)."""
         self.path, self.base = None, int(base)
         self._buf, self._start, self._n = np.array(values, dtype=self._buf.dtype), 0, len(values)
+        self.epoch += 1
 
     def _reset(self, base: int) -> None:
         self.base, self._start, self._n = base, 0, 0
+        self.epoch += 1
 
     def _append(self, new: np.ndarray) -> None:
         n = len(new)

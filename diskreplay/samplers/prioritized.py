@@ -75,6 +75,7 @@ class PrioritizedSampler(Sampler):
         self._max_priority: Optional[float] = None
         self._tree = SumTree()
         self._tree_bound: Any = None  # the min_policy_version the tree's weights were made for
+        self._tree_epoch = -1  # the _prio.epoch the tree was built from
         self._tree_valid = False
 
     def __repr__(self) -> str:
@@ -126,10 +127,11 @@ class PrioritizedSampler(Sampler):
         """The sum tree of the store's live rows for ``bound``; only rows that came or went are touched."""
         self._prio.sync(store)
         tree, base, end = self._tree, self._prio.base, self._prio.end
-        if not self._tree_valid or self._tree_bound != bound or tree.base > base or tree.end > end:
+        if not self._tree_valid or self._tree_bound != bound or self._tree_epoch != self._prio.epoch \
+                or tree.base > base or tree.end > end:
             tree.reset(base)
             tree.append(self._weights(store, bound, base, end))
-            self._tree_bound, self._tree_valid = bound, True
+            self._tree_bound, self._tree_valid, self._tree_epoch = bound, True, self._prio.epoch
             return tree
         tree.evict(base)
         if end > tree.end:
