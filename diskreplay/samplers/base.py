@@ -251,6 +251,13 @@ def _zeros(store: Any, start: int, stop: int) -> np.ndarray:
     return np.zeros(stop - start, dtype=np.int64)
 
 
+def _copied(value: Any) -> Any:
+    """A copy of a position (its arrays are shared with the sampler, which never writes them; callers may)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value.copy() if isinstance(value, np.ndarray) else value
+
+
 def _restore(cls: type, kwargs: Dict[str, Any], state: Dict[str, Any]) -> "Sampler":
     sampler = cls(**kwargs)
     sampler.load_state_dict(state)
@@ -398,7 +405,7 @@ class Sampler:
                 undo = undo[(undo >= self._counts.base) & (undo < self._counts.end)]
                 np.subtract.at(counts, undo - self._counts.base, 1)
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "type": type(self).__name__,
-                "config": self.config(), "position": dict(position),
+                "config": self.config(), "position": _copied(position),
                 "data": {"counts_base": int(self._counts.base), "counts": counts, **self._data_extra()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
