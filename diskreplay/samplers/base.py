@@ -145,6 +145,17 @@ class LiveRows:
     values sit in a buffer with room at the back, compacted when it fills).
     Another store (or one that went back) starts over. A cache of the store,
     or sampler state where ``fill`` makes it so (counts, priorities).
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> store = ReplayStore(tempfile.mkdtemp(), capacity=3)
+    >>> _ = store.extend({"prompt_id": [0, 1]})
+    >>> seen = LiveRows(lambda store, start, stop: np.arange(start, stop) * 10.0)
+    >>> seen.live(store).tolist()
+    [0.0, 10.0]
+    >>> _ = store.extend({"prompt_id": [2, 3]})   # row 0 is evicted, rows 2 and 3 arrive
+    >>> seen.base, seen.live(store).tolist()
+    (0, [10.0, 20.0, 30.0])
     """
 
     def __init__(self, fill: Callable[[Any, int, int], np.ndarray], dtype: Any = np.float64) -> None:
@@ -279,6 +290,18 @@ class Sampler:
     Pickling (or ``copy.deepcopy``) goes through the settings and
     ``state_dict()``: the copy continues the same stream (caches of store
     data are not carried; they are re-read).
+
+    >>> import copy, tempfile
+    >>> from diskreplay import ReplayStore, RandomSampler
+    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> _ = store.extend({"prompt_id": list(range(8))})
+    >>> ranks = [RandomSampler(seed=3, rank=r, world_size=2) for r in range(2)]
+    >>> parts = [s.sample(store, 2) for s in ranks]          # two disjoint halves of one batch of 4
+    >>> sorted(parts[0].tolist() + parts[1].tolist()) == sorted(RandomSampler(seed=3).sample(store, 4).tolist())
+    True
+    >>> twin = copy.deepcopy(ranks[0])
+    >>> twin.sample(store, 2).tolist() == ranks[0].sample(store, 2).tolist()
+    True
     """
 
     # settings that are constructor arguments, in the order state_dict()'s "config" lists them
