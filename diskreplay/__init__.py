@@ -20,8 +20,7 @@ from . import errors as _errors
 from .errors import *  # noqa: F401,F403  (every error class; errors.__all__ lists them)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
-from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
-                       SamplerError)
+from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler
 from .store import ReplayStore
 
 __version__ = "0.1.0"
@@ -41,11 +40,9 @@ __all__ = sorted([
     "PromptGroupSampler",
     "RaggedColumn",
     "RandomSampler",
-    "ReplacementWarning",
     "ReplayBuffer",
     "ReplayLoader",
     "ReplayStore",
-    "SamplerError",
     "collate",
     "collate_unpadded",
     "pad_on_device",

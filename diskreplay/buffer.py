@@ -9,11 +9,12 @@ both hold :func:`~diskreplay.loader.store_lock` on the store they share, so
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Union
 
 import numpy as np
 import torch
 
+from .errors import SamplerError
 from .padding import collate
 from .loader import store_lock
 
@@ -75,6 +76,42 @@ class ReplayBuffer:
 
     def __len__(self) -> int:
         return len(self.store)
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        """One pass over the live rows, ``batch_size`` rows at a time (TorchRL's iteration).
+
+        Needs a sampler with passes, ``RandomSampler(replacement=False)``: the
+        batches walk the rest of its current pass (a new one when it is used
+        up), so every live row comes exactly once, in the sampler's order
+        (``shuffle=False``: row-id order). The last batch holds what is left
+        of the pass, fewer rows, unless the sampler has ``drop_last=True``
+        (then it is left out). With ``rank`` / ``world_size`` each rank gets
+        its slices of the same pass.
+
+        >>> import tempfile
+        >>> from diskreplay import ReplayStore, RandomSampler
+        >>> rb = ReplayBuffer(ReplayStore(tempfile.mkdtemp()), RandomSampler(shuffle=False), batch_size=4,
+        ...                   state_name=None)
+        >>> _ = rb.extend({"prompt_id": list(range(10))})
+        >>> [b["rows"].tolist() for b in rb]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        >>> rb.close()
+        """
+        remaining = getattr(self.sampler, "pass_remaining", None)
+        if remaining is None:
+            raise SamplerError(f"iterating a ReplayBuffer walks one pass over the live rows, which "
+                               f"{type(self.sampler).__name__} does not make; use RandomSampler(replacement=False), "
+                               "or call sample() in a loop")
+        with store_lock(self.store):
+            if self.store.readonly:
+                self.store.refresh()
+            left = remaining(self.store)
+        while left > 0:
+            n = min(self.batch_size, left)
+            if n < self.batch_size and getattr(self.sampler, "drop_last", False):
+                return
+            yield self.sample(n)
+            left -= n
 
     def __repr__(self) -> str:
         return f"ReplayBuffer({self.store!r}, sampler={self.sampler!r}, batch_size={self.batch_size})"

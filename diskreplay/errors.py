@@ -176,6 +176,53 @@ class IntegrationError(DiskReplayError, RuntimeError):
 
 
 # every class above, exported from ``diskreplay`` too (kept last: new classes join it by themselves)
+
+
+class SamplerError(DiskReplayError, ValueError):
+    """A sampler was built or called with arguments it cannot honour.
+
+    >>> issubclass(SamplerError, ValueError)
+    True
+    """
+
+
+class SettingError(DiskReplayError, AttributeError):
+    """A sampler setting that only takes effect at construction was assigned afterwards.
+
+    Settings that can change mid-run (``alpha``, ``eps``, ``strategy``, ...)
+    are plain assignments; the others (``seed``, ``rank``, ``group_key``, ...)
+    raise this instead of being silently ignored.
+
+    >>> from diskreplay import RandomSampler
+    >>> try:
+    ...     RandomSampler(seed=0).seed = 1
+    ... except SettingError as exc:
+    ...     print(type(exc).__name__, "AttributeError" in [c.__name__ for c in type(exc).__mro__])
+    SettingError True
+    """
+
+
+class ReplacementWarning(UserWarning):
+    """A group draw had to repeat rows or groups (too few eligible ones).
+
+    :class:`~diskreplay.PromptGroupSampler` issues it at most once per sampler instance.
+
+    >>> issubclass(ReplacementWarning, UserWarning)
+    True
+    """
+
+
+class UnsupportedError(DiskReplayError, NotImplementedError):
+    """An operation a peer library's interface has that a diskreplay store cannot honour.
+
+    For example emptying a TorchRL storage backed by a persistent store, or
+    overwriting a committed row in place.
+
+    >>> issubclass(UnsupportedError, NotImplementedError)
+    True
+    """
+
+
 __all__ = sorted(name for name, value in list(globals().items())
                  if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
                  and value.__module__ == __name__)

@@ -7,9 +7,11 @@ will ask for next):
    row ids. Every sampler call happens on the worker, one at a time and in
    batch order, so the stream is the one a plain loop over ``sample`` would
    give. A read-only store is ``refresh()``-ed first, so a reader follows a
-   live writer. ``sampler.state_dict()`` is taken right after each draw and
-   travels with the batch: the loader's own ``state_dict()`` is the one of
-   the last batch the consumer *received*, not of the ones built ahead.
+   live writer. ``sampler.position()`` (the small stream position; no
+   per-row data) is taken right after each draw and travels with the batch:
+   the loader's own ``state_dict()`` is ``sampler.state_dict(position=...)``
+   of the last batch the consumer *received*, not of the ones built ahead,
+   with the live priorities.
 2. **hint** (worker): the rows of batch k+1 are sampled *before* batch k is
    read, and ``store.prefetch`` asks the kernel (``madvise(WILLNEED)``) for
    their pages. On a cold page cache the reads of k+1 then proceed in
@@ -80,10 +82,6 @@ _EVICTED_RETRIES = 3
 # Headroom when a host buffer grows: widths change from batch to batch, and
 # re-allocating pinned memory costs far more than a few spare bytes.
 _GROW = 1.25
-# State entries that are data the consumer updates (priorities), not stream
-# position: state_dict() takes them from the live sampler, so a checkpoint
-# keeps the priority updates made after the worker drew its last batch.
-_LIVE_STATE_KEYS = ("prio_base", "priorities", "pending_rows", "pending_values")
 
 _END = object()
 
@@ -217,7 +215,7 @@ class _Worker:
             if self.store.readonly:
                 self.store.refresh()
             rows = self.sampler.sample(self.store, self.batch_size, **self.sample_kwargs)
-            state = self.sampler.state_dict()
+            state = _position(self.sampler)
         return np.array(rows, dtype=np.int64), state  # a copy: it becomes the batch's "rows"
 
     def _lookahead(self) -> tuple:
@@ -274,6 +272,12 @@ class _Worker:
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
             self._put(_Failure(exc, k))
+
+
+def _position(sampler: Any) -> Any:
+    """The sampler's stream position (our samplers), or its whole state (a sampler without ``position()``)."""
+    position = getattr(sampler, "position", None)
+    return position() if position is not None else _copy_state(sampler.state_dict())
 
 
 def _copy_state(state: Any) -> Any:
@@ -385,7 +389,7 @@ class ReplayLoader:
             saved = store.load_state(state_name)
             if saved is not None:
                 sampler.load_state_dict(saved)
-        self._state = _copy_state(sampler.state_dict())
+        self._state = _position(sampler)
         self._start()
 
     # ----------------------------------------------------------------- lifecycle
@@ -542,14 +546,10 @@ class ReplayLoader:
         this consumer would have seen next. Priorities (``PrioritizedSampler``)
         are taken from the live sampler, so updates made since are kept.
         """
-        state = _copy_state(self._state)
-        if any(k in state for k in _LIVE_STATE_KEYS):
-            with self._lock:
-                live = self.sampler.state_dict()
-            for k in _LIVE_STATE_KEYS:
-                if k in live:
-                    state[k] = live[k]
-        return state
+        if getattr(self.sampler, "position", None) is None:
+            return _copy_state(self._state)
+        with self._lock:
+            return self.sampler.state_dict(position=self._state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a sampler state; the next batch is the one that follows it.
@@ -560,11 +560,11 @@ class ReplayLoader:
         state = dict(state)
         if self._closed:
             self.sampler.load_state_dict(state)
-            self._state = _copy_state(state)
+            self._state = _position(self.sampler)
             return
         self._stop(None)
         self.sampler.load_state_dict(state)
-        self._state = _copy_state(state)
+        self._state = _position(self.sampler)
         self._failure, self._done = None, False
         self._start()
 

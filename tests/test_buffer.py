@@ -91,11 +91,11 @@ def test_close_saves_only_without_an_error(tmp_path):
         saved = buf.state_dict()
     with pytest.raises(RuntimeError):
         with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:
-            assert buf.state_dict()["cursor"] == saved["cursor"]
+            assert buf.state_dict()["position"]["cursor"] == saved["position"]["cursor"]
             buf.sample()
             raise RuntimeError("training failed")
     with ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), 4) as buf:  # the writer lock was released
-        assert buf.state_dict()["cursor"] == saved["cursor"]
+        assert buf.state_dict()["position"]["cursor"] == saved["position"]["cursor"]
 
 
 def test_update_priorities(tmp_path):
@@ -132,3 +132,22 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError):
         ReplayBuffer(store, RandomSampler(), 4, state_name=None).save()
     store.close()
+
+
+def test_iteration_is_one_pass_over_the_live_rows(tmp_path):
+    from diskreplay import SamplerError
+    with ReplayBuffer(ReplayStore(tmp_path / "s"), RandomSampler(seed=0), 4, state_name=None) as buf:
+        buf.extend(make_rollouts(5, 2, seed=0, prompt_mean=4, completion_mean=4))  # 10 rows
+        batches = [b["rows"].tolist() for b in buf]
+        assert [len(b) for b in batches] == [4, 4, 2]
+        assert sorted(sum(batches, [])) == list(range(10))
+        buf.sample(3)  # a pass started by sample() is finished by the next iteration
+        rest = [b["rows"].tolist() for b in buf]
+        assert [len(b) for b in rest] == [4, 3]
+    with ReplayBuffer(ReplayStore(tmp_path / "t"), RandomSampler(drop_last=True, shuffle=False), 4,
+                      state_name=None) as buf:
+        buf.extend(make_rollouts(5, 2, seed=0, prompt_mean=4, completion_mean=4))
+        assert [b["rows"].tolist() for b in buf] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        buf.sampler = PromptGroupSampler(num_groups=2)
+        with pytest.raises(SamplerError, match="RandomSampler"):
+            next(iter(buf))

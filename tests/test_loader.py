@@ -355,8 +355,8 @@ def test_priority_updates_survive_state_dict(store):
         b = next(loader)
         time.sleep(0.05)
         loader.update_priorities(b["rows"], torch.full((BATCH,), 123.0))
-        prio = loader.state_dict()["priorities"]
-        base = loader.state_dict()["prio_base"]
+        prio = loader.state_dict()["data"]["priorities"]
+        base = loader.state_dict()["data"]["prio_base"]
     assert (prio[b["rows"].numpy() - base] == 123.0).all()
     with pytest.raises(TypeError):
         ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, num_batches=0).update_priorities([0], [1.0])
@@ -438,3 +438,16 @@ def test_buffer_extends_while_a_loader_reads_the_same_store(tmp_path):
                 append(buf, i + 1)  # evicts as it goes
                 b = next(loader)
                 assert torch.equal(b["prompt_id"], b["rows"] // 4)
+
+
+def test_state_dict_counts_only_the_batches_received(store):
+    import numpy as np
+    sampler = RandomSampler(replacement=True, seed=2)
+    with ReplayLoader(store, sampler, BATCH, PAD, prefetch=3) as loader:
+        got = [next(loader)["rows"].numpy().copy() for _ in range(2)]
+        time.sleep(0.1)  # the worker draws batches ahead
+        state = loader.state_dict()
+    rows = np.concatenate(got)
+    want = np.bincount(rows - state["data"]["counts_base"], minlength=len(state["data"]["counts"]))
+    assert state["data"]["counts"].tolist() == want.tolist()
+    assert "counts" not in state["position"] and state["position"]["draws"] == 2

@@ -231,7 +231,7 @@ def test_warns_once_when_completing_with_replacement(store):
             assert len(groups_of(rows, 2)) == 4
         fresh.sample(store, 8, groups=["a", "a", "b", "b"])
     assert len([w for w in rec if issubclass(w.category, ReplacementWarning)]) == 1
-    assert fresh.state_dict()["warned"] is True
+    assert fresh.state_dict()["position"]["warned"] is True
 
 
 def test_staleness_bound(store):
@@ -383,7 +383,7 @@ def test_ssr_evicted_rows_drop_out(tmp_path):
         assert set(s.sample(st_, 100).tolist()) == {0, 1}
         put(st_, ["b"] * 2, advantages=[0, 1])  # rows 0, 1 evicted
         assert set(s.sample(st_, 100).tolist()) == {5}
-        assert s.state_dict()["prio_base"] == 2
+        assert s.state_dict()["data"]["prio_base"] == 2
 
 
 # --------------------------------------------------------------------------- state and resume
@@ -456,9 +456,15 @@ def test_state_dict_is_plain_and_checked(store):
     s = PromptGroupSampler(num_groups=2, seed=0)
     s.sample(store, 4)
     d = s.state_dict()
-    for k, v in d.items():
-        assert isinstance(v, (np.ndarray, int, str, bool, dict, type(None))), k
-    json.dumps({k: v for k, v in d.items() if not isinstance(v, np.ndarray)})
+
+    def plain(x):  # JSON values, with numpy arrays where the store keeps Arrow arrays
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        assert isinstance(x, (np.ndarray, int, float, str, bool, type(None))), x
+        return x.tolist() if isinstance(x, np.ndarray) else x
+
+    json.dumps(plain(d))
+    assert set(d) == {"format", "version", "type", "config", "position", "data"}
     with pytest.raises(SamplerError, match="strategy"):
         PromptGroupSampler.recency(num_groups=2).load_state_dict(d)
     with pytest.raises(SamplerError, match="PromptGroupSampler"):
@@ -468,3 +474,292 @@ def test_state_dict_is_plain_and_checked(store):
     other = PromptGroupSampler(num_groups=2, seed=123)
     other.load_state_dict(d)
     assert other.sample(store, 4).tolist() == s.sample(store, 4).tolist()
+
+
+# --------------------------------------------------------------------------- pickling (issue 11 item 2)
+
+
+def _continue_in_worker(name, sampler, path, n):
+    """Runs in a spawned process: the unpickled sampler continues its stream on a read-only store."""
+    with ReplayStore(path, readonly=True) as st_:
+        return draw({name: sampler}, st_, n)[name]
+
+
+def test_samplers_pickle_and_deepcopy_mid_stream(tmp_path):
+    import copy
+    import multiprocessing
+    import pickle
+
+    path = tmp_path / "s"
+    with ReplayStore(path, capacity=40) as store:
+        fill(store)
+        samplers = make_samplers()
+        draw(samplers, store, 3)  # mid-stream: RNG moved, a pass half used, counts and priorities set
+        samplers["ssr"].update_priorities([store.head + 1], [9.0])
+        copies = {name: pickle.loads(pickle.dumps(s)) for name, s in samplers.items()}
+        deep = {name: copy.deepcopy(s) for name, s in samplers.items()}
+        for name, s in samplers.items():
+            assert type(copies[name]) is type(s) and copies[name].config() == s.config()
+            np.testing.assert_array_equal(copies[name].sample_counts(np.arange(store.head, store.next_row)),
+                                          s.sample_counts(np.arange(store.head, store.next_row)))
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            remote = {name: pool.apply(_continue_in_worker, (name, s, str(path), 4)) for name, s in samplers.items()}
+        want = draw(samplers, store, 4)
+        assert draw(copies, store, 4) == want
+        assert draw(deep, store, 4) == want
+    for name in samplers:
+        assert remote[name] == want[name], name
+
+
+# --------------------------------------------------------------------------- settings (item 3)
+
+
+def test_mutable_settings_take_effect_and_fixed_ones_refuse(store):
+    put(store, ["a"] * 4, advantages=[0.0, 1.0, 2.0, 4.0])
+    s = PrioritizedSampler(alpha=1.0, eps=0.0, seed=0)
+    np.testing.assert_allclose(s.probabilities(store, [1, 2, 3]), [1 / 7, 2 / 7, 4 / 7])
+    s.sample(store, 4)
+    s.alpha = 0.0  # every live row equally likely (0 ** 0 == 1)
+    np.testing.assert_allclose(s.probabilities(store, range(4)), 0.25)
+    s.alpha, s.eps = 1.0, 1.0
+    np.testing.assert_allclose(s.probabilities(store, range(4)), np.array([1, 2, 3, 5]) / 11)
+    assert s.state_dict()["config"]["eps"] == 1.0
+    obs = np.bincount(s.sample(store, 11000), minlength=4)
+    assert abs(obs[3] - 5000) < 300  # the draws use the new weights, not a cache of the old ones
+    with pytest.raises(SamplerError, match="alpha"):
+        s.alpha = -1
+    for sampler, name, value in [(s, "priority_key", "rewards"), (s, "seed", 3), (s, "rank", 1),
+                                 (PromptGroupSampler(num_groups=2), "num_groups", 3),
+                                 (PromptGroupSampler(num_groups=2), "group_key", "x"),
+                                 (RandomSampler(), "world_size", 2)]:
+        with pytest.raises(diskreplay.SettingError, match=name):
+            setattr(sampler, name, value)
+        with pytest.raises(AttributeError):
+            setattr(sampler, name, value)
+    g = PromptGroupSampler(num_groups=1, seed=0)
+    g.strategy = "recency"
+    assert g.sample(store, 2).tolist() == [3, 2]
+    with pytest.raises(SamplerError, match="strategy"):
+        g.strategy = "best"
+    r = RandomSampler(seed=0)
+    r.replacement = True
+    assert len(r.sample(store, 9)) == 9  # more rows than live: only possible with replacement
+
+
+# --------------------------------------------------------------------------- prioritized (item 4)
+
+
+def cumsum_reference(prio, eps, alpha, u):
+    """Today's algorithm before the sum tree: a cumulative sum and a binary search."""
+    w = (prio + eps) ** alpha
+    cdf = np.cumsum(w)
+    return np.minimum(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(w)[-1])
+
+
+def test_ssr_same_distribution_as_the_cumsum(tmp_path):
+    rng = np.random.default_rng(3)
+    with ReplayStore(tmp_path / "s", capacity=300) as st_:
+        for _ in range(5):  # 500 rows through capacity 300: eviction, and the tree's ring wraps
+            put(st_, ["a"] * 100, advantages=rng.standard_normal(100) * (rng.random(100) < 0.7))
+        s = PrioritizedSampler(alpha=0.6, eps=0.01, seed=11)
+        s.sample(st_, 1)
+        upd = np.arange(st_.head, st_.next_row, 7)
+        s.update_priorities(upd, rng.standard_normal(len(upd)))
+        prio = np.abs(st_.read(np.arange(st_.head, st_.next_row), ["advantages"])["advantages"].astype(np.float64))
+        prio[upd - st_.head] = np.abs(s.state_dict()["data"]["priorities"][upd - st_.head])
+        w = (prio + 0.01) ** 0.6
+        p = w / w.sum()
+        np.testing.assert_allclose(s.probabilities(st_, np.arange(st_.head, st_.next_row)), p, rtol=1e-10)
+        n = 300_000
+        obs = np.bincount(s.sample(st_, n) - st_.head, minlength=len(p))
+        ref = np.bincount(cumsum_reference(prio, 0.01, 0.6, np.random.default_rng(5).random(n)), minlength=len(p))
+        for counts in (obs, ref):
+            chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+            assert chi2 < 299 + 4.5 * np.sqrt(2 * 299)  # 0.999 quantile, 299 degrees of freedom; fixed seeds
+
+
+def test_ssr_new_priority_max_and_importance_weights(store):
+    put(store, ["a"] * 3, advantages=[5.0, 5.0, 5.0])  # the column is ignored with new_priority="max"
+    s = PrioritizedSampler(eps=0.0, new_priority="max", seed=0, beta=0.5)
+    np.testing.assert_allclose(s.probabilities(store, range(3)), 1 / 3)  # 1.0 each before any update
+    s.update_priorities([0, 1], [4.0, -2.0])
+    put(store, ["a", "a"])  # rows 3, 4 enter at the running maximum, 4.0
+    np.testing.assert_allclose(s.probabilities(store, range(5)), np.array([4, 2, 1, 4, 4]) / 15)
+    # w_i = (N * P(i)) ** -beta / max_j w_j, by brute force over the live rows
+    p = np.array([4, 2, 1, 4, 4]) / 15
+    for beta in (0.5, 1.0, 0.0):
+        w = (5 * p) ** -beta
+        np.testing.assert_allclose(s.importance_weights(store, [0, 2, 4], beta=beta), w[[0, 2, 4]] / w.max())
+    np.testing.assert_allclose(s.importance_weights(store, [2]), [1.0])  # the sampler's beta; the rarest row
+    s.update_priorities([2], [0.0])
+    with pytest.raises(SamplerError, match="probability 0"):
+        s.importance_weights(store, [2])
+    np.testing.assert_allclose(s.importance_weights(store, [1], beta=1.0), [1.0])  # row 1 is now the rarest
+    with pytest.raises(SamplerError, match="new_priority"):
+        PrioritizedSampler(new_priority="min")
+    with pytest.raises(SamplerError, match="live rows"):
+        s.importance_weights(store, [99])
+
+
+def test_ssr_state_has_no_tree_and_restores_it(tmp_path):
+    with ReplayStore(tmp_path / "s", capacity=10) as st_:
+        put(st_, ["a"] * 8, advantages=np.arange(8.0))
+        s = PrioritizedSampler(seed=1)
+        s.sample(st_, 3)
+        s.update_priorities([2, 20], [50.0, 7.0])  # 20: not written yet, kept pending
+        state = s.state_dict()
+        assert set(state["data"]) == {"counts_base", "counts", "prio_base", "priorities", "pending_rows",
+                                      "pending_values", "max_priority"}
+        assert all(not isinstance(v, np.ndarray) or v.size <= 2 for v in
+                   _flat(s.position()))  # the position holds no per-row array
+        st_.save_state("ssr", state)
+        put(st_, ["a"] * 5, advantages=np.zeros(5))  # evicts rows 0..2
+        t = PrioritizedSampler(seed=99)
+        t.load_state_dict(st_.load_state("ssr"))
+        assert t.sample(st_, 50).tolist() == s.sample(st_, 50).tolist()
+
+
+def _flat(d):
+    for v in d.values():
+        if isinstance(v, dict):
+            yield from _flat(v)
+        else:
+            yield v
+
+
+# --------------------------------------------------------------------------- RandomSampler (item 5)
+
+
+def test_random_sampler_drop_last_and_shuffle(store):
+    put(store, list(range(10)))
+    ordered = RandomSampler(shuffle=False)
+    assert [ordered.sample(store, 4).tolist() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+    dropping = RandomSampler(shuffle=False, drop_last=True)
+    assert [dropping.sample(store, 4).tolist() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    s = RandomSampler(seed=3, drop_last=True)
+    first = np.concatenate([s.sample(store, 3) for _ in range(3)])
+    assert len(set(first.tolist())) == 9
+    nxt = s.sample(store, 3)  # the one row left is dropped: a new pass
+    assert len(set(nxt.tolist())) == 3 and s.pass_remaining(store) == 7
+    with pytest.raises(SamplerError, match="drop_last"):
+        RandomSampler(drop_last="yes")
+
+
+# --------------------------------------------------------------------------- PromptGroupSampler (item 5)
+
+
+def test_random_strategy_completes_short_group_uniformly_with_replacement(store):
+    put(store, ["s"] * 3 + ["big"] * 8)
+    s = PromptGroupSampler(samples_per_group=8, seed=0)
+    with pytest.warns(ReplacementWarning, match="with replacement"):
+        rows = s.sample(store, 8, groups=["s"])
+    assert sorted(rows[:3].tolist()) == [0, 1, 2]
+    extra = []
+    for _ in range(600):
+        extra += s.sample(store, 8, groups=["s"])[3:].tolist()
+    counts = np.bincount(extra, minlength=3)
+    assert set(extra) == {0, 1, 2} and counts.min() > 900  # 3000 uniform draws over 3 rows: 1000 each
+    firsts = [tuple(s.sample(store, 8, groups=["s"])[3:5].tolist()) for _ in range(200)]
+    assert len(set(firsts)) > 5  # not the ranking repeated in order
+
+
+def test_min_reward_std_only_groups_with_signal(store):
+    put(store, ["flat"] * 4 + ["nan"] * 3 + ["signal"] * 4 + ["one"] * 2 + ["small"] * 3,
+        rewards=[1, 1, 1, 1] + [np.nan, 0, np.nan] + [0, 1, 0, 1] + [np.nan, 3] + [0.0, 0.1, 0.0])
+    s = PromptGroupSampler(samples_per_group=2, min_reward_std=0.0, seed=0)
+    seen = set()
+    for _ in range(50):
+        seen.update(store.read(s.sample(store, 4), ["prompt_id"])["prompt_id"])
+    # "flat" has no spread, "nan" and "one" a single finite reward (NaN rewards are left out, like nanstd)
+    assert seen == {"signal", "small"}
+    s.min_reward_std = 0.1  # small's std is 0.0577: at or below the bound from now on
+    with pytest.warns(ReplacementWarning):
+        rows = s.sample(store, 4)
+    assert set(store.read(rows, ["prompt_id"])["prompt_id"]) == {"signal"}
+    with pytest.raises(SamplerError, match="min_reward_std"):
+        s.sample(store, 2, groups=["flat"])
+    with pytest.raises(SamplerError, match="min_reward_std"):
+        PromptGroupSampler(num_groups=1, min_reward_std=-1.0)
+    with pytest.raises(SamplerError, match="no group"):
+        PromptGroupSampler(num_groups=1, min_reward_std=5.0).sample(store, 2)
+
+
+def test_reward_scalar_ignores_nan_components(store):
+    vec = np.array([[1, np.nan], [np.nan, np.nan], [0.5, 0.5], [0, 0]], dtype=np.float32)
+    put(store, ["g"] * 4, vec_reward=vec)
+    s = PromptGroupSampler.reward(num_groups=1, reward_key="vec_reward")
+    assert s.sample(store, 4, groups=["g"]).tolist() == [0, 2, 3, 1]  # 1.0, 0.5, 0, all-NaN last
+
+
+# --------------------------------------------------------------------------- ranks (issue 9 item 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_partition_one_global_batch(tmp_path, world_size):
+    with ReplayStore(tmp_path / "s", capacity=200) as st_:
+        rng = np.random.default_rng(0)
+        for b in range(4):
+            keys = [f"p{(b * 7 + i // 4) % 23}" for i in range(64)]
+            put(st_, keys, rewards=rng.random(64), advantages=rng.standard_normal(64), versions=[b] * 64)
+        bs = 8
+
+        def build(kind, rank, ws):
+            common = dict(seed=5, rank=rank, world_size=ws)
+            return {"group": lambda: PromptGroupSampler(samples_per_group=4, **common),
+                    "group_n": lambda: PromptGroupSampler(num_groups=2 * (world_size // ws), **common),
+                    "variance": lambda: PromptGroupSampler.variance(samples_per_group=2, **common),
+                    "pass": lambda: RandomSampler(**common),
+                    "ordered": lambda: RandomSampler(shuffle=False, drop_last=True, **common),
+                    "uniform": lambda: RandomSampler(replacement=True, **common),
+                    "ssr": lambda: PrioritizedSampler(**common)}[kind]()
+
+        for kind in ("group", "group_n", "variance", "pass", "ordered", "uniform", "ssr"):
+            ranks = [build(kind, r, world_size) for r in range(world_size)]
+            single = build(kind, 0, 1)
+            for step in range(6):
+                if step == 3:  # resume every rank from its own saved state
+                    states = [r.state_dict() for r in ranks]
+                    ranks = [build(kind, r, world_size) for r in range(world_size)]
+                    for r, state in zip(ranks, states):
+                        r.load_state_dict(state)
+                parts = [r.sample(st_, bs) for r in ranks]
+                whole = single.sample(st_, bs * world_size)
+                assert np.concatenate(parts).tolist() == whole.tolist(), (kind, step)
+                if kind in ("pass", "ordered"):
+                    assert len(set(whole.tolist())) == len(whole)  # disjoint across ranks
+                if kind.startswith("group") or kind == "variance":
+                    k = 4 if kind != "variance" else 2
+                    keys = st_.read(whole, ["prompt_id"])["prompt_id"]
+                    blocks = [set(keys[i:i + k]) for i in range(0, len(keys), k)]
+                    assert all(len(b) == 1 for b in blocks)  # whole groups ...
+                    per_rank = [set().union(*blocks[r * bs // k:(r + 1) * bs // k]) for r in range(world_size)]
+                    assert sum(len(g) for g in per_rank) == len(set().union(*per_rank))  # ... never split
+        with pytest.raises(SamplerError, match="rank"):
+            RandomSampler(rank=2, world_size=2)
+        with pytest.raises(SamplerError, match="world_size"):
+            RandomSampler(world_size=0)
+        with pytest.raises(SamplerError, match="config"):
+            RandomSampler(rank=1, world_size=2).load_state_dict(RandomSampler(world_size=2).state_dict())
+
+
+def test_agree_generation_without_torch_distributed(store):
+    from diskreplay.samplers import agree_generation
+    put(store, ["a", "b"])
+    if "generation" not in ReplayStore.__init__.__code__.co_varnames:
+        with pytest.raises(SamplerError, match="pinned snapshots"):
+            agree_generation(store)
+        return
+    with agree_generation(store) as snap:  # pragma: no cover - runs once the store has snapshots
+        gen = snap.generation
+        put(store, ["c"])
+        assert snap.generation == gen and len(snap) == 2 and store.generation > gen
+
+
+def test_ssr_moving_to_another_store_starts_over(tmp_path):
+    with ReplayStore(tmp_path / "a") as a, ReplayStore(tmp_path / "b") as b:
+        put(a, ["x"] * 2, advantages=[5.0, 0.0])
+        put(b, ["x"] * 3, advantages=[0.0, 0.0, 5.0])
+        s = PrioritizedSampler(eps=0.0, seed=0)
+        assert set(s.sample(a, 20).tolist()) == {0}
+        assert set(s.sample(b, 20).tolist()) == {2}  # b's own priorities, not a's left in the tree

@@ -307,7 +307,8 @@ def test_restart_continues_the_store_and_the_sampler(tmp_path):
         assert a.read(a.row_ids(), ["policy_version"])["policy_version"].tolist() == \
             [s for s in range(4) for _ in range(8)]
         # the sampler continued its stream: the same rows as a run that never stopped
-        assert a.load_state("trl.replay")["sampler"]["rng"] == b.load_state("trl.replay")["sampler"]["rng"]
+        assert a.load_state("trl.replay")["sampler"]["position"]["rng"] == \
+            b.load_state("trl.replay")["sampler"]["position"]["rng"]
         ra, rb = (list(t.replay_history) for t in (resumed, straight))
         assert [h["global_step"] for h in ra] == [2, 3]
         for ha, hb in zip(ra, rb[2:]):

@@ -3,6 +3,7 @@
     python tools/bench.py store  [--groups 4096] [--big 10] [--dir DIR] [--small-commits 3000]
     python tools/bench.py sample [--groups 4096] [--dir DIR]
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
+    python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -719,16 +720,128 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     return res
 
 
+# --------------------------------------------------------------------------- priorities
+
+
+class _CumsumPriorities:
+    """Baseline: PrioritizedSampler before the sum tree (kept here to measure against).
+
+    update_priorities wrote the new values and dropped the cached CDF; the next
+    sample rebuilt ``cumsum((|p| + eps) ** alpha)`` over all live rows and
+    binary-searched it. The loader also copied the whole priority array into
+    every batch's state.
+    """
+
+    def __init__(self, priorities: np.ndarray, alpha: float, eps: float, seed: int) -> None:
+        self.prio = np.abs(priorities.astype(np.float64))
+        self.alpha, self.eps = alpha, eps
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.cdf = None
+        self.last = -1
+
+    def update_priorities(self, rows: np.ndarray, values: np.ndarray) -> None:
+        _, last = np.unique(rows[::-1], return_index=True)
+        last = len(rows) - 1 - last
+        self.prio[rows[last]] = np.abs(values[last])
+        self.cdf = None
+
+    def sample(self, n: int) -> np.ndarray:
+        if self.cdf is None:
+            w = (self.prio + self.eps) ** self.alpha
+            self.cdf = np.cumsum(w)
+            self.last = int(np.flatnonzero(w)[-1])
+        u = self.rng.random(n) * self.cdf[-1]
+        return np.minimum(np.searchsorted(self.cdf, u, side="right"), self.last)
+
+    def batch_state(self) -> dict:
+        return {"priorities": self.prio.copy()}
+
+
+def _priority_store(path: str, n: int) -> ReplayStore:
+    store = ReplayStore(path, group_key=None)
+    rng = np.random.default_rng(0)
+    step = 1 << 20
+    for start in range(0, n, step):
+        k = min(step, n - start)
+        store.extend({"advantages": rng.standard_normal(k).astype(np.float32)})
+    return store
+
+
+def bench_priorities(args) -> None:
+    """update_priorities(512) + sample(512) per training step: sum tree vs the cumsum it replaced."""
+    from diskreplay import PrioritizedSampler
+
+    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    k, steps = 512, args.steps
+    print(f"priorities: update_priorities({k}) + sample({k}) per step, medians of {steps} steps, paths alternated")
+    row("", "sum tree", "cumsum", "speed-up")
+    for n in sizes:
+        path = os.path.join(work, f"prio-{n}")
+        shutil.rmtree(path, ignore_errors=True)
+        store = _priority_store(path, n)
+        ours = PrioritizedSampler(alpha=0.6, eps=1e-4, seed=0)
+        ours.sample(store, k)  # reads the priorities once and builds the tree (not timed)
+        base = _CumsumPriorities(store.read(np.arange(n), ["advantages"])["advantages"], 0.6, 1e-4, 0)
+        base.sample(k)
+        rng = np.random.default_rng(1)
+        t_ours, t_base, t_pos, t_state = [], [], [], []
+        for i in range(steps + 3):  # 3 warm-up steps
+            rows = rng.integers(0, n, k)
+            vals = rng.standard_normal(k)
+            order = (0, 1) if i % 2 else (1, 0)
+            for which in order:
+                t0 = time.perf_counter()
+                if which == 0:
+                    ours.update_priorities(rows, vals)
+                    ours.sample(store, k)
+                    dt = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    ours.position()  # what the loader keeps per batch now
+                    dp = time.perf_counter() - t1
+                    if i >= 3:
+                        t_ours.append(dt)
+                        t_pos.append(dp)
+                else:
+                    base.update_priorities(rows, vals)
+                    base.sample(k)
+                    dt = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    base.batch_state()  # what the loader copied per batch before
+                    ds = time.perf_counter() - t1
+                    if i >= 3:
+                        t_base.append(dt)
+                        t_state.append(ds)
+        mo, mb = statistics.median(t_ours) * 1e3, statistics.median(t_base) * 1e3
+        row(f"{n:>10,} live rows: update+sample", f"{mo:.3f} ms", f"{mb:.3f} ms", f"{mb / mo:.1f}x")
+        mp_, ms = statistics.median(t_pos) * 1e3, statistics.median(t_state) * 1e3
+        row(f"{n:>10,} live rows: per-batch loader state", f"{mp_:.4f} ms", f"{ms:.3f} ms", f"{ms / mp_:.0f}x")
+        tree_b = ours._tree.nbytes
+        held = tree_b + ours._prio._buf.nbytes + ours._counts._buf.nbytes
+        row(f"{n:>10,} live rows: bytes per live row", f"{held / n:.1f} B", f"{(3 * 8 * n) / n:.1f} B",
+            f"tree {tree_b / n:.1f} B")
+        store.close()
+        del ours, base
+        shutil.rmtree(path, ignore_errors=True)
+    print("  bytes per row: sum tree (2 x ring capacity x 8 B, ring = next power of two) + priorities + sample "
+          "counts (amortised buffers up to 2x); cumsum: priorities + CDF + counts (8 B each) plus an N-row "
+          "temporary per rebuild")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["store", "sample", "export"])
+    p.add_argument("what", choices=["store", "sample", "export", "priorities"])
     p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
     p.add_argument("--small-commits", type=int, default=3000,
                    help="store: commits of 8 rows for the small-commit comparison (0: skip it)")
+    p.add_argument("--sizes", default="32768,1000000,10000000",
+                   help="priorities: live-row counts to measure, comma separated")
+    p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
-    {"store": bench_store, "export": bench_export, "sample": bench_sample}[args.what](args)
+    {"store": bench_store, "export": bench_export, "sample": bench_sample,
+     "priorities": bench_priorities}[args.what](args)
 
 
 if __name__ == "__main__":

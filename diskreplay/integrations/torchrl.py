@@ -1,0 +1,310 @@
+"""TorchRL on a diskreplay store: :class:`DiskReplayStorage`, a ``torchrl.data`` ``Storage``.
+
+``torchrl.data.ReplayBuffer(storage=DiskReplayStorage(path, max_size), sampler=..., batch_size=...)``
+keeps its rows in a :class:`~diskreplay.ReplayStore`: every ``extend`` is one
+durable commit, the rows outlive the process (reopen the path and they are
+all there), and the store's capacity is the buffer's ``max_size`` (FIFO, like
+TorchRL's round-robin writer). TorchRL's own samplers (``PromptGroupSampler``,
+``RandomSampler``, ``SamplerWithoutReplacement``, ...) run unchanged on it.
+
+Layout. A TensorDict's nested keys are stored as flat columns joined with
+``"."`` (``("next", "reward")`` is column ``"next.reward"``) and come back
+nested, so the keys TorchRL's GRPO tools read (``("tokens", "full")``,
+``("log_probs", "full")``, ``"advantage"``, ``("next", "reward")``, ...) are
+where they were written. A tensor of one value per row is a scalar column; a
+fixed-shape tensor per row a vector column; strings (``NonTensorStack``) a
+string column; rows of different lengths (a lazy stack of TensorDicts, the
+way TorchRL keeps token sequences) a ragged column, returned as a lazy stack
+again (``sample.get(("tokens", "full"), as_padded_tensor=True)`` pads them).
+
+Positions. TorchRL addresses a storage of ``max_size`` slots written
+round-robin; slot ``p`` holds the live row ``r`` with ``r % max_size == p``
+(row ids only grow; the oldest rows are evicted as new ones arrive), which is
+exactly where TorchRL's writer puts them. A buffer attached to a reopened
+store has its writer's cursor moved to the store's next row.
+
+Needs the ``[torchrl]`` extra (``pip install diskreplay[torchrl]``). TorchRL's
+compiled extension is not needed: its pure-Python samplers are enough.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Union
+
+import numpy as np
+
+from .. import RaggedColumn, ReplayStore
+from ..errors import SchemaError, UnsupportedError
+
+try:
+    import torch
+    from tensordict import (LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase,
+                            is_tensor_collection, lazy_stack)
+    from torchrl.data.replay_buffers.storages import StoreStorage as _TorchRLStoreStorage
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"diskreplay.integrations.torchrl needs torchrl and tensordict ({exc}); install them with "
+                      "pip install 'diskreplay[torchrl]'") from exc
+
+__all__ = ["DiskReplayStorage", "tensordict_to_columns", "columns_to_tensordict"]
+
+SEP = "."
+# TorchRL keeps its writer cursor in a 32-bit shared integer: an unbounded store is addressed modulo this
+_UNBOUNDED_SLOTS = 2 ** 31 - 1
+
+
+def _as_positions(index: Any) -> np.ndarray:
+    if isinstance(index, torch.Tensor):
+        return index.detach().cpu().numpy().astype(np.int64).reshape(-1)
+    if isinstance(index, range):
+        return np.arange(index.start, index.stop, index.step, dtype=np.int64)
+    return np.asarray(index, dtype=np.int64).reshape(-1)
+
+
+class DiskReplayStorage(_TorchRLStoreStorage):
+    """A ``torchrl.data`` ``Storage`` whose rows live in a :class:`~diskreplay.ReplayStore` (see the module).
+
+    ``store`` is a path (opened, or created with ``capacity=max_size``) or an
+    open ``ReplayStore``. ``max_size`` defaults to the store's capacity (an
+    unbounded store holds up to 2**31 - 1 rows for TorchRL). ``group_key``
+    (a key, nested keys as tuples) makes the store index that column at write
+    time, for diskreplay's own samplers; TorchRL's samplers build their own
+    index. Other keyword arguments go to ``ReplayStore``.
+
+    >>> import tempfile, torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ReplayBuffer
+    >>> from torchrl.data.replay_buffers.samplers import PromptGroupSampler
+    >>> path = tempfile.mkdtemp()
+    >>> rb = ReplayBuffer(storage=DiskReplayStorage(path, 100),
+    ...                   sampler=PromptGroupSampler(num_groups=2, group_key="prompt"), batch_size=8)
+    >>> _ = rb.extend(TensorDict({"prompt": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]),
+    ...                           "reward": torch.arange(12.0)}, batch_size=[12]))
+    >>> sample = rb.sample()
+    >>> int(sample["prompt"].unique().numel()), int(sample.shape[0])
+    (2, 8)
+    >>> rb.storage.close()
+    >>> len(DiskReplayStorage(path))  # the rows outlive the buffer
+    12
+    """
+
+    def __init__(self, store: Union[str, Any, ReplayStore], max_size: Optional[int] = None, *,
+                 group_key: Any = None, **store_options: Any) -> None:
+        if isinstance(store, ReplayStore):
+            if group_key is not None or store_options:
+                raise SchemaError("group_key and store options apply only when DiskReplayStorage opens the store "
+                                  "itself; pass a path, or set them when opening the ReplayStore")
+        else:
+            key = SEP.join(group_key) if isinstance(group_key, tuple) else group_key
+            if max_size is not None:
+                store_options.setdefault("capacity", max_size)
+            store = ReplayStore(store, group_key=key, **store_options)
+        capacity = store.capacity
+        if max_size is None:
+            max_size = capacity if capacity is not None else _UNBOUNDED_SLOTS
+        if capacity is not None and capacity != max_size:
+            raise SchemaError(f"max_size={max_size} but the store at {store.path} has capacity={capacity}; a "
+                              "TorchRL storage's slots must be the store's rows: pass max_size=None or "
+                              f"max_size={capacity}")
+        if store.capacity_bytes is not None:
+            raise SchemaError(f"the store at {store.path} has a byte capacity; TorchRL addresses a storage by "
+                              "slots, which only a row capacity keeps aligned: open a store without "
+                              "capacity_bytes")
+        # StoreStorage's own constructor connects to a key-value server: only the base Storage applies
+        super(_TorchRLStoreStorage, self).__init__(max_size=int(max_size))
+        self.store = store
+        self.initialized = True
+        self._last_cursor = None
+        self._synced_writers: List[int] = []
+
+    # -- TorchRL's Storage interface
+    @property
+    def _len(self) -> int:  # TorchRL's writers read it; the store is the only source of the length
+        return len(self.store)
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        if self.store.readonly:
+            self.store.refresh()
+        return len(self.store)
+
+    def __repr__(self) -> str:
+        return f"DiskReplayStorage({self.store.path!r}, max_size={self.max_size}, rows={len(self.store)})"
+
+    def close(self) -> None:
+        """Close the store (releases its writer lock)."""
+        self.store.close()
+
+    @property
+    def _slot_generations(self) -> Any:
+        # read by TorchRL's round-robin writer while a buffer registers this storage: the moment its
+        # writer exists and has not written yet, so its cursor can start at the store's next row
+        self._sync_writers()
+        return self.__dict__.get("_slot_generations_value")
+
+    @_slot_generations.setter
+    def _slot_generations(self, value: Any) -> None:
+        self.__dict__["_slot_generations_value"] = value
+
+    def _sync_writers(self) -> None:
+        for buffer in self._attached_entities:
+            writer = getattr(buffer, "_writer", None)
+            if writer is None or id(writer) in self._synced_writers or not hasattr(writer, "_cursor"):
+                continue
+            writer._cursor = self.store.next_row % self.max_size
+            self._synced_writers.append(id(writer))
+
+    def _rows(self, positions: np.ndarray) -> np.ndarray:
+        """Live row ids of TorchRL slots."""
+        head, n = self.store.head, len(self.store)
+        if len(positions) and (positions.min() < -n or positions.max() >= self.max_size):
+            raise IndexError(f"index {positions.tolist()[:10]} is outside the storage's {self.max_size} slots")
+        positions = np.where(positions < 0, positions + n, positions)  # TorchRL's negative = from the end
+        rows = head + (positions - head) % self.max_size
+        if len(rows) and rows.max() >= head + n:
+            raise IndexError(f"slot {int(positions[rows >= head + n][0])} holds no row yet (the storage has "
+                             f"{n} rows)")
+        return rows
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Append ``data`` at the slots TorchRL's writer chose (they must be the next ones: rows are written once)."""
+        if isinstance(cursor, slice):
+            cursor = range(*cursor.indices(self.max_size))
+        positions = _as_positions(cursor)
+        if not is_tensor_collection(data):
+            raise UnsupportedError(f"DiskReplayStorage stores TensorDicts, got {type(data).__name__}; wrap the "
+                                   "data in a TensorDict")
+        if data.batch_dims == 0:
+            data = lazy_stack([data]) if isinstance(data, LazyStackedTensorDict) else data.unsqueeze(0)
+        n = data.shape[0]
+        if len(positions) != n:
+            raise SchemaError(f"{len(positions)} slots for {n} rows; pass one slot per row")
+        nxt = self.store.next_row
+        expected = (nxt + np.arange(n)) % self.max_size
+        if not np.array_equal(positions, expected):
+            if not set_cursor:
+                raise UnsupportedError(f"DiskReplayStorage rows are written once, at the end (slots "
+                                       f"{expected.tolist()[:5]}...); overwriting slots {positions.tolist()[:5]} "
+                                       "in place is not supported")
+            # a writer that started before the store's last rows (a reopened store): follow the store
+            self._synced_writers = []
+            self._sync_writers()
+        self.store.extend(tensordict_to_columns(data))
+        self._set_last_cursor(int(expected[-1]))
+        self._bump_mutation_revision()
+
+    def get(self, index: Any) -> Any:
+        """The rows at TorchRL slots ``index`` as a TensorDict (a lazy stack when a column is ragged)."""
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if self.store.readonly:
+            self.store.refresh()
+        single = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
+        if isinstance(index, slice):
+            index = range(*index.indices(len(self.store)))
+        rows = self._rows(_as_positions(index))
+        td = columns_to_tensordict(self.store.read(rows), len(rows))
+        return td[0] if single else td
+
+    def contains(self, item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            pos = _as_positions(item)
+            n = len(self.store)
+            ok = (pos >= 0) & (pos < min(n, self.max_size))
+            return torch.as_tensor(ok.reshape(item.shape))
+        return 0 <= int(item) < min(len(self.store), self.max_size)
+
+    def _empty(self) -> None:
+        raise UnsupportedError(f"DiskReplayStorage keeps every committed row of {self.store.path}; empty() would "
+                               "delete them: open a new path instead")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"path": self.store.path, "next_row": int(self.store.next_row)}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Keep this store's rows: they are persistent, and a state never carries rows to copy.
+
+        TorchRL's in-memory storages copy the saved rows back; a store already
+        holds its own. A state saved from another path changes nothing here and
+        says so with a warning.
+        """
+        path = state_dict.get("path") if isinstance(state_dict, dict) else None
+        if path is not None and path != self.store.path:
+            warnings.warn(f"the storage state is of the store at {path!r}; this storage keeps the rows of "
+                          f"{self.store.path!r} (open that path to use its rows)", stacklevel=2)
+        self._bump_mutation_revision()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise UnsupportedError("a DiskReplayStorage holds an open store; send its path and reopen it (read-only "
+                               "for readers) instead of pickling it")
+
+
+def tensordict_to_columns(data: Any) -> Dict[str, Any]:
+    """A batched TensorDict as the column mapping ``ReplayStore.extend`` takes (nested keys joined with ".").
+
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> cols = tensordict_to_columns(TensorDict({"next": {"reward": torch.ones(2)}}, batch_size=[2]))
+    >>> list(cols), cols["next.reward"].tolist()
+    (['next.reward'], [1.0, 1.0])
+    """
+    out: Dict[str, Any] = {}
+    for key in data.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
+        name = SEP.join(key) if isinstance(key, tuple) else key
+        if isinstance(data, LazyStackedTensorDict) and issubclass(data.entry_class(key), torch.Tensor):
+            parts = data.get(key, as_list=True)
+            if any(p.shape != parts[0].shape for p in parts) or parts[0].ndim == 1:
+                out[name] = [p.detach().cpu().numpy() for p in parts]  # one sequence per row: ragged
+            else:
+                out[name] = torch.stack(parts).detach().cpu().numpy()
+            continue
+        value = data.get(key)
+        if isinstance(value, torch.Tensor):
+            out[name] = value.detach().cpu().numpy()
+        else:
+            out[name] = list(value.tolist() if hasattr(value, "tolist") else value)
+    return out
+
+
+def _is_leaf(cls: type) -> bool:
+    return not issubclass(cls, TensorDictBase) or issubclass(cls, (NonTensorData, NonTensorStack))
+
+
+def columns_to_tensordict(batch: Dict[str, Any], n: int) -> Any:
+    """``store.read(rows)`` as a TensorDict of ``n`` rows: nested keys back, a lazy stack when a column is ragged.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> store = ReplayStore(tempfile.mkdtemp(), group_key=None)
+    >>> _ = store.extend({"next.reward": [1.0, 2.0], "tokens.full": [[1, 2], [3]]})
+    >>> td = columns_to_tensordict(store.read([1, 0]), 2)
+    >>> td["next", "reward"].tolist(), [t.tolist() for t in td.get(("tokens", "full"), as_list=True)]
+    ([2.0, 1.0], [[3], [1, 2]])
+    """
+    dense: Dict[Any, Any] = {}
+    ragged: Dict[Any, RaggedColumn] = {}
+    for name, col in batch.items():
+        key = tuple(name.split(SEP)) if SEP in name else name
+        if isinstance(col, RaggedColumn):
+            ragged[key] = col
+        elif isinstance(col, list):
+            dense[key] = NonTensorStack.from_list(col)
+        else:
+            dense[key] = torch.from_numpy(np.ascontiguousarray(col))
+    td = TensorDict(batch_size=[n])
+    for key, value in dense.items():
+        td.set(key, value)
+    if not ragged:
+        return td
+    rows = []
+    for i in range(n):
+        one = td[i]
+        for key, col in ragged.items():
+            v = np.asarray(col[i])
+            # token ids come back as int64 (what embeddings index with), whatever width the store chose
+            one.set(key, torch.from_numpy(v.astype(np.int64) if v.dtype.kind in "iu" else v.copy()))
+        rows.append(one)
+    return lazy_stack(rows)

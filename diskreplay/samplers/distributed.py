@@ -1,0 +1,65 @@
+"""Ranks agreeing on the store generation they sample from.
+
+Samplers with ``rank`` / ``world_size`` draw disjoint slices of one global
+batch only if every rank sees the same rows: the same store generation. A
+writer may commit between two ranks' draws, so each rank samples from a
+pinned snapshot of one generation that rank 0 chooses and broadcasts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..errors import SamplerError
+
+
+def _open_generation(store: Any, generation: int) -> Any:
+    snapshot = getattr(store, "snapshot", None)
+    if snapshot is not None and store.generation == generation:
+        return snapshot()
+    try:
+        return type(store)(store.path, readonly=True, generation=generation)
+    except TypeError as exc:
+        if "generation" not in str(exc):
+            raise
+        raise SamplerError(f"agree_generation needs pinned snapshots (ReplayStore(path, readonly=True, "
+                           f"generation=N) and store.snapshot()), which this {type(store).__name__} does not "
+                           "offer; upgrade diskreplay, or make every rank sample from one read-only store that "
+                           "no writer changes") from None
+
+
+def agree_generation(store: Any, group: Optional[Any] = None) -> Any:
+    """A read-only snapshot of ``store`` at rank 0's current generation, the same on every rank.
+
+    With ``torch.distributed`` initialised, rank 0 (of ``group``) broadcasts
+    ``store.generation`` and every rank opens that generation pinned
+    (``ReplayStore(path, readonly=True, generation=N)``), so samplers built
+    with the same seed and settings and ``rank=dist.get_rank()``,
+    ``world_size=dist.get_world_size()`` draw disjoint slices of one global
+    batch even while a writer keeps appending. Without ``torch.distributed``
+    (one process) it pins the current generation. Close the snapshot when
+    done (it is a context manager); call again to move to a newer generation.
+
+    Example (in a ``torchrun`` job)::
+
+        with agree_generation(ReplayStore(path, readonly=True)) as snap:
+            rows = sampler.sample(snap, batch_size)
+
+    >>> agree_generation.__name__
+    'agree_generation'
+    """
+    generation = int(store.generation)
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        dist = None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        value = torch.tensor([generation], dtype=torch.int64, device=device)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(value, src=src, group=group)
+        generation = int(value.item())
+    return _open_generation(store, generation)
