@@ -16,7 +16,7 @@ True
 import importlib
 from typing import Any
 
-from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
+from .errors import (ArgumentError, BatchError, LoaderError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
                      RowsEvictedError, SchemaError, StoreLockedError)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
@@ -29,6 +29,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "collate": "padding",
     "collate_unpadded": "padding",
+    "collate_packed": "packing",
+    "pack_on_device": "packing",
+    "Collator": "collator",
+    "repad_stacked": "padding",
     "pad_on_device": "padding",
     "repad": "padding",
     "ReplayLoader": "loader",
@@ -36,11 +40,14 @@ _LAZY = {
 }
 
 __all__ = [
+    "ArgumentError",
     "BatchError",
+    "Collator",
     "CorruptStoreError",
     "DiskReplayError",
     "FormatError",
     "GroupIndex",
+    "LoaderError",
     "PrioritizedSampler",
     "PromptGroupSampler",
     "RaggedColumn",
@@ -55,9 +62,12 @@ __all__ = [
     "SchemaError",
     "StoreLockedError",
     "collate",
+    "collate_packed",
     "collate_unpadded",
+    "pack_on_device",
     "pad_on_device",
     "repad",
+    "repad_stacked",
 ]
 
 

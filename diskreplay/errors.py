@@ -99,3 +99,29 @@ class RowsEvictedError(DiskReplayError, IndexError):
     ...     print(exc)
     row 0 is not in the store: live rows are [1, 2) (it was evicted)
     """
+
+
+class ArgumentError(DiskReplayError, ValueError, TypeError):
+    """An argument of a diskreplay call has a wrong type or value.
+
+    It is both a ``ValueError`` and a ``TypeError``, so code written against
+    either builtin keeps catching it. The message names the argument, what it
+    got and what it needs.
+
+    >>> from diskreplay.loader import ReplayLoader
+    >>> try:
+    ...     ReplayLoader(None, None, batch_size=0, pad_token_id=0)
+    ... except ArgumentError as exc:
+    ...     print(exc)
+    batch_size must be an integer >= 1, got 0
+    """
+
+
+class LoaderError(DiskReplayError, RuntimeError):
+    """The loader's worker thread ended without delivering a batch or an error,
+    or a batch cannot be built as the loader was asked to (a group larger than
+    ``max_tokens``).
+
+    >>> issubclass(LoaderError, RuntimeError)
+    True
+    """
