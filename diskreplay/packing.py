@@ -18,14 +18,15 @@ Two entry points, as for padded batches (see :mod:`diskreplay.padding`):
   log-probs) to a GPU and packs there. ``pack_on_device(collate_unpadded(b))``
   equals ``collate_packed(b)`` element for element.
 
-How the host kernel writes the stream (measured on 512 rows, ~870 tokens
-each): a boolean "is a completion token" mask over the T positions is built
-once (an int8 prefix sum over +1/-1 marks at completion starts and ends) and
-every column is scattered through it or its complement. The True positions of
-the mask, read in order, are exactly the completion tokens of row 0, then of
-row 1, ..., so one masked assignment places a whole column; over long runs
-that costs about as much as a copy. A per-row slice loop does the same work
-with 2 x B Python-level copies per column, which is slower at B = 512.
+How the host kernel writes the stream (512 rows, ~870 tokens each): every
+column is one ``np.concatenate`` of per-row views (prompt piece, completion
+piece, row after row; zeros and position counters are views of one small
+constant array) into the output buffer, so each output byte is written once
+by one C loop: 0.35 ms for the 445 k int64 ``input_ids``, measured, against
+1-1.5 ms per column for the first version, which built a boolean "is a
+completion token" mask with a prefix sum and scattered every column through
+it (a fill plus a masked write per column, and a prefix sum per stream). The
+Python cost is one slice per row and column (~0.1 ms per column at 512 rows).
 """
 
 from __future__ import annotations
@@ -66,37 +67,31 @@ def _flat_shape(T: int, batch_dim: bool) -> tuple:
     return (1, T) if batch_dim else (T,)
 
 
-def _completion_mask(cu: np.ndarray, plen: np.ndarray, clen: np.ndarray, out: np.ndarray) -> None:
-    """``out`` [T] bool: True at the completion positions of every row.
+class _Pieces:
+    """Views that :func:`np.concatenate` joins into one stream, prompt piece and
+    completion piece of row 0, then of row 1, ...: every output byte is written
+    once, by one C loop, whatever the number of rows."""
 
-    +1 where a row's completion starts, -1 where it ends, prefix-summed: the
-    running sum is 1 exactly inside a completion. Rows without a completion
-    add nothing, so starts (and ends) are strictly increasing and each fancy
-    assignment below touches distinct positions; a start may equal the
-    previous row's end (a row without a prompt), hence two separate passes.
-    """
-    T = out.size
-    marks = np.zeros(T + 1, dtype=np.int8)
-    has = clen > 0
-    marks[(cu[:-1] + plen)[has]] += 1
-    marks[cu[1:][has]] -= 1
-    np.cumsum(marks[:T], dtype=np.int8, out=out.view(np.int8))
+    def __init__(self, plen: np.ndarray, clen: np.ndarray) -> None:
+        self.plen, self.clen = plen.tolist(), clen.tolist()
+        self.longest = max(max(self.plen, default=0), max(self.clen, default=0))
+        self.slots: list = [None] * (2 * len(self.plen))
 
+    @staticmethod
+    def cut(values: np.ndarray, lengths: list) -> list:
+        """``values`` (rows concatenated) cut into one view per row."""
+        ends = np.cumsum(lengths).tolist()
+        return [values[e - n:e] for e, n in zip(ends, lengths)]
 
-def _position_ids(cu: np.ndarray, seq: np.ndarray, out: np.ndarray) -> None:
-    """``out`` [T] int64: 0, 1, ... restarting at every row start.
+    def constant(self, value, dtype, lengths: list) -> list:
+        fill = np.full(self.longest, value, dtype=dtype)
+        return [fill[:n] for n in lengths]
 
-    A prefix sum of ones in which the first position of each non-empty row
-    (but the first) holds ``1 - length of the previous non-empty row``, which
-    brings the running sum back to 0 there.
-    """
-    if out.size == 0:
-        return
-    starts = cu[:-1][seq > 0]
-    out.fill(1)
-    out[0] = 0
-    out[starts[1:]] = 1 - np.diff(starts)
-    np.cumsum(out, out=out)
+    def join(self, prompt: list, completion: list, out: np.ndarray) -> None:
+        if not self.slots:
+            return
+        self.slots[0::2], self.slots[1::2] = prompt, completion
+        np.concatenate(self.slots, out=out, casting="unsafe")
 
 
 def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
@@ -165,19 +160,18 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     T = int(cu[-1])
 
     result: dict[str, Any] = {}
-    comp = np.empty(T, dtype=bool)
-    _completion_mask(cu, plen, clen, comp)
+    pieces = _Pieces(plen, clen)
     ids = _buffer(out, "input_ids", _flat_shape(T, batch_dim), torch.int64)
-    flat_ids = ids.numpy().reshape(-1)
-    flat_ids[comp] = cvals
-    flat_ids[~comp] = pvals
+    pieces.join(pieces.cut(pvals, pieces.plen), pieces.cut(cvals, pieces.clen), ids.numpy().reshape(-1))
     pos = _buffer(out, "position_ids", _flat_shape(T, batch_dim), torch.int64)
-    _position_ids(cu, seq, pos.numpy().reshape(-1))
+    if B:
+        count = np.arange(pieces.longest * 2, dtype=np.int64)
+        np.concatenate([count[:n] for n in seq.tolist()], out=pos.numpy().reshape(-1))
+    mask = _buffer(out, "completion_mask", (T,), torch.int64)
+    pieces.join(pieces.constant(0, np.int64, pieces.plen), pieces.constant(1, np.int64, pieces.clen), mask.numpy())
     cu_t = _buffer(out, "cu_seqlens", (B + 1,), torch.int32)
     np.copyto(cu_t.numpy(), cu, casting="unsafe")
     max_seqlen = int(seq.max()) if B else 0
-    mask = _buffer(out, "completion_mask", (T,), torch.int64)
-    np.copyto(mask.numpy(), comp)
     lengths = {}
     for name, value in (("prompt_lengths", plen), ("completion_lengths", clen)):
         lengths[name] = _buffer(out, name, (B,), torch.int64)
@@ -194,10 +188,7 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
         elif isinstance(col, RaggedColumn):
             values, lens = packed[name]
             prompt = _is_prompt(name)
-            side, where = (plen, ~comp) if prompt else (clen, comp)
-            t = _buffer(out, name, (T,), _torch_dtype(values.dtype))
-            arr = t.numpy()
-            arr.fill(0)
+            side = plen if prompt else clen
             valid = lens == side
             if not valid.all():
                 # rows "not computed" have length 0 here; any other mismatch is an error
@@ -208,8 +199,18 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                         f"column {name!r}, row {i}: {int(lens[i])} values for {int(side[i])} "
                         f"{'prompt' if prompt else 'completion'} tokens; a per-token column must have "
                         "one value per token of its side")
-                where = where & np.repeat(valid, seq)
-            arr[where] = values
+            dtype = _torch_dtype(values.dtype)
+            t = _buffer(out, name, (T,), dtype)
+            own = pieces.plen if prompt else pieces.clen
+            present = pieces.cut(values, lens.tolist())
+            if not valid.all():
+                zeros = pieces.constant(0, values.dtype, own)
+                present = [v if ok else z for v, z, ok in zip(present, zeros, valid.tolist())]
+            other = pieces.constant(0, values.dtype, pieces.clen if prompt else pieces.plen)
+            if prompt:
+                pieces.join(present, other, t.numpy())
+            else:
+                pieces.join(other, present, t.numpy())
             result[name] = t
         elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
             result[name] = _per_row(name, col, out)
