@@ -14,21 +14,26 @@ will ask for next):
    read, and ``store.prefetch`` asks the kernel (``madvise(WILLNEED)``) for
    their pages. On a cold page cache the reads of k+1 then proceed in
    parallel, in the background, instead of serialising on page faults when
-   k+1 is read.
+   k+1 is read. On a warm cache a hint buys nothing and costs about as much
+   as the read, so the worker hints only the first batches and those after
+   a read that waited for the disk (major page faults of the worker thread).
 3. **read** (worker): ``store.read(rows, columns)`` gathers just those rows'
    bytes from the memory-mapped segments into packed values + offsets.
 4. **collate** (worker) into one of ``prefetch + 1`` reused sets of host
    buffers (pinned when the target is a CUDA device): ``collate`` pads there
-   on the host; with ``pad_on_device=True``, ``collate_unpadded`` only packs
-   values + offsets (int32 ids stay int32): for 512 synthetic GRPO rows
-   4.3 MB instead of the 56 MB of padded int64 ids, masks and log-probs.
+   on the host (``collate_packed`` with ``layout="packed"``); with
+   ``pad_on_device=True``, ``collate_unpadded`` only packs values + offsets
+   (int32 ids stay int32): for 512 synthetic GRPO rows 4.3 MB instead of the
+   56 MB of padded int64 ids, masks and log-probs. With ``max_tokens`` the
+   draw is first cut to the whole groups that fit.
 5. **move** (consumer thread, in ``__next__``): the tensors go to ``device``
    with ``non_blocking=True`` on a side CUDA stream; the consumer's current
    stream waits on it with an event, and the same event guards the host
    buffer: the worker does not refill it before that copy has finished. With
    ``pad_on_device=True`` the padding is done on the device by
-   :func:`~diskreplay.padding.pad_on_device` (on the side stream, with the
-   widths taken from the host offsets: no host sync).
+   :func:`~diskreplay.padding.pad_on_device` (packing by
+   :func:`~diskreplay.packing.pack_on_device`), on the side stream, with the
+   widths (token counts) taken from the host offsets: no host sync.
 
 Batch validity. On a CUDA (or other non-CPU) device, and with
 ``pad_on_device=True`` anywhere, every batch is a set of fresh tensors the
