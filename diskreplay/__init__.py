@@ -4,9 +4,9 @@ Rollouts stream into :class:`ReplayStore` (unpadded, memory-mapped, crash
 safe); samplers pick row ids; :func:`collate` re-pads just those rows into
 TRL's layout; :class:`ReplayLoader` prefetches them onto the device.
 
-The names that need torch (``collate``, ``repad``, ``ReplayLoader``,
-``ReplayBuffer``, ...) are imported on first use, so the command line and
-read-only tools start without importing torch.
+The names that need torch (``collate``, ``collate_packed``, ``Collator``,
+``repad``, ``ReplayLoader``, ``ReplayBuffer``, ...) are imported on first
+use, so the command line and read-only tools start without importing torch.
 
 >>> import diskreplay
 >>> "ReplayStore" in diskreplay.__all__
@@ -16,8 +16,8 @@ True
 import importlib
 from typing import Any
 
-from .errors import (ArgumentError, BatchError, LoaderError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
-                     RowsEvictedError, SchemaError, StoreLockedError)
+from .errors import (ArgumentError, BatchError, CorruptStoreError, DiskReplayError, FormatError, LoaderError,
+                     ReadOnlyError, RowsEvictedError, SchemaError, StoreLockedError)
 from .groups import GroupIndex
 from .ragged import RaggedColumn
 from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
@@ -29,12 +29,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "collate": "padding",
     "collate_unpadded": "padding",
+    "pad_on_device": "padding",
+    "repad": "padding",
+    "repad_stacked": "padding",
     "collate_packed": "packing",
     "pack_on_device": "packing",
     "Collator": "collator",
-    "repad_stacked": "padding",
-    "pad_on_device": "padding",
-    "repad": "padding",
     "ReplayLoader": "loader",
     "ReplayBuffer": "buffer",
 }
