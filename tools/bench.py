@@ -604,33 +604,34 @@ def _alternate(paths: Dict[str, object], rounds: int) -> Dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=5):
+def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     """ReplayLoader's consumer-visible ms per batch, back to back, against its own data path (sample, read,
-    collate into reused buffers) run on this thread, in alternating blocks. Before each data-path block
-    the worker has refilled its queue and parked, so the two never run at once."""
+    collate into reused buffers) run on this thread, in alternating blocks of ``block`` batches.
+
+    One loader serves every round, warmed first until its ring buffers have grown to the batches' sizes
+    (fresh pages cost more than the work on this VM). Before a data-path block the worker is given time
+    to fill its free buffer set and park, so the two never compete; after it, the batches the worker
+    built meanwhile are taken untimed, so every timed next() waits for the worker's work on it."""
     collator = Collator(pad, layout=layout)
     direct = PromptGroupSampler(num_groups=batch_groups, seed=21)
-
-    def data_path():
-        collator(store.read(direct.sample(store, B)))
-
-    loader_t, direct_t = [], []
-    with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=21), B, pad, prefetch=2,
+    loader_ms, direct_ms = [], []
+    with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=22), B, pad, prefetch=2,
                       layout=layout) as loader:
-        for _ in range(3):
-            next(loader), data_path()
-        for _ in range(rounds // block):
+        for _ in range(4 * block):
+            next(loader), collator(store.read(direct.sample(store, B)))
+        for _ in range(max(1, rounds // block)):
+            time.sleep(0.5)
+            t0 = time.perf_counter()
             for _ in range(block):
-                t0 = time.perf_counter()
+                collator(store.read(direct.sample(store, B)))
+            direct_ms.append(1e3 * (time.perf_counter() - t0) / block)
+            for _ in range(loader.prefetch + 1):
                 next(loader)
-                loader_t.append(time.perf_counter() - t0)
-            while not loader._ready.full():  # the worker refills, then parks on the full queue
-                time.sleep(0.002)
+            t0 = time.perf_counter()
             for _ in range(block):
-                t0 = time.perf_counter()
-                data_path()
-                direct_t.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(loader_t), 1e3 * statistics.median(direct_t)
+                next(loader)
+            loader_ms.append(1e3 * (time.perf_counter() - t0) / block)
+    return statistics.median(loader_ms), statistics.median(direct_ms)
 
 
 def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res, report):
@@ -653,6 +654,7 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         "padded read + collate, reused (Collator)": lambda i: padded_c(store.read(draws[i])),
         "packed read + collate, reused (Collator)": lambda i: packed_c(store.read(draws[i])),
         "ideal numpy gather, padded": lambda i: flat.gather(draws[i], pad),
+        "packed on device: read + collate_unpadded, reused": lambda i: packed_c.unpadded(store.read(draws[i])),
     }
     if torchrl_base is not None:
         paths["TorchRL padded memmap sample"] = lambda i: torchrl_base.sample(draws[i] - store.head, pad)
@@ -673,9 +675,14 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         f"{ms['padded collate, reused']:.1f} ms",
         f"{ms['padded collate, reused'] / ms['packed collate, reused']:.2f}x")
     row("  the read both share", f"{ms['read']:.1f} ms")
+    unp = ms["packed on device: read + collate_unpadded, reused"]
+    row("packed on device (host: read + unpadded) vs padded", f"{unp:.1f} ms", f"{reused:.1f} ms",
+        f"{reused / unp:.2f}x")
     if torchrl_base is not None:
         rl = ms["TorchRL padded memmap sample"]
         row("packed vs TorchRL padded memmap sample", f"{packed:.1f} ms", f"{rl:.1f} ms", f"{rl / packed:.2f}x")
+        row("packed on device vs TorchRL padded memmap sample", f"{unp:.1f} ms", f"{rl:.1f} ms",
+            f"{rl / unp:.2f}x")
     else:
         row("packed vs TorchRL padded memmap sample", "skipped", "no torchrl")
     # host bytes per batch
