@@ -92,6 +92,10 @@ _EVICTED_RETRIES = 3
 # faults again turns hinting back on. Cold reads whose hints arrived in time
 # fault no more, so a cold stream pays one unhinted batch per this many.
 _HINT_AFTER_FAULT = 32
+# A read counts as cold above this many major faults: a warm batch of 512 rows
+# (~1,000 pages) still meets one or two now and then (pages the kernel dropped,
+# lazily mapped code), and those must not turn hinting back on.
+_COLD_FAULTS = 16
 # State entries that are data the consumer updates (priorities), not stream
 # position: state_dict() takes them from the live sampler, so a checkpoint
 # keeps the priority updates made after the worker drew its last batch.
@@ -239,7 +243,7 @@ class _Worker:
         faults = _major_faults()
         with self.store_lock:
             batch = self.store.read(rows, self.columns)
-        if _major_faults() > faults:
+        if _major_faults() - faults > _COLD_FAULTS:
             self.hints_left = _HINT_AFTER_FAULT
         return batch
 
