@@ -32,9 +32,14 @@ _LAZY = {
     "repad": "padding",
     "ReplayLoader": "loader",
     "ReplayBuffer": "buffer",
+    "repad_stacked": "padding",
+    "collate_packed": "packing",
+    "pack_on_device": "packing",
+    "Collator": "collator",
 }
 
 __all__ = sorted([
+    "Collator",
     "GroupIndex",
     "PrioritizedSampler",
     "PromptGroupSampler",
@@ -44,9 +49,12 @@ __all__ = sorted([
     "ReplayLoader",
     "ReplayStore",
     "collate",
+    "collate_packed",
     "collate_unpadded",
+    "pack_on_device",
     "pad_on_device",
     "repad",
+    "repad_stacked",
 ] + _errors.__all__)
 
 

@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from .errors import SamplerError
-from .padding import collate
+from .collator import Collator
+from .errors import ArgumentError, SamplerError
 from .loader import store_lock
 
 __all__ = ["ReplayBuffer"]
@@ -28,12 +28,19 @@ class ReplayBuffer:
     or lists of arrays) and returns their row ids. ``sample()`` draws
     ``batch_size`` rows with ``sampler`` (extra keyword arguments such as
     ``groups=`` or ``min_policy_version=`` go to ``sampler.sample``) and
-    returns ``collate_fn(store.read(rows), pad_token_id)``: a dict of tensors
-    in TRL's layout (per-row columns only, when the store has no token
-    columns), plus ``"rows"``, the int64 row ids drawn, for
-    :meth:`update_priorities`. Tensors are fresh (never reused) and moved to
-    ``device`` when one is given. A read-only store is refreshed before every
+    returns the rows collated by a :class:`~diskreplay.collator.Collator`
+    (``layout="padded"``: TRL's layout, per-row columns only when the store
+    has no token columns; ``layout="packed"``: one padding-free token
+    stream), plus ``"rows"``, the int64 row ids drawn, for
+    :meth:`update_priorities`. A read-only store is refreshed before every
     draw, so the buffer follows a live writer.
+
+    **Validity**: the collator writes every batch into the same host
+    buffers, so with ``device`` None or CPU a sample stays valid until the
+    next ``sample()``; ``.clone()`` what you keep longer. With a CUDA
+    ``device`` the batch is a fresh copy on it. ``collate_fn(batch,
+    pad_token_id)`` replaces the collator (e.g. ``collate`` for a fresh batch
+    per call).
 
     The sampler's state lives in the store under ``state_name``: restored on
     construction when present, written by :meth:`save` and by :meth:`close`
@@ -55,16 +62,19 @@ class ReplayBuffer:
     """
 
     def __init__(self, store: Any, sampler: Any, batch_size: int, pad_token_id: int = 0,
-                 collate_fn: Callable[[Mapping[str, Any], int], Dict[str, Any]] = collate,
+                 collate_fn: Optional[Callable[[Mapping[str, Any], int], Dict[str, Any]]] = None,
                  device: Union[None, str, torch.device] = None,
-                 state_name: Optional[str] = "replay_buffer") -> None:
+                 state_name: Optional[str] = "replay_buffer", *, layout: str = "padded") -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            raise ArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not hasattr(sampler, "sample"):
-            raise TypeError(f"sampler must have sample(store, batch_size), got {type(sampler).__name__}; "
-                            "pass e.g. PromptGroupSampler(num_groups=8)")
+            raise ArgumentError(f"sampler must have sample(store, batch_size), got {type(sampler).__name__}; "
+                                "pass e.g. PromptGroupSampler(num_groups=8)")
         self.store, self.sampler = store, sampler
         self.batch_size, self.pad_token_id = int(batch_size), pad_token_id
+        if collate_fn is None:
+            collator = Collator(pad_token_id, layout=layout)
+            collate_fn = lambda batch, pad_token_id: collator(batch)  # noqa: E731
         self.collate_fn = collate_fn
         self.device = None if device is None else torch.device(device)
         self.state_name = state_name
@@ -157,7 +167,7 @@ class ReplayBuffer:
     def save(self) -> None:
         """Persist the sampler's state in the store under ``state_name`` (a durable commit)."""
         if self.state_name is None:
-            raise ValueError("save() needs a state_name; pass state_name='...' to ReplayBuffer")
+            raise ArgumentError("save() needs a state_name; pass state_name='...' to ReplayBuffer")
         with store_lock(self.store):
             self.store.save_state(self.state_name, self.sampler.state_dict())
 

@@ -223,6 +223,32 @@ class UnsupportedError(DiskReplayError, NotImplementedError):
     """
 
 
+class ArgumentError(DiskReplayError, ValueError, TypeError):
+    """An argument of a diskreplay call has a wrong type or value.
+
+    It is both a ``ValueError`` and a ``TypeError``, so code written against
+    either builtin keeps catching it. The message names the argument, what it
+    got and what it needs.
+
+    >>> from diskreplay.loader import ReplayLoader
+    >>> try:
+    ...     ReplayLoader(None, None, batch_size=0, pad_token_id=0)
+    ... except ArgumentError as exc:
+    ...     print(exc)
+    batch_size must be an integer >= 1, got 0
+    """
+
+
+class LoaderError(DiskReplayError, RuntimeError):
+    """The loader's worker thread ended without delivering a batch or an error,
+    or a batch cannot be built as the loader was asked to (a group larger than
+    ``max_tokens``).
+
+    >>> issubclass(LoaderError, RuntimeError)
+    True
+    """
+
+
 __all__ = sorted(name for name, value in list(globals().items())
                  if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
                  and value.__module__ == __name__)

@@ -16,21 +16,26 @@ will ask for next):
    read, and ``store.prefetch`` asks the kernel (``madvise(WILLNEED)``) for
    their pages. On a cold page cache the reads of k+1 then proceed in
    parallel, in the background, instead of serialising on page faults when
-   k+1 is read.
+   k+1 is read. On a warm cache a hint buys nothing and costs about as much
+   as the read, so the worker hints only the first batches and those after
+   a read that waited for the disk (major page faults of the worker thread).
 3. **read** (worker): ``store.read(rows, columns)`` gathers just those rows'
    bytes from the memory-mapped segments into packed values + offsets.
 4. **collate** (worker) into one of ``prefetch + 1`` reused sets of host
    buffers (pinned when the target is a CUDA device): ``collate`` pads there
-   on the host; with ``pad_on_device=True``, ``collate_unpadded`` only packs
-   values + offsets (int32 ids stay int32): for 512 synthetic GRPO rows
-   4.3 MB instead of the 56 MB of padded int64 ids, masks and log-probs.
+   on the host (``collate_packed`` with ``layout="packed"``); with
+   ``pad_on_device=True``, ``collate_unpadded`` only packs values + offsets
+   (int32 ids stay int32): for 512 synthetic GRPO rows 4.3 MB instead of the
+   56 MB of padded int64 ids, masks and log-probs. With ``max_tokens`` the
+   draw is first cut to the whole groups that fit.
 5. **move** (consumer thread, in ``__next__``): the tensors go to ``device``
    with ``non_blocking=True`` on a side CUDA stream; the consumer's current
    stream waits on it with an event, and the same event guards the host
    buffer: the worker does not refill it before that copy has finished. With
    ``pad_on_device=True`` the padding is done on the device by
-   :func:`~diskreplay.padding.pad_on_device` (on the side stream, with the
-   widths taken from the host offsets: no host sync).
+   :func:`~diskreplay.padding.pad_on_device` (packing by
+   :func:`~diskreplay.packing.pack_on_device`), on the side stream, with the
+   widths (token counts) taken from the host offsets: no host sync.
 
 Batch validity. On a CUDA (or other non-CPU) device, and with
 ``pad_on_device=True`` anywhere, every batch is a set of fresh tensors the
@@ -56,8 +61,8 @@ same store object while a loader draws from it.
 from __future__ import annotations
 
 import collections
-import math
 import queue
+import resource
 import threading
 import weakref
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
@@ -65,11 +70,13 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .padding import buffer_needs, collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
-from .errors import DiskReplayError, RowsEvictedError
-from .ragged import is_int as _is_int
+from .collator import LAYOUTS
+from .errors import ArgumentError, LoaderError, RowsEvictedError
+from .packing import collate_packed, pack_on_device as _pack_on_device, packed_sizes
+from .padding import _Buffers, collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
+from .ragged import RaggedColumn, is_int as _is_int
 
-__all__ = ["ReplayLoader", "store_lock"]
+__all__ = ["LoaderError", "ReplayLoader", "store_lock"]
 
 # How often a blocked worker looks at the stop flag, in seconds: the bound on
 # how long close() waits for a worker that is parked on a full queue.
@@ -79,11 +86,23 @@ _JOIN_S = 10.0
 # A batch whose rows were evicted between sampling and reading (a reader
 # following a writer with a capacity) is drawn again this many times.
 _EVICTED_RETRIES = 3
-# Headroom when a host buffer grows: widths change from batch to batch, and
-# re-allocating pinned memory costs far more than a few spare bytes.
-_GROW = 1.25
+# After a read that had to wait for the disk (major page faults), the worker
+# hints this many following batches' pages before reading them. A hint costs
+# about as much as the read itself when the pages are already cached (one
+# madvise per row and column: 12 ms of a 40 ms batch of 512 rows, measured),
+# so with a warm cache the worker stops hinting, and the first read that
+# faults again turns hinting back on. Cold reads whose hints arrived in time
+# fault no more, so a cold stream pays one unhinted batch per this many.
+_HINT_AFTER_FAULT = 32
+# A read counts as cold above this many major faults: a warm batch of 512 rows
+# (~1,000 pages) still meets one or two now and then (pages the kernel dropped,
+# lazily mapped code), and those must not turn hinting back on.
+_COLD_FAULTS = 16
 
 _END = object()
+# getrusage of the calling thread only (Linux); elsewhere the process, which still
+# tells a faulting read from a cached one
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 _STORE_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
 _STORE_LOCKS_GUARD = threading.Lock()
@@ -115,14 +134,6 @@ def store_lock(store: Any) -> threading.RLock:
         return lock
 
 
-class LoaderError(DiskReplayError, RuntimeError):
-    """The loader's worker thread ended without delivering a batch or an error.
-
-    >>> issubclass(LoaderError, RuntimeError)
-    True
-    """
-
-
 class _Failure:
     __slots__ = ("exc", "batch")
 
@@ -143,7 +154,7 @@ class _Ring:
 
     def __init__(self, size: int, pin: bool) -> None:
         self.pin = pin
-        self.sets: list = [dict() for _ in range(size)]
+        self.sets: list = [_Buffers(pin_memory=pin) for _ in range(size)]
         self.events: list = [None] * size
         self.free: "queue.Queue[int]" = queue.Queue()
         for i in range(size):
@@ -166,15 +177,6 @@ class _Ring:
         self.events[slot] = event
         self.free.put(slot)
 
-    def buffers(self, slot: int, needs: Mapping[str, tuple]) -> Dict[str, torch.Tensor]:
-        bufs = self.sets[slot]
-        for name, (numel, dtype) in needs.items():
-            buf = bufs.get(name)
-            if buf is None or buf.dtype != dtype or buf.numel() < numel:
-                size = max(1, math.ceil(numel * _GROW))
-                bufs[name] = torch.empty(size, dtype=dtype, pin_memory=self.pin)
-        return bufs
-
 
 # --------------------------------------------------------------------------- the worker
 
@@ -184,14 +186,16 @@ class _Worker:
     so a loader that is dropped without ``close()`` is collected and stops its thread."""
 
     def __init__(self, store: Any, sampler: Any, batch_size: int, sample_kwargs: Dict[str, Any],
-                 columns: Optional[Sequence[str]], pad_token_id: int, unpadded: bool,
-                 remaining: Optional[int], ring: _Ring, ready: "queue.Queue", lock: threading.Lock) -> None:
+                 columns: Optional[Sequence[str]], build: "_Build", remaining: Optional[int], ring: _Ring,
+                 ready: "queue.Queue", lock: threading.Lock) -> None:
         self.store, self.sampler, self.batch_size = store, sampler, batch_size
-        self.sample_kwargs, self.columns = sample_kwargs, columns
-        self.pad_token_id, self.unpadded, self.remaining = pad_token_id, unpadded, remaining
+        self.sample_kwargs, self.columns, self.build = sample_kwargs, columns, build
+        self.remaining = remaining
         self.ring, self.ready, self.lock = ring, ready, lock
         self.store_lock = store_lock(store)
         self.stop = threading.Event()
+        # hint the first batches: a job that just (re)started usually meets a cold cache
+        self.hints_left = 2
         self.thread = threading.Thread(target=self.run, name="ReplayLoader-worker", daemon=True)
 
     def shutdown(self, timeout: Optional[float] = _JOIN_S) -> bool:
@@ -219,17 +223,27 @@ class _Worker:
         return np.array(rows, dtype=np.int64), state  # a copy: it becomes the batch's "rows"
 
     def _lookahead(self) -> tuple:
-        """(rows, state) of the next batch with its pages hinted, or (None, error)."""
+        """(rows, state) of the next batch, its pages hinted while reads are cold, or (None, error)."""
         try:
             rows, state = self._sample()
         except Exception as exc:  # surfaces after the batch before it was delivered
             return None, exc
-        try:
-            with self.store_lock:
-                self.store.prefetch(rows, self.columns)
-        except (RowsEvictedError, OSError):
-            pass  # only a hint: the read of these rows deals with an eviction
+        if self.hints_left > 0:
+            self.hints_left -= 1
+            try:
+                with self.store_lock:
+                    self.store.prefetch(rows, self.columns)
+            except (RowsEvictedError, OSError):
+                pass  # only a hint: the read of these rows deals with an eviction
         return rows, state
+
+    def _read(self, rows: np.ndarray) -> Dict[str, Any]:
+        faults = _major_faults()
+        with self.store_lock:
+            batch = self.store.read(rows, self.columns)
+        if _major_faults() - faults > _COLD_FAULTS:
+            self.hints_left = _HINT_AFTER_FAULT
+        return batch
 
     def run(self) -> None:
         k = 0
@@ -247,8 +261,7 @@ class _Worker:
                 nxt = (None, None) if last else self._lookahead()
                 for attempt in range(_EVICTED_RETRIES + 1):
                     try:
-                        with self.store_lock:
-                            batch = self.store.read(rows, self.columns)
+                        batch = self._read(rows)
                         break
                     except RowsEvictedError:
                         # a writer evicted rows after they were drawn: draw this batch and the
@@ -258,12 +271,13 @@ class _Worker:
                         rows, state = self._sample()
                         if not last:
                             nxt = self._lookahead()
+                if self.build.max_tokens is not None:
+                    n = self.build.fitting_rows(self.store, rows, batch)
+                    rows, batch = rows[:n], _head(batch, n)
                 slot = self.ring.acquire(self.stop)
                 if slot is None:
                     return
-                bufs = self.ring.buffers(slot, buffer_needs(batch, len(rows), self.unpadded))
-                host = (collate_unpadded(batch, out=bufs) if self.unpadded
-                        else collate(batch, self.pad_token_id, out=bufs))
+                host = self.build.host(batch, self.ring.sets[slot])
                 if not self._put((slot, host, rows, state)):
                     return
                 k += 1
@@ -280,6 +294,76 @@ def _position(sampler: Any) -> Any:
     return position() if position is not None else _copy_state(sampler.state_dict())
 
 
+def _major_faults() -> int:
+    """Major page faults (reads that waited for the disk) of the calling thread so far."""
+    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
+
+
+def _head(batch: Mapping[str, Any], n: int) -> Dict[str, Any]:
+    """The first ``n`` rows of a batch read from the store (views, no copy)."""
+    out: Dict[str, Any] = {}
+    for name, col in batch.items():
+        if isinstance(col, RaggedColumn):
+            out[name] = RaggedColumn(col.values, col.offsets[:n + 1],
+                                     None if col.validity is None else col.validity[:n])
+        elif col is None:
+            out[name] = None
+        else:
+            out[name] = col[:n]
+    return out
+
+
+class _Build:
+    """How the worker turns a read batch into host tensors: the layout, and the token budget."""
+
+    def __init__(self, layout: str, pad_token_id: Optional[int], on_device: bool, max_tokens: Optional[int],
+                 group_key: Optional[str]) -> None:
+        self.layout, self.pad_token_id, self.on_device = layout, pad_token_id, on_device
+        self.max_tokens, self.group_key = max_tokens, group_key
+
+    def host(self, batch: Mapping[str, Any], bufs: _Buffers) -> Dict[str, Any]:
+        if self.on_device:
+            return collate_unpadded(batch, out=bufs)
+        if self.layout == "packed":
+            return collate_packed(batch, out=bufs)
+        return collate(batch, self.pad_token_id, out=bufs)
+
+    def fitting_rows(self, store: Any, rows: np.ndarray, batch: Mapping[str, Any]) -> int:
+        """How many leading rows (whole groups) of the draw fit in ``max_tokens``.
+
+        Packed, a batch costs its real tokens; padded, its rows times its
+        longest prompt plus its longest completion (what the padded tensors
+        hold). Groups are the runs of equal group keys in the draw (samplers
+        lay a batch out group by group); without a group key, single rows.
+        """
+        n = len(rows)
+        lengths = {}
+        for name in ("prompt_ids", "completion_ids"):
+            col = batch.get(name)
+            lengths[name] = (np.diff(col.offsets) if isinstance(col, RaggedColumn)
+                             else np.zeros(n, dtype=np.int64))
+        plen, clen = lengths["prompt_ids"], lengths["completion_ids"]
+        if self.layout == "packed":
+            cost = np.cumsum(plen + clen)
+        else:
+            cost = (np.maximum.accumulate(plen) + np.maximum.accumulate(clen)) * np.arange(1, n + 1)
+        ends = np.arange(1, n + 1)
+        if self.group_key is not None and n:
+            keys = batch.get(self.group_key)
+            if keys is None:
+                with store_lock(store):
+                    keys = store.read(rows, [self.group_key])[self.group_key]
+            keys = np.asarray(keys)
+            ends = np.append(np.flatnonzero(keys[1:] != keys[:-1]) + 1, n)
+        fits = ends[cost[ends - 1] <= self.max_tokens]
+        if n and not fits.size:
+            raise LoaderError(
+                f"the first group of a draw (rows {rows[:ends[0]].tolist()}) needs {int(cost[ends[0] - 1])} "
+                f"tokens in the {self.layout} layout, more than max_tokens={self.max_tokens}; "
+                "raise max_tokens to at least the largest group's tokens")
+        return int(fits[-1]) if fits.size else 0
+
+
 def _copy_state(state: Any) -> Any:
     if isinstance(state, dict):
         return {k: _copy_state(v) for k, v in state.items()}
@@ -288,6 +372,20 @@ def _copy_state(state: Any) -> Any:
     if isinstance(state, np.ndarray):
         return state.copy()
     return state
+
+
+def _moved(host: Mapping[str, Any], device: torch.device, non_blocking: bool) -> Dict[str, Any]:
+    """``host``'s tensors on ``device``; names that share one tensor (``cu_seqlens`` and its
+    flash-attention aliases) share one copy."""
+    copies: Dict[int, torch.Tensor] = {}
+    out: Dict[str, Any] = {}
+    for name, value in host.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in copies:
+                copies[id(value)] = value.to(device, non_blocking=non_blocking)
+            value = copies[id(value)]
+        out[name] = value
+    return out
 
 
 # --------------------------------------------------------------------------- the loader
@@ -312,6 +410,21 @@ class ReplayLoader:
     batch stays valid until the consumer asks for ``prefetch`` more batches;
     copy what you keep longer. Device batches and ``pad_on_device`` batches
     are never reused.
+
+    ``layout="packed"`` builds :func:`~diskreplay.packing.collate_packed`
+    batches instead (one padding-free token stream with ``position_ids`` and
+    ``cu_seqlens``; ``pad_token_id`` may then be None); with
+    ``pad_on_device=True`` only the unpadded payload crosses to ``device``
+    and :func:`~diskreplay.packing.pack_on_device` builds the stream there.
+
+    ``max_tokens`` caps a batch by tokens rather than rows (verl's dynamic
+    batch size): of each draw of ``batch_size`` rows, the batch keeps the
+    leading whole groups (runs of equal ``group_key``, default the store's;
+    single rows without one) that fit, and drops the rest of the draw. A
+    packed batch costs its real tokens, a padded one its rows times (longest
+    prompt + longest completion). A first group larger than the budget raises
+    :class:`~diskreplay.errors.LoaderError`. Choose ``batch_size`` near what
+    fits, so that little of each draw is dropped.
 
     ``num_batches`` bounds the iteration (None: endless). ``min_policy_version``
     is passed to every ``sampler.sample``. A read-only store is refreshed
@@ -343,31 +456,41 @@ class ReplayLoader:
                  device: Union[None, str, torch.device] = None, prefetch: int = 2,
                  pin_memory: Optional[bool] = None, pad_on_device: bool = False,
                  columns: Optional[Sequence[str]] = None, min_policy_version: Optional[float] = None,
-                 state_name: Optional[str] = None, num_batches: Optional[int] = None) -> None:
+                 state_name: Optional[str] = None, num_batches: Optional[int] = None, *,
+                 layout: str = "padded", max_tokens: Optional[int] = None,
+                 group_key: Optional[str] = None) -> None:
         for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1)):
             if not _is_int(value) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
         if num_batches is not None and (not _is_int(num_batches) or num_batches < 0):
-            raise ValueError(f"num_batches must be None (endless) or an integer >= 0, got {num_batches!r}")
-        if not _is_int(pad_token_id):
-            raise ValueError(f"pad_token_id must be an integer token id, got {pad_token_id!r}")
+            raise ArgumentError(f"num_batches must be None (endless) or an integer >= 0, got {num_batches!r}")
+        if layout not in LAYOUTS:
+            raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not _is_int(pad_token_id) and not (layout == "packed" and pad_token_id is None):
+            raise ArgumentError(f"pad_token_id must be an integer token id, got {pad_token_id!r}")
+        if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+            raise ArgumentError(f"max_tokens must be None (no budget) or an integer >= 1, got {max_tokens!r}")
         if not hasattr(sampler, "sample") or not hasattr(sampler, "state_dict"):
-            raise TypeError(f"sampler must have sample(store, batch_size) and state_dict(), got "
-                            f"{type(sampler).__name__}; pass e.g. PromptGroupSampler(num_groups=8)")
+            raise ArgumentError(f"sampler must have sample(store, batch_size) and state_dict(), got "
+                                f"{type(sampler).__name__}; pass e.g. PromptGroupSampler(num_groups=8)")
         dev = None if device is None else torch.device(device)
         if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} needs CUDA, which this machine lacks; pass device=None or 'cpu'")
+            raise ArgumentError(f"device={device!r} needs CUDA, which this machine lacks; "
+                                "pass device=None or 'cpu'")
         if dev is not None and dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if pin_memory is None:
             pin_memory = dev is not None and dev.type == "cuda"
         if pin_memory and not torch.cuda.is_available():
-            raise ValueError("pin_memory=True needs CUDA, which this machine lacks; "
-                             "leave pin_memory=None (pinned iff device is CUDA)")
+            raise ArgumentError("pin_memory=True needs CUDA, which this machine lacks; "
+                                "leave pin_memory=None (pinned iff device is CUDA)")
         if columns is not None:
             columns = [columns] if isinstance(columns, str) else list(columns)
         self.store, self.sampler = store, sampler
-        self.batch_size, self.pad_token_id = int(batch_size), int(pad_token_id)
+        self.batch_size = int(batch_size)
+        self.pad_token_id = None if pad_token_id is None else int(pad_token_id)
+        self.layout, self.max_tokens = layout, max_tokens
+        self.group_key = group_key if group_key is not None else getattr(store, "group_key", None)
         self.device, self.prefetch, self.pin_memory = dev, int(prefetch), bool(pin_memory)
         self.pad_on_device, self.columns = bool(pad_on_device), columns
         self.min_policy_version, self.state_name = min_policy_version, state_name
@@ -403,9 +526,9 @@ class ReplayLoader:
         # one batch fewer than the ring: a worker with every buffer set filled waits in a put
         self._ready: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
         self._ring = _Ring(size, self.pin_memory)
-        self._worker = _Worker(self.store, self.sampler, self.batch_size, kwargs, self.columns,
-                               self.pad_token_id, self.pad_on_device, remaining, self._ring, self._ready,
-                               self._lock)
+        build = _Build(self.layout, self.pad_token_id, self.pad_on_device, self.max_tokens, self.group_key)
+        self._worker = _Worker(self.store, self.sampler, self.batch_size, kwargs, self.columns, build,
+                               remaining, self._ring, self._ready, self._lock)
         self._finalizer = weakref.finalize(self, self._worker.shutdown, 1.0)
         self._worker.thread.start()
 
@@ -446,8 +569,8 @@ class ReplayLoader:
         return self
 
     def __repr__(self) -> str:
-        return (f"ReplayLoader(batch_size={self.batch_size}, device={self.device}, prefetch={self.prefetch}, "
-                f"pad_on_device={self.pad_on_device}, received={self._received}"
+        return (f"ReplayLoader(batch_size={self.batch_size}, layout={self.layout!r}, device={self.device}, "
+                f"prefetch={self.prefetch}, pad_on_device={self.pad_on_device}, received={self._received}"
                 f"{', closed' if self._closed else ''})")
 
     # ----------------------------------------------------------------- batches
@@ -497,35 +620,41 @@ class ReplayLoader:
                         raise LoaderError("the ReplayLoader worker thread ended without a batch or an error; "
                                           "create a new loader") from None
 
+    def _finisher(self, host: Dict[str, Any]):
+        """What turns the moved unpadded payload into the batch, with its sizes taken from
+        the host offsets now (so that padding or packing on a device needs no host sync)."""
+        if not self.pad_on_device:
+            return lambda moved: moved
+        if self.layout == "packed":
+            sizes = packed_sizes(host)
+            return lambda moved: _pack_on_device(moved, sizes=sizes)
+        widths = padded_widths(host)
+        return lambda moved: _pad_on_device(moved, self.pad_token_id, widths=widths)
+
     def _deliver(self, slot: int, host: Dict[str, Any]) -> Dict[str, Any]:
         if self._alias:
             self._held.append(slot)
             return dict(host)
-        ragged = {n[:-len(".offsets")] for n in host if n.endswith(".offsets")}
+        finish = self._finisher(host)
         if self._host:
-            out = _pad_on_device(host, self.pad_token_id)
-            # per-row tensors pass through pad_on_device: copy them out of the ring
+            out = finish(host)
+            # per-row tensors pass through the finisher: copy them out of the ring
+            ragged = {n[:-len(".offsets")] for n in host if n.endswith(".offsets")}
             for name, value in out.items():
                 if name not in ragged and isinstance(value, torch.Tensor) and name in host:
                     out[name] = value.clone()
             self._ring.release(slot)
             return out
         if not self._cuda:
-            out = {n: v.to(self.device) if isinstance(v, torch.Tensor) else v for n, v in host.items()}
+            out = _moved(host, self.device, non_blocking=False)
             self._ring.release(slot)
-            return _pad_on_device(out, self.pad_token_id, widths=padded_widths(host)) if self.pad_on_device \
-                else out
+            return finish(out)
         stream = self._copy_stream
         current = torch.cuda.current_stream(self.device)
-        # the widths from the host offsets: padding on the device then needs no host sync
-        widths = padded_widths(host) if self.pad_on_device else None
         # no wait on the consumer's stream: the copies only read the host buffer and write fresh
         # memory, so they overlap the consumer's queued work
         with torch.cuda.stream(stream):
-            out = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                   for n, v in host.items()}
-            if self.pad_on_device:
-                out = _pad_on_device(out, self.pad_token_id, widths=widths)
+            out = finish(_moved(host, self.device, non_blocking=True))
             done = torch.cuda.Event()
             done.record(stream)
         current.wait_event(done)
@@ -571,7 +700,7 @@ class ReplayLoader:
     def save_state(self) -> None:
         """Persist :meth:`state_dict` in the store under ``state_name`` (a durable commit)."""
         if self.state_name is None:
-            raise ValueError("save_state() needs a state_name; pass state_name='...' to ReplayLoader")
+            raise ArgumentError("save_state() needs a state_name; pass state_name='...' to ReplayLoader")
         state = self.state_dict()
         with store_lock(self.store):
             self.store.save_state(self.state_name, state)
@@ -584,8 +713,8 @@ class ReplayLoader:
         """
         update = getattr(self.sampler, "update_priorities", None)
         if update is None:
-            raise TypeError(f"{type(self.sampler).__name__} has no update_priorities; "
-                            "use a PrioritizedSampler")
+            raise ArgumentError(f"{type(self.sampler).__name__} has no update_priorities; "
+                                "use a PrioritizedSampler")
         if isinstance(rows, torch.Tensor):
             rows = rows.detach().cpu().numpy()
         if isinstance(values, torch.Tensor):

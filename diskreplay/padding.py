@@ -9,7 +9,12 @@ Two entry points:
   so that a loader can ship only the unpadded bytes to a GPU and pad there;
   ``pad_on_device(collate_unpadded(b), pad)`` equals ``collate(b, pad)``.
 * :func:`repad` re-pads per-row dicts of already padded tensors (TRL's buffered
-  entries) to the common length of the rows it is given.
+  entries) to the common length of the rows it is given, in place, as TRL's
+  ``repad`` does; :func:`repad_stacked` returns the same rows as one dict of
+  [B, L] tensors.
+
+The padding-free layout lives in :mod:`diskreplay.packing`; reusable output
+buffers for both layouts in :class:`diskreplay.collator.Collator`.
 
 Layout: prompts are LEFT-padded (``prompt_ids`` with the pad token,
 ``prompt_mask`` 1 on real tokens), completions and every per-token column
@@ -37,10 +42,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from .errors import BatchError
+from .errors import ArgumentError, BatchError
 from .ragged import RaggedColumn
 
-__all__ = ["collate", "collate_unpadded", "pad_on_device", "repad"]
+__all__ = ["collate", "collate_unpadded", "pad_on_device", "repad", "repad_stacked"]
 
 #: Per-token columns that :func:`repad` treats as aligned with completions even
 #: where their shape alone would not say so.
@@ -212,10 +217,36 @@ def _check_mask_names(batch: Mapping[str, Any]) -> None:
                              f"{mask!r} is built from the lengths of {ids!r}, drop that column")
 
 
+class _Buffers(dict):
+    """Host buffers that grow on demand: an ``out`` that :func:`collate` and its
+    siblings may reallocate instead of refusing a batch that does not fit.
+
+    Maps output names to flat tensors. A buffer grows with headroom (widths
+    change from batch to batch, and allocating pinned memory costs far more
+    than a few spare bytes); the outputs are views of its first elements.
+    """
+
+    GROW = 1.25
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.pin_memory = pin_memory
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < need:
+            buf = self[name] = torch.empty(max(1, math.ceil(need * self.GROW)), dtype=dtype,
+                                           pin_memory=self.pin_memory)
+        return buf[:need].view(shape)
+
+
 def _buffer(out: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
             dtype: torch.dtype) -> torch.Tensor:
     """A contiguous [shape] tensor: a fresh one, or the first elements of
     ``out[name]`` (which then aliases that buffer)."""
+    if isinstance(out, _Buffers):
+        return out.take(name, shape, dtype)
     buf = None if out is None else out.get(name)
     if buf is None:
         return torch.empty(shape, dtype=dtype)
@@ -234,7 +265,7 @@ def _buffer(out: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
 
 def _per_row(name: str, col: np.ndarray, out) -> torch.Tensor:
     dtype = _torch_dtype(col.dtype)
-    if out is not None and out.get(name) is not None:
+    if isinstance(out, _Buffers) or (out is not None and out.get(name) is not None):
         t = _buffer(out, name, col.shape, dtype)
         np.copyto(t.numpy(), col, casting="unsafe")
         return t
@@ -611,41 +642,16 @@ def _stack_rows(name: str, values: Sequence):
                          "a per-row column needs one same-shaped value per row") from None
 
 
-def repad(rows: Sequence[Mapping[str, Any]], padding_value: int) -> dict[str, Any]:
-    """Drop the padding of per-row padded tensors and re-pad them as one batch.
+def _padding_value(padding_value, pad_token_id) -> int:
+    if (padding_value is None) == (pad_token_id is None):
+        raise ArgumentError("pass the pad token once, as padding_value (or as pad_token_id, TRL's name); "
+                            f"got padding_value={padding_value!r}, pad_token_id={pad_token_id!r}")
+    return padding_value if pad_token_id is None else pad_token_id
 
-    Each row is a dict like one of TRL's buffered entries: ``prompt_ids`` /
-    ``prompt_mask`` and ``completion_ids`` / ``completion_mask`` tensors
-    ([L] or [1, L]; a mask has its ids' shape and holds 0/1), per-token
-    columns aligned with the completion (``old_per_token_logps``,
-    ``ref_per_token_logps``, ``sampling_per_token_logps``, and any other
-    column shaped like the row's ``completion_ids``; ``prompt_*`` columns
-    shaped like ``prompt_ids`` go with the prompt), and per-row values
-    (``advantages``, ``rewards``: numbers, 0-d or [1] tensors).
 
-    Positions whose mask is 0 are dropped (anywhere, not only at the edges);
-    then prompts are re-padded on the LEFT and completions and their columns
-    on the RIGHT, to the longest row here. Ids pad with ``padding_value``,
-    masks and other columns with 0; dtypes are kept. Per-row values are
-    stacked into [B] (or [B, K]); a list of strings stays a list. A column
-    that is ``None`` in every row stays ``None``. Works on any device; the
-    rows' tensors must share one.
-
-    To keep a per-row value from being taken for a per-token column when a
-    completion has one token, pass it as a number or a 0-d tensor.
-
-    >>> rows = [{"completion_ids": torch.tensor([4, 0, 0]),
-    ...          "completion_mask": torch.tensor([1, 0, 0]),
-    ...          "old_per_token_logps": None, "advantages": torch.tensor(1.0)},
-    ...         {"completion_ids": torch.tensor([[5, 6]]),
-    ...          "completion_mask": torch.tensor([[1, 1]]),
-    ...          "old_per_token_logps": None, "advantages": torch.tensor(-1.0)}]
-    >>> out = repad(rows, padding_value=0)
-    >>> out["completion_ids"].tolist(), out["completion_mask"].tolist()
-    ([[4, 0], [5, 6]], [[1, 0], [1, 1]])
-    >>> out["old_per_token_logps"] is None, out["advantages"].tolist()
-    (True, [1.0, -1.0])
-    """
+def _repadded(rows: Sequence[Mapping[str, Any]], padding_value: int) -> tuple[dict[str, Any], list[str]]:
+    """The re-padded [B, L] tensors of every per-token column (``None`` for a
+    column that is ``None`` in every row), and the names of the per-row columns."""
     padding_value = _check_pad(padding_value)
     if len(rows) == 0:
         raise BatchError("repad got no rows; pass a non-empty list of row dicts")
@@ -662,6 +668,7 @@ def repad(rows: Sequence[Mapping[str, Any]], padding_value: int) -> dict[str, An
     prompt, completion = sides.get("prompt_ids"), sides.get("completion_ids")
 
     result: dict[str, Any] = {}
+    per_row: list[str] = []
     for name in names:
         values = [row[name] for row in rows]
         side = next((s for s in sides.values() if name in (s.ids, s.mask)), None)
@@ -688,7 +695,7 @@ def repad(rows: Sequence[Mapping[str, Any]], padding_value: int) -> dict[str, An
         elif _is_prompt(name) and _aligned(name, values, prompt, False):
             side = prompt
         else:
-            result[name] = _stack_rows(name, values)
+            per_row.append(name)
             continue
         row_tensors = []
         for i, (v, ids) in enumerate(zip(values, side.id_rows)):
@@ -699,4 +706,80 @@ def repad(rows: Sequence[Mapping[str, Any]], padding_value: int) -> dict[str, An
                                  "column must have its ids' length")
             row_tensors.append(t)
         result[name] = side.pad(name, row_tensors, 0)
-    return result
+    return result, per_row
+
+
+def repad(rows: Sequence[Mapping[str, Any]], padding_value: Optional[int] = None, *,
+          pad_token_id: Optional[int] = None) -> Sequence[Mapping[str, Any]]:
+    """Drop the padding of per-row padded tensors and re-pad them to the rows' common
+    lengths, in place: TRL's ``repad`` (its experimental GRPO replay buffer) as a drop-in.
+
+    Each row is a dict like one of TRL's buffered entries: ``prompt_ids`` /
+    ``prompt_mask`` and ``completion_ids`` / ``completion_mask`` tensors
+    ([L] or [1, L]; a mask has its ids' shape and holds 0/1), per-token
+    columns aligned with the completion (``old_per_token_logps``,
+    ``ref_per_token_logps``, ``sampling_per_token_logps``, and any other
+    column shaped like the row's ``completion_ids``; ``prompt_*`` columns
+    shaped like ``prompt_ids`` go with the prompt), and per-row values.
+
+    Positions whose mask is 0 are dropped (anywhere, not only at the edges);
+    then prompts are re-padded on the LEFT and completions and their columns
+    on the RIGHT, to the longest row here. Ids pad with the pad token
+    (``padding_value``, or ``pad_token_id`` as TRL names it), masks and every
+    other column with 0 (TRL fills log-probs with -10000 and documents the
+    value as ignored; 0 makes the rows equal :func:`collate`'s); dtypes are
+    kept. Every row's per-token entries are replaced by its row of the
+    re-padded batch ([P] and [C] views of one [B, P] / [B, C] tensor each); a
+    column that is ``None`` in every row stays ``None``; per-row values and
+    other entries are left as they were. Returns ``rows`` itself. Works on
+    any device; the rows' tensors must share one.
+
+    :func:`repad_stacked` re-pads the same way and returns one dict of
+    [B, L] tensors instead, leaving the rows alone.
+
+    >>> rows = [{"completion_ids": torch.tensor([4, 0, 0]),
+    ...          "completion_mask": torch.tensor([1, 0, 0]),
+    ...          "old_per_token_logps": None, "advantages": 1.0},
+    ...         {"completion_ids": torch.tensor([5, 6]),
+    ...          "completion_mask": torch.tensor([1, 1]),
+    ...          "old_per_token_logps": None, "advantages": -1.0}]
+    >>> out = repad(rows, pad_token_id=0)
+    >>> out is rows, [r["completion_ids"].tolist() for r in out]
+    (True, [[4, 0], [5, 6]])
+    >>> out[0]["completion_mask"].tolist(), out[0]["old_per_token_logps"], out[1]["advantages"]
+    ([1, 0], None, -1.0)
+    """
+    padded, _ = _repadded(rows, _padding_value(padding_value, pad_token_id))
+    for name, tensor in padded.items():
+        for i, row in enumerate(rows):
+            row[name] = None if tensor is None else tensor[i]
+    return rows
+
+
+def repad_stacked(rows: Sequence[Mapping[str, Any]], padding_value: Optional[int] = None, *,
+                  pad_token_id: Optional[int] = None) -> dict[str, Any]:
+    """:func:`repad`, returned as one batch: a dict of [B, L] tensors; the rows are not modified.
+
+    Per-token columns are dropped and re-padded exactly as :func:`repad`
+    does (prompts left, completions and their columns right, ids with the pad
+    token, the rest with 0). Per-row values (``advantages``, ``rewards``:
+    numbers, 0-d or [1] tensors) are stacked into [B] (or [B, K]); a list of
+    strings stays a list; a column that is ``None`` in every row stays
+    ``None``. To keep a per-row value from being taken for a per-token column
+    when a completion has one token, pass it as a number or a 0-d tensor.
+
+    >>> rows = [{"completion_ids": torch.tensor([4, 0, 0]),
+    ...          "completion_mask": torch.tensor([1, 0, 0]),
+    ...          "old_per_token_logps": None, "advantages": torch.tensor(1.0)},
+    ...         {"completion_ids": torch.tensor([[5, 6]]),
+    ...          "completion_mask": torch.tensor([[1, 1]]),
+    ...          "old_per_token_logps": None, "advantages": torch.tensor(-1.0)}]
+    >>> out = repad_stacked(rows, padding_value=0)
+    >>> out["completion_ids"].tolist(), out["completion_mask"].tolist()
+    ([[4, 0], [5, 6]], [[1, 0], [1, 1]])
+    >>> out["old_per_token_logps"] is None, out["advantages"].tolist()
+    (True, [1.0, -1.0])
+    """
+    padded, per_row = _repadded(rows, _padding_value(padding_value, pad_token_id))
+    return {name: _stack_rows(name, [row[name] for row in rows]) if name in per_row else padded[name]
+            for name in rows[0]}

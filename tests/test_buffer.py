@@ -151,3 +151,26 @@ def test_iteration_is_one_pass_over_the_live_rows(tmp_path):
         buf.sampler = PromptGroupSampler(num_groups=2)
         with pytest.raises(SamplerError, match="RandomSampler"):
             next(iter(buf))
+
+
+def test_sample_reuses_its_buffers_until_the_next_sample(rb):
+    first = rb.sample()
+    kept = {k: v.clone() for k, v in first.items() if isinstance(v, torch.Tensor)}
+    second = rb.sample()
+    assert second["completion_ids"].data_ptr() == first["completion_ids"].data_ptr()  # no fresh 56 MB per call
+    for k, v in second.items():
+        if k != "rows" and isinstance(v, torch.Tensor):
+            assert torch.equal(v, collate(rb.store.read(second["rows"].numpy()), 5)[k]), k
+    assert not all(torch.equal(kept[k], first[k]) for k in kept)  # the first one was overwritten, as documented
+
+
+def test_packed_layout(tmp_path):
+    from diskreplay import collate_packed
+
+    with ReplayBuffer(ReplayStore(tmp_path / "s"), PromptGroupSampler(samples_per_group=4, seed=0), batch_size=8,
+                      layout="packed") as buf:
+        buf.extend(make_rollouts(6, 4, seed=0, prompt_mean=10, completion_mean=12, layout="trl"))
+        s = buf.sample()
+        want = collate_packed(buf.store.read(s["rows"].numpy()))
+        assert set(s) == set(want) | {"rows"}
+        assert all(torch.equal(s[k], v) if isinstance(v, torch.Tensor) else s[k] == v for k, v in want.items())

@@ -16,6 +16,7 @@ import torch
 
 import diskreplay
 from diskreplay import PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplayStore
+from diskreplay.packing import collate_packed
 from diskreplay.padding import collate
 from diskreplay.loader import ReplayLoader
 from diskreplay.synthetic import rollout_stream
@@ -138,12 +139,92 @@ def test_endless_by_default(store):
 
 
 @pytest.mark.parametrize("bad", [dict(batch_size=0), dict(prefetch=0), dict(num_batches=-1),
-                                 dict(pad_token_id=1.5), dict(sampler=object())])
+                                 dict(pad_token_id=1.5), dict(sampler=object()), dict(layout="ragged"),
+                                 dict(max_tokens=0), dict(pad_token_id=None)])
 def test_bad_arguments(store, bad):
     kw = dict(store=store, sampler=RandomSampler(seed=0), batch_size=BATCH, pad_token_id=PAD)
     kw.update(bad)
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(diskreplay.ArgumentError) as info:
         ReplayLoader(**kw)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
+    assert next(iter(bad)) in str(info.value)
+
+
+# --------------------------------------------------------------------------- packed batches, token budgets
+
+
+def packed_reference(store, sampler, n):
+    out = []
+    for _ in range(n):
+        rows = sampler.sample(store, BATCH)
+        b = collate_packed(store.read(rows))
+        b["rows"] = torch.from_numpy(rows)
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("pad_on_device", [False, True])
+@pytest.mark.parametrize("kind", ["groups-random", "random"])
+def test_packed_layout_equals_collate_packed(store, kind, pad_on_device):
+    want = packed_reference(store, SAMPLERS[kind](4), 5)
+    with ReplayLoader(store, SAMPLERS[kind](4), BATCH, None, layout="packed", num_batches=5,
+                      device="cpu" if pad_on_device else None, pad_on_device=pad_on_device) as loader:
+        got = [cloned(b) for b in loader]
+    assert len(got) == 5
+    for g, w in zip(got, want):
+        assert_batch_equal(g, w)
+        assert g["input_ids"].shape[0] == 1 and int(g["cu_seqlens"][-1]) == g["input_ids"].shape[1]
+
+
+def tokens(batch, layout):
+    if layout == "packed":
+        return batch["input_ids"].numel()
+    return batch["prompt_ids"].numel() + batch["completion_ids"].numel()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_max_tokens_keeps_the_whole_groups_that_fit(store, layout, tmp_path):
+    budget = 400
+    sampler = PromptGroupSampler(num_groups=4, seed=6)
+    draws = [sampler.sample(store, BATCH) for _ in range(8)]
+    group_size = BATCH // 4
+    sizes = set()
+    with ReplayLoader(store, PromptGroupSampler(num_groups=4, seed=6), BATCH, PAD, layout=layout,
+                      max_tokens=budget, num_batches=8) as loader:
+        for batch, drawn in zip(loader, draws):
+            n = len(batch["rows"])
+            sizes.add(n)
+            assert n % group_size == 0 and n >= group_size  # whole groups, at least one
+            assert batch["rows"].tolist() == drawn[:n].tolist()  # the leading groups of the draw
+            assert tokens(batch, layout) <= budget
+            if n < BATCH:  # one more group would not have fit
+                bigger = store.read(drawn[:n + group_size])
+                more = (collate_packed(bigger) if layout == "packed" else collate(bigger, PAD))
+                assert tokens(more, layout) > budget
+    assert len(sizes) > 1 or sizes != {BATCH}  # the budget really cut some draws
+
+
+def test_max_tokens_below_one_group_is_an_error(store):
+    with ReplayLoader(store, PromptGroupSampler(num_groups=4, seed=6), BATCH, PAD, layout="packed",
+                      max_tokens=5, num_batches=2) as loader:
+        with pytest.raises(diskreplay.LoaderError, match="max_tokens=5"):
+            next(loader)
+
+
+def test_warm_reads_stop_the_page_hints(store):
+    calls = []
+    prefetch = store.prefetch
+    store.prefetch = lambda rows, columns=None: (calls.append(len(rows)), prefetch(rows, columns))
+    try:
+        for _ in range(3):  # warm the page cache
+            store.read(store.row_ids())
+        with ReplayLoader(store, RandomSampler(replacement=True, seed=0), BATCH, PAD, num_batches=12) as loader:
+            assert len(list(loader)) == 12
+    finally:
+        del store.prefetch
+    # the first batches are hinted (a restarted job meets a cold cache); reads that never wait
+    # for the disk turn the hints off. A read that faulted (memory pressure) turns them back on.
+    assert 1 <= len(calls) < 12
 
 
 # --------------------------------------------------------------------------- reused buffers

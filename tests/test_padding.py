@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import importlib
 
 collate_module = importlib.import_module("diskreplay.padding")
-from diskreplay.padding import collate, collate_unpadded, pad_on_device, repad
+from diskreplay.padding import collate, collate_unpadded, pad_on_device, repad, repad_stacked
 from diskreplay.ragged import RaggedColumn
 
 PAD = 99
@@ -299,8 +299,8 @@ def repad_rows(draw):
 
 @FAST
 @given(repad_rows())
-def test_repad_matches_reference(rows):
-    assert_same(repad(rows, PAD), reference_repad(rows, PAD))
+def test_repad_stacked_matches_reference(rows):
+    assert_same(repad_stacked(rows, PAD), reference_repad(rows, PAD))
 
 
 def test_repad_non_contiguous_mask_and_shapes():
@@ -312,7 +312,7 @@ def test_repad_non_contiguous_mask_and_shapes():
              "completion_mask": torch.tensor([0, 1, 0, 0]),
              "old_per_token_logps": torch.tensor([-4.0, -5.0, -6.0, -7.0]),
              "advantages": torch.tensor([1.5])}]
-    out = repad(rows, 0)
+    out = repad_stacked(rows, 0)
     assert out["completion_ids"].tolist() == [[1, 3], [5, 0]]
     assert out["completion_mask"].tolist() == [[1, 1], [1, 0]]
     assert out["old_per_token_logps"].tolist() == [[-1.0, -3.0], [-5.0, 0.0]]
@@ -323,13 +323,13 @@ def test_repad_all_zero_masks_and_single_row():
     rows = [{"prompt_ids": torch.tensor([7, 7]), "prompt_mask": torch.tensor([0, 0]),
              "completion_ids": torch.tensor([7]), "completion_mask": torch.tensor([0]),
              "old_per_token_logps": None}]
-    out = repad(rows, 7)
+    out = repad_stacked(rows, 7)
     assert out["prompt_ids"].shape == (1, 0) and out["completion_mask"].shape == (1, 0)
     assert out["old_per_token_logps"] is None
     rows.append({"prompt_ids": torch.tensor([3]), "prompt_mask": torch.tensor([1]),
                  "completion_ids": torch.tensor([0, 4]), "completion_mask": torch.tensor([0, 1]),
                  "old_per_token_logps": None})
-    out = repad(rows, 7)
+    out = repad_stacked(rows, 7)
     assert out["prompt_ids"].tolist() == [[7], [3]]
     assert out["prompt_mask"].tolist() == [[0], [1]]
     assert out["completion_ids"].tolist() == [[7], [4]]
@@ -339,7 +339,7 @@ def test_repad_keeps_mask_dtype_and_extra_aligned_columns():
     rows = [{"completion_ids": torch.tensor([1, 2]),
              "completion_mask": torch.tensor([True, False]),
              "entropies": torch.tensor([0.1, 0.2]), "reward": 1.0}]
-    out = repad(rows, 0)
+    out = repad_stacked(rows, 0)
     assert out["completion_mask"].dtype == torch.bool
     assert out["entropies"].tolist() == [[pytest.approx(0.1)]]
     assert out["reward"].tolist() == [1.0]
@@ -368,7 +368,153 @@ def test_repad_keeps_mask_dtype_and_extra_aligned_columns():
 ])
 def test_repad_rejects_bad_rows(rows, match):
     with pytest.raises(ValueError, match=match):
-        repad(rows, 0)
+        repad_stacked(rows, 0)
+
+
+@FAST
+@given(repad_rows())
+def test_repad_in_place_rows_are_the_stacked_rows(rows):
+    want = reference_repad(rows, PAD)
+    originals = [dict(r) for r in rows]
+    out = repad(rows, pad_token_id=PAD)
+    assert out is rows
+    for i, (row, before) in enumerate(zip(out, originals)):
+        assert list(row) == list(before)  # same keys, same order
+        for name, w in want.items():
+            if name == "advantages":  # per-row values are left as they were
+                assert row[name] is before[name]
+            elif w is None:
+                assert row[name] is None
+            else:
+                assert row[name].dtype == w.dtype and torch.equal(row[name], w[i]), (name, i)
+
+
+def test_repad_takes_padding_value_or_pad_token_id_once():
+    rows = [{"completion_ids": torch.tensor([1, 0]), "completion_mask": torch.tensor([1, 0])},
+            {"completion_ids": torch.tensor([2, 3]), "completion_mask": torch.tensor([1, 1])}]
+    assert repad([dict(r) for r in rows], 9)[0]["completion_ids"].tolist() == [1, 9]
+    assert repad([dict(r) for r in rows], padding_value=9)[0]["completion_ids"].tolist() == [1, 9]
+    for bad in ({}, {"padding_value": 1, "pad_token_id": 1}):
+        with pytest.raises(ValueError, match="padding_value"):
+            repad(rows, **bad)
+
+
+# TRL's tests/test_repad.py (huggingface/trl, experimental GRPO replay buffer), its three cases
+# with only the import changed: our repad replaces trl.trainer.grpo_replay_buffer.repad.
+
+PAD_TOKEN_ID = 123
+
+
+def test_trl_repad_basic_padding():
+    from copy import deepcopy
+    sample = [
+        {
+            "prompt_ids": torch.LongTensor([1, 2, 3]),
+            "prompt_mask": torch.LongTensor([1, 1, 0]),
+            "completion_ids": torch.LongTensor([5, 6, 7, 8]),
+            "completion_mask": torch.LongTensor([1, 1, 1, 0]),
+            "old_per_token_logps": torch.tensor([0.1, 0.2, 0.3, 0.4]),
+            "ref_per_token_logps": torch.tensor([0.0, -0.1, -0.2, -0.3]),
+        },
+        {
+            "prompt_ids": torch.LongTensor([4, 5]),
+            "prompt_mask": torch.LongTensor([1, 1]),
+            "completion_ids": torch.LongTensor([9, 10]),
+            "completion_mask": torch.LongTensor([1, 1]),
+            "old_per_token_logps": torch.tensor([-0.5, -0.6]),
+            "ref_per_token_logps": torch.tensor([0.5, 0.6]),
+        }
+    ]
+
+    padded = repad(deepcopy(sample), pad_token_id=PAD_TOKEN_ID)
+
+    assert len(padded[0]['prompt_ids']) == 2
+    assert len(padded[0]['completion_ids']) == 3
+
+    for ex in padded:
+        # All sequences in same batch should have same length
+        assert len(ex['prompt_ids']) == len(padded[0]['prompt_ids'])
+        assert len(ex['prompt_mask']) == len(padded[0]['prompt_mask'])
+        assert len(ex['completion_ids']) == len(padded[0]['completion_ids'])
+        assert len(ex['completion_mask']) == len(padded[0]['completion_mask'])
+
+        # Mask and ids should match in shape
+        assert ex['prompt_ids'].shape == ex['prompt_mask'].shape
+        assert ex['completion_ids'].shape == ex['completion_mask'].shape
+
+
+def test_trl_repad_logps_padding():
+    from copy import deepcopy
+    sample = [
+        {
+            "prompt_ids": torch.LongTensor([1]),
+            "prompt_mask": torch.LongTensor([1]),
+            "completion_ids": torch.LongTensor([2, 3, 4]),
+            "completion_mask": torch.LongTensor([1, 1, 0]),
+            "old_per_token_logps": torch.tensor([-0.1, -0.2, -0.3]),
+            "ref_per_token_logps": torch.tensor([-0.5, -0.6, -0.7]),
+        },
+        {
+            "prompt_ids": torch.LongTensor([5, 6]),
+            "prompt_mask": torch.LongTensor([1, 1]),
+            "completion_ids": torch.LongTensor([7, 8]),
+            "completion_mask": torch.LongTensor([1, 1]),
+            "old_per_token_logps": torch.tensor([0.4, 0.5]),
+            "ref_per_token_logps": torch.tensor([0.6, 0.7]),
+        }
+    ]
+
+    padded = repad(deepcopy(sample), pad_token_id=PAD_TOKEN_ID)
+
+    for logps in ["old_per_token_logps", "ref_per_token_logps"]:
+        for ex in padded:
+            assert len(ex[logps]) == len(padded[0][logps])
+            assert isinstance(ex[logps], torch.Tensor)
+
+
+def test_trl_repad_empty_masks():
+    from copy import deepcopy
+    sample = [
+        {
+            "prompt_ids": torch.tensor([0]),
+            "prompt_mask": torch.tensor([0]),
+            "completion_ids": torch.tensor([0]),
+            "completion_mask": torch.tensor([0]),
+            "old_per_token_logps": torch.tensor([0.0]),
+            "ref_per_token_logps": torch.tensor([0.0]),
+        },
+        {
+            "prompt_ids": torch.tensor([1]),
+            "prompt_mask": torch.tensor([0]),
+            "completion_ids": torch.tensor([1]),
+            "completion_mask": torch.tensor([0]),
+            "old_per_token_logps": torch.tensor([0.0]),
+            "ref_per_token_logps": torch.tensor([0.0]),
+        },
+        {
+            "prompt_ids": torch.tensor([1,1]),
+            "prompt_mask": torch.tensor([0,1]),
+            "completion_ids": torch.tensor([1,2]),
+            "completion_mask": torch.tensor([1,0]),
+            "old_per_token_logps": torch.tensor([0.0,1.0]),
+            "ref_per_token_logps": torch.tensor([0.0,1.0]),
+        },
+        {
+            "prompt_ids": torch.tensor([1,1]),
+            "prompt_mask": torch.tensor([1,1]),
+            "completion_ids": torch.tensor([1,2]),
+            "completion_mask": torch.tensor([1,0]),
+            "old_per_token_logps": torch.tensor([0.0,1.0]),
+            "ref_per_token_logps": torch.tensor([0.0,1.0]),
+        }
+    ]
+    padded = repad(deepcopy(sample), pad_token_id=999)
+
+    assert len(padded[0]['prompt_ids']) == 2
+    assert len(padded[0]['completion_ids']) == 1
+
+    assert padded[0]["prompt_ids"].eq(999).all()
+    assert padded[0]["completion_ids"].eq(999).all()
 
 
 # --------------------------------------------------------------------------

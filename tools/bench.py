@@ -1,7 +1,7 @@
 """Benchmarks of diskreplay against baselines measured in the same run.
 
     python tools/bench.py store  [--groups 4096] [--big 10] [--dir DIR] [--small-commits 3000]
-    python tools/bench.py sample [--groups 4096] [--dir DIR]
+    python tools/bench.py sample [--groups 4096] [--dir DIR] [--quick]
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
     python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
 
@@ -33,10 +33,9 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from diskreplay import (PromptGroupSampler, RaggedColumn, ReplayStore, collate,  # noqa: E402
+from diskreplay import (Collator, PromptGroupSampler, RaggedColumn, ReplayStore, collate,  # noqa: E402
                         collate_unpadded)
-from diskreplay.loader import ReplayLoader, _Ring  # noqa: E402  the worker's own buffer ring
-from diskreplay.padding import buffer_needs  # noqa: E402
+from diskreplay.loader import ReplayLoader  # noqa: E402
 from diskreplay.samplers import STRATEGIES  # noqa: E402
 from diskreplay.synthetic import rollout_stream  # noqa: E402
 
@@ -559,7 +558,7 @@ def _probe_in_subprocess(path, batch_rows, batches):
 def _bench_cold(store, label, batch_groups, B, cold, step_ms, res, report, pad=0):
     """Cold page cache, evicted before each timed batch: with and without a WILLNEED hint, and the
     loader (which hints batch k+1 while batch k trains)."""
-    ring = _Ring(1, pin=False)
+    collator = Collator(pad)
     for strategy in STRATEGIES:
         for hint in (False, True):
             sampler = PromptGroupSampler(num_groups=batch_groups, strategy=strategy, seed=2)
@@ -569,7 +568,7 @@ def _bench_cold(store, label, batch_groups, B, cold, step_ms, res, report, pad=0
                 if hint:
                     store.prefetch(rows)  # what the loader's worker does, one batch ahead
                 batch = store.read(rows)
-                collate(batch, pad, out=ring.buffers(0, buffer_needs(batch, B, False)))
+                collator(batch)
             ms = _median_ms(cold_step, cold, before=lambda: evict_store(store))
             res[f"cold{label}_{strategy}{'_hint' if hint else ''}_ms"] = ms
         report(f"  cold{label} {strategy:9s} no hint {res[f'cold{label}_{strategy}_ms']:7.1f} ms/batch, WILLNEED "
@@ -594,6 +593,121 @@ def _bench_cold(store, label, batch_groups, B, cold, step_ms, res, report, pad=0
                f"{res[key]:.1f} ms/batch (median after the first)", flush=True)
 
 
+def _alternate(paths: Dict[str, object], rounds: int) -> Dict[str, float]:
+    """Median ms of each path, the paths timed in turn ``rounds`` times (so that load from other
+    processes hits all alike). Each path is a callable taking the round's index."""
+    times: Dict[str, list] = {k: [] for k in paths}
+    for i in range(rounds):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn(i)
+            times[name].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
+    """ReplayLoader's consumer-visible ms per batch, back to back, against its own data path (sample, read,
+    collate into reused buffers) run on this thread, in alternating blocks of ``block`` batches.
+
+    One loader serves every round, warmed first until its ring buffers have grown to the batches' sizes
+    (fresh pages cost more than the work on this VM). Before a data-path block the worker is given time
+    to fill its free buffer set and park, so the two never compete; after it, the batches the worker
+    built meanwhile are taken untimed, so every timed next() waits for the worker's work on it."""
+    collator = Collator(pad, layout=layout)
+    direct = PromptGroupSampler(num_groups=batch_groups, seed=21)
+    loader_ms, direct_ms = [], []
+    with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=22), B, pad, prefetch=2,
+                      layout=layout) as loader:
+        for _ in range(4 * block):
+            next(loader), collator(store.read(direct.sample(store, B)))
+        for _ in range(max(1, rounds // block)):
+            time.sleep(0.5)
+            t0 = time.perf_counter()
+            for _ in range(block):
+                collator(store.read(direct.sample(store, B)))
+            direct_ms.append(1e3 * (time.perf_counter() - t0) / block)
+            for _ in range(loader.prefetch + 1):
+                next(loader)
+            t0 = time.perf_counter()
+            for _ in range(block):
+                next(loader)
+            loader_ms.append(1e3 * (time.perf_counter() - t0) / block)
+    return statistics.median(loader_ms), statistics.median(direct_ms)
+
+
+def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res, report):
+    """Issue 13's table: the same rows built every way, alternated, medians."""
+    padded_c, packed_c = Collator(pad), Collator(layout="packed")
+    draws = [PromptGroupSampler(num_groups=batch_groups, seed=11).sample(store, B) for _ in range(rounds)]
+    batches = [store.read(rows) for rows in draws]
+    ref = packed_c(batches[0])
+    if torchrl_base is not None:
+        got = torchrl_base.sample(draws[0] - store.head, pad)
+        want = collate(batches[0], pad)
+        assert all(torch.equal(want[k], got[k]) for k in got), "TorchRL baseline disagrees with collate"
+    for b, rows in zip(batches[:3], draws[:3]):  # warm the pages and every buffer
+        padded_c(b), packed_c(b), collate(b, pad), flat.gather(rows, pad)
+    paths = {
+        "read": lambda i: store.read(draws[i]),
+        "padded collate, reused": lambda i: padded_c(batches[i]),
+        "packed collate, reused": lambda i: packed_c(batches[i]),
+        "padded read + collate, fresh (collate())": lambda i: collate(store.read(draws[i]), pad),
+        "padded read + collate, reused (Collator)": lambda i: padded_c(store.read(draws[i])),
+        "packed read + collate, reused (Collator)": lambda i: packed_c(store.read(draws[i])),
+        "ideal numpy gather, padded": lambda i: flat.gather(draws[i], pad),
+        "packed on device: read + collate_unpadded, reused": lambda i: packed_c.unpadded(store.read(draws[i])),
+    }
+    if torchrl_base is not None:
+        paths["TorchRL padded memmap sample"] = lambda i: torchrl_base.sample(draws[i] - store.head, pad)
+    ms = _alternate(paths, rounds)
+    for k, v in ms.items():
+        res[f"batch_{k}_ms"] = v
+    fresh, reused = ms["padded read + collate, fresh (collate())"], ms["padded read + collate, reused (Collator)"]
+    packed = ms["packed read + collate, reused (Collator)"]
+    ideal = ms["ideal numpy gather, padded"]
+    print(f"\nbatches of {B} rows, warm, the same rows every way ({rounds} rounds, medians)"
+          f"{'':>8}{'ours':>18}{'baseline':>18}{'ratio':>10}")
+    row("padded: read + collate into reused buffers", f"{reused:.1f} ms", f"ideal {ideal:.1f} ms",
+        f"{ideal / reused:.2f}x")
+    row("one call collate(read) vs Collator (reused)", f"{fresh:.1f} ms", f"{reused:.1f} ms", f"{fresh / reused:.2f}x")
+    row("  (README's one-call path is the Collator)", f"{reused:.1f} ms", f"{reused:.1f} ms", "1.00x")
+    row("packed vs padded, read + collate", f"{packed:.1f} ms", f"{reused:.1f} ms", f"{reused / packed:.2f}x")
+    row("packed vs padded, collate only", f"{ms['packed collate, reused']:.1f} ms",
+        f"{ms['padded collate, reused']:.1f} ms",
+        f"{ms['padded collate, reused'] / ms['packed collate, reused']:.2f}x")
+    row("  the read both share", f"{ms['read']:.1f} ms")
+    unp = ms["packed on device: read + collate_unpadded, reused"]
+    row("packed on device (host: read + unpadded) vs padded", f"{unp:.1f} ms", f"{reused:.1f} ms",
+        f"{reused / unp:.2f}x")
+    if torchrl_base is not None:
+        rl = ms["TorchRL padded memmap sample"]
+        row("packed vs TorchRL padded memmap sample", f"{packed:.1f} ms", f"{rl:.1f} ms", f"{rl / packed:.2f}x")
+        row("packed on device vs TorchRL padded memmap sample", f"{unp:.1f} ms", f"{rl:.1f} ms",
+            f"{rl / unp:.2f}x")
+    else:
+        row("packed vs TorchRL padded memmap sample", "skipped", "no torchrl")
+    # host bytes per batch
+    batch = batches[0]
+    payload = sum(c.values.nbytes if isinstance(c, RaggedColumn) else getattr(c, "nbytes", 0)
+                  for c in batch.values() if c is not None)
+    shipped = _nbytes(collate_unpadded(batch))  # what the packed (and padded) pad_on_device path copies
+    host_packed = _nbytes({k: v for k, v in ref.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k")})
+    res.update(bytes_payload=payload, bytes_packed_shipped=shipped, bytes_packed_host=host_packed,
+               bytes_padded_host=_nbytes(collate(batch, pad)))
+    row("host->device bytes, packed on device vs payload", f"{shipped / 1e6:.2f} MB", f"{payload / 1e6:.2f} MB",
+        f"{shipped / payload:.3f}x")
+    row("host bytes, packed layout built on host", f"{host_packed / 1e6:.2f} MB", f"{payload / 1e6:.2f} MB",
+        f"{host_packed / payload:.2f}x")
+    row("host bytes, padded layout", f"{res['bytes_padded_host'] / 1e6:.2f} MB", f"{payload / 1e6:.2f} MB",
+        f"{res['bytes_padded_host'] / payload:.2f}x")
+    # the loader against its own data path
+    for layout in ("padded", "packed"):
+        lo, dp = _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds)
+        res[f"loader_{layout}_ms"], res[f"data_path_{layout}_ms"] = lo, dp
+        row(f"ReplayLoader next() vs its data path, {layout}", f"{lo:.1f} ms", f"{dp:.1f} ms", f"{lo / dp:.2f}x")
+    sys.stdout.flush()
+
+
 def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=50.0, report=print):
     """sample: warm/cold sample+read+collate per PromptGroupSampler strategy, against an ideal numpy
     gather, TorchRL's LazyMemmapStorage (padded) and a TRL-style list + pad_sequence; host->device
@@ -608,7 +722,6 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     res = {"batch_rows": B}
     store = ReplayStore(store_path, readonly=True)
     flat = _FlatGather(store, store_path.rstrip("/") + ".flat")
-    trl = _trl_list(store, store.row_ids())
     torchrl_base = _torchrl_baseline(store, os.path.join(work, "torchrl_padded"), report)
     report(f"sample: store {len(store)} rows ({store.nbytes / 1e6:.0f} MB), batch {batch_groups} groups x "
            f"{group_size} rows")
@@ -618,16 +731,21 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     ref = collate(store.read(rows0), pad)
     got = flat.gather(rows0, pad)
     assert all(np.array_equal(ref[k].numpy(), got[k]) for k in got), "ideal gather disagrees with collate"
-    got = _trl_pad(trl, rows0 - store.head, pad)
-    assert all(torch.equal(ref[k], got[k]) for k in got), "TRL-style pad disagrees with collate"
     res["padded_mb"] = _nbytes(ref) / 1e6
     report(f"  padded output {res['padded_mb']:.1f} MB per batch (int64 ids and masks, float32 log-probs)")
+    _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, warm, res, report)
+    if args.quick:
+        store.close()
+        return res
+    trl = _trl_list(store, store.row_ids())
+    got = _trl_pad(trl, rows0 - store.head, pad)
+    assert all(torch.equal(ref[k], got[k]) for k in got), "TRL-style pad disagrees with collate"
     for _ in range(3):  # warm the pages and the buffers
         flat.gather(rows0, pad)
         store.read(rows0)
     # ours, the ideal gather and the TRL-style list are timed in turn on the same rows, so that load
     # from other processes hits all three alike
-    ring = _Ring(1, pin=False)
+    collator = Collator(pad)
     for strategy in STRATEGIES:
         sampler = PromptGroupSampler(num_groups=batch_groups, strategy=strategy, seed=0)
         t = {"ours": [], "ideal": [], "trl": [], "torchrl": [], "trl_buffer": []}
@@ -635,7 +753,7 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
             t0 = time.perf_counter()
             rows = sampler.sample(store, B)  # exactly the loader worker's host path:
             batch = store.read(rows)  # sample, read, collate into a reused buffer set
-            collate(batch, pad, out=ring.buffers(0, buffer_needs(batch, B, False)))
+            collator(batch)
             t1 = time.perf_counter()
             flat.gather(rows, pad)
             t2 = time.perf_counter()
@@ -834,6 +952,8 @@ def main(argv=None) -> None:
     p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
+    p.add_argument("--quick", action="store_true",
+                   help="sample: only the warm batch table (skip the per-strategy, cold and memory sections)")
     p.add_argument("--small-commits", type=int, default=3000,
                    help="store: commits of 8 rows for the small-commit comparison (0: skip it)")
     p.add_argument("--sizes", default="32768,1000000,10000000",
