@@ -429,13 +429,22 @@ def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
     return Manifest(), problems
 
 
-def manifest_docs(root: str) -> Dict[int, Manifest]:
-    """All intact manifests (for clean-up and verification)."""
-    out = {}
+def manifest_docs(root: str) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
+    """Intact manifests by generation, and the manifests that could not be read.
+
+    A damaged manifest (bad JSON, checksum, format) is left out of both: it
+    names nothing trustworthy. One that could not be *read* (EIO, EACCES, ...)
+    is reported with its error: it may be intact and name files, so clean-up
+    must not treat it, or the files it may name, as garbage.
+    """
+    out: Dict[int, Manifest] = {}
+    unreadable: Dict[int, str] = {}
     for gen in list_generations(root):
         path = os.path.join(root, manifest_file(gen))
         try:
             out[gen] = load_manifest(path)
-        except (OSError, FormatError):
+        except (CorruptStoreError, FormatError, FileNotFoundError):
             continue
-    return out
+        except OSError as exc:
+            unreadable[gen] = f"{path}: {exc}"
+    return out, unreadable

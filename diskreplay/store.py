@@ -425,24 +425,31 @@ class ReplayStore:
         still open its files, so an evicted segment goes ``KEEP_MANIFESTS``
         commits after its eviction. ``full`` (at open) sweeps the directories
         for leftovers of crashed writers; otherwise only the files of the
-        manifests that just dropped out of retention are candidates.
+        manifests that just dropped out of retention are candidates. A manifest
+        that cannot be read (EIO, EACCES) is not garbage: it is kept, and so is
+        every data file, since it may name any of them.
         """
         current = self.manifest.generation
         if full:
-            docs = fmt.manifest_docs(self.path)
+            docs, unreadable = fmt.manifest_docs(self.path)
             keep = [g for g in sorted(docs, reverse=True) if g <= current][: fmt.KEEP_MANIFESTS]
             self._retained = {g: docs[g] for g in keep}
             self._retained[current] = self.manifest
             referenced = {f for m in self._retained.values() for f in m.files()}
-            for g in fmt.list_generations(self.path):
-                if g not in self._retained:
-                    remove_quietly(os.path.join(self.path, fmt.manifest_file(g)))
+            if unreadable:
+                warnings.warn(f"{self.path}: cannot read manifest(s) {'; '.join(unreadable.values())}; they "
+                              "and every data file are kept (run `diskreplay verify`)", RuntimeWarning, stacklevel=3)
+            manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.path)
+                         if g not in self._retained and g not in unreadable]
+            files = []
             for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.MANIFEST_DIR, ""):
                 for name in os.listdir(os.path.join(self.path, d)):
                     rel = f"{d}/{name}" if d else name
-                    # we hold the writer lock: an unreferenced data file is garbage
-                    if name.startswith(TMP_PREFIX) or (d not in ("", fmt.MANIFEST_DIR) and rel not in referenced):
-                        remove_quietly(os.path.join(self.path, rel))
+                    # we hold the writer lock: a temp file or an unreferenced data file is garbage
+                    if name.startswith(TMP_PREFIX) or (
+                            not unreadable and d not in ("", fmt.MANIFEST_DIR) and rel not in referenced):
+                        files.append(rel)
+            self._delete(manifests, files)
             return
         self._retained[current] = self.manifest
         dropped = sorted(self._retained)[: -fmt.KEEP_MANIFESTS]
@@ -450,13 +457,29 @@ class ReplayStore:
             return
         old = [self._retained.pop(g) for g in dropped]
         referenced = {f for m in self._retained.values() for f in m.files()}
-        for m in old:
+        self._delete([m.file for m in old], sorted({f for m in old for f in m.files() if f not in referenced}))
+
+    def _delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
+        """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
+
+        The order is what keeps a power cut safe: an unlink becomes durable at
+        its directory's next fsync (or earlier, at the filesystem's whim), so
+        the manifests' removal must be durable before the first data file they
+        name is unlinked; otherwise a power cut could bring back a manifest
+        naming files that are gone.
+        """
+        for rel in manifests:
             crash_point("gc.manifest")
-            remove_quietly(os.path.join(self.path, m.file))
-            for f in m.files():
-                if f not in referenced:
-                    crash_point("gc.file")
-                    remove_quietly(os.path.join(self.path, f))
+            remove_quietly(os.path.join(self.path, rel))
+        if manifests:
+            fsync_dir(os.path.join(self.path, fmt.MANIFEST_DIR))
+        dirs = set()
+        for rel in files:
+            crash_point("gc.file")
+            if remove_quietly(os.path.join(self.path, rel)):
+                dirs.add(os.path.dirname(rel))
+        for d in sorted(dirs):
+            fsync_dir(os.path.join(self.path, d))
 
     @_locked
     def compact(self, target_bytes: int = 64 << 20) -> Dict[str, int]:
