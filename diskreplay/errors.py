@@ -48,7 +48,7 @@ class FormatError(DiskReplayError, ValueError):
     ...     StoreOptions.from_dict({"format": "diskreplay", "version": 99})
     ... except FormatError as exc:
     ...     print(exc)
-    Unsupported version 99 in FORMAT.json; expected 1 (this diskreplay reads format v1 only)
+    Unsupported version 99 in FORMAT.json; expected 1 or 2 (this diskreplay reads format v1 and v2 only)
     """
 
 
@@ -98,4 +98,40 @@ class RowsEvictedError(DiskReplayError, IndexError):
     ... except RowsEvictedError as exc:
     ...     print(exc)
     row 0 is not in the store: live rows are [1, 2) (it was evicted)
+    """
+
+
+class CommitNotDurableError(DiskReplayError, OSError):
+    """A commit happened, but making it durable failed afterwards (e.g. EIO on the
+    ``fsync`` of ``manifests/`` after the manifest appeared).
+
+    The rows are committed and visible (``.rows`` holds their ids, or is None
+    for a commit without rows); do **not** append them again. Durability is
+    re-attempted by the next commit and by ``close()``. With a ``token``, a
+    retried ``extend`` returns these same rows and writes nothing.
+
+    >>> issubclass(CommitNotDurableError, OSError)
+    True
+    >>> CommitNotDurableError(5, "fsync of manifests/ failed", rows=[0, 1]).rows
+    [0, 1]
+    """
+
+    def __init__(self, *args, rows=None) -> None:
+        super().__init__(*args)
+        self.rows = rows
+
+    def __reduce__(self):
+        return (_rebuild_not_durable, (self.args, self.rows))
+
+
+def _rebuild_not_durable(args, rows):
+    return CommitNotDurableError(*args, rows=rows)
+
+
+class UnsupportedFilesystemError(DiskReplayError, OSError):
+    """The filesystem lacks what a store option needs (a multi-writer store needs an
+    atomic create-if-absent: ``link()`` that fails with EEXIST).
+
+    >>> issubclass(UnsupportedFilesystemError, OSError)
+    True
     """

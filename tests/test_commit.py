@@ -152,3 +152,153 @@ def test_deletions_are_ordered_and_durable(tmp_path, monkeypatch):
         ReplayStore(path).close()
     assert ("unlink", fmt.segment_file(10 ** 9)) in trace.events
     _check_power_cut_safe(trace, naming)
+
+
+# --------------------------------------------------------------------------- exactly-once tokens (issue 9.2)
+
+
+@pytest.fixture(params=[False, True], ids=["single", "multi"])
+def multi(request):
+    return request.param
+
+
+def test_token_must_be_a_non_empty_str(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        for bad in (5, "", b"x", ["a"]):
+            with pytest.raises(TypeError, match="token"):
+                store.extend(_batch(store), token=bad)
+        assert store.generation == 0
+
+
+def test_a_committed_token_returns_its_rows_and_writes_nothing(tmp_path, multi):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=multi) as store:
+        first = store.extend(expected_rows(np.arange(0, 4)), token="w0:0")
+        store.extend(expected_rows(np.arange(4, 8)), token="w0:1")
+        gen, files = store.generation, sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR)))
+        again = store.extend(expected_rows(np.arange(0, 4)), token="w0:0")
+        assert again.tolist() == first.tolist() == [0, 1, 2, 3]
+        assert store.generation == gen and sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR))) == files
+    with ReplayStore(path) as store:  # across a restart
+        assert store.extend(expected_rows(np.arange(4, 8)), token="w0:1").tolist() == [4, 5, 6, 7]
+        assert len(store) == 8
+        check_live_rows(store)
+
+
+def test_a_token_reused_for_another_batch_is_refused(tmp_path, multi):
+    with ReplayStore(tmp_path / "s", multi_writer=multi) as store:
+        store.extend(expected_rows(np.arange(0, 4)), token="step-7")
+        with pytest.raises(ValueError, match="step-7"):
+            store.extend(expected_rows(np.arange(0, 5)), token="step-7")  # another row count
+        other = expected_rows(np.arange(0, 4))
+        other["rewards"] = other["rewards"] + 1  # same rows, other content
+        with pytest.raises(ValueError, match="step-7"):
+            store.extend(other, token="step-7")
+        assert len(store) == 4
+
+
+def test_tokens_survive_sealing_merging_and_are_forgotten_only_when_allowed(tmp_path, monkeypatch):
+    from diskreplay.store import tokens as tok
+
+    monkeypatch.setattr(tok, "INLINE_TOKENS", 4)
+    monkeypatch.setattr(tok, "MAX_TOKEN_LOGS", 3)
+    monkeypatch.setattr(tok, "RETAIN_TOKEN_COMMITS", 30)
+    path = str(tmp_path / "s")
+    with ReplayStore(path, capacity=40) as store:
+        for i in range(60):
+            store.extend(expected_rows([i]), token=f"t{i}")
+        m = store.manifest
+        assert len(m.tokens) <= 4 and 1 <= len(m.token_logs) <= 3
+    assert verify_ok(path)
+    with ReplayStore(path, capacity=40) as store:
+        # live rows (20..59) and the newest 30 commits: found without appending
+        for i in (20, 35, 59):
+            assert store.extend(expected_rows([i]), token=f"t{i}").tolist() == [i]
+        assert store.next_row == 60
+        # evicted and older than 30 commits: forgotten, so the batch is new again
+        assert store.extend(expected_rows([60]), token="t0").tolist() == [60]
+
+
+def verify_ok(path):
+    from diskreplay.verify import verify_store
+
+    report = verify_store(path)
+    assert report["ok"], report["problems"]
+    return True
+
+
+def test_token_manifest_growth(tmp_path):
+    """Tokens on every commit add a bounded number of bytes to each manifest (printed with -s)."""
+    from diskreplay.store import tokens as tok
+
+    path = str(tmp_path / "s")
+    extra = []
+    with ReplayStore(path, group_key=None) as store:
+        for i in range(tok.INLINE_TOKENS + 20):
+            store.extend({"x": [i]}, token=f"worker-{i % 8}:step-{i}")
+            m = store.manifest
+            size = os.path.getsize(os.path.join(path, m.file))
+            extra.append(size - len(fmt.signed_bytes(m.evolve(tokens=(), token_logs=()).body())))
+        assert store.manifest.token_logs  # sealed once the inline records filled up
+    print(f"token bytes per manifest: max {max(extra)}, after sealing {extra[-1]}")
+    assert max(extra) < 60 * tok.INLINE_TOKENS and extra[-1] < 60 * 21 + 200
+
+
+# --------------------------------------------------------------------------- errors after the commit point (issue 9.2, 12.4)
+
+
+def _fail_fsync_of(monkeypatch, directory, times=1):
+    real = os.fsync
+    left = [times]
+
+    def fsync(fd):
+        if left[0] and os.readlink(f"/proc/self/fd/{fd}") == directory:
+            left[0] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return left
+
+
+def test_error_after_the_commit_point_is_commit_not_durable(tmp_path, monkeypatch, multi):
+    from diskreplay import CommitNotDurableError
+
+    path = str(tmp_path / "s")
+    store = ReplayStore(path, multi_writer=multi)
+    store.extend(expected_rows(np.arange(0, 4)), token="b0")
+    gen = store.generation
+    left = _fail_fsync_of(monkeypatch, os.path.join(path, fmt.MANIFEST_DIR))
+    with pytest.raises(CommitNotDurableError) as info:
+        store.extend(expected_rows(np.arange(4, 8)), token="b1")
+    assert left == [0] and isinstance(info.value, OSError) and info.value.errno == errno.EIO
+    assert info.value.rows.tolist() == [4, 5, 6, 7]
+    assert store.generation == gen + 1
+    with ReplayStore(path, readonly=True) as reader:  # visible to everyone
+        assert reader.next_row == 8
+        check_live_rows(reader)
+    # the natural retry, with the same token: same rows, nothing appended
+    assert store.extend(expected_rows(np.arange(4, 8)), token="b1").tolist() == [4, 5, 6, 7]
+    assert store.next_row == 8 and store.generation == gen + 1
+    store.close()  # durability owed is made good here (or by the next commit)
+    with ReplayStore(path) as again:
+        assert again.extend(expected_rows(np.arange(4, 8)), token="b1").tolist() == [4, 5, 6, 7]
+        check_live_rows(again)
+        assert again.next_row == 8
+
+
+def test_durability_owed_is_retried_by_the_next_commit(tmp_path, monkeypatch):
+    from diskreplay import CommitNotDurableError
+
+    path = str(tmp_path / "s")
+    store = ReplayStore(path)
+    left = _fail_fsync_of(monkeypatch, os.path.join(path, fmt.MANIFEST_DIR))
+    with pytest.raises(CommitNotDurableError):
+        store.extend(expected_rows(np.arange(0, 4)))
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    store.extend(expected_rows(np.arange(4, 8)))
+    # the owed fsync of manifests/ comes first, before anything of the new commit
+    assert synced[0] == os.path.join(path, fmt.MANIFEST_DIR) and left == [0]
+    store.close()

@@ -175,13 +175,12 @@ def bench_store(args) -> None:
 
 SMALL_CHILD = textwrap.dedent("""
     import json, os, sys, time
-    import diskreplay.store
     from diskreplay import ReplayStore
+    from diskreplay.store import MergePolicy
     from diskreplay.synthetic import make_rollouts
     path, n, merge = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-    if not merge:
-        diskreplay.store.MERGE_FANIN = 1 << 40  # one segment per commit, as before merging existed
-    store = ReplayStore(path)
+    # without merging: one segment per commit, as before merging existed
+    store = ReplayStore(path, merge_policy=None if merge else MergePolicy(fanin=1 << 40))
     batch = make_rollouts(2, 4, seed=0, completion_mean=50)
     t0 = time.perf_counter()
     last = max(n - 500, 0)
