@@ -646,9 +646,11 @@ class _Repair:
         if self.dry_run:
             return
         base, _ = fmt.load_newest_manifest(self.root)
-        if base.generation != m.generation - 1:
+        if base.generation > m.generation - 1:
             raise CorruptStoreError(f"{self.root} changed while repair ran (generation {base.generation}); "
                                     "stop every writer and repair again")
+        # newer manifests went to quarantine: the commit keeps the generation numbers going up
+        base = base.evolve(generation=m.generation - 1)
         Committer(LocalStorage(self.root), self.options, base).commit(
             lambda b: ops.RollBack(m, base.generation), [], install=lambda new: None)
 

@@ -1314,7 +1314,9 @@ def test_repair_needs_the_writer_lock(tmp_path):
     with ReplayStore(path):
         with pytest.raises(StoreLockedError):
             repair_store(path)
-        assert repair_store(path, dry_run=True)["actions"] == []
+        with pytest.raises(StoreLockedError, match="live writer"):  # a dry run too (issue 12, item 12)
+            repair_store(path, dry_run=True)
+    assert repair_store(path, dry_run=True)["actions"] == []
 
 
 def test_verify_and_repair_progress_bars(tmp_path, monkeypatch, capsys):

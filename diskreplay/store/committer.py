@@ -12,6 +12,7 @@ specification; this module is its executable form.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import time
@@ -91,10 +92,12 @@ class Committer:
 
     def commit(self, plan: Callable[[fmt.Manifest], ops.Operation], written: List[str], *,
                token: Optional[str] = None, install: Callable[[fmt.Manifest], None],
-               rows: Callable[[fmt.Manifest], object] = lambda m: None) -> CommitResult:
+               rows: Callable[[fmt.Manifest], object] = lambda m: None,
+               started: Optional[float] = None) -> CommitResult:
         """Apply ``plan(base)`` to the newest manifest and publish it; returns the new manifest.
 
-        ``written`` are this commit's files (removed when it does not happen).
+        ``written`` are this commit's files (removed when it does not happen),
+        first written at ``time.monotonic()`` ``started``.
         ``install`` makes the new manifest the caller's state; it is called as
         soon as the commit is visible, even if making it durable then fails
         (:class:`CommitNotDurableError`, whose ``rows`` is ``rows(new)``): a
@@ -115,6 +118,7 @@ class Committer:
                         self._remove(written)
                         self.manifest = base
                         return CommitResult(base, duplicate=dup)
+                self._check_age(started)
                 new = ops.apply(base, plan(base), self.options)
                 new, logs = compact_tokens(new, self.tokens, self._write_token_log)
                 written += logs
@@ -147,6 +151,14 @@ class Committer:
         self.stats.commits += 1
         self.stats.rebases += attempt > 0
         return CommitResult(new, files=written)
+
+    def _check_age(self, started: Optional[float]) -> None:
+        """Many writers: another writer's clean-up takes unnamed files older than
+        ``retain_seconds``, so a commit must not name files that old."""
+        if self.multi_writer and started is not None and time.monotonic() - started > self.retain_seconds / 2:
+            raise TimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.local_path('')} took more than half of "
+                               f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
+                               "writers, so it is abandoned (nothing was committed; retry it)")
 
     def _publish(self, new: fmt.Manifest, data: bytes, install, rows) -> bool:
         rel = new.file

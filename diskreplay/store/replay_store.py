@@ -501,6 +501,7 @@ class ReplayStore:
                 return self._replayed(rec, n, self._digest_of(pieces))
         written: List[str] = []
         entries: List[fmt.SegmentEntry] = []
+        started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
             first, seg_id = m.next_row, m.next_segment
@@ -530,7 +531,7 @@ class ReplayStore:
             else:
                 self._install(new, options)
 
-        result = committer.commit(plan, written, token=token, install=install,
+        result = committer.commit(plan, written, token=token, install=install, started=started,
                                   rows=lambda new: np.arange(new.next_row - n, new.next_row, dtype=np.int64))
         if result.duplicate is not None:
             if result.manifest.generation != self.manifest.generation:
@@ -687,6 +688,7 @@ class ReplayStore:
     def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
         """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
         m = self.manifest
+        started = time.monotonic()
         written: List[str] = []
         entries: List[fmt.SegmentEntry] = []
         pending: List[pa.RecordBatch] = []
@@ -724,7 +726,7 @@ class ReplayStore:
             self._remove(written)
             raise
         op = ops.Rewrite(tuple(m.segments[start:]), tuple(entries))
-        result = self._committer.commit(lambda base: op, written,
+        result = self._committer.commit(lambda base: op, written, started=started,
                                         install=lambda new: self._install(new, self.options))
         self._collect()
         return result.manifest
