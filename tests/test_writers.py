@@ -421,3 +421,100 @@ def test_writers_killed_at_random_commit_every_acknowledged_batch_exactly_once(t
             assert [t for _, t in got] == want
     assert not where, f"batches nobody acknowledged: {sorted(where)}"
     _ok(path)
+
+
+# --------------------------------------------------------------------------- crash points, with a lost race
+
+
+CRASH_WRITER = textwrap.dedent("""
+    import os, subprocess, sys
+    from diskreplay import ReplayStore
+    from diskreplay import format as fmt
+    from diskreplay.store import LocalStorage
+    from diskreplay.testing.workload import batch_for, token_for
+    path, step, rival = sys.argv[1], sys.argv[2], sys.argv[3]
+    store = ReplayStore(path)
+    for s in range(4):
+        rows = store.extend(batch_for(0, s), token=token_for(0, s))
+        print("ACK", 0, s, int(rows[0]), len(rows), flush=True)
+    real = LocalStorage.put_if_absent
+    raced = []
+
+    def put(self, rel, data, **kw):
+        if rel.startswith(fmt.MANIFEST_DIR) and not raced:
+            raced.append(1)  # another writer (a process of its own) commits first: this attempt loses
+            env = {k: v for k, v in os.environ.items() if k != "DISKREPLAY_CRASH_AT"}
+            out = subprocess.run([sys.executable, "-c", rival, path], capture_output=True, text=True, env=env)
+            print(out.stdout.strip(), flush=True)
+        return real(self, rel, data, **kw)
+
+    LocalStorage.put_if_absent = put
+    os.environ["DISKREPLAY_CRASH_AT"] = step
+    rows = store.extend(batch_for(0, 4), token=token_for(0, 4))
+    print("ACK", 0, 4, int(rows[0]), len(rows), flush=True)
+""")
+
+CRASH_RIVAL = textwrap.dedent("""
+    import sys
+    from diskreplay import ReplayStore
+    from diskreplay.testing.workload import batch_for, token_for
+    with ReplayStore(sys.argv[1]) as store:
+        rows = store.extend(batch_for(1, 0), token=token_for(1, 0))
+    print("ACK", 1, 0, int(rows[0]), len(rows))
+""")
+
+# "#2": the second attempt, after the lost race and the rebase (its sidecars rewritten for the new rows)
+MULTI_CRASH_STEPS = ["segment.written", "groups.renamed", "segments.synced", "manifest.written",
+                     "groups.renamed#2", "manifest.written#2", "manifest.renamed", "manifest.committed"]
+
+
+@pytest.fixture(scope="module")
+def multi_crash_runs(tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("multi-crash")
+
+    def run(step):
+        path = str(root / step.replace("#", "-"))
+        ReplayStore(path, multi_writer=True).close()
+        proc = subprocess.run([sys.executable, "-c", CRASH_WRITER, path, step, CRASH_RIVAL], capture_output=True,
+                              text=True, env=_env(), timeout=300)
+        return step, (path, proc)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(run, MULTI_CRASH_STEPS))
+
+
+@pytest.mark.parametrize("step", MULTI_CRASH_STEPS)
+def test_crash_point_multi_writer_with_a_lost_race(multi_crash_runs, step):
+    """Killed at ``step`` of a commit that lost a race to another writer: acknowledged batches exactly
+    once, the in-flight one all or nothing, and a restart re-sending it with its token makes it exactly once."""
+    path, proc = multi_crash_runs[step]
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    acked = {}
+    for line in proc.stdout.splitlines():
+        _, w, s, first, n = line.split()
+        acked[(int(w), int(s))] = (int(first), int(n))
+    raced = step not in ("segment.written", "groups.renamed", "segments.synced")  # killed before publishing
+    assert ((1, 0) in acked) == raced and (0, 4) not in acked and len(acked) == 4 + raced, acked
+
+    def batches(store):
+        tags = store.read(store.row_ids(), ["tag"])["tag"]
+        out = {}
+        for row, tag in enumerate(tags):
+            out.setdefault(tag[: tag.index("n")], []).append(row)
+        assert check_rows(store, store.row_ids()) is None
+        return out
+
+    with ReplayStore(path, readonly=True) as ro:
+        seen = batches(ro)
+    for (w, s), (first, n) in acked.items():
+        assert seen.pop(f"w{w}s{s}") == list(range(first, first + n))
+    assert set(seen) <= {"w0s4"}  # the in-flight batch: all or nothing
+    committed = seen.get("w0s4")
+    with ReplayStore(path) as store:  # the restarted writer re-sends it with the same token
+        rows = store.extend(batch_for(0, 4), token=token_for(0, 4))
+        if committed is not None:
+            assert rows.tolist() == committed
+        assert batches(store)["w0s4"] == rows.tolist()
+    _ok(path)
