@@ -170,8 +170,16 @@ class WriterLock:
                     f"{os.path.dirname(self.path)} is already open for writing by another process "
                     "(it holds LOCK); open it with readonly=True to read while it writes") from None
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            # the pid is informational, but a half-acquired lock must not outlive
+            # this call: a leaked flock would refuse every later open in this process
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise OSError(exc.errno, f"cannot write the writer's pid into {self.path} "
+                          f"({exc.strerror}); the store was not opened", self.path) from None
         self._fd = fd
 
     def release(self) -> None:

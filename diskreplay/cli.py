@@ -194,8 +194,9 @@ def cmd_best_of_n(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from .store import ReplayStore
 
+    multi = {None: None, "true": True, "false": False}[getattr(args, "multi_writer", None)]
     with ReplayStore(_store(args)) as store:  # the check first: a writer's open creates a missing store
-        res = store.compact()
+        res = store.compact(multi_writer=multi)
     parts = []
     for what in ("segments", "bytes"):
         if f"{what}_before" in res and f"{what}_after" in res:
@@ -226,7 +227,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    res = _verify_module().repair_store(_store(args), dry_run=args.dry_run, progress=_progress(args))
+    res = _verify_module().repair_store(_store(args), dry_run=args.dry_run, progress=_progress(args),
+                                        force=getattr(args, "force", False))
     actions = list(res.get("actions", []))
     if not actions:
         text = f"{args.path}: nothing to repair"
@@ -445,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
              "have the store open keep working). Takes the writer lock: stop the writer first.",
              "  diskreplay compact runs/grpo/replay\n" + EXIT_CODES + "\n", [common])
     p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("--multi-writer", nargs="?", const="true", choices=["true", "false"], default=None,
+                   help="also convert to a multi-writer store (=false: back to one writer); stop all writers first")
 
     p = _sub(subs, "verify", cmd_verify, "check a store's files and checksums",
              "Check every committed file of a store (sizes, checksums, manifests, group sidecars).\n"
@@ -461,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay repair runs/grpo/replay\n" + EXIT_CODES + "\n", [common])
     p.add_argument("path", metavar="PATH", help="store directory")
     p.add_argument("--dry-run", action="store_true", help="only list what would be done")
+    p.add_argument("--force", action="store_true",
+                   help="repair a multi-writer store written in the last 60 s (you have stopped every writer)")
     return parser
 
 

@@ -249,6 +249,38 @@ class LoaderError(DiskReplayError, RuntimeError):
     """
 
 
+class CommitNotDurableError(DiskReplayError, OSError):
+    """A commit happened, but making it durable failed afterwards (e.g. EIO on the
+    ``fsync`` of ``manifests/`` after the manifest appeared).
+
+    The rows are committed and visible (``.rows`` holds their ids, or is None
+    for a commit without rows); do **not** append them again. Durability is
+    re-attempted by the next commit and by ``close()``. With a ``token``, a
+    retried ``extend`` returns these same rows and writes nothing.
+
+    >>> issubclass(CommitNotDurableError, OSError)
+    True
+    >>> CommitNotDurableError(5, "fsync of manifests/ failed", rows=[0, 1]).rows
+    [0, 1]
+    """
+
+    def __init__(self, *args, rows=None) -> None:
+        super().__init__(*args)
+        self.rows = rows
+
+    def __reduce__(self):
+        return (_rebuild_not_durable, (self.args, self.rows))
+
+
+class UnsupportedFilesystemError(DiskReplayError, OSError):
+    """The filesystem lacks what a store option needs (a multi-writer store needs an
+    atomic create-if-absent: ``link()`` that fails with EEXIST).
+
+    >>> issubclass(UnsupportedFilesystemError, OSError)
+    True
+    """
+
+
 __all__ = sorted(name for name, value in list(globals().items())
                  if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
                  and value.__module__ == __name__)

@@ -14,23 +14,36 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._fileio import crc32c, durable_write, read_file
 from .errors import CorruptStoreError, FormatError
 from .schema import Schema
 
 FORMAT_FILE = "FORMAT.json"
+# A multi-writer store's schema: created once, if absent, by the first extend
+# of any writer, so that concurrent first appends cannot disagree on it.
+SCHEMA_FILE = "SCHEMA.json"
+SCHEMA_FORMAT = "diskreplay.schema"
 LOCK_FILE = "LOCK"
 MANIFEST_DIR = "manifests"
 SEGMENT_DIR = "segments"
 GROUPS_DIR = "groups"
 STATE_DIR = "state"
-DATA_DIRS = (MANIFEST_DIR, SEGMENT_DIR, GROUPS_DIR, STATE_DIR)
+TOKENS_DIR = "tokens"
+DATA_DIRS = (MANIFEST_DIR, SEGMENT_DIR, GROUPS_DIR, STATE_DIR, TOKENS_DIR)
 
 STORE_FORMAT = "diskreplay"
 MANIFEST_FORMAT = "diskreplay.manifest"
+TOKENS_FORMAT = "diskreplay.tokens"
 FORMAT_VERSION = 1
+# FORMAT.json of a multi-writer store says version 2, so that a diskreplay that
+# knows only single-writer stores refuses it instead of taking a lock the other
+# writers never see and sweeping their in-flight files as garbage.
+MULTI_WRITER_VERSION = 2
+# A multi-writer store keeps the files of a superseded manifest this long, so
+# that a pinned reader (snapshot, verify, export) and a slow writer finish.
+DEFAULT_RETAIN_SECONDS = 3600
 # Manifests kept besides the newest: a damaged newest manifest falls back to
 # one of these, and a reader that loaded one of them can still open its files.
 KEEP_MANIFESTS = 4
@@ -51,6 +64,10 @@ def groups_file(seg_id: int) -> str:
 
 def manifest_file(generation: int) -> str:
     return f"{MANIFEST_DIR}/{generation:012d}.json"
+
+
+def token_log_file(log_id: int) -> str:
+    return f"{TOKENS_DIR}/{log_id:012d}.json"
 
 
 def state_file(name: str, generation: int) -> str:
@@ -74,14 +91,16 @@ def _int(doc: Mapping[str, Any], key: str, where: str, *, lo: int = 0, hi: int =
     return v
 
 
-def _check_header(doc: Any, fmt: str, where: str) -> Mapping[str, Any]:
+def _check_header(doc: Any, fmt: str, where: str, versions: Tuple[int, ...] = (FORMAT_VERSION,)
+                  ) -> Mapping[str, Any]:
     if not isinstance(doc, dict):
         raise FormatError(f"Unsupported {where}: a JSON {type(doc).__name__}; expected an object")
     if doc.get("format") != fmt:
         raise FormatError(f"Unsupported format {doc.get('format')!r} in {where}; expected {fmt!r}")
-    if doc.get("version") != FORMAT_VERSION:
-        raise FormatError(f"Unsupported version {doc.get('version')!r} in {where}; expected "
-                          f"{FORMAT_VERSION} (this diskreplay reads format v{FORMAT_VERSION} only)")
+    if doc.get("version") not in versions:
+        known = " or ".join(map(str, versions))
+        raise FormatError(f"Unsupported version {doc.get('version')!r} in {where}; expected {known} (this "
+                          f"diskreplay reads format {' and '.join(f'v{v}' for v in versions)} only)")
     return doc
 
 
@@ -148,12 +167,14 @@ class StoreOptions:
     capacity_rows: Optional[int] = None
     capacity_bytes: Optional[int] = None
     schema: Optional[Schema] = None
+    multi_writer: bool = False
+    retain_seconds: Optional[int] = None
 
     def to_dict(self) -> dict:
         return _signed(self.body())
 
     def body(self) -> dict:
-        return {
+        doc = {
             "format": STORE_FORMAT,
             "version": FORMAT_VERSION,
             "group_key": self.group_key,
@@ -161,12 +182,22 @@ class StoreOptions:
             "capacity_bytes": self.capacity_bytes,
             "schema": None if self.schema is None else self.schema.to_list(),
         }
+        # single-writer stores keep writing exactly the v1 document they always did
+        if self.multi_writer:
+            doc.update(version=MULTI_WRITER_VERSION, multi_writer=True)
+        if self.retain_seconds is not None:
+            doc["retain_seconds"] = self.retain_seconds
+        return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
-        doc = _check_header(doc, STORE_FORMAT, where)
+        doc = _check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION))
         if not verified:
             _check_signature(doc, where)
+        multi = doc.get("multi_writer", False)
+        if multi is not (doc["version"] == MULTI_WRITER_VERSION):
+            raise FormatError(f"Unsupported multi_writer={multi!r} with version {doc['version']} in {where}; "
+                              f"expected true exactly in version {MULTI_WRITER_VERSION}")
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -176,6 +207,8 @@ class StoreOptions:
             capacity_rows=_int(doc, "capacity_rows", where, lo=1, optional=True),
             capacity_bytes=_int(doc, "capacity_bytes", where, lo=1, optional=True),
             schema=None if schema is None else Schema.from_list(schema),
+            multi_writer=multi,
+            retain_seconds=_int(doc, "retain_seconds", where, optional=True, hi=10 ** 9),
         )
 
     def write(self, root: str) -> None:
@@ -186,9 +219,32 @@ class StoreOptions:
         path = os.path.join(root, FORMAT_FILE)
         try:
             doc, verified = read_signed_json(path)
-            return cls.from_dict(doc, path, verified)
+            options = cls.from_dict(doc, path, verified)
         except FormatError as exc:
             raise FormatError(f"{exc} ({path})") from None
+        if options.multi_writer and options.schema is None:
+            schema = read_shared_schema(root)
+            if schema is not None:
+                options = replace(options, schema=schema)
+        return options
+
+
+def shared_schema_bytes(schema: Schema) -> bytes:
+    """The file form of a multi-writer store's ``SCHEMA.json``."""
+    return signed_bytes({"format": SCHEMA_FORMAT, "version": FORMAT_VERSION, "schema": schema.to_list()})
+
+
+def read_shared_schema(root: str) -> Optional[Schema]:
+    """The schema a multi-writer store's first extend fixed, or None before it."""
+    path = os.path.join(root, SCHEMA_FILE)
+    try:
+        doc, verified = read_signed_json(path)
+    except FileNotFoundError:
+        return None
+    doc = _check_header(doc, SCHEMA_FORMAT, path)
+    if not verified:
+        _check_signature(doc, path)
+    return Schema.from_list(doc.get("schema"))
 
 
 _SEGMENT_INT_FIELDS = ("id", "first_row", "num_rows", "bytes", "crc32c", "groups_bytes", "groups_crc32c")
@@ -275,6 +331,90 @@ class StateEntry:
         return e
 
 
+MAX_TOKEN_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """An exactly-once token of a committed ``extend``: the rows it got and what the batch was.
+
+    ``digest`` fingerprints the batch's encoded rows, so a token reused for a
+    different batch is told apart from a retry of the same one.
+    """
+
+    token: str
+    first_row: int
+    num_rows: int
+    digest: int
+    generation: int
+
+    @property
+    def end_row(self) -> int:
+        return self.first_row + self.num_rows
+
+    def to_list(self) -> list:
+        return [self.token, self.first_row, self.num_rows, self.digest, self.generation]
+
+    @classmethod
+    def from_list(cls, d: Any, where: str) -> "TokenRecord":
+        if (not isinstance(d, list) or len(d) != 5 or not isinstance(d[0], str) or not d[0]
+                or len(d[0]) > MAX_TOKEN_CHARS):
+            raise FormatError(f"Unsupported token record {d!r} in {where}; expected [token, first_row, num_rows, "
+                              "digest, generation]")
+        doc = dict(zip(("first_row", "num_rows", "digest", "generation"), d[1:]))
+        return cls(d[0], _int(doc, "first_row", where), _int(doc, "num_rows", where, lo=1),
+                   _int(doc, "digest", where, hi=(1 << 63) - 1), _int(doc, "generation", where, lo=1, hi=_MAX_ID))
+
+
+@dataclass(frozen=True)
+class TokenLog:
+    """A sealed, immutable file of token records (``tokens/<id>.json``), so that the
+    manifest, rewritten by every commit, holds only the newest few records inline."""
+
+    id: int
+    bytes: int
+    crc32c: int
+    count: int
+    last_generation: int
+    end_row: int
+
+    @property
+    def file(self) -> str:
+        return token_log_file(self.id)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "file": self.file, "bytes": self.bytes, "crc32c": self.crc32c, "count": self.count,
+                "last_generation": self.last_generation, "end_row": self.end_row}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "TokenLog":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported token log entry {d!r} in {where}; expected an object")
+        e = cls(_int(d, "id", where, hi=_MAX_ID), _int(d, "bytes", where, lo=1),
+                _int(d, "crc32c", where, hi=0xFFFFFFFF), _int(d, "count", where, lo=1),
+                _int(d, "last_generation", where, lo=1, hi=_MAX_ID), _int(d, "end_row", where))
+        if d.get("file", e.file) != e.file:
+            raise FormatError(f"Unsupported token log file {d.get('file')!r} in {where}; expected {e.file!r}")
+        return e
+
+
+def token_log_bytes(records: Sequence[TokenRecord]) -> bytes:
+    """The file form of a token log: a signed JSON document of its records."""
+    return signed_bytes({"format": TOKENS_FORMAT, "version": FORMAT_VERSION,
+                         "records": [r.to_list() for r in records]})
+
+
+def parse_token_log(raw: bytes, where: str) -> List[TokenRecord]:
+    doc = _parse_json(raw, where)
+    doc = _check_header(doc, TOKENS_FORMAT, where)
+    if not _signature_in_bytes(raw):
+        _check_signature(doc, where)
+    records = doc.get("records")
+    if not isinstance(records, list):
+        raise FormatError(f"Unsupported records in {where}; expected a list")
+    return [TokenRecord.from_list(r, where) for r in records]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """One committed snapshot of the store.
@@ -294,6 +434,9 @@ class Manifest:
     next_segment: int = 0
     segments: Tuple[SegmentEntry, ...] = ()
     states: Mapping[str, StateEntry] = field(default_factory=dict)
+    #: exactly-once tokens of the newest commits (older ones are sealed into ``token_logs``)
+    tokens: Tuple[TokenRecord, ...] = ()
+    token_logs: Tuple[TokenLog, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -309,6 +452,7 @@ class Manifest:
         for s in self.segments:
             out += [s.file, s.groups_file]
         out += [st.file for st in self.states.values()]
+        out += [t.file for t in self.token_logs]
         return out
 
     @property
@@ -322,7 +466,7 @@ class Manifest:
         return _signed(self.body())
 
     def body(self) -> dict:
-        return {
+        doc = {
             "format": MANIFEST_FORMAT,
             "version": FORMAT_VERSION,
             "generation": self.generation,
@@ -332,6 +476,12 @@ class Manifest:
             "segments": [s.to_dict() for s in self.segments],
             "states": {k: v.to_dict() for k, v in sorted(self.states.items())},
         }
+        # only when used: a store without tokens writes exactly the manifests it always did
+        if self.tokens:
+            doc["tokens"] = [t.to_list() for t in self.tokens]
+        if self.token_logs:
+            doc["token_logs"] = [t.to_dict() for t in self.token_logs]
+        return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str, verified: bool = False) -> "Manifest":
@@ -340,8 +490,10 @@ class Manifest:
             _check_signature(doc, where)
         segs = doc.get("segments")
         states = doc.get("states", {})
-        if not isinstance(segs, list) or not isinstance(states, dict):
-            raise FormatError(f"Unsupported segments/states in {where}; expected a list and an object")
+        tokens, logs = doc.get("tokens", []), doc.get("token_logs", [])
+        if not isinstance(segs, list) or not isinstance(states, dict) or not isinstance(tokens, list) \
+                or not isinstance(logs, list):
+            raise FormatError(f"Unsupported segments/states/tokens in {where}; expected lists and an object")
         m = cls(
             generation=_int(doc, "generation", where, lo=1, hi=_MAX_ID),
             head=_int(doc, "head", where),
@@ -349,6 +501,8 @@ class Manifest:
             next_segment=_int(doc, "next_segment", where, hi=_MAX_ID + 1),
             segments=tuple(SegmentEntry.from_dict(s, where) for s in segs),
             states={k: StateEntry.from_dict(k, v, where) for k, v in states.items()},
+            tokens=tuple(TokenRecord.from_list(t, where) for t in tokens),
+            token_logs=tuple(TokenLog.from_dict(t, where) for t in logs),
         )
         m.validate(where)
         return m
@@ -356,14 +510,18 @@ class Manifest:
     def validate(self, where: str) -> None:
         if self.head > self.next_row:
             raise FormatError(f"Unsupported head {self.head} > next_row {self.next_row} in {where}")
-        prev_end, prev_id = None, -1
+        prev_end, prev_id, ordered = None, -1, True
         for s in self.segments:
             if prev_end is not None and s.first_row != prev_end:
                 raise FormatError(f"segment {s.id} in {where} starts at row {s.first_row}; expected "
                                   f"{prev_end} (segments must be contiguous)")
-            if s.id <= prev_id or s.id >= self.next_segment:
+            if s.id >= self.next_segment:
                 raise FormatError(f"segment id {s.id} in {where} is out of order")
+            # many writers reserve ids independently, so row order need not be id order
+            ordered &= s.id > prev_id
             prev_end, prev_id = s.end_row, s.id
+        if not ordered and len({s.id for s in self.segments}) != len(self.segments):
+            raise FormatError(f"a segment id appears twice in {where}")
         if self.segments:
             if self.segments[-1].end_row != self.next_row or self.segments[0].first_row > self.head \
                     or self.segments[0].end_row <= self.head:
@@ -429,13 +587,22 @@ def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
     return Manifest(), problems
 
 
-def manifest_docs(root: str) -> Dict[int, Manifest]:
-    """All intact manifests (for clean-up and verification)."""
-    out = {}
+def manifest_docs(root: str) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
+    """Intact manifests by generation, and the manifests that could not be read.
+
+    A damaged manifest (bad JSON, checksum, format) is left out of both: it
+    names nothing trustworthy. One that could not be *read* (EIO, EACCES, ...)
+    is reported with its error: it may be intact and name files, so clean-up
+    must not treat it, or the files it may name, as garbage.
+    """
+    out: Dict[int, Manifest] = {}
+    unreadable: Dict[int, str] = {}
     for gen in list_generations(root):
         path = os.path.join(root, manifest_file(gen))
         try:
             out[gen] = load_manifest(path)
-        except (OSError, FormatError):
+        except (CorruptStoreError, FormatError, FileNotFoundError):
             continue
-    return out
+        except OSError as exc:
+            unreadable[gen] = f"{path}: {exc}"
+    return out, unreadable

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -23,11 +24,16 @@ import pyarrow as pa
 
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
-from .errors import CorruptStoreError, FormatError
+from .errors import CorruptStoreError, FormatError, StoreLockedError
+from .store import ops
+from .store.committer import Committer
+from .store.storage import LocalStorage
 from .segment import ArrowFile, PageChecksums, Segment, decode_state, encode_ipc, group_sidecar
 
 QUARANTINE_DIR = "quarantine"
-_ROOT_NAMES = {fmt.FORMAT_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
+_ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
+# times verify starts again on a newer commit when a live writer collected files under it
+CATCH_UPS = 20
 
 
 def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
@@ -54,10 +60,25 @@ def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
     (False, True)
     """
     root = os.path.abspath(os.fspath(path))
+    for _ in range(CATCH_UPS):
+        r = _verify_once(root, progress)
+        # A live writer may have committed and collected files of the commit being
+        # checked (legitimately): those are not damage. Check the newer commit instead.
+        if r.generation == 0 or not r.problems or _newest_generation(root) <= r.generation:
+            break
+    return r.result()
+
+
+def _newest_generation(root: str) -> int:
+    gens = fmt.list_generations(root)
+    return gens[0] if gens else 0
+
+
+def _verify_once(root: str, progress: bool) -> "_Report":
     r = _Report(root)
     if not os.path.isdir(root):
         r.problem(f"{root} is not a directory")
-        return r.result()
+        return r
     options = _check_format_file(r)
     manifests, damaged = _scan_manifests(r)
     newest = manifests[0] if manifests else None
@@ -75,6 +96,10 @@ def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
                 _check_segment(r, seg, options, bar)
             for st in newest.states.values():
                 _check_state(r, st, bar)
+            for log in newest.token_logs:
+                problem = _check_checksum(r, log.file, log.bytes, log.crc32c, bar)
+                if problem:
+                    r.problem(problem)
         finally:
             if bar is not None:
                 bar.close()
@@ -87,13 +112,13 @@ def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
                     continue
                 checked.add(rel)
                 problem = _check_size(r.root, rel, size)
-                if problem:
+                if problem and os.path.exists(_rel(r.root, m.file)):
                     r.warn(f"{problem} (referenced by the older {m.file})")
     _scan_unreferenced(r, manifests)
-    return r.result()
+    return r
 
 
-def repair_store(path: Any, dry_run: bool = False, progress: bool = False) -> Dict[str, Any]:
+def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force: bool = False) -> Dict[str, Any]:
     """Roll the store at ``path`` back to its newest intact commit and tidy it.
 
     Holds the writer lock (raises ``StoreLockedError`` while a writer has the
@@ -108,6 +133,11 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False) -> Di
     manifest is intact at all, it raises ``CorruptStoreError`` and changes
     nothing. ``dry_run=True`` reports the same actions without changing anything (and
     without taking the lock). Returns ``{"actions", "generation", "rows"}``.
+
+    A store with a live writer is refused (``StoreLockedError``), dry run or
+    not: a single-writer store while a process holds its lock; a multi-writer
+    store (which has no lock) while any manifest or temporary file is younger
+    than ``LIVE_SECONDS``, unless ``force=True`` (you have stopped every writer).
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -124,14 +154,48 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False) -> Di
     if not os.path.isfile(os.path.join(root, fmt.FORMAT_FILE)):
         raise FileNotFoundError(f"no diskreplay store at {root} (no {fmt.FORMAT_FILE})")
     lock = None
-    if not dry_run:
+    try:
+        multi = fmt.StoreOptions.read(root).multi_writer
+    except (CorruptStoreError, FormatError):
+        multi = False  # run() reports the damaged FORMAT.json
+    if multi:
+        age = _youngest_activity(root)
+        if age < LIVE_SECONDS and not force:
+            raise StoreLockedError(f"{root} is a multi-writer store that was written {age:.0f} s ago; repair "
+                                   f"refuses a store with live writers: stop them all and run repair again, or pass "
+                                   f"--force (force=True) if none is running")
+    else:
         lock = WriterLock(os.path.join(root, fmt.LOCK_FILE))
-        lock.acquire()
+        try:
+            lock.acquire()
+        except StoreLockedError:
+            raise StoreLockedError(f"{root} is open for writing by another process (it holds LOCK); repair "
+                                   "refuses a store with a live writer: close it (stop the run) and repair "
+                                   "again") from None
+        if dry_run:
+            lock.release()
+            lock = None
     try:
         return _Repair(root, dry_run, progress).run()
     finally:
         if lock is not None:
             lock.release()
+
+
+LIVE_SECONDS = 60
+
+
+def _youngest_activity(root: str) -> float:
+    """Seconds since the newest manifest or temporary file of a multi-writer store was written."""
+    now, youngest = time.time(), float("inf")
+    for d in fmt.DATA_DIRS:
+        for name in os.listdir(_rel(root, d)) if os.path.isdir(_rel(root, d)) else ():
+            if d == fmt.MANIFEST_DIR or name.startswith(TMP_PREFIX):
+                try:
+                    youngest = min(youngest, now - os.lstat(_rel(root, f"{d}/{name}")).st_mtime)
+                except FileNotFoundError:
+                    youngest = 0.0
+    return youngest
 
 
 # --------------------------------------------------------------------------- verify
@@ -261,6 +325,7 @@ def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
         out.append((s.file, s.bytes))
         out.append((s.groups_file, s.groups_bytes))
     out += [(st.file, st.bytes) for st in m.states.values()]
+    out += [(t.file, t.bytes) for t in m.token_logs]
     return out
 
 
@@ -449,7 +514,7 @@ class _Repair:
 
     def run(self) -> Dict[str, Any]:
         try:
-            options = fmt.StoreOptions.read(self.root)
+            options = self.options = fmt.StoreOptions.read(self.root)
         except (CorruptStoreError, FormatError) as exc:
             raise CorruptStoreError(f"repair cannot rebuild {fmt.FORMAT_FILE}, which holds the schema: {exc}") \
                 from None
@@ -576,9 +641,18 @@ class _Repair:
         return new_m
 
     def _commit(self, m: fmt.Manifest) -> None:
+        """Commit ``m``'s contents as generation ``m.generation`` through the store's one commit path."""
         self.actions.append(f"wrote manifest generation {m.generation} ({m.file})")
-        if not self.dry_run:
-            m.write(self.root)
+        if self.dry_run:
+            return
+        base, _ = fmt.load_newest_manifest(self.root)
+        if base.generation > m.generation - 1:
+            raise CorruptStoreError(f"{self.root} changed while repair ran (generation {base.generation}); "
+                                    "stop every writer and repair again")
+        # newer manifests went to quarantine: the commit keeps the generation numbers going up
+        base = base.evolve(generation=m.generation - 1)
+        Committer(LocalStorage(self.root), self.options, base).commit(
+            lambda b: ops.RollBack(m, base.generation), [], install=lambda new: None)
 
     def _quarantine_unreferenced(self, kept: List[fmt.Manifest]) -> None:
         referenced = _referenced(kept)

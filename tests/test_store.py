@@ -469,22 +469,17 @@ class StoreMachine(RuleBasedStateMachine):
     def setup(self, capacity):
         import tempfile
 
-        import diskreplay.store as store_mod
+        from diskreplay.store import MergePolicy
 
         # merges after every other small append: the machine meets them constantly
-        self.fanin = store_mod.MERGE_FANIN
-        store_mod.MERGE_FANIN = 2
+        self.policy = MergePolicy(fanin=2)
         self.dir = tempfile.mkdtemp()
         self.capacity = capacity
-        self.store = ReplayStore(self.dir, capacity=self.capacity)
+        self.store = ReplayStore(self.dir, capacity=self.capacity, merge_policy=self.policy)
         self.model = []  # (key, tokens, reward)
         self.batch_no = 0
 
     def teardown(self):
-        import diskreplay.store as store_mod
-
-        if hasattr(self, "fanin"):
-            store_mod.MERGE_FANIN = self.fanin
         if hasattr(self, "store"):
             self.store.close()
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -604,7 +599,7 @@ def test_consecutive_rows_read_as_views_equal_copies(store):
 
 
 def test_open_segments_are_bounded(store, monkeypatch):
-    import diskreplay.store as store_module
+    import diskreplay.store.replay_store as store_module
 
     monkeypatch.setattr(store_module, "MAX_OPEN_SEGMENTS", 2)
     batches = [make_rollouts(1, 4, seed=s, first_group=s, completion_mean=20) for s in range(6)]

@@ -4,6 +4,7 @@
     python tools/bench.py sample [--groups 4096] [--dir DIR] [--quick]
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
     python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
+    python tools/bench.py writers [--groups 1024] [--commits 100] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -175,13 +176,12 @@ def bench_store(args) -> None:
 
 SMALL_CHILD = textwrap.dedent("""
     import json, os, sys, time
-    import diskreplay.store
     from diskreplay import ReplayStore
+    from diskreplay.store import MergePolicy
     from diskreplay.synthetic import make_rollouts
     path, n, merge = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-    if not merge:
-        diskreplay.store.MERGE_FANIN = 1 << 40  # one segment per commit, as before merging existed
-    store = ReplayStore(path)
+    # without merging: one segment per commit, as before merging existed
+    store = ReplayStore(path, merge_policy=None if merge else MergePolicy(fanin=1 << 40))
     batch = make_rollouts(2, 4, seed=0, completion_mean=50)
     t0 = time.perf_counter()
     last = max(n - 500, 0)
@@ -946,10 +946,141 @@ def bench_priorities(args) -> None:
           "temporary per rebuild")
 
 
+WRITER_CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    kind, path, w, n, rows, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    import pyarrow as pa
+    from diskreplay import ReplayStore
+    from diskreplay.synthetic import make_rollouts, rollout_stream
+    if rows:  # small commits of `rows` rows
+        batches = [make_rollouts(1, rows, seed=w * 100_003 + i, first_group=w * 100_003 + i, completion_mean=50)
+                   for i in range(n)]
+    else:  # the GRPO workload of `bench.py store`: n batches of 512 rows
+        batches = list(rollout_stream(n * 64, 64, 8, seed=w))
+    def table(b):
+        return pa.table({k: pa.array([list(x) for x in v]) if isinstance(v, list) else pa.array(v)
+                         for k, v in b.items() if v is not None and k != "rewards_per_func"})
+    if kind == "diskreplay":
+        store = ReplayStore(path)
+        append = lambda b, i: store.extend(b, token=f"{w}:{i}")
+    elif kind == "delta":
+        from deltalake import write_deltalake
+        tables = [table(b) for b in batches]
+        append = lambda b, i: write_deltalake(path, tables[i], mode="append")
+    else:
+        import lance
+        tables = [table(b) for b in batches]
+        append = lambda b, i: lance.write_dataset(tables[i], path, mode="append")
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    t = time.perf_counter()
+    errors = 0
+    for i, b in enumerate(batches):
+        for attempt in range(100):  # Delta and Lance raise on a lost race: retry as their users do
+            try:
+                append(b, i)
+                break
+            except Exception as exc:
+                if kind == "diskreplay":
+                    raise
+                errors += 1
+    out = {"seconds": time.perf_counter() - t, "errors": errors}
+    if kind == "diskreplay":
+        out.update(store.stats())
+        store.close()
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _run_writers(kind: str, path: str, writers: int, n: int, rows: int) -> Dict[str, float]:
+    """``writers`` processes append ``n`` batches each, started together; wall time and summed stats."""
+    go = path + ".go"
+    if os.path.exists(go):
+        os.remove(go)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER_CHILD, kind, path, str(w), str(n), str(rows), go],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(writers)]
+    for p in procs:
+        line = p.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"{kind} writer failed: {line}{p.stderr.read()}")
+    t = time.perf_counter()
+    open(go, "w").close()
+    outs = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"{kind} writer failed: {err}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    wall = time.perf_counter() - t
+    res = {"wall": wall, "commits": writers * n}
+    for key in ("conflicts", "commit_seconds", "retry_seconds", "errors"):
+        res[key] = sum(o.get(key, 0) for o in outs)
+    return res
+
+
+def bench_writers(args) -> None:
+    """Many writer processes on one multi-writer store vs raw write+fsync, and Delta/Lance small commits."""
+    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-writers-")
+    os.makedirs(work, exist_ok=True)
+    n_big = max(1, args.groups // 64)
+    batches = make_batches(64 * n_big)
+    pay = payload_bytes(batches)
+    raw_path = os.path.join(work, "raw.bin")
+    print(f"workload: {n_big} batches of 512 GRPO rows per writer ({pay['raw'] / 2**20:.1f} MiB raw each); "
+          f"work dir {work}")
+    counts = (1, 2, 4, 8)
+    best: Dict[int, float] = {}
+    t_raw = []
+    for rep in range(2):  # alternate the compared runs; keep the best
+        t_raw.append(write_raw(batches, raw_path))
+        for w in counts:
+            path = os.path.join(work, f"big{w}")
+            shutil.rmtree(path, ignore_errors=True)
+            ReplayStore(path, multi_writer=True).close()
+            r = _run_writers("diskreplay", path, w, n_big, 0)
+            best[w] = min(best.get(w, float("inf")), r["wall"])
+            shutil.rmtree(path, ignore_errors=True)
+    raw_rate = pay["rows"] / min(t_raw)
+    os.remove(raw_path)
+    print("\naggregate append, 512-row commits, fsync incl.     rows/s    raw write+fsync     ratio")
+    for w in counts:
+        rate = w * pay["rows"] / best[w]
+        row(f"{w} writer process(es)", f"{rate:,.0f}", f"{raw_rate:,.0f}", f"{rate / raw_rate:.2f}")
+
+    n = args.commits
+    print(f"\nsmall commits: {n} commits of 8 rows per writer   commits/s  conflicts/commit  retry share")
+    dr: Dict[int, float] = {}
+    for w in counts:
+        path = os.path.join(work, f"small{w}")
+        shutil.rmtree(path, ignore_errors=True)
+        ReplayStore(path, multi_writer=True).close()
+        r = _run_writers("diskreplay", path, w, n, 8)
+        dr[w] = r["commits"] / r["wall"]
+        row(f"diskreplay, {w} writer(s)", f"{dr[w]:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
+            f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%}")
+        shutil.rmtree(path, ignore_errors=True)
+    for kind in ("delta", "lance"):
+        for w in (1, 4):
+            path = os.path.join(work, f"{kind}{w}")
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                r = _run_writers(kind, path, w, n, 8)
+            except Exception as exc:  # a missing package or a failed run is reported, not fatal
+                row(f"{kind}, {w} writer(s)", f"failed: {str(exc).splitlines()[-1][:60]}")
+                continue
+            rate = r["commits"] / r["wall"]
+            row(f"{kind}, {w} writer(s)", f"{rate:,.1f}", f"{r['errors'] / r['commits']:.2f} retries",
+                f"dr/{kind} {dr[w] / rate:.1f}x")
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["store", "sample", "export", "priorities"])
-    p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload")
+    p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers"])
+    p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload "
+                   "(writers: per writer, default 1024)")
+    p.add_argument("--commits", type=int, default=100, help="writers: small commits per writer")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
     p.add_argument("--quick", action="store_true",
@@ -960,8 +1091,10 @@ def main(argv=None) -> None:
                    help="priorities: live-row counts to measure, comma separated")
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
+    if args.what == "writers" and "--groups" not in (argv if argv is not None else sys.argv):
+        args.groups = 1024
     {"store": bench_store, "export": bench_export, "sample": bench_sample,
-     "priorities": bench_priorities}[args.what](args)
+     "priorities": bench_priorities, "writers": bench_writers}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,47 +1,47 @@
-"""``ReplayStore``: the crash-safe, unpadded, memory-mapped rollout store.
+"""``ReplayStore``: the crash-safe, unpadded, memory-mapped rollout store (the facade).
 
 Rows get global ids that only grow. Live rows are ``[head, next_row)``;
 capacity eviction moves ``head`` and drops segments wholly below it. Each
-``extend`` is one commit: new segment files, then a new manifest (see
-``docs/FORMAT.md`` for the protocol and its guarantees).
+``extend`` is one commit: new segment files, then a new manifest, published by
+the one commit path in ``committer.py`` (see ``docs/FORMAT.md`` for the
+protocol and its guarantees). This module turns calls into operation values
+(``ops.py``), keeps the segment cache and the group codes, and reads.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections import OrderedDict
+import random
+import socket
 import threading
+import time
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import pyarrow as pa
 
-from . import format as fmt
-from ._fileio import (TMP_PREFIX, WriterLock, crash_point, crc32c, durable_write, fsync_dir, read_file,
-                      remove_quietly)
-from .errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
-from .groups import GroupIndex, KeyCoder
-from .ragged import RaggedColumn
-from .schema import RAGGED, Schema, normalize_batch
-from .segment import (PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_sidecar,
-                      read_group_sidecar)
+from .. import format as fmt
+from .._fileio import WriterLock, crash_point, crc32c, fsync_dir, read_file
+from ..errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
+from ..groups import GroupIndex, KeyCoder
+from ..ragged import RaggedColumn
+from ..schema import RAGGED, Schema, normalize_batch
+from ..segment import (PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_sidecar,
+                       read_group_sidecar)
+from . import ops
+from .committer import Committer
+from .compaction import MergePolicy, split
+from .reading import RangePlan, gather_ragged, index_of_column, ragged_run
+from .storage import LocalStorage
+from .tokens import check_token, digest
 
 _UNSET: Any = object()
-# A single extend larger than this is split into several segments (still one
-# commit), so no segment file grows without bound.
-MAX_SEGMENT_BYTES = 256 << 20
 # Segments a store keeps mapped at once (each map holds a file descriptor, and
 # 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
 MAX_OPEN_SEGMENTS = 256
-# Small commits (a training loop appends one generation batch at a time) are
-# merged, size-tiered, so that segment count, manifest size and open maps stay
-# small (see ReplayStore._merge_small_tail).
-MERGE_FANIN = 16
-MERGE_RATIO = 4
-MERGE_MAX_BYTES = 1 << 20
-MERGE_CAPACITY_SHARE = 8
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
 T = TypeVar("T")
 
@@ -57,6 +57,16 @@ def _locked(method):
     return wrapper
 
 
+def _writer_id() -> str:
+    """Unique per writer, in the names of its temporary files: 64 random bits, host and pid."""
+    host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-_")[:32] or "host"
+    return f"{random.SystemRandom().getrandbits(64):016x}-{host}-{os.getpid()}"
+
+
+def _reopen(path: str, generation: Optional[int], verify_reads: bool) -> "ReplayStore":
+    return ReplayStore(path, readonly=True, generation=generation, verify_reads=verify_reads)
+
+
 class ReplayStore:
     """A persistent replay store of rollouts in one directory.
 
@@ -66,10 +76,18 @@ class ReplayStore:
     bytes of live segments (whole oldest segments are evicted). ``group_key``
     names the per-row column indexed at write time (``None``: no index).
     ``readonly=True`` never writes, works on a read-only directory, and can
-    follow a live writer with :meth:`refresh`. ``verify_reads`` checks every
+    follow a live writer with :meth:`refresh`; with ``generation=N`` it is
+    pinned to that commit (a snapshot: it never refreshes) while its files are
+    retained. ``verify_reads`` checks every
     page of a segment against its checksum the first time this process reads
     from it, so damaged data is never served; turn it off only on storage you
     trust, and run ``diskreplay verify`` instead.
+
+    ``multi_writer=True`` creates a store any number of processes (on any
+    hosts sharing the directory) may append to at once; files of superseded
+    commits are kept ``retain_seconds`` (default 3600) for pinned readers. The
+    default is one writer at a time, holding an exclusive lock.
+    ``merge_policy`` says when small segments are merged (:class:`MergePolicy`).
 
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
@@ -82,29 +100,42 @@ class ReplayStore:
 
     def __init__(self, path: Union[str, os.PathLike], capacity: Optional[int] = _UNSET,
                  group_key: Optional[str] = _UNSET, *, readonly: bool = False,
-                 capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True) -> None:
+                 capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True,
+                 multi_writer: bool = _UNSET, retain_seconds: Optional[int] = _UNSET,
+                 generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.readonly = readonly
         #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
         self.verify_reads = verify_reads
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
         self.lock = threading.RLock()
+        self.merge_policy = merge_policy if merge_policy is not None else MergePolicy()
         self._writer_lock: Optional[WriterLock] = None
+        self._committer: Optional[Committer] = None
+        self._closed = False
+        self._pinned = generation is not None
         self._segments: "OrderedDict[int, Segment]" = OrderedDict()  # open maps, least recent first
-        self._pages: Dict[int, Any] = {}
-        self._starts: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))  # (manifest, first rows)  # page checksums (and which pages passed) per segment id
+        self._pages: Dict[int, Any] = {}  # page checksums (and which pages passed) per segment id
+        self._starts: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))  # (manifest, first rows)
         self._coder: Optional[KeyCoder] = None
         self._codes: Optional[np.ndarray] = None  # group code per row in [_codes_base, next_row)
         self._codes_base = 0
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
-        self._retained: Dict[int, fmt.Manifest] = {}  # manifests kept for fallback and readers
+        self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
         self.recovered_from: List[str] = []
-        for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes)):
+        for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes),
+                            ("retain_seconds", retain_seconds)):
             if value is not _UNSET and value is not None and (
                     not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if group_key is not _UNSET and group_key is not None and (not isinstance(group_key, str) or not group_key):
             raise ValueError(f"group_key must be a column name or None, got {group_key!r}")
+        if multi_writer is not _UNSET and not isinstance(multi_writer, bool):
+            raise ValueError(f"multi_writer must be True or False, got {multi_writer!r}")
+        if generation is not None and (not readonly or not isinstance(generation, (int, np.integer))
+                                       or isinstance(generation, bool) or generation < 0):
+            raise ValueError(f"generation must be a non-negative int and needs readonly=True, got {generation!r}"
+                             f"{'' if readonly else ' without readonly=True'}")
 
         exists = os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
         if readonly:
@@ -112,9 +143,11 @@ class ReplayStore:
                 raise FileNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
         else:
-            os.makedirs(self.path, exist_ok=True)
-            self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
-            self._writer_lock.acquire()
+            stored_multi = exists and fmt.StoreOptions.read(self.path).multi_writer
+            if not (stored_multi or (not exists and multi_writer is True)):
+                os.makedirs(self.path, exist_ok=True)
+                self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
+                self._writer_lock.acquire()
         try:
             for d in fmt.DATA_DIRS:
                 if os.path.islink(os.path.join(self.path, d)):
@@ -124,16 +157,23 @@ class ReplayStore:
                 if readonly:
                     # the manifest first: a FORMAT.json read after it is at least as new as the
                     # commit (a writer's first extend fixes the schema before it commits)
-                    self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+                    if generation is None:
+                        self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+                    else:
+                        self.manifest = self._load_generation(int(generation))
                 self.options = fmt.StoreOptions.read(self.path)
-                self._check_options(capacity, group_key, capacity_bytes)
+                self._check_options(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
             else:
                 self.options = fmt.StoreOptions(
                     group_key="prompt_id" if group_key is _UNSET else group_key,
                     capacity_rows=None if capacity is _UNSET else (None if capacity is None else int(capacity)),
-                    capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes)
+                    capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes,
+                    multi_writer=multi_writer is True,
+                    retain_seconds=None if retain_seconds is _UNSET else retain_seconds)
                 for d in fmt.DATA_DIRS:
                     os.makedirs(os.path.join(self.path, d), exist_ok=True)
+                if self.options.multi_writer:
+                    LocalStorage(self.path, _writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
                 fsync_dir(self.path)
                 fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
                 self.options.write(self.path)
@@ -144,15 +184,37 @@ class ReplayStore:
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
                               stacklevel=2)
             if not readonly:
-                self._collect_garbage(full=True)
+                self._committer = Committer(LocalStorage(self.path, _writer_id() if self.multi_writer else ""),
+                                            self.options, self.manifest)
+                self._committer.collect(full=True)
         except BaseException:
             self.close()
             raise
 
-    def _check_options(self, capacity: Any, group_key: Any, capacity_bytes: Any) -> None:
+    def _load_generation(self, generation: int) -> fmt.Manifest:
+        if generation == 0:
+            return fmt.Manifest()
+        path = os.path.join(self.path, fmt.manifest_file(generation))
+        try:
+            return fmt.load_manifest(path, generation)
+        except FileNotFoundError:
+            have = fmt.list_generations(self.path)
+            raise FileNotFoundError(f"generation {generation} of {self.path} is not retained (manifests kept: "
+                                    f"{sorted(have)}); pin a snapshot while it is current") from None
+
+    def _check_options(self, capacity: Any, group_key: Any, capacity_bytes: Any, multi_writer: Any,
+                       retain_seconds: Any) -> None:
         o = self.options
+        if multi_writer is not _UNSET and multi_writer != o.multi_writer:
+            kind = "a multi-writer" if o.multi_writer else "a single-writer"
+            raise SchemaError(
+                f"multi_writer={multi_writer!r} disagrees with the store at {self.path}, which is {kind} store; "
+                f"leave multi_writer out to open it as it is, or convert it (stop its writers first) with "
+                f"`diskreplay compact {self.path} --multi-writer{'' if multi_writer else '=false'}` or "
+                f"ReplayStore(path).compact(multi_writer={multi_writer!r})")
         for name, given, stored in (("capacity", capacity, o.capacity_rows), ("group_key", group_key, o.group_key),
-                                    ("capacity_bytes", capacity_bytes, o.capacity_bytes)):
+                                    ("capacity_bytes", capacity_bytes, o.capacity_bytes),
+                                    ("retain_seconds", retain_seconds, o.retain_seconds)):
             if given is not _UNSET and given != stored:
                 raise SchemaError(f"{name}={given!r} disagrees with the store at {self.path}, which was created "
                                   f"with {name}={stored!r}; leave {name} out to use the stored value")
@@ -165,21 +227,41 @@ class ReplayStore:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __reduce__(self):
+        # a read-only store travels (to a Ray actor, a spawn worker) as its path and generation
+        if not self.readonly:
+            raise TypeError(f"a writer of {self.path} cannot be pickled; send store.snapshot() or open the "
+                            "store where it is needed")
+        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads)
+
     @_locked
     def close(self) -> None:
-        """Release the writer lock and the memory maps. Idempotent."""
-        if self._writer_lock is not None:
-            self._writer_lock.release()
-            self._writer_lock = None
-        self._segments.clear()
+        """Make owed durability good, release the writer lock and the memory maps. Idempotent."""
+        committer, self._committer = self._committer, None
+        try:
+            if committer is not None:
+                committer.sync()
+        finally:
+            if self._writer_lock is not None:
+                self._writer_lock.release()
+                self._writer_lock = None
+            self._closed = True
+            self._segments.clear()
 
     def __len__(self) -> int:
         return self.manifest.num_rows
 
     def __repr__(self) -> str:
-        mode = "readonly" if self.readonly else "writer"
+        mode = "readonly" if self.readonly else ("multi-writer" if self.multi_writer else "writer")
+        if self._pinned:
+            mode = "snapshot"
         return (f"ReplayStore({self.path!r}, rows={len(self)}, group_key={self.group_key!r}, "
                 f"generation={self.generation}, {mode})")
+
+    @property
+    def multi_writer(self) -> bool:
+        """Whether many processes may append at once (fixed at creation; see ``compact(multi_writer=...)``)."""
+        return self.options.multi_writer
 
     @property
     def schema(self) -> Optional[Schema]:
@@ -230,12 +312,45 @@ class ReplayStore:
         """Bytes on disk of the committed data (segments, sidecars, states)."""
         return self.manifest.nbytes
 
+    def stats(self) -> Dict[str, Any]:
+        """This writer's commit counters: ``commits``, ``conflicts`` (lost races, each one retried),
+        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``retry_seconds``, ``not_durable``;
+        plus ``generation``, ``segments`` and ``multi_writer``.
+
+        >>> import tempfile
+        >>> with ReplayStore(tempfile.mkdtemp()) as store:
+        ...     _ = store.extend({"prompt_id": [1]})
+        ...     store.stats()["commits"], store.stats()["conflicts"]
+        (1, 0)
+        """
+        out: Dict[str, Any] = self._committer.stats.as_dict() if self._committer is not None else {}
+        out.update(generation=self.generation, segments=len(self.manifest.segments), multi_writer=self.multi_writer)
+        return out
+
+    def snapshot(self) -> "ReplayStore":
+        """A read-only store pinned at the current generation: it never refreshes, so every
+        read is of this commit (while its files are retained: ``retain_seconds`` in a
+        multi-writer store, ``KEEP_MANIFESTS`` commits otherwise). Picklable; a context manager.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> _ = store.extend({"prompt_id": [1, 2]})
+        >>> with store.snapshot() as snap:
+        ...     _ = store.extend({"prompt_id": [3]})
+        ...     len(snap), snap.refresh(), len(store)
+        (2, False, 3)
+        """
+        return ReplayStore(self.path, readonly=True, generation=self.generation, verify_reads=self.verify_reads)
+
     @_locked
     def refresh(self) -> bool:
         """Load the newest commit (for a reader following a writer); True if it changed.
 
-        Never goes back: a commit older than the one held is ignored.
+        Never goes back: a commit older than the one held is ignored. A pinned
+        store (``snapshot()``, ``generation=N``) never refreshes.
         """
+        if self._pinned:
+            return False
         gens = fmt.list_generations(self.path)
         if not gens or gens[0] <= self.manifest.generation:
             return False
@@ -245,6 +360,8 @@ class ReplayStore:
         # the schema is fixed by the first committed row: until then a writer may rewrite FORMAT.json
         fixed = self.options.schema is not None and self.manifest.next_row > 0
         self._install(m, self.options if fixed else fmt.StoreOptions.read(self.path))
+        if self._committer is not None:
+            self._committer.manifest = m
         return True
 
     def _following(self, action: Callable[[], T]) -> T:
@@ -255,7 +372,7 @@ class ReplayStore:
             try:
                 return action()
             except FileNotFoundError:
-                if not self.readonly or not self.refresh():
+                if not (self.readonly or self.multi_writer) or not self.refresh():
                     raise
         return action()
 
@@ -282,11 +399,20 @@ class ReplayStore:
     def _require_writer(self) -> None:
         if self.readonly:
             raise ReadOnlyError(f"{self.path} is open read-only; open it without readonly=True to write")
-        if self._writer_lock is None:
+        if self._committer is None:
             raise ReadOnlyError(f"{self.path} is closed")
 
+    def _catch_up(self) -> None:
+        """Multi-writer: adopt the newest commit of any writer before planning a new one."""
+        m = self._committer.newest()
+        options = self.options
+        if options.schema is None:
+            options = fmt.StoreOptions.read(self.path)
+        if m.generation != self.manifest.generation or options is not self.options:
+            self._install(m, options)
+
     @_locked
-    def extend(self, batch: Mapping[str, Any]) -> np.ndarray:
+    def extend(self, batch: Mapping[str, Any], *, token: Optional[str] = None) -> np.ndarray:
         """Append a batch of rows in one atomic, durable commit; returns their row ids.
 
         Accepts TRL's padded layout (``prompt_ids``/``prompt_mask`` left-padded,
@@ -295,114 +421,208 @@ class ReplayStore:
         Padding is stripped with the masks; ``None`` columns mean "not computed".
         Bad input raises ``ValueError`` naming the column and row and writes nothing.
 
+        ``token`` (a non-empty str the caller makes unique per logical batch, e.g.
+        ``f"{worker}:{step}"``) makes the append exactly-once: an ``extend`` whose
+        token is already committed writes nothing and returns the rows it got
+        first (across processes, restarts and writers; while any of its rows is
+        live and for at least the newest 100,000 commits). Reusing a token for a
+        different batch is a ``ValueError``. An error after the commit point is
+        :class:`~diskreplay.errors.CommitNotDurableError` (its ``.rows`` are
+        committed): retry with the same token, never without one.
+
         >>> import tempfile, torch
         >>> store = ReplayStore(tempfile.mkdtemp())
         >>> store.extend({"prompt_id": torch.tensor([3, 3]),
         ...               "completion_ids": torch.tensor([[5, 6], [7, 0]]),
         ...               "completion_mask": torch.tensor([[1, 1], [1, 0]]),
-        ...               "ref_per_token_logps": None}).tolist()
+        ...               "ref_per_token_logps": None}, token="worker0:step0").tolist()
         [0, 1]
         >>> store.read([1])["completion_ids"][0].tolist()
         [7]
+        >>> store.extend({"prompt_id": torch.tensor([3, 3]),
+        ...               "completion_ids": torch.tensor([[5, 6], [7, 0]]),
+        ...               "completion_mask": torch.tensor([[1, 1], [1, 0]]),
+        ...               "ref_per_token_logps": None}, token="worker0:step0").tolist(), len(store)
+        ([0, 1], 2)
         """
         self._require_writer()
-        # Until a row is committed the schema is not fixed: FORMAT.json may hold
-        # one from a first append that crashed before its manifest.
-        record, schema = normalize_batch(batch, self.schema if self.next_row else None, self.group_key)
-        return self._commit_rows(record, schema)
+        token = check_token(token)
+        if self.multi_writer:
+            self._catch_up()
+            schema = self.schema
+        else:
+            # Until a row is committed the schema is not fixed: FORMAT.json may hold
+            # one from a first append that crashed before its manifest.
+            schema = self.schema if self.next_row else None
+        record, schema = normalize_batch(batch, schema, self.group_key)
+        try:
+            return self._commit_rows(record, schema, token)
+        except _SchemaRace:
+            # another writer's first append fixed the schema first: this batch must fit it
+            self.options = fmt.StoreOptions.read(self.path)
+            record, schema = normalize_batch(batch, self.options.schema, self.group_key)
+            return self._commit_rows(record, schema, token)
 
-    def _commit_rows(self, record: pa.RecordBatch, schema: Schema) -> np.ndarray:
+    def _replayed(self, rec: fmt.TokenRecord, n: int, dig: int) -> np.ndarray:
+        if rec.num_rows != n or rec.digest != dig:
+            from ..errors import BatchError
+
+            raise BatchError(f"token {rec.token!r} was committed (generation {rec.generation}, rows "
+                             f"[{rec.first_row}, {rec.end_row})) for a different batch than this one of {n} rows; "
+                             "a token names one logical batch: use a new token for new rows")
+        return np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+
+    def _fix_schema(self, schema: Schema, written: List[str]) -> fmt.StoreOptions:
+        """The options with ``schema``, writing it if this is the store's first append."""
+        options = self.options
+        if options.schema is not None and options.schema == schema:
+            return options
+        fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
+                                 options.multi_writer, options.retain_seconds)
+        if not self.multi_writer:
+            fixed.write(self.path)
+            crash_point("format.done")
+            return fixed
+        # many writers: the first to create SCHEMA.json fixes the schema for all
+        storage = self._committer.storage
+        if not storage.put_if_absent(fmt.SCHEMA_FILE, fmt.shared_schema_bytes(schema), step="format"):
+            raise _SchemaRace()
+        storage.sync_dir("")
+        return fixed
+
+    def _commit_rows(self, record: pa.RecordBatch, schema: Schema, token: Optional[str] = None) -> np.ndarray:
         m = self.manifest
         n = record.num_rows
-        options = self.options
-        if options.schema is None or options.schema != schema:
-            options = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema)
+        pieces = split(record)
+        committer = self._committer
+        if token is not None:
+            rec = committer.find_token(token)
+            if rec is not None:
+                return self._replayed(rec, n, self._digest_of(pieces))
         written: List[str] = []
-        new_entries: List[fmt.SegmentEntry] = []
+        entries: List[fmt.SegmentEntry] = []
+        started = time.monotonic()
         try:
-            if options is not self.options:
-                options.write(self.path)
-                crash_point("format.done")
+            options = self._fix_schema(schema, written)
             first, seg_id = m.next_row, m.next_segment
-            for piece in _split(record):
-                new_entries.append(self._write_segment(piece, seg_id, first, written))
+            for piece in pieces:
+                entries.append(self._write_segment(piece, None if self.multi_writer else seg_id, first, written))
                 first += piece.num_rows
                 seg_id += 1
             self._sync_data_dirs()
             crash_point("segments.synced")
         except BaseException:
-            self._abort(written, m.generation + 1)
+            self._remove(written)
             raise
-        segments = m.segments + tuple(new_entries)
-        head, segments = _evict(m.head, m.next_row + n, segments, options)
-        new = m.evolve(generation=m.generation + 1, head=head, next_row=m.next_row + n,
-                       next_segment=seg_id, segments=segments)
-        new_keys = [record.column(self.group_key)] if self.group_key is not None else []
-        self._publish(new, written, lambda: self._install_commit(new, options, new_keys))
+        dig = digest(n, [(e.bytes, e.crc32c) for e in entries]) if token is not None else 0
+        tokrec = fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None
+        keys = [record.column(self.group_key)] if self.group_key is not None else []
+        prepared = {"first": m.next_row, "entries": tuple(entries)}
+
+        def plan(base: fmt.Manifest) -> ops.Operation:
+            if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
+                prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, base.next_row, written)
+                prepared["first"] = base.next_row
+            return ops.Append(prepared["entries"], n, tokrec)
+
+        def install(new: fmt.Manifest) -> None:
+            if self.manifest.next_row == new.next_row - n:
+                self._install_commit(new, options, keys)
+            else:
+                self._install(new, options)
+
+        result = committer.commit(plan, written, token=token, install=install, started=started,
+                                  rows=lambda new: np.arange(new.next_row - n, new.next_row, dtype=np.int64))
+        if result.duplicate is not None:
+            if result.manifest.generation != self.manifest.generation:
+                self._install(result.manifest, self.options)
+            return self._replayed(result.duplicate, n, dig)
+        new = result.manifest
+        self._collect()
         try:
             self._merge_small_tail()
         except Exception as exc:
             # the append is committed: the merge is an optimisation, retried after the next one
             warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
                           "store is intact and the merge is retried later", RuntimeWarning, stacklevel=3)
-        return np.arange(m.next_row, m.next_row + n, dtype=np.int64)
+        return np.arange(new.next_row - n, new.next_row, dtype=np.int64)
 
-    def _write_segment(self, record: pa.RecordBatch, seg_id: int, first_row: int,
+    @staticmethod
+    def _digest_of(pieces: Sequence[pa.RecordBatch]) -> int:
+        datas = [encode_ipc(p) for p in pieces]
+        return digest(sum(p.num_rows for p in pieces), [(d.size, crc32c(d)) for d in datas])
+
+    def _write_segment(self, record: pa.RecordBatch, seg_id: Optional[int], first_row: int,
                        written: List[str]) -> fmt.SegmentEntry:
-        """Write one segment and its group sidecar durably (directory fsync left to the caller)."""
+        """Write one segment and its group sidecar durably (directory fsync left to the caller).
+
+        ``seg_id=None`` (many writers): reserve a fresh id by creating the file
+        only if absent, so no two writers ever write the same name.
+        """
+        storage = self._committer.storage
         data = encode_ipc(record)
-        written.append(fmt.segment_file(seg_id))
-        # written in place: no manifest names this id yet, so a torn file is garbage
-        durable_write(os.path.join(self.path, written[-1]), data, step="segment", sync_dir=False, atomic=False)
-        g_bytes = g_crc = 0
-        if self.group_key is not None:
-            gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, PageChecksums.of(data)))
-            written.append(fmt.groups_file(seg_id))
-            durable_write(os.path.join(self.path, written[-1]), gdata, step="groups", sync_dir=False, atomic=False)
-            g_bytes, g_crc = gdata.size, crc32c(gdata)
+        if seg_id is None:
+            seg_id, rel = storage.link_candidates(fmt.segment_file, data,
+                                                  max(self._next_id, self.manifest.next_segment))
+            self._next_id = seg_id + 1
+            written.append(rel)
+            crash_point("segment.written")
+        else:
+            written.append(fmt.segment_file(seg_id))
+            # written in place: no manifest names this id yet, so a torn file is garbage
+            storage.write_new(written[-1], data, step="segment")
+        g_bytes, g_crc = self._write_sidecar(record, data, seg_id, first_row, written)
         return fmt.SegmentEntry(seg_id, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc)
 
-    def _abort(self, written: List[str], generation: int) -> bool:
-        """Undo a failed commit: remove its files unless its manifest became visible.
+    def _write_sidecar(self, record: pa.RecordBatch, data: Any, seg_id: int, first_row: int,
+                       written: List[str]) -> Tuple[int, int]:
+        if self.group_key is None:
+            return 0, 0
+        gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, PageChecksums.of(data)))
+        rel = fmt.groups_file(seg_id)
+        if rel not in written:
+            written.append(rel)
+        if self.multi_writer:  # rewritten when the append is rebased: replaced, never torn
+            self._committer.storage.replace(rel, gdata, step="groups", sync=False)
+        else:
+            self._committer.storage.write_new(rel, gdata, step="groups")
+        return gdata.size, crc32c(gdata)
 
-        Returns True when the manifest is visible (its rename happened and only
-        a later fsync failed): then the commit exists and its files stay. The
-        writer removed every manifest newer than its own at open, so a visible
-        ``generation`` can only be this commit's.
-        """
-        if os.path.exists(os.path.join(self.path, fmt.manifest_file(generation))):
-            return True
-        for f in written:
-            remove_quietly(os.path.join(self.path, f))
-        return False
+    def _rebase_sidecars(self, entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
+                         first: int, written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
+        out = []
+        for e, piece in zip(entries, pieces):
+            if self.group_key is None:
+                out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c))
+            else:
+                data = pa.py_buffer(self._committer.storage.read_bytes(e.file))
+                g_bytes, g_crc = self._write_sidecar(piece, data, e.id, first, written)
+                out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
+            first += e.num_rows
+        if self.group_key is not None:
+            self._committer.storage.sync_dir(fmt.GROUPS_DIR)
+        return tuple(out)
 
-    def _publish(self, new: fmt.Manifest, written: List[str], install) -> None:
-        """Write ``new`` (the commit point) and make it the writer's state.
+    def _remove(self, written: Sequence[str]) -> None:
+        for rel in written:
+            try:
+                self._committer.storage.delete(rel)
+            except OSError:
+                pass
 
-        If the write fails after the rename, readers may already see the
-        commit, so the writer installs it too before re-raising: it must never
-        reuse the generation, segment ids or row ids of a visible commit.
-        """
+    def _collect(self) -> None:
         try:
-            new.write(self.path)
-        except BaseException:
-            if self._abort(written, new.generation):
-                install()
-            raise
-        crash_point("manifest.committed")
-        install()
-        try:
-            self._collect_garbage()
+            self._committer.collect()
         except OSError as exc:
             # the commit stands: raising would invite a retry that appends the rows twice
-            warnings.warn(f"{self.path}: generation {new.generation} is committed, but removing files it no "
+            warnings.warn(f"{self.path}: generation {self.generation} is committed, but removing files it no "
                           f"longer needs failed ({exc}); the next writer open removes them", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=4)
 
     def _sync_data_dirs(self) -> None:
-        # the renames must be durable before a manifest names the files
-        fsync_dir(os.path.join(self.path, fmt.SEGMENT_DIR))
-        fsync_dir(os.path.join(self.path, fmt.GROUPS_DIR))
+        # the new names must be durable before a manifest names the files
+        self._committer.storage.sync_dir(fmt.SEGMENT_DIR)
+        self._committer.storage.sync_dir(fmt.GROUPS_DIR)
 
     def _install_commit(self, new: fmt.Manifest, options: fmt.StoreOptions, new_keys: List[pa.Array]) -> None:
         self._drop_dead_segments(new)
@@ -417,55 +637,17 @@ class ReplayStore:
             self._codes = self._codes[new.head - self._codes_base:]
             self._codes_base = new.head
 
-    def _collect_garbage(self, full: bool = False) -> None:
-        """Delete old manifests and the files no retained manifest names.
-
-        The newest ``KEEP_MANIFESTS`` manifests are retained: a damaged newest
-        one can fall back to them, and a reader that loaded one of them can
-        still open its files, so an evicted segment goes ``KEEP_MANIFESTS``
-        commits after its eviction. ``full`` (at open) sweeps the directories
-        for leftovers of crashed writers; otherwise only the files of the
-        manifests that just dropped out of retention are candidates.
-        """
-        current = self.manifest.generation
-        if full:
-            docs = fmt.manifest_docs(self.path)
-            keep = [g for g in sorted(docs, reverse=True) if g <= current][: fmt.KEEP_MANIFESTS]
-            self._retained = {g: docs[g] for g in keep}
-            self._retained[current] = self.manifest
-            referenced = {f for m in self._retained.values() for f in m.files()}
-            for g in fmt.list_generations(self.path):
-                if g not in self._retained:
-                    remove_quietly(os.path.join(self.path, fmt.manifest_file(g)))
-            for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.MANIFEST_DIR, ""):
-                for name in os.listdir(os.path.join(self.path, d)):
-                    rel = f"{d}/{name}" if d else name
-                    # we hold the writer lock: an unreferenced data file is garbage
-                    if name.startswith(TMP_PREFIX) or (d not in ("", fmt.MANIFEST_DIR) and rel not in referenced):
-                        remove_quietly(os.path.join(self.path, rel))
-            return
-        self._retained[current] = self.manifest
-        dropped = sorted(self._retained)[: -fmt.KEEP_MANIFESTS]
-        if not dropped:
-            return
-        old = [self._retained.pop(g) for g in dropped]
-        referenced = {f for m in self._retained.values() for f in m.files()}
-        for m in old:
-            crash_point("gc.manifest")
-            remove_quietly(os.path.join(self.path, m.file))
-            for f in m.files():
-                if f not in referenced:
-                    crash_point("gc.file")
-                    remove_quietly(os.path.join(self.path, f))
-
     @_locked
-    def compact(self, target_bytes: int = 64 << 20) -> Dict[str, int]:
+    def compact(self, target_bytes: int = 64 << 20, *, multi_writer: Optional[bool] = None) -> Dict[str, int]:
         """Rewrite the live rows into fewer, larger segments in one commit.
 
         Row ids, groups and states are unchanged; rows below ``head`` are
         dropped from the first segment. The old files stay until no retained
         manifest names them, so readers keep working throughout. Returns the
         segment counts and bytes before and after.
+
+        ``multi_writer=True`` (or ``False``) first converts the store to a
+        multi-writer (single-writer) store: stop every other writer first.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -476,14 +658,37 @@ class ReplayStore:
         self._require_writer()
         if target_bytes <= 0:
             raise ValueError(f"target_bytes must be positive, got {target_bytes}")
+        if multi_writer is not None and multi_writer != self.multi_writer:
+            self._convert(bool(multi_writer))
+        if self.multi_writer:
+            self._catch_up()
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
-        new = self._rewrite(0, target_bytes)
+        new = self._rewrite(0, target_bytes) if m.segments else m
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
+
+    def _convert(self, multi_writer: bool) -> None:
+        """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
+        storage = LocalStorage(self.path, _writer_id() if multi_writer else "")
+        if multi_writer:
+            storage.probe_create_if_absent(fmt.MANIFEST_DIR)
+        else:
+            self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
+            self._writer_lock.acquire()
+        o = self.options
+        options = fmt.StoreOptions(o.group_key, o.capacity_rows, o.capacity_bytes, o.schema, multi_writer,
+                                   o.retain_seconds)
+        options.write(self.path)
+        if multi_writer and self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
+        self.options = options
+        self._committer = Committer(storage, options, self.manifest)
 
     def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
         """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
         m = self.manifest
+        started = time.monotonic()
         written: List[str] = []
         entries: List[fmt.SegmentEntry] = []
         pending: List[pa.RecordBatch] = []
@@ -496,7 +701,7 @@ class ReplayStore:
                 return
             record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
                 else pending[0]
-            entries.append(self._write_segment(record, seg_id, first, written))
+            entries.append(self._write_segment(record, None if self.multi_writer else seg_id, first, written))
             first += record.num_rows
             seg_id += 1
             pending, pending_bytes = [], 0
@@ -518,58 +723,28 @@ class ReplayStore:
             self._sync_data_dirs()
             crash_point("segments.synced")
         except BaseException:
-            self._abort(written, m.generation + 1)
+            self._remove(written)
             raise
-        new = m.evolve(generation=m.generation + 1, next_segment=seg_id,
-                       segments=m.segments[:start] + tuple(entries))
-        self._publish(new, written, lambda: self._install_commit(new, self.options, []))
-        return new
+        op = ops.Rewrite(tuple(m.segments[start:]), tuple(entries))
+        result = self._committer.commit(lambda base: op, written, started=started,
+                                        install=lambda new: self._install(new, self.options))
+        self._collect()
+        return result.manifest
 
     def _merge_small_tail(self) -> None:
-        """Keep the number of segments small when every commit is small (a training loop's).
-
-        Size-tiered: the newest segments with at most ``MERGE_RATIO`` times
-        the rows of the newest one (and below ``MERGE_MAX_BYTES``) are merged,
-        ``MERGE_FANIN`` at a time, repeated while that completes another run. A merged segment is about ``MERGE_FANIN`` times its
-        inputs, so it joins a run again only with its peers: a byte is
-        rewritten about log16(1 MiB / commit size) times (measured: 1.0 for
-        64-rollout steps, 1.9 for commits of 1-12 rows). Should commits of very
-        different sizes alternate so that no run forms, the newest
-        ``MERGE_FANIN * MERGE_RATIO`` small segments are merged.
-        Appends of ``MERGE_MAX_BYTES`` or more are never touched.
-        """
+        """Keep the number of segments small when every commit is small (a training loop's):
+        see :class:`MergePolicy`. With many writers a merge that loses to another commit
+        touching its segments is dropped (the next append plans again)."""
         while True:
-            segs = self.manifest.segments
-            small = 0
-            while small < len(segs) and segs[-1 - small].bytes < MERGE_MAX_BYTES:
-                small += 1
-            if small < MERGE_FANIN:
+            start = self.merge_policy.plan(self.manifest.segments, self.options)
+            if start is None:
                 return
-            limit = MERGE_RATIO * segs[-1].num_rows  # rows, not bytes: a tiny file is mostly header
-            run = 1
-            while run < small and segs[-1 - run].num_rows <= limit:
-                run += 1
-            # the newest MERGE_FANIN of a run (older ones left for later runs: a run that was
-            # blocked, e.g. by the capacity rule, must not grow until it can never merge)
-            if run >= MERGE_FANIN:
-                start = len(segs) - MERGE_FANIN
-            elif small >= MERGE_FANIN * MERGE_RATIO:
-                start = len(segs) - MERGE_FANIN * MERGE_RATIO
-            else:
+            try:
+                self._rewrite(start, self.merge_policy.max_bytes << 4)
+            except ops.Conflict:
+                self._committer.stats.dropped_rewrites += 1
+                self._install(self._committer.manifest, self.options)  # the newer commit it lost to
                 return
-            if not self._mergeable(segs[start:]):
-                return
-            self._rewrite(start, MERGE_MAX_BYTES << 4)
-
-    def _mergeable(self, segs: Sequence[fmt.SegmentEntry]) -> bool:
-        """Whether a merge of ``segs`` keeps eviction fine-grained: a segment's file goes only
-        when all its rows are evicted, so no merged segment may hold more than
-        ``1 / MERGE_CAPACITY_SHARE`` of a capacity."""
-        o = self.options
-        rows = sum(s.num_rows for s in segs)
-        nbytes = sum(s.bytes + s.groups_bytes for s in segs)
-        return ((o.capacity_rows is None or rows * MERGE_CAPACITY_SHARE <= o.capacity_rows)
-                and (o.capacity_bytes is None or nbytes * MERGE_CAPACITY_SHARE <= o.capacity_bytes))
 
     # ------------------------------------------------------------------ states
 
@@ -586,15 +761,24 @@ class ReplayStore:
         self._require_writer()
         fmt.check_state_name(name)
         data = encode_state(dict(state))
+        if self.multi_writer:
+            self._catch_up()
         m = self.manifest
-        entry = fmt.StateEntry(name, m.generation + 1, data.size, crc32c(data))
-        try:
-            durable_write(os.path.join(self.path, entry.file), data, step="state")
-        except BaseException:
-            self._abort([entry.file], m.generation + 1)
-            raise
-        new = m.evolve(generation=m.generation + 1, states={**m.states, name: entry})
-        self._publish(new, [entry.file], lambda: self._install_commit(new, self.options, []))
+        storage = self._committer.storage
+        if self.multi_writer:
+            gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1)
+            storage.sync_dir(fmt.STATE_DIR)
+        else:
+            gen, rel = m.generation + 1, fmt.state_file(name, m.generation + 1)
+            try:
+                storage.replace(rel, data, step="state")
+            except BaseException:
+                self._remove([rel])
+                raise
+        entry = fmt.StateEntry(name, gen, data.size, crc32c(data))
+        self._committer.commit(lambda base: ops.SaveState(entry), [rel],
+                               install=lambda new: self._install(new, self.options))
+        self._collect()
 
     @_locked
     def load_state(self, name: str) -> Optional[Dict[str, Any]]:
@@ -700,16 +884,16 @@ class ReplayStore:
             if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
                 seg.advise_all()
         out: Dict[str, Column] = {}
-        plans: Dict[Any, _RangePlan] = {}
+        plans: Dict[Any, RangePlan] = {}
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
         run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
                and bool(np.all(np.diff(parts[0][2]) == 1)))
         for name in cols:
             spec = self.schema[name]
             if spec.kind == RAGGED and run:
-                out[name] = _ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
+                out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
             elif spec.kind == RAGGED:
-                out[name] = _gather_ragged(name, parts, n, np.dtype(spec.dtype), plans)
+                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans)
             elif spec.dtype == "string":
                 res: List[Any] = [None] * n
                 for seg, sel, loc in parts:
@@ -807,7 +991,7 @@ class ReplayStore:
             if key not in self.columns or self.schema[key].kind != "scalar":
                 raise KeyError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")
-            gi = self._following(lambda: _index_of_column(self._read(self.row_ids(), [key])[key], self.head))
+            gi = self._following(lambda: index_of_column(self._read(self.row_ids(), [key])[key], self.head))
         self._index_cache[key] = (self.generation, gi)
         return gi
 
@@ -827,106 +1011,5 @@ class ReplayStore:
         return gi.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
 
 
-def _index_of_column(values: Any, head: int) -> GroupIndex:
-    """The groups of live rows ``head, head + 1, ...`` by their ``values`` of one per-row column."""
-    if isinstance(values, np.ndarray) and values.ndim == 1:
-        # any consistent numbering works: from_codes orders the groups itself
-        order = np.argsort(values, kind="stable")
-        sorted_values = values[order]
-        new_group = np.empty(len(values), dtype=bool)
-        new_group[:1] = True
-        np.not_equal(sorted_values[1:], sorted_values[:-1], out=new_group[1:])
-        codes = np.empty(len(values), dtype=np.int64)
-        codes[order] = np.cumsum(new_group) - 1
-        return GroupIndex.from_codes(codes, sorted_values[new_group].tolist(), head)
-    coder = KeyCoder()
-    return GroupIndex.from_codes(coder.encode(values), coder.keys, head)
-
-
-def _split(record: pa.RecordBatch) -> List[pa.RecordBatch]:
-    nbytes = record.nbytes
-    if nbytes <= MAX_SEGMENT_BYTES or record.num_rows <= 1:
-        return [record]
-    k = min(record.num_rows, -(-nbytes // MAX_SEGMENT_BYTES))
-    step = -(-record.num_rows // k)
-    return [record.slice(i, step) for i in range(0, record.num_rows, step)]
-
-
-def _evict(head: int, next_row: int, segments: Tuple[fmt.SegmentEntry, ...],
-           options: fmt.StoreOptions) -> Tuple[int, Tuple[fmt.SegmentEntry, ...]]:
-    """New head and live segments after applying the row and byte capacities."""
-    if options.capacity_rows is not None:
-        head = max(head, next_row - options.capacity_rows)
-    if options.capacity_bytes is not None:
-        total = sum(s.bytes + s.groups_bytes for s in segments)
-        i = 0
-        while i < len(segments) - 1 and total > options.capacity_bytes:
-            total -= segments[i].bytes + segments[i].groups_bytes
-            i += 1
-        if i:
-            head = max(head, segments[i].first_row)
-    segments = tuple(s for s in segments if s.end_row > head)
-    return head, segments
-
-
-class _RangePlan:
-    """Where the rows of one read come from, for columns with equal offsets.
-
-    Columns aligned with the same ids (and holding no nulls) share their
-    offsets inside a segment, so the source ranges are computed once per read
-    and reused for each of them. The copy is one ``np.concatenate`` of
-    per-row slices: measured 6x faster than a fancy-index gather for rows of
-    GRPO length, since each row is a single memcpy.
-    """
-
-    __slots__ = ("out_offsets", "pieces")
-
-    def __init__(self, parts: List[Tuple[Segment, Any, np.ndarray]], offsets_of, n: int) -> None:
-        starts = np.empty(n, dtype=np.int64)
-        ends = np.empty(n, dtype=np.int64)
-        part_of = np.empty(n, dtype=np.int64)
-        for p, ((seg, sel, loc), offs) in enumerate(zip(parts, offsets_of)):
-            starts[sel] = offs[loc]
-            ends[sel] = offs[loc + 1]
-            part_of[sel] = p
-        self.out_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(ends - starts, out=self.out_offsets[1:])
-        self.pieces = list(zip(part_of.tolist(), starts.tolist(), ends.tolist()))
-
-    def gather(self, sources: List[np.ndarray], dtype: np.dtype) -> np.ndarray:
-        if not self.pieces:
-            return np.zeros(0, dtype=dtype)
-        return np.concatenate([sources[p][a:b] for p, a, b in self.pieces]).astype(dtype, copy=False)
-
-
-def _ragged_run(name: str, seg: Segment, first: int, n: int) -> Optional[RaggedColumn]:
-    """Rows ``[first, first + n)`` of one segment as zero-copy views of its memory map."""
-    values, offsets, valid = seg.ragged(name)  # first: it sets up the per-row check record
-    seg.check_rows(name, np.arange(first, first + n))
-    validity = None if valid is None else valid[first:first + n]
-    if validity is not None and not validity.any():
-        return None
-    offs = offsets[first:first + n + 1]
-    return RaggedColumn(values[int(offs[0]):int(offs[-1])], offs - offs[0], validity)
-
-
-def _gather_ragged(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
-                   plans: Dict[Any, _RangePlan]) -> Optional[RaggedColumn]:
-    columns = [seg.ragged(name) for seg, _, _ in parts]
-    for seg, _, loc in parts:
-        seg.check_rows(name, loc)
-    validity = None
-    if any(valid is not None for _, _, valid in columns):
-        validity = np.ones(n, dtype=bool)
-        for (_, sel, loc), (_, _, valid) in zip(parts, columns):
-            if valid is not None:
-                validity[sel] = valid[loc]
-        if not validity.any():
-            return None
-    # columns whose offsets are equal in every touched segment share one plan
-    key = tuple(seg.offsets_key(name) for seg, _, _ in parts)
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = _RangePlan(parts, [offs for _, offs, _ in columns], n)
-    return RaggedColumn(plan.gather([values for values, _, _ in columns], dtype), plan.out_offsets, validity)
-
+class _SchemaRace(Exception):
+    """Another writer fixed a multi-writer store's schema first."""

@@ -1,0 +1,31 @@
+"""The replay store: the facade (:class:`ReplayStore`), its one commit path, and its storage.
+
+Modules, bottom up: ``storage`` (the file operations a backend provides),
+``compaction`` (splitting, eviction, the merge policy), ``ops`` (commits as
+values, with their conflict rules), ``tokens`` (exactly-once records),
+``committer`` (publishing, rebasing, clean-up), ``reading`` (read planning),
+``replay_store`` (the facade users hold).
+"""
+
+from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, MERGE_MAX_BYTES, MERGE_RATIO, MergePolicy
+from .committer import CommitStats
+from .ops import Conflict
+from .replay_store import MAX_OPEN_SEGMENTS, STALE_RETRIES, ReplayStore
+from .storage import LocalStorage, Storage
+
+__all__ = ["ReplayStore", "MergePolicy", "Storage", "LocalStorage", "CommitStats", "Conflict", "convert_store"]
+
+
+def convert_store(path, multi_writer: bool) -> dict:
+    """Convert the store at ``path`` to a multi-writer (``True``) or single-writer store, and
+    compact it. Stop every other writer first. Returns what ``compact`` returns.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> ReplayStore(d).close()
+    >>> _ = convert_store(d, True)
+    >>> ReplayStore(d, readonly=True).multi_writer
+    True
+    """
+    with ReplayStore(path) as store:
+        return store.compact(multi_writer=multi_writer)

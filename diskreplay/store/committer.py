@@ -1,0 +1,371 @@
+"""The one commit path: operations applied to a base manifest, published, and cleaned up after.
+
+Single-writer stores (the default) publish a manifest with a rename under the
+writer's exclusive lock. Multi-writer stores publish with an atomic
+create-if-absent (``Storage.put_if_absent``: ``link()`` on POSIX): a writer
+that loses the race re-reads the newest manifest, applies its operation to it
+again (:func:`ops.apply`: appends commute, a rewrite of segments another commit
+changed is a conflict) and retries after a bounded exponential backoff with
+jitter. docs/FORMAT.md ("Commit protocol", "Many writers") is the
+specification; this module is its executable form.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .. import format as fmt
+from .._fileio import TMP_PREFIX, crash_point
+from ..errors import CommitNotDurableError
+from . import ops
+from .storage import Storage
+from .tokens import TokenIndex, compact_tokens
+
+MAX_ATTEMPTS = 10_000  # commits a writer retries after losing the race, before giving up
+BACKOFF_FIRST = 0.0005  # seconds; doubled per lost race, capped, with full jitter
+BACKOFF_CAP = 0.05
+SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
+DATA_SWEEP_DIRS = (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
+
+
+@dataclass
+class CommitStats:
+    """Counters of one writer's commits (``ReplayStore.stats()``)."""
+
+    commits: int = 0
+    conflicts: int = 0  # lost races for a generation (each one is a retry)
+    rebases: int = 0  # commits that landed on a newer base than they were planned on
+    dropped_rewrites: int = 0  # merges given up because another commit changed their segments
+    commit_seconds: float = 0.0
+    retry_seconds: float = 0.0  # of commit_seconds: spent re-reading, re-preparing and backing off
+    not_durable: int = 0
+
+    def as_dict(self) -> Dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class CommitResult:
+    manifest: fmt.Manifest
+    #: set when the token was already committed: nothing was written, these are its rows
+    duplicate: Optional[fmt.TokenRecord] = None
+    files: List[str] = field(default_factory=list)
+
+
+class Committer:
+    """Publishes operations on a store's manifests; holds the newest manifest this writer knows."""
+
+    def __init__(self, storage: Storage, options: fmt.StoreOptions, manifest: fmt.Manifest) -> None:
+        self.storage = storage
+        self.options = options
+        self.manifest = manifest
+        self.multi_writer = options.multi_writer
+        self.retain_seconds = options.retain_seconds if options.retain_seconds is not None else (
+            fmt.DEFAULT_RETAIN_SECONDS if options.multi_writer else None)
+        self.tokens = TokenIndex(storage)
+        self.stats = CommitStats()
+        self.retained: Dict[int, fmt.Manifest] = {}
+        self._superseded_at: Dict[int, float] = {}
+        self._unsynced = False
+        self._since_sweep = 0
+        self._docs: Dict[int, fmt.Manifest] = {}  # parsed manifests (immutable) for the shared sweep
+
+    # ------------------------------------------------------------------ reading the base
+
+    def newest(self) -> fmt.Manifest:
+        """The newest commit on storage (never older than the one held)."""
+        m, _ = fmt.load_newest_manifest(self.storage.local_path(""))
+        if m.generation > self.manifest.generation:
+            self.manifest = m
+        return self.manifest
+
+    def find_token(self, token: str) -> Optional[fmt.TokenRecord]:
+        return self.tokens.find(self.manifest, token)
+
+    # ------------------------------------------------------------------ committing
+
+    def commit(self, plan: Callable[[fmt.Manifest], ops.Operation], written: List[str], *,
+               token: Optional[str] = None, install: Callable[[fmt.Manifest], None],
+               rows: Callable[[fmt.Manifest], object] = lambda m: None,
+               started: Optional[float] = None) -> CommitResult:
+        """Apply ``plan(base)`` to the newest manifest and publish it; returns the new manifest.
+
+        ``written`` are this commit's files (removed when it does not happen),
+        first written at ``time.monotonic()`` ``started``.
+        ``install`` makes the new manifest the caller's state; it is called as
+        soon as the commit is visible, even if making it durable then fails
+        (:class:`CommitNotDurableError`, whose ``rows`` is ``rows(new)``): a
+        writer must never reuse a visible commit's generation, ids or rows.
+        """
+        t0 = time.perf_counter()
+        retry_t = 0.0
+        base = self.manifest
+        delay = BACKOFF_FIRST
+        try:
+            if self._unsynced:  # an earlier commit is visible but its durability is still owed
+                self.storage.sync_dir(fmt.MANIFEST_DIR)
+                self._unsynced = False
+            for attempt in range(MAX_ATTEMPTS):
+                if token is not None:
+                    dup = self.tokens.find(base, token)
+                    if dup is not None:
+                        self._remove(written)
+                        self.manifest = base
+                        return CommitResult(base, duplicate=dup)
+                self._check_age(started)
+                new = ops.apply(base, plan(base), self.options)
+                new, logs = compact_tokens(new, self.tokens, self._write_token_log)
+                written += logs
+                data = fmt.signed_bytes(new.body())
+                if self._publish(new, data, install, rows):
+                    break
+                # another writer took this generation: rebase on the newest and retry
+                r0 = time.perf_counter()
+                self.stats.conflicts += 1
+                for rel in logs:
+                    written.remove(rel)
+                    self.storage.delete(rel)
+                time.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, BACKOFF_CAP)
+                base = self.newest()
+                retry_t += time.perf_counter() - r0
+            else:
+                raise ops.Conflict(f"gave up committing to {self.storage.local_path('')} after {MAX_ATTEMPTS} "
+                                   "lost races")
+        except CommitNotDurableError:
+            self.stats.not_durable += 1
+            raise
+        except BaseException:
+            if self.manifest.generation == base.generation:  # not committed: its files are garbage
+                self._remove(written)
+            raise
+        finally:
+            self.stats.retry_seconds += retry_t
+            self.stats.commit_seconds += time.perf_counter() - t0
+        self.stats.commits += 1
+        self.stats.rebases += attempt > 0
+        return CommitResult(new, files=written)
+
+    def _check_age(self, started: Optional[float]) -> None:
+        """Many writers: another writer's clean-up takes unnamed files older than
+        ``retain_seconds``, so a commit must not name files that old."""
+        if self.multi_writer and started is not None and time.monotonic() - started > self.retain_seconds / 2:
+            raise TimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.local_path('')} took more than half of "
+                               f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
+                               "writers, so it is abandoned (nothing was committed; retry it)")
+
+    def _publish(self, new: fmt.Manifest, data: bytes, install, rows) -> bool:
+        rel = new.file
+        try:
+            if self.multi_writer:
+                if not self.storage.put_if_absent(rel, data, step="manifest"):
+                    return False
+            else:
+                self.storage.replace(rel, data, step="manifest", sync=False)
+        except BaseException as exc:
+            if not self._visible(rel, data):
+                raise
+            # the create/rename landed and only something after it failed: committed
+            self._installed(new, install)
+            self._unsynced = True
+            if isinstance(exc, OSError):
+                raise CommitNotDurableError(
+                    exc.errno, f"generation {new.generation} of {self.storage.local_path('')} is committed and "
+                    f"visible, but making it durable failed ({exc.strerror or exc}); do not append these rows "
+                    "again: the next commit or close() retries", rows=rows(new)) from exc
+            raise
+        self._installed(new, install)
+        try:
+            self.storage.sync_dir(fmt.MANIFEST_DIR)
+        except OSError as exc:
+            self._unsynced = True
+            raise CommitNotDurableError(
+                exc.errno, f"generation {new.generation} of {self.storage.local_path('')} is committed and "
+                f"visible, but making it durable failed ({exc.strerror or exc}); do not append these rows again: "
+                "the next commit or close() retries", rows=rows(new)) from exc
+        return True
+
+    def _installed(self, new: fmt.Manifest, install) -> None:
+        self._superseded_at[self.manifest.generation] = time.time()
+        self.manifest = new
+        install(new)
+        crash_point("manifest.committed")
+
+    def _visible(self, rel: str, data: bytes) -> bool:
+        try:
+            return self.storage.read_bytes(rel) == data
+        except OSError:
+            return False
+
+    def _remove(self, written: Sequence[str]) -> None:
+        for rel in written:
+            try:
+                self.storage.delete(rel)
+            except OSError:
+                pass
+
+    def _write_token_log(self, data: bytes, first_id: int) -> int:
+        self.storage.ensure_dir(fmt.TOKENS_DIR)
+        if self.multi_writer:
+            log_id, _ = self.storage.link_candidates(fmt.token_log_file, data, first_id)
+        else:
+            log_id = first_id  # one writer, one commit per generation: a fresh name
+            self.storage.write_new(fmt.token_log_file(log_id), data)
+        self.storage.sync_dir(fmt.TOKENS_DIR)
+        return log_id
+
+    def sync(self) -> None:
+        """Make the newest commit durable if an earlier attempt failed (``close()`` calls it)."""
+        if self._unsynced:
+            self.storage.sync_dir(fmt.MANIFEST_DIR)
+            self._unsynced = False
+
+    # ------------------------------------------------------------------ garbage collection
+
+    def collect(self, full: bool = False) -> None:
+        """Delete what no retained manifest names (see docs/FORMAT.md, step 7 and "Many writers")."""
+        if self.multi_writer:
+            self._since_sweep += 1
+            if full or self._since_sweep >= SHARED_GC_EVERY:
+                self._since_sweep = 0
+                self.sweep_shared()
+            return
+        if full:
+            self._sweep_exclusive()
+            return
+        current = self.manifest.generation
+        self.retained[current] = self.manifest
+        dropped = [g for g in sorted(self.retained)[: -fmt.KEEP_MANIFESTS] if not self._young(g)]
+        if not dropped:
+            return
+        old = [self.retained.pop(g) for g in dropped]
+        referenced = {f for m in self.retained.values() for f in m.files()}
+        self.delete([m.file for m in old], sorted({f for m in old for f in m.files() if f not in referenced}))
+
+    def _young(self, generation: int) -> bool:
+        """Superseded less than ``retain_seconds`` ago (a pinned snapshot may still read it)."""
+        if self.retain_seconds is None:
+            return False
+        at = self._superseded_at.get(generation)
+        return at is not None and time.time() - at < self.retain_seconds
+
+    def _sweep_exclusive(self) -> None:
+        """The single writer's open: everything no retained manifest names is garbage (it holds the lock)."""
+        current = self.manifest.generation
+        docs, unreadable = fmt.manifest_docs(self.storage.local_path(""))
+        newer_than = sorted(docs, reverse=True)
+        keep = [g for g in newer_than if g <= current][: fmt.KEEP_MANIFESTS]
+        if self.retain_seconds is not None:
+            for g in newer_than:
+                nxt = [h for h in docs if h > g]
+                if g <= current and nxt and self._age(fmt.manifest_file(min(nxt))) < self.retain_seconds:
+                    keep.append(g)
+        self.retained = {g: docs[g] for g in keep}
+        self.retained[current] = self.manifest
+        referenced = {f for m in self.retained.values() for f in m.files()}
+        if unreadable:
+            warnings.warn(f"{self.storage.local_path('')}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
+                          "they and every data file are kept (run `diskreplay verify`)", RuntimeWarning, stacklevel=4)
+        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage.local_path(""))
+                     if g not in self.retained and g not in unreadable]
+        files = []
+        for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
+            for name in self.storage.list(d):
+                rel = f"{d}/{name}" if d else name
+                # we hold the writer lock: a temp file or an unreferenced data file is garbage
+                if name.startswith(TMP_PREFIX) or (
+                        not unreadable and d not in ("", fmt.MANIFEST_DIR) and rel not in referenced):
+                    files.append(rel)
+        self.delete(manifests, files)
+
+    def _age(self, rel: str) -> float:
+        try:
+            return self.storage.age(rel)
+        except FileNotFoundError:
+            return float("inf")
+
+    def sweep_shared(self) -> None:
+        """Clean-up of a multi-writer store, safe while other writers commit and readers read.
+
+        A manifest goes once a newer one has existed for ``retain_seconds`` (and
+        never one of the newest ``KEEP_MANIFESTS``); a data or temporary file
+        goes once no remaining manifest names it and it is older than
+        ``retain_seconds`` (younger unnamed files may be another writer's commit
+        in flight). Manifests that cannot be read stop the data sweep.
+        """
+        root = self.storage.local_path("")
+        gens = fmt.list_generations(root)
+        retain = self.retain_seconds
+        keep, drop = set(gens[: fmt.KEEP_MANIFESTS]), []
+        for newer, g in zip(gens, gens[1:]):
+            if g in keep:
+                continue
+            (keep.add(g) if self._age(fmt.manifest_file(newer)) < retain else drop.append(g))
+        unreadable = False
+        referenced = set()
+        for g in keep:
+            m = self._docs.get(g)
+            if m is None:
+                try:
+                    m = self._docs[g] = fmt.load_manifest(os.path.join(root, fmt.manifest_file(g)), g)
+                except FileNotFoundError:
+                    continue  # another writer's sweep took it: it was past retention
+                except (fmt.FormatError, fmt.CorruptStoreError):
+                    continue
+                except OSError:
+                    unreadable = True
+                    continue
+            referenced.update(m.files())
+        for g in list(self._docs):
+            if g not in keep:
+                del self._docs[g]
+        files = []
+        for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
+            for name in self.storage.list(d):
+                rel = f"{d}/{name}" if d else name
+                garbage = name.startswith(TMP_PREFIX) or (
+                    not unreadable and d not in ("", fmt.MANIFEST_DIR) and rel not in referenced)
+                if garbage and self._age(rel) >= retain:
+                    files.append(rel)
+        self.delete([fmt.manifest_file(g) for g in drop], files)
+
+    def delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
+        """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
+
+        The order is what keeps a power cut safe: an unlink becomes durable at
+        its directory's next fsync (or earlier, at the filesystem's whim), so
+        the manifests' removal must be durable before the first data file they
+        name is unlinked; otherwise a power cut could bring back a manifest
+        naming files that are gone.
+        """
+        for rel in manifests:
+            crash_point("gc.manifest")
+            self.storage.delete(rel)
+        if manifests:
+            self.storage.sync_dir(fmt.MANIFEST_DIR)
+        dirs = set()
+        for rel in files:
+            crash_point("gc.file")
+            if self.storage.delete(rel):
+                dirs.add(os.path.dirname(rel))
+        for d in sorted(dirs):
+            self.storage.sync_dir(d)
+
+
+def backoff_delays(n: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> List[Tuple[float, float]]:
+    """The ``(low, high)`` sleep of each of the first ``n`` retries (full jitter, doubling, capped).
+
+    >>> backoff_delays(3, 0.001, 0.002)
+    [(0, 0.001), (0, 0.002), (0, 0.002)]
+    """
+    out, d = [], first
+    for _ in range(n):
+        out.append((0, d))
+        d = min(d * 2, cap)
+    return out

@@ -1,0 +1,127 @@
+"""Commits as values: what an operation does to the manifest it is based on, and when it conflicts.
+
+Every new manifest of a store is ``apply(base, op, options)`` for one of the
+operations below; the committer (``committer.py``) picks the base, and when
+another writer committed first it applies the same operation to the newer
+manifest (rebases) or gives up where the rules below say the operation
+conflicts. The rules, also in docs/FORMAT.md ("Many writers"):
+
+=============  ==========================================================
+operation      conflicts with a concurrent commit when
+=============  ==========================================================
+``Append``     never (row ids are assigned when it is applied)
+``Rewrite``    a replaced segment is no longer in the base (another rewrite
+               merged it, or eviction dropped it)
+``SaveState``  never (the state of that name from the later commit wins)
+``Evict``      never (the head only moves forward)
+``RollBack``   always, unless the base is the one it was planned on
+=============  ==========================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple, Union
+
+from .. import format as fmt
+from ..errors import DiskReplayError
+from .compaction import evict
+
+
+class Conflict(DiskReplayError, RuntimeError):
+    """An operation cannot be applied to the newest manifest (see the table in ``ops``)."""
+
+
+@dataclass(frozen=True)
+class Append:
+    """New segments holding ``num_rows`` rows, to become the rows ``[base.next_row, ...)``.
+
+    ``entries`` carry the row ids of the base they were prepared for (a group
+    sidecar records global row ids); ``first_row`` says which.
+    """
+
+    entries: Tuple[fmt.SegmentEntry, ...]
+    num_rows: int
+    token: Optional[fmt.TokenRecord] = None
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """The rows of the consecutive segments ``replaced`` now live in ``entries`` (merge, compact, repair)."""
+
+    replaced: Tuple[fmt.SegmentEntry, ...]
+    entries: Tuple[fmt.SegmentEntry, ...]
+
+
+@dataclass(frozen=True)
+class SaveState:
+    entry: fmt.StateEntry
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Drop every row below ``head``."""
+
+    head: int
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """Make ``target``'s rows, segments and states the newest commit again (repair); ``base``
+    is the generation it was planned on."""
+
+    target: fmt.Manifest
+    base: int
+
+
+Operation = Union[Append, Rewrite, SaveState, Evict, RollBack]
+
+
+def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.Manifest:
+    """The manifest that commits ``op`` on top of ``base`` (generation ``base.generation + 1``).
+
+    >>> m = apply(fmt.Manifest(), Evict(0), fmt.StoreOptions())
+    >>> m.generation, m.num_rows
+    (1, 0)
+    """
+    generation = base.generation + 1
+    if isinstance(op, Append):
+        if op.entries and op.entries[0].first_row != base.next_row:
+            raise Conflict(f"append prepared for row {op.entries[0].first_row}, the base ends at {base.next_row}")
+        next_row = base.next_row + op.num_rows
+        head, segments = evict(base.head, next_row, base.segments + op.entries, options)
+        tokens = base.tokens
+        if op.token is not None:
+            tokens = tokens + (replace(op.token, first_row=base.next_row, generation=generation),)
+        return base.evolve(generation=generation, head=head, next_row=next_row,
+                           next_segment=max([base.next_segment] + [e.id + 1 for e in op.entries]),
+                           segments=segments, tokens=tokens)
+    if isinstance(op, Rewrite):
+        ids = [s.id for s in base.segments]
+        if not op.replaced:
+            raise Conflict("nothing to rewrite")
+        try:
+            start = ids.index(op.replaced[0].id)
+        except ValueError:
+            raise Conflict(f"segment {op.replaced[0].id} was merged or evicted by another commit") from None
+        if tuple(base.segments[start:start + len(op.replaced)]) != op.replaced:
+            raise Conflict("the segments to rewrite changed in another commit")
+        stop = start + len(op.replaced)
+        segments = base.segments[:start] + op.entries + base.segments[stop:]
+        if segments and segments[0].first_row > base.head:
+            raise Conflict("the rewrite starts above the live rows")
+        head, segments = evict(base.head, base.next_row, segments, options)
+        return base.evolve(generation=generation, head=head, segments=segments,
+                           next_segment=max([base.next_segment] + [e.id + 1 for e in op.entries]))
+    if isinstance(op, SaveState):
+        return base.evolve(generation=generation, states={**base.states, op.entry.name: op.entry})
+    if isinstance(op, Evict):
+        head = min(max(base.head, op.head), base.next_row)
+        return base.evolve(generation=generation, head=head,
+                           segments=tuple(s for s in base.segments if s.end_row > head))
+    if isinstance(op, RollBack):
+        if base.generation != op.base:
+            raise Conflict(f"a roll back planned on generation {op.base} cannot follow generation {base.generation}")
+        return op.target.evolve(generation=generation,
+                                next_segment=max(base.next_segment, op.target.next_segment))
+    raise TypeError(f"not an operation: {op!r}")

@@ -1,0 +1,189 @@
+"""Where a store's files live: the few file operations the commit and read paths need.
+
+The commit protocol (``committer.py``) is written against :class:`Storage`
+only, so another backend (an object store, where "create if absent" is a
+conditional PUT) plugs in without touching it. :class:`LocalStorage` is the
+POSIX implementation; its writes keep the fast paths the single-writer store
+always had (a fresh file written in place, one rename for a replaced one).
+
+Paths are relative to the store (``segments/000000000007.arrow``), built from
+integer ids by ``diskreplay.format``, never taken from a file's contents.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from typing import List, Optional, Tuple
+
+from .._fileio import TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly
+from ..errors import UnsupportedFilesystemError
+
+
+class Storage:
+    """The storage a store's commit path talks to (abstract).
+
+    ``write_new`` writes a file under a name that nothing names yet;
+    ``put_if_absent`` is the atomic create-if-absent a multi-writer commit
+    needs; ``replace`` atomically replaces a file; ``delete`` removes one
+    (True if it existed); ``sync_dir`` makes the creations and deletions in a
+    directory durable; ``local_path`` gives a local file to memory-map.
+    """
+
+    def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
+        raise NotImplementedError
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        raise NotImplementedError
+
+    def size(self, rel: str) -> int:
+        raise NotImplementedError
+
+    def age(self, rel: str) -> float:
+        """Seconds since ``rel`` was last written."""
+        raise NotImplementedError
+
+    def list(self, reldir: str) -> List[str]:
+        raise NotImplementedError
+
+    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
+        raise NotImplementedError
+
+    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
+        raise NotImplementedError
+
+    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
+        raise NotImplementedError
+
+    def delete(self, rel: str) -> bool:
+        raise NotImplementedError
+
+    def sync_dir(self, reldir: str) -> None:
+        raise NotImplementedError
+
+    def ensure_dir(self, reldir: str) -> None:
+        """Create the directory ``reldir`` (durably) if a store made by an older version lacks it."""
+        raise NotImplementedError
+
+    def local_path(self, rel: str) -> str:
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """A store directory on a POSIX filesystem (local disk, NFS, Lustre).
+
+    >>> import tempfile
+    >>> s = LocalStorage(tempfile.mkdtemp())
+    >>> s.put_if_absent("a", b"1"), s.put_if_absent("a", b"2"), s.read_bytes("a")
+    (True, False, b'1')
+    >>> import shutil; shutil.rmtree(s.root)
+    """
+
+    def __init__(self, root: str, writer_id: str = "") -> None:
+        self.root = root
+        #: unique per writer: temporary names of concurrent writers never collide
+        self.writer_id = writer_id or str(os.getpid())
+
+    def local_path(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
+        return read_file(self.local_path(rel), limit)
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        fd = os.open(self.local_path(rel), os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+
+    def size(self, rel: str) -> int:
+        return os.lstat(self.local_path(rel)).st_size
+
+    def age(self, rel: str) -> float:
+        return time.time() - os.lstat(self.local_path(rel)).st_mtime
+
+    def list(self, reldir: str) -> List[str]:
+        try:
+            return os.listdir(self.local_path(reldir))
+        except FileNotFoundError:
+            return []
+
+    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
+        # in place: no manifest names this file yet, so a torn one is garbage (saves a rename)
+        durable_write(self.local_path(rel), data, step=step, sync_dir=False, atomic=False)
+
+    def _temp(self, rel: str) -> str:
+        directory, name = os.path.split(rel)
+        return os.path.join(directory, f"{TMP_PREFIX}{name}.{self.writer_id}")
+
+    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
+        """Create ``rel`` with ``data`` unless it exists; False if it does. Atomic and
+        never partial: the bytes are written and fsynced under a temporary name, then
+        ``link()``ed, which (unlike ``rename``) fails with EEXIST instead of replacing."""
+        tmp = self._temp(rel)
+        durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
+        try:
+            if step:
+                crash_point(f"{step}.written")
+            try:
+                os.link(self.local_path(tmp), self.local_path(rel))
+            except FileExistsError:
+                return False
+            if step:
+                crash_point(f"{step}.renamed")
+            return True
+        finally:
+            remove_quietly(self.local_path(tmp))
+
+    def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+        """Write ``data`` once and link it under the first free name ``rel_of(i)``,
+        ``i = first, first + 1, ...``; returns ``(i, name)``. How a writer of a
+        multi-writer store reserves a segment id no other writer can have."""
+        tmp = self._temp(rel_of(first))
+        durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
+        try:
+            for i in range(first, first + tries):
+                try:
+                    os.link(self.local_path(tmp), self.local_path(rel_of(i)))
+                    return i, rel_of(i)
+                except FileExistsError:
+                    continue
+            raise OSError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+        finally:
+            remove_quietly(self.local_path(tmp))
+
+    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
+        durable_write(self.local_path(rel), data, step=step, sync_dir=sync)
+
+    def delete(self, rel: str) -> bool:
+        return remove_quietly(self.local_path(rel))
+
+    def sync_dir(self, reldir: str) -> None:
+        fsync_dir(self.local_path(reldir))
+
+    def ensure_dir(self, reldir: str) -> None:
+        if not os.path.isdir(self.local_path(reldir)):
+            os.makedirs(self.local_path(reldir), exist_ok=True)
+            fsync_dir(self.root)
+
+    def probe_create_if_absent(self, reldir: str) -> None:
+        """Refuse a filesystem where ``link()`` does not fail with EEXIST on an existing
+        name (a multi-writer commit would silently replace a concurrent one)."""
+        name = f"{reldir}/{TMP_PREFIX}probe.{self.writer_id}"
+        try:
+            first = self.put_if_absent(name, b"1")
+            second = self.put_if_absent(name, b"2")
+            kept = self.read_bytes(name)
+        except OSError as exc:
+            raise UnsupportedFilesystemError(
+                exc.errno, f"multi_writer=True needs an atomic create-if-absent (link() failing with EEXIST) "
+                f"and {self.local_path(reldir)} does not provide one ({exc.strerror}); use a single-writer store",
+                self.local_path(reldir)) from None
+        finally:
+            self.delete(name)
+        if not (first and not second and kept == b"1"):
+            raise UnsupportedFilesystemError(
+                errno.ENOTSUP, f"multi_writer=True needs an atomic create-if-absent and {self.local_path(reldir)} "
+                "let link() replace an existing file; use a single-writer store", self.local_path(reldir))

@@ -1,0 +1,122 @@
+"""Exactly-once tokens: which ``extend`` tokens a commit knows, kept small in every manifest.
+
+The newest ``INLINE_TOKENS`` records ride in the manifest itself; older ones
+are sealed into immutable ``tokens/<id>.json`` logs that the manifest lists
+(with their size and checksum), and the logs are merged into one once there
+are ``MAX_TOKEN_LOGS`` of them. A record is kept while any of its rows is live
+or it is among the newest ``RETAIN_TOKEN_COMMITS`` commits. Looking a token
+up reads the inline records and then the logs, newest first; a log is
+immutable, so a writer parses each one once.
+
+Measured manifest growth (``tests/test_commit.py::test_token_manifest_growth``):
+with tokens on every commit the manifest holds at most ``INLINE_TOKENS``
+records (about 55 bytes each) plus one ~150-byte entry per log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import format as fmt
+from ..errors import CorruptStoreError
+from .._fileio import crc32c
+from .storage import Storage
+
+INLINE_TOKENS = 256
+MAX_TOKEN_LOGS = 32
+RETAIN_TOKEN_COMMITS = 100_000
+
+
+def check_token(token: object) -> Optional[str]:
+    if token is None:
+        return None
+    if not isinstance(token, str) or not token:
+        raise TypeError(f"token must be a non-empty str (unique per logical batch, e.g. f'{{worker}}:{{step}}'), "
+                        f"got {token!r}")
+    if len(token) > fmt.MAX_TOKEN_CHARS:
+        raise ValueError(f"token must be at most {fmt.MAX_TOKEN_CHARS} characters, got {len(token)}")
+    return token
+
+
+def digest(num_rows: int, pieces: Sequence[Tuple[int, int]]) -> int:
+    """Fingerprint of a batch from its encoded pieces' ``(bytes, crc32c)``: a token reused
+    for a different batch differs here (or in its row count)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"%d" % num_rows)
+    for size, crc in pieces:
+        h.update(b";%d,%d" % (size, crc))
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+class TokenIndex:
+    """Token lookup over a manifest's inline records and its token logs (parsed once each)."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        # by the whole entry: an id freed by clean-up may be reused for another log
+        self._logs: Dict[fmt.TokenLog, Dict[str, fmt.TokenRecord]] = {}
+
+    def _log(self, entry: fmt.TokenLog) -> Dict[str, fmt.TokenRecord]:
+        hit = self._logs.get(entry)
+        if hit is None:
+            raw = self.storage.read_bytes(entry.file, entry.bytes)
+            if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
+                raise CorruptStoreError(f"{self.storage.local_path(entry.file)} fails its checksum; the token "
+                                        "log is damaged")
+            hit = self._logs[entry] = {r.token: r for r in fmt.parse_token_log(raw, entry.file)}
+        return hit
+
+    def find(self, manifest: fmt.Manifest, token: str) -> Optional[fmt.TokenRecord]:
+        for r in reversed(manifest.tokens):
+            if r.token == token:
+                return r
+        for entry in reversed(manifest.token_logs):
+            r = self._log(entry).get(token)
+            if r is not None:
+                return r
+        return None
+
+    def records(self, entry: fmt.TokenLog) -> List[fmt.TokenRecord]:
+        return list(self._log(entry).values())
+
+
+def _kept(r: fmt.TokenRecord, manifest: fmt.Manifest) -> bool:
+    return r.end_row > manifest.head or r.generation > manifest.generation - RETAIN_TOKEN_COMMITS
+
+
+def compact_tokens(manifest: fmt.Manifest, index: TokenIndex, write_log) -> Tuple[fmt.Manifest, List[str]]:
+    """Seal inline records into a log when there are too many, drop logs nobody needs, merge logs.
+
+    ``write_log(data, first_id) -> id`` writes an immutable log under a fresh id
+    (``first_id`` for one writer: four ids per generation, so the sealed and the
+    merged log of one commit differ). Returns the new manifest and the files written.
+    """
+    written: List[str] = []
+    tokens, logs = manifest.tokens, manifest.token_logs
+    if len(tokens) <= INLINE_TOKENS and len(logs) <= MAX_TOKEN_LOGS \
+            and not (logs and not _log_kept(logs[0], manifest)):
+        return manifest, written
+    logs = tuple(e for e in logs if _log_kept(e, manifest))
+    if len(tokens) > INLINE_TOKENS:
+        sealed = [r for r in tokens if _kept(r, manifest)]
+        if sealed:
+            logs = logs + (_write(sealed, 4 * manifest.generation, write_log, written),)
+        tokens = ()
+    if len(logs) > MAX_TOKEN_LOGS:
+        merged = [r for e in logs for r in index.records(e) if _kept(r, manifest)]
+        logs = (_write(merged, 4 * manifest.generation + 1, write_log, written),) if merged else ()
+    return manifest.evolve(tokens=tokens, token_logs=logs), written
+
+
+def _log_kept(e: fmt.TokenLog, manifest: fmt.Manifest) -> bool:
+    return e.end_row > manifest.head or e.last_generation > manifest.generation - RETAIN_TOKEN_COMMITS
+
+
+def _write(records: List[fmt.TokenRecord], first_id: int, write_log, written: List[str]) -> fmt.TokenLog:
+    records.sort(key=lambda r: r.generation)
+    data = fmt.token_log_bytes(records)
+    log_id = write_log(data, first_id)
+    written.append(fmt.token_log_file(log_id))
+    return fmt.TokenLog(log_id, len(data), crc32c(data), len(records), max(r.generation for r in records),
+                        max(r.end_row for r in records))

@@ -1,0 +1,306 @@
+"""The commit path: the writer's open, garbage collection and its ordering, errors after the commit point."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from diskreplay import ReplayStore
+from diskreplay import format as fmt
+
+from .test_durability import check_live_rows, expected_rows
+
+
+def _batch(store, n=4):
+    return expected_rows(np.arange(store.next_row, store.next_row + n))
+
+
+# --------------------------------------------------------------------------- the writer lock (issue 12.1)
+
+
+@pytest.mark.parametrize("call", ["ftruncate", "write"])
+def test_lock_is_released_when_writing_the_pid_fails(tmp_path, monkeypatch, call):
+    path = str(tmp_path / "store")
+    ReplayStore(path).close()
+    real = getattr(os, call)
+    lock = os.path.join(path, fmt.LOCK_FILE)
+
+    def failing(fd, *args):
+        if os.readlink(f"/proc/self/fd/{fd}") == lock:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, *args)
+
+    monkeypatch.setattr(os, call, failing)
+    with pytest.raises(OSError, match="LOCK") as info:
+        ReplayStore(path)
+    assert info.value.errno == errno.EIO and info.value.filename == lock
+    monkeypatch.undo()
+    with ReplayStore(path) as store:  # the failed open left no flock behind in this process
+        store.extend(_batch(store))
+
+
+# --------------------------------------------------------------------------- unreadable manifests (issue 12.2)
+
+
+def test_an_unreadable_manifest_and_its_files_are_not_collected(tmp_path, monkeypatch):
+    path = str(tmp_path / "store")
+    with ReplayStore(path, capacity=4) as store:
+        for _ in range(6):  # each append evicts the previous segment
+            store.extend(_batch(store))
+        retained = fmt.list_generations(path)
+        oldest = fmt.load_manifest(os.path.join(path, fmt.manifest_file(retained[-1])))
+    only_its = [f for f in oldest.files() if all(
+        f not in fmt.load_manifest(os.path.join(path, fmt.manifest_file(g))).files() for g in retained[:-1])]
+    assert only_its
+    real = fmt.read_file
+    target = os.path.join(path, oldest.file)
+
+    def eio(p, *args):
+        if p == target:
+            raise OSError(errno.EIO, "Input/output error", p)
+        return real(p, *args)
+
+    monkeypatch.setattr(fmt, "read_file", eio)
+    with pytest.warns(RuntimeWarning, match="cannot read manifest"):
+        ReplayStore(path).close()
+    monkeypatch.undo()
+    assert os.path.exists(target)
+    for f in only_its:
+        assert os.path.exists(os.path.join(path, f)), f
+    with ReplayStore(path) as store:  # once it reads again, normal clean-up resumes
+        check_live_rows(store, 4)
+
+
+# --------------------------------------------------------------------------- ordered, durable deletions (issue 12.3)
+
+
+class _Trace:
+    """Unlinks and fsyncs of a store, in order, by path relative to the store."""
+
+    def __init__(self, root, monkeypatch):
+        self.root, self.events = root, []
+        real_unlink, real_fsync = os.unlink, os.fsync
+
+        def unlink(p, *a, **k):
+            real_unlink(p, *a, **k)
+            self.events.append(("unlink", os.path.relpath(os.path.abspath(p), root)))
+
+        def fsync(fd):
+            real_fsync(fd)
+            self.events.append(("fsync", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), root)))
+
+        monkeypatch.setattr(os, "unlink", unlink)
+        monkeypatch.setattr(os, "fsync", fsync)
+
+
+def _naming(root):
+    """data file -> manifests naming it, for every manifest on disk."""
+    out = {}
+    for g in fmt.list_generations(root):
+        m = fmt.load_manifest(os.path.join(root, fmt.manifest_file(g)))
+        for f in m.files():
+            out.setdefault(f, set()).add(m.file)
+    return out
+
+
+def _check_power_cut_safe(trace, naming):
+    """At every unlink of a data file, each manifest naming it is already unlinked *and* that unlink
+    made durable by an fsync of manifests/; every unlink is made durable before the call returns."""
+    gone_durably, gone = set(), set()
+    pending = {}
+    for kind, rel in trace.events:
+        if kind == "unlink":
+            if rel.startswith(fmt.MANIFEST_DIR + "/"):
+                gone.add(rel)
+            else:
+                assert naming.get(rel, set()) <= gone_durably, \
+                    f"{rel} unlinked while {naming[rel] - gone_durably} may come back after a power cut"
+            pending.setdefault(os.path.dirname(rel), set()).add(rel)
+        else:
+            pending.pop(rel, None)
+            if rel == fmt.MANIFEST_DIR:
+                gone_durably |= gone
+    assert not pending, f"unlinks never made durable: {pending}"
+
+
+def test_deletions_are_ordered_and_durable(tmp_path, monkeypatch):
+    path = str(tmp_path / "store")
+    store = ReplayStore(path, capacity=4)
+    for _ in range(fmt.KEEP_MANIFESTS + 1):
+        store.extend(_batch(store))
+    for _ in range(3):  # incremental clean-up after each commit
+        naming = _naming(path)
+        with monkeypatch.context() as mp:
+            trace = _Trace(path, mp)
+            store.extend(_batch(store))
+        assert any(k == "unlink" and not r.startswith("manifests") for k, r in trace.events)
+        _check_power_cut_safe(trace, naming)
+    store.close()
+    # the open's full sweep, with a stale manifest and an unreferenced segment left by "a crash"
+    with open(os.path.join(path, fmt.manifest_file(1)), "wb") as f:
+        f.write(fmt.signed_bytes(fmt.Manifest(generation=1, next_segment=1).body()))
+    with open(os.path.join(path, fmt.segment_file(10 ** 9)), "wb") as f:
+        f.write(b"garbage")
+    naming = _naming(path)
+    with monkeypatch.context() as mp:
+        trace = _Trace(path, mp)
+        ReplayStore(path).close()
+    assert ("unlink", fmt.segment_file(10 ** 9)) in trace.events
+    _check_power_cut_safe(trace, naming)
+
+
+# --------------------------------------------------------------------------- exactly-once tokens (issue 9.2)
+
+
+@pytest.fixture(params=[False, True], ids=["single", "multi"])
+def multi(request):
+    return request.param
+
+
+def test_token_must_be_a_non_empty_str(tmp_path):
+    with ReplayStore(tmp_path / "s") as store:
+        for bad in (5, "", b"x", ["a"]):
+            with pytest.raises(TypeError, match="token"):
+                store.extend(_batch(store), token=bad)
+        assert store.generation == 0
+
+
+def test_a_committed_token_returns_its_rows_and_writes_nothing(tmp_path, multi):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=multi) as store:
+        first = store.extend(expected_rows(np.arange(0, 4)), token="w0:0")
+        store.extend(expected_rows(np.arange(4, 8)), token="w0:1")
+        gen, files = store.generation, sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR)))
+        again = store.extend(expected_rows(np.arange(0, 4)), token="w0:0")
+        assert again.tolist() == first.tolist() == [0, 1, 2, 3]
+        assert store.generation == gen and sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR))) == files
+    with ReplayStore(path) as store:  # across a restart
+        assert store.extend(expected_rows(np.arange(4, 8)), token="w0:1").tolist() == [4, 5, 6, 7]
+        assert len(store) == 8
+        check_live_rows(store)
+
+
+def test_a_token_reused_for_another_batch_is_refused(tmp_path, multi):
+    with ReplayStore(tmp_path / "s", multi_writer=multi) as store:
+        store.extend(expected_rows(np.arange(0, 4)), token="step-7")
+        with pytest.raises(ValueError, match="step-7"):
+            store.extend(expected_rows(np.arange(0, 5)), token="step-7")  # another row count
+        other = expected_rows(np.arange(0, 4))
+        other["rewards"] = other["rewards"] + 1  # same rows, other content
+        with pytest.raises(ValueError, match="step-7"):
+            store.extend(other, token="step-7")
+        assert len(store) == 4
+
+
+def test_tokens_survive_sealing_merging_and_are_forgotten_only_when_allowed(tmp_path, monkeypatch):
+    from diskreplay.store import tokens as tok
+
+    monkeypatch.setattr(tok, "INLINE_TOKENS", 4)
+    monkeypatch.setattr(tok, "MAX_TOKEN_LOGS", 3)
+    monkeypatch.setattr(tok, "RETAIN_TOKEN_COMMITS", 30)
+    path = str(tmp_path / "s")
+    with ReplayStore(path, capacity=40) as store:
+        for i in range(60):
+            store.extend(expected_rows([i]), token=f"t{i}")
+        m = store.manifest
+        assert len(m.tokens) <= 4 and 1 <= len(m.token_logs) <= 3
+    assert verify_ok(path)
+    with ReplayStore(path, capacity=40) as store:
+        # live rows (20..59) and the newest 30 commits: found without appending
+        for i in (20, 35, 59):
+            assert store.extend(expected_rows([i]), token=f"t{i}").tolist() == [i]
+        assert store.next_row == 60
+        # evicted and older than 30 commits: forgotten, so the batch is new again
+        assert store.extend(expected_rows([60]), token="t0").tolist() == [60]
+
+
+def verify_ok(path):
+    from diskreplay.verify import verify_store
+
+    report = verify_store(path)
+    assert report["ok"], report["problems"]
+    return True
+
+
+def test_token_manifest_growth(tmp_path):
+    """Tokens on every commit add a bounded number of bytes to each manifest (printed with -s)."""
+    from diskreplay.store import tokens as tok
+
+    path = str(tmp_path / "s")
+    extra = []
+    with ReplayStore(path, group_key=None) as store:
+        for i in range(tok.INLINE_TOKENS + 20):
+            store.extend({"x": [i]}, token=f"worker-{i % 8}:step-{i}")
+            m = store.manifest
+            size = os.path.getsize(os.path.join(path, m.file))
+            extra.append(size - len(fmt.signed_bytes(m.evolve(tokens=(), token_logs=()).body())))
+        assert store.manifest.token_logs  # sealed once the inline records filled up
+    print(f"token bytes per manifest: max {max(extra)}, after sealing {extra[-1]}")
+    assert max(extra) < 60 * tok.INLINE_TOKENS and extra[-1] < 60 * 21 + 200
+
+
+# --------------------------------------------------------------------------- errors after the commit point (issue 9.2, 12.4)
+
+
+def _fail_fsync_of(monkeypatch, directory, times=1):
+    real = os.fsync
+    left = [times]
+
+    def fsync(fd):
+        if left[0] and os.readlink(f"/proc/self/fd/{fd}") == directory:
+            left[0] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return left
+
+
+def test_error_after_the_commit_point_is_commit_not_durable(tmp_path, monkeypatch, multi):
+    from diskreplay import CommitNotDurableError
+
+    path = str(tmp_path / "s")
+    store = ReplayStore(path, multi_writer=multi)
+    store.extend(expected_rows(np.arange(0, 4)), token="b0")
+    gen = store.generation
+    left = _fail_fsync_of(monkeypatch, os.path.join(path, fmt.MANIFEST_DIR))
+    with pytest.raises(CommitNotDurableError) as info:
+        store.extend(expected_rows(np.arange(4, 8)), token="b1")
+    assert left == [0] and isinstance(info.value, OSError) and info.value.errno == errno.EIO
+    assert info.value.rows.tolist() == [4, 5, 6, 7]
+    assert store.generation == gen + 1
+    with ReplayStore(path, readonly=True) as reader:  # visible to everyone
+        assert reader.next_row == 8
+        check_live_rows(reader)
+    # the natural retry, with the same token: same rows, nothing appended
+    assert store.extend(expected_rows(np.arange(4, 8)), token="b1").tolist() == [4, 5, 6, 7]
+    assert store.next_row == 8 and store.generation == gen + 1
+    store.close()  # durability owed is made good here (or by the next commit)
+    with ReplayStore(path) as again:
+        assert again.extend(expected_rows(np.arange(4, 8)), token="b1").tolist() == [4, 5, 6, 7]
+        check_live_rows(again)
+        assert again.next_row == 8
+
+
+def test_durability_owed_is_retried_by_the_next_commit(tmp_path, monkeypatch):
+    from diskreplay import CommitNotDurableError
+
+    path = str(tmp_path / "s")
+    store = ReplayStore(path)
+    left = _fail_fsync_of(monkeypatch, os.path.join(path, fmt.MANIFEST_DIR))
+    with pytest.raises(CommitNotDurableError):
+        store.extend(expected_rows(np.arange(0, 4)))
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    store.extend(expected_rows(np.arange(4, 8)))
+    # the owed fsync of manifests/ comes before the new commit's manifest is even written
+    mdir = os.path.join(path, fmt.MANIFEST_DIR)
+    first_manifest_write = min(i for i, p in enumerate(synced) if p.startswith(mdir + "/"))
+    assert mdir in synced[:first_manifest_write] and left == [0]
+    store.close()
