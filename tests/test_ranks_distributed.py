@@ -1,0 +1,171 @@
+"""Trainer ranks in real processes (issue 9): torchrun, gloo, CPU.
+
+2 and 4 ranks sample from one store while another process keeps appending to
+it. Every rank pins the generation rank 0 broadcasts (``agree_generation``);
+the ranks' draws must be disjoint slices of one global batch, the same on a
+rerun, equal to what one sampler with ``world_size=1`` draws from that
+generation, and a rank resumed from its ``state_dict()`` mid-stream must go on
+bit-exactly.
+
+This file is also the worker torchrun starts: ``python -m torch.distributed.run
+... tests/test_ranks_distributed.py OUT STORE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 8          # rows per rank per draw
+DRAWS = 4          # draws per sampler; a resumed copy takes over after RESUME_AT of them
+RESUME_AT = 2
+
+
+def _samplers(rank: int, world: int):
+    from diskreplay import PrioritizedSampler, PromptGroupSampler, RandomSampler
+
+    return {
+        "group-random": PromptGroupSampler(samples_per_group=4, seed=3, rank=rank, world_size=world),
+        "group-variance": PromptGroupSampler(samples_per_group=4, strategy="variance", seed=3, rank=rank,
+                                             world_size=world),
+        "uniform": RandomSampler(seed=3, rank=rank, world_size=world),
+        "ssr": PrioritizedSampler(alpha=1.0, seed=3, rank=rank, world_size=world),
+    }
+
+
+def _draw(store, rank: int, world: int, batch: int = BATCH):
+    """Every sampler's draws, and the draws of a copy resumed from its state after RESUME_AT of them."""
+    out = {}
+    for name, sampler in _samplers(rank, world).items():
+        draws, state = [], None
+        for i in range(DRAWS):
+            if i == RESUME_AT:
+                state = sampler.state_dict()
+            draws.append(sampler.sample(store, batch).tolist())
+        resumed = _samplers(rank, world)[name]
+        resumed.load_state_dict(state)
+        out[name] = {"draws": draws, "resumed": [resumed.sample(store, batch).tolist()
+                                                 for _ in range(DRAWS - RESUME_AT)]}
+    return out
+
+
+def _worker(out_dir: str, path: str) -> None:
+    import torch.distributed as dist
+
+    from diskreplay import ReplayStore
+    from diskreplay.samplers import agree_generation
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with ReplayStore(path, readonly=True) as follower:
+        if rank != 0:
+            time.sleep(0.2 * rank)  # the writer commits meanwhile: the ranks' own views differ
+            follower.refresh()
+        with agree_generation(follower) as snap:
+            result = {"rank": rank, "generation": snap.generation, "head": snap.head, "next_row": snap.next_row,
+                      "draws": _draw(snap, rank, world)}
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- test
+
+
+def _append_forever(path: str, stop_file: str) -> subprocess.Popen:
+    code = f"""
+import os, time
+from diskreplay import ReplayStore
+from diskreplay.synthetic import make_rollouts
+with ReplayStore({path!r}) as store:
+    i = 0
+    while not os.path.exists({stop_file!r}):
+        store.extend(make_rollouts(4, 4, seed=100 + i, prompt_mean=6, completion_mean=8))
+        i += 1
+        time.sleep(0.02)
+"""
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=_env())
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    return env
+
+
+def _launch(world: int, out_dir: str, path: str, timeout: float = 240) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           os.path.abspath(__file__), out_dir, path]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the {world}-rank run did not finish in {timeout} s:\n{output.decode(errors='replace')[-6000:]}")
+    assert proc.returncode == 0, f"the {world}-rank run failed:\n{output.decode(errors='replace')[-6000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_draw_disjoint_slices_of_one_global_batch_while_a_writer_appends(tmp_path, world):
+    from diskreplay import ReplayStore
+    from diskreplay.synthetic import make_rollouts
+
+    path = str(tmp_path / "store")
+    with ReplayStore(path, multi_writer=True) as store:  # retains a pinned generation's files for an hour
+        store.extend(make_rollouts(16, 4, seed=0, prompt_mean=6, completion_mean=8))
+    stop = str(tmp_path / "stop")
+    writer = _append_forever(path, stop)
+    runs = []
+    try:
+        for attempt in range(2):  # the same job twice: the draws are deterministic given the generation
+            out = tmp_path / f"run{attempt}"
+            out.mkdir()
+            _launch(world, str(out), path)
+            runs.append([json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)])
+    finally:
+        open(stop, "w").close()
+        writer.wait(timeout=60)
+    assert writer.returncode == 0
+
+    for ranks in runs:
+        gens = {r["generation"] for r in ranks}
+        assert len(gens) == 1, f"the ranks sampled different generations: {gens}"
+        with ReplayStore(path, readonly=True, generation=gens.pop()) as snap:
+            single = _draw(snap, 0, 1, BATCH * world)  # one sampler drawing the global batch
+            groups = snap.group_index()
+            group_of = {int(row): g for g in range(len(groups)) for row in groups.group(g)}
+        for name in single:
+            for i in range(DRAWS):
+                per_rank = [r["draws"][name]["draws"][i] for r in ranks]
+                whole = single[name]["draws"][i]
+                assert sum(per_rank, []) == whole, (name, i)  # rank r holds the r-th slice of the global batch
+                if name != "ssr":  # SSR draws with replacement; the others never repeat a row in a batch
+                    assert len(set(whole)) == len(whole), (name, i)
+                if name.startswith("group"):  # whole groups stay on one rank
+                    owners = [{group_of[row] for row in rows} for rows in per_rank]
+                    for a in range(world):
+                        for b in range(a + 1, world):
+                            assert not owners[a] & owners[b], (name, i, a, b)
+            for r in ranks:  # a rank resumed from its state goes on exactly as it would have
+                assert r["draws"][name]["resumed"] == r["draws"][name]["draws"][RESUME_AT:], (name, r["rank"])
+    if runs[0][0]["generation"] == runs[1][0]["generation"]:
+        assert runs[0] == runs[1]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
