@@ -61,6 +61,7 @@ import argparse
 import collections
 import dataclasses
 import errno
+import json
 import functools
 import gc
 import os
@@ -688,12 +689,25 @@ def power_loss_findings(calls: List[Call], store: str) -> List[str]:
 # --------------------------------------------------------------------------- the sweep
 
 
-def select(cases: List[Case], syscalls: Optional[str], faults: Sequence[str], sample: Optional[int],
-           seed: int) -> List[Case]:
+def select(cases: List[Case], faults: Sequence[str], sample: Optional[int], seed: int) -> List[Case]:
     chosen = [c for c in cases if c.fault in faults]
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample), key=cases.index)
     return chosen
+
+
+def run_cases(cases: Sequence[Case], template: str, jobs: int, keep: Optional[str] = None,
+              progress: bool = False) -> List[Tuple[Case, Dict[str, object]]]:
+    """Run ``cases`` (each in a fresh copy of ``template``), ``jobs`` at once, in their order."""
+    start = time.monotonic()
+    results: Dict[Case, Dict[str, object]] = {}
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(run_case, c, template, keep): c for c in cases}
+        for k, fut in enumerate(as_completed(futures), 1):
+            results[futures[fut]] = fut.result()
+            if progress and k % 100 == 0:
+                print(f"  {k}/{len(cases)} cases, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return [(c, results[c]) for c in cases]
 
 
 def table(results: List[Tuple[Case, Dict[str, object]]], group_of: Dict[str, str]) -> str:
@@ -718,7 +732,7 @@ def table(results: List[Tuple[Case, Dict[str, object]]], group_of: Dict[str, str
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0] + " (see the module docstring for the invariants).",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Invariants: " + ", ".join(INVARIANTS) + ". Exit status 1 when any case broke one.")
     parser.add_argument("--syscalls", default=",".join(DEFAULT_GROUPS),
@@ -727,8 +741,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sample", type=int, help="run this many cases, drawn with --seed (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cases run at once")
-    parser.add_argument("--case", help="run one case SYSCALL:FAULT:OCCURRENCE (e.g. openat:EIO:7)")
-    parser.add_argument("--keep", help="with --case: copy the case's store, strace log and output here")
+    parser.add_argument("--case", help="run these cases only: SYSCALL:FAULT:OCCURRENCE[,...] (e.g. openat:EIO:7)")
+    parser.add_argument("--keep", help="with one --case: copy its store, strace log and output here")
+    parser.add_argument("--json", help="also write the cases (with --list) or the results to this file")
     parser.add_argument("--all", action="store_true", help="list every case, not only broken ones")
     parser.add_argument("--power-loss", action="store_true", help="check the baseline's deletion order")
     parser.add_argument("--dir", help="where stores are made (default: /dev/shm when there is one: fsync is "
@@ -757,32 +772,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cases, calls, base_store = baseline(tempfile.mkdtemp(dir=top), template, groups)
         group_of = {n: g for g, names in SYSCALL_GROUPS.items() for n in names}
         if args.case:
-            syscall, fault, occ = args.case.split(":")
-            chosen = [c for c in cases if (c.syscall, c.fault, c.occurrence) == (syscall, fault.upper(), int(occ))]
-            if not chosen:
-                parser.error(f"--case {args.case}: no such store call in the baseline (see --list)")
+            by_label = {c.label.lower(): c for c in cases}
+            chosen = []
+            for label in args.case.split(","):
+                if label.strip().lower() not in by_label:
+                    parser.error(f"--case {label}: no such store call in the baseline (see --list)")
+                chosen.append(by_label[label.strip().lower()])
         else:
-            chosen = select(cases, args.syscalls, faults, args.sample, args.seed)
+            chosen = select(cases, faults, args.sample, args.seed)
         if args.list:
             for c in chosen:
                 print(f"{c.label:<24} {c.target:<40} [{c.step}]")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"cases": [dataclasses.asdict(c) for c in chosen]}, f, indent=1)
             return 0
         print(f"baseline: {len(calls)} traced calls of the child's main thread, "
               f"{len(cases) // len(FAULTS)} touch the store in the chosen syscalls; running {len(chosen)} cases "
               f"with {args.jobs} jobs", flush=True)
         start = time.monotonic()
-        results: List[Tuple[Case, Dict[str, object]]] = []
-        with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = {pool.submit(run_case, c, template, args.keep if args.case else None): c for c in chosen}
-            for k, fut in enumerate(as_completed(futures), 1):
-                results.append((futures[fut], fut.result()))
-                if k % 100 == 0:
-                    print(f"  {k}/{len(chosen)} cases, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-        results.sort(key=lambda r: chosen.index(r[0]))
+        results = run_cases(chosen, template, args.jobs, args.keep if len(chosen) == 1 else None, progress=True)
         print(f"{len(results)} cases in {time.monotonic() - start:.0f} s\n")
         print(table(results, group_of))
         failing = [(c, r) for c, r in results if r["broken"]]
-        listed = results if args.all else failing
+        listed = results if args.all else failing + [(c, r) for c, r in results if r["note"]]
         if listed:
             print("\ncase                     file                                   during         outcome")
         for c, r in listed:
@@ -792,13 +805,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if missed:
             print(f"\nmissed (the run diverged from the baseline before the call): {', '.join(missed[:20])}"
                   + (" ..." if len(missed) > 20 else ""))
+        found = power_loss_findings(calls, base_store) if args.power_loss else []
         if args.power_loss:
-            found = power_loss_findings(calls, base_store)
             print(f"\npower-loss order of the unfaulted run's deletions: {len(found)} finding(s)")
             for line in found[:10]:
                 print("  " + line)
             if len(found) > 10:
                 print(f"  ... and {len(found) - 10} more")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"results": [{**dataclasses.asdict(c), "label": c.label, **r} for c, r in results],
+                           "power_loss": found if args.power_loss else None}, f, indent=1)
         return 1 if failing else 0
     finally:
         shutil.rmtree(top, ignore_errors=True)
