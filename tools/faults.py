@@ -35,6 +35,11 @@ faulted run a fresh process checks the invariants of docs/FORMAT.md
 ``error``                   an error that reached the caller is an ``OSError``
                             (or a ``DiskReplayError``), not something else
 
+Two more columns count what a caller sees, without failing a case:
+``raised-committed`` (an append raised, yet its rows are committed: a retry
+would append them twice; issue 12 item 4) and ``unnamed-error`` (a bare
+``OSError`` that names no file reached the caller).
+
 A case whose injection did not hit the syscall the baseline saw there (the run
 diverged) is counted as ``missed``, not as survived.
 
@@ -102,6 +107,7 @@ SYSCALL_GROUPS = {
 DEFAULT_GROUPS = ("write", "fsync", "rename", "link", "unlink", "openat", "close", "ftruncate", "flock")
 FAULTS = ("SIGKILL", "EIO", "ENOSPC", "EDQUOT")
 INVARIANTS = ("open-ro", "open-rw", "acked", "partial", "state", "verify", "lock", "deleted", "error")
+INFO = ("raised-committed", "unnamed-error")  # counted in the table, not failures
 # fd-first syscalls name their file through strace -y's "<path>" annotation
 _FD_SYSCALLS = {"write", "fsync", "fdatasync", "close", "ftruncate", "flock", "read", "pread64"}
 
@@ -280,6 +286,9 @@ def warm_up(workdir: str) -> None:
 # --------------------------------------------------------------------------- strace
 
 
+TRACING = 999999999  # what getppid returns once strace traces the child (no pid is that large)
+
+
 def traced_names() -> List[str]:
     return sorted({n for names in SYSCALL_GROUPS.values() for n in names})
 
@@ -287,7 +296,8 @@ def traced_names() -> List[str]:
 def strace_cmd(log: str, inject: Optional[str], pid: int) -> List[str]:
     # no --seccomp-bpf: with it, strace 6.1 does not deliver an injection's signal=
     cmd = ["strace", "-f", "-qq", "-y", "-s", "48", "-e", "signal=none", "-o", log,
-           "-e", "trace=" + ",".join(traced_names())]
+           "-e", "trace=" + ",".join(traced_names() + ["getppid"]),
+           "-e", f"inject=getppid:retval={TRACING}:when=1"]
     if inject:
         cmd += ["-e", "inject=" + inject]
     return cmd + ["-p", str(pid)]
@@ -325,12 +335,17 @@ def run_traced(workdir: str, action, inject: Optional[str], timeout: float = 120
                 f = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(f, fd)
                 os.close(f)
-            # a full collection resets the collector's counters, which the child inherits from
-            # whatever this process did before: without it, a cycle holding a descriptor
-            # would be closed at a different call in each run
-            gc.collect()
             if os.read(go_r, 1) == b"g":
                 os.close(go_r)
+                # strace is attached, but may not trace yet: wait for its answer to getppid,
+                # so that its when= counts start at the first call of action()
+                deadline = time.monotonic() + 60
+                while os.getppid() != TRACING and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                # A full collection resets the collector's counters (inherited from whatever
+                # this process did before, and moved by the wait above): without it, a cycle
+                # holding a descriptor would be closed at a different call in each run.
+                gc.collect()
                 action()
                 code = 0
         except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
@@ -558,7 +573,7 @@ def check(case: Optional[Case], store: str, rc: int, out: str, err: str, log: st
     injected = [c for c in calls if c.injected]
     begun, acked, states_begun, states = _parse_child(out)
     lines = out.splitlines()
-    status = "ok"
+    status, missed_note = "ok", ""
     if case is not None:
         if case.fault == "SIGKILL":
             hit = rc in (-signal.SIGKILL, 128 + signal.SIGKILL)
@@ -574,6 +589,9 @@ def check(case: Optional[Case], store: str, rc: int, out: str, err: str, log: st
                 hit = False
         if not hit:
             status = "missed"
+            got = [f"{c.name}:{c.occurrence} {normalize(c.paths[0]) if c.paths else ''} [{c.step}]"
+                   for c in injected] or ["nothing"]
+            missed_note = "injected into " + ", ".join(got)
     if case is None or case.fault != "SIGKILL":
         if "done" not in lines:
             broken["error"] = f"the child died (exit {rc}): {err.strip().splitlines()[-1:] or ''}"
@@ -587,6 +605,7 @@ def check(case: Optional[Case], store: str, rc: int, out: str, err: str, log: st
     if bad:
         broken["deleted"] = bad
     # the store, read-only
+    next_row = None
     try:
         with ReplayStore(store, readonly=True) as ro:
             live = ro.row_ids()
@@ -627,17 +646,26 @@ def check(case: Optional[Case], store: str, rc: int, out: str, err: str, log: st
     except Exception as exc:  # noqa: BLE001
         broken["open-rw"] = f"{type(exc).__name__}: {exc}"
     errors = [line for line in lines if line.startswith(("error", "reopen-failed"))]
-    note = ""
+    # not invariants, but what a caller sees: an error for an append that was committed (a
+    # retry would append it twice: issue 12 item 4), a bare OSError that names no file
+    info = []
+    if case is not None and case.fault != "SIGKILL" and generation is not None:
+        if any((f, n) not in acked and f + n <= next_row for f, n in begun):
+            info.append("raised-committed")
+    if any(line.split()[1:2] == ["OSError"] and "names-file=False" in line for line in errors):
+        info.append("unnamed-error")
+    note = missed_note
     if case is not None and case.syscall == "close" and case.fault != "SIGKILL" and case.target == fmt.LOCK_FILE \
             and set(broken) == {"lock"}:
         # strace skips a syscall it fails, but Linux frees a descriptor (and drops its
         # flock) even when close fails: the lock the child still holds exists only here
         status, note, broken = "artifact", f"lock held by the unexecuted close ({broken['lock']})", {}
     return {"status": "broken" if broken else status, "broken": broken, "child": errors[:2], "note": note,
+            "info": info,
             "fault_seen": "fault 1" in lines}
 
 
-def run_case(case: Case, template: str, keep: Optional[str] = None) -> Dict[str, object]:
+def _run_case(case: Case, template: str, keep: Optional[str]) -> Dict[str, object]:
     workdir = tempfile.mkdtemp(prefix="fault-", dir=os.path.dirname(template))
     try:
         store = os.path.join(workdir, "store")
@@ -649,6 +677,31 @@ def run_case(case: Case, template: str, keep: Optional[str] = None) -> Dict[str,
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_case(case: Case, template: str, keep: Optional[str] = None) -> Dict[str, object]:
+    """Run one case in a process forked for it, so that every traced child starts from the same
+    state: a pool worker that had checked an earlier case held objects whose release closed
+    descriptors, which moved the occurrence numbers of ``close``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                result = _run_case(case, template, keep)
+            except BaseException as exc:  # noqa: BLE001 - reported as the case's outcome
+                result = {"status": "broken", "broken": {"error": f"the sweep itself failed: {exc!r}"},
+                          "child": [], "note": "", "info": [], "fault_seen": False}
+            with os.fdopen(w, "wb") as f:
+                f.write(json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
 
 
 # --------------------------------------------------------------------------- power loss
@@ -717,16 +770,18 @@ def table(results: List[Tuple[Case, Dict[str, object]]], group_of: Dict[str, str
         key = (group_of[case.syscall], case.fault)
         rows[key]["runs"] += 1
         rows[key][res["status"]] += 1
-        for inv in res["broken"]:
+        for inv in list(res["broken"]) + list(res["info"]):
             rows[key][inv] += 1
-    head = ["syscall", "fault", "runs", "survived", "missed", "artifact"] + list(INVARIANTS)
-    lines = [" ".join(f"{h:>9}" if i > 1 else f"{h:<10}" for i, h in enumerate(head))]
+    head = ["syscall", "fault", "runs", "survived", "missed", "artifact"] + list(INVARIANTS) + list(INFO)
+    lines = [" ".join(f"{h:>9}" if i > 1 else f"{h:<10}" for i, h in enumerate(head[:-len(INFO)]))
+             + "".join(f" {h:>16}" for h in INFO)]
     for (group, fault) in sorted(rows, key=lambda k: (DEFAULT_GROUPS.index(k[0]) if k[0] in DEFAULT_GROUPS
                                                         else 99, FAULTS.index(k[1]))):
         r = rows[(group, fault)]
         vals = [group, fault, r["runs"], r["ok"], r["missed"] or ".", r["artifact"] or "."] + \
-            [r[i] or "." for i in INVARIANTS]
-        lines.append(" ".join(f"{v:>9}" if i > 1 else f"{v:<10}" for i, v in enumerate(vals)))
+            [r[i] or "." for i in INVARIANTS + INFO]
+        lines.append(" ".join(f"{v:>9}" if i > 1 else f"{v:<10}" for i, v in enumerate(vals[:-len(INFO)]))
+                     + "".join(f" {v:>16}" for v in vals[-len(INFO):]))
     return "\n".join(lines)
 
 
