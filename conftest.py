@@ -14,14 +14,16 @@ if importlib.util.find_spec("trl") is None:
 
 
 @pytest.fixture(autouse=True)
-def _private_tempdir():
+def _private_tempdir(tmp_path_factory):
     """Point ``tempfile`` (and ``TMPDIR``, for child processes) at a fresh directory, removed afterwards.
 
     The docstring examples make stores with ``tempfile.mkdtemp()``, as a user
     would; without this, every run left dozens of ``tmp*`` stores behind.
     Fixtures of a wider scope are set up before this one, so what they create
-    outlives the test as they intend.
+    outlives the test as they intend; so does pytest's own ``tmp_path`` root,
+    made here first (it is made under the temp directory on first use).
     """
+    tmp_path_factory.getbasetemp()
     saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
     path = tempfile.mkdtemp(prefix="diskreplay-test-")
     tempfile.tempdir = os.environ["TMPDIR"] = path
