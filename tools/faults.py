@@ -41,7 +41,8 @@ would append them twice; issue 12 item 4) and ``unnamed-error`` (a bare
 ``OSError`` that names no file reached the caller).
 
 A case whose injection did not hit the syscall the baseline saw there (the run
-diverged) is counted as ``missed``, not as survived.
+diverged: rare, and run again up to twice) is counted as ``missed``, not as
+survived.
 
 ``--power-loss`` also checks the order of the baseline's deletions against the
 usual power-loss model (an unlink is durable only after an fsync of its
@@ -679,7 +680,17 @@ def _run_case(case: Case, template: str, keep: Optional[str]) -> Dict[str, objec
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run_case(case: Case, template: str, keep: Optional[str] = None) -> Dict[str, object]:
+def run_case(case: Case, template: str, keep: Optional[str] = None, tries: int = 3) -> Dict[str, object]:
+    """Run one case, again (up to ``tries`` times) while the injection misses its call: about
+    one run in 500 still diverges from the baseline before it (cause not found yet)."""
+    for _ in range(tries):
+        result = _run_case_forked(case, template, keep)
+        if result["status"] != "missed":
+            break
+    return result
+
+
+def _run_case_forked(case: Case, template: str, keep: Optional[str]) -> Dict[str, object]:
     """Run one case in a process forked for it, so that every traced child starts from the same
     state: a pool worker that had checked an earlier case held objects whose release closed
     descriptors, which moved the occurrence numbers of ``close``."""
