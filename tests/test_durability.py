@@ -941,12 +941,14 @@ def test_flipped_format_json_is_detected(template, tmp_path):
 
 WRITER_CHILD = """
 from diskreplay import ReplayStore
-path, seconds, capacity = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+path, min_commits, capacity, readers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = np.random.default_rng(1)
 store = ReplayStore(path, capacity=capacity)
 print("open", flush=True)
-deadline, commits = time.monotonic() + seconds, 0
-while time.monotonic() < deadline:
+commits = 0
+# Counted, not timed: commit until every reader has done its share of reads (on a loaded
+# machine the readers may start long after the writer, or run slowly), and at least min_commits.
+while commits < min_commits or not all(os.path.exists(f"{path}.reader-{k}.done") for k in range(readers)):
     first = store.next_row
     store.extend(expected_rows(np.arange(first, first + int(rng.integers(1, 11)))))
     commits += 1
@@ -959,9 +961,8 @@ print(json.dumps({"commits": commits, "rows": int(store.next_row)}), flush=True)
 READER_CHILD = """
 import diskreplay
 from diskreplay import ReplayStore, RowsEvictedError
-path, seconds, seed = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+path, reads, refreshes, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = np.random.default_rng(seed)
-deadline = time.monotonic() + seconds
 while True:  # the writer creates the store; wait for its first commit
     try:
         store = ReplayStore(path, readonly=True)
@@ -973,8 +974,9 @@ while True:  # the writer creates the store; wait for its first commit
     time.sleep(0.01)
 stats = {"reads": 0, "rows": 0, "evicted": 0, "refreshes": 0, "group_checks": 0}
 
-
-while time.monotonic() < deadline:
+# Counted, not timed: the writer keeps committing until this reader has done `reads` reads
+# and followed it through `refreshes` new commits, however slowly either of them runs.
+while stats["reads"] < reads or stats["refreshes"] < refreshes:
     try:
         stats["refreshes"] += bool(store.refresh())
         head, nxt = store.head, store.next_row
@@ -998,26 +1000,34 @@ while time.monotonic() < deadline:
             print("WRONG groups", bad, flush=True)
             sys.exit(3)
         stats["group_checks"] += 1
+open(f"{path}.reader-{seed}.done", "w").close()
 print(json.dumps(stats), flush=True)
 """
 
+READS, REFRESHES = 100, 10
+
 
 def test_readers_during_writes_and_eviction(tmp_path):
-    """One writer evicting constantly, four readers: every row served is the row written."""
+    """One writer evicting constantly, four readers: every row served is the row written.
+
+    Counted, not timed, so a loaded machine makes it slower, never failing: each reader does
+    READS reads across at least REFRESHES commits, and the writer commits until they are done.
+    """
     path = str(tmp_path / "store")
-    writer = Child(WRITER_CHILD, path, 5.0, 25)
-    readers = [Child(READER_CHILD, path, 4.0, seed) for seed in range(4)]
-    writer.wait_for("open")
+    writer = Child(WRITER_CHILD, path, 30, 25, 4)
+    readers = [Child(READER_CHILD, path, READS, REFRESHES, seed) for seed in range(4)]
+    writer.wait_for("open", timeout=600)
     # while the writer runs, a second writer is refused
     with pytest.raises(StoreLockedError):
         ReplayStore(path)
-    results = [child.finish() for child in readers + [writer]]
+    # the timeouts only stop a hung child; no count above depends on speed
+    results = [child.finish(timeout=600) for child in readers + [writer]]
     for child in readers + [writer]:
         child.cleanup()
     w = results[-1]
-    assert w["commits"] > 20
+    assert w["commits"] >= 30
     for r in results[:-1]:
-        assert r["rows"] > 0 and r["refreshes"] > 0, r
+        assert r["reads"] >= READS and r["refreshes"] >= REFRESHES, r
     assert_verifies(path)
     with ReplayStore(path, readonly=True) as ro:
         assert ro.next_row == w["rows"]
