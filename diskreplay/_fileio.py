@@ -183,7 +183,15 @@ class WriterLock:
         self._fd = fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            # closing drops the flock even when the unlock failed; Linux frees the
+            # descriptor even when close() itself reports an error, so never keep it
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -2,9 +2,9 @@
 
 One ``python tools/faults.py`` process runs all the cases here (the baseline, a
 seeded sample of the store's syscalls under SIGKILL / EIO / ENOSPC / EDQUOT, and
-the cases that hit the known defects of issue 12), so that this class of bug
-stays found. The cases of known defects are marked ``xfail(strict=True)``: they
-turn red, and must be unmarked, the moment the fix lands. The whole sweep is
+the cases that hit the defects it found: issue 12 items 1-3 and a lock kept
+when unlocking failed at ``close()``; each failed before its fix), so that this
+class of bug stays found. The whole sweep is
 ``python tools/faults.py`` (about 3,000 runs).
 
 Skips, with the reason, where strace is missing or may not trace (no ptrace).
@@ -25,30 +25,25 @@ TOOL = os.path.join(ROOT, "tools", "faults.py")
 SAMPLE = 30
 SEED = 12
 
-ITEM1 = pytest.mark.xfail(strict=True, reason="issue 12 item 1: fixed on branch wt-commit")
-ITEM2 = pytest.mark.xfail(strict=True, reason="issue 12 item 2: fixed on branch wt-commit")
-ITEM3 = pytest.mark.xfail(strict=True, reason="issue 12 item 3: fixed on branch wt-commit")
-RELEASE = pytest.mark.xfail(strict=True, reason="found by tools/faults.py: WriterLock.release keeps the descriptor "
-                                                "(and the lock) when flock(LOCK_UN) fails")
 
 # The template store holds generations 3-6 (tools/faults.py make_template): 6 is the newest
 # manifest, which the writer's open reads first and fails on; 3-5 are read only by its clean-up.
 KNOWN = {
     # writing the pid into LOCK fails after the flock: the lock stays held by the process
-    "lock-ftruncate-eio": (("ftruncate", "EIO", "LOCK", "start"), ITEM1),
-    "lock-write-enospc": (("write", "ENOSPC", "LOCK", "start"), ITEM1),
-    "lock-write-edquot-reopen": (("write", "EDQUOT", "LOCK", "reopen 1"), ITEM1),
+    "lock-ftruncate-eio": ("ftruncate", "EIO", "LOCK", "start"),
+    "lock-write-enospc": ("write", "ENOSPC", "LOCK", "start"),
+    "lock-write-edquot-reopen": ("write", "EDQUOT", "LOCK", "reopen 1"),
     # an EIO reading a retained manifest at open: the clean-up deletes it
-    "open-manifest-5-openat-eio": (("openat", "EIO", "manifests/000000000005.json", "start"), ITEM2),
-    "open-manifest-3-close-eio": (("close", "EIO", "manifests/000000000003.json", "start"), ITEM2),
-    "open-manifest-4-openat-enospc": (("openat", "ENOSPC", "manifests/000000000004.json", "start"), ITEM2),
+    "open-manifest-5-openat-eio": ("openat", "EIO", "manifests/000000000005.json", "start"),
+    "open-manifest-3-close-eio": ("close", "EIO", "manifests/000000000003.json", "start"),
+    "open-manifest-4-openat-enospc": ("openat", "ENOSPC", "manifests/000000000004.json", "start"),
     # unlocking fails at close: the next writer open in the process finds LOCK held
-    "close-flock-eio": (("flock", "EIO", "LOCK", "state 2"), RELEASE),
+    "close-flock-eio": ("flock", "EIO", "LOCK", "state 2"),
 }
 
 
 def _is_known_kind(case: dict) -> bool:
-    """Cases of the kinds above are left out of the random sample, which must pass today."""
+    """Cases of the kinds above are run by name (test_known_defect), not in the random sample."""
     if case["fault"] == "SIGKILL":
         return False
     if case["target"] == "LOCK" and case["syscall"] in ("ftruncate", "write", "flock"):
@@ -74,7 +69,7 @@ def sweep(tmp_path_factory):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     cases = json.loads(listing.read_text())["cases"]
     chosen = {}
-    for name, ((syscall, fault, target, step), _) in KNOWN.items():
+    for name, (syscall, fault, target, step) in KNOWN.items():
         match = [c for c in cases if (c["syscall"], c["fault"], c["target"]) == (syscall, fault, target)
                  and c["step"] == step]
         assert match, f"no {syscall} {fault} of {target} during {step!r} in the baseline: update KNOWN"
@@ -104,14 +99,13 @@ def test_sampled_fault_is_survived(sweep, name):
     assert r["status"] in ("ok", "artifact"), _explain(r)
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=mark) for name, (_, mark) in KNOWN.items()])
+@pytest.mark.parametrize("name", list(KNOWN))
 def test_known_defect(sweep, name):
     r = sweep[name]
     assert r["status"] != "missed", _explain(r)
     assert not r["broken"], _explain(r)
 
 
-@ITEM3
 def test_deletions_are_durable_in_order(sweep):
     """No data file goes before the unlink of a manifest that may name it is durable, and
     every unlink is made durable by an fsync of its directory before the next commit."""
