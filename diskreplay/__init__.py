@@ -18,6 +18,7 @@ from typing import Any
 
 from .errors import (BatchError, CorruptStoreError, DiskReplayError, FormatError, ReadOnlyError,
                      RowsEvictedError, SchemaError, StoreLockedError)
+from .errors import ConditionalWriteError, MissingDependencyError, ObjectStoreError
 from .groups import GroupIndex
 from .ragged import RaggedColumn
 from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
@@ -58,6 +59,10 @@ __all__ = [
     "collate_unpadded",
     "pad_on_device",
     "repad",
+    # object storage (diskreplay.storage)
+    "ConditionalWriteError",
+    "MissingDependencyError",
+    "ObjectStoreError",
 ]
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._fileio import fsync_dir
-from ..errors import DiskReplayError
+from ..errors import DiskReplayError, MissingDependencyError
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, VECTOR, ColumnSpec, Schema
 from ..store import ReplayStore
@@ -53,10 +53,6 @@ class ExportError(DiskReplayError, ValueError):
 
 class OutputExistsError(DiskReplayError, FileExistsError):
     """The output path exists and ``overwrite`` was not given."""
-
-
-class MissingDependencyError(DiskReplayError, ImportError):
-    """An optional library (zarr, datasets, tqdm, a tokenizer library) is missing."""
 
 
 def require(module: str, extra: str, what: str) -> Any:
