@@ -284,8 +284,25 @@ class ConditionProxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
+                conditional = self.headers.get("If-None-Match") is not None
+                if conditional and mode == "toctou":
+                    probe = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                    try:
+                        # moto wants a signature present (it does not check it).
+                        probe.request("HEAD", self.path.split("?")[0], headers={
+                            k: v for k, v in self.headers.items()
+                            if k.lower() not in ("content-length", "if-none-match", "content-md5")})
+                        exists = probe.getresponse().status == 200
+                    finally:
+                        probe.close()
+                    if exists:
+                        self.send_response(412)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    time.sleep(0.2)
                 headers = {k: v for k, v in self.headers.items()
-                           if not (mode == "strip" and k.lower() == "if-none-match")}
+                           if not (mode in ("strip", "toctou") and k.lower() == "if-none-match")}
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)

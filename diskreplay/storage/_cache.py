@@ -220,7 +220,7 @@ class ObjectCache:
                 os.ftruncate(fd, size)
             finally:
                 os.close(fd)
-            e = _Entry(rel, path, canonical, size, complete=size == 0)
+            e = _Entry(rel, path, canonical, size, complete=False)
         with self._lock:
             other = self._entries.get(rel)
             if other is not None:  # another thread won; drop ours

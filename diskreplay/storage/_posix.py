@@ -126,5 +126,10 @@ class PosixStorage:
             raise FileNotFoundError(errno.ENOENT, "no such file in the store", path)
         return path
 
+    def fetch_ranges(self, rel: str, ranges, *, size=None) -> str:
+        """The file itself: every range of a local file is already present
+        (the same call as :meth:`S3Storage.fetch_ranges`, so readers need no branch)."""
+        return self.local_path(rel)
+
     def __repr__(self) -> str:
         return f"PosixStorage({self.root!r})"
