@@ -470,3 +470,35 @@ def test_missing_client_library(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore -> ImportError
     with pytest.raises(MissingDependencyError, match=r"pip install 'diskreplay\[s3\]'"):
         S3Storage("s3://bucket/p")
+
+
+# -- range arithmetic of the cache, against a bitmap model ----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+from diskreplay.storage._cache import merge_ranges, subtract_ranges  # noqa: E402
+
+_ranges = hst.lists(hst.tuples(hst.integers(0, 200), hst.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
+                    max_size=12)
+
+
+def _bits(ranges, n=260):
+    out = [False] * n
+    for s, e in ranges:
+        for i in range(s, e):
+            out[i] = True
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ranges, _ranges, hst.integers(0, 10))
+def test_range_arithmetic_matches_a_bitmap(want, have, gap):
+    merged = merge_ranges(want)
+    assert _bits(merged) == _bits(want)
+    assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))  # sorted, disjoint, not touching
+    coalesced = merge_ranges(want, gap)
+    assert all(b[0] - a[1] > gap for a, b in zip(coalesced, coalesced[1:]))
+    assert all(x <= y for x, y in zip(_bits(want), _bits(coalesced)))
+    missing = subtract_ranges(merged, merge_ranges(have))
+    assert _bits(missing) == [w and not h for w, h in zip(_bits(want), _bits(have))]

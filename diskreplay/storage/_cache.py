@@ -35,6 +35,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -164,6 +165,8 @@ class ObjectCache:
         self.directory = tempfile.mkdtemp(prefix="diskreplay-cache-") if directory is None else \
             os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
+        if self._own_dir:  # removed even if close() is never called
+            weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.capacity_bytes = int(capacity_bytes)
         self.align = align
         self.namespace = namespace
