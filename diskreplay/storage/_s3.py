@@ -243,8 +243,10 @@ class S3Storage:
         """One conditional PUT: True if it created ``rel``, False if the server
         said the name exists (412 Precondition Failed)."""
         try:
-            self._ob.put(self._store, rel, view, mode="create",
-                         use_multipart=len(view) > self.multipart_threshold)
+            # One PUT: the condition is checked with the object (a multipart
+            # upload checks it only at completion); conditional objects are
+            # manifests and probes, far below S3's 5 GiB single-PUT limit.
+            self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
             return True
         except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
             return False
