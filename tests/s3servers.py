@@ -264,6 +264,7 @@ class ConditionProxy:
         from urllib.parse import urlsplit
 
         target = urlsplit(upstream)
+        write_lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -300,7 +301,16 @@ class ConditionProxy:
                         self.send_header("Content-Length", "0")
                         self.end_headers()
                         return
-                    time.sleep(0.2)
+                    time.sleep(1.0)  # wide: the racers must overlap even on a loaded machine
+                    # One write at a time: moto 5.2 answers 500 to concurrent
+                    # plain PUTs of one key (its etag reads a buffer another
+                    # request closed); the bug emulated is in the check, not here.
+                    with write_lock:
+                        self._send_upstream(body, mode)
+                    return
+                self._send_upstream(body, mode)
+
+            def _send_upstream(self, body, mode):
                 headers = {k: v for k, v in self.headers.items()
                            if not (mode in ("strip", "toctou") and k.lower() == "if-none-match")}
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)

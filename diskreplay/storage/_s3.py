@@ -34,6 +34,7 @@ import errno
 import os
 import re
 import secrets
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -371,8 +372,14 @@ class S3Storage:
             # Bodies of some size keep each upload in flight long enough for
             # a check-then-write server to let several through.
             bodies = [bytes([i]) * (256 << 10) for i in range(racers)]
+            start = threading.Barrier(racers)
+
+            def create(body: bytes) -> bool:
+                start.wait()
+                return self._create(race, memoryview(body))
+
             with ThreadPoolExecutor(racers) as pool:
-                won = list(pool.map(lambda b: self._create(race, memoryview(b)), bodies))
+                won = list(pool.map(create, bodies))
             stored = self.read_bytes(race)
             winners = [i for i, w in enumerate(won) if w]
             if len(winners) != 1 or stored != bodies[winners[0]]:
