@@ -414,7 +414,8 @@ _UPLOADER = textwrap.dedent("""
     import os, sys
     from diskreplay.storage import S3Storage
     st = S3Storage(sys.argv[1], {"endpoint": sys.argv[2], "access_key_id": sys.argv[3],
-                                 "secret_access_key": sys.argv[4], "region": "us-east-1"})
+                                 "secret_access_key": sys.argv[4], "region": "us-east-1"},
+                   cache_dir=sys.argv[6])
     data = bytes([int(sys.argv[5])]) * (32 << 20)
     print("go", flush=True)
     st.write_new("segments/big.arrow", data)
@@ -430,7 +431,8 @@ def test_killed_upload_is_never_visible(s3_server, tmp_path):
     seen = set()
     for attempt, delay in enumerate((0.05, 0.2)):
         proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, url, s3_server.endpoint,
-                                 s3_server.access_key, s3_server.secret_key, str(attempt + 1)],
+                                 s3_server.access_key, s3_server.secret_key, str(attempt + 1),
+                                 str(tmp_path / "uploader-cache")],
                                 stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert proc.stdout.readline().strip() == b"go"
         time.sleep(delay)
