@@ -41,6 +41,15 @@ def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None,
     """:class:`S3Storage` for an ``s3://`` URL, :class:`PosixStorage` for a local path.
 
     ``cache_options`` (``cache_dir``, ``cache_bytes``, ...) go to :class:`S3Storage`.
+
+    >>> import tempfile, shutil
+    >>> root = tempfile.mkdtemp()
+    >>> st = open_storage(root)
+    >>> st.write_new("segments/1.arrow", b"rows"); st.list("segments")
+    ['1.arrow']
+    >>> type(open_storage("s3://bucket/run", {"endpoint": "http://127.0.0.1:9000"})).__name__
+    'S3Storage'
+    >>> shutil.rmtree(root)
     """
     if is_remote(path):
         return S3Storage(path, storage_options, **cache_options)
