@@ -281,6 +281,34 @@ class UnsupportedFilesystemError(DiskReplayError, OSError):
     """
 
 
+class ObjectStoreError(DiskReplayError, OSError):
+    """An object store (``s3://bucket/prefix``) cannot be used as asked.
+
+    Raised for a bucket that does not exist, credentials the server refuses,
+    an endpoint that cannot be reached within the retry bound, or a request
+    the server rejects. The message is one line naming the URL and the fix.
+
+    >>> from diskreplay.storage import S3Storage
+    >>> try:
+    ...     S3Storage("s3://")
+    ... except ObjectStoreError as exc:
+    ...     print(exc)
+    s3:// names no bucket; expected s3://BUCKET or s3://BUCKET/PREFIX
+    """
+
+
+class ConditionalWriteError(ObjectStoreError):
+    """The object store does not honour conditional writes (``If-None-Match: *``).
+
+    Many writers commit by creating manifest N+1 only if it is absent; a
+    server that ignores the condition would let two commits overwrite each
+    other, so a store that needs it refuses to run there.
+
+    >>> issubclass(ConditionalWriteError, ObjectStoreError)
+    True
+    """
+
+
 __all__ = sorted(name for name, value in list(globals().items())
                  if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
                  and value.__module__ == __name__)

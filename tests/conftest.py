@@ -34,3 +34,7 @@ def assert_rows_equal(got, expected):
 def store(tmp_path):
     with ReplayStore(tmp_path / "store", capacity=None) as s:
         yield s
+
+
+# Real S3-compatible servers on 127.0.0.1 (seaweedfs, moto), started once per session.
+from .s3servers import s3_server, s3_servers, s3_url  # noqa: E402,F401

@@ -1,0 +1,361 @@
+"""A bounded local cache of immutable remote files, as memory-mappable files.
+
+Segments never change once written, so their bytes can be kept locally and
+mapped exactly like a local segment. A cached file is created *sparse* at
+the object's full size; the byte ranges a batch needs are written into it as
+they arrive, so a reader can map the file once and have more of it filled
+later (``pwrite`` goes through the page cache that the mapping shares).
+Ranges never fetched read as zeros: the page checksums a store verifies on
+first read catch a reader that skipped fetching.
+
+Eviction is least recently used, over the bytes held. It never changes a
+path a reader may have mapped: a partly fetched file has its blocks freed
+with ``fallocate(PUNCH_HOLE)`` (same inode, the ranges are fetched again on
+demand); a complete file is only unlinked (a mapping keeps its inode alive
+until it is unmapped). A complete file is also published under a name
+derived from the object's URL, so another process using the same
+``cache_dir`` (a restarted trainer, a second rank) finds it without a
+download; partly fetched files stay private to their process, because only
+their owner knows which ranges they hold.
+
+The bound counts the bytes this process holds; files another process
+published count once found. Mapped files that were evicted hold their disk
+space until unmapped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import CorruptStoreError
+
+Range = Tuple[int, int]
+
+_PARTIAL = ".part-"
+_FALLOC_FL_KEEP_SIZE = 1
+_FALLOC_FL_PUNCH_HOLE = 2
+_libc = None
+
+
+def _punch_hole(fd: int, size: int) -> bool:
+    """Free every block of the file behind ``fd`` but keep its size and inode."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0
+
+
+def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> List[Range]:
+    """Sort ``ranges`` and merge those that overlap or lie at most ``gap`` apart.
+
+    >>> merge_ranges([(10, 20), (0, 5), (18, 30), (33, 40)], gap=3)
+    [(0, 5), (10, 40)]
+    """
+    out: List[Range] = []
+    for s, e in sorted(r for r in ranges if r[1] > r[0]):
+        if out and s <= out[-1][1] + gap:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def subtract_ranges(want: Sequence[Range], have: Sequence[Range]) -> List[Range]:
+    """The parts of merged ranges ``want`` not covered by merged ranges ``have``.
+
+    >>> subtract_ranges([(0, 100)], [(10, 20), (50, 60)])
+    [(0, 10), (20, 50), (60, 100)]
+    """
+    out: List[Range] = []
+    j = 0
+    for s, e in want:
+        while j < len(have) and have[j][1] <= s:
+            j += 1
+        k, cur = j, s
+        while k < len(have) and have[k][0] < e:
+            if have[k][0] > cur:
+                out.append((cur, have[k][0]))
+            cur = max(cur, have[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def covered(ranges: Sequence[Range]) -> int:
+    return sum(e - s for s, e in ranges)
+
+
+@dataclass
+class CacheStats:
+    """Counters of one cache, in bytes (``hit_rate`` = hit / requested).
+
+    >>> CacheStats(requested_bytes=100, hit_bytes=75).hit_rate
+    0.75
+    """
+
+    requested_bytes: int = 0
+    hit_bytes: int = 0
+    fetched_bytes: int = 0
+    range_gets: int = 0
+    evicted_bytes: int = 0
+    evictions: int = 0
+    held_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_bytes / self.requested_bytes if self.requested_bytes else 0.0
+
+    def to_dict(self) -> Dict[str, float]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+class _Entry:
+    __slots__ = ("rel", "path", "canonical", "size", "have", "lock", "complete", "published")
+
+    def __init__(self, rel: str, path: str, canonical: str, size: int, complete: bool) -> None:
+        self.rel = rel
+        self.path = path
+        self.canonical = canonical
+        self.size = size
+        self.have: List[Range] = [(0, size)] if complete and size else []
+        self.lock = threading.Lock()
+        self.complete = complete
+        self.published = complete
+
+    @property
+    def held(self) -> int:
+        return covered(self.have)
+
+
+class ObjectCache:
+    """Sparse local copies of remote immutable files, bounded in bytes (LRU).
+
+    ``namespace`` (the storage's URL) keeps two stores' files apart in one
+    ``directory``; without a directory a private temporary one is used and
+    removed by :meth:`close`.
+
+    >>> cache = ObjectCache(None, capacity_bytes=1 << 20, namespace="s3://b/p")
+    >>> path = cache.fill("x", 10, lambda missing: [b"0123456789"[s:e] for s, e in missing], [(2, 5)])
+    >>> open(path, "rb").read()[2:5], cache.stats.fetched_bytes
+    (b'234', 10)
+    >>> cache.close()
+    """
+
+    def __init__(self, directory: Optional[str], capacity_bytes: int, namespace: str,
+                 align: int = 8192) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"cache_bytes must be a positive number of bytes, got {capacity_bytes}")
+        self._own_dir = directory is None
+        self.directory = tempfile.mkdtemp(prefix="diskreplay-cache-") if directory is None else \
+            os.path.abspath(os.fspath(directory))
+        os.makedirs(self.directory, exist_ok=True)
+        if self._own_dir:  # removed even if close() is never called
+            weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self.capacity_bytes = int(capacity_bytes)
+        self.align = align
+        self.namespace = namespace
+        self._ns = hashlib.sha256(namespace.encode()).hexdigest()[:16]
+        self._entries: "OrderedDict[str, _Entry]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+        self._remove_dead_partials()
+
+    def _remove_dead_partials(self) -> None:
+        """Partly fetched files of processes that are gone are unusable (only
+        their owner knew which ranges they hold)."""
+        for name in os.listdir(self.directory):
+            m = re.match(re.escape(_PARTIAL) + r"(\d+)-", name)
+            if not m:
+                continue
+            pid = int(m.group(1))
+            try:
+                os.kill(pid, 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            try:
+                os.unlink(os.path.join(self.directory, name))
+            except OSError:
+                pass
+
+    def _canonical(self, rel: str) -> str:
+        digest = hashlib.sha256(rel.encode()).hexdigest()[:24]
+        tail = re.sub(r"[^A-Za-z0-9._-]", "_", rel.rsplit("/", 1)[-1])[-48:]
+        return os.path.join(self.directory, f"{self._ns}-{digest}-{tail}")
+
+    def entry(self, rel: str, size_of: Callable[[], int]) -> _Entry:
+        """The entry for ``rel``: cached, published by another process, or a
+        new sparse file of ``size_of()`` bytes."""
+        with self._lock:
+            e = self._entries.get(rel)
+            if e is not None:
+                self._entries.move_to_end(rel)
+                return e
+        canonical = self._canonical(rel)
+        try:
+            size = os.stat(canonical).st_size
+            e = _Entry(rel, canonical, canonical, size, complete=True)
+        except FileNotFoundError:
+            size = size_of()
+            path = os.path.join(os.path.dirname(canonical),
+                                f"{_PARTIAL}{os.getpid()}-{secrets.token_hex(4)}-"
+                                f"{os.path.basename(canonical)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            e = _Entry(rel, path, canonical, size, complete=False)
+        with self._lock:
+            other = self._entries.get(rel)
+            if other is not None:  # another thread won; drop ours
+                if e.path != e.canonical:
+                    os.unlink(e.path)
+                return other
+            self._entries[rel] = e
+            self.stats.held_bytes += e.held
+        return e
+
+    def fill(self, rel: str, size: int, fetch: Callable[[List[Range]], Sequence[bytes]],
+             ranges: Optional[Sequence[Range]], *, coalesce: int = 0,
+             max_get: int = 8 << 20) -> str:
+        """Make ``ranges`` of ``rel`` (all of it when None) present locally and
+        return the file's path. ``fetch(missing)`` downloads the given ranges;
+        missing ranges less than ``coalesce`` apart are fetched as one, and
+        none is longer than ``max_get`` (so a whole file arrives in parallel parts)."""
+        e = self.entry(rel, lambda: size)
+        with e.lock:
+            if ranges is None:
+                want = [(0, e.size)] if e.size else []
+            else:
+                a = self.align
+                want = merge_ranges([(s // a * a, min(-(-t // a) * a, e.size))
+                                     for s, t in ranges if t > s])
+            missing = subtract_ranges(want, e.have)
+            requested = covered(want)
+            gets: List[Range] = []
+            for s, t in merge_ranges(missing, coalesce):
+                gets.extend((p, min(p + max_get, t)) for p in range(s, t, max_get))
+            if gets:
+                blobs = fetch(gets)
+                fd = os.open(e.path, os.O_WRONLY)
+                try:
+                    for (s, t), blob in zip(gets, blobs):
+                        view = memoryview(blob).cast("B")
+                        if len(view) != t - s:
+                            raise CorruptStoreError(
+                                f"{self.namespace.rstrip('/')}/{rel}: asked for bytes [{s}, {t}) and got "
+                                f"{len(view)}; the object is shorter than its recorded size {e.size} "
+                                "(truncated or replaced)")
+                        done = 0
+                        while done < len(view):
+                            done += os.pwrite(fd, view[done:], s + done)
+                finally:
+                    os.close(fd)
+                before = e.held
+                e.have = merge_ranges(e.have + gets)
+                with self._lock:
+                    self.stats.held_bytes += e.held - before
+                    self.stats.fetched_bytes += covered(gets)
+                    self.stats.range_gets += len(gets)
+            with self._lock:
+                self.stats.requested_bytes += requested
+                self.stats.hit_bytes += requested - covered(missing)
+            if not e.complete and e.held == e.size:
+                e.complete = True
+                self._publish(e)
+        self._evict(keep=e)
+        return e.path
+
+    def _publish(self, e: _Entry) -> None:
+        try:
+            os.link(e.path, e.canonical)
+        except FileExistsError:
+            pass  # another process published the same immutable bytes
+        except OSError:
+            return
+        e.published = True
+
+    def _evict(self, keep: _Entry) -> None:
+        while True:
+            with self._lock:
+                if self.stats.held_bytes <= self.capacity_bytes:
+                    return
+                victim = next((e for e in self._entries.values() if e is not keep and e.held), None)
+                if victim is None:
+                    return
+                if not victim.lock.acquire(blocking=False):
+                    self._entries.move_to_end(victim.rel)
+                    continue
+            try:
+                freed = victim.held
+                if victim.complete:
+                    # Readers may have this file mapped, other processes too:
+                    # unlink only; the inode lives until the last unmap.
+                    for path in {victim.path, victim.canonical}:
+                        try:
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass
+                    drop = True
+                else:
+                    fd = os.open(victim.path, os.O_WRONLY)
+                    try:
+                        drop = not _punch_hole(fd, victim.size)
+                    finally:
+                        os.close(fd)
+                    if drop:  # no hole punching here: the path changes on refetch
+                        os.unlink(victim.path)
+                    victim.have = []
+                with self._lock:
+                    self.stats.held_bytes -= freed
+                    self.stats.evicted_bytes += freed
+                    self.stats.evictions += 1
+                    if drop:
+                        self._entries.pop(victim.rel, None)
+            finally:
+                victim.lock.release()
+
+    def forget(self, rel: str) -> None:
+        """Drop ``rel`` (the object was deleted; its name must not serve old bytes)."""
+        with self._lock:
+            e = self._entries.pop(rel, None)
+            if e is not None:
+                self.stats.held_bytes -= e.held
+        for path in {e.path, e.canonical} if e is not None else {self._canonical(rel)}:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+
+    def close(self) -> None:
+        """Remove this process's partly fetched files (and a private directory)."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), OrderedDict()
+        for e in entries:
+            if not e.published:
+                try:
+                    os.unlink(e.path)
+                except OSError:
+                    pass
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)

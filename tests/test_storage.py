@@ -1,0 +1,506 @@
+"""The storage contract, run against a directory and real S3-compatible servers.
+
+``storage`` is parametrised over PosixStorage (the reference) and S3Storage
+on seaweedfs and on moto, both started on 127.0.0.1 by the session fixtures
+in ``tests/s3servers.py``. Another implementation joins the contract by
+adding a case to ``make_storage``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from diskreplay import ConditionalWriteError, MissingDependencyError, ObjectStoreError
+from diskreplay.storage import PosixStorage, S3Storage, Storage, open_storage
+
+from .s3servers import ConditionProxy, free_port
+
+STORAGES = ("posix", "s3-seaweedfs", "s3-moto")
+
+
+def make_storage(kind, tmp_path, s3_servers, **kwargs):
+    if kind == "posix":
+        return PosixStorage(str(tmp_path / "store"))
+    server = s3_servers(kind.split("-", 1)[1])
+    url = f"s3://{server.new_bucket()}/store"
+    return S3Storage(url, server.storage_options, cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+@pytest.fixture(params=STORAGES)
+def storage(request, tmp_path, s3_servers):
+    st = make_storage(request.param, tmp_path, s3_servers)
+    yield st
+    if isinstance(st, S3Storage):
+        st.close()
+
+
+# -- the contract -------------------------------------------------------------
+
+def test_is_a_storage(storage):
+    assert isinstance(storage, Storage)
+
+
+def test_round_trip_and_ranges(storage):
+    data = bytes(range(256)) * 40  # 10240 bytes
+    storage.write_new("segments/00000001.arrow", data)
+    assert storage.read_bytes("segments/00000001.arrow") == data
+    assert storage.size("segments/00000001.arrow") == len(data)
+    assert storage.read_range("segments/00000001.arrow", 100, 300) == data[100:300]
+    assert storage.read_range("segments/00000001.arrow", 0, len(data)) == data
+    assert storage.read_range("segments/00000001.arrow", 10000, 20000) == data[10000:]  # short at the end
+    assert storage.read_range("segments/00000001.arrow", 20000, 30000) == b""  # past the end
+    assert storage.read_range("segments/00000001.arrow", 5, 5) == b""
+    with open(storage.local_path("segments/00000001.arrow"), "rb") as f:
+        assert f.read() == data
+
+
+def test_buffers_and_sizes(storage):
+    big = os.urandom(3 << 20)
+    storage.write_new("a/big", memoryview(big))
+    storage.write_new("a/empty", b"")
+    storage.replace("a/ba", bytearray(b"xyz"))
+    assert storage.read_bytes("a/big") == big
+    assert storage.read_bytes("a/empty") == b"" and storage.size("a/empty") == 0
+    assert storage.read_bytes("a/ba") == b"xyz"
+
+
+def test_missing_objects(storage):
+    for call in (lambda: storage.read_bytes("nope/x"), lambda: storage.size("nope/x"),
+                 lambda: storage.read_range("nope/x", 0, 4), lambda: storage.local_path("nope/x")):
+        with pytest.raises(FileNotFoundError):
+            call()
+    storage.delete("nope/x")  # absent is not an error
+
+
+def test_list(storage):
+    for rel in ("manifests/2.json", "manifests/10.json", "manifests/sub/3.json", "segments/1.arrow"):
+        storage.write_new(rel, b"x")
+    assert storage.list("manifests") == ["10.json", "2.json"]
+    assert storage.list("segments") == ["1.arrow"]
+    assert storage.list("nothing") == []
+    storage.delete("manifests/2.json")
+    assert storage.list("manifests") == ["10.json"]
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("manifests/2.json")
+
+
+def test_put_if_absent(storage):
+    assert storage.put_if_absent("manifests/1.json", b"first") is True
+    assert storage.put_if_absent("manifests/1.json", b"second") is False
+    assert storage.read_bytes("manifests/1.json") == b"first"
+    # The same bytes again: this writer's own earlier attempt, not a lost race.
+    assert storage.put_if_absent("manifests/1.json", b"first") is True
+    storage.replace("manifests/1.json", b"third")
+    assert storage.read_bytes("manifests/1.json") == b"third"
+    storage.sync_dir("manifests")
+    storage.sync_dir("")
+
+
+@pytest.mark.parametrize("rel", ["../x", "/abs", "a//b", "", "a/./b", "a/../b"])
+def test_bad_paths(storage, rel):
+    with pytest.raises(ValueError, match="store-relative"):
+        storage.write_new(rel, b"x")
+    with pytest.raises(ValueError, match="store-relative"):
+        storage.read_bytes(rel)
+
+
+def test_bad_ranges(storage):
+    storage.write_new("x", b"abc")
+    for start, end in [(-1, 2), (3, 2), (0.5, 2)]:
+        with pytest.raises(ValueError, match="byte range"):
+            storage.read_range("x", start, end)
+
+
+# -- conditional-PUT race: many processes, one winner per name ------------------
+
+# seaweedfs 4.48 makes each losing conditional PUT wait in ~1 s steps when 8
+# arrive at once (a server-side lock; measured: median 60 ms, max 4 s), so
+# each name costs up to a few seconds there.
+_RACE_KEYS = 10
+_RACE_WRITERS = 8
+
+
+def _race_bytes(writer, k):
+    return f"writer={writer} generation={k} ".encode() * (200 + 37 * writer)
+
+
+def _race_worker(writer, barrier, tasks, results):
+    """One racing process: for each storage it is sent, create the same names
+    as every other worker, all released together at each name."""
+    while True:
+        st = tasks.get()
+        if st is None:
+            return
+        wins = []
+        try:
+            for k in range(_RACE_KEYS):
+                barrier.wait()
+                if st.put_if_absent(f"manifests/{k:08d}.json", _race_bytes(writer, k)):
+                    wins.append(k)
+            results.put((writer, wins, None))
+        except Exception as exc:  # reported to the test, which fails on it
+            barrier.abort()
+            results.put((writer, wins, repr(exc)))
+
+
+@pytest.fixture(scope="module")
+def race_workers():
+    """8 spawned worker processes, started once for the module (each import
+    of diskreplay costs about a second on 2 cores)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(_RACE_WRITERS, timeout=120)
+    results = ctx.Queue()
+    queues = [ctx.Queue() for _ in range(_RACE_WRITERS)]
+    procs = [ctx.Process(target=_race_worker, args=(w, barrier, queues[w], results), daemon=True)
+             for w in range(_RACE_WRITERS)]
+    for p in procs:
+        p.start()
+
+    def race(storage):
+        for q in queues:
+            q.put(storage)
+        return [results.get(timeout=300) for _ in procs]
+
+    yield race
+    for q in queues:
+        q.put(None)
+    for p in procs:
+        p.join(timeout=30)
+
+
+def test_put_if_absent_race(storage, race_workers):
+    """8 processes create the same 10 names, released together at each name:
+    exactly one winner per name, and the name holds the winner's bytes, intact."""
+    results = race_workers(storage)
+    errors = [err for _, _, err in results if err]
+    assert not errors, errors
+    winners = {}
+    for writer, wins, _ in results:
+        for k in wins:
+            winners.setdefault(k, []).append(writer)
+    assert sorted(winners) == list(range(_RACE_KEYS)), "a name that nobody created"
+    doubles = {k: w for k, w in winners.items() if len(w) > 1}
+    assert not doubles, f"names created by more than one writer: {doubles}"
+    for k, (w,) in winners.items():
+        assert storage.read_bytes(f"manifests/{k:08d}.json") == _race_bytes(w, k)
+    # The race was real: names were won by different writers.
+    assert len({w for ws in winners.values() for w in ws}) >= 2
+
+
+# -- S3 only: cache, ranges, errors, faults --------------------------------------
+
+def _s3(server, tmp_path, **kwargs):
+    return S3Storage(f"s3://{server.new_bucket()}/p", server.storage_options,
+                     cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def test_fetch_ranges_coalesces_and_counts(s3_server, tmp_path):
+    st = _s3(s3_server, tmp_path, coalesce_bytes=32 << 10)
+    data = os.urandom(1 << 20)
+    st.write_new("segments/1.arrow", data)
+    page = 8192
+    ranges = [(100, 200), (page + 5, page + 10), (5 * page, 5 * page + 1), (64 * page, 70 * page + 3)]
+    path = st.fetch_ranges("segments/1.arrow", ranges, size=len(data))
+    assert os.path.getsize(path) == len(data)
+    with open(path, "rb") as f:
+        local = f.read()
+    for s, e in ranges:
+        assert local[s:e] == data[s:e]
+    stats = st.cache_stats()
+    # pages 0-1 and 5 lie within 32 KiB of each other: one GET; pages 64-70 another.
+    assert stats.range_gets == 2
+    needed = (2 + 1 + 7) * page
+    assert stats.requested_bytes == needed
+    assert stats.fetched_bytes == 6 * page + 7 * page  # [0, 6 pages) coalesced, [64, 71)
+    assert stats.hit_bytes == 0
+    assert st.fetch_ranges("segments/1.arrow", [(150, 160), (64 * page, 65 * page)]) == path
+    assert st.cache_stats().hit_bytes == 2 * page and st.cache_stats().range_gets == 2
+    whole = st.local_path("segments/1.arrow")
+    with open(whole, "rb") as f:
+        assert f.read() == data
+    assert st.cache_stats().fetched_bytes == len(data)  # nothing fetched twice
+    st.close()
+
+
+def test_cache_bound_eviction_and_reuse(s3_server, tmp_path):
+    st = _s3(s3_server, tmp_path, cache_bytes=600 << 10)
+    blobs = {f"segments/{i}.arrow": os.urandom(256 << 10) for i in range(6)}
+    for rel, data in blobs.items():
+        st.write_new(rel, data)
+    for rel in blobs:
+        path = st.local_path(rel)
+        with open(path, "rb") as f:
+            assert f.read() == blobs[rel]
+        assert st.cache_stats().held_bytes <= 600 << 10
+    stats = st.cache_stats()
+    assert stats.evictions == 4 and stats.evicted_bytes == 4 * (256 << 10)
+    # An evicted complete file is fetched again, whole, on demand.
+    with open(st.local_path("segments/0.arrow"), "rb") as f:
+        assert f.read() == blobs["segments/0.arrow"]
+    assert st.cache_stats().fetched_bytes == 7 * (256 << 10)
+    # A second process-like reader with the same cache_dir finds the published
+    # complete copies without fetching.
+    last = list(blobs)[-1]
+    again = S3Storage(st.url, s3_server.storage_options, cache_dir=str(tmp_path / "cache"))
+    with open(again.local_path(last), "rb") as f:
+        assert f.read() == blobs[last]
+    assert again.cache_stats().fetched_bytes == 0 and again.cache_stats().hit_rate == 1.0
+    # Deleting an object drops its cached copy: the name never serves old bytes.
+    again.delete(last)
+    with pytest.raises(FileNotFoundError):
+        again.local_path(last)
+    again.close()
+    st.close()
+
+
+def test_evicted_partial_file_keeps_its_path(s3_server, tmp_path):
+    """A partly fetched file that is evicted keeps its name (its blocks are
+    freed): a reader that mapped it gets the ranges refetched into the same
+    file, and sees them through its mapping."""
+    import mmap
+
+    st = _s3(s3_server, tmp_path, cache_bytes=300 << 10)
+    blobs = {name: os.urandom(256 << 10) for name in ("a", "b", "c")}
+    for rel, data in blobs.items():
+        st.write_new(rel, data)
+    path = st.fetch_ranges("a", [(8192, 8200)])
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    assert mapped[8192:8200] == blobs["a"][8192:8200]
+    st.local_path("b")
+    st.local_path("c")  # over the bound: "a" (least recently used) goes
+    if not os.path.exists(path):
+        pytest.skip("this filesystem cannot punch holes; the cache dropped the file instead")
+    assert os.stat(path).st_blocks == 0 and st.cache_stats().evictions >= 1
+    assert st.fetch_ranges("a", [(8192, 8200)]) == path
+    assert mapped[8192:8200] == blobs["a"][8192:8200]
+    mapped.close()
+    st.close()
+
+
+def test_truncated_object_is_named(s3_server, tmp_path):
+    st = _s3(s3_server, tmp_path)
+    st.write_new("segments/1.arrow", b"x" * 1000)
+    from diskreplay import CorruptStoreError
+    with pytest.raises(CorruptStoreError, match=r"segments/1.arrow.*shorter than its recorded size 5000"):
+        st.local_path("segments/1.arrow", size=5000)
+    st.close()
+
+
+def test_environment_variables(s3_server, tmp_path, monkeypatch):
+    bucket = s3_server.new_bucket()
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in s3_server.env.items():
+        if key != "AWS_ALLOW_HTTP":  # http:// endpoints are allowed without it
+            monkeypatch.setenv(key, value)
+    st = open_storage(f"s3://{bucket}/env", cache_dir=str(tmp_path / "c"))
+    st.write_new("a", b"from env")
+    assert st.read_bytes("a") == b"from env"
+    assert [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]] == ["env/a"]
+    st.close()
+
+
+def test_probe_conditional_put_passes(s3_server, tmp_path):
+    st = _s3(s3_server, tmp_path)
+    st.probe_conditional_put()
+    # The probe leaves nothing behind (seaweedfs may keep an empty "p/" folder marker).
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=st.bucket).get("Contents", [])]
+    assert st.list("") == [] and not [k for k in keys if "probe" in k], keys
+
+
+def test_missing_bucket(s3_server, tmp_path):
+    st = S3Storage("s3://no-such-bucket-dr/p", s3_server.storage_options, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ObjectStoreError, match=r"^s3://no-such-bucket-dr/p.*bucket 'no-such-bucket-dr' "
+                                               r"does not exist"):
+        st.probe_conditional_put()
+    with pytest.raises(ObjectStoreError, match="does not exist"):
+        st.read_bytes("FORMAT.json")
+
+
+def test_wrong_credentials(s3_server, tmp_path):
+    if s3_server.name == "moto":
+        pytest.skip("moto's server accepts any credentials")
+    bucket = s3_server.new_bucket()
+    for change in ({"secret_access_key": "wrong"}, {"access_key_id": "nobody"}):
+        opts = {**s3_server.storage_options, **change}
+        st = S3Storage(f"s3://{bucket}/p", opts, cache_dir=str(tmp_path / "c"))
+        with pytest.raises(ObjectStoreError, match=r"refused the credentials.*AWS_ACCESS_KEY_ID") as info:
+            st.probe_conditional_put()
+        assert "\n" not in str(info.value) and f"s3://{bucket}/p" in str(info.value)
+        with pytest.raises(ObjectStoreError, match="refused the credentials"):
+            st.write_new("x", b"1")
+
+
+def test_refused_endpoint(tmp_path):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    st = S3Storage("s3://bucket/p", {"endpoint": endpoint, "access_key_id": "k", "secret_access_key": "s",
+                                     "region": "us-east-1", "retry_timeout": 1},
+                   cache_dir=str(tmp_path / "c"))
+    t = time.monotonic()
+    with pytest.raises(ObjectStoreError, match=rf"^s3://bucket/p.*cannot reach the object store at "
+                                               rf"{endpoint}.*retrying for up to 1 s") as info:
+        st.write_new("x", b"1")
+    assert time.monotonic() - t < 15 and "\n" not in str(info.value)
+    with pytest.raises(ObjectStoreError, match="cannot reach"):
+        st.probe_conditional_put()
+
+
+def test_server_without_conditional_writes(s3_servers, tmp_path):
+    """A server that ignores If-None-Match (emulated by a proxy dropping the
+    header in front of moto, which does not check signatures), one that checks
+    it before writing instead of atomically (seaweedfs issue #8800: sequential
+    creates are refused, concurrent ones all succeed), and one that rejects it
+    (a proxy answering 501, in front of seaweedfs)."""
+    for name, mode, what in (("moto", "strip", "ignores If-None-Match"),
+                             ("moto", "toctou", r"let [2-4] of 4 concurrent create-if-absent PUTs"),
+                             ("seaweedfs", "reject", "rejects conditional writes")):
+        server = s3_servers(name)
+        bucket = server.new_bucket()
+        proxy = ConditionProxy(server.endpoint, mode)
+        try:
+            # 501 is a server error, which is retried until retry_timeout.
+            st = S3Storage(f"s3://{bucket}/p", {**server.storage_options, "endpoint": proxy.endpoint,
+                                                "retry_timeout": 1}, cache_dir=str(tmp_path / mode))
+            st.write_new("plain", b"ordinary writes still work")
+            with pytest.raises(ConditionalWriteError, match=what):
+                st.probe_conditional_put()
+            if mode == "reject":
+                with pytest.raises(ConditionalWriteError):
+                    st.put_if_absent("manifests/1.json", b"x")
+            assert st.list("") == ["plain"]
+        finally:
+            proxy.close()
+
+
+def test_server_restart_mid_run(s3_server, tmp_path):
+    """The server dies: with a short retry bound a request fails with a clear
+    error; then it comes back while requests are being retried, and they
+    succeed with nothing lost."""
+    st = _s3(s3_server, tmp_path)
+    st.write_new("before", b"1" * 1000)
+    short = S3Storage(st.url, {**s3_server.storage_options, "retry_timeout": 1},
+                      cache_dir=str(tmp_path / "c2"))
+    s3_server.stop()
+    try:
+        with pytest.raises(ObjectStoreError, match="cannot reach the object store"):
+            short.read_bytes("before")
+    except BaseException:
+        s3_server.restart()
+        raise
+    restarter = threading.Timer(1.5, s3_server.restart)
+    restarter.start()
+    try:
+        st.write_new("during", b"2" * 1000)
+        assert st.put_if_absent("manifests/1.json", b"m") is True
+    finally:
+        restarter.join()
+    assert st.read_bytes("before") == b"1" * 1000
+    assert short.read_bytes("during") == b"2" * 1000
+    assert st.read_bytes("manifests/1.json") == b"m"
+
+
+_UPLOADER = textwrap.dedent("""
+    import os, sys
+    from diskreplay.storage import S3Storage
+    st = S3Storage(sys.argv[1], {"endpoint": sys.argv[2], "access_key_id": sys.argv[3],
+                                 "secret_access_key": sys.argv[4], "region": "us-east-1"},
+                   cache_dir=sys.argv[6])
+    data = bytes([int(sys.argv[5])]) * (32 << 20)
+    print("go", flush=True)
+    st.write_new("segments/big.arrow", data)
+    print("done", flush=True)
+""")
+
+
+def test_killed_upload_is_never_visible(s3_server, tmp_path):
+    """SIGKILL a writer in the middle of a 32 MiB PUT: the object is absent
+    or complete, never partial."""
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/p"
+    seen = set()
+    for attempt, delay in enumerate((0.05, 0.2)):
+        proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, url, s3_server.endpoint,
+                                 s3_server.access_key, s3_server.secret_key, str(attempt + 1),
+                                 str(tmp_path / "uploader-cache")],
+                                stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert proc.stdout.readline().strip() == b"go"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        st = S3Storage(url, s3_server.storage_options, cache_dir=str(tmp_path / f"c{attempt}"))
+        try:
+            body = st.read_bytes("segments/big.arrow")
+        except FileNotFoundError:
+            seen.add("absent")
+            continue
+        assert len(body) == 32 << 20, f"a partial object of {len(body)} bytes is visible"
+        assert body.count(body[:1]) == len(body)
+        seen.add("complete")
+    assert seen
+
+
+def test_pickle_round_trip(s3_server, tmp_path):
+    st = _s3(s3_server, tmp_path)
+    st.write_new("x", b"payload")
+    clone = pickle.loads(pickle.dumps(st))
+    assert clone.url == st.url and clone.read_bytes("x") == b"payload"
+
+
+def test_bad_url_and_options(tmp_path):
+    with pytest.raises(ObjectStoreError, match="names no bucket"):
+        S3Storage("s3:///x")
+    with pytest.raises(ObjectStoreError, match="storage_options are not usable"):
+        S3Storage("s3://b/p", {"no_such_setting": 1})
+    with pytest.raises(ValueError, match="cache_bytes must be a positive"):
+        S3Storage("s3://b/p", cache_bytes=0)
+    with pytest.raises(ValueError, match="storage_options are for s3:// URLs"):
+        open_storage(str(tmp_path), {"endpoint": "http://x"})
+
+
+def test_missing_client_library(monkeypatch):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore -> ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'diskreplay\[s3\]'"):
+        S3Storage("s3://bucket/p")
+
+
+# -- range arithmetic of the cache, against a bitmap model ----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+from diskreplay.storage._cache import merge_ranges, subtract_ranges  # noqa: E402
+
+_ranges = hst.lists(hst.tuples(hst.integers(0, 200), hst.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
+                    max_size=12)
+
+
+def _bits(ranges, n=260):
+    out = [False] * n
+    for s, e in ranges:
+        for i in range(s, e):
+            out[i] = True
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ranges, _ranges, hst.integers(0, 10))
+def test_range_arithmetic_matches_a_bitmap(want, have, gap):
+    merged = merge_ranges(want)
+    assert _bits(merged) == _bits(want)
+    assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))  # sorted, disjoint, not touching
+    coalesced = merge_ranges(want, gap)
+    assert all(b[0] - a[1] > gap for a, b in zip(coalesced, coalesced[1:]))
+    assert all(x <= y for x, y in zip(_bits(want), _bits(coalesced)))
+    missing = subtract_ranges(merged, merge_ranges(have))
+    assert _bits(missing) == [w and not h for w, h in zip(_bits(want), _bits(have))]
