@@ -427,7 +427,7 @@ def _align_for(name: str, align: Optional[str], arrays: Mapping[str, Any]) -> Op
 
 def _ragged_dtype(name: str, values: np.ndarray) -> str:
     k = values.dtype.kind
-    if k in "iub":
+    if k in "iub" or (values.size == 0 and name in (PROMPT_IDS, COMPLETION_IDS)):  # [] is float64 to numpy
         return "int32"
     if name in (PROMPT_IDS, COMPLETION_IDS):
         # float ids would be stored as float32 and come back from collate as floats

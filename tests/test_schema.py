@@ -21,3 +21,9 @@ def test_token_ids_must_be_integer_sequences(tmp_path, column, ids):
     assert store.next_row == 0 and store.schema is None  # nothing written
     assert store.extend({"prompt_id": [1, 1], column: [[1, 2], [3]]}).tolist() == [0, 1]
     assert store.schema[column].dtype == "int32"
+
+
+def test_empty_token_id_rows_are_integers(tmp_path):
+    store = ReplayStore(tmp_path / "s")
+    assert store.extend({"prompt_id": [1], "completion_ids": [[]]}).tolist() == [0]
+    assert store.schema["completion_ids"].dtype == "int32"
