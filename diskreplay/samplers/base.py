@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import DiskReplayError, FormatError, SamplerError, SettingError
 from ..ragged import is_int as _is_int
-from .kernels import Ranges, in_ranges, merge_ranges
+from .kernels import Ranges, merge_ranges
 
 STATE_FORMAT = "diskreplay.sampler"
 STATE_VERSION = 2
@@ -115,16 +115,16 @@ class RowFilter:
         return self.bound is not None or bool(self.exclude) or bool(self.min_row)
 
     def describe(self, version_key: str) -> str:
-        """`` with ...`` naming the conditions, for error messages ("" when there are none)."""
+        """The conditions, worded to follow "row" in error messages ("" when there are none)."""
         parts = []
         if self.bound is not None:
-            parts.append(f"{version_key} >= {self.bound}")
+            parts.append(f"with {version_key} >= {self.bound}")
         if self.exclude:
             shown = ", ".join(f"[{a}, {b})" for a, b in self.exclude[:4]) + (", ..." if len(self.exclude) > 4 else "")
             parts.append(f"outside exclude={shown}")
         if self.min_row:
-            parts.append(f"row id >= min_row={self.min_row}")
-        return (" with " + " and ".join(parts)) if parts else ""
+            parts.append(f"at or above min_row={self.min_row}")
+        return (" " + ", ".join(parts)) if parts else ""
 
     def fix(self) -> str:
         """The ways to widen the filter, for error messages."""
