@@ -921,6 +921,11 @@ def test_exclude_and_min_row_are_checked(store):
         with pytest.raises(SamplerError, match="min_row"):
             s.sample(store, 1, min_row=bad)
     assert sorted(s.sample(store, 2, exclude=np.array([[0, 6]])).tolist()) == [6, 7]
+    # one call shape for every sampler (DESIGN.md): groups=None is accepted, named groups need a group sampler
+    for single in (RandomSampler(seed=0), PrioritizedSampler(seed=0)):
+        assert len(single.sample(store, 2, groups=None, min_policy_version=None)) == 2
+        with pytest.raises(SamplerError, match="PromptGroupSampler"):
+            single.sample(store, 2, groups=["a"])
     with pytest.raises(SamplerError, match=r"outside exclude=\[0, 8\).*exclude fewer rows"):
         PromptGroupSampler(num_groups=1, seed=0).sample(store, 2, exclude=[(0, 8)])
     with pytest.raises(SamplerError, match=r"min_row=8.*lower min_row"):

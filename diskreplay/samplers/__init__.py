@@ -42,14 +42,15 @@ from ..errors import ReplacementWarning, SamplerError, SettingError
 from .base import STATE_FORMAT, STATE_VERSION, LiveRows, Sampler, live_column
 from .distributed import agree_generation
 from .group import STRATEGIES, PromptGroupSampler
-from .kernels import Ranges, SumTree, changed_ranges, group_spread, in_ranges, merge_ranges, reward_scalar, variance_ranking
+from .kernels import (Ranges, SumTree, changed_ranges, group_spread, in_ranges, merge_ranges, reward_scalar,
+                      variance_ranking)
 from .prioritized import PrioritizedSampler
 from .uniform import RandomSampler
 
 # the old private name, kept for callers of the single-module version
 _variance_ranking = variance_ranking
 
-__all__ = ["LiveRows", "Ranges", "PrioritizedSampler", "PromptGroupSampler", "RandomSampler", "ReplacementWarning", "Sampler",
-           "SamplerError", "SettingError", "STATE_FORMAT", "STATE_VERSION", "STRATEGIES", "SumTree",
+__all__ = ["LiveRows", "PrioritizedSampler", "PromptGroupSampler", "RandomSampler", "Ranges", "ReplacementWarning",
+           "Sampler", "SamplerError", "SettingError", "STATE_FORMAT", "STATE_VERSION", "STRATEGIES", "SumTree",
            "agree_generation", "changed_ranges", "group_spread", "in_ranges", "live_column", "merge_ranges",
            "reward_scalar", "variance_ranking"]

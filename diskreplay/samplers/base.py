@@ -129,8 +129,16 @@ class RowFilter:
     def fix(self) -> str:
         """The ways to widen the filter, for error messages."""
         ways = [w for w, on in (("lower min_policy_version", self.bound is not None),
-                                ("exclude fewer rows", bool(self.exclude)), ("lower min_row", bool(self.min_row))) if on]
+                                ("exclude fewer rows", bool(self.exclude)),
+                                ("lower min_row", bool(self.min_row))) if on]
         return (" or " + " or ".join(ways)) if ways else ""
+
+
+def no_groups(groups: Any, sampler: str) -> None:
+    """``groups=`` is in every sampler's signature (one call shape); only group samplers can honour it."""
+    if groups is not None:
+        raise SamplerError(f"{sampler} draws single rows and cannot draw named groups (groups={groups!r:.60}); use "
+                           "PromptGroupSampler for groups=, or pass groups=None")
 
 
 def check_number(name: str, value: Any, example: float, allow_none: bool = False) -> Optional[float]:

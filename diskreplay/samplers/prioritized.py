@@ -7,8 +7,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ..errors import SamplerError
-from .base import LiveRows, RowFilter, Sampler, Setting, as_array, check_column, check_number, numeric_column, \
-    positive
+from .base import (LiveRows, RowFilter, Sampler, Setting, as_array, check_column, check_number, no_groups,
+                   numeric_column, positive)
 from .kernels import SumTree, changed_ranges, in_ranges, reward_scalar
 
 NEW_PRIORITIES = ("column", "max")
@@ -217,7 +217,7 @@ class PrioritizedSampler(Sampler):
                                f"{rows.tolist()[:20]}")
         return rows
 
-    def sample(self, store: Any, batch_size: int, *, min_policy_version: Optional[float] = None,
+    def sample(self, store: Any, batch_size: int, *, groups: Any = None, min_policy_version: Optional[float] = None,
                exclude: Any = None, min_row: Optional[int] = None) -> np.ndarray:
         """Row ids of ``batch_size`` rows drawn with replacement by priority.
 
@@ -236,6 +236,7 @@ class PrioritizedSampler(Sampler):
         [1, 1, 1, 1]
         """
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
+        no_groups(groups, type(self).__name__)
         filt = self._filter(min_policy_version, exclude, min_row)
         self._counts.sync(store)
         tree = self._sync(store, filt)

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..errors import SamplerError
-from .base import Sampler, Setting, check_flag, positive
+from .base import Sampler, Setting, check_flag, no_groups, positive
 
 
 class RandomSampler(Sampler):
@@ -71,7 +71,7 @@ class RandomSampler(Sampler):
         self._cursor = int(position["cursor"])
         self._live = (int(position["pass_head"]), int(position["pass_next_row"]))
 
-    def sample(self, store: Any, batch_size: int, *, min_policy_version: Optional[float] = None,
+    def sample(self, store: Any, batch_size: int, *, groups: Any = None, min_policy_version: Optional[float] = None,
                exclude: Any = None, min_row: Optional[int] = None) -> np.ndarray:
         """Row ids of ``batch_size`` rows (see the class docstring).
 
@@ -91,6 +91,7 @@ class RandomSampler(Sampler):
         [0, 3]
         """
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
+        no_groups(groups, type(self).__name__)
         need = self._global(batch_size)
         filt = self._filter(min_policy_version, exclude, min_row)
         head, nxt = store.head, store.next_row
