@@ -763,3 +763,185 @@ def test_ssr_moving_to_another_store_starts_over(tmp_path):
         s = PrioritizedSampler(eps=0.0, seed=0)
         assert set(s.sample(a, 20).tolist()) == {0}
         assert set(s.sample(b, 20).tolist()) == {2}  # b's own priorities, not a's left in the tree
+
+
+# --------------------------------------------------------------------------- exclude= and min_row=
+
+
+def _filter_kinds():
+    return {"group_random": lambda: PromptGroupSampler(samples_per_group=2, seed=1),
+            "group_recency": lambda: PromptGroupSampler.recency(samples_per_group=2, seed=1),
+            "group_reward": lambda: PromptGroupSampler.reward(samples_per_group=2, seed=1),
+            "group_variance": lambda: PromptGroupSampler.variance(samples_per_group=2, seed=1),
+            "group_signal": lambda: PromptGroupSampler(num_groups=2, min_reward_std=0.0, seed=1),
+            "pass": lambda: RandomSampler(seed=1),
+            "ordered": lambda: RandomSampler(shuffle=False, drop_last=True, seed=1),
+            "uniform": lambda: RandomSampler(replacement=True, seed=1),
+            "ssr": lambda: PrioritizedSampler(alpha=0.7, seed=1),
+            "ssr_max": lambda: PrioritizedSampler(new_priority="max", eps=0.0, seed=1)}
+
+
+FILTERS = st.fixed_dictionaries({
+    "exclude": st.lists(st.tuples(st.integers(0, 40), st.integers(0, 15)).map(lambda p: (p[0], p[0] + p[1])),
+                        max_size=3),
+    "min_row": st.one_of(st.none(), st.integers(0, 40)),
+    "min_policy_version": st.one_of(st.none(), st.integers(0, 5))})
+
+
+def _allowed(store, versions, exclude, min_row, min_policy_version):
+    """The rows a draw may take, by the plain rule."""
+    out = set()
+    for r in range(store.head, store.next_row):
+        if min_row is not None and r < min_row:
+            continue
+        if any(a <= r < b for a, b in exclude):
+            continue
+        if min_policy_version is not None and versions[r] < min_policy_version:
+            continue
+        out.add(r)
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches=st.lists(st.integers(2, 10), min_size=1, max_size=5), capacity=st.sampled_from([None, 24]),
+       filters=st.lists(FILTERS, min_size=1, max_size=4), data=st.data())
+def test_excluded_rows_are_never_drawn(tmp_path_factory, batches, capacity, filters, data):
+    """Every sampler and strategy, a store with eviction, and filters that change between draws of one sampler."""
+    path = tmp_path_factory.mktemp("exclude") / "s"
+    rng = np.random.default_rng(len(batches))
+    with ReplayStore(path, capacity=capacity) as store:
+        versions = {}
+        for b, n in enumerate(batches):
+            vs = [int(v) for v in rng.integers(0, 6, n)]  # versions need not grow along the rows
+            rows = put(store, [f"p{int(k)}" for k in rng.integers(0, 4, n)], rewards=rng.integers(0, 3, n),
+                       advantages=rng.standard_normal(n), versions=vs)
+            versions.update(zip(rows.tolist(), vs))
+        for name, build in _filter_kinds().items():
+            s = build()
+            if name.startswith("ssr"):
+                s.update_priorities([store.head], [3.0])
+            for f in filters:
+                allowed = _allowed(store, versions, **f)
+                n = 4 if not name.startswith(("pass", "ordered")) else 3
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", ReplacementWarning)
+                        rows = s.sample(store, n, **f)
+                except SamplerError:
+                    if name in ("pass", "ordered"):
+                        assert len(allowed) < n, (name, f)
+                    elif name != "group_signal":  # no group with spread among the allowed rows is fine too
+                        assert not allowed, (name, f)
+                    continue
+                assert set(rows.tolist()) <= allowed, (name, f, rows)
+                mask = s.eligible(store, **f)
+                got = set(range(store.head, store.next_row)) if mask is None else \
+                    set((store.head + np.flatnonzero(mask)).tolist())
+                assert got == allowed
+            if name.startswith("group") and name != "group_signal":
+                f = data.draw(FILTERS, label="named")
+                allowed = _allowed(store, versions, **f)
+                if allowed:
+                    key = store.read([min(allowed)], ["prompt_id"])["prompt_id"][0]
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", ReplacementWarning)
+                        rows = s.sample(store, 2, groups=[key], **f)
+                    assert set(rows.tolist()) <= allowed
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(filters=st.lists(FILTERS, min_size=1, max_size=6), alpha=st.sampled_from([0.5, 1.0]))
+def test_sum_tree_reweighted_for_a_changed_exclusion_matches_a_fresh_one(tmp_path_factory, filters, alpha):
+    path = tmp_path_factory.mktemp("tree") / "s"
+    rng = np.random.default_rng(1)
+    with ReplayStore(path) as store:
+        put(store, ["a"] * 48, advantages=rng.standard_normal(48), versions=rng.integers(0, 6, 48).tolist())
+        used = PrioritizedSampler(alpha=alpha, seed=0)
+        used.update_priorities([3, 40], [5.0, 0.0])
+        live = store.row_ids()
+        for f in filters:
+            fresh = PrioritizedSampler(alpha=alpha, seed=0)
+            fresh.update_priorities([3, 40], [5.0, 0.0])
+            np.testing.assert_allclose(used.probabilities(store, live, **f), fresh.probabilities(store, live, **f),
+                                       rtol=1e-12, atol=1e-15)
+
+
+def test_unchanged_exclusion_costs_no_pass_over_the_rows(store):
+    put(store, ["a"] * 4000, advantages=np.arange(4000) % 7, versions=[0] * 4000)
+    s = PrioritizedSampler(seed=0)
+    weighed = []
+    original = s._weights
+    s._weights = lambda st_, filt, rows: weighed.append(len(rows)) or original(st_, filt, rows)
+    s.sample(store, 8, exclude=[(100, 200)], min_row=50)
+    assert weighed == [4000]  # the first draw builds the tree
+    for _ in range(3):
+        s.sample(store, 8, exclude=[(100, 200)], min_row=50)
+    assert weighed == [4000]
+    put(store, ["a"] * 8)
+    s.sample(store, 8, exclude=[(100, 200)], min_row=58)  # the window moved up with one batch
+    assert weighed == [4000, 8, 8]  # rows 50-57 left the window, rows 4000-4007 came
+    s.sample(store, 8, exclude=[(100, 200), (300, 310)], min_row=58)
+    assert weighed == [4000, 8, 8, 10]
+    g = PromptGroupSampler(samples_per_group=2, seed=0)
+    g.sample(store, 2, exclude=[(0, 10)])
+    first = g._eligible_cache[1]
+    g.sample(store, 2, exclude=((0, 10),))  # the same rows, written differently
+    assert g._eligible_cache[1] is first
+
+
+def test_exclude_and_min_row_with_ranks(tmp_path):
+    with ReplayStore(tmp_path / "s") as st_:
+        rng = np.random.default_rng(0)
+        put(st_, [f"p{i % 9}" for i in range(96)], rewards=rng.random(96), advantages=rng.standard_normal(96),
+            versions=[i // 16 for i in range(96)])
+        kw = dict(exclude=[(20, 40), (60, 64)], min_row=8, min_policy_version=1)
+        for name, build in _filter_kinds().items():
+            if name == "group_signal":
+                continue
+            kwargs = {**build().config(), "seed": 4}
+            kwargs.pop("rank"), kwargs.pop("world_size")
+            cls = type(build())
+            ranks = [cls(**kwargs, rank=r, world_size=2) for r in range(2)]
+            single = cls(**kwargs)
+            for _ in range(3):
+                parts = [r.sample(st_, 4, **kw) for r in ranks]
+                whole = single.sample(st_, 8, **kw)
+                assert np.concatenate(parts).tolist() == whole.tolist(), name
+                assert not ((whole >= 20) & (whole < 40)).any() and (whole >= 16).all(), name
+
+
+def test_exclude_and_min_row_are_checked(store):
+    put(store, ["a", "b"] * 4, versions=[0, 1] * 4)
+    s = RandomSampler(seed=0)
+    for bad, match in [("16-32", "list of"), ([(3,)], r"exclude\[0\]"), ([(5, 2)], "start <= stop"),
+                       ([(-1, 2)], "start <= stop"), ([(0.5, 2)], "integer row ids")]:
+        with pytest.raises(SamplerError, match=match):
+            s.sample(store, 1, exclude=bad)
+    for bad in (-1, 2.0, "3"):
+        with pytest.raises(SamplerError, match="min_row"):
+            s.sample(store, 1, min_row=bad)
+    assert sorted(s.sample(store, 2, exclude=np.array([[0, 6]])).tolist()) == [6, 7]
+    # one call shape for every sampler (DESIGN.md): groups=None is accepted, named groups need a group sampler
+    for single in (RandomSampler(seed=0), PrioritizedSampler(seed=0)):
+        assert len(single.sample(store, 2, groups=None, min_policy_version=None)) == 2
+        with pytest.raises(SamplerError, match="PromptGroupSampler"):
+            single.sample(store, 2, groups=["a"])
+    with pytest.raises(SamplerError, match=r"outside exclude=\[0, 8\).*exclude fewer rows"):
+        PromptGroupSampler(num_groups=1, seed=0).sample(store, 2, exclude=[(0, 8)])
+    with pytest.raises(SamplerError, match=r"min_row=8.*lower min_row"):
+        PrioritizedSampler(seed=0).sample(store, 2, min_row=8)
+    with pytest.raises(SamplerError, match=r"has no live row with policy_version >= 1, outside exclude=\[0, 4\)"):
+        PromptGroupSampler(num_groups=1, seed=0).sample(store, 2, groups=["a"], min_policy_version=1,
+                                                        exclude=[(0, 4)])
+
+
+def test_int64_versions_are_compared_exactly(store):
+    # the merge bug: versions cached as float64 made int64-min + 1 equal int64-min
+    low = int(np.iinfo(np.int64).min)
+    put(store, ["a"] * 4, versions=[low, low + 1, 2 ** 62 + 1, 2 ** 62])
+    for s in (RandomSampler(replacement=True, seed=0), PrioritizedSampler(seed=0),
+              PromptGroupSampler(samples_per_group=2, seed=0)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReplacementWarning)
+            assert set(s.sample(store, 8, min_policy_version=low + 1).tolist()) <= {1, 2, 3}
+            assert set(s.sample(store, 8, min_policy_version=2 ** 62 + 1).tolist()) == {2}

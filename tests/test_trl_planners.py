@@ -14,9 +14,9 @@ from hypothesis import given, settings, strategies as st
 
 from diskreplay import PrioritizedSampler, PromptGroupSampler, ReplayStore
 from diskreplay.integrations.trl.checkpoint import ReplayState, load_checkpoint_state, save_checkpoint_state
-from diskreplay.integrations.trl.planners import (EXCLUDED_VERSION, FreshBatch, RepoPlanner, SsrPlanner,
-                                                  SwapZeroStdPlanner, Timeline, TimelineView, group_advantages,
-                                                  recompute_advantages, zero_spread_groups)
+from diskreplay.integrations.trl.planners import (Draw, FreshBatch, RepoPlanner, SsrPlanner, SwapZeroStdPlanner,
+                                                  Timeline, group_advantages, recompute_advantages,
+                                                  zero_spread_groups)
 
 NAN = float("nan")
 
@@ -80,7 +80,7 @@ def test_swap_candidates_need_two_scorable_rows_that_differ(tmp_path):
         extend(store, [1] * 4 + [2] * 4 + [3] * 4, [0] * 12, [1, 1, NAN, NAN, 1, 0, NAN, NAN] + [NAN] * 4)
         planner = SwapZeroStdPlanner(PromptGroupSampler(samples_per_group=4, strategy="variance", seed=0),
                                      np.random.Generator(np.random.PCG64(0)), num_generations=4)
-        assert planner.candidates(planner.view(store), None) == [2]
+        assert planner.candidates(store) == [2]
         fresh = FreshBatch(np.array([7] * 4 + [8] * 4), np.array([1, 1, NAN, NAN, 0, 1, 0, 1.0]), np.zeros(8))
         plan = planner.plan(store, fresh, step=1)
         assert plan.positions.tolist() == [0, 1, 2, 3] and plan.group_size == 4
@@ -119,17 +119,40 @@ def discarded_timeline_store(path):
     return store
 
 
-def test_timeline_view_hides_excluded_rows_from_every_sampler(tmp_path):
+def test_excluded_rows_are_never_drawn_by_any_planner(tmp_path):
     with discarded_timeline_store(tmp_path / "s") as store:
         timeline = Timeline().resumed(checkpoint_rows=8, store_rows=16)
         assert timeline.count(store.head, store.next_row) == 8
-        view = TimelineView(store, timeline)
-        assert (view.read(np.arange(24), ["policy_version"])["policy_version"][8:16] == EXCLUDED_VERSION).all()
-
-        ssr = SsrPlanner(PrioritizedSampler(seed=0), 1.0, num_generations=4, timeline=timeline)
+        fresh = FreshBatch(np.array([1] * 4 + [2] * 4), np.array([0, 0, 0, 0, 1, 1, 1, 1.0]), np.zeros(8))
+        ssr = SsrPlanner(PrioritizedSampler(seed=0), 8.0, num_generations=4, timeline=timeline)
+        repo = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                           num_generations=4, timeline=timeline)
+        swap = SwapZeroStdPlanner(PromptGroupSampler(samples_per_group=4, strategy="variance", seed=0),
+                                  np.random.Generator(np.random.PCG64(0)), num_generations=4, timeline=timeline)
         for step in range(5):
-            drawn = ssr.plan(store, FreshBatch(np.zeros(64, dtype=np.int64), np.zeros(64), np.zeros(64)), step).rows
-            assert len(drawn) == 64 and not timeline.contains(drawn).any()
+            for planner in (ssr, repo, swap):
+                drawn = planner.plan(store, fresh, step).rows
+                assert len(drawn) and not timeline.contains(drawn).any(), (type(planner).__name__, drawn)
+        # the planner counts eligible rows with the sampler's own rule
+        assert ssr.eligible(store, ssr.draw(store, 0)).tolist() == [True] * 8 + [False] * 8 + [True] * 8
+        # the versions of the discarded rows are not touched: a version bound still means what it says
+        lagged = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                             num_generations=4, max_policy_lag=1, timeline=timeline)
+        assert lagged.draw(store, 4) == Draw(3, ((8, 16),), None)
+        rows = lagged.plan(store, fresh, 4).rows
+        assert set(store.read(rows, ["policy_version"])["policy_version"].tolist()) == {3}
+        assert rows.min() >= 16
+
+
+def test_a_new_timeline_takes_effect_on_the_next_draw_of_a_used_sampler(tmp_path):
+    # the merge bug: the sampler had cached the rows' versions before the exclusion was known
+    with discarded_timeline_store(tmp_path / "s") as store:
+        repo = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                           num_generations=4)
+        fresh = FreshBatch(np.array([1] * 4 + [2] * 4), np.zeros(8), np.zeros(8))
+        assert repo.plan(store, fresh, 3).rows.max() >= 16
+        repo.set_timeline(Timeline(((12, 24),)))
+        assert repo.plan(store, fresh, 3).rows.max() < 12
 
 
 def test_resume_excludes_rows_newer_than_the_checkpoint(tmp_path):
@@ -153,14 +176,30 @@ def test_window_and_lag_with_versions_that_go_back(tmp_path):
     with discarded_timeline_store(tmp_path / "s") as store:
         timeline = Timeline(((8, 16),))
         ssr = SsrPlanner(PrioritizedSampler(seed=0), 1.0, num_generations=4, window=8, timeline=timeline)
-        view = ssr.view(store)
-        assert ssr.bound(view, 4) == 2  # the newest 8 kept rows are 16-23 (versions 2, 3)
+        assert ssr.draw(store, 4).min_row == 16  # the newest 8 kept rows are 16-23
         fresh = FreshBatch(np.zeros(32, dtype=np.int64), np.zeros(32), np.zeros(32))
         assert (ssr.plan(store, fresh, 4).rows >= 16).all()
+        # a window across the excluded range: rows 4-7 and 16-23
+        wide = SsrPlanner(PrioritizedSampler(seed=0), 8.0, num_generations=4, window=12, timeline=timeline)
+        assert wide.draw(store, 4).min_row == 4
+        assert set(wide.plan(store, fresh, 4).rows.tolist()) == set(range(4, 8)) | set(range(16, 24))
         # a lag bound that only the discarded rows would meet: nothing is replayable
         lagged = SsrPlanner(PrioritizedSampler(seed=0), 1.0, num_generations=4, max_policy_lag=0,
                             timeline=Timeline(((8, 24),)))
         assert lagged.plan(store, fresh, 3).rows.tolist() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), max_size=5), st.integers(0, 30),
+       st.integers(0, 40), st.integers(1, 50))
+def test_window_start_matches_a_plain_count(ranges, head, length, window):
+    timeline = Timeline().resumed(0, 0)
+    for a, n in ranges:
+        timeline = timeline.resumed(a, a + n)
+    nxt = head + length
+    start = timeline.window_start(head, nxt, window)
+    kept = [r for r in range(head, nxt) if not timeline.contains(np.array([r]))[0]]
+    assert start == (kept[-window] if len(kept) >= window else head)
 
 
 def test_replay_state_survives_a_checkpoint_holder(tmp_path):

@@ -22,6 +22,12 @@ Every sampler takes ``rank`` / ``world_size``: ranks that share the seed, the
 settings and the store generation draw disjoint slices of one global batch
 (:func:`agree_generation` makes them share the generation).
 
+Every ``sample()`` also takes ``min_policy_version=`` (rows of older
+policies are never drawn), ``exclude=`` (row-id ranges ``[(start, stop), ...]``
+never drawn, e.g. rows of a discarded timeline) and ``min_row=`` (rows below
+it are never drawn: a window of the newest rows); ``sampler.eligible(store,
+...)`` gives the same rule as a mask over the live rows.
+
 Everything that depends on the store is canonical (rows in id order, groups
 ordered by their oldest live row), so a store reopened in another process, even
 after eviction renumbered its internal group codes, yields the same stream.
@@ -36,13 +42,15 @@ from ..errors import ReplacementWarning, SamplerError, SettingError
 from .base import STATE_FORMAT, STATE_VERSION, LiveRows, Sampler, live_column
 from .distributed import agree_generation
 from .group import STRATEGIES, PromptGroupSampler
-from .kernels import SumTree, group_spread, reward_scalar, variance_ranking
+from .kernels import (Ranges, SumTree, changed_ranges, group_spread, in_ranges, merge_ranges, reward_scalar,
+                      variance_ranking)
 from .prioritized import PrioritizedSampler
 from .uniform import RandomSampler
 
 # the old private name, kept for callers of the single-module version
 _variance_ranking = variance_ranking
 
-__all__ = ["LiveRows", "PrioritizedSampler", "PromptGroupSampler", "RandomSampler", "ReplacementWarning", "Sampler",
-           "SamplerError", "SettingError", "STATE_FORMAT", "STATE_VERSION", "STRATEGIES", "SumTree",
-           "agree_generation", "group_spread", "live_column", "reward_scalar", "variance_ranking"]
+__all__ = ["LiveRows", "PrioritizedSampler", "PromptGroupSampler", "RandomSampler", "Ranges", "ReplacementWarning",
+           "Sampler", "SamplerError", "SettingError", "STATE_FORMAT", "STATE_VERSION", "STRATEGIES", "SumTree",
+           "agree_generation", "changed_ranges", "group_spread", "in_ranges", "live_column", "merge_ranges",
+           "reward_scalar", "variance_ranking"]

@@ -19,12 +19,14 @@ the same ones (the seed may differ).
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
 from ..errors import DiskReplayError, FormatError, SamplerError, SettingError
 from ..ragged import is_int as _is_int
+from .kernels import Ranges, merge_ranges
 
 STATE_FORMAT = "diskreplay.sampler"
 STATE_VERSION = 2
@@ -56,6 +58,87 @@ def check_bound(value: Any) -> Optional[float]:
         raise SamplerError(f"min_policy_version must be a number or None, got {value!r}; pass the oldest "
                            "policy version a row may come from")
     return value
+
+
+def check_exclude(value: Any) -> Ranges:
+    """``exclude=``: row-id ranges ``[(start, stop), ...]`` (stop exclusive), as canonical :data:`Ranges`."""
+    if value is None:
+        return ()
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise SamplerError(f"exclude must be a list of (start, stop) row-id ranges, got {value!r:.80}; pass e.g. "
+                           "exclude=[(16, 32)] to never draw rows 16..31")
+    pairs = []
+    for i, pair in enumerate(value):
+        if isinstance(pair, np.ndarray):
+            pair = pair.tolist()
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(_is_int(v) for v in pair):
+            raise SamplerError(f"exclude[{i}]={pair!r:.80} is not a (start, stop) pair of integer row ids; pass "
+                               "e.g. exclude=[(16, 32)]")
+        start, stop = int(pair[0]), int(pair[1])
+        if start < 0 or stop < start:
+            raise SamplerError(f"exclude[{i}]=({start}, {stop}) is not a row-id range: it needs 0 <= start <= "
+                               "stop (stop is exclusive)")
+        pairs.append((start, stop))
+    return merge_ranges(pairs)
+
+
+def check_min_row(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise SamplerError(f"min_row must be a row id >= 0 or None, got {value!r}; rows below it are never drawn")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """Which live rows a draw may take: ``policy_version >= bound`` and outside ``blocked``.
+
+    ``blocked`` holds ``exclude`` and, for ``min_row``, the range ``[0, min_row)``,
+    merged, so one canonical value says which rows are off limits (equal
+    filters draw from equal rows, which is what the caches key on).
+    """
+
+    bound: Optional[float] = None
+    exclude: Ranges = ()
+    min_row: Optional[int] = None
+
+    @property
+    def blocked(self) -> Ranges:
+        if not self.min_row:
+            return self.exclude
+        return merge_ranges(self.exclude + ((0, self.min_row),))
+
+    def __bool__(self) -> bool:
+        return self.bound is not None or bool(self.exclude) or bool(self.min_row)
+
+    def describe(self, version_key: str) -> str:
+        """The conditions, worded to follow "row" in error messages ("" when there are none)."""
+        parts = []
+        if self.bound is not None:
+            parts.append(f"with {version_key} >= {self.bound}")
+        if self.exclude:
+            shown = ", ".join(f"[{a}, {b})" for a, b in self.exclude[:4]) + (", ..." if len(self.exclude) > 4 else "")
+            parts.append(f"outside exclude={shown}")
+        if self.min_row:
+            parts.append(f"at or above min_row={self.min_row}")
+        return (" " + ", ".join(parts)) if parts else ""
+
+    def fix(self) -> str:
+        """The ways to widen the filter, for error messages."""
+        ways = [w for w, on in (("lower min_policy_version", self.bound is not None),
+                                ("exclude fewer rows", bool(self.exclude)),
+                                ("lower min_row", bool(self.min_row))) if on]
+        return (" or " + " or ".join(ways)) if ways else ""
+
+
+def no_groups(groups: Any, sampler: str) -> None:
+    """``groups=`` is in every sampler's signature (one call shape); only group samplers can honour it."""
+    if groups is not None:
+        raise SamplerError(f"{sampler} draws single rows and cannot draw named groups (groups={groups!r:.60}); use "
+                           "PromptGroupSampler for groups=, or pass groups=None")
 
 
 def check_number(name: str, value: Any, example: float, allow_none: bool = False) -> Optional[float]:
@@ -162,7 +245,10 @@ class LiveRows:
         self.fill = fill
         self.path: Optional[str] = None
         self.base = 0
-        self._buf = np.zeros(0, dtype=dtype)
+        # dtype=None keeps what fill returns (promoted if later rows need more): an int64 column must
+        # not round through float64, where every int64 above 2**53 in size collapses onto a neighbour
+        self._adopt = dtype is None
+        self._buf = np.zeros(0, dtype=np.float64 if dtype is None else dtype)
         self._start = self._n = 0
         self.epoch = 0  # counts restarts (another store, a restored state): values before it are gone
 
@@ -178,7 +264,8 @@ class LiveRows:
     def restore(self, base: int, values: np.ndarray) -> None:
         """Take saved values of rows ``[base, base + len(values))`` (from a state dict)."""
         self.path, self.base = None, int(base)
-        self._buf, self._start, self._n = np.array(values, dtype=self._buf.dtype), 0, len(values)
+        self._buf = np.array(values, dtype=None if self._adopt else self._buf.dtype)
+        self._start, self._n = 0, len(values)
         self.epoch += 1
 
     def _reset(self, base: int) -> None:
@@ -186,6 +273,11 @@ class LiveRows:
         self.epoch += 1
 
     def _append(self, new: np.ndarray) -> None:
+        if self._adopt:
+            dtype = new.dtype if not self._n else np.result_type(self._buf.dtype, new.dtype)
+            if dtype != self._buf.dtype:
+                self._buf, self._start = self.values.astype(dtype), 0
+        new = new.astype(self._buf.dtype, copy=False)
         n = len(new)
         if self._start + self._n + n > len(self._buf):
             size = max(16, 2 * (self._n + n))
@@ -212,7 +304,7 @@ class LiveRows:
             if not self._n:
                 self._start = 0
         if nxt > end:
-            self._append(np.asarray(self.fill(store, end, nxt), dtype=self._buf.dtype))
+            self._append(np.asarray(self.fill(store, end, nxt)))
         return True
 
     def live(self, store: Any) -> np.ndarray:
@@ -224,9 +316,13 @@ class LiveRows:
         """Values of ``rows`` (``default`` for rows outside ``[base, end)``)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         out = np.full(len(rows), default, dtype=self._buf.dtype)
-        inside = (rows >= self.base) & (rows < self.end)
+        inside = self.covers(rows)
         out[inside] = self.values[rows[inside] - self.base]
         return out
+
+    def covers(self, rows: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of ``rows`` have a value (lie in ``[base, end)``)."""
+        return (rows >= self.base) & (rows < self.end)
 
     def add(self, rows: np.ndarray, amount: np.ndarray) -> None:
         """Add ``amount`` to the values of ``rows`` that are inside ``[base, end)`` (repeats add up)."""
@@ -245,17 +341,21 @@ class ColumnFill:
         return np.asarray(store.read(np.arange(start, stop, dtype=np.int64), [self.column])[self.column])
 
 
-def live_column(column: str, arg: str = "column", allow_vector: bool = False) -> LiveRows:
+def live_column(column: str, arg: str = "column", allow_vector: bool = False, dtype: Any = np.float64) -> LiveRows:
     """A :class:`LiveRows` of one numeric per-row store column, read once per row.
+
+    ``dtype=None`` keeps the column's own dtype (an int64 column stays exact).
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
     >>> store = ReplayStore(tempfile.mkdtemp())
-    >>> _ = store.extend({"prompt_id": [1, 2], "score": [0.5, 1.5]})
+    >>> _ = store.extend({"prompt_id": [1, 2], "score": [0.5, 1.5], "step": [2**62 + 1, 3]})
     >>> live_column("score").live(store).tolist()
     [0.5, 1.5]
+    >>> live_column("step", dtype=None).live(store).tolist() == [2**62 + 1, 3]
+    True
     """
-    return LiveRows(ColumnFill(column, arg, allow_vector))
+    return LiveRows(ColumnFill(column, arg, allow_vector), dtype)
 
 
 def _zeros(store: Any, start: int, stop: int) -> np.ndarray:
@@ -267,6 +367,28 @@ def _copied(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _copied(v) for k, v in value.items()}
     return value.copy() if isinstance(value, np.ndarray) else value
+
+
+class Eligible:
+    """The live rows ``[head, next_row)`` a :class:`RowFilter` lets through.
+
+    ``mask`` (read-only, aligned with the live rows), ``count``, and ``ids``
+    (the positions of the eligible rows, from ``head``; computed once, when
+    first asked for).
+    """
+
+    def __init__(self, mask: np.ndarray) -> None:
+        mask.flags.writeable = False
+        self.mask = mask
+        self.count = int(np.count_nonzero(mask))
+        self._ids: Optional[np.ndarray] = None
+
+    @property
+    def ids(self) -> np.ndarray:
+        if self._ids is None:
+            self._ids = np.flatnonzero(self.mask)
+            self._ids.flags.writeable = False
+        return self._ids
 
 
 def _restore(cls: type, kwargs: Dict[str, Any], state: Dict[str, Any]) -> "Sampler":
@@ -326,7 +448,9 @@ class Sampler:
         # PCG64 explicitly (not default_rng) so the saved state names its generator
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
         self._counts = LiveRows(_zeros, np.int64)  # how many times each live row was drawn (by this rank)
-        self._versions = live_column(policy_version_key, "policy_version_key")
+        # the column's own dtype: a bound compares exactly against int64 versions
+        self._versions = live_column(policy_version_key, "policy_version_key", dtype=None)
+        self._eligible_cache: Tuple[Any, Optional[Eligible]] = (None, None)
         self._draws = 0
         self._recent: Deque[Tuple[int, np.ndarray]] = collections.deque(maxlen=RECENT_DRAWS)
 
@@ -364,11 +488,55 @@ class Sampler:
             return rows
         return rows[self.rank * batch_size:(self.rank + 1) * batch_size]
 
-    def _eligible(self, store: Any, bound: Optional[float]) -> Optional[np.ndarray]:
-        """Mask over the live rows ``[head, next_row)`` of rows new enough for ``bound`` (None: all)."""
-        if bound is None:
+    def _filter(self, min_policy_version: Any, exclude: Any, min_row: Any) -> RowFilter:
+        """The checked keywords of a draw, as one value."""
+        return RowFilter(check_bound(min_policy_version), check_exclude(exclude), check_min_row(min_row))
+
+    def _eligible(self, store: Any, filt: RowFilter) -> Optional[Eligible]:
+        """The live rows ``filt`` lets through (None: all of them).
+
+        Kept while the store's live rows and the filter stay the same (rows
+        never change after their commit), so repeated draws with an unchanged
+        exclusion cost nothing here.
+        """
+        if not filt:
             return None
-        return self._versions.live(store) >= bound
+        head, nxt = store.head, store.next_row
+        key = (store.path, head, nxt, filt)
+        if self._eligible_cache[0] == key:
+            return self._eligible_cache[1]
+        if filt.bound is None:
+            mask = np.ones(nxt - head, dtype=bool)
+        else:
+            mask = self._versions.live(store) >= filt.bound
+        for a, b in filt.blocked:
+            lo, hi = max(a, head), min(b, nxt)
+            if lo < hi:
+                mask[lo - head:hi - head] = False
+        found = Eligible(mask)
+        self._eligible_cache = (key, found)
+        return found
+
+    def eligible(self, store: Any, *, min_policy_version: Optional[float] = None, exclude: Any = None,
+                 min_row: Optional[int] = None) -> Optional[np.ndarray]:
+        """Which live rows ``[head, next_row)`` a draw with these keywords may take (None: every live row).
+
+        The same rule :meth:`sample` applies (a boolean mask aligned with the
+        live rows, read-only; a prioritized draw also skips rows of weight 0).
+        Callers that plan around a draw (count a group's eligible rows, say)
+        use it so that they and the sampler never disagree.
+
+        >>> import tempfile
+        >>> from diskreplay import ReplayStore, RandomSampler
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> _ = store.extend({"prompt_id": [0] * 6, "policy_version": [0, 1, 2, 3, 4, 5]})
+        >>> RandomSampler().eligible(store, min_policy_version=1, exclude=[(2, 4)]).tolist()
+        [False, True, False, False, True, True]
+        >>> RandomSampler().eligible(store) is None
+        True
+        """
+        found = self._eligible(store, self._filter(min_policy_version, exclude, min_row))
+        return None if found is None else found.mask
 
     def _record(self, rows: np.ndarray) -> np.ndarray:
         """Count a draw of ``rows`` (this rank's) and remember it for ``state_dict(position=...)``."""

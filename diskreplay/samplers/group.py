@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ReplacementWarning, SamplerError
 from ..ragged import gather_ranges
-from .base import (ColumnFill, LiveRows, Sampler, Setting, as_array, check_bound, check_column, check_number,
+from .base import (ColumnFill, LiveRows, Sampler, Setting, as_array, check_column, check_number,
                    numeric_column, positive)
 from .kernels import group_spread, reward_scalar, variance_ranking
 
@@ -68,8 +68,9 @@ class PromptGroupSampler(Sampler):
     deviation (ddof=1, TRL's ``nanstd``) of its eligible rows' finite rewards is
     above this bound; ``0.0`` keeps only groups with any spread ("only groups
     with signal"), and a group with fewer than two finite rewards never
-    qualifies. Rows whose ``policy_version_key`` is below ``min_policy_version``
-    are never drawn.
+    qualifies. Rows whose ``policy_version_key`` is below ``min_policy_version``,
+    rows in ``exclude`` (row-id ranges) and rows below ``min_row`` are never
+    drawn; a group's eligible rows are the rest.
 
     A group with fewer eligible rows than asked for gives all of them and is
     completed with replacement: with uniform draws from the group for
@@ -125,6 +126,7 @@ class PromptGroupSampler(Sampler):
         self._canon: Tuple[Any, Optional[np.ndarray]] = (None, None)
         self._rewards = LiveRows(RewardFill(self.reward_key))
         self._spread: Tuple[Any, Optional[np.ndarray]] = (None, None)
+        self._by_group: Tuple[Any, Any] = (None, None)
 
     def _drop_reward_cache(self) -> None:
         self._rewards = LiveRows(RewardFill(self.reward_key))
@@ -210,9 +212,20 @@ class PromptGroupSampler(Sampler):
             self._canon = (gi, np.argsort(firsts, kind="stable"))
         return self._canon[1]
 
-    def _spread_ok(self, store: Any, gi: Any, emask: Optional[np.ndarray], bound: Optional[float]) -> np.ndarray:
+    def _group_eligible(self, gi: Any, elig: Any, head: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The eligibility mask aligned with ``gi.rows`` and the eligible rows per group (kept while both stay)."""
+        cached, found = self._by_group
+        if cached is not None and cached[0] is gi and cached[1] is elig:
+            return found
+        emask = elig.mask[gi.rows - head]
+        ecounts = (np.add.reduceat(emask.astype(np.int64), gi.offsets[:-1]) if len(gi)
+                   else np.zeros(0, dtype=np.int64))
+        self._by_group = ((gi, elig), (emask, ecounts))
+        return emask, ecounts
+
+    def _spread_ok(self, store: Any, gi: Any, emask: Optional[np.ndarray], filt: Any) -> np.ndarray:
         """Per group position: is the reward spread of its eligible rows above ``min_reward_std``?"""
-        key = (gi, bound, self.reward_key, self.min_reward_std)
+        key = (gi, filt, self.reward_key, self.min_reward_std)
         cached, ok = self._spread
         if cached is not None and len(cached) == len(key) and all(a is b or a == b for a, b in zip(cached, key)):
             return ok
@@ -226,13 +239,20 @@ class PromptGroupSampler(Sampler):
         return ok
 
     def sample(self, store: Any, batch_size: int, *, groups: Any = None,
-               min_policy_version: Optional[float] = None) -> np.ndarray:
+               min_policy_version: Optional[float] = None, exclude: Any = None,
+               min_row: Optional[int] = None) -> np.ndarray:
         """Row ids of ``batch_size`` rows, group by group (see the class docstring).
 
         ``groups`` names the groups to draw, in order (RePO: the prompts of the
         current batch); a key may repeat. With ``num_groups`` set it must name
         exactly ``num_groups`` groups; with ``samples_per_group`` set,
         ``batch_size`` must be ``len(groups) * samples_per_group``.
+
+        ``min_policy_version``: rows whose ``policy_version_key`` is below it
+        are never drawn. ``exclude``: row-id ranges ``[(start, stop), ...]``
+        (stop exclusive) never drawn (rows of a discarded timeline, say).
+        ``min_row``: rows with a smaller id are never drawn. A group is drawn
+        from its remaining rows only; every rank must pass the same values.
 
         >>> import tempfile, numpy as np
         >>> from diskreplay import ReplayStore
@@ -241,9 +261,11 @@ class PromptGroupSampler(Sampler):
         ...                   "rewards": np.array([0.0, 1.0, 0.5, 1.0], dtype=np.float32)})
         >>> PromptGroupSampler.variance(num_groups=1).sample(store, 2, groups=["a"]).tolist()
         [3, 0]
+        >>> PromptGroupSampler.recency(num_groups=1).sample(store, 2, groups=["a"], exclude=[(2, 4)]).tolist()
+        [1, 0]
         """
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
-        bound = check_bound(min_policy_version)
+        filt = self._filter(min_policy_version, exclude, min_row)
         key = self.group_key if self.group_key is not None else store.group_key
         if key is None:
             raise SamplerError(f"group_key=None, but the store at {store.path} has no group key; pass "
@@ -252,18 +274,16 @@ class PromptGroupSampler(Sampler):
         head = store.head
         self._counts.sync(store)
 
-        emask = self._eligible(store, bound)
-        if emask is None:
-            ecounts = gi.counts
+        elig = self._eligible(store, filt)
+        if elig is None:
+            emask, ecounts = None, gi.counts
         else:
-            emask = emask[gi.rows - head]  # now aligned with gi.rows
-            ecounts = (np.add.reduceat(emask.astype(np.int64), gi.offsets[:-1]) if len(gi)
-                       else np.zeros(0, dtype=np.int64))
-        stale = "" if bound is None else f" with {self.policy_version_key} >= {bound}"
+            emask, ecounts = self._group_eligible(gi, elig, head)  # emask is aligned with gi.rows
+        stale = filt.describe(self.policy_version_key)
         signal = ""
         spread_ok = None
         if self.min_reward_std is not None:
-            spread_ok = self._spread_ok(store, gi, emask, bound)
+            spread_ok = self._spread_ok(store, gi, emask, filt)
             signal = f" and a {self.reward_key} spread above min_reward_std={self.min_reward_std}"
         # the within-group randomness comes from a generator seeded by one draw of the main one, so the
         # main stream advances by the same amount on every rank whatever the groups hold
@@ -284,8 +304,8 @@ class PromptGroupSampler(Sampler):
                     raise SamplerError(f"groups[{i}]={g!r} is not a group of the store (no live row has "
                                        f"{key}={g!r}); name only groups that have live rows")
                 if ecounts[pos] == 0:
-                    raise SamplerError(f"groups[{i}]={g!r} has no live row{stale}; name other groups or lower "
-                                       "min_policy_version")
+                    raise SamplerError(f"groups[{i}]={g!r} has no live row{stale}; name other groups"
+                                       + filt.fix())
                 if spread_ok is not None and not spread_ok[pos]:
                     raise SamplerError(f"groups[{i}]={g!r} has no {self.reward_key} spread above min_reward_std="
                                        f"{self.min_reward_std}{stale}; name other groups or lower min_reward_std")
@@ -302,8 +322,7 @@ class PromptGroupSampler(Sampler):
             eligible = canon if ok is None else canon[ok]
             if len(eligible) == 0:
                 raise SamplerError(f"the store at {store.path} has no group with a live row{stale}{signal}; extend "
-                                   "it first" + ("" if bound is None else " or lower min_policy_version")
-                                   + ("" if spread_ok is None else " or lower min_reward_std"))
+                                   "it first" + filt.fix() + ("" if spread_ok is None else " or lower min_reward_std"))
             if len(eligible) >= want:
                 chosen = eligible[self._rng.choice(len(eligible), want, replace=False)]
             else:

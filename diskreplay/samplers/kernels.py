@@ -5,16 +5,73 @@
 - :func:`variance_ranking`: each group's maximum-variance subset of a given size.
 - :class:`SumTree`: weights of a sliding window of row ids, with O(log N)
   vectorised updates and weighted draws (the prioritized sampler's index).
+- :func:`merge_ranges`, :func:`in_ranges`, :func:`changed_ranges`: sets of
+  row ids as sorted ``[start, stop)`` ranges (the rows a draw excludes).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["SumTree", "group_spread", "reward_scalar", "variance_ranking"]
+__all__ = ["Ranges", "SumTree", "changed_ranges", "group_spread", "in_ranges", "merge_ranges", "reward_scalar",
+           "variance_ranking"]
+
+#: a set of row ids as sorted, disjoint, non-adjacent, non-empty ``(start, stop)`` ranges (stop exclusive)
+Ranges = Tuple[Tuple[int, int], ...]
+
+
+def merge_ranges(pairs: Iterable[Sequence[int]]) -> Ranges:
+    """``[start, stop)`` pairs as :data:`Ranges`: sorted, overlapping or touching ones merged, empty ones dropped.
+
+    The canonical form makes two descriptions of the same rows compare equal,
+    which is what lets a sampler keep its index when the exclusion is unchanged.
+
+    >>> merge_ranges([(8, 12), (0, 4), (4, 6), (10, 16), (20, 20)])
+    ((0, 6), (8, 16))
+    """
+    out: List[List[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in pairs):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+def in_ranges(rows: np.ndarray, ranges: Ranges) -> np.ndarray:
+    """Boolean mask: which of ``rows`` lie in one of ``ranges`` (O(n log k) for n rows and k ranges).
+
+    >>> in_ranges(np.array([0, 3, 4, 9, 12]), ((3, 5), (10, 20))).tolist()
+    [False, True, True, False, True]
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if not ranges:
+        return np.zeros(rows.shape, dtype=bool)
+    bounds = np.asarray(ranges, dtype=np.int64).reshape(-1)  # start0, stop0, start1, ...: ascending
+    # a row is inside exactly when an odd number of bounds lie at or below it
+    return (np.searchsorted(bounds, rows, side="right") & 1).astype(bool)
+
+
+def changed_ranges(old: Ranges, new: Ranges) -> Ranges:
+    """The rows in exactly one of ``old`` and ``new`` (their symmetric difference), as :data:`Ranges`.
+
+    O(k log k) in the number of ranges, independent of how many rows they span:
+    a sampler re-weights only these rows when an exclusion moves.
+
+    >>> changed_ranges(((0, 10),), ((0, 12), (20, 30)))
+    ((10, 12), (20, 30))
+    """
+    points = sorted({p for r in old + new for p in r})
+    if len(points) < 2:
+        return ()
+    starts = np.asarray(points[:-1], dtype=np.int64)
+    differ = in_ranges(starts, old) != in_ranges(starts, new)  # constant between consecutive points
+    return merge_ranges((a, b) for a, b, d in zip(points[:-1], points[1:], differ.tolist()) if d)
 
 
 def reward_scalar(values: np.ndarray) -> np.ndarray:

@@ -7,9 +7,9 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ..errors import SamplerError
-from .base import LiveRows, Sampler, Setting, as_array, check_bound, check_column, check_number, numeric_column, \
-    positive
-from .kernels import SumTree, reward_scalar
+from .base import (LiveRows, RowFilter, Sampler, Setting, as_array, check_column, check_number, no_groups,
+                   numeric_column, positive)
+from .kernels import SumTree, changed_ranges, in_ranges, reward_scalar
 
 NEW_PRIORITIES = ("column", "max")
 
@@ -37,6 +37,13 @@ class PrioritizedSampler(Sampler):
     and evictions touch only the rows that come or go. ``alpha``, ``eps`` and
     ``beta`` may be changed at any time (a change of ``alpha`` or ``eps``
     re-weights every live row once, at the next draw).
+
+    ``sample(..., min_policy_version=, exclude=, min_row=)`` never draws rows
+    below the version bound, in the excluded row-id ranges or below
+    ``min_row``: they weigh 0 in the tree. A changed ``exclude`` or ``min_row``
+    re-weights only the rows whose status changed (O(k log N)), so a window
+    that advances with the store, or an exclusion that stays, costs no pass
+    over the live rows; a changed ``min_policy_version`` re-weights them all.
 
     :meth:`importance_weights` gives the correction
     ``w_i = (N * P(i)) ** -beta / max_j w_j`` for drawn rows.
@@ -74,7 +81,7 @@ class PrioritizedSampler(Sampler):
         self._pending_values = np.zeros(0, dtype=np.float64)
         self._max_priority: Optional[float] = None
         self._tree = SumTree()
-        self._tree_bound: Any = None  # the min_policy_version the tree's weights were made for
+        self._tree_filter = RowFilter()  # the rows the tree's weights let through
         self._tree_epoch = -1  # the _prio.epoch the tree was built from
         self._tree_valid = False
 
@@ -115,31 +122,45 @@ class PrioritizedSampler(Sampler):
             self._pending_rows, self._pending_values = pr[keep], pv[keep]
         return new
 
-    def _weights(self, store: Any, bound: Optional[float], start: int, stop: int) -> np.ndarray:
-        """Tree weights of live rows ``[start, stop)``: ``(|p| + eps) ** alpha``, 0 where below ``bound``."""
-        w = (self._prio.values[start - self._prio.base:stop - self._prio.base] + self.eps) ** self.alpha
-        if bound is not None:
-            ok = self._versions.live(store)[start - store.head:stop - store.head] >= bound
-            w = np.where(ok, w, 0.0)
+    def _weights(self, store: Any, filt: RowFilter, rows: np.ndarray) -> np.ndarray:
+        """Tree weights of live ``rows``: ``(|p| + eps) ** alpha``, 0 where ``filt`` keeps a row out."""
+        w = (self._prio.values[rows - self._prio.base] + self.eps) ** self.alpha
+        if filt.bound is not None:
+            w = np.where(self._versions.live(store)[rows - store.head] >= filt.bound, w, 0.0)
+        if filt.exclude or filt.min_row:
+            w = np.where(in_ranges(rows, filt.blocked), 0.0, w)
         return w
 
-    def _sync(self, store: Any, bound: Optional[float]) -> SumTree:
-        """The sum tree of the store's live rows for ``bound``; only rows that came or went are touched."""
+    def _sync(self, store: Any, filt: RowFilter) -> SumTree:
+        """The sum tree of the store's live rows for ``filt``; only rows that came, went or changed are touched."""
         self._prio.sync(store)
         tree, base, end = self._tree, self._prio.base, self._prio.end
-        if not self._tree_valid or self._tree_bound != bound or self._tree_epoch != self._prio.epoch \
+        if not self._tree_valid or self._tree_filter.bound != filt.bound or self._tree_epoch != self._prio.epoch \
                 or tree.base > base or tree.end > end:
             tree.reset(base)
-            tree.append(self._weights(store, bound, base, end))
-            self._tree_bound, self._tree_valid, self._tree_epoch = bound, True, self._prio.epoch
+            tree.append(self._weights(store, filt, np.arange(base, end, dtype=np.int64)))
+            self._tree_filter, self._tree_valid, self._tree_epoch = filt, True, self._prio.epoch
             return tree
         tree.evict(base)
+        old = self._tree_filter.blocked
+        self._tree_filter = filt
+        if old != filt.blocked:
+            # only the rows whose exclusion changed: a window moving up by one batch, an exclusion added
+            spans = [(max(a, tree.base), min(b, tree.end)) for a, b in changed_ranges(old, filt.blocked)]
+            spans = [(a, b) for a, b in spans if a < b]
+            if spans:
+                rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans])
+                tree.update(rows, self._weights(store, filt, rows))
         if end > tree.end:
-            tree.append(self._weights(store, bound, tree.end, end))
+            tree.append(self._weights(store, filt, np.arange(tree.end, end, dtype=np.int64)))
         return tree
 
-    def probabilities(self, store: Any, rows: Any, *, min_policy_version: Optional[float] = None) -> np.ndarray:
+    def probabilities(self, store: Any, rows: Any, *, min_policy_version: Optional[float] = None,
+                      exclude: Any = None, min_row: Optional[int] = None) -> np.ndarray:
         """The probability that one draw picks each of ``rows`` (live rows of the store).
+
+        The keywords are :meth:`sample`'s: pass the same ones to get the
+        probabilities of that draw.
 
         >>> import tempfile, numpy as np
         >>> from diskreplay import ReplayStore
@@ -149,7 +170,7 @@ class PrioritizedSampler(Sampler):
         >>> PrioritizedSampler(eps=0.0).probabilities(store, [1, 0]).tolist()
         [0.75, 0.25]
         """
-        tree = self._sync(store, check_bound(min_policy_version))
+        tree = self._sync(store, self._filter(min_policy_version, exclude, min_row))
         rows = self._live_rows(store, rows)
         total = tree.total
         if not total > 0:
@@ -157,7 +178,8 @@ class PrioritizedSampler(Sampler):
         return tree.weights(rows) / total
 
     def importance_weights(self, store: Any, rows: Any, *, beta: Optional[float] = None,
-                           min_policy_version: Optional[float] = None) -> np.ndarray:
+                           min_policy_version: Optional[float] = None, exclude: Any = None,
+                           min_row: Optional[int] = None) -> np.ndarray:
         """Importance-sampling weights ``w_i = (N * P(i)) ** -beta / max_j w_j`` of drawn ``rows``.
 
         ``N`` is the number of live rows and ``j`` runs over every row that can
@@ -165,7 +187,8 @@ class PrioritizedSampler(Sampler):
         1). ``beta`` defaults to the sampler's ``beta`` (1.0: full correction;
         PER anneals it from about 0.4 to 1). Multiply each row's loss by its
         weight to undo the bias of drawing by priority. A row that cannot be
-        drawn (probability 0) is an error.
+        drawn (probability 0) is an error. ``min_policy_version``,
+        ``exclude`` and ``min_row`` are :meth:`sample`'s (pass the same ones).
 
         >>> import tempfile, numpy as np
         >>> from diskreplay import ReplayStore
@@ -176,13 +199,14 @@ class PrioritizedSampler(Sampler):
         [1.0, 0.5, 0.25]
         """
         beta = self.beta if beta is None else check_number("beta", beta, 1.0)
-        tree = self._sync(store, check_bound(min_policy_version))
+        tree = self._sync(store, self._filter(min_policy_version, exclude, min_row))
         rows = self._live_rows(store, rows)
         w = tree.weights(rows)
         if len(w) and not (w > 0).all():
             bad = int(rows[np.flatnonzero(~(w > 0))[0]])
-            raise SamplerError(f"row {bad} has probability 0 (priority 0 with eps=0, or below min_policy_version) "
-                               "and cannot have been drawn; pass rows returned by sample()")
+            raise SamplerError(f"row {bad} has probability 0 (priority 0 with eps=0, or below min_policy_version, "
+                               "in exclude or below min_row) and cannot have been drawn; pass rows returned by "
+                               "sample() and the keywords it was called with")
         # (N * P(i)) ** -beta / (N * P_min) ** -beta: N and the total cancel
         return (w / tree.min_positive()) ** -beta
 
@@ -193,26 +217,33 @@ class PrioritizedSampler(Sampler):
                                f"{rows.tolist()[:20]}")
         return rows
 
-    def sample(self, store: Any, batch_size: int, *, min_policy_version: Optional[float] = None) -> np.ndarray:
+    def sample(self, store: Any, batch_size: int, *, groups: Any = None, min_policy_version: Optional[float] = None,
+               exclude: Any = None, min_row: Optional[int] = None) -> np.ndarray:
         """Row ids of ``batch_size`` rows drawn with replacement by priority.
+
+        ``min_policy_version``: rows whose ``policy_version_key`` is below it
+        are never drawn. ``exclude``: row-id ranges ``[(start, stop), ...]``
+        (stop exclusive) never drawn. ``min_row``: rows with a smaller id are
+        never drawn (SSR's window of the newest rows). The probabilities of the
+        other rows keep their ratios. Every rank must pass the same values.
 
         >>> import tempfile, numpy as np
         >>> from diskreplay import ReplayStore
         >>> store = ReplayStore(tempfile.mkdtemp())
-        >>> _ = store.extend({"prompt_id": [0, 0], "completion_ids": [[1], [2]],
-        ...                   "advantages": np.array([0.0, 1.0], dtype=np.float32)})
-        >>> PrioritizedSampler(eps=0.0, seed=0).sample(store, 4).tolist()
+        >>> _ = store.extend({"prompt_id": [0, 0, 0], "completion_ids": [[1], [2], [3]],
+        ...                   "advantages": np.array([0.0, 1.0, 2.0], dtype=np.float32)})
+        >>> PrioritizedSampler(eps=0.0, seed=0).sample(store, 4, exclude=[(2, 3)]).tolist()
         [1, 1, 1, 1]
         """
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
-        bound = check_bound(min_policy_version)
+        no_groups(groups, type(self).__name__)
+        filt = self._filter(min_policy_version, exclude, min_row)
         self._counts.sync(store)
-        tree = self._sync(store, bound)
+        tree = self._sync(store, filt)
         total = tree.total
         if not total > 0 or not np.isfinite(total):
-            stale = "" if bound is None else f" with {self.policy_version_key} >= {bound}"
-            raise SamplerError(f"no live row{stale} has a positive sampling weight (total {total!r}); extend the "
-                               "store, raise eps above 0, or lower min_policy_version")
+            raise SamplerError(f"no live row{filt.describe(self.policy_version_key)} has a positive sampling weight "
+                               f"(total {total!r}); extend the store or raise eps above 0" + filt.fix())
         rows = tree.find(self._rng.random(self._global(batch_size)) * total)
         return self._record(self._mine(rows, batch_size))
 
@@ -253,8 +284,13 @@ class PrioritizedSampler(Sampler):
                 inside = (kr >= tree.base) & (kr < tree.end)
                 kr = kr[inside]
                 w = (vals[known][inside] + self.eps) ** self.alpha
-                if self._tree_bound is not None:
-                    w = np.where(self._versions.get(kr, default=-np.inf) >= self._tree_bound, w, 0.0)
+                filt = self._tree_filter
+                if filt.bound is not None:
+                    # the tree was built with these rows' versions read (they are inside it)
+                    ok = self._versions.covers(kr) & (self._versions.get(kr) >= filt.bound)
+                    w = np.where(ok, w, 0.0)
+                if filt.exclude or filt.min_row:
+                    w = np.where(in_ranges(kr, filt.blocked), 0.0, w)
                 tree.update(kr, w)
         later = rows >= end
         if later.any():

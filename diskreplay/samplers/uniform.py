@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..errors import SamplerError
-from .base import Sampler, Setting, check_bound, check_flag, positive
+from .base import Sampler, Setting, check_flag, no_groups, positive
 
 
 class RandomSampler(Sampler):
@@ -26,8 +26,8 @@ class RandomSampler(Sampler):
     than are eligible is an error. With ``replacement=True`` each row is drawn
     uniformly and independently.
 
-    Rows below ``min_policy_version`` are skipped (and not revisited in that
-    pass). With ``rank`` / ``world_size`` every rank walks the same pass and
+    Rows below ``min_policy_version``, in ``exclude`` or below ``min_row`` are
+    skipped (and not revisited in that pass). With ``rank`` / ``world_size`` every rank walks the same pass and
     takes its slice of each global batch of ``batch_size * world_size`` rows.
 
     >>> import tempfile
@@ -71,39 +71,49 @@ class RandomSampler(Sampler):
         self._cursor = int(position["cursor"])
         self._live = (int(position["pass_head"]), int(position["pass_next_row"]))
 
-    def sample(self, store: Any, batch_size: int, *, min_policy_version: Optional[float] = None) -> np.ndarray:
+    def sample(self, store: Any, batch_size: int, *, groups: Any = None, min_policy_version: Optional[float] = None,
+               exclude: Any = None, min_row: Optional[int] = None) -> np.ndarray:
         """Row ids of ``batch_size`` rows (see the class docstring).
+
+        ``min_policy_version``: rows whose ``policy_version_key`` is below it
+        are never drawn. ``exclude``: row-id ranges ``[(start, stop), ...]``
+        (stop exclusive) never drawn. ``min_row``: rows with a smaller id are
+        never drawn (a window of the newest rows). Every rank must pass the
+        same values.
 
         >>> import tempfile
         >>> from diskreplay import ReplayStore
         >>> store = ReplayStore(tempfile.mkdtemp())
-        >>> _ = store.extend({"prompt_id": [0, 1], "completion_ids": [[1], [2]]})
+        >>> _ = store.extend({"prompt_id": [0, 1, 2, 3], "completion_ids": [[1]] * 4})
         >>> RandomSampler(replacement=True, seed=0).sample(store, 5).shape
         (5,)
+        >>> sorted(RandomSampler(seed=0).sample(store, 2, exclude=[(1, 3)]).tolist())
+        [0, 3]
         """
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
+        no_groups(groups, type(self).__name__)
         need = self._global(batch_size)
-        bound = check_bound(min_policy_version)
+        filt = self._filter(min_policy_version, exclude, min_row)
         head, nxt = store.head, store.next_row
         self._counts.sync(store)
-        elig = self._eligible(store, bound)
-        n_elig = nxt - head if elig is None else int(np.count_nonzero(elig))
-        stale = "" if bound is None else f" with {self.policy_version_key} >= {bound}"
+        elig = self._eligible(store, filt)
+        n_elig = nxt - head if elig is None else elig.count
+        stale = filt.describe(self.policy_version_key)
         ranks = "" if self.world_size == 1 else f" * world_size={self.world_size}"
         if self.replacement:
             if n_elig == 0:
                 raise SamplerError(f"the store at {store.path} has no live row{stale} to draw; extend it first"
-                                   + ("" if bound is None else " or lower min_policy_version"))
+                                   + filt.fix())
             if elig is None:
                 rows = head + self._rng.integers(0, n_elig, need)
             else:
-                rows = head + np.flatnonzero(elig)[self._rng.integers(0, n_elig, need)]
+                rows = head + elig.ids[self._rng.integers(0, n_elig, need)]
         else:
             if need > n_elig:
                 raise SamplerError(f"batch_size={batch_size}{ranks} exceeds the {n_elig} live rows{stale} of the "
                                    "store; a pass without replacement cannot repeat rows: lower batch_size or use "
-                                   "RandomSampler(replacement=True)")
-            rows = self._take(head, nxt, elig, need)
+                                   "RandomSampler(replacement=True)" + filt.fix())
+            rows = self._take(head, nxt, None if elig is None else elig.mask, need)
         return self._record(self._mine(rows.astype(np.int64, copy=False), batch_size))
 
     def pass_remaining(self, store: Any) -> int:

@@ -272,11 +272,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         return self._planner.timeline
 
     def _set_timeline(self, timeline: Timeline) -> None:
-        # a fresh sampler with the same stream: its cached policy versions were read without these exclusions
-        sampler = self._make_sampler()
-        if sampler is not None:
-            sampler.load_state_dict(self._sampler.state_dict())
-        self._planner = self._make_planner(sampler, timeline)
+        # the planner hands the excluded ranges to every draw (exclude=); the sampler and its stream stay
+        self._planner.set_timeline(timeline)
         store = self.replay_store
         self.excluded_rows = timeline.count(store.head, store.next_row)
 
