@@ -203,6 +203,8 @@ def _ragged_from_list(name: str, rows: list) -> _Ragged:
         values = np.concatenate(rows) if rows else None
     except (ValueError, TypeError, RuntimeError):
         values = None
+    if values is not None and values.dtype.kind == "f" and any(type(r) is list and not r for r in rows):
+        values = None  # numpy makes [] float64, which would turn integer rows beside it into floats
     if values is not None and values.ndim == 1 and values.dtype.kind in "iubf":
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), out=offsets[1:])
@@ -445,7 +447,7 @@ def _ragged_dtype(name: str, values: np.ndarray) -> str:
 def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
     v = r.values
     if spec.dtype == "int32":
-        if v.dtype.kind == "f":
+        if v.dtype.kind == "f" and v.size:
             raise BatchError(f"column {spec.name!r} holds floats ({v.dtype}); token ids must be integers")
         if v.size and v.dtype.itemsize > 4 or v.dtype.kind == "u" and v.dtype.itemsize >= 4:
             lo, hi = (int(v.min()), int(v.max())) if v.size else (0, 0)

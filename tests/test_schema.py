@@ -27,3 +27,11 @@ def test_empty_token_id_rows_are_integers(tmp_path):
     store = ReplayStore(tmp_path / "s")
     assert store.extend({"prompt_id": [1], "completion_ids": [[]]}).tolist() == [0]
     assert store.schema["completion_ids"].dtype == "int32"
+
+
+def test_an_empty_row_beside_integer_rows_keeps_them_integers(tmp_path):
+    store = ReplayStore(tmp_path / "s")
+    store.extend({"prompt_id": [1, 1], "completion_ids": [[5, 6], []]})
+    assert store.schema["completion_ids"].dtype == "int32"
+    store.extend({"prompt_id": [2, 2], "completion_ids": [[], []]})
+    assert store.read([0, 1, 2])["completion_ids"][0].tolist() == [5, 6]
