@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # doctests that make stores with tempfile.mkdtemp(), and a test whose child processes use
 # the temp directory too (their output files)
 # (torch-free ones: importing torch in the child would triple the time)
-TARGETS = [f"diskreplay/store.py::diskreplay.store.ReplayStore{name}"
+TARGETS = [f"diskreplay/store/replay_store.py::diskreplay.store.replay_store.ReplayStore{name}"
            for name in ("", ".read", ".compact", ".save_state")] + [
     "diskreplay/_fileio.py", "diskreplay/errors.py", "diskreplay/verify.py",
     "tests/test_durability.py::test_killed_writer_leaves_no_lock",
