@@ -23,7 +23,7 @@ from .ragged import RaggedColumn
 from .samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
                        SamplerError)
 from .store import ReplayStore
-from .errors import CommitNotDurableError, UnsupportedFilesystemError  # noqa: E402  (the many-writers work)
+from .errors import CommitConflictError, CommitNotDurableError, UnsupportedFilesystemError  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -60,7 +60,7 @@ __all__ = [
     "pad_on_device",
     "repad",
 ]
-__all__ += ["CommitNotDurableError", "UnsupportedFilesystemError"]
+__all__ += ["CommitConflictError", "CommitNotDurableError", "UnsupportedFilesystemError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -135,3 +135,13 @@ class UnsupportedFilesystemError(DiskReplayError, OSError):
     >>> issubclass(UnsupportedFilesystemError, OSError)
     True
     """
+
+
+class CommitConflictError(DiskReplayError, RuntimeError):
+    """A commit of a multi-writer store cannot be applied on top of a newer commit of another
+    writer (see the conflict table in docs/FORMAT.md, "Many writers"): e.g. a ``compact`` whose
+    segments another writer merged meanwhile. Nothing was committed; run it again.
+
+    >>> issubclass(CommitConflictError, RuntimeError)
+    True
+    """
