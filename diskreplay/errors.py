@@ -309,6 +309,16 @@ class ConditionalWriteError(ObjectStoreError):
     """
 
 
+class CommitConflictError(DiskReplayError, RuntimeError):
+    """A commit of a multi-writer store cannot be applied on top of a newer commit of another
+    writer (see the conflict table in docs/FORMAT.md, "Many writers"): e.g. a ``compact`` whose
+    segments another writer merged meanwhile. Nothing was committed; run it again.
+
+    >>> issubclass(CommitConflictError, RuntimeError)
+    True
+    """
+
+
 __all__ = sorted(name for name, value in list(globals().items())
                  if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
                  and value.__module__ == __name__)

@@ -24,12 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
 from .. import format as fmt
-from ..errors import DiskReplayError
+from ..errors import CommitConflictError
 from .compaction import evict
 
-
-class Conflict(DiskReplayError, RuntimeError):
-    """An operation cannot be applied to the newest manifest (see the table in ``ops``)."""
+#: an operation cannot be applied to the newest manifest (see the table above)
+Conflict = CommitConflictError
 
 
 @dataclass(frozen=True)
