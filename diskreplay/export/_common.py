@@ -120,17 +120,21 @@ def is_store(path: PathLike) -> bool:
 
 @contextmanager
 def open_store(store: StoreLike) -> Iterator[ReplayStore]:
-    """Yield ``store`` itself, or a read-only store opened at that path (closed after).
+    """Yield a snapshot of ``store`` (a store or a path): pinned at its current commit, closed after.
 
-    A path without a store raises :class:`StoreNotFoundError`; nothing is created.
+    An export reads one commit from start to end, however long it takes and
+    whatever a live writer does meanwhile (its files stay while they are
+    retained). A path without a store raises :class:`StoreNotFoundError`;
+    nothing is created.
     """
     if isinstance(store, ReplayStore):
-        yield store
-        return
-    try:
-        s = ReplayStore(store, readonly=True)
-    except FileNotFoundError:
-        raise missing_store(store) from None
+        s = store.snapshot()
+    else:
+        try:
+            with ReplayStore(store, readonly=True) as follower:
+                s = follower.snapshot()
+        except FileNotFoundError:
+            raise missing_store(store) from None
     try:
         yield s
     finally:

@@ -169,7 +169,8 @@ class StoreSource:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.store = ReplayStore(path, readonly=True)
+        with ReplayStore(path, readonly=True) as follower:
+            self.store = follower.snapshot()  # one commit, however long the copy takes
         if self.store.schema is None:
             self.store.close()
             raise ExportError(f"the store at {path} is empty; nothing to import")
