@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import google_crc32c
 
-from .errors import CorruptStoreError, StoreLockedError
+from .errors import CorruptStoreError, StoreIOError, StoreLockedError
 
 TMP_PREFIX = ".tmp-"
 Buffer = Union[bytes, bytearray, memoryview]
@@ -178,7 +178,7 @@ class WriterLock:
             # this call: a leaked flock would refuse every later open in this process
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-            raise OSError(exc.errno, f"cannot write the writer's pid into {self.path} "
+            raise StoreIOError(exc.errno, f"cannot write the writer's pid into {self.path} "
                           f"({exc.strerror}); the store was not opened", self.path) from None
         self._fd = fd
 

@@ -174,6 +174,55 @@ class IntegrationError(DiskReplayError, RuntimeError):
     """
 
 
+class ColumnNotFoundError(DiskReplayError, KeyError):
+    """A column was asked for that the store does not hold; the message lists the columns it has.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> _ = store.extend({"prompt_id": [1]})
+    >>> try:
+    ...     store.read([0], columns=["rewards"])
+    ... except ColumnNotFoundError:
+    ...     print("no such column")
+    no such column
+    >>> store.close()
+    """
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class IndexOutOfRangeError(DiskReplayError, IndexError):
+    """A position outside a column, a tree or a storage's slots (not an evicted row: see RowsEvictedError).
+
+    >>> from diskreplay import RaggedColumn
+    >>> import numpy as np
+    >>> try:
+    ...     RaggedColumn(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))[3]
+    ... except IndexOutOfRangeError as exc:
+    ...     print(exc)
+    row 3 out of range for a ragged column of 0 rows
+    """
+
+
+class StoreIOError(DiskReplayError, OSError):
+    """An operating-system error on a file of the store, with the file named (``errno`` kept).
+
+    >>> issubclass(StoreIOError, OSError)
+    True
+    """
+
+
+class CommitTimeoutError(DiskReplayError, TimeoutError):
+    """A multi-writer commit took more than half of ``retain_seconds`` and was abandoned (other
+    writers may collect files that old); nothing was committed, so retrying it is safe.
+
+    >>> issubclass(CommitTimeoutError, TimeoutError)
+    True
+    """
+
+
 
 # every class above, exported from ``diskreplay`` too (kept last: new classes join it by themselves)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._fileio import crc32c, durable_write, read_file
-from .errors import CorruptStoreError, FormatError
+from .errors import ArgumentError, CorruptStoreError, FormatError
 from .schema import Schema
 
 FORMAT_FILE = "FORMAT.json"
@@ -76,7 +76,7 @@ def state_file(name: str, generation: int) -> str:
 
 def check_state_name(name: str) -> str:
     if not isinstance(name, str) or not _STATE_NAME.match(name):
-        raise ValueError(f"state name must be 1-64 letters, digits, '_', '.' or '-' (not starting with "
+        raise ArgumentError(f"state name must be 1-64 letters, digits, '_', '.' or '-' (not starting with "
                          f"'.' or '-'), got {name!r}")
     return name
 

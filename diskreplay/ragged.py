@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
+from .errors import IndexOutOfRangeError
 
 
 class RaggedColumn:
@@ -69,7 +70,7 @@ class RaggedColumn:
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"row {i} out of range for a ragged column of {n} rows")
+            raise IndexOutOfRangeError(f"row {i} out of range for a ragged column of {n} rows")
         if self.validity is not None and not self.validity[i]:
             return None
         return self.values[self.offsets[i]:self.offsets[i + 1]]

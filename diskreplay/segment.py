@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from ._fileio import crc32c
-from .errors import CorruptStoreError
+from .errors import ArgumentError, CorruptStoreError
 from .ragged import numpy_view
 from .schema import Schema
 
@@ -405,7 +405,7 @@ def encode_state(state: Dict[str, Any]) -> pa.Buffer:
             out = {}
             for k, v in x.items():
                 if not isinstance(k, str):
-                    raise TypeError(f"state keys must be strings, got {k!r}")
+                    raise ArgumentError(f"state keys must be strings, got {k!r}")
                 out[k] = walk(v)
             return {"__dict__": out} if "__array__" in out or "__dict__" in out else out
         if isinstance(x, (list, tuple)):
@@ -414,14 +414,14 @@ def encode_state(state: Dict[str, Any]) -> pa.Buffer:
             x = x.detach().cpu().numpy()
         if isinstance(x, np.ndarray):
             if x.dtype.kind not in "biuf":
-                raise TypeError(f"state arrays must be numeric, got dtype {x.dtype}")
+                raise ArgumentError(f"state arrays must be numeric, got dtype {x.dtype}")
             arrays.append(np.ascontiguousarray(x))
             return {"__array__": len(arrays) - 1, "shape": list(x.shape), "dtype": x.dtype.str}
         if isinstance(x, np.generic):
             return x.item()
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
-        raise TypeError(f"cannot store a {type(x).__name__} in a state; use JSON values and arrays")
+        raise ArgumentError(f"cannot store a {type(x).__name__} in a state; use JSON values and arrays")
 
     doc = walk(state)
     cols = [pa.LargeListArray.from_arrays(pa.array([0, a.size], type=pa.int64()), pa.array(a.reshape(-1)))

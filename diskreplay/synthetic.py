@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Dict, Iterator
 
 import numpy as np
+from .errors import ArgumentError
 
 VOCAB = 151936
 
@@ -71,7 +72,7 @@ def make_rollouts(num_groups: int, group_size: int = 8, *, seed: int = 0, first_
         batch.update(ragged)
         return batch
     if layout != "trl":
-        raise ValueError(f"layout must be 'ragged' or 'trl', got {layout!r}")
+        raise ArgumentError(f"layout must be 'ragged' or 'trl', got {layout!r}")
     import torch
 
     P, C = int(p_len.max()), int(c_len.max())

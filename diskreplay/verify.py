@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
-from .errors import CorruptStoreError, FormatError, StoreLockedError
+from .errors import CorruptStoreError, FormatError, StoreLockedError, StoreNotFoundError
 from .store import ops
 from .store.committer import Committer
 from .store.storage import LocalStorage
@@ -152,7 +152,7 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
     """
     root = os.path.abspath(os.fspath(path))
     if not os.path.isfile(os.path.join(root, fmt.FORMAT_FILE)):
-        raise FileNotFoundError(f"no diskreplay store at {root} (no {fmt.FORMAT_FILE})")
+        raise StoreNotFoundError(f"no diskreplay store at {root} (no {fmt.FORMAT_FILE})")
     lock = None
     try:
         multi = fmt.StoreOptions.read(root).multi_writer

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 
 from .. import RaggedColumn, ReplayStore
-from ..errors import SchemaError, UnsupportedError
+from ..errors import IndexOutOfRangeError, MissingDependencyError, SchemaError, UnsupportedError
 
 try:
     import torch
@@ -43,7 +43,7 @@ try:
                             is_tensor_collection, lazy_stack)
     from torchrl.data.replay_buffers.storages import StoreStorage as _TorchRLStoreStorage
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(f"diskreplay.integrations.torchrl needs torchrl and tensordict ({exc}); install them with "
+    raise MissingDependencyError(f"diskreplay.integrations.torchrl needs torchrl and tensordict ({exc}); install them with "
                       "pip install 'diskreplay[torchrl]'") from exc
 
 __all__ = ["DiskReplayStorage", "tensordict_to_columns", "columns_to_tensordict"]
@@ -161,11 +161,11 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         """Live row ids of TorchRL slots."""
         head, n = self.store.head, len(self.store)
         if len(positions) and (positions.min() < -n or positions.max() >= self.max_size):
-            raise IndexError(f"index {positions.tolist()[:10]} is outside the storage's {self.max_size} slots")
+            raise IndexOutOfRangeError(f"index {positions.tolist()[:10]} is outside the storage's {self.max_size} slots")
         positions = np.where(positions < 0, positions + n, positions)  # TorchRL's negative = from the end
         rows = head + (positions - head) % self.max_size
         if len(rows) and rows.max() >= head + n:
-            raise IndexError(f"slot {int(positions[rows >= head + n][0])} holds no row yet (the storage has "
+            raise IndexOutOfRangeError(f"slot {int(positions[rows >= head + n][0])} holds no row yet (the storage has "
                              f"{n} rows)")
         return rows
 

@@ -15,6 +15,7 @@ import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+from ..errors import IndexOutOfRangeError
 
 __all__ = ["Ranges", "SumTree", "changed_ranges", "group_spread", "in_ranges", "merge_ranges", "reward_scalar",
            "variance_ranking"]
@@ -252,7 +253,7 @@ class SumTree:
     def _check(self, rows: np.ndarray) -> None:
         if len(rows) and (rows.min() < self.base or rows.max() >= self.end):
             bad = rows[(rows < self.base) | (rows >= self.end)][0]
-            raise IndexError(f"row {int(bad)} is outside the tree's rows [{self.base}, {self.end})")
+            raise IndexOutOfRangeError(f"row {int(bad)} is outside the tree's rows [{self.base}, {self.end})")
 
     def _set(self, leaves: np.ndarray, weights: np.ndarray) -> None:
         if not len(leaves):

@@ -22,6 +22,7 @@ from ._cache import CacheStats
 from ._posix import PosixStorage
 from ._s3 import S3Storage, parse_s3_url
 from .base import Storage, check_rel
+from ..errors import ArgumentError
 
 __all__ = ["CacheStats", "PosixStorage", "S3Storage", "Storage", "check_rel", "is_remote",
            "open_storage", "parse_s3_url"]
@@ -54,5 +55,5 @@ def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None,
     if is_remote(path):
         return S3Storage(path, storage_options, **cache_options)
     if storage_options:
-        raise ValueError(f"storage_options are for s3:// URLs; {path!r} is a local path")
+        raise ArgumentError(f"storage_options are for s3:// URLs; {path!r} is a local path")
     return PosixStorage(os.fspath(path))

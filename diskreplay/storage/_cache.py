@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import CorruptStoreError
+from ..errors import ArgumentError, CorruptStoreError
 
 Range = Tuple[int, int]
 
@@ -160,7 +160,7 @@ class ObjectCache:
     def __init__(self, directory: Optional[str], capacity_bytes: int, namespace: str,
                  align: int = 8192) -> None:
         if capacity_bytes <= 0:
-            raise ValueError(f"cache_bytes must be a positive number of bytes, got {capacity_bytes}")
+            raise ArgumentError(f"cache_bytes must be a positive number of bytes, got {capacity_bytes}")
         self._own_dir = directory is None
         self.directory = tempfile.mkdtemp(prefix="diskreplay-cache-") if directory is None else \
             os.path.abspath(os.fspath(directory))

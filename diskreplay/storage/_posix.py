@@ -14,6 +14,7 @@ from typing import List
 
 from .._fileio import TMP_PREFIX, durable_write, fsync_dir
 from .base import Buffer, check_range, check_rel
+from ..errors import StoreIOError, StoreNotFoundError
 
 
 class PosixStorage:
@@ -95,7 +96,7 @@ class PosixStorage:
             return self.read_bytes(rel) == bytes(memoryview(data).cast("B"))
         except OSError as exc:
             if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise OSError(exc.errno, f"{self.root} is on a filesystem without hard links, so "
+                raise StoreIOError(exc.errno, f"{self.root} is on a filesystem without hard links, so "
                               "create-if-absent cannot be atomic here; use a local disk, NFS or an "
                               "object store", path) from None
             raise
@@ -123,7 +124,7 @@ class PosixStorage:
     def local_path(self, rel: str) -> str:
         path = self._path(rel)
         if not os.path.isfile(path):
-            raise FileNotFoundError(errno.ENOENT, "no such file in the store", path)
+            raise StoreNotFoundError(errno.ENOENT, "no such file in the store", path)
         return path
 
     def fetch_ranges(self, rel: str, ranges, *, size=None) -> str:

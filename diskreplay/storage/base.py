@@ -36,6 +36,7 @@ never appear in :meth:`Storage.list`.
 from __future__ import annotations
 
 import operator
+from ..errors import ArgumentError
 from typing import List, Protocol, Tuple, Union, runtime_checkable
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -87,12 +88,12 @@ def check_rel(rel: str, *, allow_root: bool = False) -> str:
     ValueError: path '../etc/passwd' is not a store-relative path: use '/'-separated names below the store root, without '', '.' or '..' parts and without a leading '/'
     """
     if not isinstance(rel, str):
-        raise TypeError(f"a store-relative path must be a str, got {type(rel).__name__}")
+        raise ArgumentError(f"a store-relative path must be a str, got {type(rel).__name__}")
     if allow_root and rel in ("", "."):
         return ""
     parts = rel.split("/")
     if rel.startswith("/") or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"path {rel!r} is not a store-relative path: use '/'-separated names below the "
+        raise ArgumentError(f"path {rel!r} is not a store-relative path: use '/'-separated names below the "
                          "store root, without '', '.' or '..' parts and without a leading '/'")
     return rel
 
@@ -108,6 +109,6 @@ def check_range(rel: str, start: int, end: int) -> Tuple[int, int]:
     except TypeError:
         lo = hi = -1
     if not 0 <= lo <= hi:
-        raise ValueError(f"byte range [{start!r}, {end!r}) of {rel!r} is invalid: need integers with "
+        raise ArgumentError(f"byte range [{start!r}, {end!r}) of {rel!r} is invalid: need integers with "
                          "0 <= start <= end")
     return lo, hi

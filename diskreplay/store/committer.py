@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
-from ..errors import CommitNotDurableError
+from ..errors import CommitNotDurableError, CommitTimeoutError
 from . import ops
 from .storage import Storage
 from .tokens import TokenIndex, compact_tokens
@@ -156,7 +156,7 @@ class Committer:
         """Many writers: another writer's clean-up takes unnamed files older than
         ``retain_seconds``, so a commit must not name files that old."""
         if self.multi_writer and started is not None and time.monotonic() - started > self.retain_seconds / 2:
-            raise TimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.local_path('')} took more than half of "
+            raise CommitTimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.local_path('')} took more than half of "
                                f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
                                "writers, so it is abandoned (nothing was committed; retry it)")
 

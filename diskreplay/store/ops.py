@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple, Union
 
 from .. import format as fmt
-from ..errors import CommitConflictError
+from ..errors import ArgumentError, CommitConflictError
 from .compaction import evict
 
 #: an operation cannot be applied to the newest manifest (see the table above)
@@ -123,4 +123,4 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
             raise Conflict(f"a roll back planned on generation {op.base} cannot follow generation {base.generation}")
         return op.target.evolve(generation=generation,
                                 next_segment=max(base.next_segment, op.target.next_segment))
-    raise TypeError(f"not an operation: {op!r}")
+    raise ArgumentError(f"not an operation: {op!r}")

@@ -25,7 +25,8 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import WriterLock, crash_point, crc32c, fsync_dir, read_file
-from ..errors import CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError
+from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, ReadOnlyError, RowsEvictedError,
+                      SchemaError, StoreNotFoundError)
 from ..groups import GroupIndex, KeyCoder
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
@@ -127,20 +128,20 @@ class ReplayStore:
                             ("retain_seconds", retain_seconds)):
             if value is not _UNSET and value is not None and (
                     not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+                raise ArgumentError(f"{name} must be a positive integer or None, got {value!r}")
         if group_key is not _UNSET and group_key is not None and (not isinstance(group_key, str) or not group_key):
-            raise ValueError(f"group_key must be a column name or None, got {group_key!r}")
+            raise ArgumentError(f"group_key must be a column name or None, got {group_key!r}")
         if multi_writer is not _UNSET and not isinstance(multi_writer, bool):
-            raise ValueError(f"multi_writer must be True or False, got {multi_writer!r}")
+            raise ArgumentError(f"multi_writer must be True or False, got {multi_writer!r}")
         if generation is not None and (not readonly or not isinstance(generation, (int, np.integer))
                                        or isinstance(generation, bool) or generation < 0):
-            raise ValueError(f"generation must be a non-negative int and needs readonly=True, got {generation!r}"
+            raise ArgumentError(f"generation must be a non-negative int and needs readonly=True, got {generation!r}"
                              f"{'' if readonly else ' without readonly=True'}")
 
         exists = os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
         if readonly:
             if not exists:
-                raise FileNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
+                raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
         else:
             stored_multi = exists and fmt.StoreOptions.read(self.path).multi_writer
@@ -199,7 +200,7 @@ class ReplayStore:
             return fmt.load_manifest(path, generation)
         except FileNotFoundError:
             have = fmt.list_generations(self.path)
-            raise FileNotFoundError(f"generation {generation} of {self.path} is not retained (manifests kept: "
+            raise StoreNotFoundError(f"generation {generation} of {self.path} is not retained (manifests kept: "
                                     f"{sorted(have)}); pin a snapshot while it is current") from None
 
     def _check_options(self, capacity: Any, group_key: Any, capacity_bytes: Any, multi_writer: Any,
@@ -230,7 +231,7 @@ class ReplayStore:
     def __reduce__(self):
         # a read-only store travels (to a Ray actor, a spawn worker) as its path and generation
         if not self.readonly:
-            raise TypeError(f"a writer of {self.path} cannot be pickled; send store.snapshot() or open the "
+            raise ArgumentError(f"a writer of {self.path} cannot be pickled; send store.snapshot() or open the "
                             "store where it is needed")
         return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads)
 
@@ -657,7 +658,7 @@ class ReplayStore:
         """
         self._require_writer()
         if target_bytes <= 0:
-            raise ValueError(f"target_bytes must be positive, got {target_bytes}")
+            raise ArgumentError(f"target_bytes must be positive, got {target_bytes}")
         if multi_writer is not None and multi_writer != self.multi_writer:
             self._convert(bool(multi_writer))
         if self.multi_writer:
@@ -865,7 +866,7 @@ class ReplayStore:
             columns = [columns]
         for c in columns:
             if c not in names:
-                raise KeyError(f"column {c!r} is not in the store (columns: {names})")
+                raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
         return list(columns)
 
     def _read(self, rows: Any, cols: List[str]) -> Dict[str, Column]:
@@ -989,7 +990,7 @@ class ReplayStore:
                 raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
                                   "pass a column name to group_index(key=...)")
             if key not in self.columns or self.schema[key].kind != "scalar":
-                raise KeyError(f"cannot group by {key!r}: it is not a per-row column of the store "
+                raise ColumnNotFoundError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")
             gi = self._following(lambda: index_of_column(self._read(self.row_ids(), [key])[key], self.head))
         self._index_cache[key] = (self.generation, gi)

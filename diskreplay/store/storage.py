@@ -18,7 +18,7 @@ import time
 from typing import List, Optional, Tuple
 
 from .._fileio import TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly
-from ..errors import UnsupportedFilesystemError
+from ..errors import StoreIOError, UnsupportedFilesystemError
 
 
 class Storage:
@@ -150,7 +150,7 @@ class LocalStorage(Storage):
                     return i, rel_of(i)
                 except FileExistsError:
                     continue
-            raise OSError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+            raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
         finally:
             remove_quietly(self.local_path(tmp))
 

@@ -19,7 +19,7 @@ import hashlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
-from ..errors import CorruptStoreError
+from ..errors import ArgumentError, CorruptStoreError
 from .._fileio import crc32c
 from .storage import Storage
 
@@ -32,10 +32,10 @@ def check_token(token: object) -> Optional[str]:
     if token is None:
         return None
     if not isinstance(token, str) or not token:
-        raise TypeError(f"token must be a non-empty str (unique per logical batch, e.g. f'{{worker}}:{{step}}'), "
+        raise ArgumentError(f"token must be a non-empty str (unique per logical batch, e.g. f'{{worker}}:{{step}}'), "
                         f"got {token!r}")
     if len(token) > fmt.MAX_TOKEN_CHARS:
-        raise ValueError(f"token must be at most {fmt.MAX_TOKEN_CHARS} characters, got {len(token)}")
+        raise ArgumentError(f"token must be at most {fmt.MAX_TOKEN_CHARS} characters, got {len(token)}")
     return token
 
 

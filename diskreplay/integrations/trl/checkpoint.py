@@ -89,7 +89,7 @@ class ReplayState:
         try:
             mode = d["replay_mode"]
             if mode not in REPLAY_MODES:
-                raise ValueError(f"replay_mode {mode!r}")
+                raise FormatError(f"replay_mode {mode!r}")
             # version 1 (before timelines) recorded no row count and no exclusions
             return cls(mode, d.get("sampler"), _rng_from(d["rng"]), int(d.get("next_row", 0)),
                        int(d.get("global_step", 0)), str(d.get("store_path", "")),

@@ -16,10 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from ...errors import MissingDependencyError
+
 try:
     from trl import GRPOConfig
 except ImportError as exc:  # pragma: no cover - only without the extra
-    raise ImportError("diskreplay.integrations.trl needs TRL; install it with pip install 'diskreplay[trl]'") from exc
+    raise MissingDependencyError("diskreplay.integrations.trl needs TRL; install it with pip install 'diskreplay[trl]'") from exc
 
 from ... import PromptGroupSampler, SamplerError
 from ...errors import ReplayConfigError

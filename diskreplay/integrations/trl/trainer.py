@@ -14,11 +14,13 @@ from typing import Any, Deque, Dict, List, Optional
 import numpy as np
 import torch
 
+from ...errors import MissingDependencyError
+
 try:
     import trl
     from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover - only without the extra
-    raise ImportError("diskreplay.integrations.trl needs TRL; install it with pip install 'diskreplay[trl]'") from exc
+    raise MissingDependencyError("diskreplay.integrations.trl needs TRL; install it with pip install 'diskreplay[trl]'") from exc
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import logging as hf_logging
 

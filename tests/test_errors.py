@@ -1,0 +1,44 @@
+"""One error tree (issue 12 item 19): every error diskreplay raises is one of the classes of
+``diskreplay.errors``, derives from ``DiskReplayError`` and is exported from ``diskreplay``."""
+
+import ast
+import pathlib
+
+import diskreplay
+import diskreplay.errors as errors
+
+PACKAGE = pathlib.Path(diskreplay.__file__).parent
+
+
+def test_every_error_class_is_in_the_tree_and_exported():
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, (errors.DiskReplayError, Warning)), name
+        assert getattr(diskreplay, name) is cls and name in diskreplay.__all__, name
+    defined_elsewhere = [f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
+                         for path in PACKAGE.rglob("*.py") if path.name != "errors.py"
+                         for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Warning"))]
+    assert defined_elsewhere == []
+
+
+def test_no_bare_builtin_errors_are_raised_anywhere_in_the_package():
+    """A ``raise`` names one of our classes, re-raises, or raises a variable holding a caught error."""
+    ours = set(errors.__all__) | {"KeyboardInterrupt", "ArgumentTypeError", "StopIteration", "SystemExit",
+                                  "NotImplementedError"}
+    # internal signals caught a few lines below their raise, never seen by a caller
+    caught_inside = {("segment.py", "TypeError")}
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            name = exc.id if isinstance(exc, ast.Name) else getattr(exc, "attr", None)
+            # lower case or a leading underscore: a caught error re-raised, a helper that builds one of
+            # ours, or a private control-flow signal; Conflict is ops.py's alias of CommitConflictError
+            if (name is None or name in ours or name[:1].islower() or name.startswith("_") or name == "Conflict"
+                    or (path.name, name) in caught_inside or (path.name == "__init__.py" and name == "AttributeError")):
+                continue
+            bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno} raises {name}")
+    assert bad == []
