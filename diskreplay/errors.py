@@ -223,6 +223,11 @@ class CommitTimeoutError(DiskReplayError, TimeoutError):
     """
 
 
+def _rebuild_not_durable(args, rows):
+    """Unpickling CommitNotDurableError (its ``rows`` is not in ``args``)."""
+    return CommitNotDurableError(*args, rows=rows)
+
+
 
 # every class above, exported from ``diskreplay`` too (kept last: new classes join it by themselves)
 

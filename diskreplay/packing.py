@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .errors import BatchError
-from .padding import (_OFFSETS, _Buffers, _batch_size, _buffer, _check_mask_names, _is_prompt, _packed,
+from .padding import (_OFFSETS, _batch_size, _buffer, _check_mask_names, _is_prompt, _packed,
                       _passthrough, _per_row, _ragged_names, _torch_dtype, _widened)
 from .ragged import RaggedColumn
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
-import warnings
 
 import numpy as np
 import pytest

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    from tests.torchrun import ROOT, child_env, torchrun
+except ImportError:  # run by torchrun as a script: tests/ is not a package on sys.path then
+    from torchrun import ROOT, child_env, torchrun
 BATCH = 8          # rows per rank per draw
 DRAWS = 4          # draws per sampler; a resumed copy takes over after RESUME_AT of them
 RESUME_AT = 2
@@ -93,30 +94,11 @@ with ReplayStore({path!r}) as store:
         i += 1
         time.sleep(0.02)
 """
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=_env())
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    return env
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=child_env())
 
 
 def _launch(world: int, out_dir: str, path: str, timeout: float = 240) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           os.path.abspath(__file__), out_dir, path]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the {world}-rank run did not finish in {timeout} s:\n{output.decode(errors='replace')[-6000:]}")
-    assert proc.returncode == 0, f"the {world}-rank run failed:\n{output.decode(errors='replace')[-6000:]}"
+    torchrun(__file__, [out_dir, path], world, timeout)
 
 
 @pytest.mark.slow

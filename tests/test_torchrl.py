@@ -15,7 +15,6 @@ private caches), the change or the skip says why.
 import pickle
 import warnings
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -23,8 +23,6 @@ about a third of the launches here.
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -33,7 +31,10 @@ import pytest
 
 pytest.importorskip("trl")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    from tests.torchrun import torchrun
+except ImportError:  # run by torchrun as a script: tests/ is not a package on sys.path then
+    from torchrun import torchrun
 WORLD = 2
 STEPS = 3
 PER_DEVICE = 8
@@ -126,25 +127,7 @@ def _worker(out_dir):
 
 
 def _launch(out_dir, timeout=180):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           os.path.abspath(__file__), str(out_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-process run did not finish in {timeout} s:\n{output.decode(errors='replace')[-6000:]}")
-    text = output.decode(errors="replace")
-    assert proc.returncode == 0, f"the 2-process run failed ({proc.returncode}):\n{text[-6000:]}"
-    return text
+    return torchrun(__file__, [str(out_dir)], WORLD, timeout)
 
 
 def _results(out_dir, name):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from diskreplay import PrioritizedSampler, PromptGroupSampler, ReplayStore

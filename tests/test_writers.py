@@ -13,7 +13,6 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 from diskreplay import ReplayStore, SchemaError, StoreLockedError, UnsupportedFilesystemError

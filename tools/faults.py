@@ -802,7 +802,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Invariants: " + ", ".join(INVARIANTS) + ". Exit status 1 when any case broke one.")
     parser.add_argument("--syscalls", default=",".join(DEFAULT_GROUPS),
-                        help=f"syscall groups to fault (default: %(default)s; also: read)")
+                        help="syscall groups to fault (default: %(default)s; also: read)")
     parser.add_argument("--faults", default=",".join(FAULTS), help="faults to inject (default: %(default)s)")
     parser.add_argument("--sample", type=int, help="run this many cases, drawn with --seed (default: all)")
     parser.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,6 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
