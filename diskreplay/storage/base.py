@@ -85,7 +85,7 @@ def check_rel(rel: str, *, allow_root: bool = False) -> str:
     >>> check_rel("../etc/passwd")
     Traceback (most recent call last):
     ...
-    ValueError: path '../etc/passwd' is not a store-relative path: use '/'-separated names below the store root, without '', '.' or '..' parts and without a leading '/'
+    diskreplay.errors.ArgumentError: path '../etc/passwd' is not a store-relative path: use '/'-separated names below the store root, without '', '.' or '..' parts and without a leading '/'
     """
     if not isinstance(rel, str):
         raise ArgumentError(f"a store-relative path must be a str, got {type(rel).__name__}")
