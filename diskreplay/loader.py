@@ -426,8 +426,9 @@ class ReplayLoader:
     :class:`~diskreplay.errors.LoaderError`. Choose ``batch_size`` near what
     fits, so that little of each draw is dropped.
 
-    ``num_batches`` bounds the iteration (None: endless). ``min_policy_version``
-    is passed to every ``sampler.sample``. A read-only store is refreshed
+    ``num_batches`` bounds the iteration (None: endless). ``min_policy_version``,
+    ``exclude`` (row-id ranges never drawn) and ``min_row`` are passed to every
+    ``sampler.sample`` (see :meth:`diskreplay.samplers.Sampler.eligible`). A read-only store is refreshed
     before every draw (it follows a live writer). ``state_dict()`` is the
     sampler's state after the last batch the consumer received;
     ``state_name`` names where :meth:`save_state` keeps it in the store, and
@@ -458,7 +459,7 @@ class ReplayLoader:
                  columns: Optional[Sequence[str]] = None, min_policy_version: Optional[float] = None,
                  state_name: Optional[str] = None, num_batches: Optional[int] = None, *,
                  layout: str = "padded", max_tokens: Optional[int] = None,
-                 group_key: Optional[str] = None) -> None:
+                 group_key: Optional[str] = None, exclude: Any = None, min_row: Optional[int] = None) -> None:
         for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1)):
             if not _is_int(value) or value < low:
                 raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -494,6 +495,7 @@ class ReplayLoader:
         self.device, self.prefetch, self.pin_memory = dev, int(prefetch), bool(pin_memory)
         self.pad_on_device, self.columns = bool(pad_on_device), columns
         self.min_policy_version, self.state_name = min_policy_version, state_name
+        self.exclude, self.min_row = exclude, min_row
         self.num_batches = num_batches
         self._host = dev is None or dev.type == "cpu"
         # host-path batches alias the ring; all others are fresh tensors
@@ -519,7 +521,8 @@ class ReplayLoader:
 
     def _start(self) -> None:
         size = self.prefetch + 1
-        kwargs = {} if self.min_policy_version is None else {"min_policy_version": self.min_policy_version}
+        kwargs = {k: v for k, v in (("min_policy_version", self.min_policy_version), ("exclude", self.exclude),
+                                    ("min_row", self.min_row)) if v is not None}
         remaining = None if self.num_batches is None else max(0, self.num_batches - self._received)
         self._held: collections.deque = collections.deque()
         self._start_received = self._received

@@ -91,6 +91,19 @@ def test_same_batches_as_direct_collate(store, kind):
         assert_batch_equal(g, w)
 
 
+def test_exclude_and_min_row_reach_the_sampler(store):
+    lo = store.head + len(store) // 4
+    kw = {"exclude": [(lo, lo + len(store) // 4)], "min_row": store.head + 8}
+    want = reference(store, PromptGroupSampler(num_groups=4, seed=2), 4, **kw)
+    with ReplayLoader(store, PromptGroupSampler(num_groups=4, seed=2), BATCH, PAD, num_batches=4, **kw) as loader:
+        got = [cloned(b) for b in loader]
+    assert len(got) == 4
+    for g, w in zip(got, want):
+        rows = g["rows"].numpy()
+        assert not ((rows >= lo) & (rows < lo + len(store) // 4)).any() and (rows >= store.head + 8).all()
+        assert_batch_equal(g, w)
+
+
 def test_columns_and_min_policy_version(store):
     want = reference(store, RandomSampler(seed=1), 4, min_policy_version=2)
     with ReplayLoader(store, RandomSampler(seed=1), BATCH, PAD, columns=["completion_ids", "policy_version"],
