@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from diskreplay import CorruptStoreError, FormatError, ReplayStore, RowsEvictedError, StoreLockedError
 from diskreplay import format as fmt
+from diskreplay.testing.workload import expected_rows
 from diskreplay._fileio import TMP_PREFIX
 from diskreplay.verify import repair_store, verify_store
 
@@ -42,25 +43,6 @@ CRASH_ENV = "DISKREPLAY_CRASH_AT"
 # --------------------------------------------------------------------------- deterministic content
 # These functions are also the prelude of every child script (by their source),
 # so they may use only numpy and builtins.
-
-
-def expected_rows(ids):
-    """The batch whose rows are exactly the rows with these ids (content is a function of the id)."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-
-    def tokens(r, salt, n):
-        return ((np.arange(n, dtype=np.int64) * 2654435761 + int(r) * 40503 + salt * 977) % 50021).astype(np.int32)
-
-    plen = 1 + (ids * 5) % 7
-    clen = (ids * 3) % 10  # some completions are empty
-    return {
-        "prompt_id": ids // 3,
-        "prompt_ids": [tokens(r, 1, n) for r, n in zip(ids, plen)],
-        "completion_ids": [tokens(r, 2, n) for r, n in zip(ids, clen)],
-        "old_per_token_logps": [tokens(r, 3, n).astype(np.float32) / np.float32(-50021.0) for r, n in zip(ids, clen)],
-        "rewards": ((ids * 7) % 11).astype(np.float32) / np.float32(10),
-        "tag": [f"row-{r}" for r in ids.tolist()],
-    }
 
 
 def rows_mismatch(got, ids):

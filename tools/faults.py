@@ -91,6 +91,7 @@ if ROOT not in sys.path:
 
 from diskreplay import ReplayStore  # noqa: E402
 from diskreplay import format as fmt  # noqa: E402
+from diskreplay.testing.workload import expected_rows  # noqa: E402
 from diskreplay.verify import verify_store  # noqa: E402
 
 SYSCALL_GROUPS = {
@@ -118,25 +119,6 @@ APPENDS = 20
 
 # --------------------------------------------------------------------------- row content
 # A row's content is a function of its id, so any row the store serves can be checked.
-
-
-def expected_rows(ids):
-    """The batch whose rows are exactly the rows with these ids."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-
-    def tokens(r, salt, n):
-        return ((np.arange(n, dtype=np.int64) * 2654435761 + int(r) * 40503 + salt * 977) % 50021).astype(np.int32)
-
-    plen = 1 + (ids * 5) % 7
-    clen = (ids * 3) % 10
-    return {
-        "prompt_id": ids // 3,
-        "prompt_ids": [tokens(r, 1, n) for r, n in zip(ids, plen)],
-        "completion_ids": [tokens(r, 2, n) for r, n in zip(ids, clen)],
-        "old_per_token_logps": [tokens(r, 3, n).astype(np.float32) / np.float32(-50021.0) for r, n in zip(ids, clen)],
-        "rewards": ((ids * 7) % 11).astype(np.float32) / np.float32(10),
-        "tag": [f"row-{r}" for r in ids.tolist()],
-    }
 
 
 def rows_mismatch(got, ids) -> Optional[str]:

@@ -48,3 +48,30 @@ def check_rows(store: ReplayStore, rows: Any) -> Optional[str]:
                 or not np.array_equal(got["completion_ids"][i], want["completion_ids"][j]):
             return f"row {int(rows[i])} ({tag}) differs from what was written"
     return None
+
+
+def expected_rows(ids):
+    """The batch whose rows are exactly the rows with these ids (content is a function of the id).
+
+    The durability tests and ``tools/faults.py`` write these rows and, after any fault, check every
+    row a store serves against them (numpy only: the tests also paste its source into child scripts).
+
+    >>> rows = expected_rows([0, 1])
+    >>> rows["tag"], [len(c) for c in rows["completion_ids"]]
+    (['row-0', 'row-1'], [0, 3])
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+
+    def tokens(r, salt, n):
+        return ((np.arange(n, dtype=np.int64) * 2654435761 + int(r) * 40503 + salt * 977) % 50021).astype(np.int32)
+
+    plen = 1 + (ids * 5) % 7
+    clen = (ids * 3) % 10  # some completions are empty
+    return {
+        "prompt_id": ids // 3,
+        "prompt_ids": [tokens(r, 1, n) for r, n in zip(ids, plen)],
+        "completion_ids": [tokens(r, 2, n) for r, n in zip(ids, clen)],
+        "old_per_token_logps": [tokens(r, 3, n).astype(np.float32) / np.float32(-50021.0) for r, n in zip(ids, clen)],
+        "rewards": ((ids * 7) % 11).astype(np.float32) / np.float32(10),
+        "tag": [f"row-{r}" for r in ids.tolist()],
+    }
