@@ -1011,6 +1011,29 @@ class ReplayStore:
         g = gi.position(key)
         return gi.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
 
+    @_locked
+    def committed_rows(self, token: str) -> Optional[np.ndarray]:
+        """The rows ``extend(..., token=token)`` committed, or None if no remembered commit has it.
+
+        A producer restarted after a crash asks this before making a batch again
+        (a regenerated batch differs, so ``extend`` would refuse its token). Needs
+        a writer; in a multi-writer store it first adopts the newest commit.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp(), multi_writer=True)
+        >>> _ = store.extend({"prompt_id": [1, 1]}, token="worker0:3")
+        >>> store.committed_rows("worker0:3").tolist(), store.committed_rows("worker0:4")
+        ([0, 1], None)
+        """
+        self._require_writer()
+        if token is None:
+            raise ArgumentError("token must be the str an extend(..., token=...) was given, got None")
+        token = check_token(token)
+        if self.multi_writer:
+            self._catch_up()
+        rec = self._committer.find_token(token)
+        return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+
 
 class _SchemaRace(Exception):
     """Another writer fixed a multi-writer store's schema first."""
