@@ -152,9 +152,10 @@ class RolloutWriter:
         if "multi_writer" in store_options or "readonly" in store_options:
             raise ArgumentError("RolloutWriter always opens a multi-writer store for writing; leave multi_writer "
                                 "and readonly out")
-        self._spec = (path, self.worker_id, None if storage_options is None else dict(storage_options),
-                      dict(store_options))
         self.store = ReplayStore(path, multi_writer=True, **_store_kwargs(storage_options, store_options))
+        # reopened by the store's own spelling of where it is (absolute, for a local directory)
+        self._spec = (self.store.path, self.worker_id, None if storage_options is None else dict(storage_options),
+                      dict(store_options))
         #: batches this process committed / found already committed (a re-sent call after a restart)
         self.appended = 0
         self.replayed = 0
@@ -273,7 +274,8 @@ class StoreFollower:
         else:
             self.store = ReplayStore(source, readonly=True,
                                      **_store_kwargs(storage_options, {"verify_reads": verify_reads}))
-        self._spec = (source, None if storage_options is None else dict(storage_options), verify_reads, follow)
+        self._spec = (source if isinstance(source, ReplayStore) else self.store.path,
+                      None if storage_options is None else dict(storage_options), verify_reads, follow)
         self.sampler = sampler
         self.follow = follow
         self.refreshes = 0  # newer commits loaded
