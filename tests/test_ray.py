@@ -241,3 +241,13 @@ def test_rollout_actors_exactly_once_across_restarts(ray_cluster, tmp_path):
     for actor in actors + [trainer]:
         ray.kill(actor)
 
+
+
+def test_example_explains_itself_and_refuses_bad_counts():
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "ray_rollouts.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--storage-option" in out.stdout and "exactly once" in out.stdout
+    bad = subprocess.run([sys.executable, script, "--actors", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--actors must be at least 1" in bad.stderr
