@@ -1,12 +1,13 @@
 """Optional integrations with training libraries, each imported on demand.
 
 Importing ``diskreplay`` never imports a training library; import the
-integration module itself (``import diskreplay.integrations.trl``) to pull in
-TRL. Install the extra first: ``pip install 'diskreplay[trl]'``.
+integration module itself (``import diskreplay.integrations.trl``, ``.torchrl``,
+``.ray``) to pull in
+the library. Install the extra first: ``pip install 'diskreplay[trl]'``.
 
 >>> import diskreplay.integrations
 >>> "trl" in diskreplay.integrations.__all__
 True
 """
 
-__all__ = ["trl"]
+__all__ = ["ray", "torchrl", "trl"]
