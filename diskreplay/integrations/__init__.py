@@ -1,9 +1,9 @@
 """Optional integrations with training libraries, each imported on demand.
 
 Importing ``diskreplay`` never imports a training library; import the
-integration module itself (``import diskreplay.integrations.trl``, ``.torchrl``,
-``.ray``) to pull in
-the library. Install the extra first: ``pip install 'diskreplay[trl]'``.
+integration module itself (``import diskreplay.integrations.trl``, ``.torchrl``
+or ``.ray``) to pull in its library. Install the extra first:
+``pip install 'diskreplay[trl]'`` (``[torchrl]``, ``[ray]``).
 
 >>> import diskreplay.integrations
 >>> "trl" in diskreplay.integrations.__all__
