@@ -266,8 +266,18 @@ class ReplayStore:
 
     @property
     def schema(self) -> Optional[Schema]:
-        """The stored columns (None until the first row is committed)."""
-        return self.options.schema
+        """The stored columns (None until the first row is committed): those of the first
+        commit, then the late ones of the current commit (``schema.late``)."""
+        return self._schema_of(self.manifest, self.options)
+
+    def _schema_of(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> Optional[Schema]:
+        if not manifest.late_columns:
+            return options.schema
+        hit = getattr(self, "_late_schema", None)
+        if hit is None or hit[0] is not manifest or hit[1] is not options.schema:
+            hit = self._late_schema = (manifest, options.schema,
+                                       fmt.store_schema(options.schema, manifest.late_columns, manifest.file))
+        return hit[2]
 
     @property
     def columns(self) -> List[str]:
@@ -461,7 +471,7 @@ class ReplayStore:
         except _SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.path)
-            record, schema = normalize_batch(batch, self.options.schema, self.group_key)
+            record, schema = normalize_batch(batch, self.schema, self.group_key)
             return self._commit_rows(record, schema, token)
 
     def _replayed(self, rec: fmt.TokenRecord, n: int, dig: int) -> np.ndarray:
@@ -476,6 +486,7 @@ class ReplayStore:
     def _fix_schema(self, schema: Schema, written: List[str]) -> fmt.StoreOptions:
         """The options with ``schema``, writing it if this is the store's first append."""
         options = self.options
+        schema = schema.initial()  # late columns are committed in the manifest, not here
         if options.schema is not None and options.schema == schema:
             return options
         fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
@@ -524,7 +535,7 @@ class ReplayStore:
             if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
                 prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, base.next_row, written)
                 prepared["first"] = base.next_row
-            return ops.Append(prepared["entries"], n, tokrec)
+            return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()))
 
         def install(new: fmt.Manifest) -> None:
             if self.manifest.next_row == new.next_row - n:
@@ -713,7 +724,7 @@ class ReplayStore:
                 # every byte is checked before it is copied: the new files get fresh
                 # checksums, which would otherwise vouch for damaged data
                 seg.verify_whole(e.crc32c)
-                batch = seg.batch
+                batch = self.schema.conform(seg.batch)  # a segment older than a late column gets it as nulls
                 if e.first_row < m.head:
                     batch = batch.slice(m.head - e.first_row)
                 if pending_bytes and pending_bytes + batch.nbytes > target_bytes:
@@ -906,11 +917,11 @@ class ReplayStore:
                             res[i] = v
                 out[name] = res
             else:
-                first = parts[0][0].scalar(name) if parts else None
+                first = parts[0][0].scalar(name, spec) if parts else None
                 shape = (n,) + (first.shape[1:] if first is not None else ())
                 arr = np.empty(shape, dtype=np.dtype(spec.dtype))
                 for seg, sel, loc in parts:
-                    arr[sel] = seg.scalar(name)[loc]
+                    arr[sel] = seg.scalar(name, spec)[loc]
                 out[name] = arr
         return out
 
