@@ -448,7 +448,8 @@ class LateColumn:
         return cls(spec, _int(d, "since_row", where), _int(d, "since_generation", where, lo=1, hi=_MAX_ID))
 
 
-def store_schema(initial: Optional[Schema], late: Sequence[LateColumn], where: str = "the manifest") -> Optional[Schema]:
+def store_schema(initial: Optional[Schema], late: Sequence[LateColumn],
+                 where: str = "the manifest") -> Optional[Schema]:
     """The schema a store has at one commit: the columns of its first commit (``FORMAT.json`` /
     ``SCHEMA.json``), then the manifest's late columns in the order they were added.
 

@@ -583,7 +583,7 @@ def _coerce_array(spec: ColumnSpec, arr: np.ndarray) -> np.ndarray:
     return arr.astype(want, copy=False)
 
 
-def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int) -> pa.Array:
+def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int, late: bool = False) -> pa.Array:
     t = spec.arrow_type
     if col is None:
         return pa.nulls(n, type=t)
@@ -594,12 +594,24 @@ def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int) -> pa.Array:
         return pa.LargeListArray.from_arrays(pa.array(r.offsets, type=pa.int64()), pa.array(values),
                                              mask=mask)
     arr = _coerce_array(spec, col.array)
+    # a late float column reads NaN in rows without a value, so NaN given for a row is stored as "not computed"
+    missing = _late_missing(arr) if late else None
     if spec.kind == VECTOR:
         flat = pa.array(np.ascontiguousarray(arr).reshape(-1))
-        return pa.FixedSizeListArray.from_arrays(flat, spec.width)
+        return pa.FixedSizeListArray.from_arrays(flat, spec.width, mask=missing)
+    if missing is not None:
+        return pa.array(np.ascontiguousarray(arr), mask=np.asarray(missing))
     if spec.dtype == "string":
         return pa.array(list(arr), type=pa.large_string())
     return pa.array(np.ascontiguousarray(arr))
+
+
+def _late_missing(arr: np.ndarray) -> Optional[pa.Array]:
+    """Rows of a late per-row float column that are NaN (a vector's: all NaN), or None if there are none."""
+    if arr.dtype.kind != "f":
+        return None
+    nan = np.isnan(arr) if arr.ndim == 1 else np.isnan(arr).all(axis=1)
+    return pa.array(nan) if nan.any() else None
 
 
 def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> None:
@@ -617,18 +629,6 @@ def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> Non
             i = int(np.argmax(mismatch))
             raise BatchError(f"column {name!r} row {i} has {a[i]} values but {ref!r} has {b[i]} tokens; "
                              "per-token columns must align with their ids")
-
-
-def _check_late_values(spec: ColumnSpec, col: Optional[_Column]) -> None:
-    """NaN in a late per-row column is how its rows without a value read: refuse it in a batch."""
-    if col is None or col.array is None or spec.kind == RAGGED:
-        return
-    arr = np.asarray(col.array)
-    if arr.dtype.kind == "f" and np.isnan(arr).any():
-        row = int(np.argwhere(np.isnan(arr))[0][0])
-        raise BatchError(f"column {spec.name!r} row {row} is NaN; in a column added after the first commit NaN "
-                         "means \"not computed\" (the rows before it read so): give a number, or leave the "
-                         "column out of this batch")
 
 
 def infer_schema(cols: Mapping[str, _Column]) -> Schema:
@@ -675,7 +675,5 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
         if missing:
             raise BatchError(f"the batch lacks column {missing[0]!r}, which the store holds for every row")
     _check_alignment(n, cols, schema)
-    for name in schema.late:
-        _check_late_values(schema[name], cols.get(name))
-    arrays = [_arrow_array(spec, cols.get(spec.name), n) for spec in schema.columns.values()]
+    arrays = [_arrow_array(spec, cols.get(spec.name), n, spec.name in schema.late) for spec in schema.columns.values()]
     return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema()), schema
