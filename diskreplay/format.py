@@ -37,6 +37,12 @@ STORE_FORMAT = "diskreplay"
 MANIFEST_FORMAT = "diskreplay.manifest"
 TOKENS_FORMAT = "diskreplay.tokens"
 FORMAT_VERSION = 1
+# FORMAT.json of a store that may hold late columns says version 3 and
+# "late_columns": true, written before the first commit that adds one: a
+# diskreplay without late columns would take that commit's manifest (v2) for a
+# damaged one, fall back to an older commit and, as a writer, collect the newer
+# ones. With version 3 it refuses the store instead ("Unsupported version 3").
+LATE_COLUMNS_FORMAT_VERSION = 3
 # A manifest that records late columns says version 2, so that a diskreplay
 # that does not know them refuses the commit ("Unsupported version 2") instead
 # of taking its segments for damaged ones; manifests without them stay v1.
@@ -173,6 +179,8 @@ class StoreOptions:
     schema: Optional[Schema] = None
     multi_writer: bool = False
     retain_seconds: Optional[int] = None
+    #: the store may hold columns added after its first commit (the manifests record them)
+    late_columns: bool = False
 
     def to_dict(self) -> dict:
         return _signed(self.body())
@@ -191,17 +199,17 @@ class StoreOptions:
             doc.update(version=MULTI_WRITER_VERSION, multi_writer=True)
         if self.retain_seconds is not None:
             doc["retain_seconds"] = self.retain_seconds
+        if self.late_columns:
+            doc.update(version=LATE_COLUMNS_FORMAT_VERSION, late_columns=True)
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
-        doc = _check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION))
+        doc = _check_header(doc, STORE_FORMAT, where,
+                            (FORMAT_VERSION, MULTI_WRITER_VERSION, LATE_COLUMNS_FORMAT_VERSION))
         if not verified:
             _check_signature(doc, where)
-        multi = doc.get("multi_writer", False)
-        if multi is not (doc["version"] == MULTI_WRITER_VERSION):
-            raise FormatError(f"Unsupported multi_writer={multi!r} with version {doc['version']} in {where}; "
-                              f"expected true exactly in version {MULTI_WRITER_VERSION}")
+        multi, late = _format_features(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -213,6 +221,7 @@ class StoreOptions:
             schema=None if schema is None else Schema.from_list(schema),
             multi_writer=multi,
             retain_seconds=_int(doc, "retain_seconds", where, optional=True, hi=10 ** 9),
+            late_columns=late,
         )
 
     def write(self, root: str) -> None:
@@ -231,6 +240,24 @@ class StoreOptions:
             if schema is not None:
                 options = replace(options, schema=schema)
         return options
+
+
+def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool]:
+    """``(multi_writer, late_columns)`` of a FORMAT.json document, checked against its version."""
+    multi, late = doc.get("multi_writer", False), doc.get("late_columns", False)
+    version = doc["version"]
+    if version == LATE_COLUMNS_FORMAT_VERSION:
+        if late is not True or not isinstance(multi, bool):
+            raise FormatError(f"Unsupported late_columns={late!r} / multi_writer={multi!r} with version {version} "
+                              f"in {where}; expected late_columns true and multi_writer true or false")
+        return multi, True
+    if late is not False:
+        raise FormatError(f"Unsupported late_columns={late!r} with version {version} in {where}; expected it only "
+                          f"in version {LATE_COLUMNS_FORMAT_VERSION}")
+    if multi is not (version == MULTI_WRITER_VERSION):
+        raise FormatError(f"Unsupported multi_writer={multi!r} with version {version} in {where}; "
+                          f"expected true exactly in version {MULTI_WRITER_VERSION}")
+    return multi, False
 
 
 def shared_schema_bytes(schema: Schema) -> bytes:

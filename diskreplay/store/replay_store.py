@@ -10,6 +10,7 @@ protocol and its guarantees). This module turns calls into operation values
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -486,11 +487,13 @@ class ReplayStore:
     def _fix_schema(self, schema: Schema, written: List[str]) -> fmt.StoreOptions:
         """The options with ``schema``, writing it if this is the store's first append."""
         options = self.options
+        if schema.pending() and not options.late_columns:
+            return self._mark_late_columns(options)
         schema = schema.initial()  # late columns are committed in the manifest, not here
         if options.schema is not None and options.schema == schema:
             return options
         fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
-                                 options.multi_writer, options.retain_seconds)
+                                 options.multi_writer, options.retain_seconds, options.late_columns)
         if not self.multi_writer:
             fixed.write(self.path)
             crash_point("format.done")
@@ -501,6 +504,19 @@ class ReplayStore:
             raise _SchemaRace()
         storage.sync_dir("")
         return fixed
+
+    def _mark_late_columns(self, options: fmt.StoreOptions) -> fmt.StoreOptions:
+        """Say in FORMAT.json, before the first commit that adds a late column, that the store may have
+        some, so that a diskreplay without them refuses the store rather than misreading it (every
+        writer writes the same document: concurrent ones agree)."""
+        marked = dataclasses.replace(options, late_columns=True)
+        if self.multi_writer:  # its schema stays in SCHEMA.json
+            doc = dataclasses.replace(marked, schema=None).body()
+            self._committer.storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc), step="format")
+        else:
+            marked.write(self.path)
+        crash_point("format.done")
+        return marked
 
     def _commit_rows(self, record: pa.RecordBatch, schema: Schema, token: Optional[str] = None) -> np.ndarray:
         m = self.manifest
@@ -689,7 +705,7 @@ class ReplayStore:
             self._writer_lock.acquire()
         o = self.options
         options = fmt.StoreOptions(o.group_key, o.capacity_rows, o.capacity_bytes, o.schema, multi_writer,
-                                   o.retain_seconds)
+                                   o.retain_seconds, o.late_columns)
         options.write(self.path)
         if multi_writer and self._writer_lock is not None:
             self._writer_lock.release()
