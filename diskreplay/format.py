@@ -501,6 +501,11 @@ def add_late_columns(late: Tuple[LateColumn, ...], specs: Sequence[ColumnSpec], 
     A column another commit already added with the same type is kept as it
     was; with another type it is a ``SchemaError`` (a column's type never
     changes), which is what the later of two writers adding it gets.
+
+    >>> spec = ColumnSpec("sampling_per_token_logps", "ragged", "float32")
+    >>> late = add_late_columns((), [spec], 64, 3)
+    >>> add_late_columns(late, [spec], 80, 4) == late
+    True
     """
     have = {c.spec.name: c for c in late}
     out = list(late)

@@ -232,7 +232,14 @@ def late_column_problem(spec: ColumnSpec) -> Optional[str]:
 
 
 def check_late_column(spec: ColumnSpec, schema: "Schema") -> None:
-    """Raise ``SchemaError`` unless ``spec`` may be added to a store whose schema is ``schema``."""
+    """Raise ``SchemaError`` unless ``spec`` may be added to a store whose schema is ``schema``.
+
+    >>> check_late_column(ColumnSpec("judge_score", "scalar", "float32"), Schema([]))
+    >>> check_late_column(ColumnSpec("step", "scalar", "int64"), Schema([]))
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.SchemaError: column 'step' is not in the store's schema (columns: []) and cannot be added after the first commit: a scalar column of int64 has no "not computed" value for the rows committed before it (only ragged columns and float per-row columns do); store it as float (e.g. .float()), or start a new store with it in the first extend
+    """
     why = late_column_problem(spec)
     if why is not None:
         raise SchemaError(f"column {spec.name!r} is not in the store's schema (columns: {schema.names}) and cannot "
@@ -640,8 +647,11 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     """Validate ``batch`` and return it as an unpadded Arrow record batch.
 
     ``schema`` is the store's (``None`` for an empty store, in which case the
-    batch defines it). Raises ``BatchError``/``SchemaError`` naming the
-    column and row; never has side effects.
+    batch defines it). A column the schema lacks is added as a pending late
+    column if it may be (:func:`late_column_problem`; the returned schema's
+    ``pending()``), and late columns may be left out. Raises
+    ``BatchError``/``SchemaError`` naming the column and row; never has side
+    effects.
 
     >>> rb, schema = normalize_batch({"prompt_id": [0, 0], "completion_ids": [[5, 6], [7]]}, None, "prompt_id")
     >>> rb.num_rows, schema["completion_ids"].kind

@@ -333,7 +333,14 @@ class Segment(ArrowFile):
         return self.batch.column(name)
 
     def has(self, name: str) -> bool:
-        """Whether the segment holds column ``name`` (a late column is absent from older segments)."""
+        """Whether the segment holds column ``name`` (a late column is absent from older segments).
+
+        >>> import tempfile
+        >>> p = tempfile.mktemp(); _ = open(p, "wb").write(encode_ipc(pa.record_batch({"x": [1]})).to_pybytes())
+        >>> Segment(p).has("x"), Segment(p).has("sampling_per_token_logps")
+        (True, False)
+        >>> os.remove(p)
+        """
         return self.batch.schema.get_field_index(name) >= 0
 
     def _absent_ragged(self, name: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -524,6 +524,15 @@ def test_import_of_an_export_keeps_what_was_not_computed(late_store, tmp_path, k
         np.testing.assert_array_equal(y["judge"], x["judge"])
 
 
+def test_info_says_from_which_row_a_late_column_exists(late_store):
+    from diskreplay.export import format_info, store_info
+
+    info = store_info(late_store)
+    by_name = {c["name"]: c for c in info["columns"]}
+    assert by_name[LATE]["since_row"] == 2 and "since_row" not in by_name["rewards"]
+    assert f"{LATE}  ragged  float32  aligned with completion  from row 2" in format_info(info)
+
+
 def test_the_plain_pyarrow_recipe_of_format_md(late_store):
     """docs/FORMAT.md's reader, verbatim, on a store with late columns."""
     doc = open(os.path.join(ROOT, "docs", "FORMAT.md")).read()

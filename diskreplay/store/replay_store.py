@@ -431,7 +431,10 @@ class ReplayStore:
         ``completion_ids``/``completion_mask`` and per-token columns right-padded,
         per-row columns ``[B]``) or the ragged layout (lists of 1-D arrays).
         Padding is stripped with the masks; ``None`` columns mean "not computed".
-        Bad input raises ``ValueError`` naming the column and row and writes nothing.
+        A nullable column the store lacks (ragged, or per-row float) is added
+        in this commit; older rows read "not computed" there (docs/FORMAT.md,
+        "Late columns"). Bad input raises ``ValueError`` naming the column and
+        row and writes nothing.
 
         ``token`` (a non-empty str the caller makes unique per logical batch, e.g.
         ``f"{worker}:{step}"``) makes the append exactly-once: an ``extend`` whose
