@@ -460,6 +460,23 @@ def test_collate_flags_rows_without_a_late_column(tmp_path):
         assert np.isnan(t["score"].numpy()).all()
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_loader_hands_the_flag_through(tmp_path, layout):
+    from diskreplay import RandomSampler, ReplayLoader
+
+    with ReplayStore(tmp_path / "s") as store:
+        store.extend(base_batch(0, 4))
+        store.extend(late_batch(4, 4))
+        loader = ReplayLoader(store, RandomSampler(seed=0), batch_size=8, pad_token_id=0, layout=layout)
+        try:
+            batch = next(iter(loader))
+        finally:
+            loader.close()
+        present = batch[f"{LATE}_present"]
+        assert sorted(present.tolist()) == [False] * 4 + [True] * 4
+        assert np.isnan(batch["score"].numpy()).sum() == 4
+
+
 # --------------------------------------------------------------------------- exports, import, plain pyarrow
 
 
