@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from ...errors import ReplayConfigError
 from .planners import GROUP_KEY, VERSION_KEY, ReplayPlan, prompt_key
 
 __all__ = ["COMPLETION_SIDE", "KNOWN_KEYS", "OPTIONAL_KEYS", "PROMPT_SIDE", "assemble", "importance_ratio",
@@ -122,7 +123,7 @@ def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tens
         return ratio.clamp(min=lo, max=hi)
     if mode.endswith("mask"):
         return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
-    raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not one diskreplay knows (token_truncate, "
+    raise ReplayConfigError(f"vllm_importance_sampling_mode={mode!r} is not one diskreplay knows (token_truncate, "
                      "token_mask, sequence_truncate, sequence_mask)")
 
 
