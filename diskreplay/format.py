@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._fileio import crc32c, durable_write, read_file
-from .errors import ArgumentError, CorruptStoreError, FormatError
-from .schema import Schema
+from .errors import ArgumentError, CorruptStoreError, FormatError, SchemaError
+from .schema import ColumnSpec, Schema, late_column_problem
 
 FORMAT_FILE = "FORMAT.json"
 # A multi-writer store's schema: created once, if absent, by the first extend
@@ -37,6 +37,16 @@ STORE_FORMAT = "diskreplay"
 MANIFEST_FORMAT = "diskreplay.manifest"
 TOKENS_FORMAT = "diskreplay.tokens"
 FORMAT_VERSION = 1
+# FORMAT.json of a store that may hold late columns says version 3 and
+# "late_columns": true, written before the first commit that adds one: a
+# diskreplay without late columns would take that commit's manifest (v2) for a
+# damaged one, fall back to an older commit and, as a writer, collect the newer
+# ones. With version 3 it refuses the store instead ("Unsupported version 3").
+LATE_COLUMNS_FORMAT_VERSION = 3
+# A manifest that records late columns says version 2, so that a diskreplay
+# that does not know them refuses the commit ("Unsupported version 2") instead
+# of taking its segments for damaged ones; manifests without them stay v1.
+LATE_COLUMNS_MANIFEST_VERSION = 2
 # FORMAT.json of a multi-writer store says version 2, so that a diskreplay that
 # knows only single-writer stores refuses it instead of taking a lock the other
 # writers never see and sweeping their in-flight files as garbage.
@@ -169,6 +179,8 @@ class StoreOptions:
     schema: Optional[Schema] = None
     multi_writer: bool = False
     retain_seconds: Optional[int] = None
+    #: the store may hold columns added after its first commit (the manifests record them)
+    late_columns: bool = False
 
     def to_dict(self) -> dict:
         return _signed(self.body())
@@ -187,17 +199,17 @@ class StoreOptions:
             doc.update(version=MULTI_WRITER_VERSION, multi_writer=True)
         if self.retain_seconds is not None:
             doc["retain_seconds"] = self.retain_seconds
+        if self.late_columns:
+            doc.update(version=LATE_COLUMNS_FORMAT_VERSION, late_columns=True)
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
-        doc = _check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION))
+        doc = _check_header(doc, STORE_FORMAT, where,
+                            (FORMAT_VERSION, MULTI_WRITER_VERSION, LATE_COLUMNS_FORMAT_VERSION))
         if not verified:
             _check_signature(doc, where)
-        multi = doc.get("multi_writer", False)
-        if multi is not (doc["version"] == MULTI_WRITER_VERSION):
-            raise FormatError(f"Unsupported multi_writer={multi!r} with version {doc['version']} in {where}; "
-                              f"expected true exactly in version {MULTI_WRITER_VERSION}")
+        multi, late = _format_features(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -209,6 +221,7 @@ class StoreOptions:
             schema=None if schema is None else Schema.from_list(schema),
             multi_writer=multi,
             retain_seconds=_int(doc, "retain_seconds", where, optional=True, hi=10 ** 9),
+            late_columns=late,
         )
 
     def write(self, root: str) -> None:
@@ -227,6 +240,24 @@ class StoreOptions:
             if schema is not None:
                 options = replace(options, schema=schema)
         return options
+
+
+def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool]:
+    """``(multi_writer, late_columns)`` of a FORMAT.json document, checked against its version."""
+    multi, late = doc.get("multi_writer", False), doc.get("late_columns", False)
+    version = doc["version"]
+    if version == LATE_COLUMNS_FORMAT_VERSION:
+        if late is not True or not isinstance(multi, bool):
+            raise FormatError(f"Unsupported late_columns={late!r} / multi_writer={multi!r} with version {version} "
+                              f"in {where}; expected late_columns true and multi_writer true or false")
+        return multi, True
+    if late is not False:
+        raise FormatError(f"Unsupported late_columns={late!r} with version {version} in {where}; expected it only "
+                          f"in version {LATE_COLUMNS_FORMAT_VERSION}")
+    if multi is not (version == MULTI_WRITER_VERSION):
+        raise FormatError(f"Unsupported multi_writer={multi!r} with version {version} in {where}; "
+                          f"expected true exactly in version {MULTI_WRITER_VERSION}")
+    return multi, False
 
 
 def shared_schema_bytes(schema: Schema) -> bytes:
@@ -416,6 +447,81 @@ def parse_token_log(raw: bytes, where: str) -> List[TokenRecord]:
 
 
 @dataclass(frozen=True)
+class LateColumn:
+    """A column added after the store's first commit: its type, the first row that can
+    hold it (``since_row``: the ``next_row`` of the commit's base) and the commit that
+    added it (``since_generation``). Rows before it read as "not computed".
+
+    >>> c = LateColumn(ColumnSpec("sampling_per_token_logps", "ragged", "float32"), 64, 3)
+    >>> LateColumn.from_dict(c.to_dict(), "m") == c
+    True
+    """
+
+    spec: ColumnSpec
+    since_row: int
+    since_generation: int
+
+    def to_dict(self) -> dict:
+        return {**self.spec.to_dict(), "since_row": self.since_row, "since_generation": self.since_generation}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "LateColumn":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported late column {d!r} in {where}; expected an object")
+        spec = ColumnSpec.from_dict({k: v for k, v in d.items() if k not in ("since_row", "since_generation")})
+        why = late_column_problem(spec)
+        if why is not None:
+            raise FormatError(f"Unsupported late column {spec.name!r} in {where}: {why}")
+        return cls(spec, _int(d, "since_row", where), _int(d, "since_generation", where, lo=1, hi=_MAX_ID))
+
+
+def store_schema(initial: Optional[Schema], late: Sequence[LateColumn],
+                 where: str = "the manifest") -> Optional[Schema]:
+    """The schema a store has at one commit: the columns of its first commit (``FORMAT.json`` /
+    ``SCHEMA.json``), then the manifest's late columns in the order they were added.
+
+    >>> first = Schema([ColumnSpec("prompt_id", "scalar", "int64")])
+    >>> store_schema(first, [LateColumn(ColumnSpec("x", "scalar", "float32"), 10, 2)]).late
+    {'x': (10, 2)}
+    """
+    if not late:
+        return initial
+    if initial is None:
+        raise CorruptStoreError(f"{where} records late columns but the store has no schema")
+    clash = [c.spec.name for c in late if c.spec.name in initial]
+    if clash:
+        raise FormatError(f"Unsupported late column {clash[0]!r} in {where}: the store's first commit has it")
+    return initial.with_late([c.spec for c in late], [(c.since_row, c.since_generation) for c in late])
+
+
+def add_late_columns(late: Tuple[LateColumn, ...], specs: Sequence[ColumnSpec], since_row: int,
+                     generation: int) -> Tuple[LateColumn, ...]:
+    """``late`` plus those of ``specs`` it lacks (from ``since_row``, added by ``generation``).
+
+    A column another commit already added with the same type is kept as it
+    was; with another type it is a ``SchemaError`` (a column's type never
+    changes), which is what the later of two writers adding it gets.
+
+    >>> spec = ColumnSpec("sampling_per_token_logps", "ragged", "float32")
+    >>> late = add_late_columns((), [spec], 64, 3)
+    >>> add_late_columns(late, [spec], 80, 4) == late
+    True
+    """
+    have = {c.spec.name: c for c in late}
+    out = list(late)
+    for spec in specs:
+        old = have.get(spec.name)
+        if old is None:
+            have[spec.name] = LateColumn(spec, since_row, generation)
+            out.append(have[spec.name])
+        elif old.spec != spec:
+            raise SchemaError(f"column {spec.name!r} was added to the store as {old.spec.to_dict()} (generation "
+                              f"{old.since_generation}) while this commit adds it as {spec.to_dict()}; a column's "
+                              "type never changes: give it the stored type or use another name")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """One committed snapshot of the store.
 
@@ -437,6 +543,8 @@ class Manifest:
     #: exactly-once tokens of the newest commits (older ones are sealed into ``token_logs``)
     tokens: Tuple[TokenRecord, ...] = ()
     token_logs: Tuple[TokenLog, ...] = ()
+    #: columns added after the first commit, oldest first (the schema's history)
+    late_columns: Tuple[LateColumn, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -481,11 +589,13 @@ class Manifest:
             doc["tokens"] = [t.to_list() for t in self.tokens]
         if self.token_logs:
             doc["token_logs"] = [t.to_dict() for t in self.token_logs]
+        if self.late_columns:
+            doc.update(version=LATE_COLUMNS_MANIFEST_VERSION, late_columns=[c.to_dict() for c in self.late_columns])
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str, verified: bool = False) -> "Manifest":
-        doc = _check_header(doc, MANIFEST_FORMAT, where)
+        doc = _check_header(doc, MANIFEST_FORMAT, where, (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION))
         if not verified:
             _check_signature(doc, where)
         segs = doc.get("segments")
@@ -503,11 +613,16 @@ class Manifest:
             states={k: StateEntry.from_dict(k, v, where) for k, v in states.items()},
             tokens=tuple(TokenRecord.from_list(t, where) for t in tokens),
             token_logs=tuple(TokenLog.from_dict(t, where) for t in logs),
+            late_columns=_late_columns(doc, where),
         )
         m.validate(where)
         return m
 
     def validate(self, where: str) -> None:
+        for c in self.late_columns:
+            if c.since_row > self.next_row or c.since_generation > self.generation:
+                raise FormatError(f"Unsupported late column {c.spec.name!r} in {where}: added at row {c.since_row}, "
+                                  f"generation {c.since_generation}, after this commit")
         if self.head > self.next_row:
             raise FormatError(f"Unsupported head {self.head} > next_row {self.next_row} in {where}")
         prev_end, prev_id, ordered = None, -1, True
@@ -532,6 +647,21 @@ class Manifest:
 
     def write(self, root: str) -> None:
         durable_write(os.path.join(root, self.file), signed_bytes(self.body()), step="manifest")
+
+
+def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
+    late = doc.get("late_columns")
+    if doc["version"] == FORMAT_VERSION:
+        if late is not None:
+            raise FormatError(f"Unsupported late_columns in {where} (version {FORMAT_VERSION}); expected them "
+                              f"only in version {LATE_COLUMNS_MANIFEST_VERSION}")
+        return ()
+    if not isinstance(late, list) or not late or len(late) > 4096:
+        raise FormatError(f"Unsupported late_columns {late!r} in {where}; expected a non-empty list of columns")
+    out = tuple(LateColumn.from_dict(c, where) for c in late)
+    if len({c.spec.name for c in out}) != len(out):
+        raise FormatError(f"Unsupported late_columns in {where}: a column appears twice")
+    return out
 
 
 def _dumps(doc: Any) -> bytes:

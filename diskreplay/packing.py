@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from .errors import BatchError
-from .padding import (_OFFSETS, _batch_size, _buffer, _check_mask_names, _is_prompt, _packed,
-                      _passthrough, _per_row, _ragged_names, _torch_dtype, _widened)
+from .padding import (_OFFSETS, PRESENT_SUFFIX, _batch_size, _buffer, _check_mask_names, _is_prompt, _packed,
+                      _passthrough, _per_row, _presence, _ragged_names, _torch_dtype, _widened)
 from .ragged import RaggedColumn
 
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
@@ -122,7 +122,9 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
       ``input_ids``: completion-aligned columns (log-probs...) hold their
       values at the row's completion positions and 0 elsewhere, ``prompt_*``
       columns at the prompt positions. Integers become int64, floats and bools
-      keep their dtype. A row flagged "not computed" holds zeros.
+      keep their dtype. A row flagged "not computed" holds zeros, and then
+      ``name + "_present"`` ([B] bool) says which rows have the column, as
+      in :func:`~diskreplay.padding.collate`.
     * per-row arrays: [B] (or [B, K]) tensors as in
       :func:`~diskreplay.padding.collate`; lists pass through; ``None`` stays
       ``None``.
@@ -212,6 +214,9 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
             else:
                 pieces.join(other, present, t.numpy())
             result[name] = t
+            flag = _presence(out, name, col, B)
+            if flag is not None:
+                result[name + PRESENT_SUFFIX] = flag
         elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
             result[name] = _per_row(name, col, out)
         else:

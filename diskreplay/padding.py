@@ -191,6 +191,29 @@ def _packed(name: str, col: RaggedColumn) -> tuple[np.ndarray, np.ndarray]:
     return values, lengths
 
 
+#: suffix of the per-row flag collate adds for a ragged column that some rows of the batch lack
+PRESENT_SUFFIX = "_present"
+
+
+def _presence(out: Optional[Mapping[str, torch.Tensor]], name: str, col: RaggedColumn,
+              B: int) -> Optional[torch.Tensor]:
+    """``[B]`` bool: which rows hold ``col`` ("computed"); None when every row does.
+
+    A column added to a store after its first commit (a late column, e.g.
+    ``sampling_per_token_logps``) is "not computed" in older rows: their
+    positions hold zeros, which for a log-prob would mean probability 1, so
+    the batch says which rows are real under ``name + "_present"``.
+    """
+    if col.validity is None:
+        return None
+    valid = np.asarray(col.validity, dtype=bool)
+    if valid.all():
+        return None
+    t = _buffer(out, name + PRESENT_SUFFIX, (B,), torch.bool)
+    np.copyto(t.numpy(), valid)
+    return t
+
+
 def _is_prompt(name: str) -> bool:
     return name.startswith("prompt_")
 
@@ -297,10 +320,14 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
       is right-padded with 0 to C. P and C are the longest prompt-aligned and
       completion-aligned rows of this batch (0 gives a [B, 0] tensor).
       Integers become int64, floats and bools keep their dtype. A row whose
-      validity flag is False ("not computed") comes out as all padding.
+      validity flag is False ("not computed": e.g. a row committed before the
+      column was added to the store) comes out as all padding, and the batch
+      then also holds ``name + "_present"``, a [B] bool tensor that is False
+      at such rows (absent when every row has the column).
     * a numpy array [B] or [B, K]: a tensor of the same shape (bool stays
       bool, integers become int64, floats keep their width).
-    * a list (strings): returned unchanged. ``None``: stays ``None``.
+    * a list (strings): returned unchanged. ``None`` (no row of the batch
+      has the column): stays ``None``.
 
     ``out`` optionally maps output names (including ``prompt_mask`` and
     ``completion_mask``) to preallocated contiguous CPU tensors of the output's
@@ -361,6 +388,9 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
                 mask_tensor = _buffer(out, mask_name, (B, L), torch.int64)
                 np.copyto(mask_tensor.numpy(), mask)
                 result[mask_name] = mask_tensor
+            present = _presence(out, name, col, B)
+            if present is not None:
+                result[name + PRESENT_SUFFIX] = present
         elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
             result[name] = _per_row(name, col, out)
         else:
@@ -400,6 +430,9 @@ def collate_unpadded(batch: Mapping[str, Any], *,
             np.cumsum(lengths, out=o[1:])
             result[name] = vt
             result[name + _OFFSETS] = ot
+            present = _presence(out, name, col, B)
+            if present is not None:
+                result[name + PRESENT_SUFFIX] = present
         elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
             result[name] = _per_row(name, col, out)
         else:

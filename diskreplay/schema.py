@@ -98,15 +98,26 @@ class ColumnSpec:
 
 
 class Schema:
-    """The ordered columns of a store; fixed by the first ``extend``.
+    """The ordered columns of a store: those fixed by the first ``extend``, then the late ones.
+
+    A *late* column was added by a commit after the first (see
+    :func:`check_late_column` for which columns may be); ``late`` maps its
+    name to ``(since_row, since_generation)``, the first row that could hold it
+    and the commit that added it, or to ``None`` while the batch that adds it
+    is not yet committed. Rows older than a late column read as "not computed".
 
     >>> s = Schema([ColumnSpec("rewards", "scalar", "float32")])
     >>> s.names, "rewards" in s
     (['rewards'], True)
+    >>> s = s.with_late([ColumnSpec("sampling_per_token_logps", "ragged", "float32")])
+    >>> s.names, s.initial().names, s.pending()[0].name
+    (['rewards', 'sampling_per_token_logps'], ['rewards'], 'sampling_per_token_logps')
     """
 
-    def __init__(self, columns: Sequence[ColumnSpec]) -> None:
+    def __init__(self, columns: Sequence[ColumnSpec],
+                 late: Optional[Mapping[str, Optional[Tuple[int, int]]]] = None) -> None:
         self.columns: Dict[str, ColumnSpec] = {c.name: c for c in columns}
+        self.late: Dict[str, Optional[Tuple[int, int]]] = dict(late or {})
 
     @property
     def names(self) -> List[str]:
@@ -122,13 +133,68 @@ class Schema:
         return len(self.columns)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Schema) and list(self.columns.values()) == list(other.columns.values())
+        return (isinstance(other, Schema) and list(self.columns.values()) == list(other.columns.values())
+                and self.late == other.late)
 
     def arrow_schema(self) -> pa.Schema:
         return pa.schema([pa.field(c.name, c.arrow_type) for c in self.columns.values()])
 
     def to_list(self) -> List[dict]:
-        return [c.to_dict() for c in self.columns.values()]
+        """The columns fixed by the first ``extend`` (what ``FORMAT.json`` records; late ones are in manifests)."""
+        return [c.to_dict() for c in self.columns.values() if c.name not in self.late]
+
+    def initial(self) -> "Schema":
+        """The columns fixed by the first ``extend``, without the late ones."""
+        return Schema([c for c in self.columns.values() if c.name not in self.late])
+
+    def pending(self) -> List[ColumnSpec]:
+        """Late columns added by a batch that is not committed yet."""
+        return [self.columns[n] for n, since in self.late.items() if since is None]
+
+    def with_late(self, specs: Sequence[ColumnSpec],
+                  since: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> "Schema":
+        """This schema plus the late columns ``specs`` (``since``: as in ``late``; default pending)."""
+        since = [None] * len(specs) if since is None else list(since)
+        return Schema(list(self.columns.values()) + list(specs),
+                      {**self.late, **{s.name: w for s, w in zip(specs, since)}})
+
+    def segment_problem(self, arrow_schema: pa.Schema) -> Optional[str]:
+        """Why a segment with ``arrow_schema`` cannot belong to a store of this schema, or None.
+
+        Without late columns a segment's schema equals the store's exactly. A
+        late column may be missing from a segment (its rows were committed
+        before the column existed, or by a writer that did not know it yet);
+        every column a segment holds has exactly the store's type.
+        """
+        if not self.late:
+            want = self.arrow_schema()
+            return None if arrow_schema.equals(want) else f"schema {arrow_schema.types} disagrees with {want.types}"
+        names = arrow_schema.names
+        if len(set(names)) != len(names):
+            return f"column names {names} repeat"
+        for f in arrow_schema:
+            spec = self.columns.get(f.name)
+            if spec is None:
+                return f"column {f.name!r} is not in the store's schema ({self.names})"
+            if f.type != spec.arrow_type:
+                return f"column {f.name!r} is {f.type}, the store's schema says {spec.arrow_type}"
+        missing = [n for n in self.columns if n not in self.late and n not in names]
+        if missing:
+            return f"column {missing[0]!r} is missing"
+        return None
+
+    def conform(self, record: pa.RecordBatch) -> pa.RecordBatch:
+        """``record`` with every column of this schema, in order: late ones it lacks as nulls.
+
+        >>> s = Schema([ColumnSpec("x", "scalar", "int64")]).with_late([ColumnSpec("y", "scalar", "float32")])
+        >>> s.conform(pa.record_batch({"x": pa.array([1, 2])})).column("y").null_count
+        2
+        """
+        if record.schema.names == self.names:
+            return record
+        arrays = [record.column(n) if n in record.schema.names else pa.nulls(record.num_rows, c.arrow_type)
+                  for n, c in self.columns.items()]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema())
 
     @classmethod
     def from_list(cls, items: Any) -> "Schema":
@@ -144,6 +210,41 @@ class Schema:
 
     def __repr__(self) -> str:
         return f"Schema({', '.join(f'{c.name}:{c.kind}<{c.dtype}>' for c in self.columns.values())})"
+
+
+def late_column_problem(spec: ColumnSpec) -> Optional[str]:
+    """Why ``spec`` cannot be added to a store after its first commit, or None.
+
+    Rows committed before a late column exist without it, so it must have a
+    "not computed" value: a ragged (per-token) column, whose rows may be null,
+    or a floating-point per-row column (scalar or vector), whose missing rows
+    read as NaN.
+
+    >>> late_column_problem(ColumnSpec("sampling_per_token_logps", "ragged", "float32")) is None
+    True
+    >>> late_column_problem(ColumnSpec("policy_version", "scalar", "int64"))[:28]
+    'a scalar column of int64 has'
+    """
+    if spec.kind == RAGGED or spec.dtype in ("float32", "float64"):
+        return None
+    return (f"a {spec.kind} column of {spec.dtype} has no \"not computed\" value for the rows committed "
+            "before it (only ragged columns and float per-row columns do)")
+
+
+def check_late_column(spec: ColumnSpec, schema: "Schema") -> None:
+    """Raise ``SchemaError`` unless ``spec`` may be added to a store whose schema is ``schema``.
+
+    >>> check_late_column(ColumnSpec("judge_score", "scalar", "float32"), Schema([]))
+    >>> check_late_column(ColumnSpec("step", "scalar", "int64"), Schema([]))
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.SchemaError: column 'step' is not in the store's schema (columns: []) and cannot be added after the first commit: a scalar column of int64 has no "not computed" value for the rows committed before it (only ragged columns and float per-row columns do); store it as float (e.g. .float()), or start a new store with it in the first extend
+    """
+    why = late_column_problem(spec)
+    if why is not None:
+        raise SchemaError(f"column {spec.name!r} is not in the store's schema (columns: {schema.names}) and cannot "
+                          f"be added after the first commit: {why}; store it as float (e.g. .float()), or "
+                          "start a new store with it in the first extend")
 
 
 # ---------------------------------------------------------------------------
@@ -489,7 +590,7 @@ def _coerce_array(spec: ColumnSpec, arr: np.ndarray) -> np.ndarray:
     return arr.astype(want, copy=False)
 
 
-def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int) -> pa.Array:
+def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int, late: bool = False) -> pa.Array:
     t = spec.arrow_type
     if col is None:
         return pa.nulls(n, type=t)
@@ -500,12 +601,24 @@ def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int) -> pa.Array:
         return pa.LargeListArray.from_arrays(pa.array(r.offsets, type=pa.int64()), pa.array(values),
                                              mask=mask)
     arr = _coerce_array(spec, col.array)
+    # a late float column reads NaN in rows without a value, so NaN given for a row is stored as "not computed"
+    missing = _late_missing(arr) if late else None
     if spec.kind == VECTOR:
         flat = pa.array(np.ascontiguousarray(arr).reshape(-1))
-        return pa.FixedSizeListArray.from_arrays(flat, spec.width)
+        return pa.FixedSizeListArray.from_arrays(flat, spec.width, mask=missing)
+    if missing is not None:
+        return pa.array(np.ascontiguousarray(arr), mask=np.asarray(missing))
     if spec.dtype == "string":
         return pa.array(list(arr), type=pa.large_string())
     return pa.array(np.ascontiguousarray(arr))
+
+
+def _late_missing(arr: np.ndarray) -> Optional[pa.Array]:
+    """Rows of a late per-row float column that are NaN (a vector's: all NaN), or None if there are none."""
+    if arr.dtype.kind != "f":
+        return None
+    nan = np.isnan(arr) if arr.ndim == 1 else np.isnan(arr).all(axis=1)
+    return pa.array(nan) if nan.any() else None
 
 
 def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> None:
@@ -534,8 +647,11 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     """Validate ``batch`` and return it as an unpadded Arrow record batch.
 
     ``schema`` is the store's (``None`` for an empty store, in which case the
-    batch defines it). Raises ``BatchError``/``SchemaError`` naming the
-    column and row; never has side effects.
+    batch defines it). A column the schema lacks is added as a pending late
+    column if it may be (:func:`late_column_problem`; the returned schema's
+    ``pending()``), and late columns may be left out. Raises
+    ``BatchError``/``SchemaError`` naming the column and row; never has side
+    effects.
 
     >>> rb, schema = normalize_batch({"prompt_id": [0, 0], "completion_ids": [[5, 6], [7]]}, None, "prompt_id")
     >>> rb.num_rows, schema["completion_ids"].kind
@@ -554,9 +670,10 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
         schema = infer_schema(cols)
     else:
         extra = [c for c in cols if c not in schema]
+        for name in extra:  # a late column: nullable, so rows committed before it read "not computed"
+            check_late_column(cols[name].spec, schema)
         if extra:
-            raise SchemaError(f"column {extra[0]!r} is not in the store's schema (columns: {schema.names}); "
-                              "a store's columns are fixed by its first extend")
+            schema = schema.with_late([cols[name].spec for name in extra])
         for name, col in cols.items():
             spec, got = schema[name], col.spec
             if spec.kind != got.kind or (spec.kind == VECTOR and spec.width != got.width):
@@ -564,9 +681,9 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
                 want = f"{spec.kind}" + (f"[{spec.width}]" if spec.width else "")
                 raise SchemaError(f"column {name!r} is a {desc} column in this batch but a {want} column in "
                                   "the store's schema")
-        missing = [c for c in schema.names if c not in cols and schema[c].kind != RAGGED]
+        missing = [c for c in schema.names if c not in cols and schema[c].kind != RAGGED and c not in schema.late]
         if missing:
             raise BatchError(f"the batch lacks column {missing[0]!r}, which the store holds for every row")
     _check_alignment(n, cols, schema)
-    arrays = [_arrow_array(spec, cols.get(spec.name), n) for spec in schema.columns.values()]
+    arrays = [_arrow_array(spec, cols.get(spec.name), n, spec.name in schema.late) for spec in schema.columns.values()]
     return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema()), schema

@@ -316,10 +316,11 @@ class Segment(ArrowFile):
         if num_rows is not None and self.batch.num_rows != num_rows:
             raise CorruptStoreError(f"{path} holds {self.batch.num_rows} rows; the manifest records {num_rows}")
         if schema is not None:
-            want = schema.arrow_schema()
-            if not self.batch.schema.equals(want):
-                raise CorruptStoreError(f"{path} has schema {self.batch.schema.types} which disagrees with "
-                                        f"FORMAT.json ({want.types})")
+            why = schema.segment_problem(self.batch.schema)
+            if why is not None:
+                raise CorruptStoreError(f"{path} disagrees with the store's schema (FORMAT.json and the manifest's "
+                                        f"late columns): {why}")
+        self.schema = schema
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
         self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
@@ -331,9 +332,29 @@ class Segment(ArrowFile):
     def column(self, name: str) -> pa.Array:
         return self.batch.column(name)
 
+    def has(self, name: str) -> bool:
+        """Whether the segment holds column ``name`` (a late column is absent from older segments).
+
+        >>> import tempfile
+        >>> p = tempfile.mktemp(); _ = open(p, "wb").write(encode_ipc(pa.record_batch({"x": [1]})).to_pybytes())
+        >>> Segment(p).has("x"), Segment(p).has("sampling_per_token_logps")
+        (True, False)
+        >>> os.remove(p)
+        """
+        return self.batch.schema.get_field_index(name) >= 0
+
+    def _absent_ragged(self, name: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A late ragged column this segment predates: every row null ("not computed")."""
+        dtype = np.dtype(self.schema[name].dtype) if self.schema is not None and name in self.schema else np.float32
+        n = self.num_rows
+        return np.zeros(0, dtype=dtype), np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=bool)
+
     def ragged(self, name: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """``(values, offsets, validity)`` numpy views of a ragged column."""
+        """``(values, offsets, validity)`` numpy views of a ragged column (all rows null if it
+        is a late column this segment does not hold)."""
         hit = self._cache.get(name)
+        if hit is None and not self.has(name):
+            hit = self._cache[name] = self._absent_ragged(name)
         if hit is None:
             arr = self.batch.column(name)
             if self.pages is not None:
@@ -388,9 +409,18 @@ class Segment(ArrowFile):
         if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_values or np.any(np.diff(offsets) < 0)):
             raise CorruptStoreError(f"{self.path}: column {name!r} has invalid offsets")
 
-    def scalar(self, name: str) -> Any:
-        """A per-row column as a numpy array (``[n, width]`` for vectors) or list of str."""
+    def scalar(self, name: str, spec: Any = None) -> Any:
+        """A per-row column as a numpy array (``[n, width]`` for vectors) or list of str.
+
+        A late (float) column reads NaN in rows without a value, and in every row
+        of a segment older than the column (``spec``, its schema entry, then
+        gives the shape; default: the schema the segment was opened with).
+        """
         hit = self._cache.get(name)
+        if hit is None and not self.has(name):
+            spec = spec if spec is not None else self.schema[name]
+            shape = (self.num_rows,) + ((spec.width,) if spec.width else ())
+            hit = self._cache[name] = np.full(shape, np.nan, dtype=np.dtype(spec.dtype))
         if hit is None:
             arr = self.batch.column(name)
             self.verify_buffers(arr)
@@ -402,17 +432,21 @@ class Segment(ArrowFile):
                 hit = flat.reshape(len(arr), t.list_size)
             else:
                 hit = numpy_view(arr)
+            if arr.null_count and not isinstance(hit, pa.Array):
+                # only late float columns hold nulls (rows of a batch that left them out): NaN there
+                hit = hit.astype(np.float64 if hit.dtype == np.float64 else np.float32)
+                hit[~numpy_view(arr.is_valid())] = np.nan
             self._cache[name] = hit
         return hit
 
     def value_ranges(self, name: str, local_rows: np.ndarray) -> np.ndarray:
         """``[k, 2]`` int64 ``(address, length)`` byte ranges that reading ``local_rows`` of a ragged
         column touches: one per row, then the column's offsets buffer."""
-        arr = self.batch.column(name)
         values, offsets, _ = self.ragged(name)
         local_rows = np.asarray(local_rows, dtype=np.int64)
         if values.size == 0 or len(local_rows) == 0:
             return np.zeros((0, 2), dtype=np.int64)
+        arr = self.batch.column(name)
         item = values.itemsize
         addr = values.__array_interface__["data"][0]
         starts = offsets[local_rows].astype(np.int64)

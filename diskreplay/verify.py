@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import pyarrow as pa
@@ -89,6 +89,7 @@ def _verify_once(root: str, progress: bool) -> "_Report":
     if newest is not None:
         r.generation, r.rows = newest.generation, newest.num_rows
         _check_rows(r, newest, options)
+        options = _with_late_columns(r, options, newest)
         files = _sized_files(newest)
         bar = _bar(progress, sum(b for _, b in files), "verify")
         try:
@@ -319,6 +320,19 @@ def _check_rows(r: _Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]
             r.problem(f"{where} has rows but {_rel(r.root, fmt.FORMAT_FILE)} records no schema")
 
 
+def _with_late_columns(r: "_Report", options: Optional[fmt.StoreOptions],
+                       m: fmt.Manifest) -> Optional[fmt.StoreOptions]:
+    """``options`` whose schema is the store's at commit ``m`` (plus its late columns): segments
+    older than a late column lack it, newer ones hold it with the recorded type."""
+    if options is None or not m.late_columns:
+        return options
+    try:
+        return replace(options, schema=fmt.store_schema(options.schema, m.late_columns, _rel(r.root, m.file)))
+    except (CorruptStoreError, FormatError) as exc:
+        r.problem(str(exc))
+        return options
+
+
 def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
     out = []
     for s in m.segments:
@@ -546,7 +560,7 @@ class _Repair:
             self.actions.append("no intact manifest: the store is empty")
             generation, rows = 0, 0
         else:
-            chosen = self._rebuild_sidecars(chosen, options)
+            chosen = self._rebuild_sidecars(chosen, _with_late_columns(_Report(self.root), options, chosen))
             generation, rows = chosen.generation, chosen.num_rows
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
         self._quarantine_unreferenced(kept)

@@ -60,6 +60,8 @@ def reference_packed(batch, batch_dim=True):
                 stream += vals + [0] * len(c) if name.startswith("prompt_") else [0] * len(p) + vals
             dtype = torch.float32 if col.values.dtype.kind == "f" else torch.int64
             out[name] = torch.tensor(stream, dtype=dtype)
+            if col.validity is not None and not all(col.validity):  # rows "not computed" are flagged
+                out[name + "_present"] = torch.tensor([bool(v) for v in col.validity])
         else:
             dtype = {"b": torch.bool, "i": torch.int64, "u": torch.int64}.get(col.dtype.kind)
             out[name] = torch.tensor(col.tolist(), dtype=dtype or getattr(torch, str(col.dtype)))

@@ -108,6 +108,8 @@ def reference_collate(batch, pad):
         if name in ("prompt_ids", "completion_ids"):
             out[name.replace("_ids", "_mask")] = torch.tensor(mask, dtype=torch.int64).reshape(
                 len(padded), width)
+        if col.validity is not None and not all(col.validity):  # rows "not computed" are flagged
+            out[name + "_present"] = torch.tensor([bool(v) for v in col.validity])
     return out
 
 

@@ -563,3 +563,99 @@ def test_example_script_resume_starts_fresh_then_resumes(tmp_path):
     assert "starting fresh" in first and "done: 16 rows" in first
     second = run(3)
     assert "resuming from" in second and "checkpoint-2" in second and "done: 24 rows" in second
+
+
+# --------------------------------------------------------------------------- late sampling log-probs
+
+
+class VllmLikeTrainer(ProbeTrainer):
+    """Applies TRL's importance-sampling correction in the loss wherever the batch carries a ratio
+    (TRL does so only with ``use_vllm``; generation here stays on the CPU model), and records the
+    loss of each such batch with the ratio replaced by ones."""
+
+    def __init__(self, *args, **kwargs):
+        self.corrected, self.uncorrected = [], []
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if inputs.get("importance_sampling_ratio") is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.use_vllm = True
+        try:
+            with torch.no_grad():
+                ones = dict(inputs, importance_sampling_ratio=torch.ones_like(inputs["importance_sampling_ratio"]))
+                self.uncorrected.append(float(GRPOTrainer.compute_loss(self, model, ones, False, num_items_in_batch)))
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.corrected.append(self.losses[-1])
+            return loss
+        finally:
+            self.use_vllm = False
+
+
+def test_sampling_logps_recorded_late_reach_the_importance_sampling_correction(tmp_path, monkeypatch):
+    """vLLM's sampling log-probs start to be recorded at step 1 (a late column of the store): replayed
+    rows of step 0 get no correction (ratio 1), replayed rows of step 1 a ratio from their stored
+    behaviour and sampling log-probs, and that ratio is what TRL's loss multiplies by."""
+    from diskreplay.integrations.trl.batch import importance_ratio
+
+    original = GRPOTrainer._generate_and_score_completions
+
+    def with_sampling_logps(self, inputs):
+        out = original(self, inputs)
+        if self.state.global_step >= 1:  # what TRL returns with vLLM and its correction on
+            old = self._behaviour_logps(out)
+            mask = out["completion_mask"]
+            positions = torch.arange(mask.shape[1], dtype=old.dtype)[None, :]
+            sampling = old - 0.1 * (1 + positions % 3) * mask  # vLLM's sampler disagreeing a little
+            out["old_per_token_logps"] = old
+            out["sampling_per_token_logps"] = sampling
+            out["importance_sampling_ratio"] = importance_ratio(old, sampling, mask, "token_truncate", None, 3.0)
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", with_sampling_logps)
+    trainer = VllmLikeTrainer(model=make_model(), reward_funcs=lowercase_reward,
+                              args=make_config(tmp_path, replay_mode="repo", replay_k=2, replay_strategy="recency",
+                                               vllm_importance_sampling_mode="token_truncate",
+                                               vllm_importance_sampling_clip_max=3.0),
+                              train_dataset=Dataset.from_dict({"prompt": list(PROMPTS)}),
+                              processing_class=make_tokenizer())
+    trainer.train()
+    history = list(trainer.replay_history)
+    with open_store(trainer) as store:
+        assert store.schema.late["sampling_per_token_logps"] == (8, 2)  # added by step 1's commit
+        stored = store.read(store.row_ids(), ["sampling_per_token_logps"])["sampling_per_token_logps"]
+        assert stored.validity.tolist() == [False] * 8 + [True] * 16
+        seen = loss_rows(trainer)
+        for step, computed in ((1, False), (2, True)):
+            rows = history[step]["replayed_rows"]
+            assert len(rows) == 4
+            got = store.read(rows, ["prompt_ids", "completion_ids", "old_per_token_logps",
+                                    "sampling_per_token_logps"])
+            assert (got["sampling_per_token_logps"] is not None) == computed
+            for i in range(len(rows)):
+                p, c = got["prompt_ids"][i].tolist(), got["completion_ids"][i].tolist()
+                old = torch.from_numpy(np.asarray(got["old_per_token_logps"][i]))
+                want_sampling = torch.from_numpy(np.asarray(got["sampling_per_token_logps"][i])) if computed \
+                    else old
+                want_ratio = torch.exp(old - want_sampling).clamp(max=3.0)
+                hits = [found for _, found in _loss_positions(trainer, p, c)]
+                assert hits, f"replayed row {rows[i]} never reached the loss"
+                assert any(torch.equal(s, want_sampling) and torch.allclose(r, want_ratio)
+                           for s, r in hits), f"replayed row {rows[i]} reached the loss with another correction"
+    # the ratio is part of the loss: with ones instead it differs wherever a row was corrected
+    assert trainer.corrected and len(trainer.corrected) == len(trainer.uncorrected)
+    assert any(abs(a - b) > 1e-6 for a, b in zip(trainer.corrected, trainer.uncorrected))
+    assert_finite_losses(trainer)
+
+
+def _loss_positions(trainer, prompt, completion):
+    """``(sampling log-probs, ratio)`` over the completion of every loss-batch row with these tokens."""
+    out = []
+    for b in trainer.loss_batches:
+        if b.get("importance_sampling_ratio") is None:
+            continue
+        for i in range(b["prompt_ids"].shape[0]):
+            pm, cm = b["prompt_mask"][i].bool(), b["completion_mask"][i].bool()
+            if b["prompt_ids"][i][pm].tolist() == prompt and b["completion_ids"][i][cm].tolist() == completion:
+                out.append((b, (b["sampling_per_token_logps"][i][cm], b["importance_sampling_ratio"][i][cm])))
+    return out

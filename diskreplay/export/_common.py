@@ -609,11 +609,13 @@ def iter_rows(store: ReplayStore, flt: Optional[RowFilter] = None, chunk_bytes: 
 # Columns as Arrow
 
 
-def column_to_arrow(spec: ColumnSpec, value: Any, n: int, large: bool = True) -> pa.Array:
+def column_to_arrow(spec: ColumnSpec, value: Any, n: int, large: bool = True, *, late: bool = False) -> pa.Array:
     """One column as returned by ``store.read`` as an Arrow array of the store's type.
 
     Ragged columns become ``large_list`` (``list`` when ``large`` is False),
-    with null for a row that holds no value; strings ``large_string``.
+    with null for a row that holds no value; strings ``large_string``. A
+    ``late`` per-row column (added after the store's first commit: ``name in
+    store.schema.late``) reads NaN where a row has no value; that is null here.
 
     >>> col = RaggedColumn.from_arrays([[1, 2], [3]], dtype=np.int32)
     >>> column_to_arrow(ColumnSpec("completion_ids", "ragged", "int32"), col, 2).to_pylist()
@@ -640,9 +642,14 @@ def column_to_arrow(spec: ColumnSpec, value: Any, n: int, large: bool = True) ->
     if spec.dtype == "string":
         return pa.array(list(value), type=pa.large_string() if large else pa.string())
     arr = np.ascontiguousarray(value)
+    missing = None
+    if late and arr.dtype.kind == "f":
+        nan = np.isnan(arr) if arr.ndim == 1 else np.isnan(arr).all(axis=1)
+        missing = pa.array(nan) if nan.any() else None
     if spec.kind == VECTOR:
-        return pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1), type=t.value_type), spec.width)
-    return pa.array(arr, type=t)
+        return pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1), type=t.value_type), spec.width,
+                                                 mask=missing)
+    return pa.array(arr, type=t, mask=None if missing is None else np.asarray(missing))
 
 
 def arrow_type(spec: ColumnSpec, large: bool = True) -> pa.DataType:

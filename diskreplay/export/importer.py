@@ -129,7 +129,27 @@ def _at(where: Union[Where, str], i: int) -> str:
 
 def _null_rows_error(name: str, arr: pa.Array, where: Union[Where, str]) -> ExportError:
     i = int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
-    return ExportError(f"{_at(where, i)}: column {name!r} is null; per-row columns need a value in every row")
+    return ExportError(f"{_at(where, i)}: column {name!r} is null; per-row columns need a value in every row "
+                       "(only float ones may be null: \"not computed\", as a column added after a store's first "
+                       "commit exports its older rows)")
+
+
+def _float_rows(arr: pa.Array, width: Optional[int] = None) -> Optional[np.ndarray]:
+    """A float per-row column (``width``: a vector's) with NaN for null rows, or None if it is not float.
+
+    A store's late float columns read NaN where a row has no value and export
+    null there; importing turns null back into NaN.
+    """
+    vt = arr.type.value_type if width is not None else arr.type
+    if not pa.types.is_floating(vt):
+        return None
+    if width is None:
+        return arr.fill_null(float("nan")).to_numpy(zero_copy_only=False)
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    out = np.full((len(arr), width), np.nan, dtype=vt.to_pandas_dtype())
+    if valid.any():
+        out[valid] = arr.filter(arr.is_valid()).flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+    return out
 
 
 def check_token_ids(table: pa.Table, where: Union[Where, str]) -> None:
@@ -229,7 +249,12 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
                 as_vector = bool(lengths.min() == lengths.max() and lengths[0] > 0)
             if as_vector:
                 if arr.null_count:
-                    raise _null_rows_error(name, arr, where)
+                    width = hint.width if hint is not None else 0
+                    filled = _float_rows(arr.cast(pa.list_(t.value_type, width)), width) if width else None
+                    if filled is None:
+                        raise _null_rows_error(name, arr, where)
+                    batch[name] = filled.astype(hint.dtype, copy=False)
+                    continue
                 lengths = np.diff(arr.offsets.to_numpy(zero_copy_only=False)) if lengths is None else lengths
                 width = int(lengths[0]) if len(lengths) else (hint.width if hint else 0)
                 if len(lengths) and (lengths != width).any():
@@ -250,7 +275,11 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
             batch[name] = _ragged_rows(arr, dtype)
         elif pa.types.is_fixed_size_list(t):
             if arr.null_count:
-                raise _null_rows_error(name, arr, where)
+                filled = _float_rows(arr, t.list_size)
+                if filled is None:
+                    raise _null_rows_error(name, arr, where)
+                batch[name] = filled
+                continue
             flat = arr.flatten().to_numpy(zero_copy_only=False)
             batch[name] = flat.reshape(len(arr), t.list_size)
         elif pa.types.is_string(t) or pa.types.is_large_string(t):
@@ -258,9 +287,9 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
                 raise _null_rows_error(name, arr, where)
             batch[name] = arr.to_pylist()
         elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-            if arr.null_count:
+            if arr.null_count and (_float_rows(arr) is None or (hint is not None and hint.dtype in ("int64", "bool"))):
                 raise _null_rows_error(name, arr, where)
-            v = arr.to_numpy(zero_copy_only=False)
+            v = _float_rows(arr) if arr.null_count else arr.to_numpy(zero_copy_only=False)
             if hint is not None and hint.kind == SCALAR and hint.dtype != "string" and v.dtype.kind in "iuf" \
                     and (hint.dtype.startswith("float") or v.dtype.kind != "f"):
                 v = v.astype(hint.dtype, copy=False)
@@ -270,6 +299,10 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
                 v = v.astype(np.int64)
             batch[name] = v
         elif pa.types.is_null(t):
+            if hint is not None and hint.kind != RAGGED and hint.dtype in ("float32", "float64"):
+                shape = (len(arr),) + ((hint.width,) if hint.width else ())
+                batch[name] = np.full(shape, np.nan, dtype=hint.dtype)  # a float column no row has
+                continue
             if hint is not None and hint.kind != RAGGED:
                 raise _null_rows_error(name, pa.nulls(len(arr)), where)
             batch[name] = None

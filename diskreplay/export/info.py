@@ -70,6 +70,10 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
         schema = st.schema
         segments = [s for s in st.manifest.segments if s.end_row > st.head]
         columns: List[Dict[str, Any]] = [] if schema is None else [c.to_dict() for c in schema.columns.values()]
+        for c in columns:
+            since = None if schema is None else schema.late.get(c["name"])
+            if since is not None:  # added after the first commit: older rows have no value
+                c["since_row"] = since[0]
         info: Dict[str, Any] = {
             "path": st.path, "rows": len(st), "head": st.head, "next_row": st.next_row,
             "generation": st.generation, "group_key": st.group_key,
@@ -158,7 +162,8 @@ def format_info(info: Dict[str, Any]) -> str:
         for c in info["columns"]:
             extra = f"[{c['width']}]" if c.get("width") else ""
             align = f"  aligned with {c['align']}" if c.get("align") else ""
-            lines.append(f"  {c['name']:<{w}}  {c['kind']:<6}  {c['dtype']}{extra}{align}")
+            late = f"  from row {c['since_row']}" if c.get("since_row") is not None else ""
+            lines.append(f"  {c['name']:<{w}}  {c['kind']:<6}  {c['dtype']}{extra}{align}{late}")
     w = max([11] + [len(n) + 1 for n in info.get("stats", {})])
     for name, s in info.get("stats", {}).items():
         if s is None:

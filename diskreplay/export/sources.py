@@ -186,7 +186,8 @@ class StoreSource:
                 for a in range(lo, hi, chunk_rows):
                     rows = np.arange(a, min(hi, a + chunk_rows), dtype=np.int64)
                     data = st.read(rows, names)
-                    arrays = [column_to_arrow(st.schema[c], data[c], len(rows)) for c in names]
+                    arrays = [column_to_arrow(st.schema[c], data[c], len(rows), late=c in st.schema.late)
+                              for c in names]
                     # numbered by the source store's row ids, which its own tools show
                     yield pa.Table.from_arrays(arrays, names=names), Where.rows(self.path, a, len(rows))
 
@@ -358,7 +359,8 @@ class JsonlSource:
                                   "integers")
                 return False
         for k, c in classes.items():
-            if c != "list" and row.get(k) is None:
+            # a number may be null: a float column added after the store's first commit ("not computed")
+            if c not in ("list", "number") and row.get(k) is None:
                 self._bad(lineno, f"column {k!r} has no value; per-row columns need one in every line")
                 return False
         present = [k for k, v in row.items() if v is not None]

@@ -346,7 +346,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                 for rows in pieces:
                     data = st.read(rows, read_cols) if read_cols else {}
                     n = len(rows)
-                    arrays = [column_to_arrow(st.schema[c], data[c], n, large) for c in names]
+                    arrays = [column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
+                              for c in names]
                     for c in text_cols:
                         arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n),
                                                type=pa.large_string() if large else pa.string()))

@@ -9,7 +9,9 @@ conflicts. The rules, also in docs/FORMAT.md ("Many writers"):
 =============  ==========================================================
 operation      conflicts with a concurrent commit when
 =============  ==========================================================
-``Append``     never (row ids are assigned when it is applied)
+``Append``     never (row ids are assigned when it is applied); a late column
+               it adds that the base has with another type is a
+               ``SchemaError`` (the same type: it is already there)
 ``Rewrite``    a replaced segment is no longer in the base (another rewrite
                merged it, or eviction dropped it)
 ``SaveState``  never (the state of that name from the later commit wins)
@@ -25,6 +27,7 @@ from typing import Optional, Tuple, Union
 
 from .. import format as fmt
 from ..errors import ArgumentError, CommitConflictError
+from ..schema import ColumnSpec
 from .compaction import evict
 
 #: an operation cannot be applied to the newest manifest (see the table above)
@@ -42,6 +45,8 @@ class Append:
     entries: Tuple[fmt.SegmentEntry, ...]
     num_rows: int
     token: Optional[fmt.TokenRecord] = None
+    #: late columns its segments hold that the schema it was validated against lacked
+    columns: Tuple[ColumnSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,12 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
         tokens = base.tokens
         if op.token is not None:
             tokens = tokens + (replace(op.token, first_row=base.next_row, generation=generation),)
+        late = base.late_columns
+        if op.columns:  # the schema changes in the same commit as the rows that need it
+            late = fmt.add_late_columns(late, op.columns, base.next_row, generation)
         return base.evolve(generation=generation, head=head, next_row=next_row,
                            next_segment=max([base.next_segment] + [e.id + 1 for e in op.entries]),
-                           segments=segments, tokens=tokens)
+                           segments=segments, tokens=tokens, late_columns=late)
     if isinstance(op, Rewrite):
         ids = [s.id for s in base.segments]
         if not op.replaced:

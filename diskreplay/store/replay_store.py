@@ -10,6 +10,7 @@ protocol and its guarantees). This module turns calls into operation values
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -266,8 +267,18 @@ class ReplayStore:
 
     @property
     def schema(self) -> Optional[Schema]:
-        """The stored columns (None until the first row is committed)."""
-        return self.options.schema
+        """The stored columns (None until the first row is committed): those of the first
+        commit, then the late ones of the current commit (``schema.late``)."""
+        return self._schema_of(self.manifest, self.options)
+
+    def _schema_of(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> Optional[Schema]:
+        if not manifest.late_columns:
+            return options.schema
+        hit = getattr(self, "_late_schema", None)
+        if hit is None or hit[0] is not manifest or hit[1] is not options.schema:
+            hit = self._late_schema = (manifest, options.schema,
+                                       fmt.store_schema(options.schema, manifest.late_columns, manifest.file))
+        return hit[2]
 
     @property
     def columns(self) -> List[str]:
@@ -420,7 +431,10 @@ class ReplayStore:
         ``completion_ids``/``completion_mask`` and per-token columns right-padded,
         per-row columns ``[B]``) or the ragged layout (lists of 1-D arrays).
         Padding is stripped with the masks; ``None`` columns mean "not computed".
-        Bad input raises ``ValueError`` naming the column and row and writes nothing.
+        A nullable column the store lacks (ragged, or per-row float) is added
+        in this commit; older rows read "not computed" there (docs/FORMAT.md,
+        "Late columns"). Bad input raises ``ValueError`` naming the column and
+        row and writes nothing.
 
         ``token`` (a non-empty str the caller makes unique per logical batch, e.g.
         ``f"{worker}:{step}"``) makes the append exactly-once: an ``extend`` whose
@@ -461,7 +475,7 @@ class ReplayStore:
         except _SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.path)
-            record, schema = normalize_batch(batch, self.options.schema, self.group_key)
+            record, schema = normalize_batch(batch, self.schema, self.group_key)
             return self._commit_rows(record, schema, token)
 
     def _replayed(self, rec: fmt.TokenRecord, n: int, dig: int) -> np.ndarray:
@@ -476,10 +490,13 @@ class ReplayStore:
     def _fix_schema(self, schema: Schema, written: List[str]) -> fmt.StoreOptions:
         """The options with ``schema``, writing it if this is the store's first append."""
         options = self.options
+        if schema.pending() and not options.late_columns:
+            return self._mark_late_columns(options)
+        schema = schema.initial()  # late columns are committed in the manifest, not here
         if options.schema is not None and options.schema == schema:
             return options
         fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
-                                 options.multi_writer, options.retain_seconds)
+                                 options.multi_writer, options.retain_seconds, options.late_columns)
         if not self.multi_writer:
             fixed.write(self.path)
             crash_point("format.done")
@@ -490,6 +507,19 @@ class ReplayStore:
             raise _SchemaRace()
         storage.sync_dir("")
         return fixed
+
+    def _mark_late_columns(self, options: fmt.StoreOptions) -> fmt.StoreOptions:
+        """Say in FORMAT.json, before the first commit that adds a late column, that the store may have
+        some, so that a diskreplay without them refuses the store rather than misreading it (every
+        writer writes the same document: concurrent ones agree)."""
+        marked = dataclasses.replace(options, late_columns=True)
+        if self.multi_writer:  # its schema stays in SCHEMA.json
+            doc = dataclasses.replace(marked, schema=None).body()
+            self._committer.storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc), step="format")
+        else:
+            marked.write(self.path)
+        crash_point("format.done")
+        return marked
 
     def _commit_rows(self, record: pa.RecordBatch, schema: Schema, token: Optional[str] = None) -> np.ndarray:
         m = self.manifest
@@ -524,7 +554,7 @@ class ReplayStore:
             if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
                 prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, base.next_row, written)
                 prepared["first"] = base.next_row
-            return ops.Append(prepared["entries"], n, tokrec)
+            return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()))
 
         def install(new: fmt.Manifest) -> None:
             if self.manifest.next_row == new.next_row - n:
@@ -678,7 +708,7 @@ class ReplayStore:
             self._writer_lock.acquire()
         o = self.options
         options = fmt.StoreOptions(o.group_key, o.capacity_rows, o.capacity_bytes, o.schema, multi_writer,
-                                   o.retain_seconds)
+                                   o.retain_seconds, o.late_columns)
         options.write(self.path)
         if multi_writer and self._writer_lock is not None:
             self._writer_lock.release()
@@ -713,7 +743,7 @@ class ReplayStore:
                 # every byte is checked before it is copied: the new files get fresh
                 # checksums, which would otherwise vouch for damaged data
                 seg.verify_whole(e.crc32c)
-                batch = seg.batch
+                batch = self.schema.conform(seg.batch)  # a segment older than a late column gets it as nulls
                 if e.first_row < m.head:
                     batch = batch.slice(m.head - e.first_row)
                 if pending_bytes and pending_bytes + batch.nbytes > target_bytes:
@@ -906,11 +936,11 @@ class ReplayStore:
                             res[i] = v
                 out[name] = res
             else:
-                first = parts[0][0].scalar(name) if parts else None
+                first = parts[0][0].scalar(name, spec) if parts else None
                 shape = (n,) + (first.shape[1:] if first is not None else ())
                 arr = np.empty(shape, dtype=np.dtype(spec.dtype))
                 for seg, sel, loc in parts:
-                    arr[sel] = seg.scalar(name)[loc]
+                    arr[sel] = seg.scalar(name, spec)[loc]
                 out[name] = arr
         return out
 

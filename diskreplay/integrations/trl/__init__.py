@@ -59,6 +59,19 @@ does not return), ``_get_per_token_logps_and_entropies`` computes behaviour
 log-probs (below), and ``Trainer._save_checkpoint`` is wrapped to save the
 replay state first. The constructor checks that all of them exist.
 
+vLLM's importance-sampling correction
+-------------------------------------
+With vLLM and ``vllm_importance_sampling_correction``, TRL returns each fresh
+row's ``sampling_per_token_logps`` and ``importance_sampling_ratio``; the store
+records the sampling log-probs (a late column when they start in the middle
+of a run: docs/FORMAT.md, "Late columns"). A replayed row gets its ratio from
+its stored behaviour and sampling log-probs with the trainer's
+``vllm_importance_sampling_mode`` and clip bounds
+(:func:`~diskreplay.integrations.trl.batch.importance_ratio`); a row stored
+before sampling log-probs were recorded gets its behaviour log-probs in their
+place, so its ratio is exactly 1 (no correction), as TRL does for tokens whose
+sampling log-prob vLLM could not give.
+
 Behaviour log-probs
 -------------------
 A replayed row keeps the ``old_per_token_logps`` it was stored with, so TRL's

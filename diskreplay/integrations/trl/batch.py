@@ -7,14 +7,17 @@ for ``advantages`` (and a per-token or per-sequence ``importance_sampling_ratio`
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
+from ...errors import ReplayConfigError
 from .planners import GROUP_KEY, VERSION_KEY, ReplayPlan, prompt_key
 
-__all__ = ["COMPLETION_SIDE", "KNOWN_KEYS", "OPTIONAL_KEYS", "PROMPT_SIDE", "assemble", "prompt_keys", "record"]
+__all__ = ["COMPLETION_SIDE", "KNOWN_KEYS", "OPTIONAL_KEYS", "PROMPT_SIDE", "assemble", "importance_ratio",
+           "prompt_keys", "record", "sampling_logps_or_old"]
 
 PROMPT_SIDE = ("prompt_ids", "prompt_mask")
 COMPLETION_SIDE = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
@@ -66,6 +69,62 @@ def record(out: Dict[str, Any], keys: np.ndarray, rewards: np.ndarray, rewards_p
     if ratio is not None:
         rec["importance_sampling_ratio"] = ratio[:, 0] if sequence_ratio(ratio, ratio_mode) else ratio
     return rec
+
+
+def sampling_logps_or_old(replay: Dict[str, Any]) -> torch.Tensor:
+    """The replayed rows' stored sampling log-probs (collated), their old log-probs where a row has none.
+
+    ``sampling_per_token_logps`` often starts to be recorded in the middle of a
+    run (a late column): rows stored before it read "not computed" (the whole
+    column ``None``, or ``False`` in ``sampling_per_token_logps_present``).
+    Such a row gets its behaviour log-probs, so its importance ratio is exactly
+    1 (no correction), as TRL does for tokens whose sampling log-prob vLLM
+    could not give.
+
+    >>> old = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    >>> r = {"old_per_token_logps": old, "sampling_per_token_logps": torch.tensor([[-1.5, -2.5], [0.0, 0.0]]),
+    ...      "sampling_per_token_logps_present": torch.tensor([True, False])}
+    >>> sampling_logps_or_old(r).tolist()
+    [[-1.5, -2.5], [-0.5, 0.0]]
+    """
+    old = replay["old_per_token_logps"]
+    sampling = replay.get("sampling_per_token_logps")
+    if sampling is None:
+        return old.clone()
+    present = replay.get("sampling_per_token_logps_present")
+    if present is None:
+        return sampling
+    return torch.where(present.to(sampling.device)[:, None], sampling, old.to(sampling.dtype))
+
+
+def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str,
+                     clip_min: Optional[float], clip_max: Optional[float]) -> torch.Tensor:
+    """The vLLM importance-sampling correction of rows with behaviour (``old``) and sampling log-probs.
+
+    ``mode`` is TRL's ``vllm_importance_sampling_mode``: ``token_*`` gives a
+    ratio per token ([B, T]), ``sequence_*`` one per row ([B, 1], from the sum
+    of the masked log-prob differences); ``*_truncate`` clamps it to
+    ``[clip_min, clip_max]``, ``*_mask`` sets it to 0 outside that range. A
+    NaN difference counts as 0 (ratio 1).
+
+    >>> old, s = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, -1.0]])
+    >>> importance_ratio(old, s, torch.ones(1, 2), "token_truncate", None, 2.0).tolist()
+    [[2.0, 1.0]]
+    >>> importance_ratio(old, s, torch.ones(1, 2), "sequence_mask", None, 2.0).tolist()
+    [[0.0]]
+    """
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=lo, max=hi)
+    if mode.endswith("mask"):
+        return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    raise ReplayConfigError(f"vllm_importance_sampling_mode={mode!r} is not one diskreplay knows (token_truncate, "
+                     "token_mask, sequence_truncate, sequence_mask)")
 
 
 def _pad(t: torch.Tensor, width: int, left: bool, value: Any) -> torch.Tensor:

@@ -26,7 +26,8 @@ from transformers.utils import logging as hf_logging
 
 from ... import PrioritizedSampler, PromptGroupSampler, RaggedColumn, ReplayStore, collate
 from ...errors import IntegrationError, ReplayConfigError
-from .batch import KNOWN_KEYS, OPTIONAL_KEYS, assemble, prompt_keys, record
+from .batch import (KNOWN_KEYS, OPTIONAL_KEYS, assemble, importance_ratio, prompt_keys, record,
+                    sampling_logps_or_old)
 from .checkpoint import (STATE_NAME, ReplayState, checkpoint_state_path, load_checkpoint_state,
                          save_checkpoint_state)
 from .config import DiskReplayGRPOConfig, check_replay_options
@@ -43,6 +44,8 @@ _SEAMS = ("_generate_and_score_completions", "_calculate_rewards", "_get_per_tok
 #: per-row columns every step writes (so a store that lacks one cannot take this trainer's rows)
 _ALWAYS_WRITTEN = (GROUP_KEY, VERSION_KEY, "rewards", "rewards_per_func", "advantages")
 _PER_ROW_WRITES = frozenset(_ALWAYS_WRITTEN + ("importance_sampling_ratio",))
+#: the batch keys of TRL's importance-sampling correction; replayed rows get them from stored log-probs
+_IS_KEYS = ("sampling_per_token_logps", "importance_sampling_ratio")
 
 
 class DiskReplayGRPOTrainer(GRPOTrainer):
@@ -493,12 +496,15 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
     def _read_replay(self, rows: np.ndarray, out: Dict[str, Any]) -> Dict[str, Any]:
         store = self.replay_store
         want = ["prompt_ids", "completion_ids", "advantages", "old_per_token_logps", GROUP_KEY, VERSION_KEY,
-                "rewards"] + [c for c in OPTIONAL_KEYS if out.get(c) is not None]
+                "rewards"] + [c for c in OPTIONAL_KEYS if out.get(c) is not None and c not in _IS_KEYS]
         absent = [c for c in want if c not in store.columns]
         if absent:
             raise ReplayConfigError(f"the batch needs {absent} for replayed rows, but the store at {store.path} "
                                     "has no such column; replay from a store written with the same settings")
-        batch = store.read(rows, columns=want)
+        sampling = any(out.get(c) is not None for c in _IS_KEYS) and "sampling_per_token_logps" in store.columns
+        # sampling log-probs are often recorded from the middle of a run on (a late column): rows without
+        # them are replayed without correction, the others with a ratio from their stored log-probs
+        batch = store.read(rows, columns=want + (["sampling_per_token_logps"] if sampling else []))
         for name in want:
             col, missing = batch[name], None
             if col is None:  # a ragged column that none of these rows has
@@ -509,7 +515,18 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                 raise ReplayConfigError(f"stored row {int(rows[missing])} has no {name!r} (the run that wrote it "
                                         "did not compute it), so it cannot be replayed; write the store with "
                                         "replay_compute_old_logps=True and the same beta")
-        return collate(batch, self._pad_token_id())
+        replay = collate(batch, self._pad_token_id())
+        if any(out.get(c) is not None for c in _IS_KEYS):
+            replay["sampling_per_token_logps"] = sampling_logps_or_old(replay)
+            replay.pop("sampling_per_token_logps_present", None)
+        if out.get("importance_sampling_ratio") is not None:
+            ratio = importance_ratio(replay["old_per_token_logps"], replay["sampling_per_token_logps"],
+                                     replay["completion_mask"], self._ratio_mode(),
+                                     getattr(self, "vllm_importance_sampling_clip_min", None),
+                                     getattr(self, "vllm_importance_sampling_clip_max", None))
+            # stored like the fresh rows' ratio: one per row in sequence modes (assemble widens it)
+            replay["importance_sampling_ratio"] = ratio[:, 0] if self._ratio_mode().startswith("sequence") else ratio
+        return replay
 
     def _pad_token_id(self) -> int:
         tok = getattr(self.processing_class, "tokenizer", self.processing_class)
