@@ -143,6 +143,74 @@ def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, 
     return keys, counts, rows, PageChecksums.from_metadata(batch.schema.metadata, path)
 
 
+_META_INDEX_ROWS = b"diskreplay.index.rows"  # "first end": the rows the index covers
+# per segment whose page checksums the index carries: little-endian int64
+# [segment id, bytes, crc32c, page_bytes, body start, body end, pages]
+_META_INDEX_SEGMENTS = b"diskreplay.index.segments"
+
+
+def group_index_table(keys: pa.Array, counts: np.ndarray, rows: np.ndarray, first_row: int, end_row: int,
+                      pages: Dict[int, Tuple[int, int, PageChecksums]]) -> pa.RecordBatch:
+    """A persisted group index: the groups of rows ``[first_row, end_row)`` in the group sidecar's
+    layout (``key``, ``count``, ``rows``; groups ordered by their oldest row, rows ascending), and the
+    page checksums of segments (``pages``: id -> ``(bytes, crc32c, checksums)``) in its metadata, so
+    that a reader opens neither the sidecars nor more than the segments it reads."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    col = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(rows, dtype=np.int64)))
+    batch = pa.RecordBatch.from_arrays([keys, pa.array(np.asarray(counts, dtype=np.int64)), col],
+                                       names=["key", "count", "rows"])
+    table = np.array([(sid, nbytes, crc, p.page_bytes, p.body[0], p.body[1], len(p.crcs))
+                      for sid, (nbytes, crc, p) in sorted(pages.items())], dtype="<i8").reshape(-1, 7)
+    crcs = (np.concatenate([p.crcs for _, _, p in (pages[k] for k in sorted(pages))]) if pages
+            else np.zeros(0, dtype=np.uint32))
+    return batch.replace_schema_metadata({_META_INDEX_ROWS: f"{first_row} {end_row}".encode(),
+                                          _META_INDEX_SEGMENTS: table.tobytes(),
+                                          _META_PAGE_CRCS: crcs.astype("<u4").tobytes()})
+
+
+def read_group_index(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
+                     end_row: int) -> Tuple[pa.Array, np.ndarray, np.ndarray, Dict[int, Tuple[int, int, PageChecksums]]]:
+    """``(keys, counts, rows, page checksums by segment id)`` of a persisted group index.
+
+    The whole file is checked against its CRC-32C first (nothing unchecked is
+    parsed); then its layout, in O(groups) plus a min/max over the rows
+    (``diskreplay verify`` checks that every row is there exactly once).
+    Raises ``CorruptStoreError`` naming the file.
+    """
+    f = ArrowFile(path, nbytes, crc)
+    batch = f.batch
+    want = {"key": key_type, "count": pa.int64(), "rows": pa.large_list(pa.int64())}
+    got = {fl.name: fl.type for fl in batch.schema}
+    if got != want:
+        raise CorruptStoreError(f"{path} has columns {got}; a group index has {want}")
+    meta = batch.schema.metadata or {}
+    bad = CorruptStoreError(f"{path} does not index rows [{first_row}, {end_row})")
+    try:
+        lo, hi = (int(x) for x in meta[_META_INDEX_ROWS].split())
+        table = np.frombuffer(meta[_META_INDEX_SEGMENTS], dtype="<i8").reshape(-1, 7)
+        all_crcs = np.frombuffer(meta[_META_PAGE_CRCS], dtype="<u4")
+    except (KeyError, ValueError):
+        raise bad from None
+    keys, rows_col = batch.column("key"), batch.column("rows")
+    counts, rows = numpy_view(batch.column("count")), numpy_view(rows_col.values)
+    offsets = numpy_view(rows_col.offsets)
+    n = end_row - first_row
+    if ((lo, hi) != (first_row, end_row) or keys.null_count or batch.column("count").null_count
+            or rows_col.null_count or np.any(counts <= 0) or int(counts.sum()) != n or len(rows) != n
+            or offsets[0] != 0 or not np.array_equal(np.diff(offsets), counts)
+            or (n and (int(rows.min()) < first_row or int(rows.max()) >= end_row))
+            or np.any(np.diff(rows[offsets[:-1]]) <= 0) or int(table[:, 6].sum()) != len(all_crcs)
+            or np.any(table[:, 3] < 512)):
+        raise bad
+    pages: Dict[int, Tuple[int, int, PageChecksums]] = {}
+    at = 0
+    for sid, seg_bytes, seg_crc, page_bytes, start, end, count in table.tolist():
+        pages[sid] = (seg_bytes, seg_crc, PageChecksums(all_crcs[at:at + count], page_bytes, (start, end)))
+        at += count
+    return keys, counts, rows, pages
+
+
 def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray, np.ndarray]:
     """Merge byte ranges ``[starts[i], ends[i])`` (any order, overlaps allowed) whose distance is at
     most ``gap`` into sorted, disjoint spans that cover every one of them.
