@@ -18,7 +18,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .ragged import gather_ranges
+from .ragged import gather_ranges, numpy_view
+
+
+def arrow_indices(a: np.ndarray) -> pa.Array:
+    """int64 numpy values as a pyarrow array, zero-copy (``pa.array`` of numpy imports pandas on
+    first use: over 100 ms, more than opening a store).
+
+    >>> arrow_indices(np.array([3, 1])).to_pylist()
+    [3, 1]
+    """
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(a), [None, pa.py_buffer(a)])
 
 
 class GroupIndex:
@@ -105,7 +116,7 @@ class GroupIndex:
         offsets = np.zeros(len(keep) + 1, dtype=np.int64)
         np.cumsum(live, out=offsets[1:])
         keys = ([self._keys[i] for i in keep.tolist()] if self._keys is not None
-                else self._arrow.take(pa.array(keep)))
+                else self._arrow.take(arrow_indices(keep)))
         return GroupIndex(keys, gather_ranges(self.rows, starts, live), offsets)
 
     def extended(self, parts: Sequence[Tuple[pa.Array, np.ndarray, np.ndarray]], min_row: int) -> "GroupIndex":
@@ -129,7 +140,7 @@ class GroupIndex:
                 np.cumsum(c[:-1], out=off[1:])
                 c = np.add.reduceat((r >= min_row).astype(np.int64), off) if len(c) else c
                 r = r[r >= min_row]
-                k = k.filter(pa.array(c > 0))
+                k = k.take(arrow_indices(np.flatnonzero(c > 0)))
                 c = c[c > 0]
             if len(c):
                 keys.append(k), counts.append(c), rows.append(r)
@@ -138,14 +149,12 @@ class GroupIndex:
         keys = pa.concat_arrays([k.cast(keys[0].type) for k in keys]) if len(keys) > 1 else keys[0]
         counts, rows = np.concatenate(counts), np.concatenate(rows)
         G = len(self)
-        base = self.arrow_keys(keys.type) if G else pa.array([], type=keys.type)
-        pos = pc.index_in(keys, value_set=base)
-        code = pos.to_numpy(zero_copy_only=False)
-        new = pos.is_null().to_numpy(zero_copy_only=False)
-        fresh_keys = keys
+        base = self.arrow_keys(keys.type) if G else pa.nulls(0, type=keys.type)
+        code = numpy_view(pc.fill_null(pc.index_in(keys, value_set=base), -1)).astype(np.int64)
+        new = code < 0
         if new.any():
-            enc = keys.filter(pa.array(new)).dictionary_encode()
-            fresh = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+            enc = keys.take(arrow_indices(np.flatnonzero(new))).dictionary_encode()
+            fresh = numpy_view(enc.indices).astype(np.int64)
             # new groups are ordered by their oldest row (skipping rows below min_row can
             # reorder a sidecar's groups, which are listed by first appearance in the segment)
             entry_first = rows[np.cumsum(counts) - counts][new]
@@ -154,11 +163,9 @@ class GroupIndex:
             order = np.argsort(oldest, kind="stable")
             rank = np.empty_like(order)
             rank[order] = np.arange(len(order))
-            code = np.where(new, 0, np.nan_to_num(code, nan=0)).astype(np.int64)
             code[new] = G + rank[fresh]
-            fresh_keys = enc.dictionary.take(pa.array(order))
+            fresh_keys = enc.dictionary.take(arrow_indices(order))
         else:
-            code = code.astype(np.int64)
             fresh_keys = keys.slice(0, 0)
         # the new rows sorted by group (stable: segment order, then row order inside a sidecar entry)
         order = np.argsort(code, kind="stable")

@@ -27,10 +27,10 @@ from .. import format as fmt
 from .._fileio import WriterLock, crash_point, crc32c, fsync_dir, read_file
 from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, ReadOnlyError, RowsEvictedError,
                       SchemaError, StoreNotFoundError)
-from ..groups import GroupIndex
+from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
-from ..segment import (PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_index_table,
+from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_index_table,
                        group_sidecar, read_group_index, read_group_sidecar)
 from . import ops
 from .committer import Committer
@@ -125,8 +125,7 @@ class ReplayStore:
         # the store-key group index of rows [head, _groups_end), brought forward commit by commit
         self._groups: Optional[GroupIndex] = None
         self._groups_end = 0
-        # page checksums a persisted group index carries: segment id -> (bytes, crc32c, checksums)
-        self._index_pages: Dict[int, Tuple[int, int, PageChecksums]] = {}
+        self._index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
         self.recovered_from: List[str] = []
@@ -389,8 +388,6 @@ class ReplayStore:
             del self._segments[sid]
         for sid in [s for s in self._pages if s not in live]:
             del self._pages[sid]
-        for sid in [s for s in self._index_pages if s not in live]:
-            del self._index_pages[sid]
 
     def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
         self._drop_dead_segments(manifest)
@@ -826,9 +823,10 @@ class ReplayStore:
         sidecar read), else from the sidecar."""
         pages = self._pages.get(entry.id)
         if pages is None:
-            held = self._index_pages.get(entry.id)
-            if held is not None and held[:2] == (entry.bytes, entry.crc32c):
-                pages = self._pages[entry.id] = held[2]
+            if self._index_pages is not None:
+                pages = self._index_pages.get(entry.id, entry.bytes, entry.crc32c)
+            if pages is not None:
+                self._pages[entry.id] = pages
             else:
                 pages = self._sidecar(entry)[3]
         return pages
@@ -906,7 +904,7 @@ class ReplayStore:
             elif spec.dtype == "string":
                 res: List[Any] = [None] * n
                 for seg, sel, loc in parts:
-                    vals = seg.scalar(name).take(pa.array(loc)).to_pylist()
+                    vals = seg.scalar(name).take(arrow_indices(loc)).to_pylist()
                     if isinstance(sel, slice):
                         res = vals
                     else:
@@ -970,7 +968,7 @@ class ReplayStore:
     def _load_group_index(self, m: fmt.Manifest) -> Tuple[GroupIndex, int]:
         """The persisted group index of ``m`` and the row it ends at (an empty index at ``head``
         when there is none, or it cannot be used: the sidecars hold the same information)."""
-        keys = [] if self.schema is None else pa.array([], type=self._key_type())  # no row committed yet
+        keys = [] if self.schema is None else pa.nulls(0, type=self._key_type())  # no row committed yet
         empty = GroupIndex(keys, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
         e = m.group_index
         if e is None or e.end_row <= m.head or e.first_row > m.head:
@@ -982,7 +980,7 @@ class ReplayStore:
             warnings.warn(f"{exc}; the group index is rebuilt from the group sidecars instead (run "
                           "`diskreplay verify`)", RuntimeWarning, stacklevel=5)
             return empty, m.head
-        self._index_pages.update(pages)
+        self._index_pages = pages
         return GroupIndex.from_groups(keys, counts, rows, m.head), e.end_row
 
     def _persist_group_index(self) -> None:
