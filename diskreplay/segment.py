@@ -276,10 +276,9 @@ class ArrowFile:
             # Rows are read at random: without this, each page fault reads ahead
             # (up to MBs on some VMs) and cold batches pay for bytes they never use.
             # Readers that need many pages ask for them explicitly (advise, advise_all).
-            # ``whole``: a file read from end to end keeps the kernel's fault-around
+            # ``whole``: a file read from end to end is read ahead as a whole
             try:
-                if not whole:
-                    self._mmap.madvise(mmap.MADV_RANDOM)
+                self._mmap.madvise(mmap.MADV_WILLNEED if whole else mmap.MADV_RANDOM)
             except (AttributeError, OSError):
                 pass
             self.advised_all = whole
@@ -373,8 +372,10 @@ class ArrowFile:
         r = r[r[:, 1] > 0]
         if not len(r):
             return
-        lo = (r[:, 0] - self._base.address) // _PAGE * _PAGE
-        hi = np.minimum(r[:, 0] - self._base.address + r[:, 1], self.size)
+        # whole checksum pages: checking a row's values reads the checksum pages around them
+        align = max(_PAGE, self.pages.page_bytes) if self.pages is not None else _PAGE
+        lo = (r[:, 0] - self._base.address) // align * align
+        hi = np.minimum(-(-(r[:, 0] - self._base.address + r[:, 1]) // align) * align, self.size)
         starts, ends = coalesce(lo, hi, _ADVISE_GAP)
         for a, b in zip(starts.tolist(), ends.tolist()):
             if b <= a:
@@ -383,6 +384,27 @@ class ArrowFile:
                 self._mmap.madvise(mmap.MADV_WILLNEED, a, b - a)
             except (OSError, ValueError):
                 return
+
+
+def prefetch_files(paths_and_ranges: List[Tuple[str, List[Tuple[int, int]]]]) -> None:
+    """Ask the kernel to read byte ranges of files that are about to be opened
+    (``posix_fadvise(WILLNEED)``: asynchronous), so that opening many cold
+    files waits for their reads together instead of one after another.
+
+    ``(path, [(offset, length), ...])`` pairs; a length of 0 means "to the
+    end". Missing files are skipped (opening them reports it)."""
+    for path, ranges in paths_and_ranges:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            for offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
 
 
 class Segment(ArrowFile):
@@ -491,6 +513,16 @@ class Segment(ArrowFile):
                 hit = numpy_view(arr)
             self._cache[name] = hit
         return hit
+
+    def column_ranges(self, names: List[str], ragged: List[bool]) -> np.ndarray:
+        """``[k, 2]`` ``(address, length)`` of the buffers reading ``names`` touches whatever the rows:
+        every buffer of a per-row column, the validity and offsets of a ragged one (not its values)."""
+        out = []
+        for name, is_ragged in zip(names, ragged):
+            arr = self.batch.column(name)
+            bufs = arr.buffers()[:2] if is_ragged else arr.buffers()
+            out += [(b.address, b.size) for b in bufs if b is not None and b.size]
+        return np.array(out, dtype=np.int64).reshape(-1, 2)
 
     def value_ranges(self, name: str, local_rows: np.ndarray) -> np.ndarray:
         """``[k, 2]`` int64 ``(address, length)`` byte ranges that reading ``local_rows`` of a ragged

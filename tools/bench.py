@@ -392,6 +392,45 @@ class _FlatGather:
         return out
 
 
+    def cold_gather(self, rows, pad, directory):
+        """The ideal cold read: map the flat files afresh, ask for every needed page of the offsets
+        (one ``madvise(WILLNEED)`` per column over the rows' pages), then for every needed byte of
+        the values (one per coalesced span), then gather into the reused padded arrays."""
+        from diskreplay.segment import coalesce
+
+        rows = np.asarray(rows) - self.base
+        page = mmap.PAGESIZE
+        cols = {}
+        for name in _RAGGED:
+            maps = []
+            for part in ("values", "offsets"):
+                arr = np.load(os.path.join(directory, f"{name}.{part}.npy"), mmap_mode="r")
+                maps.append(arr)
+            cols[name] = maps
+        for values, offsets in cols.values():
+            _advise(offsets, rows * 8, (rows + 2) * 8, page)
+        for values, offsets in cols.values():
+            starts, ends = offsets[rows], offsets[rows + 1]
+            _advise(values, starts * values.itemsize, ends * values.itemsize, page)
+        saved = self.cols
+        self.cols = {k: (v, o) for k, (v, o) in cols.items()}
+        try:
+            return self.gather(rows + self.base, pad)
+        finally:
+            self.cols = saved
+
+
+def _advise(arr, lo, hi, page, gap=64 << 10):
+    """madvise(WILLNEED) the byte ranges [lo, hi) of a memory-mapped .npy array, coalesced."""
+    from diskreplay.segment import coalesce
+
+    mm = arr._mmap if hasattr(arr, "_mmap") and arr._mmap is not None else arr.base
+    base = arr.ctypes.data - np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    starts, ends = coalesce((base + np.asarray(lo)) // page * page, base + np.asarray(hi), gap)
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        mm.madvise(mmap.MADV_WILLNEED, a, b - a)
+
+
 class _TorchRLPadded:
     """Baseline: TorchRL's LazyMemmapStorage holding the same rollouts padded to 1024 / 4096 tokens.
 
