@@ -1009,14 +1009,15 @@ class ReplayStore:
         self._index_pages = pages
         return GroupIndex.from_groups(keys, counts, rows, m.head), e.end_row
 
-    def _persist_group_index(self) -> None:
+    def _persist_group_index(self, force: bool = False) -> None:
         """Write the group index of the live rows to a file and name it in a commit, once
-        ``INDEX_TAIL_SEGMENTS`` segments lie past the rows the current one covers (single writer)."""
+        ``INDEX_TAIL_SEGMENTS`` segments lie past the rows the current one covers (single writer;
+        ``force``: whatever the tail)."""
         m = self.manifest
         if self.group_key is None or self.multi_writer or not m.segments:
             return
         covered = m.group_index.end_row if m.group_index is not None else m.head
-        if sum(1 for s in m.segments if s.end_row > covered) < INDEX_TAIL_SEGMENTS:
+        if not force and sum(1 for s in m.segments if s.end_row > covered) < INDEX_TAIL_SEGMENTS:
             return
         gi = self._own_groups()
         pages = {}
