@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -419,13 +419,14 @@ class Segment(ArrowFile):
     """
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
-                 schema: Optional[Schema] = None, num_rows: Optional[int] = None,
+                 schema: Optional[Union[Schema, pa.Schema]] = None, num_rows: Optional[int] = None,
                  expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None) -> None:
         super().__init__(path, expected_bytes, expected_crc, pages)
         if num_rows is not None and self.batch.num_rows != num_rows:
             raise CorruptStoreError(f"{path} holds {self.batch.num_rows} rows; the manifest records {num_rows}")
         if schema is not None:
-            want = schema.arrow_schema()
+            # a store passes the Arrow schema it built once (building it per segment cost ~30 us)
+            want = schema if isinstance(schema, pa.Schema) else schema.arrow_schema()
             if not self.batch.schema.equals(want):
                 raise CorruptStoreError(f"{path} has schema {self.batch.schema.types} which disagrees with "
                                         f"FORMAT.json ({want.types})")

@@ -126,6 +126,7 @@ class ReplayStore:
         self._groups: Optional[GroupIndex] = None
         self._groups_end = 0
         self._index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
+        self._arrow_schema: Tuple[Any, Any] = (None, None)  # (schema, its Arrow schema), built once
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
         self.recovered_from: List[str] = []
@@ -799,7 +800,9 @@ class ReplayStore:
                     pages = self._page_checksums(entry)
                 if pages is None:  # no sidecar (group_key=None): check the whole file once
                     whole_crc = entry.crc32c
-            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
+            if self._arrow_schema[0] is not self.schema:
+                self._arrow_schema = (self.schema, self.schema.arrow_schema())
+            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self._arrow_schema[1], entry.num_rows,
                           whole_crc, pages)
             self._segments[entry.id] = seg
             # each open map holds a file descriptor: keep the most recently used ones
@@ -886,8 +889,12 @@ class ReplayStore:
             wanted = []
             for e in todo:
                 pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
-                # with page checksums only the pages outside the body are read on open; else all of it
-                ranges = [(0, pages.body[0]), (pages.body[1], 0)] if pages is not None else [(0, 0)]
+                # with page checksums only the checksum pages outside the body are read on open, else all
+                if pages is not None:
+                    p = pages.page_bytes
+                    ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
+                else:
+                    ranges = [(0, 0)]
                 wanted.append((os.path.join(self.path, e.file), ranges))
             prefetch_files(wanted)
         for e in todo:
