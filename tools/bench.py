@@ -662,23 +662,36 @@ def _bench_cold(store, label, batch_groups, B, cold, step_ms, res, report, pad=0
                f"{res[key]:.1f} ms/batch (median after the first)", flush=True)
 
 
-def _bench_cold_first_batch(store, store_path, flat, torchrl_base, batch_groups, B, pad, rounds, res, report):
-    """A restarted job's first batch with the page cache dropped (``posix_fadvise(DONTNEED)`` of every
-    file; root cannot drop caches on this VM): reopen + sample + read + collate of 512 rows, against
-    the ideal gather of the same rows from flat files after WILLNEED hints, and TorchRL's padded
-    memmap reopened and sampled. Paths alternate, each evicted before it runs; outputs go into warm
-    buffers on every path (fresh memory costs the same everywhere and is not the disk)."""
-    collator = Collator(pad)
-    flat_dir = store_path.rstrip("/") + ".flat"
+def _cold_first_batch_child(store_path, torchrl_dir, batch_groups, B, pad, rounds):
+    """Run in a fresh process that maps none of the files (pages mapped by a process are not
+    evicted): the cold first-batch paths in turn, each evicted right before it runs; medians."""
+    import gc
+
+    store = ReplayStore(store_path, readonly=True)
     seeds = [1000 + i for i in range(rounds)]
     draws = [PromptGroupSampler(num_groups=batch_groups, seed=sd).sample(store, B) for sd in seeds]
+    n, head = len(store), store.head
+    flat_dir = store_path.rstrip("/") + ".flat"
+    # warm output buffers on every path (fresh memory costs the same everywhere and is not the disk),
+    # then let go of every map, so that eviction reaches all pages
+    collator = Collator(pad)
+    flat = _FlatGather(store, flat_dir)
     collator(store.read(draws[0])), flat.gather(draws[0], pad)
+    flat.cols = {}
+    store.close()
+    del store
+    gc.collect()
+    torchrl_base = None
+    if torchrl_dir is not None and os.path.exists(os.path.join(torchrl_dir, "storage_metadata.json")):
+        torchrl_base = _TorchRLPadded(torchrl_dir, n)
+        torchrl_base.cursor = n
     times: Dict[str, list] = {"ours": [], "ideal": [], "torchrl": []}
     for i, seed in enumerate(seeds):
         evict_from_page_cache(flat_dir)
         t0 = time.perf_counter()
         flat.cold_gather(draws[i], pad, flat_dir)
         times["ideal"].append(time.perf_counter() - t0)
+        flat.cols = {}
         evict_from_page_cache(store_path)
         t0 = time.perf_counter()
         fresh = ReplayStore(store_path, readonly=True)
@@ -686,14 +699,28 @@ def _bench_cold_first_batch(store, store_path, flat, torchrl_base, batch_groups,
         collator(fresh.read(rows))
         fresh.close()
         times["ours"].append(time.perf_counter() - t0)
+        del fresh
         assert np.array_equal(rows, draws[i])
         if torchrl_base is not None:
-            evict_from_page_cache(torchrl_base.dir)
+            torchrl_base.storage = None
+            gc.collect()
+            evict_from_page_cache(torchrl_dir)
             t0 = time.perf_counter()
             torchrl_base.reopen(save=False)
-            torchrl_base.sample(draws[i] - store.head, pad)
+            torchrl_base.sample(draws[i] - head, pad)
             times["torchrl"].append(time.perf_counter() - t0)
-    ms = {k: 1e3 * statistics.median(v) for k, v in times.items() if v}
+    return {k: 1e3 * statistics.median(v) for k, v in times.items() if v}
+
+
+def _bench_cold_first_batch(store_path, torchrl_base, batch_groups, B, pad, rounds, res, report):
+    """A restarted job's first batch with the page cache dropped (``posix_fadvise(DONTNEED)`` of every
+    file; root cannot drop caches on this VM): reopen + sample + read + collate of 512 rows, against
+    the ideal gather of the same rows from flat files after WILLNEED hints, and TorchRL's padded
+    memmap reopened and sampled. Paths alternate, in a fresh process (see the child)."""
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        ms = pool.apply(_cold_first_batch_child, (store_path, None if torchrl_base is None else torchrl_base.dir,
+                                                  batch_groups, B, pad, rounds))
     res.update({f"cold_first_batch_{k}_ms": v for k, v in ms.items()})
     print(f"\ncold reopen + first batch of {B} rows, page cache dropped ({rounds} rounds, medians)")
     row("reopen + sample + read + collate vs ideal", f"{ms['ours']:.1f} ms", f"ideal {ms['ideal']:.1f} ms",
@@ -766,12 +793,12 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=22), B, pad, prefetch=2,
                       layout=layout) as loader:
         for _ in range(4 * block):
-            next(loader), collator(store.read(direct.sample(store, B)))
+            next(loader), collator.read(store, direct.sample(store, B))
         for _ in range(max(1, rounds // block)):
             time.sleep(0.5)
             t0 = time.perf_counter()
             for _ in range(block):
-                collator(store.read(direct.sample(store, B)))
+                collator.read(store, direct.sample(store, B))
             direct_ms.append(1e3 * (time.perf_counter() - t0) / block)
             for _ in range(loader.prefetch + 1):
                 next(loader)
@@ -785,6 +812,7 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
 def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res, report):
     """Issue 13's table: the same rows built every way, alternated, medians."""
     padded_c, packed_c, readme_c = Collator(pad), Collator(layout="packed"), Collator(pad)
+    read_out: dict = {}
     draws = [PromptGroupSampler(num_groups=batch_groups, seed=11).sample(store, B) for _ in range(rounds)]
     batches = [store.read(rows) for rows in draws]
     ref = packed_c(batches[0])
@@ -793,17 +821,19 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         want = collate(batches[0], pad)
         assert all(torch.equal(want[k], got[k]) for k in got), "TorchRL baseline disagrees with collate"
     for b, rows in zip(batches[:3], draws[:3]):  # warm the pages and every buffer
-        padded_c(b), packed_c(b), collate(b, pad), flat.gather(rows, pad), readme_c(b)
+        padded_c.read(store, rows), packed_c.read(store, rows), collate(b, pad), flat.gather(rows, pad), readme_c(b)
+        store.read(rows, out=read_out)
     paths = {
         "read": lambda i: store.read(draws[i]),
         "padded collate, reused": lambda i: padded_c(batches[i]),
         "packed collate, reused": lambda i: packed_c(batches[i]),
         "padded read + collate, fresh (collate())": lambda i: collate(store.read(draws[i]), pad),
-        "padded read + collate, reused (Collator)": lambda i: padded_c(store.read(draws[i])),
-        "packed read + collate, reused (Collator)": lambda i: packed_c(store.read(draws[i])),
+        "padded read + collate, reused (Collator)": lambda i: padded_c.read(store, draws[i]),
+        "packed read + collate, reused (Collator)": lambda i: packed_c.read(store, draws[i]),
         "ideal numpy gather, padded": lambda i: flat.gather(draws[i], pad),
         "README: Collator(pad)(store.read(rows)), one collator per call site":
             lambda i: readme_c(store.read(draws[i])),
+        "read into reused buffers": lambda i: store.read(draws[i], out=read_out),
         "packed on device: read + collate_unpadded, reused": lambda i: packed_c.unpadded(store.read(draws[i])),
     }
     if torchrl_base is not None:
@@ -827,7 +857,8 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
     row("packed vs padded, collate only", f"{ms['packed collate, reused']:.1f} ms",
         f"{ms['padded collate, reused']:.1f} ms",
         f"{ms['padded collate, reused'] / ms['packed collate, reused']:.2f}x")
-    row("  the read both share", f"{ms['read']:.1f} ms")
+    row("  the read both share (fresh / reused buffers)", f"{ms['read into reused buffers']:.1f} ms",
+        f"{ms['read']:.1f} ms", f"{ms['read'] / ms['read into reused buffers']:.2f}x")
     unp = ms["packed on device: read + collate_unpadded, reused"]
     row("packed on device (host: read + unpadded) vs padded", f"{unp:.1f} ms", f"{reused:.1f} ms",
         f"{reused / unp:.2f}x")
@@ -882,6 +913,8 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     torchrl_base = _torchrl_baseline(store, os.path.join(work, "torchrl_padded"), report)
     report(f"sample: store {len(store)} rows ({store.nbytes / 1e6:.0f} MB), batch {batch_groups} groups x "
            f"{group_size} rows")
+    if not args.quick:  # first: nothing of the store is mapped in this process yet
+        _bench_cold_first_batch(store_path, torchrl_base, batch_groups, B, pad, cold, res, report)
 
     # --- warm page cache
     rows0 = PromptGroupSampler(num_groups=batch_groups, seed=0).sample(store, B)
@@ -947,7 +980,6 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
         report(f"  warm ReplayLoader next() {'(pad_on_device, cpu) ' if pod else ''}{ms:.1f} ms/batch")
 
     _bench_cold(store, "", batch_groups, B, cold, step_ms, res, report, pad)
-    _bench_cold_first_batch(store, store_path, flat, torchrl_base, batch_groups, B, pad, cold, res, report)
 
     # --- bytes host -> device per batch
     batch = store.read(rows0)

@@ -850,7 +850,8 @@ class ReplayStore:
         return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows
 
     @_locked
-    def read(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Column]:
+    def read(self, rows: Any, columns: Optional[Sequence[str]] = None, *,
+             out: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Column]:
         """Read rows (any order, repeats allowed) into a dict of columns.
 
         A ragged column comes back as a :class:`RaggedColumn` (``values``,
@@ -863,9 +864,26 @@ class ReplayStore:
         >>> _ = store.extend({"completion_ids": [[1], [2, 3]], "score": [0.5, 1.5]})
         >>> out = store.read([1, 0], columns=["score"]); out["score"].tolist()
         [1.5, 0.5]
+
+        ``out``: a dict you keep (start with ``{}``) in which the read keeps
+        the buffers of the ragged columns' values, reused and grown as
+        needed: a batch of 512 rows then copies into warm memory instead of
+        ~4 MB of fresh pages (half the copy's time, measured). The columns
+        returned view those buffers and stay valid until the next read with
+        the same ``out``. (A run of consecutive rows of one segment is
+        returned as views of the memory map, copying nothing.)
+
+        >>> buffers = {}
+        >>> first = store.read([1, 0], out=buffers)["completion_ids"]
+        >>> second = store.read([1, 1], out=buffers)["completion_ids"]
+        >>> np.shares_memory(first.values, second.values), second[0].tolist()
+        (True, [2, 3])
         """
         cols = self._resolve_columns(columns)
-        return self._following(lambda: self._read(rows, cols))
+        if out is not None and not isinstance(out, dict):
+            raise ArgumentError(f"out must be a dict the caller keeps between reads (start with {{}}), got "
+                                f"{type(out).__name__}")
+        return self._following(lambda: self._read(rows, cols, out))
 
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
         names = self.columns
@@ -901,7 +919,7 @@ class ReplayStore:
             self._segment(e)
         return True
 
-    def _read(self, rows: Any, cols: List[str]) -> Dict[str, Column]:
+    def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Column]:
         rows, seg_idx, local = self._locate(rows)
         n = rows.size
         m = self.manifest
@@ -933,7 +951,7 @@ class ReplayStore:
             if spec.kind == RAGGED and run:
                 out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
             elif spec.kind == RAGGED:
-                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans)
+                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers)
             elif spec.dtype == "string":
                 res: List[Any] = [None] * n
                 for seg, sel, loc in parts:
