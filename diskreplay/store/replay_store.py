@@ -1008,7 +1008,10 @@ class ReplayStore:
             if gi is None:
                 gi, end = self._load_group_index(m)
             if end < m.next_row:
-                parts = [self._sidecar(s)[:3] for s in m.segments if s.end_row > end]
+                tail = [s for s in m.segments if s.end_row > end]
+                if len(tail) > 1:  # cold, read them together, not one after another
+                    prefetch_files([(os.path.join(self.path, s.groups_file), [(0, 0)]) for s in tail])
+                parts = [self._sidecar(s)[:3] for s in tail]
                 gi = gi.extended(parts, min_row=max(end, m.head))
             gi = gi.evicted(m.head)
             self._groups, self._groups_end = gi, m.next_row
