@@ -426,8 +426,6 @@ class _FlatGather:
         """The ideal cold read: map the flat files afresh, ask for every needed page of the offsets
         (one ``madvise(WILLNEED)`` per column over the rows' pages), then for every needed byte of
         the values (one per coalesced span), then gather into the reused padded arrays."""
-        from diskreplay.segment import coalesce
-
         rows = np.asarray(rows) - self.base
         page = mmap.PAGESIZE
         cols = {}
@@ -762,7 +760,7 @@ def _bench_index_scaling(small, big, factor, res, report, rounds=7):
         f"{one['group_index_ms']:.2f} ms",
         target(f"group index cost on open, {factor}x store vs 1x store", big_["group_index_ms"] /
                one["group_index_ms"], "<= 1.5"))
-    row(f"  open (manifest: one entry per segment)", f"{big_['open_ms']:.2f} ms", f"{one['open_ms']:.2f} ms",
+    row("  open (manifest: one entry per segment)", f"{big_['open_ms']:.2f} ms", f"{one['open_ms']:.2f} ms",
         f"{big_['open_ms'] / one['open_ms']:.2f}x")
     sys.stdout.flush()
 
