@@ -72,6 +72,10 @@ def groups_file(seg_id: int) -> str:
     return f"{GROUPS_DIR}/{seg_id:012d}.arrow"
 
 
+def group_index_file(generation: int) -> str:
+    return f"{GROUPS_DIR}/index-{generation:012d}.arrow"
+
+
 def manifest_file(generation: int) -> str:
     return f"{MANIFEST_DIR}/{generation:012d}.json"
 
@@ -362,6 +366,38 @@ class StateEntry:
         return e
 
 
+@dataclass(frozen=True)
+class GroupIndexEntry:
+    """A persisted group index: the groups of rows ``[first_row, end_row)`` in one file
+    (written by the commit of ``generation``; see docs/FORMAT.md, "Group index")."""
+
+    generation: int
+    first_row: int
+    end_row: int
+    bytes: int
+    crc32c: int
+
+    @property
+    def file(self) -> str:
+        return group_index_file(self.generation)
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "generation": self.generation, "first_row": self.first_row,
+                "end_row": self.end_row, "bytes": self.bytes, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "GroupIndexEntry":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported group_index {d!r} in {where}; expected an object")
+        e = cls(_int(d, "generation", where, lo=1, hi=_MAX_ID), _int(d, "first_row", where),
+                _int(d, "end_row", where), _int(d, "bytes", where, lo=1), _int(d, "crc32c", where, hi=0xFFFFFFFF))
+        if e.end_row < e.first_row:
+            raise FormatError(f"Unsupported group_index rows [{e.first_row}, {e.end_row}) in {where}")
+        if d.get("file", e.file) != e.file:
+            raise FormatError(f"Unsupported group_index file {d.get('file')!r} in {where}; expected {e.file!r}")
+        return e
+
+
 MAX_TOKEN_CHARS = 1024
 
 
@@ -545,6 +581,8 @@ class Manifest:
     token_logs: Tuple[TokenLog, ...] = ()
     #: columns added after the first commit, oldest first (the schema's history)
     late_columns: Tuple[LateColumn, ...] = ()
+    #: a persisted group index of a prefix of the rows (optional: readers fall back to the sidecars)
+    group_index: Optional[GroupIndexEntry] = None
 
     @property
     def num_rows(self) -> int:
@@ -561,11 +599,14 @@ class Manifest:
             out += [s.file, s.groups_file]
         out += [st.file for st in self.states.values()]
         out += [t.file for t in self.token_logs]
+        if self.group_index is not None:
+            out.append(self.group_index.file)
         return out
 
     @property
     def nbytes(self) -> int:
-        return sum(s.bytes + s.groups_bytes for s in self.segments) + sum(st.bytes for st in self.states.values())
+        return (sum(s.bytes + s.groups_bytes for s in self.segments) + sum(st.bytes for st in self.states.values())
+                + (self.group_index.bytes if self.group_index is not None else 0))
 
     def evolve(self, **changes: Any) -> "Manifest":
         return replace(self, **changes)
@@ -591,6 +632,8 @@ class Manifest:
             doc["token_logs"] = [t.to_dict() for t in self.token_logs]
         if self.late_columns:
             doc.update(version=LATE_COLUMNS_MANIFEST_VERSION, late_columns=[c.to_dict() for c in self.late_columns])
+        if self.group_index is not None:
+            doc["group_index"] = self.group_index.to_dict()
         return doc
 
     @classmethod
@@ -614,6 +657,8 @@ class Manifest:
             tokens=tuple(TokenRecord.from_list(t, where) for t in tokens),
             token_logs=tuple(TokenLog.from_dict(t, where) for t in logs),
             late_columns=_late_columns(doc, where),
+            group_index=(None if doc.get("group_index") is None
+                         else GroupIndexEntry.from_dict(doc["group_index"], where)),
         )
         m.validate(where)
         return m
@@ -644,6 +689,9 @@ class Manifest:
                                   f"{self.segments[-1].end_row}) but live rows are [{self.head}, {self.next_row})")
         elif self.head != self.next_row:
             raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
+        if self.group_index is not None and self.group_index.end_row > self.next_row:
+            raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
+                              f"next_row {self.next_row}")
 
     def write(self, root: str) -> None:
         durable_write(os.path.join(root, self.file), signed_bytes(self.body()), step="manifest")

@@ -196,6 +196,9 @@ class _Worker:
         self.stop = threading.Event()
         # hint the first batches: a job that just (re)started usually meets a cold cache
         self.hints_left = 2
+        # the read's value buffers, reused batch after batch: each batch is collated (copied) into
+        # the ring before the next read, so one set is enough
+        self.read_buffers: Dict[str, np.ndarray] = {}
         self.thread = threading.Thread(target=self.run, name="ReplayLoader-worker", daemon=True)
 
     def shutdown(self, timeout: Optional[float] = _JOIN_S) -> bool:
@@ -240,7 +243,7 @@ class _Worker:
     def _read(self, rows: np.ndarray) -> Dict[str, Any]:
         faults = _major_faults()
         with self.store_lock:
-            batch = self.store.read(rows, self.columns)
+            batch = self.store.read(rows, self.columns, out=self.read_buffers)
         if _major_faults() - faults > _COLD_FAULTS:
             self.hints_left = _HINT_AFTER_FAULT
         return batch

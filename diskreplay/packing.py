@@ -76,16 +76,31 @@ class _Pieces:
         self.plen, self.clen = plen.tolist(), clen.tolist()
         self.longest = max(max(self.plen, default=0), max(self.clen, default=0))
         self.slots: list = [None] * (2 * len(self.plen))
+        # per batch, the (start, end) of every row on each side and the runs of constants, made
+        # once and shared by every column of that side (a Python slice per row is the cost here)
+        self._bounds = {id(self.plen): self._ends(plen, self.plen), id(self.clen): self._ends(clen, self.clen)}
+        self._constants: dict = {}
 
     @staticmethod
-    def cut(values: np.ndarray, lengths: list) -> list:
-        """``values`` (rows concatenated) cut into one view per row."""
+    def _ends(lengths: np.ndarray, as_list: list) -> list:
         ends = np.cumsum(lengths).tolist()
-        return [values[e - n:e] for e, n in zip(ends, lengths)]
+        return [(e - n, e) for e, n in zip(ends, as_list)]
+
+    def cut(self, values: np.ndarray, lengths: list, array: Optional[np.ndarray] = None) -> list:
+        """``values`` (rows concatenated) cut into one view per row (``lengths``: one side's, or
+        ``array``'s list when the column's own lengths differ)."""
+        bounds = self._bounds.get(id(lengths))
+        if bounds is None:
+            bounds = self._ends(array if array is not None else np.asarray(lengths, dtype=np.int64), lengths)
+        return [values[a:b] for a, b in bounds]
 
     def constant(self, value, dtype, lengths: list) -> list:
-        fill = np.full(self.longest, value, dtype=dtype)
-        return [fill[:n] for n in lengths]
+        key = (value, np.dtype(dtype), id(lengths))
+        hit = self._constants.get(key)
+        if hit is None:
+            fill = np.full(self.longest, value, dtype=dtype)
+            hit = self._constants[key] = [fill[:n] for n in lengths]
+        return hit
 
     def join(self, prompt: list, completion: list, out: np.ndarray) -> None:
         if not self.slots:
@@ -204,7 +219,7 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
             dtype = _torch_dtype(values.dtype)
             t = _buffer(out, name, (T,), dtype)
             own = pieces.plen if prompt else pieces.clen
-            present = pieces.cut(values, lens.tolist())
+            present = pieces.cut(values, own) if valid.all() else pieces.cut(values, lens.tolist(), lens)
             if not valid.all():
                 zeros = pieces.constant(0, values.dtype, own)
                 present = [v if ok else z for v, z, ok in zip(present, zeros, valid.tolist())]

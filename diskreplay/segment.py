@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -143,6 +143,90 @@ def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, 
     return keys, counts, rows, PageChecksums.from_metadata(batch.schema.metadata, path)
 
 
+_META_INDEX_ROWS = b"diskreplay.index.rows"  # "first end": the rows the index covers
+# per segment whose page checksums the index carries: little-endian int64
+# [segment id, bytes, crc32c, page_bytes, body start, body end, pages]
+_META_INDEX_SEGMENTS = b"diskreplay.index.segments"
+
+
+def group_index_table(keys: pa.Array, counts: np.ndarray, rows: np.ndarray, first_row: int, end_row: int,
+                      pages: Dict[int, Tuple[int, int, PageChecksums]]) -> pa.RecordBatch:
+    """A persisted group index: the groups of rows ``[first_row, end_row)`` in the group sidecar's
+    layout (``key``, ``count``, ``rows``; groups ordered by their oldest row, rows ascending), and the
+    page checksums of segments (``pages``: id -> ``(bytes, crc32c, checksums)``) in its metadata, so
+    that a reader opens neither the sidecars nor more than the segments it reads."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    col = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(rows, dtype=np.int64)))
+    batch = pa.RecordBatch.from_arrays([keys, pa.array(np.asarray(counts, dtype=np.int64)), col],
+                                       names=["key", "count", "rows"])
+    table = np.array([(sid, nbytes, crc, p.page_bytes, p.body[0], p.body[1], len(p.crcs))
+                      for sid, (nbytes, crc, p) in sorted(pages.items())], dtype="<i8").reshape(-1, 7)
+    crcs = (np.concatenate([p.crcs for _, _, p in (pages[k] for k in sorted(pages))]) if pages
+            else np.zeros(0, dtype=np.uint32))
+    return batch.replace_schema_metadata({_META_INDEX_ROWS: f"{first_row} {end_row}".encode(),
+                                          _META_INDEX_SEGMENTS: table.tobytes(),
+                                          _META_PAGE_CRCS: crcs.astype("<u4").tobytes()})
+
+
+class IndexedPages:
+    """The page checksums a persisted group index carries, looked up by segment (each segment's
+    :class:`PageChecksums` is made when that segment is first opened, not on load)."""
+
+    def __init__(self, table: np.ndarray, crcs: np.ndarray) -> None:
+        self._table, self._crcs = table, crcs
+        self._start = np.zeros(len(table) + 1, dtype=np.int64)
+        np.cumsum(table[:, 6], out=self._start[1:])
+        self._at = dict(zip(table[:, 0].tolist(), range(len(table))))
+
+    def get(self, seg_id: int, nbytes: int, crc: int) -> Optional[PageChecksums]:
+        """The page checksums of segment ``seg_id`` if the index holds them for exactly this file."""
+        i = self._at.get(seg_id)
+        if i is None:
+            return None
+        _, seg_bytes, seg_crc, page_bytes, start, end, count = self._table[i].tolist()
+        if (seg_bytes, seg_crc) != (nbytes, crc):
+            return None
+        return PageChecksums(self._crcs[self._start[i]:self._start[i] + count], page_bytes, (start, end))
+
+
+def read_group_index(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
+                     end_row: int) -> Tuple[pa.Array, np.ndarray, np.ndarray, IndexedPages]:
+    """``(keys, counts, rows, page checksums)`` of a persisted group index.
+
+    The file is mapped for a whole read (a copy into fresh memory cost 5-10 ms
+    for the 6 MB index of 327 k rows, mapping and checking it 0.7 ms) and
+    checked against its CRC-32C before Arrow parses a byte; then its layout, in O(groups) plus a min/max
+    over the rows (``diskreplay verify`` checks each row is there exactly
+    once). Raises ``CorruptStoreError`` naming the file.
+    """
+    batch = ArrowFile(path, nbytes, crc, whole=True).batch
+    want = {"key": key_type, "count": pa.int64(), "rows": pa.large_list(pa.int64())}
+    got = {fl.name: fl.type for fl in batch.schema}
+    if got != want:
+        raise CorruptStoreError(f"{path} has columns {got}; a group index has {want}")
+    meta = batch.schema.metadata or {}
+    bad = CorruptStoreError(f"{path} does not index rows [{first_row}, {end_row})")
+    try:
+        lo, hi = (int(x) for x in meta[_META_INDEX_ROWS].split())
+        table = np.frombuffer(meta[_META_INDEX_SEGMENTS], dtype="<i8").reshape(-1, 7)
+        all_crcs = np.frombuffer(meta[_META_PAGE_CRCS], dtype="<u4")
+    except (KeyError, ValueError):
+        raise bad from None
+    keys, rows_col = batch.column("key"), batch.column("rows")
+    counts, rows = numpy_view(batch.column("count")), numpy_view(rows_col.values)
+    offsets = numpy_view(rows_col.offsets)
+    n = end_row - first_row
+    if ((lo, hi) != (first_row, end_row) or keys.null_count or batch.column("count").null_count
+            or rows_col.null_count or np.any(counts <= 0) or int(counts.sum()) != n or len(rows) != n
+            or offsets[0] != 0 or not np.array_equal(np.diff(offsets), counts)
+            or (n and (int(rows.min()) < first_row or int(rows.max()) >= end_row))
+            or np.any(np.diff(rows[offsets[:-1]]) <= 0) or int(table[:, 6].sum()) != len(all_crcs)
+            or np.any(table[:, 3] < 512) or np.any(table[:, 6] < 0)):
+        raise bad
+    return keys, counts, rows, IndexedPages(table, all_crcs)
+
+
 def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray, np.ndarray]:
     """Merge byte ranges ``[starts[i], ends[i])`` (any order, overlaps allowed) whose distance is at
     most ``gap`` into sorted, disjoint spans that cover every one of them.
@@ -171,7 +255,8 @@ class ArrowFile:
     """
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
-                 expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None) -> None:
+                 expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None, *,
+                 whole: bool = False) -> None:
         self.path = path
         self.pages = pages
         try:
@@ -191,11 +276,12 @@ class ArrowFile:
             # Rows are read at random: without this, each page fault reads ahead
             # (up to MBs on some VMs) and cold batches pay for bytes they never use.
             # Readers that need many pages ask for them explicitly (advise, advise_all).
+            # ``whole``: a file read from end to end is read ahead as a whole
             try:
-                self._mmap.madvise(mmap.MADV_RANDOM)
+                self._mmap.madvise(mmap.MADV_WILLNEED if whole else mmap.MADV_RANDOM)
             except (AttributeError, OSError):
                 pass
-            self.advised_all = False
+            self.advised_all = whole
         finally:
             os.close(fd)
         self.size = size
@@ -286,8 +372,10 @@ class ArrowFile:
         r = r[r[:, 1] > 0]
         if not len(r):
             return
-        lo = (r[:, 0] - self._base.address) // _PAGE * _PAGE
-        hi = np.minimum(r[:, 0] - self._base.address + r[:, 1], self.size)
+        # whole checksum pages: checking a row's values reads the checksum pages around them
+        align = max(_PAGE, self.pages.page_bytes) if self.pages is not None else _PAGE
+        lo = (r[:, 0] - self._base.address) // align * align
+        hi = np.minimum(-(-(r[:, 0] - self._base.address + r[:, 1]) // align) * align, self.size)
         starts, ends = coalesce(lo, hi, _ADVISE_GAP)
         for a, b in zip(starts.tolist(), ends.tolist()):
             if b <= a:
@@ -296,6 +384,27 @@ class ArrowFile:
                 self._mmap.madvise(mmap.MADV_WILLNEED, a, b - a)
             except (OSError, ValueError):
                 return
+
+
+def prefetch_files(paths_and_ranges: List[Tuple[str, List[Tuple[int, int]]]]) -> None:
+    """Ask the kernel to read byte ranges of files that are about to be opened
+    (``posix_fadvise(WILLNEED)``: asynchronous), so that opening many cold
+    files waits for their reads together instead of one after another.
+
+    ``(path, [(offset, length), ...])`` pairs; a length of 0 means "to the
+    end". Missing files are skipped (opening them reports it)."""
+    for path, ranges in paths_and_ranges:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            for offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
 
 
 class Segment(ArrowFile):
@@ -310,7 +419,7 @@ class Segment(ArrowFile):
     """
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
-                 schema: Optional[Schema] = None, num_rows: Optional[int] = None,
+                 schema: Optional[Union[Schema, pa.Schema]] = None, num_rows: Optional[int] = None,
                  expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None) -> None:
         super().__init__(path, expected_bytes, expected_crc, pages)
         if num_rows is not None and self.batch.num_rows != num_rows:
@@ -438,6 +547,16 @@ class Segment(ArrowFile):
                 hit[~numpy_view(arr.is_valid())] = np.nan
             self._cache[name] = hit
         return hit
+
+    def column_ranges(self, names: List[str], ragged: List[bool]) -> np.ndarray:
+        """``[k, 2]`` ``(address, length)`` of the buffers reading ``names`` touches whatever the rows:
+        every buffer of a per-row column, the validity and offsets of a ragged one (not its values)."""
+        out = []
+        for name, is_ragged in zip(names, ragged):
+            arr = self.batch.column(name)
+            bufs = arr.buffers()[:2] if is_ragged else arr.buffers()
+            out += [(b.address, b.size) for b in bufs if b is not None and b.size]
+        return np.array(out, dtype=np.int64).reshape(-1, 2)
 
     def value_ranges(self, name: str, local_rows: np.ndarray) -> np.ndarray:
         """``[k, 2]`` int64 ``(address, length)`` byte ranges that reading ``local_rows`` of a ragged

@@ -101,6 +101,11 @@ def _verify_once(root: str, progress: bool) -> "_Report":
                 problem = _check_checksum(r, log.file, log.bytes, log.crc32c, bar)
                 if problem:
                     r.problem(problem)
+            gi = newest.group_index
+            if gi is not None:
+                problem = _check_checksum(r, gi.file, gi.bytes, gi.crc32c, bar)
+                if problem:  # derived data: readers warn and use the sidecars instead
+                    r.warn(f"{problem} (the persisted group index; readers rebuild it from the group sidecars)")
         finally:
             if bar is not None:
                 bar.close()
@@ -340,6 +345,8 @@ def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
         out.append((s.groups_file, s.groups_bytes))
     out += [(st.file, st.bytes) for st in m.states.values()]
     out += [(t.file, t.bytes) for t in m.token_logs]
+    if m.group_index is not None:
+        out.append((m.group_index.file, m.group_index.bytes))
     return out
 
 

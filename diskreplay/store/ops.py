@@ -17,6 +17,7 @@ operation      conflicts with a concurrent commit when
 ``SaveState``  never (the state of that name from the later commit wins)
 ``Evict``      never (the head only moves forward)
 ``RollBack``   always, unless the base is the one it was planned on
+``IndexGroups``  never (a persisted group index of rows the base still has)
 =============  ==========================================================
 """
 
@@ -78,7 +79,14 @@ class RollBack:
     base: int
 
 
-Operation = Union[Append, Rewrite, SaveState, Evict, RollBack]
+@dataclass(frozen=True)
+class IndexGroups:
+    """Name ``entry``, a persisted group index of rows ``[entry.first_row, entry.end_row)``, in the manifest."""
+
+    entry: fmt.GroupIndexEntry
+
+
+Operation = Union[Append, Rewrite, SaveState, Evict, RollBack, IndexGroups]
 
 
 def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.Manifest:
@@ -131,4 +139,8 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
             raise Conflict(f"a roll back planned on generation {op.base} cannot follow generation {base.generation}")
         return op.target.evolve(generation=generation,
                                 next_segment=max(base.next_segment, op.target.next_segment))
+    if isinstance(op, IndexGroups):
+        if op.entry.end_row > base.next_row:
+            raise Conflict(f"a group index of rows up to {op.entry.end_row} for a store ending at {base.next_row}")
+        return base.evolve(generation=generation, group_index=op.entry)
     raise ArgumentError(f"not an operation: {op!r}")
