@@ -207,8 +207,6 @@ def test_reads_agree_with_a_model(tmp_path_factory, plan):
 CRASH_CHILD = """
 import os, sys
 import numpy as np
-sys.path.insert(0, sys.argv[3])
-from test_late_columns import base_batch, late_batch
 from diskreplay import ReplayStore
 path, step = sys.argv[1:3]
 with ReplayStore(path) as store:
@@ -223,15 +221,32 @@ CRASH_STEPS = ["format.written", "format.renamed", "format.done", "segment.writt
                "segments.synced", "manifest.written", "manifest.renamed", "manifest.committed"]
 
 
-@pytest.mark.parametrize("step", CRASH_STEPS)
-def test_sigkill_in_the_commit_that_adds_a_column(tmp_path, step):
-    """Killed at each step of the commit that adds late columns: the store is at its previous commit
-    (no late column) or at the new one (the column and its rows), opens, verifies, and takes appends."""
-    path = str(tmp_path / "s")
+@pytest.fixture(scope="module")
+def crash_runs(tmp_path_factory):
+    """Every crash child at once (each one is a process that imports torch: run them side by side)."""
+    import inspect
+    from concurrent.futures import ThreadPoolExecutor
+
+    prelude = f"import numpy as np\nLATE = {LATE!r}\n" + "".join(
+        inspect.getsource(f) for f in (base_batch, logps, late_batch))
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("DISKREPLAY_CRASH_AT", None)
-    proc = subprocess.run([sys.executable, "-c", CRASH_CHILD, path, step, os.path.dirname(__file__)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    root = tmp_path_factory.mktemp("crash")
+
+    def run(step):
+        path = str(root / step)
+        return step, (path, subprocess.run([sys.executable, "-c", prelude + CRASH_CHILD, path, step],
+                                           capture_output=True, text=True, timeout=300, env=env))
+
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        return dict(pool.map(run, CRASH_STEPS))
+
+
+@pytest.mark.parametrize("step", CRASH_STEPS)
+def test_sigkill_in_the_commit_that_adds_a_column(crash_runs, step):
+    """Killed at each step of the commit that adds late columns: the store is at its previous commit
+    (no late column) or at the new one (the column and its rows), opens, verifies, and takes appends."""
+    path, proc = crash_runs[step]
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     assert "committed 1" in proc.stdout and "finished" not in proc.stdout
     ok(path)
