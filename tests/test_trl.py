@@ -625,7 +625,6 @@ def test_sampling_logps_recorded_late_reach_the_importance_sampling_correction(t
         assert store.schema.late["sampling_per_token_logps"] == (8, 2)  # added by step 1's commit
         stored = store.read(store.row_ids(), ["sampling_per_token_logps"])["sampling_per_token_logps"]
         assert stored.validity.tolist() == [False] * 8 + [True] * 16
-        seen = loss_rows(trainer)
         for step, computed in ((1, False), (2, True)):
             rows = history[step]["replayed_rows"]
             assert len(rows) == 4

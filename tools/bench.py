@@ -525,7 +525,8 @@ class _TorchRLPadded:
 
 def _torchrl_baseline(store: ReplayStore, directory: str, report) -> "_TorchRLPadded | None":
     try:
-        import torchrl  # noqa: F401
+        import torchrl
+        del torchrl
     except ImportError:
         report("  (TorchRL baseline skipped: pip install 'diskreplay[bench]')")
         return None
