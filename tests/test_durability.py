@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 
@@ -605,12 +606,15 @@ class Faults:
         self.calls, self.hit, self.after_rename = 0, False, None
         self.commit_calls = None  # calls up to the first one after the manifest appeared
         real = getattr(os, call)
+        lock = threading.Lock()  # a commit fsyncs its files from several threads at once
 
         def faulty(*args):
-            self.calls += 1
-            if self.commit_calls is None and manifest_path and os.path.exists(manifest_path):
-                self.commit_calls = self.calls
-            if self.calls == k:
+            with lock:
+                self.calls += 1
+                n = self.calls
+                if self.commit_calls is None and manifest_path and os.path.exists(manifest_path):
+                    self.commit_calls = n
+            if n == k:
                 self.hit = True
                 self.after_rename = os.path.exists(manifest_path)
                 raise OSError(code, f"{os.strerror(code)} (injected into os.{call} call {k})")
@@ -1137,7 +1141,7 @@ def test_reader_takes_the_schema_of_the_first_commit(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod.ReplayStore, "_write_segment", full)
+    monkeypatch.setattr(store_mod.ReplayStore, "_write_segments", full)
     first = expected_rows(np.arange(0, 4))
     first["extra"] = np.arange(4, dtype=np.int64)
     with pytest.raises(OSError):

@@ -40,10 +40,10 @@ class CommitStats:
 
     commits: int = 0
     conflicts: int = 0  # lost races for a generation (each one is a retry)
-    rebases: int = 0  # commits that landed on a newer base than they were planned on
+    rebases: int = 0  # commits that had to be re-planned on a newer base after losing a race
     dropped_rewrites: int = 0  # merges given up because another commit changed their segments
     commit_seconds: float = 0.0
-    retry_seconds: float = 0.0  # of commit_seconds: spent re-reading, re-preparing and backing off
+    retry_seconds: float = 0.0  # of commit_seconds: lost publishes, back-off, re-reading and re-planning
     not_durable: int = 0
 
     def as_dict(self) -> Dict[str, float]:
@@ -80,7 +80,11 @@ class Committer:
 
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
-        m, _ = fmt.load_newest_manifest(self.storage.local_path(""))
+        root = self.storage.local_path("")
+        gens = fmt.list_generations(root)
+        if gens and gens[0] == self.manifest.generation:
+            return self.manifest  # a generation is created once: the one held is that file (no parse)
+        m, _ = fmt.load_newest_manifest(root)
         if m.generation > self.manifest.generation:
             self.manifest = m
         return self.manifest
@@ -104,7 +108,8 @@ class Committer:
         writer must never reuse a visible commit's generation, ids or rows.
         """
         t0 = time.perf_counter()
-        retry_t = 0.0
+        lost_at: Optional[float] = None  # when the first publish attempt began, once one lost
+        publish_t = t0
         base = self.manifest
         delay = BACKOFF_FIRST
         try:
@@ -123,18 +128,22 @@ class Committer:
                 new, logs = compact_tokens(new, self.tokens, self._write_token_log)
                 written += logs
                 data = fmt.signed_bytes(new.body())
+                publish_t = time.perf_counter()
                 if self._publish(new, data, install, rows):
                     break
-                # another writer took this generation: rebase on the newest and retry
-                r0 = time.perf_counter()
+                # another writer took this generation: rebase on the newest and retry. The data
+                # files are written and durable already; only the manifest step (and, for an
+                # append, its sidecars' row ids) is redone.
+                if lost_at is None:
+                    lost_at = publish_t
                 self.stats.conflicts += 1
                 for rel in logs:
                     written.remove(rel)
                     self.storage.delete(rel)
-                time.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, BACKOFF_CAP)
+                if attempt:  # the first retry goes at once: the winner's manifest is there to read
+                    time.sleep(random.uniform(0, delay))
+                    delay = min(delay * 2, BACKOFF_CAP)
                 base = self.newest()
-                retry_t += time.perf_counter() - r0
             else:
                 raise ops.Conflict(f"gave up committing to {self.storage.local_path('')} after {MAX_ATTEMPTS} "
                                    "lost races")
@@ -146,7 +155,10 @@ class Committer:
                 self._remove(written)
             raise
         finally:
-            self.stats.retry_seconds += retry_t
+            # what the lost races cost: from the first attempt's publish to the last one's (the
+            # failed publishes, the back-off, re-reading the newest commit and re-planning on it)
+            if lost_at is not None:
+                self.stats.retry_seconds += publish_t - lost_at
             self.stats.commit_seconds += time.perf_counter() - t0
         self.stats.commits += 1
         self.stats.rebases += attempt > 0
@@ -359,13 +371,14 @@ class Committer:
 
 
 def backoff_delays(n: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> List[Tuple[float, float]]:
-    """The ``(low, high)`` sleep of each of the first ``n`` retries (full jitter, doubling, capped).
+    """The ``(low, high)`` sleep before each of the first ``n`` retries: none before the first
+    (the winner's manifest is there to rebase on), then full jitter, doubling, capped.
 
-    >>> backoff_delays(3, 0.001, 0.002)
-    [(0, 0.001), (0, 0.002), (0, 0.002)]
+    >>> backoff_delays(4, 0.001, 0.002)
+    [(0, 0), (0, 0.001), (0, 0.002), (0, 0.002)]
     """
-    out, d = [], first
-    for _ in range(n):
+    out, d = [(0, 0)][:n], first
+    for _ in range(n - 1):
         out.append((0, d))
         d = min(d * 2, cap)
     return out

@@ -501,16 +501,12 @@ class ReplayStore:
             if rec is not None:
                 return self._replayed(rec, n, self._digest_of(pieces))
         written: List[str] = []
-        entries: List[fmt.SegmentEntry] = []
+        pages: List[PageChecksums] = []
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
-            first, seg_id = m.next_row, m.next_segment
-            for piece in pieces:
-                entries.append(self._write_segment(piece, None if self.multi_writer else seg_id, first, written))
-                first += piece.num_rows
-                seg_id += 1
-            self._sync_data_dirs()
+            entries = self._write_segments(pieces, None if self.multi_writer else m.next_segment, m.next_row,
+                                           written, pages)
             crash_point("segments.synced")
         except BaseException:
             self._remove(written)
@@ -522,7 +518,8 @@ class ReplayStore:
 
         def plan(base: fmt.Manifest) -> ops.Operation:
             if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
-                prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, base.next_row, written)
+                prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, pages, base.next_row,
+                                                            written)
                 prepared["first"] = base.next_row
             return ops.Append(prepared["entries"], n, tokrec)
 
@@ -553,55 +550,61 @@ class ReplayStore:
         datas = [encode_ipc(p) for p in pieces]
         return digest(sum(p.num_rows for p in pieces), [(d.size, crc32c(d)) for d in datas])
 
-    def _write_segment(self, record: pa.RecordBatch, seg_id: Optional[int], first_row: int,
-                       written: List[str]) -> fmt.SegmentEntry:
-        """Write one segment and its group sidecar durably (directory fsync left to the caller).
+    def _write_segments(self, records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int,
+                        written: List[str], pages: Optional[List[PageChecksums]] = None,
+                        sync_dirs: bool = True) -> List[fmt.SegmentEntry]:
+        """Write segments and their group sidecars durably, all files' fsyncs at once
+        (``Storage.write_files``); with ``sync_dirs`` their directory entries too.
 
-        ``seg_id=None`` (many writers): reserve a fresh id by creating the file
-        only if absent, so no two writers ever write the same name.
+        ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
+        file only if absent, so no two writers ever write the same name. ``pages``
+        collects each segment's page checksums (a rebase rewrites the sidecars with them).
         """
         storage = self._committer.storage
-        data = encode_ipc(record)
-        if seg_id is None:
-            seg_id, rel = storage.link_candidates(fmt.segment_file, data,
-                                                  max(self._next_id, self.manifest.next_segment))
-            self._next_id = seg_id + 1
+        files: List[Tuple[str, Any, Optional[str]]] = []
+        entries = []
+        for record in records:
+            data = encode_ipc(record)
+            if seg_id is None:
+                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment))
+                self._next_id = sid + 1
+            else:
+                sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
             written.append(rel)
-            crash_point("segment.written")
-        else:
-            written.append(fmt.segment_file(seg_id))
-            # written in place: no manifest names this id yet, so a torn file is garbage
-            storage.write_new(written[-1], data, step="segment")
-        g_bytes, g_crc = self._write_sidecar(record, data, seg_id, first_row, written)
-        return fmt.SegmentEntry(seg_id, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc)
+            files.append((rel, data, "segment"))
+            checksums = PageChecksums.of(data)
+            if pages is not None:
+                pages.append(checksums)
+            g_bytes, g_crc = self._sidecar_file(record, checksums, sid, first_row, written, files)
+            entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc))
+            first_row += record.num_rows
+        # the new names must be durable before a manifest names the files
+        storage.write_files(files, (fmt.SEGMENT_DIR, fmt.GROUPS_DIR) if sync_dirs else ())
+        return entries
 
-    def _write_sidecar(self, record: pa.RecordBatch, data: Any, seg_id: int, first_row: int,
-                       written: List[str]) -> Tuple[int, int]:
+    def _sidecar_file(self, record: pa.RecordBatch, checksums: PageChecksums, seg_id: int, first_row: int,
+                      written: List[str], files: List[Tuple[str, Any, Optional[str]]]) -> Tuple[int, int]:
         if self.group_key is None:
             return 0, 0
-        gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, PageChecksums.of(data)))
+        gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, checksums))
         rel = fmt.groups_file(seg_id)
         if rel not in written:
             written.append(rel)
-        if self.multi_writer:  # rewritten when the append is rebased: replaced, never torn
-            self._committer.storage.replace(rel, gdata, step="groups", sync=False)
-        else:
-            self._committer.storage.write_new(rel, gdata, step="groups")
+        files.append((rel, gdata, "groups"))
         return gdata.size, crc32c(gdata)
 
     def _rebase_sidecars(self, entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
-                         first: int, written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
-        out = []
-        for e, piece in zip(entries, pieces):
-            if self.group_key is None:
-                out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c))
-            else:
-                data = pa.py_buffer(self._committer.storage.read_bytes(e.file))
-                g_bytes, g_crc = self._write_sidecar(piece, data, e.id, first, written)
-                out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
+                         pages: Sequence[PageChecksums], first: int,
+                         written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
+        """The entries of an append moved to rows ``first, ...``: its sidecars (which record
+        global row ids) are rewritten in place, from the checksums in hand. Their names are
+        durable already and no manifest names them, so a torn rewrite is garbage."""
+        out, files = [], []
+        for e, piece, checksums in zip(entries, pieces, pages):
+            g_bytes, g_crc = self._sidecar_file(piece, checksums, e.id, first, written, files)
+            out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
             first += e.num_rows
-        if self.group_key is not None:
-            self._committer.storage.sync_dir(fmt.GROUPS_DIR)
+        self._committer.storage.write_files(files)
         return tuple(out)
 
     def _remove(self, written: Sequence[str]) -> None:
@@ -619,11 +622,6 @@ class ReplayStore:
             warnings.warn(f"{self.path}: generation {self.generation} is committed, but removing files it no "
                           f"longer needs failed ({exc}); the next writer open removes them", RuntimeWarning,
                           stacklevel=4)
-
-    def _sync_data_dirs(self) -> None:
-        # the new names must be durable before a manifest names the files
-        self._committer.storage.sync_dir(fmt.SEGMENT_DIR)
-        self._committer.storage.sync_dir(fmt.GROUPS_DIR)
 
     def _install_commit(self, new: fmt.Manifest, options: fmt.StoreOptions, new_keys: List[pa.Array]) -> None:
         self._drop_dead_segments(new)
@@ -702,7 +700,8 @@ class ReplayStore:
                 return
             record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
                 else pending[0]
-            entries.append(self._write_segment(record, None if self.multi_writer else seg_id, first, written))
+            entries.extend(self._write_segments([record], None if self.multi_writer else seg_id, first, written,
+                                                sync_dirs=False))
             first += record.num_rows
             seg_id += 1
             pending, pending_bytes = [], 0
@@ -721,7 +720,7 @@ class ReplayStore:
                 pending.append(batch)
                 pending_bytes += batch.nbytes
             flush()
-            self._sync_data_dirs()
+            self._committer.storage.write_files([], (fmt.SEGMENT_DIR, fmt.GROUPS_DIR))
             crash_point("segments.synced")
         except BaseException:
             self._remove(written)

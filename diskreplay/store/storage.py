@@ -13,11 +13,13 @@ integer ids by ``diskreplay.format``, never taken from a file's contents.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from .._fileio import TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly
+from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly,
+                       run_concurrently, write_and_sync_fd)
 from ..errors import StoreIOError, UnsupportedFilesystemError
 
 
@@ -68,6 +70,22 @@ class Storage:
 
     def local_path(self, rel: str) -> str:
         raise NotImplementedError
+
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+        """Create an empty file under the first free name ``rel_of(i)``, ``i = first, first + 1, ...``;
+        returns ``(i, name)``. No other writer can get that name; :meth:`write_files` fills it."""
+        for i in range(first, first + tries):
+            if self.put_if_absent(rel_of(i), b""):
+                return i, rel_of(i)
+        raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
+        """Write each ``(rel, data, step)`` under a name no manifest holds yet (a torn one is
+        garbage, so in place), then make the files and the entries of ``dirs`` durable."""
+        for rel, data, step in files:
+            self.write_new(rel, data, step=step)
+        for d in dirs:
+            self.sync_dir(d)
 
 
 class LocalStorage(Storage):
@@ -138,21 +156,61 @@ class LocalStorage(Storage):
             remove_quietly(self.local_path(tmp))
 
     def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
-        """Write ``data`` once and link it under the first free name ``rel_of(i)``,
-        ``i = first, first + 1, ...``; returns ``(i, name)``. How a writer of a
-        multi-writer store reserves a segment id no other writer can have."""
-        tmp = self._temp(rel_of(first))
-        durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
+        """Create ``data`` durably under the first free name ``rel_of(i)``, ``i = first, first + 1,
+        ...``; returns ``(i, name)`` (the directory entry is the caller's to sync). How a writer of
+        a multi-writer store gets a name no other writer can have."""
+        i, rel = self.reserve(rel_of, first, tries=tries)
         try:
-            for i in range(first, first + tries):
-                try:
-                    os.link(self.local_path(tmp), self.local_path(rel_of(i)))
-                    return i, rel_of(i)
-                except FileExistsError:
-                    continue
-            raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+            self.write_files([(rel, data, None)])
+        except BaseException:
+            remove_quietly(self.local_path(rel))
+            raise
+        return i, rel
+
+    def _create_exclusive(self, rel: str) -> int:
+        return os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+        """``O_EXCL`` creates the name itself (no temporary file, no link): the file is written in
+        place later, which is safe because no manifest names it until its commit."""
+        for i in range(first, first + tries):
+            try:
+                os.close(self._create_exclusive(rel_of(i)))
+                return i, rel_of(i)
+            except FileExistsError:
+                continue
+        raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
+        """Every file is opened (created) first, so the directory fsyncs cover their entries; then all
+        writes+fsyncs and directory fsyncs run at once (they share the journal commits and cache
+        flushes: see :func:`run_concurrently`). On an error every descriptor is closed and the
+        error raised; the caller removes the files."""
+        fds: List[int] = []
+        try:
+            for rel, _, _ in files:
+                fds.append(os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                                   0o644))
+            for d in dirs:
+                fds.append(os.open(self.local_path(d), os.O_RDONLY | os.O_DIRECTORY))
+
+            def write(fd: int, data: Buffer, step: Optional[str]) -> Callable[[], None]:
+                def run() -> None:
+                    write_and_sync_fd(fd, data)
+                    if step:  # no rename: ".renamed" is hit too, where a temporary name's rename would be
+                        crash_point(f"{step}.written")
+                        crash_point(f"{step}.renamed")
+                return run
+
+            calls = [write(fd, data, step) for fd, (_, data, step) in zip(fds, files)]
+            calls += [functools.partial(os.fsync, fd) for fd in fds[len(files):]]
+            run_concurrently(calls)
         finally:
-            remove_quietly(self.local_path(tmp))
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
         durable_write(self.local_path(rel), data, step=step, sync_dir=sync)
