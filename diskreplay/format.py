@@ -415,6 +415,17 @@ def parse_token_log(raw: bytes, where: str) -> List[TokenRecord]:
     return [TokenRecord.from_list(r, where) for r in records]
 
 
+#: what ``commit_stats`` counts: commits, lost races (each one retried), and milliseconds from
+#: a commit's start to its publishing, of which spent on lost races (back-off, re-read, re-plan)
+COMMIT_STATS = ("commits", "conflicts", "commit_ms", "retry_ms")
+
+
+def _commit_stats(d: Any, where: str) -> Dict[str, int]:
+    if not isinstance(d, dict) or set(d) - set(COMMIT_STATS):
+        raise FormatError(f"Unsupported commit_stats {d!r} in {where}; expected an object with keys {COMMIT_STATS}")
+    return {k: _int(d, k, where) for k in COMMIT_STATS if k in d}
+
+
 @dataclass(frozen=True)
 class Manifest:
     """One committed snapshot of the store.
@@ -437,6 +448,8 @@ class Manifest:
     #: exactly-once tokens of the newest commits (older ones are sealed into ``token_logs``)
     tokens: Tuple[TokenRecord, ...] = ()
     token_logs: Tuple[TokenLog, ...] = ()
+    #: multi-writer stores: counters summed over every writer's commits (``COMMIT_STATS`` keys)
+    commit_stats: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -481,6 +494,8 @@ class Manifest:
             doc["tokens"] = [t.to_list() for t in self.tokens]
         if self.token_logs:
             doc["token_logs"] = [t.to_dict() for t in self.token_logs]
+        if self.commit_stats:
+            doc["commit_stats"] = dict(sorted(self.commit_stats.items()))
         return doc
 
     @classmethod
@@ -503,6 +518,7 @@ class Manifest:
             states={k: StateEntry.from_dict(k, v, where) for k, v in states.items()},
             tokens=tuple(TokenRecord.from_list(t, where) for t in tokens),
             token_logs=tuple(TokenLog.from_dict(t, where) for t in logs),
+            commit_stats=_commit_stats(doc.get("commit_stats", {}), where),
         )
         m.validate(where)
         return m

@@ -253,6 +253,53 @@ def test_snapshot_is_pinned_and_picklable(tmp_path, multi):
         ReplayStore(path, generation=1)
 
 
+def test_single_writer_snapshot_is_kept_for_retain_seconds(tmp_path):
+    """``retain_seconds`` applies to a single-writer store's clean-up too: a pinned snapshot outlives
+    more than ``KEEP_MANIFESTS`` commits that evict every row it names, and a writer reopen; once
+    the retention is over the files go, so capacity still bounds the disk. Without the option a
+    single-writer store keeps ``KEEP_MANIFESTS`` commits (docs/FORMAT.md, "Snapshots", says why)."""
+    path = str(tmp_path / "s")
+    store = ReplayStore(path, capacity=8, retain_seconds=60)
+    for s in range(3):
+        store.extend(batch_for(0, s, rows=4))
+    snap = store.snapshot()
+    want = snap.read(snap.row_ids(), ["tag"])["tag"]
+    for s in range(3, 3 + fmt.KEEP_MANIFESTS + 3):
+        store.extend(batch_for(0, s, rows=4))
+    assert snap.next_row <= store.head  # every row the snapshot names is evicted
+    store.close()
+    store = ReplayStore(path)  # the exclusive open's sweep keeps them too
+    with ReplayStore(path, readonly=True, generation=snap.generation) as again:
+        assert again.read(again.row_ids(), ["tag"])["tag"] == want
+        assert check_rows(again, again.row_ids()) is None
+    assert snap.read(snap.row_ids(), ["tag"])["tag"] == want
+    snap.close()
+    for g in fmt.list_generations(path):  # time passes: the retention of every superseded commit is over
+        _age(path, fmt.manifest_file(g), 120)
+    store.extend(batch_for(0, 99, rows=4))
+    store.close()
+    with ReplayStore(path) as store:  # the open's sweep: only the newest KEEP_MANIFESTS stay
+        assert len(fmt.list_generations(path)) == fmt.KEEP_MANIFESTS
+        live = {f for g in fmt.list_generations(path) for f in fmt.load_manifest(
+            os.path.join(path, fmt.manifest_file(g)), g).files()}
+        assert sorted(os.listdir(os.path.join(path, fmt.SEGMENT_DIR))) == sorted(
+            os.path.basename(f) for f in live if f.startswith(fmt.SEGMENT_DIR))
+    with pytest.raises(FileNotFoundError, match="not retained"):
+        ReplayStore(path, readonly=True, generation=snap.generation)
+    _ok(path)
+
+
+def test_single_writer_without_retain_seconds_keeps_keep_manifests_commits(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, capacity=8) as store:
+        store.extend(batch_for(0, 0, rows=4))
+        gen = store.generation
+        for s in range(1, 2 + fmt.KEEP_MANIFESTS):
+            store.extend(batch_for(0, s, rows=4))
+        with pytest.raises(FileNotFoundError, match="not retained"):
+            ReplayStore(path, readonly=True, generation=gen)
+
+
 # --------------------------------------------------------------------------- verify and repair next to live writers
 
 

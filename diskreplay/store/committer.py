@@ -42,8 +42,9 @@ class CommitStats:
     conflicts: int = 0  # lost races for a generation (each one is a retry)
     rebases: int = 0  # commits that had to be re-planned on a newer base after losing a race
     dropped_rewrites: int = 0  # merges given up because another commit changed their segments
-    commit_seconds: float = 0.0
-    retry_seconds: float = 0.0  # of commit_seconds: lost publishes, back-off, re-reading and re-planning
+    commit_seconds: float = 0.0  # from a commit's first data write to its manifest's publishing
+    manifest_seconds: float = 0.0  # of commit_seconds: the manifest step (re-planned after a lost race)
+    retry_seconds: float = 0.0  # of both: lost publishes, back-off, re-reading and re-planning
     not_durable: int = 0
 
     def as_dict(self) -> Dict[str, float]:
@@ -108,6 +109,8 @@ class Committer:
         writer must never reuse a visible commit's generation, ids or rows.
         """
         t0 = time.perf_counter()
+        # the commit began when its first data file was written (``started``), if it wrote any
+        before = max(0.0, time.monotonic() - started) if started is not None else 0.0
         lost_at: Optional[float] = None  # when the first publish attempt began, once one lost
         publish_t = t0
         base = self.manifest
@@ -127,8 +130,10 @@ class Committer:
                 new = ops.apply(base, plan(base), self.options)
                 new, logs = compact_tokens(new, self.tokens, self._write_token_log)
                 written += logs
-                data = fmt.signed_bytes(new.body())
                 publish_t = time.perf_counter()
+                if self.multi_writer:
+                    new = self._count(base, new, attempt, t0 - before, lost_at, publish_t)
+                data = fmt.signed_bytes(new.body())
                 if self._publish(new, data, install, rows):
                     break
                 # another writer took this generation: rebase on the newest and retry. The data
@@ -159,10 +164,22 @@ class Committer:
             # failed publishes, the back-off, re-reading the newest commit and re-planning on it)
             if lost_at is not None:
                 self.stats.retry_seconds += publish_t - lost_at
-            self.stats.commit_seconds += time.perf_counter() - t0
+            self.stats.manifest_seconds += time.perf_counter() - t0
+            self.stats.commit_seconds += time.perf_counter() - t0 + before
         self.stats.commits += 1
         self.stats.rebases += attempt > 0
         return CommitResult(new, files=written)
+
+    @staticmethod
+    def _count(base: fmt.Manifest, new: fmt.Manifest, conflicts: int, t0: float, lost_at: Optional[float],
+               publish_t: float) -> fmt.Manifest:
+        """``new`` with this commit added to the store's ``commit_stats`` (summed over all writers:
+        each commit adds its own to its base's, so a lost race's retry counts it again on the newer base)."""
+        stats = dict(base.commit_stats)
+        for key, value in (("commits", 1), ("conflicts", conflicts), ("commit_ms", (publish_t - t0) * 1e3),
+                           ("retry_ms", 0.0 if lost_at is None else (publish_t - lost_at) * 1e3)):
+            stats[key] = stats.get(key, 0) + int(round(value))
+        return new.evolve(commit_stats=stats)
 
     def _check_age(self, started: Optional[float]) -> None:
         """Many writers: another writer's clean-up takes unnamed files older than

@@ -315,7 +315,7 @@ class ReplayStore:
 
     def stats(self) -> Dict[str, Any]:
         """This writer's commit counters: ``commits``, ``conflicts`` (lost races, each one retried),
-        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``retry_seconds``, ``not_durable``;
+        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``manifest_seconds``, ``retry_seconds``, ``not_durable``;
         plus ``generation``, ``segments`` and ``multi_writer``.
 
         >>> import tempfile
@@ -766,7 +766,8 @@ class ReplayStore:
         m = self.manifest
         storage = self._committer.storage
         if self.multi_writer:
-            gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1)
+            gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1,
+                                               step="state")
             storage.sync_dir(fmt.STATE_DIR)
         else:
             gen, rel = m.generation + 1, fmt.state_file(name, m.generation + 1)

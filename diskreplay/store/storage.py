@@ -155,13 +155,14 @@ class LocalStorage(Storage):
         finally:
             remove_quietly(self.local_path(tmp))
 
-    def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+    def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16,
+                        step: Optional[str] = None) -> Tuple[int, str]:
         """Create ``data`` durably under the first free name ``rel_of(i)``, ``i = first, first + 1,
         ...``; returns ``(i, name)`` (the directory entry is the caller's to sync). How a writer of
         a multi-writer store gets a name no other writer can have."""
         i, rel = self.reserve(rel_of, first, tries=tries)
         try:
-            self.write_files([(rel, data, None)])
+            self.write_files([(rel, data, step)])
         except BaseException:
             remove_quietly(self.local_path(rel))
             raise
