@@ -258,18 +258,18 @@ for b in range(n_appends):
         # another writer (a second store object: its own writer id) commits first, between this
         # commit's read of the newest manifest and its create-if-absent: the append loses the race
         # and rebases; the crash point is counted over this writer's steps only
-        rival, real_put, raced = ReplayStore(path), LocalStorage.put_if_absent, []
+        rival, real_put, raced = ReplayStore(path), LocalStorage.link_new, []
 
-        def put(self, rel, data, **kw):
+        def put(self, src, rel):
             if rel.startswith("manifests/") and not raced:
                 raced.append(1)
                 crash_at = os.environ.pop("DISKREPLAY_CRASH_AT")
                 r = rival.extend(expected_rows(np.arange(rival.next_row, rival.next_row + 2)))
                 print("rival", int(r[0]), len(r), flush=True)
                 os.environ["DISKREPLAY_CRASH_AT"] = crash_at
-            return real_put(self, rel, data, **kw)
+            return real_put(self, src, rel)
 
-        LocalStorage.put_if_absent = put
+        LocalStorage.link_new = put
     if b == crash_batch and mode not in ("state", "compact"):
         os.environ["DISKREPLAY_CRASH_AT"] = step
     first = store.next_row
@@ -302,9 +302,10 @@ COMPACT_STEPS = ("segment.written", "segment.renamed", "groups.written", "groups
 # many writers: the schema is fixed by creating SCHEMA.json ("format.*", no "format.done"), and clean-up
 # waits retain_seconds, so no commit of the child deletes anything (no "gc.*")
 MULTI_FIRST = ("format.written", "format.renamed")
-# a lost race in the middle of the append: "#1" the first attempt's manifest (the rival has committed),
-# "groups.renamed#2" the rebase rewrote the sidecars for the rows after the rival's, "#2" the retry
-RACE_STEPS = ("manifest.written", "groups.renamed#2", "manifest.written#2", "manifest.renamed",
+# a lost race in the middle of the append (the rival commits right before its link): "#2" is the
+# retry, whose publish rewrites the sidecars for the rows after the rival's ("groups.renamed#2"), makes
+# them durable with the new manifest's file ("segments.synced#2", "manifest.written#2") and links it
+RACE_STEPS = ("groups.renamed#2", "segments.synced#2", "manifest.written#2", "manifest.renamed",
               "manifest.committed")
 
 

@@ -283,16 +283,16 @@ def _arrange_races(store: ReplayStore, path: str) -> List[int]:
     The rival saves a state (rows stay where the content checks expect them)."""
     rival = ReplayStore(path)
     storage = store._committer.storage
-    real_put = storage.put_if_absent
+    real_link = storage.link_new
     race: List[int] = []
 
-    def put(rel, data, **kw):
+    def link(src, rel):
         if race and rel.startswith(fmt.MANIFEST_DIR + "/"):
             b = race.pop()
             rival.save_state("rival", state_for(100 + b))
-        return real_put(rel, data, **kw)
+        return real_link(src, rel)
 
-    storage.put_if_absent = put
+    storage.link_new = link
     return race
 
 

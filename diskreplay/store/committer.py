@@ -76,6 +76,10 @@ class Committer:
         self._unsynced = False
         self._since_sweep = 0
         self._docs: Dict[int, fmt.Manifest] = {}  # parsed manifests (immutable) for the shared sweep
+        #: files the next publish writes and fsyncs together with the manifest (and directories
+        #: it fsyncs): an append's segments and sidecars, a rebase's rewritten sidecars
+        self.pending: List[Tuple[str, object, Optional[str]]] = []
+        self.pending_dirs: List[str] = []
 
     # ------------------------------------------------------------------ reading the base
 
@@ -160,6 +164,7 @@ class Committer:
                 self._remove(written)
             raise
         finally:
+            self.pending, self.pending_dirs = [], []  # a duplicate token or an error: never written
             # what the lost races cost: from the first attempt's publish to the last one's (the
             # failed publishes, the back-off, re-reading the newest commit and re-planning on it)
             if lost_at is not None:
@@ -191,12 +196,11 @@ class Committer:
 
     def _publish(self, new: fmt.Manifest, data: bytes, install, rows) -> bool:
         rel = new.file
+        files, dirs = self.pending, self.pending_dirs
+        self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
         try:
-            if self.multi_writer:
-                if not self.storage.put_if_absent(rel, data, step="manifest"):
-                    return False
-            else:
-                self.storage.replace(rel, data, step="manifest", sync=False)
+            if not self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest"):
+                return False
         except BaseException as exc:
             if not self._visible(rel, data):
                 raise

@@ -505,10 +505,11 @@ class ReplayStore:
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
+            # written and fsynced by the commit's publish, together with the manifest's file
             entries = self._write_segments(pieces, None if self.multi_writer else m.next_segment, m.next_row,
-                                           written, pages)
-            crash_point("segments.synced")
+                                           written, pages, defer=True)
         except BaseException:
+            self._committer.pending, self._committer.pending_dirs = [], []
             self._remove(written)
             raise
         dig = digest(n, [(e.bytes, e.crc32c) for e in entries]) if token is not None else 0
@@ -552,9 +553,10 @@ class ReplayStore:
 
     def _write_segments(self, records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int,
                         written: List[str], pages: Optional[List[PageChecksums]] = None,
-                        sync_dirs: bool = True) -> List[fmt.SegmentEntry]:
+                        sync_dirs: bool = True, defer: bool = False) -> List[fmt.SegmentEntry]:
         """Write segments and their group sidecars durably, all files' fsyncs at once
-        (``Storage.write_files``); with ``sync_dirs`` their directory entries too.
+        (``Storage.write_files``); with ``sync_dirs`` their directory entries too. ``defer``: leave
+        the writes to the commit's publish, which makes them durable with the manifest's file.
 
         ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
         file only if absent, so no two writers ever write the same name. ``pages``
@@ -579,7 +581,12 @@ class ReplayStore:
             entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc))
             first_row += record.num_rows
         # the new names must be durable before a manifest names the files
-        storage.write_files(files, (fmt.SEGMENT_DIR, fmt.GROUPS_DIR) if sync_dirs else ())
+        dirs = [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if sync_dirs else []
+        if defer:
+            self._committer.pending += files
+            self._committer.pending_dirs += dirs
+        else:
+            storage.write_files(files, dirs)
         return entries
 
     def _sidecar_file(self, record: pa.RecordBatch, checksums: PageChecksums, seg_id: int, first_row: int,
@@ -597,14 +604,15 @@ class ReplayStore:
                          pages: Sequence[PageChecksums], first: int,
                          written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
         """The entries of an append moved to rows ``first, ...``: its sidecars (which record
-        global row ids) are rewritten in place, from the checksums in hand. Their names are
-        durable already and no manifest names them, so a torn rewrite is garbage."""
+        global row ids) are rewritten in place, from the checksums in hand, by the retry's publish
+        (with its manifest's file). Their names were made durable by the lost attempt and no
+        manifest names them, so a torn rewrite is garbage."""
         out, files = [], []
         for e, piece, checksums in zip(entries, pieces, pages):
             g_bytes, g_crc = self._sidecar_file(piece, checksums, e.id, first, written, files)
             out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
             first += e.num_rows
-        self._committer.storage.write_files(files)
+        self._committer.pending += files  # made durable with the retry's manifest
         return tuple(out)
 
     def _remove(self, written: Sequence[str]) -> None:

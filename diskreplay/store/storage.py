@@ -12,8 +12,8 @@ integer ids by ``diskreplay.format``, never taken from a file's contents.
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import functools
 import os
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -87,6 +87,20 @@ class Storage:
         for d in dirs:
             self.sync_dir(d)
 
+    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
+        """Make ``files`` (as :meth:`write_files`) and ``dirs`` durable, then publish the manifest
+        ``rel``: :meth:`put_if_absent` when ``exclusive`` (False: another writer has ``rel``), else
+        :meth:`replace` without the directory sync (the committer's next step). Nothing is
+        published unless every file is durable first."""
+        self.write_files(files, dirs)
+        if files:
+            crash_point("segments.synced")
+        if exclusive:
+            return self.put_if_absent(rel, data, step=step)
+        self.replace(rel, data, step=step, sync=False)
+        return True
+
 
 class LocalStorage(Storage):
     """A store directory on a POSIX filesystem (local disk, NFS, Lustre).
@@ -141,19 +155,35 @@ class LocalStorage(Storage):
         never partial: the bytes are written and fsynced under a temporary name, then
         ``link()``ed, which (unlike ``rename``) fails with EEXIST instead of replacing."""
         tmp = self._temp(rel)
-        durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
         try:
+            durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
             if step:
                 crash_point(f"{step}.written")
-            try:
-                os.link(self.local_path(tmp), self.local_path(rel))
-            except FileExistsError:
+            if not self.link_new(tmp, rel):
                 return False
             if step:
                 crash_point(f"{step}.renamed")
             return True
         finally:
+            self._drop_temp(tmp)
+
+    def _drop_temp(self, tmp: str) -> None:
+        # after a link the commit stands whatever happens here: a temporary file left
+        # behind is garbage that clean-up removes, never a reason to fail the commit
+        try:
             remove_quietly(self.local_path(tmp))
+        except OSError:
+            pass
+
+    def link_new(self, src: str, rel: str) -> bool:
+        """Give the file ``src`` the name ``rel`` unless ``rel`` exists (False then): the atomic
+        create-if-absent of a multi-writer commit, ``link()``, which fails with EEXIST where
+        ``rename`` would replace."""
+        try:
+            os.link(self.local_path(src), self.local_path(rel))
+        except FileExistsError:
+            return False
+        return True
 
     def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16,
                         step: Optional[str] = None) -> Tuple[int, str]:
@@ -167,6 +197,17 @@ class LocalStorage(Storage):
             remove_quietly(self.local_path(rel))
             raise
         return i, rel
+
+    @contextlib.contextmanager
+    def _naming(self, rel: str, doing: str):
+        """An ``OSError`` without a file name (``write``, ``fsync``) becomes a ``StoreIOError`` naming it."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            path = self.local_path(rel)
+            raise StoreIOError(exc.errno, f"{exc.strerror or exc} {doing} {path}", path) from exc
 
     def _create_exclusive(self, rel: str) -> int:
         return os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -195,16 +236,23 @@ class LocalStorage(Storage):
             for d in dirs:
                 fds.append(os.open(self.local_path(d), os.O_RDONLY | os.O_DIRECTORY))
 
-            def write(fd: int, data: Buffer, step: Optional[str]) -> Callable[[], None]:
+            def write(fd: int, rel: str, data: Buffer, step: Optional[str]) -> Callable[[], None]:
                 def run() -> None:
-                    write_and_sync_fd(fd, data)
+                    with self._naming(rel, "writing"):
+                        write_and_sync_fd(fd, data)
                     if step:  # no rename: ".renamed" is hit too, where a temporary name's rename would be
                         crash_point(f"{step}.written")
                         crash_point(f"{step}.renamed")
                 return run
 
-            calls = [write(fd, data, step) for fd, (_, data, step) in zip(fds, files)]
-            calls += [functools.partial(os.fsync, fd) for fd in fds[len(files):]]
+            def sync(fd: int, rel: str) -> Callable[[], None]:
+                def run() -> None:
+                    with self._naming(rel, "syncing the directory"):
+                        os.fsync(fd)
+                return run
+
+            calls = [write(fd, rel, data, step) for fd, (rel, data, step) in zip(fds, files)]
+            calls += [sync(fd, d) for fd, d in zip(fds[len(files):], dirs)]
             run_concurrently(calls)
         finally:
             for fd in fds:
@@ -215,6 +263,32 @@ class LocalStorage(Storage):
 
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
         durable_write(self.local_path(rel), data, step=step, sync_dir=sync)
+
+    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
+        """The manifest's temporary file is written and fsynced together with ``files`` and ``dirs``
+        (one wait on the disk for all of them, see :meth:`write_files`); only then is it linked
+        (``exclusive``) or renamed onto ``rel``."""
+        tmp = self._temp(rel)
+        renamed = False
+        try:
+            self.write_files(list(files) + [(tmp, data, None)], dirs)
+            if files:
+                crash_point("segments.synced")
+            if step:
+                crash_point(f"{step}.written")
+            if exclusive:
+                if not self.link_new(tmp, rel):
+                    return False
+            else:
+                os.replace(self.local_path(tmp), self.local_path(rel))
+                renamed = True
+            if step:
+                crash_point(f"{step}.renamed")
+            return True
+        finally:
+            if not renamed:
+                self._drop_temp(tmp)
 
     def delete(self, rel: str) -> bool:
         return remove_quietly(self.local_path(rel))
