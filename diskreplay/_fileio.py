@@ -128,6 +128,15 @@ _pool_pid = -1
 _pool_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # a forked child has the pool object but not its threads, and maybe a lock held by one of them
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def run_concurrently(calls: Sequence[Callable[[], None]]) -> None:
     """Run ``calls`` at once (on a small thread pool) and wait for all; re-raise the first error.
 
@@ -145,7 +154,7 @@ def run_concurrently(calls: Sequence[Callable[[], None]]) -> None:
             call()
         return
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():  # a forked child has the pool but not its threads
+        if _pool is None or _pool_pid != os.getpid():
             _pool, _pool_pid = ThreadPoolExecutor(max_workers=8, thread_name_prefix="diskreplay-sync"), os.getpid()
         futures = [_pool.submit(call) for call in calls]
     errors: List[BaseException] = []

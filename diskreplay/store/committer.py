@@ -80,6 +80,7 @@ class Committer:
         #: it fsyncs): an append's segments and sidecars, a rebase's rewritten sidecars
         self.pending: List[Tuple[str, object, Optional[str]]] = []
         self.pending_dirs: List[str] = []
+        self._linked_t = 0.0  # when the newest publish attempt's link (or rename) returned
 
     # ------------------------------------------------------------------ reading the base
 
@@ -115,9 +116,11 @@ class Committer:
         t0 = time.perf_counter()
         # the commit began when its first data file was written (``started``), if it wrote any
         before = max(0.0, time.monotonic() - started) if started is not None else 0.0
-        lost_at: Optional[float] = None  # when the first publish attempt began, once one lost
+        lost_at: Optional[float] = None  # when the first attempt's link failed, once one lost
         publish_t = t0
-        base = self.manifest
+        # many writers: plan on the newest commit now, after the data is written and durable, so
+        # that the race window is the manifest step alone
+        base = self.newest() if self.multi_writer else self.manifest
         delay = BACKOFF_FIRST
         try:
             if self._unsynced:  # an earlier commit is visible but its durability is still owed
@@ -144,7 +147,7 @@ class Committer:
                 # files are written and durable already; only the manifest step (and, for an
                 # append, its sidecars' row ids) is redone.
                 if lost_at is None:
-                    lost_at = publish_t
+                    lost_at = self._linked_t
                 self.stats.conflicts += 1
                 for rel in logs:
                     written.remove(rel)
@@ -165,10 +168,10 @@ class Committer:
             raise
         finally:
             self.pending, self.pending_dirs = [], []  # a duplicate token or an error: never written
-            # what the lost races cost: from the first attempt's publish to the last one's (the
-            # failed publishes, the back-off, re-reading the newest commit and re-planning on it)
+            # what the lost races cost: from the first failed link to the last link (the back-off,
+            # re-reading the newest commit, re-planning on it, rewriting the sidecars and manifest)
             if lost_at is not None:
-                self.stats.retry_seconds += publish_t - lost_at
+                self.stats.retry_seconds += self._linked_t - lost_at
             self.stats.manifest_seconds += time.perf_counter() - t0
             self.stats.commit_seconds += time.perf_counter() - t0 + before
         self.stats.commits += 1
@@ -199,7 +202,9 @@ class Committer:
         files, dirs = self.pending, self.pending_dirs
         self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
         try:
-            if not self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest"):
+            linked = self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest")
+            self._linked_t = time.perf_counter()
+            if not linked:
                 return False
         except BaseException as exc:
             if not self._visible(rel, data):

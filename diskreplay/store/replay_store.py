@@ -315,8 +315,8 @@ class ReplayStore:
 
     def stats(self) -> Dict[str, Any]:
         """This writer's commit counters: ``commits``, ``conflicts`` (lost races, each one retried),
-        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``manifest_seconds``, ``retry_seconds``, ``not_durable``;
-        plus ``generation``, ``segments`` and ``multi_writer``.
+        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``manifest_seconds``, ``retry_seconds``,
+        ``not_durable``; plus ``generation``, ``segments`` and ``multi_writer``.
 
         >>> import tempfile
         >>> with ReplayStore(tempfile.mkdtemp()) as store:
@@ -505,9 +505,12 @@ class ReplayStore:
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
-            # written and fsynced by the commit's publish, together with the manifest's file
+            # one writer: written and fsynced by the commit's publish, together with the manifest's
+            # file; many: first, so that a race only ever redoes the manifest step
             entries = self._write_segments(pieces, None if self.multi_writer else m.next_segment, m.next_row,
-                                           written, pages, defer=True)
+                                           written, pages, defer=not self.multi_writer)
+            if self.multi_writer:
+                crash_point("segments.synced")
         except BaseException:
             self._committer.pending, self._committer.pending_dirs = [], []
             self._remove(written)
