@@ -30,6 +30,7 @@ from .tokens import TokenIndex, compact_tokens
 MAX_ATTEMPTS = 10_000  # commits a writer retries after losing the race, before giving up
 BACKOFF_FIRST = 0.0005  # seconds; doubled per lost race, capped, with full jitter
 BACKOFF_CAP = 0.05
+QUIET_COMMITS = 8  # commits without a lost race after which a writer folds its data into the manifest's wait
 SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
 DATA_SWEEP_DIRS = (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
 
@@ -81,6 +82,7 @@ class Committer:
         self.pending: List[Tuple[str, object, Optional[str]]] = []
         self.pending_dirs: List[str] = []
         self._linked_t = 0.0  # when the newest publish attempt's link (or rename) returned
+        self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
 
     # ------------------------------------------------------------------ reading the base
 
@@ -94,6 +96,12 @@ class Committer:
         if m.generation > self.manifest.generation:
             self.manifest = m
         return self.manifest
+
+    def uncontended(self) -> bool:
+        """No lost race in this writer's last ``QUIET_COMMITS`` commits: its next append may make its
+        data durable in the same wait as its manifest's file (one wait less). Under contention the
+        data goes first, so that the race window is the manifest step alone."""
+        return self._since_conflict >= QUIET_COMMITS
 
     def find_token(self, token: str) -> Optional[fmt.TokenRecord]:
         return self.tokens.find(self.manifest, token)
@@ -176,6 +184,7 @@ class Committer:
             self.stats.commit_seconds += time.perf_counter() - t0 + before
         self.stats.commits += 1
         self.stats.rebases += attempt > 0
+        self._since_conflict = 0 if attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
 
     @staticmethod

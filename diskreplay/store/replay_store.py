@@ -505,11 +505,12 @@ class ReplayStore:
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
-            # one writer: written and fsynced by the commit's publish, together with the manifest's
-            # file; many: first, so that a race only ever redoes the manifest step
+            # written and fsynced by the commit's publish, together with the manifest's file; with
+            # many writers that raced lately, first, so that a race only redoes the manifest step
+            defer = not self.multi_writer or committer.uncontended()
             entries = self._write_segments(pieces, None if self.multi_writer else m.next_segment, m.next_row,
-                                           written, pages, defer=not self.multi_writer)
-            if self.multi_writer:
+                                           written, pages, defer=defer)
+            if not defer:
                 crash_point("segments.synced")
         except BaseException:
             self._committer.pending, self._committer.pending_dirs = [], []
