@@ -482,6 +482,17 @@ def parse_token_log(raw: bytes, where: str) -> List[TokenRecord]:
     return [TokenRecord.from_list(r, where) for r in records]
 
 
+#: what ``commit_stats`` counts: commits, lost races (each one retried), and milliseconds from
+#: a commit's start to its publishing, of which spent on lost races (back-off, re-read, re-plan)
+COMMIT_STATS = ("commits", "conflicts", "commit_ms", "retry_ms")
+
+
+def _commit_stats(d: Any, where: str) -> Dict[str, int]:
+    if not isinstance(d, dict) or set(d) - set(COMMIT_STATS):
+        raise FormatError(f"Unsupported commit_stats {d!r} in {where}; expected an object with keys {COMMIT_STATS}")
+    return {k: _int(d, k, where) for k in COMMIT_STATS if k in d}
+
+
 @dataclass(frozen=True)
 class LateColumn:
     """A column added after the store's first commit: its type, the first row that can
@@ -583,6 +594,8 @@ class Manifest:
     late_columns: Tuple[LateColumn, ...] = ()
     #: a persisted group index of a prefix of the rows (optional: readers fall back to the sidecars)
     group_index: Optional[GroupIndexEntry] = None
+    #: multi-writer stores: counters summed over every writer's commits (``COMMIT_STATS`` keys)
+    commit_stats: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -634,6 +647,8 @@ class Manifest:
             doc.update(version=LATE_COLUMNS_MANIFEST_VERSION, late_columns=[c.to_dict() for c in self.late_columns])
         if self.group_index is not None:
             doc["group_index"] = self.group_index.to_dict()
+        if self.commit_stats:
+            doc["commit_stats"] = dict(sorted(self.commit_stats.items()))
         return doc
 
     @classmethod
@@ -659,6 +674,7 @@ class Manifest:
             late_columns=_late_columns(doc, where),
             group_index=(None if doc.get("group_index") is None
                          else GroupIndexEntry.from_dict(doc["group_index"], where)),
+            commit_stats=_commit_stats(doc.get("commit_stats", {}), where),
         )
         m.validate(where)
         return m

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 
@@ -243,18 +244,37 @@ def assert_verifies(path, allow_warnings=True):
 
 CRASH_CHILD = """
 from diskreplay import ReplayStore
-path, step, crash_batch, n_appends, capacity, mode = sys.argv[1:7]
+from diskreplay.store import LocalStorage
+path, step, crash_batch, n_appends, capacity, mode, multi = sys.argv[1:8]
 crash_batch, n_appends, capacity = int(crash_batch), int(n_appends), int(capacity)
+# many writers: a short retain_seconds, so that the test's reopen collects what the crash left
+kw = {"multi_writer": True, "retain_seconds": 5} if multi == "multi" else {}
 if mode == "create":
     os.environ["DISKREPLAY_CRASH_AT"] = step
-store = ReplayStore(path, capacity=capacity)
+store = ReplayStore(path, capacity=capacity, **kw)
 print("open", flush=True)
 for b in range(n_appends):
+    if b == crash_batch and mode == "race":
+        # another writer (a second store object: its own writer id) commits first, between this
+        # commit's read of the newest manifest and its create-if-absent: the append loses the race
+        # and rebases; the crash point is counted over this writer's steps only
+        rival, real_put, raced = ReplayStore(path), LocalStorage.link_new, []
+
+        def put(self, src, rel):
+            if rel.startswith("manifests/") and not raced:
+                raced.append(1)
+                crash_at = os.environ.pop("DISKREPLAY_CRASH_AT")
+                r = rival.extend(expected_rows(np.arange(rival.next_row, rival.next_row + 2)))
+                print("rival", int(r[0]), len(r), flush=True)
+                os.environ["DISKREPLAY_CRASH_AT"] = crash_at
+            return real_put(self, src, rel)
+
+        LocalStorage.link_new = put
     if b == crash_batch and mode not in ("state", "compact"):
         os.environ["DISKREPLAY_CRASH_AT"] = step
     first = store.next_row
     rows = store.extend(expected_rows(np.arange(first, first + batch_size(b))))
-    assert rows.tolist() == list(range(first, first + batch_size(b)))
+    assert rows.tolist() == list(range(first, first + batch_size(b))), (rows, first)
     print("rows", int(rows[0]), len(rows), flush=True)
 if mode == "state":
     store.save_state("sampler", state_for(1))
@@ -276,16 +296,33 @@ CRASH_BATCH = 6  # by the 7th commit old manifests and evicted segments are bein
 
 DATA_STEPS = ["segment.written", "segment.renamed", "groups.written", "groups.renamed", "segments.synced",
               "manifest.written", "manifest.renamed", "manifest.committed", "gc.manifest", "gc.file"]
-CRASH_CASES = (
-    [("format.written", "create"), ("format.renamed", "create"),
-     ("format.written", "first"), ("format.renamed", "first"), ("format.done", "first")]
-    + [(step, "append") for step in DATA_STEPS]
-    + [(step, "state") for step in ("state.written", "state.renamed", "manifest.written", "manifest.renamed",
-                                    "gc.manifest", "gc.file")]
-    + [(step, "compact") for step in ("segment.written", "segment.renamed", "groups.written", "groups.renamed",
-                                      "manifest.written", "manifest.renamed", "gc.manifest",
-                                      "gc.file")]
-)
+STATE_STEPS = ("state.written", "state.renamed", "manifest.written", "manifest.renamed", "gc.manifest", "gc.file")
+COMPACT_STEPS = ("segment.written", "segment.renamed", "groups.written", "groups.renamed", "manifest.written",
+                 "manifest.renamed", "gc.manifest", "gc.file")
+# many writers: the schema is fixed by creating SCHEMA.json ("format.*", no "format.done"), and clean-up
+# waits retain_seconds, so no commit of the child deletes anything (no "gc.*")
+MULTI_FIRST = ("format.written", "format.renamed")
+# a lost race in the middle of the append (the rival commits right before its link): "#2" is the
+# retry, whose publish rewrites the sidecars for the rows after the rival's ("groups.renamed#2"), makes
+# them durable with the new manifest's file ("segments.synced#2", "manifest.written#2") and links it
+RACE_STEPS = ("groups.renamed#2", "segments.synced#2", "manifest.written#2", "manifest.renamed",
+              "manifest.committed")
+
+
+def _crash_cases():
+    cases = []
+    for multi in ("single", "multi"):
+        keep = (lambda step: not step.startswith("gc.")) if multi == "multi" else (lambda step: True)
+        cases += [("format.written", "create", multi), ("format.renamed", "create", multi)]
+        cases += [(step, "first", multi) for step in (MULTI_FIRST if multi == "multi" else
+                                                       ("format.written", "format.renamed", "format.done"))]
+        cases += [(step, "append", multi) for step in DATA_STEPS if keep(step)]
+        cases += [(step, "state", multi) for step in STATE_STEPS if keep(step)]
+        cases += [(step, "compact", multi) for step in COMPACT_STEPS if keep(step)]
+    return cases + [(step, "race", "multi") for step in RACE_STEPS]
+
+
+CRASH_CASES = _crash_cases()
 
 
 @pytest.fixture(scope="module")
@@ -298,19 +335,45 @@ def crash_runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("crash")
 
     def run(case):
-        step, mode = case
-        path = str(root / f"{mode}-{step}")
+        step, mode, multi = case
+        path = str(root / f"{multi}-{mode}-{step.replace('#', '-')}")
         crash_batch = 0 if mode == "first" else CRASH_BATCH
-        return case, (path, run_child(CRASH_CHILD, path, step, crash_batch, N_APPENDS, CAPACITY, mode))
+        return case, (path, run_child(CRASH_CHILD, path, step, crash_batch, N_APPENDS, CAPACITY, mode, multi))
 
     with ThreadPoolExecutor(max_workers=6) as pool:
-        return dict(pool.map(run, [(p["step"], p["mode"]) for p in wanted]))
+        return dict(pool.map(run, [(p["step"], p["mode"], p["multi"]) for p in wanted]))
 
 
-@pytest.mark.parametrize("step,mode", CRASH_CASES, ids=[f"{m}-{s}" for s, m in CRASH_CASES])
-def test_crash_point(crash_runs, step, mode):
-    """Killed at ``step``: returned appends intact, the in-flight one all-or-nothing, store usable."""
-    path, proc = crash_runs[(step, mode)]
+def _rows_landed(out, end):
+    """Race mode: ``(rival rows, where the in-flight append would land)`` from the child's output."""
+    rival = [line.split() for line in out.splitlines() if line.startswith("rival ")]
+    if not rival:
+        return 0, end
+    first, n = int(rival[0][1]), int(rival[0][2])
+    assert first == end, (first, end)
+    return n, end + n
+
+
+def check_live_rows_moved(store, capacity, moved_from, moved_to, n):
+    """Like :func:`check_live_rows`, where the append of rows ``moved_from..+n`` was rebased to ``moved_to``."""
+    assert store.head == max(0, store.next_row - capacity), (store.head, store.next_row, capacity)
+    ids = store.row_ids()
+    want = np.where((ids >= moved_to) & (ids < moved_to + n), ids - moved_to + moved_from, ids)
+    bad = rows_mismatch(store.read(ids), want)
+    assert bad is None, bad
+    gi = store.group_index()  # the rebased sidecars index the rows the append finally got
+    assert sorted(gi.keys) == sorted(set((want // 3).tolist()))
+    for g, key in enumerate(gi.keys):
+        assert gi.group(g).tolist() == ids[want // 3 == key].tolist(), key
+
+
+@pytest.mark.parametrize("step,mode,multi", CRASH_CASES, ids=[f"{w}-{m}-{s}" for s, m, w in CRASH_CASES])
+def test_crash_point(crash_runs, step, mode, multi):
+    """Killed at ``step``: returned appends intact, the in-flight one all-or-nothing, store usable.
+
+    ``multi``: the same on a multi-writer store; ``race``: the in-flight append also lost a race
+    to another writer in the middle of its commit and was rebased after that writer's rows."""
+    path, proc = crash_runs[(step, mode, multi)]
     # the child must have died at the crash point, not finished or failed
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     returned, states, _ = parse_lines(proc.stdout)
@@ -319,6 +382,16 @@ def test_crash_point(crash_runs, step, mode):
         assert first == end
         end += n
     inflight = 0 if mode in ("state", "compact") else batch_size(len(returned))
+    rival, landing = _rows_landed(proc.stdout, end)
+    assert (mode == "race") == (rival > 0), proc.stdout
+
+    landed = []  # race mode: the in-flight batch committed (after the rival's rows)
+
+    def check(store):
+        if landed:  # the rival's rows are at their ids, the in-flight batch's after them
+            check_live_rows_moved(store, CAPACITY, end, landing, inflight)
+        else:
+            check_live_rows(store, CAPACITY)
 
     if not os.path.exists(os.path.join(path, fmt.FORMAT_FILE)):
         # died creating the store: nothing was ever committed
@@ -328,25 +401,32 @@ def test_crash_point(crash_runs, step, mode):
     else:
         assert_verifies(path)
         with ReplayStore(path, readonly=True) as ro:
-            assert ro.next_row in (end, end + inflight), (ro.next_row, end, inflight)
-            check_live_rows(ro, CAPACITY)
+            assert ro.next_row in (landing, landing + inflight), (ro.next_row, end, rival, inflight)
+            if rival and inflight and ro.next_row == landing + inflight:
+                landed.append(True)
+            check(ro)
             if mode == "state":
                 assert states == [1]
                 st_now = ro.load_state("sampler")
                 # the previous state intact, or the new one complete
                 assert state_mismatch(st_now, 1) is None or state_mismatch(st_now, 2) is None, st_now
+    if multi == "multi":  # time passes, past retain_seconds: the reopen's clean-up takes what the crash left
+        old = time.time() - 10
+        for d, _, names in os.walk(path):
+            for name in names:
+                os.utime(os.path.join(d, name), (old, old))
     with ReplayStore(path, capacity=CAPACITY) as store:
         before = store.next_row
-        check_live_rows(store, CAPACITY)
+        check(store)
         rows = store.extend(expected_rows(np.arange(before, before + 4)))
         assert rows.tolist() == list(range(before, before + 4))
-        check_live_rows(store, CAPACITY)
+        check(store)
         if mode == "state":
             store.save_state("sampler", state_for(3))
     # the writer's reopen removed every temp and orphan file the crash left
     assert_verifies(path, allow_warnings=False)
     with ReplayStore(path, readonly=True) as ro:
-        check_live_rows(ro, CAPACITY)
+        check(ro)
         if mode == "state":
             assert state_mismatch(ro.load_state("sampler"), 3) is None
 
@@ -605,12 +685,15 @@ class Faults:
         self.calls, self.hit, self.after_rename = 0, False, None
         self.commit_calls = None  # calls up to the first one after the manifest appeared
         real = getattr(os, call)
+        lock = threading.Lock()  # a commit fsyncs its files from several threads at once
 
         def faulty(*args):
-            self.calls += 1
-            if self.commit_calls is None and manifest_path and os.path.exists(manifest_path):
-                self.commit_calls = self.calls
-            if self.calls == k:
+            with lock:
+                self.calls += 1
+                n = self.calls
+                if self.commit_calls is None and manifest_path and os.path.exists(manifest_path):
+                    self.commit_calls = n
+            if n == k:
                 self.hit = True
                 self.after_rename = os.path.exists(manifest_path)
                 raise OSError(code, f"{os.strerror(code)} (injected into os.{call} call {k})")
@@ -1137,7 +1220,7 @@ def test_reader_takes_the_schema_of_the_first_commit(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod.ReplayStore, "_write_segment", full)
+    monkeypatch.setattr(store_mod.ReplayStore, "_write_segments", full)
     first = expected_rows(np.arange(0, 4))
     first["extra"] = np.arange(4, dtype=np.int64)
     with pytest.raises(OSError):

@@ -1,11 +1,13 @@
 """A sampled subset of the syscall-level fault sweep (``tools/faults.py``) in the normal suite.
 
-One ``python tools/faults.py`` process runs all the cases here (the baseline, a
+One ``python tools/faults.py`` process runs the single-writer cases here (the baseline, a
 seeded sample of the store's syscalls under SIGKILL / EIO / ENOSPC / EDQUOT, and
 the cases that hit the defects it found: issue 12 items 1-3 and a lock kept
 when unlocking failed at ``close()``; each failed before its fix), so that this
-class of bug stays found. The whole sweep is
-``python tools/faults.py`` (about 3,000 runs).
+class of bug stays found; another runs a seeded sample of the multi-writer sweep
+(``--multi-writer``: a multi-writer store, and every 4th append loses a race to
+another writer and retries). The whole sweeps are ``python tools/faults.py``
+(about 3,000 runs) and ``python tools/faults.py --multi-writer``.
 
 Skips, with the reason, where strace is missing or may not trace (no ptrace).
 """
@@ -24,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "faults.py")
 SAMPLE = 30
 SEED = 12
+MULTI_SAMPLE = 12  # cases of the multi-writer sweep (tools/faults.py --multi-writer)
+MULTI_SEED = 5
 
 
 # The template store holds generations 3-6 (tools/faults.py make_template): 6 is the newest
@@ -87,6 +91,29 @@ def sweep(tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def sweep_multi(tmp_path_factory):
+    """``{sample-NN: result}`` of a seeded sample of the multi-writer sweep: a multi-writer store whose
+    child loses a race to another writer every 4th append (retries in the traced calls)."""
+    work = tmp_path_factory.mktemp("faults-multi")
+    listing = work / "cases.json"
+    out = _tool("--multi-writer", "--list", "--json", str(listing))
+    if out.returncode == 2:
+        pytest.skip(out.stderr.strip() or "strace cannot run here")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    cases = json.loads(listing.read_text())["cases"]
+    pool = [c for c in cases if not _is_known_kind(c)]
+    chosen = {f"sample-{k:02d}": c for k, c in enumerate(random.Random(MULTI_SEED).sample(pool, MULTI_SAMPLE))}
+    labels = {f"{c['syscall']}:{c['fault']}:{c['occurrence']}": name for name, c in chosen.items()}
+    report = work / "results.json"
+    out = _tool("--multi-writer", "--case", ",".join(labels), "--jobs", "2", "--power-loss", "--json", str(report))
+    assert out.returncode in (0, 1), out.stdout[-2000:] + out.stderr[-2000:]
+    data = json.loads(report.read_text())
+    results = {labels[r["label"]]: r for r in data["results"]}
+    results["power_loss"] = data["power_loss"]
+    return results
+
+
 def _explain(r: dict) -> str:
     return (f"{r['label']} ({r['target']}, during {r['step']!r}): "
             + ("; ".join(f"{k}: {v}" for k, v in r["broken"].items()) or r["status"])
@@ -110,4 +137,15 @@ def test_deletions_are_durable_in_order(sweep):
     """No data file goes before the unlink of a manifest that may name it is durable, and
     every unlink is made durable by an fsync of its directory before the next commit."""
     found = sweep["power_loss"]
+    assert found == [], f"{len(found)} finding(s), e.g.:\n" + "\n".join(found[:5])
+
+
+@pytest.mark.parametrize("name", [f"sample-{k:02d}" for k in range(MULTI_SAMPLE)])
+def test_sampled_fault_is_survived_by_a_multi_writer_store(sweep_multi, name):
+    r = sweep_multi[name]
+    assert r["status"] in ("ok", "artifact"), _explain(r).replace("faults.py --case", "faults.py --multi-writer --case")
+
+
+def test_multi_writer_deletions_are_durable_in_order(sweep_multi):
+    found = sweep_multi["power_loss"]
     assert found == [], f"{len(found)} finding(s), e.g.:\n" + "\n".join(found[:5])

@@ -4,7 +4,7 @@
     python tools/bench.py sample [--groups 4096] [--dir DIR] [--quick]
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
     python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
-    python tools/bench.py writers [--groups 1024] [--commits 100] [--dir DIR]
+    python tools/bench.py writers [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -1121,8 +1121,9 @@ def bench_priorities(args) -> None:
           "temporary per rebuild")
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the writers import this diskreplay
 WRITER_CHILD = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, shutil, sys, time
     kind, path, w, n, rows, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     import pyarrow as pa
     from diskreplay import ReplayStore
@@ -1136,48 +1137,66 @@ WRITER_CHILD = textwrap.dedent("""
         return pa.table({k: pa.array([list(x) for x in v]) if isinstance(v, list) else pa.array(v)
                          for k, v in b.items() if v is not None and k != "rewards_per_func"})
     if kind == "diskreplay":
-        store = ReplayStore(path)
-        append = lambda b, i: store.extend(b, token=f"{w}:{i}")
+        open_store = lambda p: ReplayStore(p, multi_writer=True)
+        append = lambda s, b, i: s.extend(b, token=f"{w}:{i}")
     elif kind == "delta":
         from deltalake import write_deltalake
         tables = [table(b) for b in batches]
-        append = lambda b, i: write_deltalake(path, tables[i], mode="append")
+        open_store = lambda p: p
+        append = lambda p, b, i: write_deltalake(p, tables[i], mode="append")
     else:
         import lance
         tables = [table(b) for b in batches]
-        append = lambda b, i: lance.write_dataset(tables[i], path, mode="append")
+        open_store = lambda p: p
+        append = lambda p, b, i: lance.write_dataset(tables[i], p, mode="append")
+    # warm up every compared path the same way: one commit of the first batch into a scratch
+    # store of its own (lazy imports, first-touch allocations, thread pools are paid here)
+    scratch = f"{path}.warm{w}"
+    s = open_store(scratch)
+    append(s, batches[0], 0)
+    if kind == "diskreplay":
+        s.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    store = open_store(path)
     print("ready", flush=True)
     while not os.path.exists(go):
-        time.sleep(0.001)
+        time.sleep(0.0005)
     t = time.perf_counter()
     errors = 0
     for i, b in enumerate(batches):
         for attempt in range(100):  # Delta and Lance raise on a lost race: retry as their users do
             try:
-                append(b, i)
+                append(store, b, i)
                 break
             except Exception as exc:
                 if kind == "diskreplay":
                     raise
                 errors += 1
-    out = {"seconds": time.perf_counter() - t, "errors": errors}
+    out = {"start": t, "seconds": time.perf_counter() - t, "errors": errors}
     if kind == "diskreplay":
         out.update(store.stats())
         store.close()
+    out["end"] = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
     print(json.dumps(out), flush=True)
 """)
 
 
 def _run_writers(kind: str, path: str, writers: int, n: int, rows: int) -> Dict[str, float]:
-    """``writers`` processes append ``n`` batches each, started together; wall time and summed stats."""
+    """``writers`` processes append ``n`` batches each, started together; the wall time from the
+    start signal to the last writer's last commit (measured by the writers: interpreter start,
+    imports, warm-up and exit are outside it) and their summed stats."""
     go = path + ".go"
     if os.path.exists(go):
         os.remove(go)
+    env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, "-c", WRITER_CHILD, kind, path, str(w), str(n), str(rows), go],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(writers)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for w in range(writers)]
     for p in procs:
         line = p.stdout.readline()
         if line.strip() != "ready":
+            for q in procs:
+                q.kill()
             raise RuntimeError(f"{kind} writer failed: {line}{p.stderr.read()}")
     t = time.perf_counter()
     open(go, "w").close()
@@ -1187,67 +1206,94 @@ def _run_writers(kind: str, path: str, writers: int, n: int, rows: int) -> Dict[
         if p.returncode:
             raise RuntimeError(f"{kind} writer failed: {err}")
         outs.append(json.loads(out.strip().splitlines()[-1]))
-    wall = time.perf_counter() - t
-    res = {"wall": wall, "commits": writers * n}
-    for key in ("conflicts", "commit_seconds", "retry_seconds", "errors"):
+    os.remove(go)
+    res = {"wall": max(o["end"] for o in outs) - t, "commits": writers * n}
+    for key in ("conflicts", "commit_seconds", "manifest_seconds", "retry_seconds", "errors"):
         res[key] = sum(o.get(key, 0) for o in outs)
     return res
 
 
+def _fresh(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
 def bench_writers(args) -> None:
-    """Many writer processes on one multi-writer store vs raw write+fsync, and Delta/Lance small commits."""
+    """Many writer processes on one multi-writer store vs raw write+fsync, and Delta/Lance small commits.
+
+    Every compared run is repeated ``args.rounds`` times, the runs of one round alternating
+    (raw, 1, 2, 4, 8 writers; diskreplay, Delta, Lance), and the medians are reported.
+    """
     work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-writers-")
     os.makedirs(work, exist_ok=True)
+    rounds = args.rounds
     n_big = max(1, args.groups // 64)
     batches = make_batches(64 * n_big)
     pay = payload_bytes(batches)
     raw_path = os.path.join(work, "raw.bin")
     print(f"workload: {n_big} batches of 512 GRPO rows per writer ({pay['raw'] / 2**20:.1f} MiB raw each); "
-          f"work dir {work}")
+          f"{rounds} alternating rounds, medians; work dir {work}; load average {os.getloadavg()[0]:.1f}")
     counts = (1, 2, 4, 8)
-    best: Dict[int, float] = {}
+    walls: Dict[int, List[float]] = {w: [] for w in counts}
     t_raw = []
-    for rep in range(2):  # alternate the compared runs; keep the best
+    write_raw(batches, raw_path)  # warm: the page cache, numpy's first calls
+    for _ in range(rounds):
         t_raw.append(write_raw(batches, raw_path))
         for w in counts:
-            path = os.path.join(work, f"big{w}")
-            shutil.rmtree(path, ignore_errors=True)
+            path = _fresh(os.path.join(work, f"big{w}"))
             ReplayStore(path, multi_writer=True).close()
-            r = _run_writers("diskreplay", path, w, n_big, 0)
-            best[w] = min(best.get(w, float("inf")), r["wall"])
+            walls[w].append(_run_writers("diskreplay", path, w, n_big, 0)["wall"])
             shutil.rmtree(path, ignore_errors=True)
-    raw_rate = pay["rows"] / min(t_raw)
+    raw_rate = pay["rows"] / statistics.median(t_raw)
     os.remove(raw_path)
     print("\naggregate append, 512-row commits, fsync incl.     rows/s    raw write+fsync     ratio")
+    print("  (raw: one process appends one writer's bytes to one file, fsync per batch)")
     for w in counts:
-        rate = w * pay["rows"] / best[w]
+        rate = w * pay["rows"] / statistics.median(walls[w])
         row(f"{w} writer process(es)", f"{rate:,.0f}", f"{raw_rate:,.0f}", f"{rate / raw_rate:.2f}")
 
     n = args.commits
     print(f"\nsmall commits: {n} commits of 8 rows per writer   commits/s  conflicts/commit  retry share")
+    print("  (retry share: time lost to races / commit time (first data write to publish); in brackets /"
+          " the manifest step's time)")
+    runs: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
+    plan = [("diskreplay", w) for w in counts] + [(k, w) for k in ("delta", "lance") for w in (1, 4)]
+    failed: Dict[Tuple[str, int], str] = {}
+    for _ in range(rounds):
+        for kind, w in plan:
+            if (kind, w) in failed:
+                continue
+            path = _fresh(os.path.join(work, f"{kind}{w}"))
+            if kind == "diskreplay":
+                ReplayStore(path, multi_writer=True).close()
+            try:
+                runs.setdefault((kind, w), []).append(_run_writers(kind, path, w, n, 8))
+            except Exception as exc:  # a missing package or a failed run is reported, not fatal
+                if kind == "diskreplay":
+                    raise
+                failed[(kind, w)] = str(exc).splitlines()[-1][:60]
+            shutil.rmtree(path, ignore_errors=True)
+
+    def median_run(key):
+        rs = sorted(runs[key], key=lambda r: r["wall"])
+        return rs[len(rs) // 2]
+
     dr: Dict[int, float] = {}
     for w in counts:
-        path = os.path.join(work, f"small{w}")
-        shutil.rmtree(path, ignore_errors=True)
-        ReplayStore(path, multi_writer=True).close()
-        r = _run_writers("diskreplay", path, w, n, 8)
+        r = median_run(("diskreplay", w))
         dr[w] = r["commits"] / r["wall"]
         row(f"diskreplay, {w} writer(s)", f"{dr[w]:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
-            f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%}")
-        shutil.rmtree(path, ignore_errors=True)
-    for kind in ("delta", "lance"):
-        for w in (1, 4):
-            path = os.path.join(work, f"{kind}{w}")
-            shutil.rmtree(path, ignore_errors=True)
-            try:
-                r = _run_writers(kind, path, w, n, 8)
-            except Exception as exc:  # a missing package or a failed run is reported, not fatal
-                row(f"{kind}, {w} writer(s)", f"failed: {str(exc).splitlines()[-1][:60]}")
-                continue
-            rate = r["commits"] / r["wall"]
-            row(f"{kind}, {w} writer(s)", f"{rate:,.1f}", f"{r['errors'] / r['commits']:.2f} retries",
-                f"dr/{kind} {dr[w] / rate:.1f}x")
-            shutil.rmtree(path, ignore_errors=True)
+            f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%} "
+            f"[{r['retry_seconds'] / max(r['manifest_seconds'], 1e-9):.0%}]")
+    for kind, w in plan[len(counts):]:
+        if (kind, w) in failed:
+            row(f"{kind}, {w} writer(s)", f"failed: {failed[(kind, w)]}")
+            continue
+        r = median_run((kind, w))
+        rate = r["commits"] / r["wall"]
+        row(f"{kind}, {w} writer(s)", f"{rate:,.1f}", f"{r['errors'] / r['commits']:.2f} retries",
+            f"dr/{kind} {dr[w] / rate:.1f}x")
+    print(f"  load average at the end {os.getloadavg()[0]:.1f}")
 
 
 def main(argv=None) -> None:
@@ -1256,6 +1302,7 @@ def main(argv=None) -> None:
     p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload "
                    "(writers: per writer, default 1024)")
     p.add_argument("--commits", type=int, default=100, help="writers: small commits per writer")
+    p.add_argument("--rounds", type=int, default=3, help="writers: alternating rounds (medians are reported)")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
     p.add_argument("--quick", action="store_true",

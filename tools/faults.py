@@ -57,6 +57,7 @@ Examples::
     python tools/faults.py --syscalls flock,ftruncate --faults EIO
     python tools/faults.py --sample 40 --seed 1 --jobs 2 --power-loss
     python tools/faults.py --case openat:EIO:7 --keep /tmp/case   # one case, store kept
+    python tools/faults.py --multi-writer --sample 100            # a multi-writer store, lost races
 
 Needs ``strace`` (``apt-get install strace``) and permission to ptrace.
 """
@@ -86,6 +87,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# strace counts an injection's when=N per thread; the store fsyncs a commit's files from a few
+# threads at once, so the traced child does all its I/O on its one thread (same syscalls, in order)
+os.environ["DISKREPLAY_SERIAL_IO"] = "1"
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -160,13 +164,25 @@ def batch_size(b: int) -> int:
 TEMPLATE_APPENDS = [4, 4, 4, 4, 580]  # small segments that get evicted, then one that holds the head
 
 
-def make_template(path: str) -> None:
-    """The store every case starts from: 596 rows in 5 segments, a saved state, 4 retained manifests."""
-    with ReplayStore(path, capacity=CAPACITY) as store:
+def make_template(path: str, multi_writer: bool = False) -> None:
+    """The store every case starts from: 596 rows in 5 segments, a saved state, 4 retained manifests.
+
+    ``multi_writer``: a multi-writer store whose files are all made two hours old (past its
+    ``retain_seconds``), so that the child's clean-up (the sweep at its open) deletes the superseded
+    manifests and evicted segments, as a single writer's does, and the same ones in every run (the
+    child's own files are young: kept).
+    """
+    kw = {"multi_writer": True, "retain_seconds": 3600} if multi_writer else {}
+    with ReplayStore(path, capacity=CAPACITY, **kw) as store:
         for n in TEMPLATE_APPENDS:
             first = store.next_row
             store.extend(expected_rows(np.arange(first, first + n)))
         store.save_state("sampler", state_for(0))
+    if multi_writer:
+        old = time.time() - 7200
+        for d, _, names in os.walk(path):
+            for name in names:
+                os.utime(os.path.join(d, name), (old, old))
 
 
 def _say(line: str) -> None:
@@ -199,14 +215,18 @@ def workload(path: str) -> None:
     faulted: List[int] = []
     signal.signal(signal.SIGUSR1, lambda *a: faulted.append(1))
     warnings.simplefilter("ignore")
+    multi = MULTI_WRITER
 
     def run() -> None:
         store = ReplayStore(path, capacity=CAPACITY)
         _say("open")
+        race = _arrange_races(store, path) if multi else []
         try:
             for b in range(APPENDS):
                 if faulted:
                     return
+                if multi and b % RACE_EVERY == RACE_EVERY - 1:
+                    race.append(b)  # this append loses a race to another writer and retries
                 _append(store)
                 if b == 9 and not faulted:
                     _say("begin-state 1")
@@ -252,10 +272,34 @@ def workload(path: str) -> None:
     _say("done")
 
 
-def warm_up(workdir: str) -> None:
+RACE_EVERY = 4  # multi-writer child: every 4th append loses a race
+MULTI_WRITER = False  # --multi-writer (set before the template is made; forked children inherit it)
+
+
+def _arrange_races(store: ReplayStore, path: str) -> List[int]:
+    """Multi-writer child: a second writer (another store object in this process, with its own
+    writer id) commits between the append's read of the newest manifest and its create-if-absent
+    whenever the returned list is non-empty, so that append loses the race, re-reads and retries.
+    The rival saves a state (rows stay where the content checks expect them)."""
+    rival = ReplayStore(path)
+    storage = store._committer.storage
+    real_link = storage.link_new
+    race: List[int] = []
+
+    def link(src, rel):
+        if race and rel.startswith(fmt.MANIFEST_DIR + "/"):
+            b = race.pop()
+            rival.save_state("rival", state_for(100 + b))
+        return real_link(src, rel)
+
+    storage.link_new = link
+    return race
+
+
+def warm_up(workdir: str, multi_writer: bool = False) -> None:
     """Import lazily loaded modules before tracing starts, so the traced calls are the store's own."""
     scratch = os.path.join(workdir, "warm-up")
-    with ReplayStore(scratch, capacity=8) as store:
+    with ReplayStore(scratch, capacity=8, multi_writer=multi_writer) as store:
         for k in range(3):
             store.extend(expected_rows(np.arange(4 * k, 4 * k + 4)))
         store.save_state("s", state_for(0))
@@ -396,7 +440,8 @@ def strace_problem() -> Optional[str]:
 _LINE = re.compile(r"^(\d+)\s+(?:<\.\.\. )?([a-z0-9_]+)(\(| resumed>)(.*)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _FD_PATH = re.compile(r"\d+<([^>]*)>")
-_TMP_PID = re.compile(r"(\.tmp-[^/]*)\.\d+$")
+# a temporary name ends in the writer's pid, or in a multi-writer store's writer id (random bits-host-pid)
+_TMP_PID = re.compile(r"(\.tmp-[^/]*?)\.(?:[0-9a-f]{16}-[^/.]*-)?\d+$")
 
 
 @dataclasses.dataclass
@@ -797,6 +842,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dir", help="where stores are made (default: /dev/shm when there is one: fsync is "
                                       "free there, and the faults are injected, not real)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--multi-writer", action="store_true",
+                        help="sweep a multi-writer store (retain_seconds=1); every 4th append of the child "
+                             "loses a race to another writer object in the process and retries")
     args = parser.parse_args(argv)
 
     groups = [g.strip() for g in args.syscalls.split(",") if g.strip()]
@@ -815,8 +863,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     top = tempfile.mkdtemp(prefix="diskreplay-faults-", dir=base_dir)
     try:
         template = os.path.join(top, "template")
-        make_template(template)
-        warm_up(top)
+        global MULTI_WRITER
+        MULTI_WRITER = args.multi_writer
+        make_template(template, args.multi_writer)
+        warm_up(top, args.multi_writer)
         cases, calls, base_store = baseline(tempfile.mkdtemp(dir=top), template, groups)
         group_of = {n: g for g, names in SYSCALL_GROUPS.items() for n in names}
         if args.case:

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from .. import format as fmt
 from ..schema import RAGGED
 from ._common import CHUNK_BYTES, StoreLike, open_store, plan_chunks, progress_bar
 
@@ -46,6 +47,30 @@ class RunningStats:
                 "max": self.hi}
 
 
+def _retain_seconds(st: Any) -> Optional[int]:
+    """The retention in force: the stored option, else the multi-writer default (None: none)."""
+    if st.options.retain_seconds is not None:
+        return st.options.retain_seconds
+    return fmt.DEFAULT_RETAIN_SECONDS if st.multi_writer else None
+
+
+def commit_stats(manifest: fmt.Manifest) -> Optional[Dict[str, Any]]:
+    """The commit counters a multi-writer store keeps in its manifests (summed over every writer),
+    with the retry time share; None where the store does not record them (single-writer stores).
+
+    >>> m = fmt.Manifest(commit_stats={"commits": 10, "conflicts": 2, "commit_ms": 50, "retry_ms": 5})
+    >>> s = commit_stats(m); s["commits"], s["retries"], s["conflicts_per_commit"], s["retry_share"]
+    (10, 2, 0.2, 0.1)
+    """
+    c = manifest.commit_stats
+    if not c:
+        return None
+    commits, conflicts, total, retry = (c.get(k, 0) for k in fmt.COMMIT_STATS)
+    return {"commits": commits, "conflicts": conflicts, "retries": conflicts,  # every lost race is retried
+            "conflicts_per_commit": conflicts / commits if commits else 0.0,
+            "commit_ms": total, "retry_ms": retry, "retry_share": retry / total if total else 0.0}
+
+
 def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "policy_version"
                ) -> Dict[str, Any]:
     """Rows, groups, segments, bytes, token counts, columns and reward/advantage statistics.
@@ -80,6 +105,8 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "groups": st.num_groups if st.group_key is not None and len(st) else (0 if st.group_key else None),
             "segments": len(segments), "bytes": int(st.nbytes), "capacity": st.capacity,
             "capacity_bytes": st.capacity_bytes, "columns": columns,
+            "multi_writer": st.multi_writer, "retain_seconds": _retain_seconds(st),
+            "commit_stats": commit_stats(st.manifest),
         }
         names = [] if schema is None else schema.names
         # a store written before imports checked token ids may hold them as another kind
@@ -151,6 +178,15 @@ def format_info(info: Dict[str, Any]) -> str:
                 if info.get("bytes_per_completion_token") else ""),
              f"capacity    {info['capacity'] if info['capacity'] is not None else 'unbounded'} rows"
              + (f", {size(info['capacity_bytes'])}" if info.get("capacity_bytes") else "")]
+    if "multi_writer" in info:
+        retain = info.get("retain_seconds")
+        lines.append("writers     " + ("many (multi_writer)" if info["multi_writer"] else "one (exclusive lock)")
+                     + (f", files of superseded commits kept {retain} s" if retain else ""))
+    cs = info.get("commit_stats")
+    if cs:
+        lines.append(f"commits     {cs['commits']:,} ({cs['conflicts']:,} lost races, each retried: "
+                     f"{cs['conflicts_per_commit']:.2f} per commit; retries {cs['retry_share']:.1%} of "
+                     f"{cs['commit_ms'] / 1e3:.1f} s commit time)")
     if info.get("tokens"):
         lines.append("tokens      " + ", ".join(f"{k} {v:,}" for k, v in info["tokens"].items()))
     if info.get("policy_version"):

@@ -30,6 +30,7 @@ from .tokens import TokenIndex, compact_tokens
 MAX_ATTEMPTS = 10_000  # commits a writer retries after losing the race, before giving up
 BACKOFF_FIRST = 0.0005  # seconds; doubled per lost race, capped, with full jitter
 BACKOFF_CAP = 0.05
+QUIET_COMMITS = 8  # commits without a lost race after which a writer folds its data into the manifest's wait
 SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
 DATA_SWEEP_DIRS = (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
 
@@ -40,10 +41,11 @@ class CommitStats:
 
     commits: int = 0
     conflicts: int = 0  # lost races for a generation (each one is a retry)
-    rebases: int = 0  # commits that landed on a newer base than they were planned on
+    rebases: int = 0  # commits that had to be re-planned on a newer base after losing a race
     dropped_rewrites: int = 0  # merges given up because another commit changed their segments
-    commit_seconds: float = 0.0
-    retry_seconds: float = 0.0  # of commit_seconds: spent re-reading, re-preparing and backing off
+    commit_seconds: float = 0.0  # from a commit's first data write to its manifest's publishing
+    manifest_seconds: float = 0.0  # of commit_seconds: the manifest step (re-planned after a lost race)
+    retry_seconds: float = 0.0  # of both: lost publishes, back-off, re-reading and re-planning
     not_durable: int = 0
 
     def as_dict(self) -> Dict[str, float]:
@@ -75,15 +77,31 @@ class Committer:
         self._unsynced = False
         self._since_sweep = 0
         self._docs: Dict[int, fmt.Manifest] = {}  # parsed manifests (immutable) for the shared sweep
+        #: files the next publish writes and fsyncs together with the manifest (and directories
+        #: it fsyncs): an append's segments and sidecars, a rebase's rewritten sidecars
+        self.pending: List[Tuple[str, object, Optional[str]]] = []
+        self.pending_dirs: List[str] = []
+        self._linked_t = 0.0  # when the newest publish attempt's link (or rename) returned
+        self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
 
     # ------------------------------------------------------------------ reading the base
 
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
-        m, _ = fmt.load_newest_manifest(self.storage.local_path(""))
+        root = self.storage.local_path("")
+        gens = fmt.list_generations(root)
+        if gens and gens[0] == self.manifest.generation:
+            return self.manifest  # a generation is created once: the one held is that file (no parse)
+        m, _ = fmt.load_newest_manifest(root)
         if m.generation > self.manifest.generation:
             self.manifest = m
         return self.manifest
+
+    def uncontended(self) -> bool:
+        """No lost race in this writer's last ``QUIET_COMMITS`` commits: its next append may make its
+        data durable in the same wait as its manifest's file (one wait less). Under contention the
+        data goes first, so that the race window is the manifest step alone."""
+        return self._since_conflict >= QUIET_COMMITS
 
     def find_token(self, token: str) -> Optional[fmt.TokenRecord]:
         return self.tokens.find(self.manifest, token)
@@ -104,8 +122,13 @@ class Committer:
         writer must never reuse a visible commit's generation, ids or rows.
         """
         t0 = time.perf_counter()
-        retry_t = 0.0
-        base = self.manifest
+        # the commit began when its first data file was written (``started``), if it wrote any
+        before = max(0.0, time.monotonic() - started) if started is not None else 0.0
+        lost_at: Optional[float] = None  # when the first attempt's link failed, once one lost
+        publish_t = t0
+        # many writers: plan on the newest commit now, after the data is written and durable, so
+        # that the race window is the manifest step alone
+        base = self.newest() if self.multi_writer else self.manifest
         delay = BACKOFF_FIRST
         try:
             if self._unsynced:  # an earlier commit is visible but its durability is still owed
@@ -122,19 +145,25 @@ class Committer:
                 new = ops.apply(base, plan(base), self.options)
                 new, logs = compact_tokens(new, self.tokens, self._write_token_log)
                 written += logs
+                publish_t = time.perf_counter()
+                if self.multi_writer:
+                    new = self._count(base, new, attempt, t0 - before, lost_at, publish_t)
                 data = fmt.signed_bytes(new.body())
                 if self._publish(new, data, install, rows):
                     break
-                # another writer took this generation: rebase on the newest and retry
-                r0 = time.perf_counter()
+                # another writer took this generation: rebase on the newest and retry. The data
+                # files are written and durable already; only the manifest step (and, for an
+                # append, its sidecars' row ids) is redone.
+                if lost_at is None:
+                    lost_at = self._linked_t
                 self.stats.conflicts += 1
                 for rel in logs:
                     written.remove(rel)
                     self.storage.delete(rel)
-                time.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, BACKOFF_CAP)
+                if attempt:  # the first retry goes at once: the winner's manifest is there to read
+                    time.sleep(random.uniform(0, delay))
+                    delay = min(delay * 2, BACKOFF_CAP)
                 base = self.newest()
-                retry_t += time.perf_counter() - r0
             else:
                 raise ops.Conflict(f"gave up committing to {self.storage.local_path('')} after {MAX_ATTEMPTS} "
                                    "lost races")
@@ -146,11 +175,28 @@ class Committer:
                 self._remove(written)
             raise
         finally:
-            self.stats.retry_seconds += retry_t
-            self.stats.commit_seconds += time.perf_counter() - t0
+            self.pending, self.pending_dirs = [], []  # a duplicate token or an error: never written
+            # what the lost races cost: from the first failed link to the last link (the back-off,
+            # re-reading the newest commit, re-planning on it, rewriting the sidecars and manifest)
+            if lost_at is not None:
+                self.stats.retry_seconds += self._linked_t - lost_at
+            self.stats.manifest_seconds += time.perf_counter() - t0
+            self.stats.commit_seconds += time.perf_counter() - t0 + before
         self.stats.commits += 1
         self.stats.rebases += attempt > 0
+        self._since_conflict = 0 if attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
+
+    @staticmethod
+    def _count(base: fmt.Manifest, new: fmt.Manifest, conflicts: int, t0: float, lost_at: Optional[float],
+               publish_t: float) -> fmt.Manifest:
+        """``new`` with this commit added to the store's ``commit_stats`` (summed over all writers:
+        each commit adds its own to its base's, so a lost race's retry counts it again on the newer base)."""
+        stats = dict(base.commit_stats)
+        for key, value in (("commits", 1), ("conflicts", conflicts), ("commit_ms", (publish_t - t0) * 1e3),
+                           ("retry_ms", 0.0 if lost_at is None else (publish_t - lost_at) * 1e3)):
+            stats[key] = stats.get(key, 0) + int(round(value))
+        return new.evolve(commit_stats=stats)
 
     def _check_age(self, started: Optional[float]) -> None:
         """Many writers: another writer's clean-up takes unnamed files older than
@@ -162,12 +208,13 @@ class Committer:
 
     def _publish(self, new: fmt.Manifest, data: bytes, install, rows) -> bool:
         rel = new.file
+        files, dirs = self.pending, self.pending_dirs
+        self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
         try:
-            if self.multi_writer:
-                if not self.storage.put_if_absent(rel, data, step="manifest"):
-                    return False
-            else:
-                self.storage.replace(rel, data, step="manifest", sync=False)
+            linked = self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest")
+            self._linked_t = time.perf_counter()
+            if not linked:
+                return False
         except BaseException as exc:
             if not self._visible(rel, data):
                 raise
@@ -359,13 +406,14 @@ class Committer:
 
 
 def backoff_delays(n: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> List[Tuple[float, float]]:
-    """The ``(low, high)`` sleep of each of the first ``n`` retries (full jitter, doubling, capped).
+    """The ``(low, high)`` sleep before each of the first ``n`` retries: none before the first
+    (the winner's manifest is there to rebase on), then full jitter, doubling, capped.
 
-    >>> backoff_delays(3, 0.001, 0.002)
-    [(0, 0.001), (0, 0.002), (0, 0.002)]
+    >>> backoff_delays(4, 0.001, 0.002)
+    [(0, 0), (0, 0.001), (0, 0.002), (0, 0.002)]
     """
-    out, d = [], first
-    for _ in range(n):
+    out, d = [(0, 0)][:n], first
+    for _ in range(n - 1):
         out.append((0, d))
         d = min(d * 2, cap)
     return out

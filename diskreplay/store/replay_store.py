@@ -331,8 +331,8 @@ class ReplayStore:
 
     def stats(self) -> Dict[str, Any]:
         """This writer's commit counters: ``commits``, ``conflicts`` (lost races, each one retried),
-        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``retry_seconds``, ``not_durable``;
-        plus ``generation``, ``segments`` and ``multi_writer``.
+        ``rebases``, ``dropped_rewrites``, ``commit_seconds``, ``manifest_seconds``, ``retry_seconds``,
+        ``not_durable``; plus ``generation``, ``segments`` and ``multi_writer``.
 
         >>> import tempfile
         >>> with ReplayStore(tempfile.mkdtemp()) as store:
@@ -532,18 +532,19 @@ class ReplayStore:
             if rec is not None:
                 return self._replayed(rec, n, self._digest_of(pieces))
         written: List[str] = []
-        entries: List[fmt.SegmentEntry] = []
+        pages: List[PageChecksums] = []
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
-            first, seg_id = m.next_row, m.next_segment
-            for piece in pieces:
-                entries.append(self._write_segment(piece, None if self.multi_writer else seg_id, first, written))
-                first += piece.num_rows
-                seg_id += 1
-            self._sync_data_dirs()
-            crash_point("segments.synced")
+            # written and fsynced by the commit's publish, together with the manifest's file; with
+            # many writers that raced lately, first, so that a race only redoes the manifest step
+            defer = not self.multi_writer or committer.uncontended()
+            entries = self._write_segments(pieces, None if self.multi_writer else m.next_segment, m.next_row,
+                                           written, pages, defer=defer)
+            if not defer:
+                crash_point("segments.synced")
         except BaseException:
+            self._committer.pending, self._committer.pending_dirs = [], []
             self._remove(written)
             raise
         dig = digest(n, [(e.bytes, e.crc32c) for e in entries]) if token is not None else 0
@@ -552,7 +553,8 @@ class ReplayStore:
 
         def plan(base: fmt.Manifest) -> ops.Operation:
             if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
-                prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, base.next_row, written)
+                prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, pages, base.next_row,
+                                                            written)
                 prepared["first"] = base.next_row
             return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()))
 
@@ -586,55 +588,68 @@ class ReplayStore:
         datas = [encode_ipc(p) for p in pieces]
         return digest(sum(p.num_rows for p in pieces), [(d.size, crc32c(d)) for d in datas])
 
-    def _write_segment(self, record: pa.RecordBatch, seg_id: Optional[int], first_row: int,
-                       written: List[str]) -> fmt.SegmentEntry:
-        """Write one segment and its group sidecar durably (directory fsync left to the caller).
+    def _write_segments(self, records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int,
+                        written: List[str], pages: Optional[List[PageChecksums]] = None,
+                        sync_dirs: bool = True, defer: bool = False) -> List[fmt.SegmentEntry]:
+        """Write segments and their group sidecars durably, all files' fsyncs at once
+        (``Storage.write_files``); with ``sync_dirs`` their directory entries too. ``defer``: leave
+        the writes to the commit's publish, which makes them durable with the manifest's file.
 
-        ``seg_id=None`` (many writers): reserve a fresh id by creating the file
-        only if absent, so no two writers ever write the same name.
+        ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
+        file only if absent, so no two writers ever write the same name. ``pages``
+        collects each segment's page checksums (a rebase rewrites the sidecars with them).
         """
         storage = self._committer.storage
-        data = encode_ipc(record)
-        if seg_id is None:
-            seg_id, rel = storage.link_candidates(fmt.segment_file, data,
-                                                  max(self._next_id, self.manifest.next_segment))
-            self._next_id = seg_id + 1
+        files: List[Tuple[str, Any, Optional[str]]] = []
+        entries = []
+        for record in records:
+            data = encode_ipc(record)
+            if seg_id is None:
+                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment))
+                self._next_id = sid + 1
+            else:
+                sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
             written.append(rel)
-            crash_point("segment.written")
+            files.append((rel, data, "segment"))
+            checksums = PageChecksums.of(data)
+            if pages is not None:
+                pages.append(checksums)
+            g_bytes, g_crc = self._sidecar_file(record, checksums, sid, first_row, written, files)
+            entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc))
+            first_row += record.num_rows
+        # the new names must be durable before a manifest names the files
+        dirs = [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if sync_dirs else []
+        if defer:
+            self._committer.pending += files
+            self._committer.pending_dirs += dirs
         else:
-            written.append(fmt.segment_file(seg_id))
-            # written in place: no manifest names this id yet, so a torn file is garbage
-            storage.write_new(written[-1], data, step="segment")
-        g_bytes, g_crc = self._write_sidecar(record, data, seg_id, first_row, written)
-        return fmt.SegmentEntry(seg_id, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc)
+            storage.write_files(files, dirs)
+        return entries
 
-    def _write_sidecar(self, record: pa.RecordBatch, data: Any, seg_id: int, first_row: int,
-                       written: List[str]) -> Tuple[int, int]:
+    def _sidecar_file(self, record: pa.RecordBatch, checksums: PageChecksums, seg_id: int, first_row: int,
+                      written: List[str], files: List[Tuple[str, Any, Optional[str]]]) -> Tuple[int, int]:
         if self.group_key is None:
             return 0, 0
-        gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, PageChecksums.of(data)))
+        gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, checksums))
         rel = fmt.groups_file(seg_id)
         if rel not in written:
             written.append(rel)
-        if self.multi_writer:  # rewritten when the append is rebased: replaced, never torn
-            self._committer.storage.replace(rel, gdata, step="groups", sync=False)
-        else:
-            self._committer.storage.write_new(rel, gdata, step="groups")
+        files.append((rel, gdata, "groups"))
         return gdata.size, crc32c(gdata)
 
     def _rebase_sidecars(self, entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
-                         first: int, written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
-        out = []
-        for e, piece in zip(entries, pieces):
-            if self.group_key is None:
-                out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c))
-            else:
-                data = pa.py_buffer(self._committer.storage.read_bytes(e.file))
-                g_bytes, g_crc = self._write_sidecar(piece, data, e.id, first, written)
-                out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
+                         pages: Sequence[PageChecksums], first: int,
+                         written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
+        """The entries of an append moved to rows ``first, ...``: its sidecars (which record
+        global row ids) are rewritten in place, from the checksums in hand, by the retry's publish
+        (with its manifest's file). Their names were made durable by the lost attempt and no
+        manifest names them, so a torn rewrite is garbage."""
+        out, files = [], []
+        for e, piece, checksums in zip(entries, pieces, pages):
+            g_bytes, g_crc = self._sidecar_file(piece, checksums, e.id, first, written, files)
+            out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
             first += e.num_rows
-        if self.group_key is not None:
-            self._committer.storage.sync_dir(fmt.GROUPS_DIR)
+        self._committer.pending += files  # made durable with the retry's manifest
         return tuple(out)
 
     def _remove(self, written: Sequence[str]) -> None:
@@ -653,10 +668,6 @@ class ReplayStore:
                           f"longer needs failed ({exc}); the next writer open removes them", RuntimeWarning,
                           stacklevel=4)
 
-    def _sync_data_dirs(self) -> None:
-        # the new names must be durable before a manifest names the files
-        self._committer.storage.sync_dir(fmt.SEGMENT_DIR)
-        self._committer.storage.sync_dir(fmt.GROUPS_DIR)
 
     @_locked
     def compact(self, target_bytes: int = 64 << 20, *, multi_writer: Optional[bool] = None) -> Dict[str, int]:
@@ -722,7 +733,8 @@ class ReplayStore:
                 return
             record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
                 else pending[0]
-            entries.append(self._write_segment(record, None if self.multi_writer else seg_id, first, written))
+            entries.extend(self._write_segments([record], None if self.multi_writer else seg_id, first, written,
+                                                sync_dirs=False))
             first += record.num_rows
             seg_id += 1
             pending, pending_bytes = [], 0
@@ -741,7 +753,7 @@ class ReplayStore:
                 pending.append(batch)
                 pending_bytes += batch.nbytes
             flush()
-            self._sync_data_dirs()
+            self._committer.storage.write_files([], (fmt.SEGMENT_DIR, fmt.GROUPS_DIR))
             crash_point("segments.synced")
         except BaseException:
             self._remove(written)
@@ -787,7 +799,8 @@ class ReplayStore:
         m = self.manifest
         storage = self._committer.storage
         if self.multi_writer:
-            gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1)
+            gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1,
+                                               step="state")
             storage.sync_dir(fmt.STATE_DIR)
         else:
             gen, rel = m.generation + 1, fmt.state_file(name, m.generation + 1)

@@ -12,12 +12,14 @@ integer ids by ``diskreplay.format``, never taken from a file's contents.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from .._fileio import TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly
+from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly,
+                       run_concurrently, write_and_sync_fd)
 from ..errors import StoreIOError, UnsupportedFilesystemError
 
 
@@ -68,6 +70,36 @@ class Storage:
 
     def local_path(self, rel: str) -> str:
         raise NotImplementedError
+
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+        """Create an empty file under the first free name ``rel_of(i)``, ``i = first, first + 1, ...``;
+        returns ``(i, name)``. No other writer can get that name; :meth:`write_files` fills it."""
+        for i in range(first, first + tries):
+            if self.put_if_absent(rel_of(i), b""):
+                return i, rel_of(i)
+        raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
+        """Write each ``(rel, data, step)`` under a name no manifest holds yet (a torn one is
+        garbage, so in place), then make the files and the entries of ``dirs`` durable."""
+        for rel, data, step in files:
+            self.write_new(rel, data, step=step)
+        for d in dirs:
+            self.sync_dir(d)
+
+    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
+        """Make ``files`` (as :meth:`write_files`) and ``dirs`` durable, then publish the manifest
+        ``rel``: :meth:`put_if_absent` when ``exclusive`` (False: another writer has ``rel``), else
+        :meth:`replace` without the directory sync (the committer's next step). Nothing is
+        published unless every file is durable first."""
+        self.write_files(files, dirs)
+        if files:
+            crash_point("segments.synced")
+        if exclusive:
+            return self.put_if_absent(rel, data, step=step)
+        self.replace(rel, data, step=step, sync=False)
+        return True
 
 
 class LocalStorage(Storage):
@@ -123,39 +155,140 @@ class LocalStorage(Storage):
         never partial: the bytes are written and fsynced under a temporary name, then
         ``link()``ed, which (unlike ``rename``) fails with EEXIST instead of replacing."""
         tmp = self._temp(rel)
-        durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
         try:
+            durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
             if step:
                 crash_point(f"{step}.written")
-            try:
-                os.link(self.local_path(tmp), self.local_path(rel))
-            except FileExistsError:
+            if not self.link_new(tmp, rel):
                 return False
             if step:
                 crash_point(f"{step}.renamed")
             return True
         finally:
-            remove_quietly(self.local_path(tmp))
+            self._drop_temp(tmp)
 
-    def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
-        """Write ``data`` once and link it under the first free name ``rel_of(i)``,
-        ``i = first, first + 1, ...``; returns ``(i, name)``. How a writer of a
-        multi-writer store reserves a segment id no other writer can have."""
-        tmp = self._temp(rel_of(first))
-        durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False)
+    def _drop_temp(self, tmp: str) -> None:
+        # after a link the commit stands whatever happens here: a temporary file left
+        # behind is garbage that clean-up removes, never a reason to fail the commit
         try:
-            for i in range(first, first + tries):
-                try:
-                    os.link(self.local_path(tmp), self.local_path(rel_of(i)))
-                    return i, rel_of(i)
-                except FileExistsError:
-                    continue
-            raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
-        finally:
             remove_quietly(self.local_path(tmp))
+        except OSError:
+            pass
+
+    def link_new(self, src: str, rel: str) -> bool:
+        """Give the file ``src`` the name ``rel`` unless ``rel`` exists (False then): the atomic
+        create-if-absent of a multi-writer commit, ``link()``, which fails with EEXIST where
+        ``rename`` would replace."""
+        try:
+            os.link(self.local_path(src), self.local_path(rel))
+        except FileExistsError:
+            return False
+        return True
+
+    def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16,
+                        step: Optional[str] = None) -> Tuple[int, str]:
+        """Create ``data`` durably under the first free name ``rel_of(i)``, ``i = first, first + 1,
+        ...``; returns ``(i, name)`` (the directory entry is the caller's to sync). How a writer of
+        a multi-writer store gets a name no other writer can have."""
+        i, rel = self.reserve(rel_of, first, tries=tries)
+        try:
+            self.write_files([(rel, data, step)])
+        except BaseException:
+            remove_quietly(self.local_path(rel))
+            raise
+        return i, rel
+
+    @contextlib.contextmanager
+    def _naming(self, rel: str, doing: str):
+        """An ``OSError`` without a file name (``write``, ``fsync``) becomes a ``StoreIOError`` naming it."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            path = self.local_path(rel)
+            raise StoreIOError(exc.errno, f"{exc.strerror or exc} {doing} {path}", path) from exc
+
+    def _create_exclusive(self, rel: str) -> int:
+        return os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+        """``O_EXCL`` creates the name itself (no temporary file, no link): the file is written in
+        place later, which is safe because no manifest names it until its commit."""
+        for i in range(first, first + tries):
+            try:
+                os.close(self._create_exclusive(rel_of(i)))
+                return i, rel_of(i)
+            except FileExistsError:
+                continue
+        raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
+        """Every file is opened (created) first, so the directory fsyncs cover their entries; then all
+        writes+fsyncs and directory fsyncs run at once (they share the journal commits and cache
+        flushes: see :func:`run_concurrently`). On an error every descriptor is closed and the
+        error raised; the caller removes the files."""
+        fds: List[int] = []
+        try:
+            for rel, _, _ in files:
+                fds.append(os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                                   0o644))
+            for d in dirs:
+                fds.append(os.open(self.local_path(d), os.O_RDONLY | os.O_DIRECTORY))
+
+            def write(fd: int, rel: str, data: Buffer, step: Optional[str]) -> Callable[[], None]:
+                def run() -> None:
+                    with self._naming(rel, "writing"):
+                        write_and_sync_fd(fd, data)
+                    if step:  # no rename: ".renamed" is hit too, where a temporary name's rename would be
+                        crash_point(f"{step}.written")
+                        crash_point(f"{step}.renamed")
+                return run
+
+            def sync(fd: int, rel: str) -> Callable[[], None]:
+                def run() -> None:
+                    with self._naming(rel, "syncing the directory"):
+                        os.fsync(fd)
+                return run
+
+            calls = [write(fd, rel, data, step) for fd, (rel, data, step) in zip(fds, files)]
+            calls += [sync(fd, d) for fd, d in zip(fds[len(files):], dirs)]
+            run_concurrently(calls)
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
         durable_write(self.local_path(rel), data, step=step, sync_dir=sync)
+
+    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
+        """The manifest's temporary file is written and fsynced together with ``files`` and ``dirs``
+        (one wait on the disk for all of them, see :meth:`write_files`); only then is it linked
+        (``exclusive``) or renamed onto ``rel``."""
+        tmp = self._temp(rel)
+        renamed = False
+        try:
+            self.write_files(list(files) + [(tmp, data, None)], dirs)
+            if files:
+                crash_point("segments.synced")
+            if step:
+                crash_point(f"{step}.written")
+            if exclusive:
+                if not self.link_new(tmp, rel):
+                    return False
+            else:
+                os.replace(self.local_path(tmp), self.local_path(rel))
+                renamed = True
+            if step:
+                crash_point(f"{step}.renamed")
+            return True
+        finally:
+            if not renamed:
+                self._drop_temp(tmp)
 
     def delete(self, rel: str) -> bool:
         return remove_quietly(self.local_path(rel))

@@ -23,7 +23,7 @@ from ..errors import ArgumentError, CorruptStoreError
 from .._fileio import crc32c
 from .storage import Storage
 
-INLINE_TOKENS = 256
+INLINE_TOKENS = 32  # parsed on every catch-up with another writer's commit: keep manifests small
 MAX_TOKEN_LOGS = 32
 RETAIN_TOKEN_COMMITS = 100_000
 
