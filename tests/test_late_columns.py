@@ -276,16 +276,16 @@ def test_two_writers_adding_the_same_column(tmp_path, monkeypatch):
     b = ReplayStore(path)
     a.extend(base_batch(0))
     b.extend(base_batch(2))
-    real = LocalStorage.put_if_absent
+    real = LocalStorage.link_new  # the create-if-absent of a local multi-writer commit
     raced = []
 
-    def put(self, rel, data, **kw):
+    def put(self, src, rel):
         # b's commit of the new column loses the race to a's commit of the same column: it rebases
         if self is b._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and not raced:
             raced.append(a.extend(late_batch(100)))
-        return real(self, rel, data, **kw)
+        return real(self, src, rel)
 
-    monkeypatch.setattr(LocalStorage, "put_if_absent", put)
+    monkeypatch.setattr(LocalStorage, "link_new", put)
     rows_b = b.extend(late_batch(200))
     monkeypatch.undo()
     assert raced and b.stats()["conflicts"] == 1 and b.stats()["rebases"] == 1
@@ -299,12 +299,12 @@ def test_two_writers_adding_the_same_column(tmp_path, monkeypatch):
     # a different type for the same new column: the later writer gets a SchemaError and commits nothing
     raced.clear()
 
-    def put_other(self, rel, data, **kw):
+    def put_other(self, src, rel):
         if self is b._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and not raced:
             raced.append(a.extend({**base_batch(300), "extra": np.ones(2)}))
-        return real(self, rel, data, **kw)
+        return real(self, src, rel)
 
-    monkeypatch.setattr(LocalStorage, "put_if_absent", put_other)
+    monkeypatch.setattr(LocalStorage, "link_new", put_other)
     with pytest.raises(SchemaError, match="'extra' was added to the store as"):
         bb = base_batch(400)
         b.extend({**bb, "extra": [np.ones(len(c), dtype=np.float32) for c in bb["completion_ids"]]})
