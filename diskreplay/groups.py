@@ -172,7 +172,8 @@ class GroupIndex:
         entry_start = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(counts[:-1], out=entry_start[1:])
         moved = gather_ranges(rows, entry_start[order], counts[order])
-        ends = np.append(self.offsets[1:], len(self.rows))
+        # a row of an indexed group goes in after that group's last row, a new group's after all
+        ends = self.offsets[1:]
         at = np.repeat(np.where(code[order] < G, ends[np.minimum(code[order], max(G - 1, 0))] if G else 0,
                                 len(self.rows)), counts[order])
         all_rows = np.insert(self.rows, at, moved)

@@ -197,8 +197,8 @@ def read_group_index(path: str, nbytes: int, crc: int, key_type: pa.DataType, fi
     The file is mapped for a whole read (a copy into fresh memory cost 5-10 ms
     for the 6 MB index of 327 k rows, mapping and checking it 0.7 ms) and
     checked against its CRC-32C before Arrow parses a byte; then its layout, in O(groups) plus a min/max
-    over the rows (``diskreplay verify`` checks each row is there exactly
-    once). Raises ``CorruptStoreError`` naming the file.
+    over the rows (that each row is there exactly once is the writer's promise, which the CRC-32C
+    keeps: a reader does not pay O(rows) to check it again). Raises ``CorruptStoreError`` naming the file.
     """
     batch = ArrowFile(path, nbytes, crc, whole=True).batch
     want = {"key": key_type, "count": pa.int64(), "rows": pa.large_list(pa.int64())}

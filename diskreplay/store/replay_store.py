@@ -1024,12 +1024,11 @@ class ReplayStore:
         def advise() -> None:
             ids, seg_idx, local = self._locate(rows)
             m = self.manifest
-            for s in sorted(set(seg_idx.tolist())):
-                seg = self._segment(m.segments[int(s)])
-                sel = local[seg_idx == s]
-                ranges = [seg.value_ranges(name, sel) for name in cols if self.schema[name].kind == RAGGED]
-                if ranges:
-                    seg.advise(np.concatenate(ranges))  # one pass: nearby rows and columns share a call
+            touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if ids.size else []
+            self._open_segments([m.segments[s] for s in touched])
+            parts = [(self._segment(m.segments[s]), None, local[seg_idx == s]) for s in touched]
+            # one pass per round: nearby rows and columns share a call
+            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols])
 
         self._following(advise)
 
