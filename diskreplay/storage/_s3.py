@@ -35,14 +35,18 @@ import os
 import re
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import ConditionalWriteError, MissingDependencyError, ObjectStoreError
+from ..errors import (CommitConflictError, ConditionalWriteError, CorruptStoreError, MissingDependencyError,
+                      ObjectStoreError)
 from ._cache import CacheStats, ObjectCache
 from .base import Buffer, check_range, check_rel
 
 DEFAULT_CACHE_BYTES = 4 << 30
+_MANIFEST_PREFIX = "manifests/"
+_PROBED: set = set()  # (endpoint, bucket) pairs whose conditional writes passed the probe in this process
 _OWN_OPTIONS = ("allow_http", "retry_timeout", "max_retries", "connect_timeout", "timeout",
                 "multipart_threshold")
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -83,6 +87,11 @@ def _short(exc: BaseException) -> str:
     text = str(exc).split("Debug source", 1)[0]
     text = re.sub(r"<\?xml.*", "", text, flags=re.S)
     return " ".join(text.split())[:240]
+
+
+def _generation_of(rel: str) -> int:
+    m = re.match(r"manifests/(\d+)\.json$", rel)
+    return int(m.group(1)) if m else 0
 
 
 def parse_s3_url(url: str) -> Tuple[str, str]:
@@ -168,6 +177,8 @@ class S3Storage:
                                    f"accepted: obstore's S3 settings (endpoint, access_key_id, "
                                    f"secret_access_key, region, ...) and {', '.join(_OWN_OPTIONS)}") from None
         self.coalesce_bytes = int(coalesce_bytes)
+        #: the newest manifest generation seen: where the search for a newer one starts
+        self.generation_hint = 0
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
 
     # -- errors ---------------------------------------------------------------
@@ -205,9 +216,23 @@ class S3Storage:
 
     # -- the storage interface ----------------------------------------------
 
-    def read_bytes(self, rel: str) -> bytes:
+    #: every request is a network round trip; listings are not relied on for commits
+    remote = True
+
+    def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
         rel = check_rel(rel)
-        return bytes(self._call("GET", rel, self._ob.get, rel).bytes())
+        data = bytes(self._call("GET", rel, self._ob.get, rel).bytes())
+        if limit is not None and len(data) > limit:
+            raise CorruptStoreError(f"{self._url_of(rel)} is {len(data)} bytes; at most {limit} are expected here")
+        return data
+
+    def exists(self, rel: str) -> bool:
+        """Whether the object ``rel`` exists (one HEAD request)."""
+        try:
+            self.size(rel)
+            return True
+        except FileNotFoundError:
+            return False
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         rel = check_rel(rel)
@@ -225,6 +250,14 @@ class S3Storage:
         rel = check_rel(rel)
         return int(self._call("HEAD", rel, self._ob.head, rel)["size"])
 
+    def age(self, rel: str) -> float:
+        """Seconds since ``rel`` was written, by the server's clock against ours
+        (clean-up keeps files younger than ``retain_seconds``: keep clocks within
+        a small fraction of it)."""
+        rel = check_rel(rel)
+        modified = self._call("HEAD", rel, self._ob.head, rel)["last_modified"]
+        return time.time() - modified.timestamp()
+
     def list(self, reldir: str) -> List[str]:
         reldir = check_rel(reldir, allow_root=True)
         out = self._call("LIST", reldir, self._ob.list_with_delimiter, reldir or None)
@@ -237,7 +270,7 @@ class S3Storage:
         self._call(op, rel, self._ob.put, rel, view,
                    use_multipart=len(view) > self.multipart_threshold, **kwargs)
 
-    def write_new(self, rel: str, data: Buffer) -> None:
+    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
         self._put("PUT", check_rel(rel), data)
 
     def _create(self, rel: str, view: memoryview) -> bool:
@@ -248,6 +281,8 @@ class S3Storage:
             # upload checks it only at completion); conditional objects are
             # manifests and probes, far below S3's 5 GiB single-PUT limit.
             self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
+            if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
+                self.generation_hint = max(self.generation_hint, _generation_of(rel))
             return True
         except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
             return False
@@ -258,7 +293,7 @@ class S3Storage:
                     f"(If-None-Match: *): {_short(exc)}; {_CONDITIONAL_FIX}") from None
             raise self._error(exc, "conditional PUT", rel) from None
 
-    def put_if_absent(self, rel: str, data: Buffer) -> bool:
+    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
         rel = check_rel(rel)
         view = memoryview(data).cast("B")
         if self._create(rel, view):
@@ -270,32 +305,83 @@ class S3Storage:
         except FileNotFoundError:
             return False
 
-    def replace(self, rel: str, data: Buffer) -> None:
-        self._put("PUT", check_rel(rel), data)
+    def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
+                        tries: int = 1 << 16) -> Tuple[int, str]:
+        """Create ``rel_of(i)`` for the first ``i >= first`` no one has, by conditional
+        PUTs; returns ``(i, name)`` (how a writer reserves a segment id)."""
+        view = memoryview(data).cast("B")
+        for i in range(first, first + tries):
+            rel = check_rel(rel_of(i))
+            if self._create(rel, view):
+                return i, rel
+        raise ObjectStoreError(f"{self._url_of(rel_of(first))}: no free name after {tries} tries")
 
-    def delete(self, rel: str) -> None:
+    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
+        """Replace ``rel`` with one PUT, except a manifest, which is only ever created.
+
+        An object store has no lock, so a single-writer store cannot keep a
+        second writer out: instead every manifest is a conditional PUT, and a
+        writer that finds its generation taken learns of the other writer at
+        its commit (:class:`~diskreplay.errors.CommitConflictError`, nothing of
+        its commit is visible) rather than overwriting its commit.
+        """
+        rel = check_rel(rel)
+        if rel.startswith(_MANIFEST_PREFIX):
+            if not self.put_if_absent(rel, data):
+                raise CommitConflictError(
+                    f"{self._url_of(rel)} was committed by another writer while this single-writer store was "
+                    "open (an object store has no lock, so a second writer is found at its commit); nothing "
+                    "of this commit is visible: close the store and reopen it, and give each store one "
+                    "writer, or create it with multi_writer=True for many")
+            return
+        self._put("PUT", rel, data)
+
+    def delete(self, rel: str) -> bool:
+        """Remove ``rel``; True (S3 answers a DELETE of an absent key the same way)."""
         rel = check_rel(rel)
         try:
             self._call("DELETE", rel, self._ob.delete, rel)
         except FileNotFoundError:
             pass
         self._cache.forget(rel)
+        return True
 
     def sync_dir(self, reldir: str) -> None:
         """Nothing to do: an object store makes each PUT and DELETE durable before answering."""
         check_rel(reldir, allow_root=True)
 
+    def ensure_dir(self, reldir: str) -> None:
+        """Nothing to do: an object store has no directories."""
+        check_rel(reldir, allow_root=True)
+
+    def probe_create_if_absent(self, reldir: str) -> None:
+        """Raise :class:`ConditionalWriteError` (naming the URL) unless conditional PUTs work here.
+
+        The full probe runs once per endpoint and bucket in a process (it costs
+        seconds on seaweedfs, whose losing PUTs wait for a lock); later stores
+        there only check bucket, credentials and endpoint.
+        """
+        key = (self.endpoint, self.bucket)
+        if key in _PROBED:
+            self.check()
+            return
+        self.probe_conditional_put()
+        _PROBED.add(key)
+
     def local_path(self, rel: str, size: Optional[int] = None) -> str:
-        """A whole local copy of the immutable object ``rel`` (cached), for ``mmap``.
+        """A whole local copy of the immutable object ``rel`` (cached), for ``mmap``;
+        ``""`` gives the store's URL (for messages).
 
         ``size`` (known from the manifest) saves a HEAD request.
         """
+        if rel in ("", "."):
+            return self.url
         return self.fetch_ranges(rel, None, size=size)
 
     # -- object-store extras ------------------------------------------------
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
-                     size: Optional[int] = None) -> str:
+                     size: Optional[int] = None, evict: bool = True) -> str:
         """Make byte ranges ``[(start, end), ...]`` of the immutable object ``rel``
         present in its local cache file and return that file's path.
 
@@ -304,7 +390,9 @@ class S3Storage:
         Missing ranges closer than ``coalesce_bytes`` are fetched as one range
         GET; the GETs of one call run concurrently. ``ranges=None`` fetches the
         whole object. The returned path stays the same while the object is
-        cached, so a mapping of it sees ranges filled later.
+        cached, so a mapping of it sees ranges filled later. ``evict=False``
+        leaves the bound to the next :meth:`trim_cache` (a store reading a batch
+        must not lose pages it already checked while fetching more).
         """
         rel = check_rel(rel)
         if ranges is not None:
@@ -319,7 +407,12 @@ class S3Storage:
             return self._call("GET", rel, self._ob.get_ranges, rel, starts=starts, ends=ends, coalesce=0)
 
         entry_size = self._cache.entry(rel, size_of).size
-        return self._cache.fill(rel, entry_size, fetch, ranges, coalesce=self.coalesce_bytes)
+        return self._cache.fill(rel, entry_size, fetch, ranges, coalesce=self.coalesce_bytes, evict=evict)
+
+    def trim_cache(self) -> List[str]:
+        """Evict down to ``cache_bytes``; returns the names evicted (their files are
+        unlinked: existing maps stay valid, a later fetch makes a new file)."""
+        return self._cache.trim()
 
     def cache_stats(self) -> CacheStats:
         """Byte counters of the local cache (requested, hit, fetched, evicted, held; ``hit_rate``)."""

@@ -80,7 +80,7 @@ class Committer:
 
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
-        m, _ = fmt.load_newest_manifest(self.storage.local_path(""))
+        m, _ = fmt.load_newest_manifest(self.storage)
         if m.generation > self.manifest.generation:
             self.manifest = m
         return self.manifest
@@ -258,7 +258,7 @@ class Committer:
     def _sweep_exclusive(self) -> None:
         """The single writer's open: everything no retained manifest names is garbage (it holds the lock)."""
         current = self.manifest.generation
-        docs, unreadable = fmt.manifest_docs(self.storage.local_path(""))
+        docs, unreadable = fmt.manifest_docs(self.storage)
         newer_than = sorted(docs, reverse=True)
         keep = [g for g in newer_than if g <= current][: fmt.KEEP_MANIFESTS]
         if self.retain_seconds is not None:
@@ -272,7 +272,7 @@ class Committer:
         if unreadable:
             warnings.warn(f"{self.storage.local_path('')}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
                           "they and every data file are kept (run `diskreplay verify`)", RuntimeWarning, stacklevel=4)
-        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage.local_path(""))
+        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
                      if g not in self.retained and g not in unreadable]
         files = []
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
@@ -299,8 +299,7 @@ class Committer:
         ``retain_seconds`` (younger unnamed files may be another writer's commit
         in flight). Manifests that cannot be read stop the data sweep.
         """
-        root = self.storage.local_path("")
-        gens = fmt.list_generations(root)
+        gens = fmt.list_generations(self.storage)
         retain = self.retain_seconds
         keep, drop = set(gens[: fmt.KEEP_MANIFESTS]), []
         for newer, g in zip(gens, gens[1:]):
@@ -313,7 +312,7 @@ class Committer:
             m = self._docs.get(g)
             if m is None:
                 try:
-                    m = self._docs[g] = fmt.load_manifest(os.path.join(root, fmt.manifest_file(g)), g)
+                    m = self._docs[g] = fmt.read_manifest(self.storage, g)
                 except FileNotFoundError:
                     continue  # another writer's sweep took it: it was past retention
                 except (fmt.FormatError, fmt.CorruptStoreError):

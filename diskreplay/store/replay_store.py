@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock, crash_point, crc32c, fsync_dir, read_file
+from .._fileio import WriterLock, crash_point, crc32c, fsync_dir
 from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, ReadOnlyError, RowsEvictedError,
                       SchemaError, StoreNotFoundError)
 from ..groups import GroupIndex, KeyCoder
@@ -36,7 +36,8 @@ from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, index_of_column, ragged_run
-from .storage import LocalStorage
+from .remote import CacheEvictedError, RemoteCommitter, RemoteSegment
+from .storage import LocalStorage, open_storage
 from .tokens import check_token, digest
 
 _UNSET: Any = object()
@@ -64,8 +65,11 @@ def _writer_id() -> str:
     return f"{random.SystemRandom().getrandbits(64):016x}-{host}-{os.getpid()}"
 
 
-def _reopen(path: str, generation: Optional[int], verify_reads: bool) -> "ReplayStore":
-    return ReplayStore(path, readonly=True, generation=generation, verify_reads=verify_reads)
+def _reopen(path: str, generation: Optional[int], verify_reads: bool, remote: Tuple[Any, ...] = (None, None, None)
+            ) -> "ReplayStore":
+    storage_options, cache_dir, cache_bytes = remote
+    return ReplayStore(path, readonly=True, generation=generation, verify_reads=verify_reads,
+                       storage_options=storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
 
 
 class ReplayStore:
@@ -90,6 +94,17 @@ class ReplayStore:
     default is one writer at a time, holding an exclusive lock.
     ``merge_policy`` says when small segments are merged (:class:`MergePolicy`).
 
+    ``path`` may be ``s3://bucket/prefix`` (``pip install 'diskreplay[s3]'``):
+    the same format in an S3-compatible object store. ``storage_options``
+    configure its client (``endpoint``, ``access_key_id``,
+    ``secret_access_key``, ``region``, ...; the ``AWS_*`` environment
+    variables are used for what is not given); segments are read through a
+    local cache of at most ``cache_bytes`` in ``cache_dir`` (default: a
+    private temporary directory), fetching only the pages a read needs.
+    There is no lock on an object store: every commit is a conditional PUT,
+    so a second writer of a single-writer store fails at its commit instead
+    of overwriting (docs/FORMAT.md, "Object storage").
+
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
     ...     rows = store.extend({"prompt_id": [7, 7], "completion_ids": [[1, 2, 3], [4]],
@@ -103,8 +118,14 @@ class ReplayStore:
                  group_key: Optional[str] = _UNSET, *, readonly: bool = False,
                  capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True,
                  multi_writer: bool = _UNSET, retain_seconds: Optional[int] = _UNSET,
-                 generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None) -> None:
-        self.path = os.path.abspath(os.fspath(path))
+                 generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None, cache_dir: Optional[str] = None,
+                 cache_bytes: Optional[int] = None) -> None:
+        #: the storage every file of the store is read and written through (a directory or a bucket)
+        self.storage = open_storage(path, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
+        self.remote = self.storage.remote
+        self._remote_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
+        self.path = self.storage.url
         self.readonly = readonly
         #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
         self.verify_reads = verify_reads
@@ -138,19 +159,24 @@ class ReplayStore:
             raise ArgumentError(f"generation must be a non-negative int and needs readonly=True, got {generation!r}"
                              f"{'' if readonly else ' without readonly=True'}")
 
-        exists = os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
+        try:
+            exists = self._has_format_file()
+        except BaseException:
+            self.storage.close() if self.remote else None
+            raise
         if readonly:
             if not exists:
+                self.close()
                 raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
-        else:
-            stored_multi = exists and fmt.StoreOptions.read(self.path).multi_writer
+        elif not self.remote:
+            stored_multi = exists and fmt.StoreOptions.read(self.storage).multi_writer
             if not (stored_multi or (not exists and multi_writer is True)):
                 os.makedirs(self.path, exist_ok=True)
                 self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
                 self._writer_lock.acquire()
         try:
-            for d in fmt.DATA_DIRS:
+            for d in fmt.DATA_DIRS if not self.remote else ():
                 if os.path.islink(os.path.join(self.path, d)):
                     raise CorruptStoreError(f"{os.path.join(self.path, d)} is a symlink; a store's directories "
                                             "must be its own (nothing outside it is ever read or deleted)")
@@ -159,10 +185,10 @@ class ReplayStore:
                     # the manifest first: a FORMAT.json read after it is at least as new as the
                     # commit (a writer's first extend fixes the schema before it commits)
                     if generation is None:
-                        self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+                        self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
                     else:
                         self.manifest = self._load_generation(int(generation))
-                self.options = fmt.StoreOptions.read(self.path)
+                self.options = fmt.StoreOptions.read(self.storage)
                 self._check_options(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
             else:
                 self.options = fmt.StoreOptions(
@@ -171,35 +197,50 @@ class ReplayStore:
                     capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes,
                     multi_writer=multi_writer is True,
                     retain_seconds=None if retain_seconds is _UNSET else retain_seconds)
-                for d in fmt.DATA_DIRS:
-                    os.makedirs(os.path.join(self.path, d), exist_ok=True)
-                if self.options.multi_writer:
-                    LocalStorage(self.path, _writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
-                fsync_dir(self.path)
-                fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
-                self.options.write(self.path)
+                if self.remote:
+                    # every commit to an object store is a conditional PUT (there is no lock),
+                    # so a server that does not honour them is refused for any store
+                    self.storage.probe_create_if_absent(fmt.MANIFEST_DIR)
+                else:
+                    for d in fmt.DATA_DIRS:
+                        os.makedirs(os.path.join(self.path, d), exist_ok=True)
+                    if self.options.multi_writer:
+                        LocalStorage(self.path, _writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
+                    fsync_dir(self.path)
+                    fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
+                self.options.write(self.storage)
             if not readonly:
-                self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+                self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
             if self.recovered_from:
                 warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
                               stacklevel=2)
             if not readonly:
-                self._committer = Committer(LocalStorage(self.path, _writer_id() if self.multi_writer else ""),
-                                            self.options, self.manifest)
+                self._committer = self._make_committer(self.options)
                 self._committer.collect(full=True)
         except BaseException:
             self.close()
             raise
 
+    def _has_format_file(self) -> bool:
+        if not self.remote:
+            return os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
+        self.storage.check()  # a missing bucket or refused credentials: one clear error now
+        return self.storage.exists(fmt.FORMAT_FILE)
+
+    def _make_committer(self, options: fmt.StoreOptions) -> Committer:
+        if self.remote:
+            return (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
+        return Committer(LocalStorage(self.path, _writer_id() if options.multi_writer else ""), options,
+                         self.manifest)
+
     def _load_generation(self, generation: int) -> fmt.Manifest:
         if generation == 0:
             return fmt.Manifest()
-        path = os.path.join(self.path, fmt.manifest_file(generation))
         try:
-            return fmt.load_manifest(path, generation)
+            return fmt.read_manifest(self.storage, generation)
         except FileNotFoundError:
-            have = fmt.list_generations(self.path)
+            have = fmt.list_generations(self.storage)
             raise StoreNotFoundError(f"generation {generation} of {self.path} is not retained (manifests kept: "
                                     f"{sorted(have)}); pin a snapshot while it is current") from None
 
@@ -233,7 +274,7 @@ class ReplayStore:
         if not self.readonly:
             raise ArgumentError(f"a writer of {self.path} cannot be pickled; send store.snapshot() or open the "
                             "store where it is needed")
-        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads)
+        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads, self._remote_args)
 
     @_locked
     def close(self) -> None:
@@ -248,6 +289,8 @@ class ReplayStore:
                 self._writer_lock = None
             self._closed = True
             self._segments.clear()
+            if self.remote:
+                self.storage.close()
 
     def __len__(self) -> int:
         return self.manifest.num_rows
@@ -326,6 +369,8 @@ class ReplayStore:
         """
         out: Dict[str, Any] = self._committer.stats.as_dict() if self._committer is not None else {}
         out.update(generation=self.generation, segments=len(self.manifest.segments), multi_writer=self.multi_writer)
+        if self.remote:
+            out["cache"] = self.storage.cache_stats().to_dict()
         return out
 
     def snapshot(self) -> "ReplayStore":
@@ -341,7 +386,9 @@ class ReplayStore:
         ...     len(snap), snap.refresh(), len(store)
         (2, False, 3)
         """
-        return ReplayStore(self.path, readonly=True, generation=self.generation, verify_reads=self.verify_reads)
+        storage_options, cache_dir, cache_bytes = self._remote_args
+        return ReplayStore(self.path, readonly=True, generation=self.generation, verify_reads=self.verify_reads,
+                           storage_options=storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
 
     @_locked
     def refresh(self) -> bool:
@@ -352,15 +399,19 @@ class ReplayStore:
         """
         if self._pinned:
             return False
-        gens = fmt.list_generations(self.path)
-        if not gens or gens[0] <= self.manifest.generation:
-            return False
-        m, _ = fmt.load_newest_manifest(self.path)
+        if self.remote:  # one HEAD: is there a newer commit at all?
+            if not self.storage.exists(fmt.manifest_file(self.manifest.generation + 1)):
+                return False
+        else:
+            gens = fmt.list_generations(self.path)
+            if not gens or gens[0] <= self.manifest.generation:
+                return False
+        m, _ = fmt.load_newest_manifest(self.storage)
         if m.generation <= self.manifest.generation:
             return False
         # the schema is fixed by the first committed row: until then a writer may rewrite FORMAT.json
         fixed = self.options.schema is not None and self.manifest.next_row > 0
-        self._install(m, self.options if fixed else fmt.StoreOptions.read(self.path))
+        self._install(m, self.options if fixed else fmt.StoreOptions.read(self.storage))
         if self._committer is not None:
             self._committer.manifest = m
         return True
@@ -408,7 +459,7 @@ class ReplayStore:
         m = self._committer.newest()
         options = self.options
         if options.schema is None:
-            options = fmt.StoreOptions.read(self.path)
+            options = fmt.StoreOptions.read(self.storage)
         if m.generation != self.manifest.generation or options is not self.options:
             self._install(m, options)
 
@@ -460,7 +511,7 @@ class ReplayStore:
             return self._commit_rows(record, schema, token)
         except _SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
-            self.options = fmt.StoreOptions.read(self.path)
+            self.options = fmt.StoreOptions.read(self.storage)
             record, schema = normalize_batch(batch, self.options.schema, self.group_key)
             return self._commit_rows(record, schema, token)
 
@@ -481,7 +532,7 @@ class ReplayStore:
         fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
                                  options.multi_writer, options.retain_seconds)
         if not self.multi_writer:
-            fixed.write(self.path)
+            fixed.write(self._committer.storage)
             crash_point("format.done")
             return fixed
         # many writers: the first to create SCHEMA.json fixes the schema for all
@@ -663,6 +714,7 @@ class ReplayStore:
             self._convert(bool(multi_writer))
         if self.multi_writer:
             self._catch_up()
+        self._trim_cache()
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
         new = self._rewrite(0, target_bytes) if m.segments else m
@@ -670,21 +722,21 @@ class ReplayStore:
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = LocalStorage(self.path, _writer_id() if multi_writer else "")
+        storage = self.storage if self.remote else LocalStorage(self.path, _writer_id() if multi_writer else "")
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
-        else:
+        elif not self.remote:
             self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
             self._writer_lock.acquire()
         o = self.options
         options = fmt.StoreOptions(o.group_key, o.capacity_rows, o.capacity_bytes, o.schema, multi_writer,
                                    o.retain_seconds)
-        options.write(self.path)
+        options.write(storage)
         if multi_writer and self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
         self.options = options
-        self._committer = Committer(storage, options, self.manifest)
+        self._committer = self._make_committer(options)
 
     def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
         """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
@@ -788,8 +840,8 @@ class ReplayStore:
             entry = self.manifest.states.get(name)
             if entry is None:
                 return None
-            path = os.path.join(self.path, entry.file)
-            raw = read_file(path, entry.bytes)
+            path = f"{self.path}/{entry.file}" if self.remote else os.path.join(self.path, entry.file)
+            raw = self.storage.read_bytes(entry.file, entry.bytes)
             if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
                 raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
             return decode_state(raw, path)
@@ -804,15 +856,19 @@ class ReplayStore:
             self._segments.move_to_end(entry.id)
         else:
             pages, whole_crc = None, None
-            if self.verify_reads:
+            # remotely the page checksums also say which pages to fetch: always used there
+            if self.verify_reads or self.remote:
                 if entry.groups_bytes:  # page checksums: check what is read, when it is first read
                     pages = self._pages.get(entry.id)
                     if pages is None:
                         pages = self._pages[entry.id] = self._sidecar(entry)[3]
-                if pages is None:  # no sidecar (group_key=None): check the whole file once
+                if pages is None and self.verify_reads:  # no sidecar (group_key=None): check the whole file once
                     whole_crc = entry.crc32c
-            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
-                          whole_crc, pages)
+            if self.remote:
+                seg = RemoteSegment(self.storage, entry, self.schema, pages, whole_crc)
+            else:
+                seg = Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
+                              whole_crc, pages)
             self._segments[entry.id] = seg
             # each open map holds a file descriptor: keep the most recently used ones
             while len(self._segments) > MAX_OPEN_SEGMENTS:
@@ -822,8 +878,40 @@ class ReplayStore:
     def _sidecar(self, entry: fmt.SegmentEntry):
         """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, checked."""
         key_type = self.schema.arrow_schema().field(self.group_key).type
-        return read_group_sidecar(os.path.join(self.path, entry.groups_file), entry.groups_bytes,
-                                  entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
+        if self.remote:  # a whole local copy (evicted only between reads: see _trim_cache)
+            path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False)
+        else:
+            path = self.storage.local_path(entry.groups_file)
+        return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
+                                  entry.num_rows)
+
+    def _trim_cache(self) -> None:
+        """Object store: bring the local cache within ``cache_bytes`` between reads, and
+        forget the maps of evicted files (their pages must be fetched and checked again).
+        Arrays already returned stay valid: evicted files are unlinked, never rewritten."""
+        if not self.remote:
+            return
+        evicted = set(self.storage.trim_cache())
+        if not evicted:
+            return
+        for sid, seg in list(self._segments.items()):
+            if seg.rel in evicted:
+                del self._segments[sid]
+                pages = self._pages.get(sid)
+                if pages is not None:
+                    pages.verified[:] = False
+
+    def _remapping(self, action: Callable[[], T]) -> T:
+        """Run a read; if the cache evicted a file it maps meanwhile (a batch larger than
+        ``cache_bytes``), map it again and repeat once."""
+        try:
+            return action()
+        except CacheEvictedError:
+            self._trim_cache()
+            self._segments.clear()
+            for pages in self._pages.values():
+                pages.verified[:] = False
+            return action()
 
     def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -856,7 +944,8 @@ class ReplayStore:
         [1.5, 0.5]
         """
         cols = self._resolve_columns(columns)
-        return self._following(lambda: self._read(rows, cols))
+        self._trim_cache()
+        return self._following(lambda: self._remapping(lambda: self._read(rows, cols)))
 
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
         names = self.columns
@@ -933,6 +1022,7 @@ class ReplayStore:
                 if ranges:
                     seg.advise(np.concatenate(ranges))  # one pass: nearby rows and columns share a call
 
+        self._trim_cache()
         self._following(advise)
 
     # ------------------------------------------------------------------ groups
