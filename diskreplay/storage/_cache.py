@@ -324,12 +324,15 @@ class ObjectCache:
                 victim.lock.release()
 
     def forget(self, rel: str) -> None:
-        """Drop ``rel`` (the object was deleted; its name must not serve old bytes)."""
+        """Drop ``rel`` and its tagged copies (``rel#tag``): the object was deleted,
+        and its name must not serve old bytes."""
         with self._lock:
-            e = self._entries.pop(rel, None)
-            if e is not None:
+            keys = [k for k in self._entries if k == rel or k.startswith(rel + "#")]
+            entries = [self._entries.pop(k) for k in keys]
+            for e in entries:
                 self.stats.held_bytes -= e.held
-        for path in {e.path, e.canonical} if e is not None else {self._canonical(rel)}:
+        paths = {p for e in entries for p in (e.path, e.canonical)} or {self._canonical(rel)}
+        for path in paths:
             try:
                 os.unlink(path)
             except OSError as exc:

@@ -140,7 +140,7 @@ class S3Storage:
 
     def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None, *,
                  cache_dir: Optional[str] = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 coalesce_bytes: int = 64 << 10, align: int = 8192) -> None:
+                 coalesce_bytes: int = 8 << 10, align: int = 8192) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self._init_args = (url, dict(storage_options or {}), cache_dir, cache_bytes, coalesce_bytes, align)
@@ -271,7 +271,14 @@ class S3Storage:
                    use_multipart=len(view) > self.multipart_threshold, **kwargs)
 
     def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
-        self._put("PUT", check_rel(rel), data)
+        """Create ``rel``, which must not exist: a conditional PUT, so that a second
+        writer (there is no lock) can never overwrite a file another commit names."""
+        rel = check_rel(rel)
+        if not self.put_if_absent(rel, data):
+            raise CommitConflictError(
+                f"{self._url_of(rel)} already exists: another writer wrote it (an object store has no lock; "
+                "give a single-writer store one writer, or create it with multi_writer=True); nothing was "
+                "overwritten")
 
     def _create(self, rel: str, view: memoryview) -> bool:
         """One conditional PUT: True if it created ``rel``, False if the server
@@ -368,7 +375,7 @@ class S3Storage:
         self.probe_conditional_put()
         _PROBED.add(key)
 
-    def local_path(self, rel: str, size: Optional[int] = None) -> str:
+    def local_path(self, rel: str, size: Optional[int] = None, tag: Optional[str] = None) -> str:
         """A whole local copy of the immutable object ``rel`` (cached), for ``mmap``;
         ``""`` gives the store's URL (for messages).
 
@@ -376,12 +383,12 @@ class S3Storage:
         """
         if rel in ("", "."):
             return self.url
-        return self.fetch_ranges(rel, None, size=size)
+        return self.fetch_ranges(rel, None, size=size, tag=tag)
 
     # -- object-store extras ------------------------------------------------
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
-                     size: Optional[int] = None, evict: bool = True) -> str:
+                     size: Optional[int] = None, evict: bool = True, tag: Optional[str] = None) -> str:
         """Make byte ranges ``[(start, end), ...]`` of the immutable object ``rel``
         present in its local cache file and return that file's path.
 
@@ -392,9 +399,14 @@ class S3Storage:
         whole object. The returned path stays the same while the object is
         cached, so a mapping of it sees ranges filled later. ``evict=False``
         leaves the bound to the next :meth:`trim_cache` (a store reading a batch
-        must not lose pages it already checked while fetching more).
+        must not lose pages it already checked while fetching more). ``tag``
+        (e.g. the manifest's size and checksum of the object) keeps copies of
+        different contents under one name apart: a name can be written again
+        after a repair rolled a store back, and a shared cache must not serve
+        the old bytes for it.
         """
         rel = check_rel(rel)
+        key = rel if tag is None else f"{rel}#{tag}"
         if ranges is not None:
             ranges = [check_range(rel, s, e) for s, e in ranges]
 
@@ -406,13 +418,13 @@ class S3Storage:
             ends = [e for _, e in gets]
             return self._call("GET", rel, self._ob.get_ranges, rel, starts=starts, ends=ends, coalesce=0)
 
-        entry_size = self._cache.entry(rel, size_of).size
-        return self._cache.fill(rel, entry_size, fetch, ranges, coalesce=self.coalesce_bytes, evict=evict)
+        entry_size = self._cache.entry(key, size_of).size
+        return self._cache.fill(key, entry_size, fetch, ranges, coalesce=self.coalesce_bytes, evict=evict)
 
     def trim_cache(self) -> List[str]:
         """Evict down to ``cache_bytes``; returns the names evicted (their files are
         unlinked: existing maps stay valid, a later fetch makes a new file)."""
-        return self._cache.trim()
+        return [key.split("#", 1)[0] for key in self._cache.trim()]
 
     def cache_stats(self) -> CacheStats:
         """Byte counters of the local cache (requested, hit, fetched, evicted, held; ``hit_rate``)."""

@@ -55,6 +55,11 @@ class RemoteCommitter(Committer):
                     files.append(rel)
         self.delete(manifests, files)
 
+    def _write_token_log(self, data: bytes, first_id: int) -> int:
+        # the first free id, created only if absent: never another writer's (or a crashed one's) log
+        log_id, _ = self.storage.link_candidates(fmt.token_log_file, data, first_id)
+        return log_id
+
 
 def _page_runs(pages: np.ndarray, page_bytes: int, size: int) -> List[Tuple[int, int]]:
     """Byte ranges of runs of consecutive page numbers (sorted, unique ``pages``)."""
@@ -78,7 +83,9 @@ class RemoteSegment(Segment):
                  pages: Optional[PageChecksums], expected_crc: Optional[int]) -> None:
         self.storage = storage
         self.rel = entry.file
-        path = storage.fetch_ranges(entry.file, [] if pages is not None else None, size=entry.bytes, evict=False)
+        self.tag = f"{entry.bytes}-{entry.crc32c:08x}"  # a name written again after a roll-back is another file
+        path = storage.fetch_ranges(entry.file, [] if pages is not None else None, size=entry.bytes, evict=False,
+                                    tag=self.tag)
         super().__init__(path, entry.bytes, schema, entry.num_rows, expected_crc, pages)
 
     def missing_ranges(self, pages: np.ndarray) -> List[Tuple[int, int]]:
@@ -95,7 +102,7 @@ class RemoteSegment(Segment):
         """Make ``ranges`` (None: all) of the mapped file present."""
         if ranges is not None and not ranges:
             return
-        path = self.storage.fetch_ranges(self.rel, ranges, size=self.size, evict=False)
+        path = self.storage.fetch_ranges(self.rel, ranges, size=self.size, evict=False, tag=self.tag)
         if path != self.path:
             raise CacheEvictedError(f"{self.path}: the cache file of {self.rel} was evicted while mapped")
 

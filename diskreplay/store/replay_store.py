@@ -25,8 +25,8 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import WriterLock, crash_point, crc32c, fsync_dir
-from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, ReadOnlyError, RowsEvictedError,
-                      SchemaError, StoreNotFoundError)
+from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, CorruptStoreError, ReadOnlyError,
+                      RowsEvictedError, SchemaError, StoreNotFoundError)
 from ..groups import GroupIndex, KeyCoder
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
@@ -303,6 +303,13 @@ class ReplayStore:
                 f"generation={self.generation}, {mode})")
 
     @property
+    def _reserves_ids(self) -> bool:
+        """Whether new files take the first free id (created only if absent) rather than the
+        next one in the manifest: with many writers, and on an object store, where a second
+        writer of a single-writer store is not kept out and must not overwrite a file."""
+        return self.multi_writer or self.remote
+
+    @property
     def multi_writer(self) -> bool:
         """Whether many processes may append at once (fixed at creation; see ``compact(multi_writer=...)``)."""
         return self.options.multi_writer
@@ -399,8 +406,12 @@ class ReplayStore:
         """
         if self._pinned:
             return False
-        if self.remote:  # one HEAD: is there a newer commit at all?
-            if not self.storage.exists(fmt.manifest_file(self.manifest.generation + 1)):
+        if self.remote:
+            # commits present above a present one are contiguous: if the next one is
+            # absent and ours is still there, nothing is newer (one or two HEADs)
+            gen = self.manifest.generation
+            if not self.storage.exists(fmt.manifest_file(gen + 1)) and gen and \
+                    self.storage.exists(fmt.manifest_file(gen)):
                 return False
         else:
             gens = fmt.list_generations(self.path)
@@ -531,15 +542,25 @@ class ReplayStore:
             return options
         fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
                                  options.multi_writer, options.retain_seconds)
-        if not self.multi_writer:
+        if not self._reserves_ids:
             fixed.write(self._committer.storage)
             crash_point("format.done")
             return fixed
         # many writers: the first to create SCHEMA.json fixes the schema for all
         storage = self._committer.storage
         if not storage.put_if_absent(fmt.SCHEMA_FILE, fmt.shared_schema_bytes(schema), step="format"):
-            raise _SchemaRace()
+            if self.multi_writer:
+                raise _SchemaRace()
+            if fmt.read_shared_schema(storage) != schema:
+                raise CommitConflictError(
+                    f"{self.path}/{fmt.SCHEMA_FILE} holds another schema than this first append's: another "
+                    "writer's first append fixed it (an object store has no lock; give a single-writer store "
+                    "one writer), or a crashed first append of another schema did (delete that file if no "
+                    "row was ever committed)")
         storage.sync_dir("")
+        if not self.multi_writer:
+            # object store, one writer: the winner of SCHEMA.json records it where v1 readers look
+            fixed.write(storage)
         return fixed
 
     def _commit_rows(self, record: pa.RecordBatch, schema: Schema, token: Optional[str] = None) -> np.ndarray:
@@ -558,7 +579,7 @@ class ReplayStore:
             options = self._fix_schema(schema, written)
             first, seg_id = m.next_row, m.next_segment
             for piece in pieces:
-                entries.append(self._write_segment(piece, None if self.multi_writer else seg_id, first, written))
+                entries.append(self._write_segment(piece, None if self._reserves_ids else seg_id, first, written))
                 first += piece.num_rows
                 seg_id += 1
             self._sync_data_dirs()
@@ -634,7 +655,7 @@ class ReplayStore:
         rel = fmt.groups_file(seg_id)
         if rel not in written:
             written.append(rel)
-        if self.multi_writer:  # rewritten when the append is rebased: replaced, never torn
+        if self._reserves_ids:  # rewritten when the append is rebased: replaced, never torn
             self._committer.storage.replace(rel, gdata, step="groups", sync=False)
         else:
             self._committer.storage.write_new(rel, gdata, step="groups")
@@ -754,7 +775,7 @@ class ReplayStore:
                 return
             record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
                 else pending[0]
-            entries.append(self._write_segment(record, None if self.multi_writer else seg_id, first, written))
+            entries.append(self._write_segment(record, None if self._reserves_ids else seg_id, first, written))
             first += record.num_rows
             seg_id += 1
             pending, pending_bytes = [], 0
@@ -818,7 +839,7 @@ class ReplayStore:
             self._catch_up()
         m = self.manifest
         storage = self._committer.storage
-        if self.multi_writer:
+        if self._reserves_ids:
             gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1)
             storage.sync_dir(fmt.STATE_DIR)
         else:
@@ -879,7 +900,8 @@ class ReplayStore:
         """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, checked."""
         key_type = self.schema.arrow_schema().field(self.group_key).type
         if self.remote:  # a whole local copy (evicted only between reads: see _trim_cache)
-            path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False)
+            path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False,
+                                             tag=f"{entry.groups_bytes}-{entry.groups_crc32c:08x}")
         else:
             path = self.storage.local_path(entry.groups_file)
         return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
