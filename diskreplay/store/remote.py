@@ -61,6 +61,14 @@ class RemoteCommitter(Committer):
         return log_id
 
 
+def _pages_of(starts: np.ndarray, ends: np.ndarray, page_bytes: int) -> np.ndarray:
+    """Page numbers covering the byte spans ``[starts[i], ends[i])`` (empty spans skipped)."""
+    keep = ends > starts
+    first, last = starts[keep] // page_bytes, (ends[keep] - 1) // page_bytes
+    counts = last - first + 1
+    return np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
 def _page_runs(pages: np.ndarray, page_bytes: int, size: int) -> List[Tuple[int, int]]:
     """Byte ranges of runs of consecutive page numbers (sorted, unique ``pages``)."""
     if not len(pages):
@@ -98,6 +106,38 @@ class RemoteSegment(Segment):
         mark[todo] = True
         return _page_runs(np.flatnonzero(mark), self.pages.page_bytes, self.size)
 
+    @staticmethod
+    def prefetch_frame(storage: Any, entry: fmt.SegmentEntry, pages: PageChecksums) -> None:
+        """Fetch the pages a segment's open checks (Arrow's schema, batch header and footer)."""
+        p, size = pages.page_bytes, entry.bytes
+        head = -(-pages.body[0] // p) * p
+        tail = pages.body[1] // p * p
+        ranges = [r for r in ((0, min(head, size)), (tail, size)) if r[1] > r[0]]
+        storage.fetch_ranges(entry.file, ranges, size=size, evict=False, tag=f"{entry.bytes}-{entry.crc32c:08x}")
+
+    def column_ranges(self, names: Sequence[str], ragged: Sequence[str]) -> List[Tuple[int, int]]:
+        """Missing byte ranges of the per-row columns ``names`` and of the validity and
+        offsets of the ragged ones (what a read needs before it knows where values lie)."""
+        base = self._base.address
+        spans = [(b.address - base, b.address - base + b.size)
+                 for name in names
+                 for b in (self.batch.column(name).buffers()[:2] if name in ragged else
+                           self.batch.column(name).buffers())
+                 if b is not None and b.size]
+        if not spans:
+            return []
+        a = np.array(spans, dtype=np.int64)
+        return self.missing_ranges(_pages_of(a[:, 0], a[:, 1], self.pages.page_bytes))
+
+    def value_ranges_of(self, names: Sequence[str], local_rows: np.ndarray) -> List[Tuple[int, int]]:
+        """Missing byte ranges of the values of ``local_rows`` in the ragged columns ``names``."""
+        parts = [self.value_ranges(name, local_rows)[:-1] for name in names]
+        if not parts:
+            return []
+        r = np.concatenate(parts)
+        starts = r[:, 0] - self._base.address
+        return self.missing_ranges(_pages_of(starts, starts + r[:, 1], self.pages.page_bytes))
+
     def fetch(self, ranges: Optional[Sequence[Tuple[int, int]]]) -> None:
         """Make ``ranges`` (None: all) of the mapped file present."""
         if ranges is not None and not ranges:
@@ -119,3 +159,20 @@ class RemoteSegment(Segment):
         if not self.advised_all and self.pages is not None:
             self.fetch(self.missing_ranges(np.arange(len(self._verified))))
         super().advise_all()
+
+
+def fetch_for_read(parts: Sequence[Tuple[Segment, np.ndarray]], names: Sequence[str], ragged: Sequence[str],
+                   pool: Any) -> None:
+    """Fetch, for every segment a read touches at once, what reading rows ``loc`` of
+    columns ``names`` needs: first the per-row columns and the offsets, then the values
+    of those rows. Two rounds of concurrent range GETs for a whole batch (each segment's
+    missing ranges coalesced into few GETs), instead of two per segment and column."""
+    remote = [(seg, loc) for seg, loc in parts if isinstance(seg, RemoteSegment) and seg.pages is not None]
+    for plan in (lambda seg, loc: seg.column_ranges(names, ragged),
+                 lambda seg, loc: seg.value_ranges_of([n for n in names if n in ragged], loc)):
+        jobs = [(seg, plan(seg, loc)) for seg, loc in remote]
+        jobs = [(seg, ranges) for seg, ranges in jobs if ranges]
+        if len(jobs) == 1:
+            jobs[0][0].fetch(jobs[0][1])
+        elif jobs:
+            list(pool.map(lambda job: job[0].fetch(job[1]), jobs))

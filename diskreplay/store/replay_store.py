@@ -36,7 +36,7 @@ from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, index_of_column, ragged_run
-from .remote import CacheEvictedError, RemoteCommitter, RemoteSegment
+from .remote import CacheEvictedError, RemoteCommitter, RemoteSegment, fetch_for_read
 from .storage import LocalStorage, open_storage
 from .tokens import check_token, digest
 
@@ -45,6 +45,7 @@ _UNSET: Any = object()
 # 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
 MAX_OPEN_SEGMENTS = 256
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
+IO_THREADS = 16  # object store: segments fetched at once by one read
 T = TypeVar("T")
 
 Column = Union[RaggedColumn, np.ndarray, List[str], None]
@@ -144,6 +145,7 @@ class ReplayStore:
         self._codes_base = 0
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
+        self._pool: Any = None  # object store: threads fetching for one read
         self.recovered_from: List[str] = []
         for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes),
                             ("retain_seconds", retain_seconds)):
@@ -289,6 +291,9 @@ class ReplayStore:
                 self._writer_lock = None
             self._closed = True
             self._segments.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
             if self.remote:
                 self.storage.close()
 
@@ -907,6 +912,33 @@ class ReplayStore:
         return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
                                   entry.num_rows)
 
+    def _io_pool(self) -> Any:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="diskreplay-fetch")
+        return self._pool
+
+    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry]) -> None:
+        """Object store: fetch what opening the segments not yet open needs (group sidecar,
+        then Arrow's header and footer pages), all segments at once: a cold batch then
+        costs two rounds of requests instead of two per segment."""
+        todo = [e for e in entries if e.id not in self._segments and e.groups_bytes]
+        if len(todo) < 2:
+            return
+
+        def prepare(e: fmt.SegmentEntry) -> Tuple[int, Any]:
+            pages = self._pages.get(e.id)
+            if pages is None:
+                pages = self._sidecar(e)[3]
+            if pages is not None:
+                RemoteSegment.prefetch_frame(self.storage, e, pages)
+            return e.id, pages
+
+        for sid, pages in self._io_pool().map(prepare, todo):
+            if pages is not None:
+                self._pages.setdefault(sid, pages)
+
     def _trim_cache(self) -> None:
         """Object store: bring the local cache within ``cache_bytes`` between reads, and
         forget the maps of evicted files (their pages must be fetched and checked again).
@@ -984,6 +1016,8 @@ class ReplayStore:
         rows, seg_idx, local = self._locate(rows)
         n = rows.size
         m = self.manifest
+        if self.remote and n:
+            self._open_concurrently([m.segments[int(i)] for i in np.unique(seg_idx)])
         # Visit each touched segment once, with the output positions of its rows.
         if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
             parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
@@ -992,6 +1026,9 @@ class ReplayStore:
             cuts = np.flatnonzero(np.diff(seg_idx[order])) + 1
             parts = [(self._segment(m.segments[int(seg_idx[sel[0]])]), sel, local[sel])
                      for sel in np.split(order, cuts)] if n else []
+        if self.remote:
+            fetch_for_read([(seg, loc) for seg, _, loc in parts], cols,
+                           [c for c in cols if self.schema[c].kind == RAGGED], self._io_pool())
         for seg, _, loc in parts:
             if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
                 seg.advise_all()
