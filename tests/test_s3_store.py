@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from diskreplay import (ArgumentError, BatchError, CommitConflictError, ConditionalWriteError, ObjectStoreError,
+from diskreplay import (ArgumentError, BatchError, CommitConflictError, ConditionalWriteError, CorruptStoreError,
+                        ObjectStoreError,
                         ReadOnlyError, ReplayStore, RowsEvictedError, SchemaError, StoreNotFoundError)
 from diskreplay.verify import repair_store, verify_store
 
@@ -369,11 +370,23 @@ def _check_exactly_once(url, server, tmp_path, acks, writers):
     assert report["ok"], report["problems"]
 
 
+# moto 5.2's server checks If-None-Match and then writes, in separate steps of a
+# request handler that runs in one of its threads (moto/s3/responses.py,
+# put_object): two concurrent creates of one name can both succeed. The window is
+# too narrow for a probe to catch reliably, and no client can make such a server
+# safe for concurrent writers, so many concurrent writers are tested on seaweedfs
+# only (whose conditional PUTs the race below shows atomic); moto gets the same
+# faults with one writer at a time.
+ATOMIC_CONDITIONAL_PUT = {"seaweedfs"}
+
+
 @pytest.mark.slow
 def test_racing_writer_processes(s3_server, s3_url, tmp_path):
     """4 writer processes commit to one multi-writer store through the server
     at once: every generation is won by exactly one writer, every batch is in
-    the store exactly once, and the seaweedfs/moto If-None-Match holds."""
+    the store exactly once: seaweedfs's If-None-Match holds under concurrency."""
+    if s3_server.name not in ATOMIC_CONDITIONAL_PUT:
+        pytest.skip(f"{s3_server.name}'s If-None-Match is not atomic under concurrency (see ATOMIC_CONDITIONAL_PUT)")
     ReplayStore(s3_url, multi_writer=True, storage_options=s3_server.storage_options).close()
     writers, steps = (1, 2, 3, 4), 5
     procs = [_start_writer(s3_url, s3_server.storage_options, w, steps, tmp_path) for w in writers]
@@ -401,7 +414,8 @@ def test_sigkilled_writer_and_restarted_server(s3_server, s3_url, tmp_path):
     tokens adds nothing twice."""
     opts = s3_server.storage_options
     ReplayStore(s3_url, multi_writer=True, storage_options=opts).close()
-    steady = _start_writer(s3_url, opts, 1, 12, tmp_path)
+    concurrent = s3_server.name in ATOMIC_CONDITIONAL_PUT
+    steady = _start_writer(s3_url, opts, 1, 12, tmp_path) if concurrent else None
     victim = _start_writer(s3_url, opts, 2, 1000, tmp_path)
     lines = []
     while len(_acks(lines)) < 3:
@@ -412,6 +426,10 @@ def test_sigkilled_writer_and_restarted_server(s3_server, s3_url, tmp_path):
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
     lines += victim.stdout.read().splitlines()
+    if steady is None:  # one writer at a time: it meets the restart instead
+        steady = _start_writer(s3_url, opts, 1, 12, tmp_path)
+        while "ack" not in steady.stdout.readline():
+            assert steady.poll() is None, steady.stderr.read()[-3000:]
     s3_server.stop()
     time.sleep(1.0)
     s3_server.restart()
@@ -429,3 +447,35 @@ def test_sigkilled_writer_and_restarted_server(s3_server, s3_url, tmp_path):
     for s in killed:
         assert replayed[(2, s)][:2] == acks[(2, s)][:2]
     _check_exactly_once(s3_url, s3_server, tmp_path, {**acks, **replayed}, (1, 2))
+
+
+def test_a_reserved_id_taken_twice_is_never_committed(s3_server, s3_url, tmp_path):
+    """If the server lets two writers create one segment name (If-None-Match not
+    atomic), the second commit is refused with ConditionalWriteError instead of
+    publishing a manifest naming the id twice. What the second writer overwrote
+    meanwhile (here the group sidecar) is damage: named by its URL, never served,
+    and repaired."""
+    ReplayStore(s3_url, multi_writer=True, storage_options=s3_server.storage_options).close()
+    a = _open(s3_url, s3_server, tmp_path / "a")
+    b = _open(s3_url, s3_server, tmp_path / "b")
+    a.extend(_batch(12, 0))
+    taken = a.manifest.segments[0]
+
+    def both_created(rel_of, data, first, **kwargs):  # what a check-then-write server answers
+        return taken.id, rel_of(taken.id)
+
+    b.storage.link_candidates = both_created
+    with pytest.raises(ConditionalWriteError, match=r"created by two writers.*not check the condition atomically"):
+        b.extend(_batch(13, 0))
+    a.close()
+    b.close()
+    opts = s3_server.storage_options
+    with _open(s3_url, s3_server, tmp_path / "c", readonly=True) as store:
+        assert store.generation == 1
+        with pytest.raises(CorruptStoreError, match=rf"{s3_url}/{taken.groups_file} .*checksum"):
+            store.read(store.row_ids())
+    assert not verify_store(s3_url, storage_options=opts)["ok"]
+    assert repair_store(s3_url, storage_options=opts, force=True)["actions"]
+    assert verify_store(s3_url, storage_options=opts)["ok"]
+    with _open(s3_url, s3_server, tmp_path / "d", readonly=True) as store:
+        assert store.read(store.row_ids())["prompt_id"].tolist() == [1_200_000] * 4

@@ -443,7 +443,7 @@ class S3Storage:
         except FileNotFoundError:
             return
 
-    def probe_conditional_put(self, racers: int = 4) -> None:
+    def probe_conditional_put(self, racers: int = 4, body_bytes: int = 256 << 10) -> None:
         """Raise :class:`ConditionalWriteError` unless the server honours
         ``If-None-Match: *``, sequentially and under concurrency.
 
@@ -476,7 +476,7 @@ class S3Storage:
                     f"each other; {_CONDITIONAL_FIX}")
             # Bodies of some size keep each upload in flight long enough for
             # a check-then-write server to let several through.
-            bodies = [bytes([i]) * (256 << 10) for i in range(racers)]
+            bodies = [bytes([i]) * body_bytes for i in range(racers)]
             start = threading.Barrier(racers)
 
             def create(body: bytes) -> bool:

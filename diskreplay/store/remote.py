@@ -94,7 +94,13 @@ class RemoteSegment(Segment):
         self.tag = f"{entry.bytes}-{entry.crc32c:08x}"  # a name written again after a roll-back is another file
         path = storage.fetch_ranges(entry.file, [] if pages is not None else None, size=entry.bytes, evict=False,
                                     tag=self.tag)
-        super().__init__(path, entry.bytes, schema, entry.num_rows, expected_crc, pages)
+        self.cache_path = path
+        url = f"{storage.url}/{entry.file}"
+        try:
+            super().__init__(path, entry.bytes, schema, entry.num_rows, expected_crc, pages)
+        except CorruptStoreError as exc:  # named by the object, not by its cache file
+            raise CorruptStoreError(str(exc).replace(path, url)) from None
+        self.path = url
 
     def missing_ranges(self, pages: np.ndarray) -> List[Tuple[int, int]]:
         """Byte ranges of the given pages not checked yet (what a read of them must fetch)."""
@@ -143,8 +149,8 @@ class RemoteSegment(Segment):
         if ranges is not None and not ranges:
             return
         path = self.storage.fetch_ranges(self.rel, ranges, size=self.size, evict=False, tag=self.tag)
-        if path != self.path:
-            raise CacheEvictedError(f"{self.path}: the cache file of {self.rel} was evicted while mapped")
+        if path != self.cache_path:
+            raise CacheEvictedError(f"{self.path}: its cache file was evicted while mapped")
 
     def _verify_pages(self, pages: np.ndarray) -> None:
         self.fetch(self.missing_ranges(pages))

@@ -25,7 +25,8 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import WriterLock, crash_point, crc32c, fsync_dir
-from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, CorruptStoreError, ReadOnlyError,
+from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
+                      CorruptStoreError, ReadOnlyError,
                       RowsEvictedError, SchemaError, StoreNotFoundError)
 from ..groups import GroupIndex, KeyCoder
 from ..ragged import RaggedColumn
@@ -598,6 +599,7 @@ class ReplayStore:
         prepared = {"first": m.next_row, "entries": tuple(entries)}
 
         def plan(base: fmt.Manifest) -> ops.Operation:
+            self._check_reserved(base, prepared["entries"], written)
             if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
                 prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, base.next_row, written)
                 prepared["first"] = base.next_row
@@ -680,6 +682,27 @@ class ReplayStore:
         if self.group_key is not None:
             self._committer.storage.sync_dir(fmt.GROUPS_DIR)
         return tuple(out)
+
+    def _check_reserved(self, base: fmt.Manifest, entries: Sequence[fmt.SegmentEntry], written: List[str]) -> None:
+        """Refuse to commit a segment id another commit already names: the id was created
+        only-if-absent, so the storage broke that promise (an object store whose
+        If-None-Match is checked before the write instead of atomically with it). Its
+        objects are kept (left out of ``written``): the other commit names them."""
+        if not self._reserves_ids:
+            return
+        taken = {s.id for s in base.segments} & {e.id for e in entries}
+        if taken:
+            sid = min(taken)
+            for e in entries:
+                if e.id in taken:
+                    for rel in (e.file, e.groups_file):
+                        if rel in written:
+                            written.remove(rel)
+            raise ConditionalWriteError(
+                f"{self.path}/{fmt.segment_file(sid)} was created by two writers although each creates it only "
+                f"if absent (If-None-Match: *): this server does not check the condition atomically with the "
+                f"write, so concurrent commits can overwrite each other's files; run `diskreplay verify "
+                f"{self.path}`, and use a server with atomic conditional writes or one writer at a time")
 
     def _remove(self, written: Sequence[str]) -> None:
         for rel in written:
@@ -805,7 +828,12 @@ class ReplayStore:
             self._remove(written)
             raise
         op = ops.Rewrite(tuple(m.segments[start:]), tuple(entries))
-        result = self._committer.commit(lambda base: op, written, started=started,
+
+        def plan(base: fmt.Manifest) -> ops.Operation:
+            self._check_reserved(base, entries, written)
+            return op
+
+        result = self._committer.commit(plan, written, started=started,
                                         install=lambda new: self._install(new, self.options))
         self._collect()
         return result.manifest
@@ -904,13 +932,17 @@ class ReplayStore:
     def _sidecar(self, entry: fmt.SegmentEntry):
         """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, checked."""
         key_type = self.schema.arrow_schema().field(self.group_key).type
-        if self.remote:  # a whole local copy (evicted only between reads: see _trim_cache)
-            path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False,
-                                             tag=f"{entry.groups_bytes}-{entry.groups_crc32c:08x}")
-        else:
-            path = self.storage.local_path(entry.groups_file)
-        return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
-                                  entry.num_rows)
+        if not self.remote:
+            return read_group_sidecar(self.storage.local_path(entry.groups_file), entry.groups_bytes,
+                                      entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
+        # a whole local copy (evicted only between reads: see _trim_cache), named by its URL in errors
+        path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False,
+                                         tag=f"{entry.groups_bytes}-{entry.groups_crc32c:08x}")
+        try:
+            return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
+                                      entry.num_rows)
+        except CorruptStoreError as exc:
+            raise CorruptStoreError(str(exc).replace(path, f"{self.path}/{entry.groups_file}")) from None
 
     def _io_pool(self) -> Any:
         if self._pool is None:
