@@ -994,9 +994,9 @@ WRITER_CHILD = textwrap.dedent("""
 """)
 
 
-def _run_writers(kind: str, path: str, writers: int, n: int, rows: int) -> Dict[str, float]:
+def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str = "") -> Dict[str, float]:
     """``writers`` processes append ``n`` batches each, started together; wall time and summed stats."""
-    go = path + ".go"
+    go = go or path + ".go"
     if os.path.exists(go):
         os.remove(go)
     procs = [subprocess.Popen([sys.executable, "-c", WRITER_CHILD, kind, path, str(w), str(n), str(rows), go],
@@ -1114,7 +1114,8 @@ def bench_remote(args) -> None:
                 path = (os.path.join(work, f"append{rep}") if kind == "local"
                         else f"s3://{bucket}/append{rep}")
                 ReplayStore(path, multi_writer=True).close()
-                walls[kind].append(_run_writers("diskreplay", path, 4, n_batches, 0)["wall"])
+                go = os.path.join(work, "go")
+                walls[kind].append(_run_writers("diskreplay", path, 4, n_batches, 0, go=go)["wall"])
         rows = 4 * n_batches * 512
         print("\nappend, 4 writer processes, 512-row commits      rows/s        local disk      ratio")
         rate = {k: rows / min(v) for k, v in walls.items()}

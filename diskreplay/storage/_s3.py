@@ -46,7 +46,7 @@ from .base import Buffer, check_range, check_rel
 
 DEFAULT_CACHE_BYTES = 4 << 30
 _MANIFEST_PREFIX = "manifests/"
-_PROBED: set = set()  # (endpoint, bucket) pairs whose conditional writes passed the probe in this process
+_PROBED: set = set()  # endpoints whose conditional writes passed the probe in this process
 _OWN_OPTIONS = ("allow_http", "retry_timeout", "max_retries", "connect_timeout", "timeout",
                 "multipart_threshold")
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -87,6 +87,11 @@ def _short(exc: BaseException) -> str:
     text = str(exc).split("Debug source", 1)[0]
     text = re.sub(r"<\?xml.*", "", text, flags=re.S)
     return " ".join(text.split())[:240]
+
+
+def _flag(value: Any) -> bool:
+    """A boolean option given as a bool or as text (``--storage-option allow_http=false``)."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
 def _generation_of(rel: str) -> int:
@@ -156,7 +161,7 @@ class S3Storage:
         self.retry_timeout = float(own.get("retry_timeout", 30.0))
         self.multipart_threshold = int(own.get("multipart_threshold", 4 << 30))
         client_options: Dict[str, Any] = {
-            "allow_http": bool(own.get("allow_http", str(self.endpoint).startswith("http://")))}
+            "allow_http": _flag(own.get("allow_http", str(self.endpoint).startswith("http://")))}
         for key in ("connect_timeout", "timeout"):
             if key in own:
                 client_options[key] = datetime.timedelta(seconds=float(own[key]))
@@ -364,11 +369,12 @@ class S3Storage:
     def probe_create_if_absent(self, reldir: str) -> None:
         """Raise :class:`ConditionalWriteError` (naming the URL) unless conditional PUTs work here.
 
-        The full probe runs once per endpoint and bucket in a process (it costs
-        seconds on seaweedfs, whose losing PUTs wait for a lock); later stores
-        there only check bucket, credentials and endpoint.
+        The full probe runs once per endpoint in a process (conditional writes
+        are the server's; the probe costs seconds on seaweedfs, whose losing
+        PUTs wait for a lock); later stores there only check bucket,
+        credentials and endpoint.
         """
-        key = (self.endpoint, self.bucket)
+        key = self.endpoint
         if key in _PROBED:
             self.check()
             return
