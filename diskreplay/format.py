@@ -685,7 +685,8 @@ def _newest_by_probing(storage: Any) -> Tuple[Manifest, List[str]]:
     problems: List[str] = []
     for _ in range(MAX_RELISTS):
         hint = getattr(storage, "generation_hint", 0)
-        newest = _probe_up(storage, hint)
+        # without a hint a listing is the better start (generation 1 is long collected in a long run)
+        newest = _probe_up(storage, hint) if hint else 0
         if newest == hint and (hint == 0 or not _exists(storage, manifest_file(hint))):
             gens = list_generations(storage)
             newest = _probe_up(storage, gens[0]) if gens else 0

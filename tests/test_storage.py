@@ -405,7 +405,7 @@ def test_server_without_conditional_writes(s3_servers, tmp_path):
             # 501 is a server error, which is retried until retry_timeout.
             st = S3Storage(f"s3://{bucket}/p", {**server.storage_options, "endpoint": proxy.endpoint,
                                                 "retry_timeout": 1}, cache_dir=str(tmp_path / mode))
-            st.write_new("plain", b"ordinary writes still work")
+            st.replace("plain", b"ordinary writes still work")
             with pytest.raises(ConditionalWriteError, match=what):
                 st.probe_conditional_put()
             if mode == "reject":

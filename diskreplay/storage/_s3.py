@@ -52,8 +52,9 @@ _OWN_OPTIONS = ("allow_http", "retry_timeout", "max_retries", "connect_timeout",
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
                      "InvalidToken", "AuthorizationHeaderMalformed"}
 _NOT_SUPPORTED_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest"}
-_CONDITIONAL_FIX = ("use a server with conditional writes (AWS S3, recent MinIO, seaweedfs, Ceph RGW 18+, "
-                    "Cloudflare R2) or a single-writer store")
+_CONDITIONAL_FIX = ("every commit to a store in an object store is a conditional PUT: use a server with atomic "
+                    "conditional writes (AWS S3, recent MinIO, seaweedfs 4.48+, Ceph RGW 18+, Cloudflare R2), "
+                    "or keep the store on a local or shared filesystem")
 
 
 def _obstore():

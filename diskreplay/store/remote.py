@@ -95,6 +95,7 @@ class RemoteSegment(Segment):
         path = storage.fetch_ranges(entry.file, [] if pages is not None else None, size=entry.bytes, evict=False,
                                     tag=self.tag)
         self.cache_path = path
+        self._complete = False
         url = f"{storage.url}/{entry.file}"
         try:
             super().__init__(path, entry.bytes, schema, entry.num_rows, expected_crc, pages)
@@ -104,6 +105,8 @@ class RemoteSegment(Segment):
 
     def missing_ranges(self, pages: np.ndarray) -> List[Tuple[int, int]]:
         """Byte ranges of the given pages not checked yet (what a read of them must fetch)."""
+        if self.complete():
+            return []
         pages = np.asarray(pages, dtype=np.int64)
         todo = pages[~self._verified[pages]]
         if not len(todo):
@@ -111,6 +114,15 @@ class RemoteSegment(Segment):
         mark = np.zeros(len(self._verified), dtype=bool)
         mark[todo] = True
         return _page_runs(np.flatnonzero(mark), self.pages.page_bytes, self.size)
+
+    @staticmethod
+    def prefetch_ends(storage: Any, entry: fmt.SegmentEntry, page_bytes: int = 8192) -> None:
+        """Fetch a segment's first and last page before its checksums are known: Arrow's
+        schema and batch header, and its footer, usually lie there (saves a round trip)."""
+        size = entry.bytes
+        ranges = [(0, min(page_bytes, size))] + ([(max(page_bytes, size - page_bytes), size)]
+                                                  if size > page_bytes else [])
+        storage.fetch_ranges(entry.file, ranges, size=size, evict=False, tag=f"{entry.bytes}-{entry.crc32c:08x}")
 
     @staticmethod
     def prefetch_frame(storage: Any, entry: fmt.SegmentEntry, pages: PageChecksums) -> None:
@@ -121,9 +133,17 @@ class RemoteSegment(Segment):
         ranges = [r for r in ((0, min(head, size)), (tail, size)) if r[1] > r[0]]
         storage.fetch_ranges(entry.file, ranges, size=size, evict=False, tag=f"{entry.bytes}-{entry.crc32c:08x}")
 
+    def complete(self) -> bool:
+        """Every page fetched and checked (then a read needs no fetch and no page arithmetic)."""
+        if not self._complete:
+            self._complete = bool(self._verified.all())
+        return self._complete
+
     def column_ranges(self, names: Sequence[str], ragged: Sequence[str]) -> List[Tuple[int, int]]:
         """Missing byte ranges of the per-row columns ``names`` and of the validity and
         offsets of the ragged ones (what a read needs before it knows where values lie)."""
+        if self.complete():
+            return []
         base = self._base.address
         spans = [(b.address - base, b.address - base + b.size)
                  for name in names
@@ -137,6 +157,8 @@ class RemoteSegment(Segment):
 
     def value_ranges_of(self, names: Sequence[str], local_rows: np.ndarray) -> List[Tuple[int, int]]:
         """Missing byte ranges of the values of ``local_rows`` in the ragged columns ``names``."""
+        if self.complete():
+            return []
         parts = [self.value_ranges(name, local_rows)[:-1] for name in names]
         if not parts:
             return []
@@ -153,8 +175,9 @@ class RemoteSegment(Segment):
             raise CacheEvictedError(f"{self.path}: its cache file was evicted while mapped")
 
     def _verify_pages(self, pages: np.ndarray) -> None:
-        self.fetch(self.missing_ranges(pages))
-        super()._verify_pages(pages)
+        if not self._complete:
+            self.fetch(self.missing_ranges(pages))
+            super()._verify_pages(pages)
 
     def verify_whole(self, crc: int) -> None:
         self.fetch(None)

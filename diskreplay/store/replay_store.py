@@ -228,8 +228,10 @@ class ReplayStore:
     def _has_format_file(self) -> bool:
         if not self.remote:
             return os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
-        self.storage.check()  # a missing bucket or refused credentials: one clear error now
-        return self.storage.exists(fmt.FORMAT_FILE)
+        if self.storage.exists(fmt.FORMAT_FILE):
+            return True
+        self.storage.check()  # not found: a missing bucket gives its one clear error here
+        return False
 
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
         if self.remote:
@@ -956,20 +958,24 @@ class ReplayStore:
         then Arrow's header and footer pages), all segments at once: a cold batch then
         costs two rounds of requests instead of two per segment."""
         todo = [e for e in entries if e.id not in self._segments and e.groups_bytes]
-        if len(todo) < 2:
+        if not todo:
             return
-
-        def prepare(e: fmt.SegmentEntry) -> Tuple[int, Any]:
-            pages = self._pages.get(e.id)
-            if pages is None:
-                pages = self._sidecar(e)[3]
+        pool = self._io_pool()
+        # one round: the sidecars, and each segment's first and last page (where Arrow's
+        # header and footer usually lie) before the sidecar's checksums say exactly where
+        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in todo]
+        sidecars = [(e, pool.submit(self._sidecar, e)) for e in todo if e.id not in self._pages]
+        for e, fut in sidecars:
+            pages = fut.result()[3]
             if pages is not None:
-                RemoteSegment.prefetch_frame(self.storage, e, pages)
-            return e.id, pages
-
-        for sid, pages in self._io_pool().map(prepare, todo):
-            if pages is not None:
-                self._pages.setdefault(sid, pages)
+                self._pages.setdefault(e.id, pages)
+        for fut in ends:
+            fut.result()
+        # a header or footer larger than a page: the rest, exactly (usually nothing to fetch)
+        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id])
+                  for e in todo if e.id in self._pages]
+        for fut in frames:
+            fut.result()
 
     def _trim_cache(self) -> None:
         """Object store: bring the local cache within ``cache_bytes`` between reads, and
