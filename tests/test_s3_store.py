@@ -481,3 +481,31 @@ def test_a_reserved_id_taken_twice_is_never_committed(s3_server, s3_url, tmp_pat
     assert verify_store(s3_url, storage_options=opts)["ok"]
     with _open(s3_url, s3_server, tmp_path / "d", readonly=True) as store:
         assert store.read(store.row_ids())["prompt_id"].tolist() == [1_200_000] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("multi_writer", [True, False])
+def test_state_machine_on_object_storage(s3_server, monkeypatch, multi_writer):
+    """The store-vs-model state machine of ``diskreplay.testing.stateful`` (writers
+    interleaving appends with and without tokens, retries, compactions, merges,
+    reopens; a fresh reader checked against the model after every step) with its
+    store in the bucket, configured by the AWS_* variables alone."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from diskreplay.testing.stateful import SingleWriterMachine, WritersMachine
+
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    bucket = s3_server.new_bucket()
+    runs = iter(range(1000))
+
+    class OnS3(WritersMachine if multi_writer else SingleWriterMachine):
+        def new_location(self) -> str:
+            return f"s3://{bucket}/run{next(runs)}"
+
+    run_state_machine_as_test(OnS3, settings=settings(
+        max_examples=3, stateful_step_count=8, deadline=None, derandomize=True,
+        suppress_health_check=list(HealthCheck)))
