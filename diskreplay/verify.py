@@ -50,7 +50,8 @@ def verify_store(path: Any, progress: bool = False, *, storage_options: Optional
     "checked_files", "checked_bytes"}``. ``ok`` is False exactly when there are
     problems: damaged, missing, hostile or inconsistent files, each named in
     its message. Unreferenced and temporary files are warnings (a crashed
-    writer leaves them; the next writer removes them).
+    writer leaves them; the next writer removes them). ``path`` may be
+    ``s3://bucket/prefix`` (with ``storage_options``, or the ``AWS_*`` variables).
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -149,6 +150,8 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
     not: a single-writer store while a process holds its lock; a multi-writer
     store (which has no lock) while any manifest or temporary file is younger
     than ``LIVE_SECONDS``, unless ``force=True`` (you have stopped every writer).
+    A store in an object store (``s3://...``, ``storage_options``) has no lock
+    and is treated like a multi-writer store; its quarantine is a copy and a delete.
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
