@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
              "policy-version range. Opens the store read-only; streams it to count tokens.",
              "  diskreplay info runs/grpo/replay\n"
              "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n", [remote, common])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
 
     p = _sub(subs, "export", cmd_export, "export live rows to parquet / jsonl / hf / zarr",
              "Export the live rows of a store, streaming chunk by chunk (memory bounded by ~64 MiB of\n"
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay export runs/grpo/replay rollouts.txt --format jsonl\n"
              + EXIT_CODES + "\n",
              [remote, common, out, rows, tok])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (parquet, jsonl) or directory (hf, zarr)")
     p.add_argument("--format", "-f", choices=["parquet", "jsonl", "hf", "zarr"],
                    help="output format (default: from OUT's name, see above)")
@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
              "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n"
              + EXIT_CODES + "\n", [common, out, rows, tok, cur])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--min-margin", type=float, default=0.0, metavar="M",
                    help="keep pairs whose reward margin is >= M (default: 0, i.e. any positive margin)")
@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
              "  diskreplay best-of-n runs/grpo/replay sft.parquet --k 4\n"
              + EXIT_CODES + "\n", [common, out, rows, tok, cur])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--k", type=_positive_int, default=1, metavar="K", help="completions per group (default: 1)")
     p.add_argument("--min-reward", type=float, metavar="R",
@@ -555,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
              "Rewrite the live rows into fewer, larger segments in one atomic commit (readers that\n"
              "have the store open keep working). Takes the writer lock: stop the writer first.",
              "  diskreplay compact runs/grpo/replay\n" + EXIT_CODES + "\n", [remote, common])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("--multi-writer", nargs="?", const="true", choices=["true", "false"], default=None,
                    help="also convert to a multi-writer store (=false: back to one writer); stop all writers first")
 
@@ -565,14 +565,14 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay verify runs/grpo/replay\n"
              "  diskreplay verify runs/grpo/replay --json\n" + EXIT_CODES + " (1 also: problems found)\n",
              [remote, common])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
 
     p = _sub(subs, "repair", cmd_repair, "repair what verify finds",
              "Repair a damaged store (fall back to the newest intact commit, remove garbage).\n"
              "--dry-run lists the actions a repair would report, without changing anything.",
              "  diskreplay repair runs/grpo/replay --dry-run\n"
              "  diskreplay repair runs/grpo/replay\n" + EXIT_CODES + "\n", [remote, common])
-    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX where the command takes --storage-option)")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be done")
     p.add_argument("--force", action="store_true",
                    help="repair a multi-writer store written in the last 60 s (you have stopped every writer)")

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from diskreplay import (ArgumentError, BatchError, CommitConflictError, ConditionalWriteError, CorruptStoreError,
-                        ObjectStoreError,
-                        ReadOnlyError, ReplayStore, RowsEvictedError, SchemaError, StoreNotFoundError)
+                        ObjectStoreError, PromptGroupSampler, ReadOnlyError, ReplayLoader, ReplayStore,
+                        RowsEvictedError, SchemaError, StoreNotFoundError)
 from diskreplay.verify import repair_store, verify_store
 
 from .conftest import assert_rows_equal
@@ -66,6 +66,13 @@ def test_round_trip_reopen_readonly_snapshot(s3_server, s3_url, tmp_path):
         snap.close()
         assert store.group_keys() == [100_000 + s for s in range(4)]
         assert store.stats()["cache"]["fetched_bytes"] > 0
+        sampler = PromptGroupSampler(samples_per_group=2, strategy="variance", seed=0)
+        rows = sampler.sample(store, 4, groups=[100_001, 100_003])
+        assert sorted(set(store.read(rows)["prompt_id"].tolist())) == [100_001, 100_003]
+        with ReplayLoader(store, PromptGroupSampler(samples_per_group=4, seed=1), batch_size=8,
+                          pad_token_id=0) as loader:
+            batch = next(iter(loader))
+        assert batch["completion_ids"].shape[0] == 8
     with _open(s3_url, s3_server, tmp_path) as again:  # the stored options, a writer again
         assert (len(again), again.capacity, again.group_key) == (16, None, "prompt_id")
         assert again.load_state("sampler")["cursor"] == 7
@@ -323,7 +330,8 @@ _WRITER = textwrap.dedent("""
     import numpy as np
     from diskreplay import ReplayStore
     {batch}
-    url, opts, writer, steps, cache = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    url, opts, cache = sys.argv[1], json.loads(sys.argv[2]), sys.argv[5]
+    writer, steps = int(sys.argv[3]), int(sys.argv[4])
     with ReplayStore(url, storage_options=opts, cache_dir=cache) as store:
         print("open", flush=True)
         for step in range(steps):

@@ -1097,6 +1097,9 @@ def bench_remote(args) -> None:
     seaweedfs (``weed server -s3``) against the same store on local disk, in one run."""
     from tests.s3servers import start
 
+    # The client is obstore: python tools/s3_clients.py compares it with s3fs and pyarrow.fs
+    # (lowest per-request cost, create-if-absent with its own error, concurrent range GETs;
+    # diskreplay/storage/_s3.py has the numbers).
     work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-remote-")
     os.makedirs(work, exist_ok=True)
     server = start("seaweedfs", os.path.join(work, "weed"))
@@ -1162,8 +1165,8 @@ def bench_remote(args) -> None:
         print("\nreopen + first batch (512 rows), cold             ms            local disk      ratio")
         c = {k: statistics.median(v) * 1e3 for k, v in cold.items()}
         row("seaweedfs, empty cache", f"{c['remote']:.1f}", f"{c['local']:.1f}", f"{c['remote'] / c['local']:.2f}")
-        row("bytes fetched / bytes needed (cold batch)", f"{statistics.median(f / n for f, n in zip(fetched, needed)):.2f}",
-            "", "")
+        ratio = statistics.median(f / n for f, n in zip(fetched, needed))
+        row("bytes fetched / bytes needed (cold batch)", f"{ratio:.2f}", "", "")
 
         # -- warm: every page of the store local (page cache / full object cache); random batches
         full = os.path.join(work, "cache-full")
