@@ -27,9 +27,9 @@ from ..segment import PageChecksums, Segment
 from .committer import DATA_SWEEP_DIRS, Committer
 
 
-class CacheEvictedError(CorruptStoreError):
-    """A mapped cache file was evicted while a read still needed more of it (internal: the
-    store maps the segment again and repeats the read)."""
+class _CacheEvicted(Exception):
+    """Control flow, never seen by callers: a mapped cache file was evicted while a read
+    still needed more of it; the store maps the segment again and repeats the read."""
 
 
 class RemoteCommitter(Committer):
@@ -172,7 +172,7 @@ class RemoteSegment(Segment):
             return
         path = self.storage.fetch_ranges(self.rel, ranges, size=self.size, evict=False, tag=self.tag)
         if path != self.cache_path:
-            raise CacheEvictedError(f"{self.path}: its cache file was evicted while mapped")
+            raise _CacheEvicted(self.path)
 
     def _verify_pages(self, pages: np.ndarray) -> None:
         if not self._complete:

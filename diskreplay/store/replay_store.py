@@ -37,7 +37,7 @@ from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, index_of_column, ragged_run
-from .remote import CacheEvictedError, RemoteCommitter, RemoteSegment, fetch_for_read
+from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
 from .storage import LocalStorage, open_storage
 from .tokens import check_token, digest
 
@@ -998,12 +998,16 @@ class ReplayStore:
         ``cache_bytes``), map it again and repeat once."""
         try:
             return action()
-        except CacheEvictedError:
+        except _CacheEvicted:
             self._trim_cache()
             self._segments.clear()
             for pages in self._pages.values():
                 pages.verified[:] = False
+        try:
             return action()
+        except _CacheEvicted:
+            raise ArgumentError(f"{self.path}: the local cache lost files one read still needed twice; raise "
+                                "cache_bytes (or give each process its own cache_dir)") from None
 
     def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
