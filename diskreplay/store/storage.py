@@ -2,10 +2,12 @@
 
 The commit protocol (``committer.py``) and the store's reads are written
 against :class:`~diskreplay.storage.base.Storage` only (its contract is in
-that module), so the object-store backend (:class:`~diskreplay.storage.S3Storage`,
-where "create if absent" is a conditional PUT) plugs in without touching them. :class:`LocalStorage` is the
-POSIX implementation; its writes keep the fast paths the single-writer store
-always had (a fresh file written in place, one rename for a replaced one).
+that module; ``Storage`` here is that class), so the object-store backend
+(:class:`~diskreplay.storage.S3Storage`, where "create if absent" is a
+conditional PUT) plugs in without touching them. :class:`LocalStorage` is
+the POSIX implementation; its writes keep the fast paths the single-writer
+store always had (a fresh file written in place, one rename for a replaced
+one).
 
 Paths are relative to the store (``segments/000000000007.arrow``), built from
 integer ids by ``diskreplay.format``, never taken from a file's contents.
