@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import random
 import re
 import secrets
 import threading
@@ -288,23 +289,39 @@ class S3Storage:
 
     def _create(self, rel: str, view: memoryview) -> bool:
         """One conditional PUT: True if it created ``rel``, False if the server
-        said the name exists (412 Precondition Failed)."""
-        try:
-            # One PUT: the condition is checked with the object (a multipart
-            # upload checks it only at completion); conditional objects are
-            # manifests and probes, far below S3's 5 GiB single-PUT limit.
-            self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
-            if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
-                self.generation_hint = max(self.generation_hint, _generation_of(rel))
-            return True
-        except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
-            return False
-        except (self._exc.BaseError, OSError) as exc:
-            if _s3_code(exc) in _NOT_SUPPORTED_CODES or _http_status(exc) == 501:
-                raise ConditionalWriteError(
-                    f"{self._url_of(rel)}: the server at {self.endpoint} rejects conditional writes "
-                    f"(If-None-Match: *): {_short(exc)}; {_CONDITIONAL_FIX}") from None
-            raise self._error(exc, "conditional PUT", rel) from None
+        said the name exists (412 Precondition Failed).
+
+        The client does not retry a conditional PUT that failed after it was
+        sent (it is not idempotent to the client), so a connection dropped
+        mid-request (a server restart) is retried here, within
+        ``retry_timeout``; a retry that finds the name taken answers False,
+        and :meth:`put_if_absent` then compares the bytes (our own first
+        attempt may have landed).
+        """
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                # One PUT: the condition is checked with the object (a multipart
+                # upload checks it only at completion); conditional objects are
+                # segments, manifests and probes, below S3's 5 GiB single-PUT limit.
+                self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
+                if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
+                    self.generation_hint = max(self.generation_hint, _generation_of(rel))
+                return True
+            except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
+                return False
+            except (self._exc.BaseError, OSError) as exc:
+                if _s3_code(exc) in _NOT_SUPPORTED_CODES or _http_status(exc) == 501:
+                    raise ConditionalWriteError(
+                        f"{self._url_of(rel)}: the server at {self.endpoint} rejects conditional writes "
+                        f"(If-None-Match: *): {_short(exc)}; {_CONDITIONAL_FIX}") from None
+                status = _http_status(exc)
+                transient = (status is None and _s3_code(exc) is None) or (status is not None and status >= 500)
+                if not transient or time.monotonic() + delay > deadline:
+                    raise self._error(exc, "conditional PUT", rel) from None
+                time.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, 2.0)
 
     def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
         rel = check_rel(rel)
