@@ -27,9 +27,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .errors import DiskReplayError
+from .errors import ArgumentError, DiskReplayError, StoreNotFoundError
 
 PROG = "diskreplay"
 EXIT_CODES = ("exit status: 0 success, 1 error (one line on stderr), 2 usage error, "
@@ -113,11 +113,87 @@ def _codec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _store(args: argparse.Namespace) -> str:
-    """The command's store path, or the one-line refusal when no store is there (nothing is created)."""
+def _store(args: argparse.Namespace) -> Any:
+    """The command's store path, or the one-line refusal when no store is there (nothing is created).
+
+    An ``s3://`` store comes back opened read-only (with ``--storage-option``s),
+    since the export functions take a store or a local path.
+    """
     from .export import require_store
 
+    if _remote(args):
+        return _open_remote(args, readonly=True)
     return require_store(args.path)
+
+
+def _remote(args: argparse.Namespace) -> bool:
+    from .storage import is_remote
+
+    return is_remote(args.path)
+
+
+def _storage_options(args: argparse.Namespace) -> Optional[Dict[str, str]]:
+    """``--storage-option KEY=VALUE`` pairs (obstore's S3 settings; AWS_* variables fill in the rest)."""
+    pairs = getattr(args, "storage_option", None) or []
+    if pairs and not _remote(args):
+        raise ArgumentError(f"--storage-option is for s3:// stores; {args.path} is a local path")
+    return dict(pairs) or None
+
+
+def _open_remote(args: argparse.Namespace, readonly: bool) -> Any:
+    """Open the ``s3://`` store of the command; StoreNotFoundError when none is there (nothing is created)."""
+    from .store import ReplayStore
+
+    options = _storage_options(args)
+    if not readonly:
+        ReplayStore(args.path, readonly=True, storage_options=options).close()  # refuses a missing store
+    return ReplayStore(args.path, readonly=readonly, storage_options=options)
+
+
+def _key_value(text: str) -> Tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. endpoint=http://127.0.0.1:9000), got {text!r}")
+    return key.strip(), value
+
+
+def _import_remote(args: argparse.Namespace, run: Callable[[str], Dict[str, Any]]) -> Dict[str, Any]:
+    """``import`` into an ``s3://`` store: build the store in a local temporary directory
+    with the importer, then append its rows to the bucket's store in commits of one
+    segment each (a new store gets the same options; row ids start where the store ends)."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    from .store import ReplayStore
+
+    options = _storage_options(args)
+    tmp = tempfile.mkdtemp(prefix="diskreplay-import-")
+    try:
+        res = run(os.path.join(tmp, "store"))
+        with ReplayStore(os.path.join(tmp, "store"), readonly=True) as src:
+            if args.append:
+                dst = _open_remote(args, readonly=False)
+            else:
+                try:
+                    ReplayStore(args.path, readonly=True, storage_options=options).close()
+                except StoreNotFoundError:
+                    pass
+                else:
+                    raise ArgumentError(f"a store exists at {args.path}; pass --append to add rows to it "
+                                        "(replacing a store in a bucket is not supported: delete it first)")
+                dst = ReplayStore(args.path, capacity=src.capacity, group_key=src.group_key,
+                                  capacity_bytes=src.capacity_bytes, storage_options=options)
+            with dst:
+                for seg in src.manifest.segments:
+                    rows = np.arange(max(seg.first_row, src.head), seg.end_row, dtype=np.int64)
+                    batch = src.read(rows)
+                    dst.extend({k: v.to_list() if hasattr(v, "to_list") else v for k, v in batch.items()})
+                res.update(path=args.path, store_rows=len(dst))
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------
@@ -127,7 +203,12 @@ def _store(args: argparse.Namespace) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from .export import format_info, store_info
 
-    info = store_info(_store(args), progress=_progress(args))
+    store = _store(args)
+    try:
+        info = store_info(store, progress=_progress(args))
+    finally:
+        if not isinstance(store, str):
+            store.close()
     _emit(args, info, format_info(info))
     return 0
 
@@ -135,11 +216,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export
 
-    res = export(_store(args), args.out, args.format, columns=_columns(args.columns),
+    store = _store(args)
+    res = export(store, args.out, args.format, columns=_columns(args.columns),
                  policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
                  tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                  reward_key=args.reward_key, overwrite=args.overwrite, progress=_progress(args),
                  compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force)
+    if not isinstance(store, str):
+        store.close()
     _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
                      + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")"))
     return 0
@@ -150,11 +234,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .export.importer import _AUTO
 
     group_key: Any = None if args.no_group_key else (args.group_key or _AUTO)
-    res = import_rollouts(args.src, args.path, format=args.format, mapping=args.map or None,
-                          aliases=args.aliases, columns=_columns(args.columns), group_key=group_key,
-                          capacity=_AUTO if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
-                          chunk_rows=args.chunk_rows, append=args.append, overwrite=args.overwrite,
-                          split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
+
+    def run(path: str, append: bool = args.append) -> Dict[str, Any]:
+        return import_rollouts(args.src, path, format=args.format, mapping=args.map or None,
+                               aliases=args.aliases, columns=_columns(args.columns), group_key=group_key,
+                               capacity=_AUTO if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
+                               chunk_rows=args.chunk_rows, append=append, overwrite=args.overwrite,
+                               split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
+
+    res = _import_remote(args, lambda tmp: run(tmp, False)) if _remote(args) else run(args.path)
     text = (f"imported {res['rows']:,} rows from {args.src} ({res['format']}) into {res['path']}; "
             f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
     if res.get("skipped"):
@@ -195,8 +283,12 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from .store import ReplayStore
 
     multi = {None: None, "true": True, "false": False}[getattr(args, "multi_writer", None)]
-    with ReplayStore(_store(args)) as store:  # the check first: a writer's open creates a missing store
-        res = store.compact(multi_writer=multi)
+    if _remote(args):
+        with _open_remote(args, readonly=False) as store:
+            res = store.compact(multi_writer=multi)
+    else:
+        with ReplayStore(_store(args)) as store:  # the check first: a writer's open creates a missing store
+            res = store.compact(multi_writer=multi)
     parts = []
     for what in ("segments", "bytes"):
         if f"{what}_before" in res and f"{what}_after" in res:
@@ -214,7 +306,12 @@ def _verify_module() -> Any:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    res = _verify_module().verify_store(_store(args), progress=_progress(args))
+    if _remote(args):
+        _store(args).close()  # the one-line refusal of a missing store
+        res = _verify_module().verify_store(args.path, progress=_progress(args),
+                                            storage_options=_storage_options(args))
+    else:
+        res = _verify_module().verify_store(_store(args), progress=_progress(args))
     ok = bool(res.get("ok"))
     problems = list(res.get("problems", []))
     text = f"{args.path}: ok" if ok else f"{args.path}: {len(problems)} problem(s)\n" + "\n".join(
@@ -227,8 +324,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    res = _verify_module().repair_store(_store(args), dry_run=args.dry_run, progress=_progress(args),
-                                        force=getattr(args, "force", False))
+    if _remote(args):
+        _store(args).close()  # the one-line refusal of a missing store
+        res = _verify_module().repair_store(args.path, dry_run=args.dry_run, progress=_progress(args),
+                                            force=getattr(args, "force", False),
+                                            storage_options=_storage_options(args))
+    else:
+        res = _verify_module().repair_store(_store(args), dry_run=args.dry_run, progress=_progress(args),
+                                            force=getattr(args, "force", False))
     actions = list(res.get("actions", []))
     if not actions:
         text = f"{args.path}: nothing to repair"
@@ -265,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true",
                         help="no progress bars (they are shown only when stderr is a terminal anyway)")
     common.add_argument("--json", action="store_true", help="print the result as JSON (for scripts)")
+    # PATH may be s3://BUCKET/PREFIX in these commands (the export functions take a store object)
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--storage-option", action="append", type=_key_value, metavar="KEY=VALUE",
+                        help="for an s3://BUCKET/PREFIX store: a client setting (endpoint, access_key_id, "
+                             "secret_access_key, region, retry_timeout, ...); the AWS_* environment variables "
+                             "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) fill in what is not given")
 
     tok = argparse.ArgumentParser(add_help=False)
     tok.add_argument("--tokenizer", metavar="DIR",
@@ -307,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
              "kinds and types, reward/advantage statistics (mean/std/min/max over live rows) and the\n"
              "policy-version range. Opens the store read-only; streams it to count tokens.",
              "  diskreplay info runs/grpo/replay\n"
-             "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n", [common])
-    p.add_argument("path", metavar="PATH", help="store directory")
+             "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n", [remote, common])
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
 
     p = _sub(subs, "export", cmd_export, "export live rows to parquet / jsonl / hf / zarr",
              "Export the live rows of a store, streaming chunk by chunk (memory bounded by ~64 MiB of\n"
@@ -334,8 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay export runs/grpo/replay archive.zarr --overwrite\n"
              "  diskreplay export runs/grpo/replay rollouts.txt --format jsonl\n"
              + EXIT_CODES + "\n",
-             [common, out, rows, tok])
-    p.add_argument("path", metavar="PATH", help="store directory")
+             [remote, common, out, rows, tok])
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (parquet, jsonl) or directory (hf, zarr)")
     p.add_argument("--format", "-f", choices=["parquet", "jsonl", "hf", "zarr"],
                    help="output format (default: from OUT's name, see above)")
@@ -371,9 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay import more.parquet runs/restored --append\n"
              "  diskreplay import runs/other_run/replay runs/merged --append\n"
              "  diskreplay import more.parquet runs/capped --append --allow-evict\n"
-             + EXIT_CODES + "\n", [common])
+             + EXIT_CODES + "\n", [remote, common])
     p.add_argument("src", metavar="SRC", help="source file or directory")
-    p.add_argument("path", metavar="PATH", help="store directory to create")
+    p.add_argument("path", metavar="PATH", help="store directory to create (or s3://BUCKET/PREFIX)")
     p.add_argument("--format", "-f", choices=["auto", "parquet", "jsonl", "hf", "zarr", "store"], default="auto",
                    help="source format (default: auto, from the layout, name or first bytes); 'store' copies "
                         "another diskreplay store (with --append: merges it)")
@@ -423,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
              "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n"
              + EXIT_CODES + "\n", [common, out, rows, tok, cur])
-    p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--min-margin", type=float, default=0.0, metavar="M",
                    help="keep pairs whose reward margin is >= M (default: 0, i.e. any positive margin)")
@@ -436,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
              "  diskreplay best-of-n runs/grpo/replay sft.parquet --k 4\n"
              + EXIT_CODES + "\n", [common, out, rows, tok, cur])
-    p.add_argument("path", metavar="PATH", help="store directory")
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--k", type=_positive_int, default=1, metavar="K", help="completions per group (default: 1)")
     p.add_argument("--min-reward", type=float, metavar="R",
@@ -445,8 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "compact", cmd_compact, "rewrite live rows into fewer, larger segments",
              "Rewrite the live rows into fewer, larger segments in one atomic commit (readers that\n"
              "have the store open keep working). Takes the writer lock: stop the writer first.",
-             "  diskreplay compact runs/grpo/replay\n" + EXIT_CODES + "\n", [common])
-    p.add_argument("path", metavar="PATH", help="store directory")
+             "  diskreplay compact runs/grpo/replay\n" + EXIT_CODES + "\n", [remote, common])
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("--multi-writer", nargs="?", const="true", choices=["true", "false"], default=None,
                    help="also convert to a multi-writer store (=false: back to one writer); stop all writers first")
 
@@ -455,15 +564,15 @@ def build_parser() -> argparse.ArgumentParser:
              "Exit status 0 when the store is healthy, 1 when problems were found.",
              "  diskreplay verify runs/grpo/replay\n"
              "  diskreplay verify runs/grpo/replay --json\n" + EXIT_CODES + " (1 also: problems found)\n",
-             [common])
-    p.add_argument("path", metavar="PATH", help="store directory")
+             [remote, common])
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
 
     p = _sub(subs, "repair", cmd_repair, "repair what verify finds",
              "Repair a damaged store (fall back to the newest intact commit, remove garbage).\n"
              "--dry-run lists the actions a repair would report, without changing anything.",
              "  diskreplay repair runs/grpo/replay --dry-run\n"
-             "  diskreplay repair runs/grpo/replay\n" + EXIT_CODES + "\n", [common])
-    p.add_argument("path", metavar="PATH", help="store directory")
+             "  diskreplay repair runs/grpo/replay\n" + EXIT_CODES + "\n", [remote, common])
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be done")
     p.add_argument("--force", action="store_true",
                    help="repair a multi-writer store written in the last 60 s (you have stopped every writer)")

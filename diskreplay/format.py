@@ -228,14 +228,20 @@ class StoreOptions:
             late_columns=late,
         )
 
-    def write(self, root: str) -> None:
+    def write(self, root: Any) -> None:
+        """Write ``FORMAT.json`` into ``root``: a directory or a :class:`~diskreplay.storage.Storage`."""
+        root = _dir(root)
+        if _is_storage(root):
+            root.replace(FORMAT_FILE, signed_bytes(self.body()), step="format")
+            return
         durable_write(os.path.join(root, FORMAT_FILE), signed_bytes(self.body()), step="format")
 
     @classmethod
-    def read(cls, root: str) -> "StoreOptions":
-        path = os.path.join(root, FORMAT_FILE)
+    def read(cls, root: Any) -> "StoreOptions":
+        root = _dir(root)
+        path = _where(root, FORMAT_FILE)
         try:
-            doc, verified = read_signed_json(path)
+            doc, verified = _read_signed(root, FORMAT_FILE)
             options = cls.from_dict(doc, path, verified)
         except FormatError as exc:
             raise FormatError(f"{exc} ({path})") from None
@@ -269,11 +275,12 @@ def shared_schema_bytes(schema: Schema) -> bytes:
     return signed_bytes({"format": SCHEMA_FORMAT, "version": FORMAT_VERSION, "schema": schema.to_list()})
 
 
-def read_shared_schema(root: str) -> Optional[Schema]:
+def read_shared_schema(root: Any) -> Optional[Schema]:
     """The schema a multi-writer store's first extend fixed, or None before it."""
-    path = os.path.join(root, SCHEMA_FILE)
+    root = _dir(root)
+    path = _where(root, SCHEMA_FILE)
     try:
-        doc, verified = read_signed_json(path)
+        doc, verified = _read_signed(root, SCHEMA_FILE)
     except FileNotFoundError:
         return None
     doc = _check_header(doc, SCHEMA_FORMAT, path)
@@ -709,7 +716,11 @@ class Manifest:
             raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
                               f"next_row {self.next_row}")
 
-    def write(self, root: str) -> None:
+    def write(self, root: Any) -> None:
+        root = _dir(root)
+        if _is_storage(root):
+            root.replace(self.file, signed_bytes(self.body()), step="manifest")
+            return
         durable_write(os.path.join(root, self.file), signed_bytes(self.body()), step="manifest")
 
 
@@ -741,25 +752,30 @@ def load_manifest(path: str, generation: Optional[int] = None) -> Manifest:
     return m
 
 
-def list_generations(root: str) -> List[int]:
-    """Manifest generations present in ``root``, newest first."""
+def list_generations(root: Any) -> List[int]:
+    """Manifest generations present in ``root`` (a directory or a Storage), newest first."""
+    root = _dir(root)
     try:
-        names = os.listdir(os.path.join(root, MANIFEST_DIR))
+        names = root.list(MANIFEST_DIR) if _is_storage(root) else os.listdir(os.path.join(root, MANIFEST_DIR))
     except FileNotFoundError:
         return []
     gens = [int(m.group(1)) for m in map(_MANIFEST_NAME.match, names) if m]
     return sorted(gens, reverse=True)
 
 
-def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
+def load_newest_manifest(root: Any) -> Tuple[Manifest, List[str]]:
     """The newest manifest that parses and verifies, and the problems met on the way.
 
     An empty store gives ``Manifest()``. Raises ``CorruptStoreError`` naming the
     files when manifests exist but none is intact. A reader whose directory
     listing went stale while a writer committed and cleaned up (every listed
     manifest deleted before it could be opened) lists again rather than
-    mistaking the store for an empty one.
+    mistaking the store for an empty one. An object store is probed instead
+    (:func:`_newest_by_probing`): its listings are not relied on.
     """
+    root = _dir(root)
+    if _is_storage(root):
+        return _newest_by_probing(root)
     for _ in range(MAX_RELISTS):
         problems: List[str] = []
         vanished = False
@@ -781,7 +797,7 @@ def load_newest_manifest(root: str) -> Tuple[Manifest, List[str]]:
     return Manifest(), problems
 
 
-def manifest_docs(root: str) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
+def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
     """Intact manifests by generation, and the manifests that could not be read.
 
     A damaged manifest (bad JSON, checksum, format) is left out of both: it
@@ -789,14 +805,120 @@ def manifest_docs(root: str) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
     is reported with its error: it may be intact and name files, so clean-up
     must not treat it, or the files it may name, as garbage.
     """
+    root = _dir(root)
     out: Dict[int, Manifest] = {}
     unreadable: Dict[int, str] = {}
     for gen in list_generations(root):
-        path = os.path.join(root, manifest_file(gen))
+        path = _where(root, manifest_file(gen))
         try:
-            out[gen] = load_manifest(path)
+            out[gen] = read_manifest(root, gen) if _is_storage(root) else load_manifest(path)
         except (CorruptStoreError, FormatError, FileNotFoundError):
             continue
         except OSError as exc:
             unreadable[gen] = f"{path}: {exc}"
     return out, unreadable
+
+
+# ---------------------------------------------------------------------------
+# Reading through a Storage (an object store has no paths to open)
+
+
+def _is_storage(root: Any) -> bool:
+    """True for an object store; a local Storage is read as its directory (one code path for local stores)."""
+    return getattr(root, "remote", False)
+
+
+def _dir(root: Any) -> Any:
+    """``root`` itself, or a local Storage's directory."""
+    return root if isinstance(root, (str, os.PathLike)) or _is_storage(root) else root.url
+
+
+def _where(root: Any, rel: str) -> str:
+    """How messages name ``rel`` of ``root`` (a path, or the object's URL)."""
+    return f"{root.url.rstrip('/')}/{rel}" if _is_storage(root) else os.path.join(root, rel)
+
+
+def _read_signed(root: Any, rel: str) -> Tuple[Any, bool]:
+    if not _is_storage(root):
+        return read_signed_json(os.path.join(root, rel))
+    raw = root.read_bytes(rel, MAX_JSON_BYTES)
+    return _parse_json(raw, _where(root, rel)), _signature_in_bytes(raw)
+
+
+def read_manifest(root: Any, generation: int) -> Manifest:
+    """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage)."""
+    root = _dir(root)
+    if not _is_storage(root):
+        return load_manifest(os.path.join(root, manifest_file(generation)), generation)
+    where = _where(root, manifest_file(generation))
+    doc, verified = _read_signed(root, manifest_file(generation))
+    m = Manifest.from_dict(doc, where, verified)
+    if m.generation != generation:
+        raise CorruptStoreError(f"{where} says it is generation {m.generation}")
+    return m
+
+
+def _exists(storage: Any, rel: str) -> bool:
+    try:
+        storage.size(rel)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _newest_by_probing(storage: Any) -> Tuple[Manifest, List[str]]:
+    """The newest intact manifest of an object store, found with HEAD requests.
+
+    Commits create generations N, N+1, ... in order and clean-up removes only
+    old ones, so the generations present above any present one are
+    contiguous: from a hint (the newest this storage saw before, else a
+    listing, which may be stale) probe +1, +2, +4, ... until one is missing,
+    then binary-search the gap. About 2 log2(commits since the hint) HEADs; a
+    listing is needed only when the hint itself was collected.
+    """
+    problems: List[str] = []
+    for _ in range(MAX_RELISTS):
+        hint = getattr(storage, "generation_hint", 0)
+        # without a hint a listing is the better start (generation 1 is long collected in a long run)
+        newest = _probe_up(storage, hint) if hint else 0
+        if newest == hint and (hint == 0 or not _exists(storage, manifest_file(hint))):
+            gens = list_generations(storage)
+            newest = _probe_up(storage, gens[0]) if gens else 0
+        if newest == 0:
+            return Manifest(), problems
+        problems = []
+        vanished = False
+        for gen in range(newest, 0, -1):
+            try:
+                m = read_manifest(storage, gen)
+            except FileNotFoundError:
+                vanished = gen == newest  # collected between the probe and the read: probe again
+                break
+            except (CorruptStoreError, FormatError) as exc:
+                problems.append(str(exc))
+                continue
+            storage.generation_hint = gen
+            return m, problems
+        if not vanished:
+            break
+        storage.generation_hint = 0
+    if problems:
+        raise CorruptStoreError("no intact manifest in " + storage.url + ": " + "; ".join(problems))
+    raise CorruptStoreError(f"the manifests of {storage.url} kept vanishing while being read: is something "
+                            "deleting them?")
+
+
+def _probe_up(storage: Any, low: int) -> int:
+    """The highest present generation above ``low`` (``low`` itself when none is)."""
+    step = 1
+    while _exists(storage, manifest_file(low + step)):
+        low += step
+        step *= 2
+    high = low + step
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _exists(storage, manifest_file(mid)):
+            low = mid
+        else:
+            high = mid
+    return low

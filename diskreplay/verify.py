@@ -10,6 +10,11 @@ and checks that row ids are contiguous. Every problem names its file.
 ``repair_store`` holds the writer lock and brings a damaged store back to its
 newest intact commit. It never deletes: damaged, unreferenced and temporary
 files move into ``STORE/quarantine/``, where a person can inspect them.
+
+Both work on a directory or on ``s3://bucket/prefix`` (``storage_options=``):
+all their file access goes through :class:`_Files`, whose object-store form
+reads through the storage (each object fetched once into its local cache,
+checked, and parsed from there) and quarantines by copy-then-delete.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c,
 from .errors import CorruptStoreError, FormatError, StoreLockedError, StoreNotFoundError
 from .store import ops
 from .store.committer import Committer
+from .storage import S3Storage, is_remote
 from .store.storage import LocalStorage
 from .segment import ArrowFile, PageChecksums, Segment, decode_state, encode_ipc, group_sidecar
 
@@ -36,14 +42,16 @@ _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, 
 CATCH_UPS = 20
 
 
-def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
+def verify_store(path: Any, progress: bool = False, *, storage_options: Optional[Dict[str, Any]] = None
+                 ) -> Dict[str, Any]:
     """Check every file of the store at ``path`` without changing anything.
 
     Returns ``{"ok", "generation", "rows", "problems", "warnings",
     "checked_files", "checked_bytes"}``. ``ok`` is False exactly when there are
     problems: damaged, missing, hostile or inconsistent files, each named in
     its message. Unreferenced and temporary files are warnings (a crashed
-    writer leaves them; the next writer removes them).
+    writer leaves them; the next writer removes them). ``path`` may be
+    ``s3://bucket/prefix`` (with ``storage_options``, or the ``AWS_*`` variables).
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -59,25 +67,28 @@ def verify_store(path: Any, progress: bool = False) -> Dict[str, Any]:
     >>> report["ok"], "segments/000000000000.arrow" in report["problems"][0]
     (False, True)
     """
-    root = os.path.abspath(os.fspath(path))
-    for _ in range(CATCH_UPS):
-        r = _verify_once(root, progress)
-        # A live writer may have committed and collected files of the commit being
-        # checked (legitimately): those are not damage. Check the newer commit instead.
-        if r.generation == 0 or not r.problems or _newest_generation(root) <= r.generation:
-            break
-    return r.result()
+    files = _Files.open(path, storage_options)
+    try:
+        for _ in range(CATCH_UPS):
+            r = _verify_once(files, progress)
+            # A live writer may have committed and collected files of the commit being
+            # checked (legitimately): those are not damage. Check the newer commit instead.
+            if r.generation == 0 or not r.problems or _newest_generation(files) <= r.generation:
+                break
+        return r.result()
+    finally:
+        files.close()
 
 
-def _newest_generation(root: str) -> int:
-    gens = fmt.list_generations(root)
+def _newest_generation(files: "_Files") -> int:
+    gens = fmt.list_generations(files.root)
     return gens[0] if gens else 0
 
 
-def _verify_once(root: str, progress: bool) -> "_Report":
-    r = _Report(root)
-    if not os.path.isdir(root):
-        r.problem(f"{root} is not a directory")
+def _verify_once(files: "_Files", progress: bool) -> "_Report":
+    r = _Report(files)
+    if not files.is_store_dir():
+        r.problem(f"{files.url} is not a directory")
         return r
     options = _check_format_file(r)
     manifests, damaged = _scan_manifests(r)
@@ -117,14 +128,15 @@ def _verify_once(root: str, progress: bool) -> "_Report":
                 if rel in checked or size == 0:
                     continue
                 checked.add(rel)
-                problem = _check_size(r.root, rel, size)
-                if problem and os.path.exists(_rel(r.root, m.file)):
+                problem = _check_size(r.files, rel, size)
+                if problem and r.files.exists(m.file):
                     r.warn(f"{problem} (referenced by the older {m.file})")
     _scan_unreferenced(r, manifests)
     return r
 
 
-def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force: bool = False) -> Dict[str, Any]:
+def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force: bool = False, *,
+                 storage_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Roll the store at ``path`` back to its newest intact commit and tidy it.
 
     Holds the writer lock (raises ``StoreLockedError`` while a writer has the
@@ -144,6 +156,8 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
     not: a single-writer store while a process holds its lock; a multi-writer
     store (which has no lock) while any manifest or temporary file is younger
     than ``LIVE_SECONDS``, unless ``force=True`` (you have stopped every writer).
+    A store in an object store (``s3://...``, ``storage_options``) has no lock
+    and is treated like a multi-writer store; its quarantine is a copy and a delete.
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -156,22 +170,31 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
     >>> verify_store(d)["ok"]
     True
     """
-    root = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(os.path.join(root, fmt.FORMAT_FILE)):
+    files = _Files.open(path, storage_options)
+    try:
+        return _repair(files, dry_run, progress, force)
+    finally:
+        files.close()
+
+
+def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict[str, Any]:
+    root = files.url
+    if not files.exists(fmt.FORMAT_FILE):
         raise StoreNotFoundError(f"no diskreplay store at {root} (no {fmt.FORMAT_FILE})")
     lock = None
     try:
-        multi = fmt.StoreOptions.read(root).multi_writer
+        multi = fmt.StoreOptions.read(files.root).multi_writer
     except (CorruptStoreError, FormatError):
         multi = False  # run() reports the damaged FORMAT.json
-    if multi:
-        age = _youngest_activity(root)
+    if multi or files.remote:  # an object store has no lock: a live writer is told by its recent commits
+        age = files.youngest_activity()
         if age < LIVE_SECONDS and not force:
-            raise StoreLockedError(f"{root} is a multi-writer store that was written {age:.0f} s ago; repair "
+            kind = "a multi-writer store" if multi else "a store on object storage (which has no lock)"
+            raise StoreLockedError(f"{root} is {kind} that was written {age:.0f} s ago; repair "
                                    f"refuses a store with live writers: stop them all and run repair again, or pass "
                                    f"--force (force=True) if none is running")
     else:
-        lock = WriterLock(os.path.join(root, fmt.LOCK_FILE))
+        lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
         try:
             lock.acquire()
         except StoreLockedError:
@@ -182,7 +205,7 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
             lock.release()
             lock = None
     try:
-        return _Repair(root, dry_run, progress).run()
+        return _Repair(files, dry_run, progress).run()
     finally:
         if lock is not None:
             lock.release()
@@ -191,31 +214,22 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
 LIVE_SECONDS = 60
 
 
-def _youngest_activity(root: str) -> float:
-    """Seconds since the newest manifest or temporary file of a multi-writer store was written."""
-    now, youngest = time.time(), float("inf")
-    for d in fmt.DATA_DIRS:
-        for name in os.listdir(_rel(root, d)) if os.path.isdir(_rel(root, d)) else ():
-            if d == fmt.MANIFEST_DIR or name.startswith(TMP_PREFIX):
-                try:
-                    youngest = min(youngest, now - os.lstat(_rel(root, f"{d}/{name}")).st_mtime)
-                except FileNotFoundError:
-                    youngest = 0.0
-    return youngest
-
-
 # --------------------------------------------------------------------------- verify
 
 
 @dataclass
 class _Report:
-    root: str
+    files: "_Files"
     problems: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
     generation: int = 0
     rows: int = 0
     checked_files: int = 0
     checked_bytes: int = 0
+
+    @property
+    def root(self) -> Any:
+        return self.files.root
 
     def problem(self, message: str) -> None:
         self.problems.append(message)
@@ -229,8 +243,242 @@ class _Report:
                 "checked_files": self.checked_files, "checked_bytes": self.checked_bytes}
 
 
-def _rel(root: str, rel: str) -> str:
+def _rel(root: Any, rel: str) -> str:
+    """How messages name ``rel`` of the store (a path, or an object's URL)."""
+    if isinstance(root, _Files):
+        return root.where(rel)
+    if not isinstance(root, str):
+        return f"{root.url}/{rel}"
     return os.path.join(root, rel)
+
+
+class _Files:
+    """The files of a store as verify and repair see them: a directory, where
+    symlinks and non-regular files are damage too, or an object store."""
+
+    remote = False
+
+    def __init__(self, root: str) -> None:
+        self.url = root
+        self.root: Any = root  # what the format functions read from
+        self.storage: Any = LocalStorage(root)
+
+    @staticmethod
+    def open(path: Any, storage_options: Optional[Dict[str, Any]]) -> "_Files":
+        if is_remote(path):
+            return _RemoteFiles(S3Storage(path, storage_options))
+        if storage_options:
+            raise StoreNotFoundError(f"storage_options are for s3:// URLs; {path!r} is a local path")
+        return _Files(os.path.abspath(os.fspath(path)))
+
+    def close(self) -> None:
+        pass
+
+    def where(self, rel: str) -> str:
+        return os.path.join(self.url, rel)
+
+    def is_store_dir(self) -> bool:
+        return os.path.isdir(self.url)
+
+    def exists(self, rel: str) -> bool:
+        return os.path.lexists(self.where(rel))
+
+    def format_file(self) -> Optional[int]:
+        """The size of FORMAT.json (None: missing); CorruptStoreError if it is no plain file."""
+        try:
+            st = os.lstat(self.where(fmt.FORMAT_FILE))
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptStoreError(f"{self.where(fmt.FORMAT_FILE)} is not a regular file (a symlink is not allowed)")
+        return st.st_size
+
+    def size_problem(self, rel: str, size: int) -> Optional[str]:
+        path = self.where(rel)
+        if _linked_dir(self.url, rel):
+            return f"{path} lies in a symlinked directory, which is not allowed"
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return f"{path} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{path} is not a regular file (a symlink is not allowed)"
+        if st.st_size != size:
+            return f"{path} has {st.st_size} bytes but the manifest records {size}"
+        return None
+
+    def local(self, rel: str, size: int) -> str:
+        """A local file with ``rel``'s bytes (to map, parse and checksum)."""
+        return self.where(rel)
+
+    def crc(self, rel: str, size: int) -> int:
+        return file_crc32c(self.local(rel, size))
+
+    def manifest(self, gen: int) -> fmt.Manifest:
+        path = self.where(fmt.manifest_file(gen))
+        if _linked_dir(self.url, fmt.manifest_file(gen)):
+            raise CorruptStoreError(f"{path} lies in a symlinked directory, which is not allowed")
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptStoreError(f"{path} is not a regular file (a symlink is not allowed)")
+        return fmt.load_manifest(path, gen)
+
+    def entries(self) -> List[Tuple[str, bool]]:
+        """``(relative path, is_dir)`` of everything in the store outside ``quarantine/``."""
+        out = []
+        root = self.url
+        for name in sorted(os.listdir(root)):
+            full = _rel(root, name)
+            is_dir = os.path.isdir(full) and not os.path.islink(full)
+            out.append((name, is_dir))
+            if is_dir and name in fmt.DATA_DIRS:
+                for sub in sorted(os.listdir(full)):
+                    out.append((f"{name}/{sub}",
+                                os.path.isdir(_rel(full, sub)) and not os.path.islink(_rel(full, sub))))
+        return out
+
+    def is_link(self, rel: str) -> bool:
+        return os.path.islink(self.where(rel))
+
+    def quarantined(self) -> int:
+        q = self.where(QUARANTINE_DIR)
+        return len(os.listdir(q)) if os.path.isdir(q) and not os.path.islink(q) else 0
+
+    def youngest_activity(self) -> float:
+        """Seconds since the newest manifest or temporary file was written."""
+        now, youngest = time.time(), float("inf")
+        for d in fmt.DATA_DIRS:
+            for name in os.listdir(self.where(d)) if os.path.isdir(self.where(d)) else ():
+                if d == fmt.MANIFEST_DIR or name.startswith(TMP_PREFIX):
+                    try:
+                        youngest = min(youngest, now - os.lstat(self.where(f"{d}/{name}")).st_mtime)
+                    except FileNotFoundError:
+                        youngest = 0.0
+        return youngest
+
+    def check_dirs(self, quarantine) -> None:
+        if os.path.islink(self.where(fmt.FORMAT_FILE)):
+            raise CorruptStoreError(f"{self.where(fmt.FORMAT_FILE)} is a symlink; repair will not follow it")
+        for d in fmt.DATA_DIRS:
+            p = self.where(d)
+            if os.path.islink(p) or (os.path.exists(p) and not os.path.isdir(p)):
+                if quarantine(d, "it is not a directory (a symlink is not allowed)"):
+                    os.makedirs(p, exist_ok=True)
+
+    def free_name(self, dest_rel: str) -> str:
+        n, dest = 0, dest_rel
+        while os.path.lexists(self.where(dest)):
+            n += 1
+            dest = f"{dest_rel}.{n}"
+        return dest
+
+    def move(self, rel: str, dest_rel: str) -> None:
+        dest = self.where(dest_rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.rename(self.where(rel), dest)
+
+    def write(self, rel: str, data: Any) -> None:
+        durable_write(self.where(rel), data)
+
+    def sync(self) -> None:
+        for d in ("",) + fmt.DATA_DIRS:
+            if os.path.isdir(self.where(d)):
+                fsync_dir(self.where(d))
+
+
+class _RemoteFiles(_Files):
+    """A store in an object store: objects have no kinds (no symlinks), and a
+    quarantine is a copy then a delete (there is no rename)."""
+
+    remote = True
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.root = storage
+        self.url = storage.url
+
+    def close(self) -> None:
+        self.storage.close()
+
+    def where(self, rel: str) -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def is_store_dir(self) -> bool:
+        self.storage.check()  # a missing bucket or refused credentials: one clear error
+        return True
+
+    def exists(self, rel: str) -> bool:
+        return self.storage.exists(rel)
+
+    def format_file(self) -> Optional[int]:
+        try:
+            return self.storage.size(fmt.FORMAT_FILE)
+        except FileNotFoundError:
+            return None
+
+    def size_problem(self, rel: str, size: int) -> Optional[str]:
+        try:
+            got = self.storage.size(rel)
+        except FileNotFoundError:
+            return f"{self.where(rel)} is missing"
+        if got != size:
+            return f"{self.where(rel)} has {got} bytes but the manifest records {size}"
+        return None
+
+    def local(self, rel: str, size: int) -> str:
+        return self.storage.local_path(rel, size=size)
+
+    def manifest(self, gen: int) -> fmt.Manifest:
+        return fmt.read_manifest(self.storage, gen)
+
+    def entries(self) -> List[Tuple[str, bool]]:
+        out = [(d, True) for d in fmt.DATA_DIRS] + [(n, False) for n in self.storage.list("")]
+        if self.quarantined():
+            out.append((QUARANTINE_DIR, True))
+        for d in fmt.DATA_DIRS:
+            out += [(f"{d}/{n}", False) for n in self.storage.list(d)]
+        return sorted(out)
+
+    def is_link(self, rel: str) -> bool:
+        return False
+
+    def quarantined(self) -> int:
+        return len(self.storage.list(QUARANTINE_DIR)) + sum(
+            len(self.storage.list(f"{QUARANTINE_DIR}/{d}")) for d in fmt.DATA_DIRS)
+
+    def youngest_activity(self) -> float:
+        try:
+            m, _ = fmt.load_newest_manifest(self.storage)
+        except (CorruptStoreError, FormatError):
+            gens = fmt.list_generations(self.storage)
+            m = fmt.Manifest(generation=gens[0]) if gens else fmt.Manifest()
+        if m.generation == 0:
+            return float("inf")
+        try:
+            return self.storage.age(m.file)
+        except FileNotFoundError:
+            return 0.0
+
+    def check_dirs(self, quarantine) -> None:
+        pass
+
+    def free_name(self, dest_rel: str) -> str:
+        n, dest = 0, dest_rel
+        while self.storage.exists(dest):
+            n += 1
+            dest = f"{dest_rel}.{n}"
+        return dest
+
+    def move(self, rel: str, dest_rel: str) -> None:
+        # copy first: a failure between the two leaves the file in both places, never in neither
+        self.storage.write_new(dest_rel, self.storage.read_bytes(rel))
+        self.storage.delete(rel)
+
+    def write(self, rel: str, data: Any) -> None:
+        self.storage.replace(rel, data)
+
+    def sync(self) -> None:
+        pass
 
 
 def _bar(progress: bool, total: int, desc: str) -> Any:
@@ -244,17 +492,17 @@ def _bar(progress: bool, total: int, desc: str) -> Any:
 
 
 def _check_format_file(r: _Report) -> Optional[fmt.StoreOptions]:
-    path = _rel(r.root, fmt.FORMAT_FILE)
+    path = _rel(r.files, fmt.FORMAT_FILE)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+        size = r.files.format_file()
+    except CorruptStoreError as exc:
+        r.problem(str(exc))
+        return None
+    if size is None:
         r.problem(f"{path} is missing; this is not a diskreplay store")
         return None
-    if not stat.S_ISREG(st.st_mode):
-        r.problem(f"{path} is not a regular file (a symlink is not allowed)")
-        return None
     r.checked_files += 1
-    r.checked_bytes += st.st_size
+    r.checked_bytes += size
     try:
         return fmt.StoreOptions.read(r.root)
     except (CorruptStoreError, FormatError) as exc:
@@ -264,29 +512,25 @@ def _check_format_file(r: _Report) -> Optional[fmt.StoreOptions]:
     return None
 
 
-def _load_manifest(root: str, gen: int) -> fmt.Manifest:
-    path = _rel(root, fmt.manifest_file(gen))
-    if _linked_dir(root, fmt.manifest_file(gen)):
-        raise CorruptStoreError(f"{path} lies in a symlinked directory, which is not allowed")
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptStoreError(f"{path} is not a regular file (a symlink is not allowed)")
+def _load_manifest(files: _Files, gen: int) -> fmt.Manifest:
+    path = files.where(fmt.manifest_file(gen))
     try:
-        return fmt.load_manifest(path, gen)
+        return files.manifest(gen)
     except (CorruptStoreError, FormatError, FileNotFoundError):
         raise
     except Exception as exc:
         raise CorruptStoreError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
-def _scan_manifests(r: Optional[_Report], root: Optional[str] = None
+def _scan_manifests(r: Optional[_Report], files: Optional[_Files] = None
                     ) -> Tuple[List[fmt.Manifest], List[Tuple[int, str]]]:
     """Intact manifests newest first, and ``(generation, message)`` of damaged ones."""
-    root = r.root if r is not None else root
+    files = r.files if r is not None else files
+    root = files
     intact, damaged = [], []
-    for gen in fmt.list_generations(root):
+    for gen in fmt.list_generations(files.root):
         try:
-            m = _load_manifest(root, gen)
+            m = _load_manifest(files, gen)
         except FileNotFoundError:
             continue
         except (CorruptStoreError, FormatError) as exc:
@@ -301,7 +545,7 @@ def _scan_manifests(r: Optional[_Report], root: Optional[str] = None
 
 
 def _check_rows(r: _Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]) -> None:
-    where = _rel(r.root, m.file)
+    where = _rel(r.files, m.file)
     prev_end = None
     for s in m.segments:
         if prev_end is not None and s.first_row != prev_end:
@@ -322,7 +566,7 @@ def _check_rows(r: _Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]
             r.problem(f"{where}: {m.num_rows} live rows exceed capacity {options.capacity_rows} "
                       f"of {fmt.FORMAT_FILE}")
         if m.segments and options.schema is None:
-            r.problem(f"{where} has rows but {_rel(r.root, fmt.FORMAT_FILE)} records no schema")
+            r.problem(f"{where} has rows but {_rel(r.files, fmt.FORMAT_FILE)} records no schema")
 
 
 def _with_late_columns(r: "_Report", options: Optional[fmt.StoreOptions],
@@ -355,28 +599,17 @@ def _linked_dir(root: str, rel: str) -> bool:
     return "/" in rel and os.path.islink(_rel(root, rel.split("/", 1)[0]))
 
 
-def _check_size(root: str, rel: str, size: int) -> Optional[str]:
-    path = _rel(root, rel)
-    if _linked_dir(root, rel):
-        return f"{path} lies in a symlinked directory, which is not allowed"
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return f"{path} is missing"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{path} is not a regular file (a symlink is not allowed)"
-    if st.st_size != size:
-        return f"{path} has {st.st_size} bytes but the manifest records {size}"
-    return None
+def _check_size(files: _Files, rel: str, size: int) -> Optional[str]:
+    return files.size_problem(rel, size)
 
 
 def _check_checksum(r: _Report, rel: str, size: int, crc: int, bar: Any) -> Optional[str]:
     """Size and CRC-32C of one file; the problem, or None."""
-    problem = _check_size(r.root, rel, size)
+    problem = _check_size(r.files, rel, size)
     if problem:
         return problem
-    path = _rel(r.root, rel)
-    got = file_crc32c(path)
+    path = _rel(r.files, rel)
+    got = r.files.crc(rel, size)
     r.checked_files += 1
     r.checked_bytes += size
     if bar is not None:
@@ -396,7 +629,7 @@ def _check_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreO
     group_key = options.group_key if options is not None else None
     if group_key is None:
         if s.groups_bytes:
-            r.problem(f"{_rel(r.root, fmt.MANIFEST_DIR)}: segment {s.id} records a group sidecar but "
+            r.problem(f"{_rel(r.files, fmt.MANIFEST_DIR)}: segment {s.id} records a group sidecar but "
                       f"{fmt.FORMAT_FILE} has no group key")
         return
     problem = _check_checksum(r, s.groups_file, s.groups_bytes, s.groups_crc32c, bar)
@@ -404,15 +637,16 @@ def _check_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreO
         r.problem(problem)
         return
     if seg is not None:
-        problem = _compare_sidecar(r.root, s, seg, group_key)
+        problem = _compare_sidecar(r.files, s, seg, group_key)
         if problem:
             r.problem(problem)
 
 
 def _open_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreOptions]) -> Optional[Segment]:
-    path = _rel(r.root, s.file)
+    path = _rel(r.files, s.file)
     try:
-        seg = Segment(path, s.bytes, options.schema if options is not None else None, s.num_rows)
+        seg = Segment(r.files.local(s.file, s.bytes), s.bytes, options.schema if options is not None else None,
+                      s.num_rows)
         # full validation: offsets inside their buffers, monotone, etc.
         seg.batch.validate(full=True)
         return seg
@@ -423,10 +657,11 @@ def _open_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreOp
     return None
 
 
-def _compare_sidecar(root: str, s: fmt.SegmentEntry, seg: Segment, group_key: str) -> Optional[str]:
-    path = _rel(root, s.groups_file)
+def _compare_sidecar(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key: str) -> Optional[str]:
+    path = _rel(files, s.groups_file)
+    root = files
     try:
-        side = ArrowFile(path, s.groups_bytes).batch
+        side = ArrowFile(files.local(s.groups_file, s.groups_bytes), s.groups_bytes).batch
         keys = seg.column(group_key)
         want = group_sidecar(keys, s.first_row)
     except CorruptStoreError as exc:
@@ -444,9 +679,9 @@ def _check_state(r: _Report, st: fmt.StateEntry, bar: Any) -> None:
     if problem:
         r.problem(problem)
         return
-    path = _rel(r.root, st.file)
+    path = _rel(r.files, st.file)
     try:
-        with open(path, "rb") as f:
+        with open(r.files.local(st.file, st.bytes), "rb") as f:
             decode_state(f.read(), path)
     except CorruptStoreError as exc:
         r.problem(str(exc))
@@ -462,31 +697,20 @@ def _referenced(manifests: Iterable[fmt.Manifest]) -> Set[str]:
     return out
 
 
-def _store_entries(root: str) -> List[Tuple[str, bool]]:
-    """``(relative path, is_dir)`` of everything in the store outside ``quarantine/``."""
-    out = []
-    for name in sorted(os.listdir(root)):
-        full = _rel(root, name)
-        is_dir = os.path.isdir(full) and not os.path.islink(full)
-        out.append((name, is_dir))
-        if is_dir and name in fmt.DATA_DIRS:
-            for sub in sorted(os.listdir(full)):
-                out.append((f"{name}/{sub}", os.path.isdir(_rel(full, sub)) and not os.path.islink(_rel(full, sub))))
-    return out
-
-
 def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest]) -> None:
     referenced = _referenced(manifests)
-    for rel, is_dir in _store_entries(r.root):
-        path = _rel(r.root, rel)
+    files = r.files
+    for rel, is_dir in files.entries():
+        path = _rel(files, rel)
         name = os.path.basename(rel)
         if "/" not in rel:
             if name in fmt.DATA_DIRS:
-                if os.path.islink(path) or not is_dir:
+                if files.is_link(rel) or not is_dir:
                     r.problem(f"{path} is not a directory (a symlink is not allowed)")
             elif name == QUARANTINE_DIR:
-                if is_dir and os.listdir(path):
-                    r.warn(f"{path} holds {len(os.listdir(path))} quarantined file(s) from an earlier repair")
+                n = files.quarantined()
+                if is_dir and n:
+                    r.warn(f"{path} holds {n} quarantined file(s) from an earlier repair")
             elif name.startswith(TMP_PREFIX):
                 r.warn(f"{path} is a temporary file left by an interrupted write")
             elif name not in _ROOT_NAMES:
@@ -496,7 +720,7 @@ def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest]) -> None:
             continue
         if name.startswith(TMP_PREFIX):
             r.warn(f"{path} is a temporary file left by an interrupted write")
-        elif os.path.islink(path):
+        elif files.is_link(rel):
             r.warn(f"{path} is an unreferenced symlink")
         elif rel.startswith(fmt.MANIFEST_DIR + "/"):
             if not fmt._MANIFEST_NAME.match(name):
@@ -509,8 +733,9 @@ def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest]) -> None:
 
 
 class _Repair:
-    def __init__(self, root: str, dry_run: bool, progress: bool) -> None:
-        self.root, self.dry_run, self.progress = root, dry_run, progress
+    def __init__(self, files: _Files, dry_run: bool, progress: bool) -> None:
+        self.files, self.dry_run, self.progress = files, dry_run, progress
+        self.root = files
         self.actions: List[str] = []
         self._moved: Set[str] = set()
         self._crc_cache: Dict[Tuple[str, int, int], bool] = {}
@@ -520,8 +745,7 @@ class _Repair:
         key = (rel, size, crc)
         hit = self._crc_cache.get(key)
         if hit is None:
-            path = _rel(self.root, rel)
-            hit = _check_size(self.root, rel, size) is None and file_crc32c(path) == crc
+            hit = _check_size(self.files, rel, size) is None and self.files.crc(rel, size) == crc
             if bar is not None:
                 bar.update(size)
             self._crc_cache[key] = hit
@@ -535,19 +759,12 @@ class _Repair:
 
     def run(self) -> Dict[str, Any]:
         try:
-            options = self.options = fmt.StoreOptions.read(self.root)
+            options = self.options = fmt.StoreOptions.read(self.files.root)
         except (CorruptStoreError, FormatError) as exc:
             raise CorruptStoreError(f"repair cannot rebuild {fmt.FORMAT_FILE}, which holds the schema: {exc}") \
                 from None
-        if os.path.islink(_rel(self.root, fmt.FORMAT_FILE)):
-            raise CorruptStoreError(f"{_rel(self.root, fmt.FORMAT_FILE)} is a symlink; repair will not follow it")
-        for d in fmt.DATA_DIRS:
-            p = _rel(self.root, d)
-            if os.path.islink(p) or (os.path.exists(p) and not os.path.isdir(p)):
-                self._quarantine(d, "it is not a directory (a symlink is not allowed)")
-                if not self.dry_run:
-                    os.makedirs(p, exist_ok=True)
-        intact, damaged = _scan_manifests(None, self.root)
+        self.files.check_dirs(lambda d, why: self._quarantine(d, why) or not self.dry_run)
+        intact, damaged = _scan_manifests(None, self.files)
         if damaged and not intact:
             # Nothing says which files hold committed rows: quarantining them all
             # would empty the store, so leave it for a person to look at.
@@ -572,9 +789,7 @@ class _Repair:
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
         self._quarantine_unreferenced(kept)
         if not self.dry_run:
-            for d in ("",) + fmt.DATA_DIRS:
-                if os.path.isdir(_rel(self.root, d)):
-                    fsync_dir(_rel(self.root, d))
+            self.files.sync()
         return {"actions": self.actions, "generation": generation, "rows": rows}
 
     def _choose(self, intact: List[fmt.Manifest], bar: Any) -> Tuple[Optional[fmt.Manifest], List[fmt.Manifest]]:
@@ -611,7 +826,7 @@ class _Repair:
         for m in intact:
             if chosen is None or m.generation >= chosen.generation:
                 continue
-            bad = [s.file for s in m.segments if _check_size(self.root, s.file, s.bytes)]
+            bad = [s.file for s in m.segments if _check_size(self.files, s.file, s.bytes)]
             if bad:
                 self._quarantine(m.file, f"it references damaged or missing {', '.join(bad)}")
             else:
@@ -630,8 +845,8 @@ class _Repair:
             seg = None
             if ok:
                 try:
-                    seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
-                    ok = _compare_sidecar(self.root, s, seg, options.group_key) is None
+                    seg = Segment(self.files.local(s.file, s.bytes), s.bytes, options.schema, s.num_rows)
+                    ok = _compare_sidecar(self.files, s, seg, options.group_key) is None
                 except CorruptStoreError:
                     ok = True  # the segment itself is unreadable; nothing to rebuild from
             if ok:
@@ -639,19 +854,19 @@ class _Repair:
                 continue
             try:
                 if seg is None:
-                    seg = Segment(_rel(self.root, s.file), s.bytes, options.schema, s.num_rows)
-                with open(_rel(self.root, s.file), "rb") as fh:
+                    seg = Segment(self.files.local(s.file, s.bytes), s.bytes, options.schema, s.num_rows)
+                with open(self.files.local(s.file, s.bytes), "rb") as fh:
                     pages = PageChecksums.of(pa.py_buffer(fh.read()))
                 data = encode_ipc(group_sidecar(seg.column(options.group_key), s.first_row, pages))
             except (CorruptStoreError, KeyError) as exc:
                 self.actions.append(f"cannot rebuild {s.groups_file}: {exc}")
                 entries.append(s)
                 continue
-            if os.path.lexists(_rel(self.root, s.groups_file)):
+            if self.files.exists(s.groups_file):
                 self._quarantine(s.groups_file, "it is damaged")
             self.actions.append(f"rebuilt {s.groups_file} from the group-key column of {s.file}")
             if not self.dry_run:
-                durable_write(_rel(self.root, s.groups_file), data)
+                self.files.write(s.groups_file, data)
             new = fmt.SegmentEntry(s.id, s.first_row, s.num_rows, s.bytes, s.crc32c, data.size, crc32c(data))
             changed |= new != s
             entries.append(new)
@@ -666,18 +881,18 @@ class _Repair:
         self.actions.append(f"wrote manifest generation {m.generation} ({m.file})")
         if self.dry_run:
             return
-        base, _ = fmt.load_newest_manifest(self.root)
+        base, _ = fmt.load_newest_manifest(self.files.root)
         if base.generation > m.generation - 1:
-            raise CorruptStoreError(f"{self.root} changed while repair ran (generation {base.generation}); "
+            raise CorruptStoreError(f"{self.files.url} changed while repair ran (generation {base.generation}); "
                                     "stop every writer and repair again")
         # newer manifests went to quarantine: the commit keeps the generation numbers going up
         base = base.evolve(generation=m.generation - 1)
-        Committer(LocalStorage(self.root), self.options, base).commit(
+        Committer(self.files.storage, self.options, base).commit(
             lambda b: ops.RollBack(m, base.generation), [], install=lambda new: None)
 
     def _quarantine_unreferenced(self, kept: List[fmt.Manifest]) -> None:
         referenced = _referenced(kept)
-        for rel, is_dir in _store_entries(self.root):
+        for rel, is_dir in self.files.entries():
             if rel in self._moved or "/" not in rel and (rel in _ROOT_NAMES or is_dir):
                 continue
             name = os.path.basename(rel)
@@ -693,14 +908,8 @@ class _Repair:
         if rel in self._moved:
             return
         self._moved.add(rel)
-        dest_rel = f"{QUARANTINE_DIR}/{rel}"
-        dest = _rel(self.root, dest_rel)
-        n = 0
-        while os.path.lexists(dest):
-            n += 1
-            dest = _rel(self.root, f"{dest_rel}.{n}")
-        self.actions.append(f"moved {rel} to {os.path.relpath(dest, self.root)} ({why})")
+        dest = self.files.free_name(f"{QUARANTINE_DIR}/{rel}")
+        self.actions.append(f"moved {rel} to {dest} ({why})")
         if self.dry_run:
             return
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        os.rename(_rel(self.root, rel), dest)
+        self.files.move(rel, dest)

@@ -5,6 +5,7 @@
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
     python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
     python tools/bench.py writers [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
+    python tools/bench.py remote [--groups 1024] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -1181,11 +1182,11 @@ WRITER_CHILD = textwrap.dedent("""
 """)
 
 
-def _run_writers(kind: str, path: str, writers: int, n: int, rows: int) -> Dict[str, float]:
+def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str = "") -> Dict[str, float]:
     """``writers`` processes append ``n`` batches each, started together; the wall time from the
     start signal to the last writer's last commit (measured by the writers: interpreter start,
     imports, warm-up and exit are outside it) and their summed stats."""
-    go = path + ".go"
+    go = go or path + ".go"
     if os.path.exists(go):
         os.remove(go)
     env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -1296,9 +1297,145 @@ def bench_writers(args) -> None:
     print(f"  load average at the end {os.getloadavg()[0]:.1f}")
 
 
+# ---------------------------------------------------------------------------
+# remote: the same store in a loopback seaweedfs against local disk
+
+
+def _needed_bytes(batch) -> int:
+    """Bytes of the values a read returned (what a perfect fetch would download)."""
+    total = 0
+    for v in batch.values():
+        if isinstance(v, RaggedColumn):
+            total += v.values.nbytes + 8 * len(v)  # values and one offset per row
+        elif isinstance(v, np.ndarray):
+            total += v.nbytes
+    return total
+
+
+def bench_remote(args) -> None:
+    """Append rows/s (4 writer processes), reopen + first batch cold and warm, bytes
+    fetched over bytes needed and the cache's hit rate: a store in a loopback
+    seaweedfs (``weed server -s3``) against the same store on local disk, in one run."""
+    from tests.s3servers import start
+
+    # The client is obstore: python tools/s3_clients.py compares it with s3fs and pyarrow.fs
+    # (lowest per-request cost, create-if-absent with its own error, concurrent range GETs;
+    # diskreplay/storage/_s3.py has the numbers).
+    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-remote-")
+    os.makedirs(work, exist_ok=True)
+    server = start("seaweedfs", os.path.join(work, "weed"))
+    try:
+        os.environ.update({k: v for k, v in server.env.items()})  # the writer processes find it this way
+        bucket = server.new_bucket()
+        n_batches = max(1, args.groups // 64)
+        print(f"workload: 4 writers x {n_batches} GRPO batches of 512 rows; seaweedfs {server.endpoint} "
+              f"(loopback); local disk under {work}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+        # -- append, 4 writer processes, alternating local and remote runs; best of 2
+        walls: Dict[str, List[float]] = {"local": [], "remote": []}
+        for rep in range(2):
+            for kind in ("local", "remote"):
+                path = (os.path.join(work, f"append{rep}") if kind == "local"
+                        else f"s3://{bucket}/append{rep}")
+                ReplayStore(path, multi_writer=True).close()
+                go = os.path.join(work, "go")
+                walls[kind].append(_run_writers("diskreplay", path, 4, n_batches, 0, go=go)["wall"])
+        rows = 4 * n_batches * 512
+        print("\nappend, 4 writer processes, 512-row commits      rows/s        local disk      ratio")
+        rate = {k: rows / min(v) for k, v in walls.items()}
+        row("seaweedfs (loopback)", f"{rate['remote']:,.0f}", f"{rate['local']:,.0f}",
+            f"{rate['remote'] / rate['local']:.2f}")
+
+        # -- reads: one store of n_batches * 512 rows, written once to each place
+        local = os.path.join(work, "read")
+        url = f"s3://{bucket}/read"
+        for path in (local, url):
+            with ReplayStore(path, capacity=None) as st:
+                for b in make_batches(64 * n_batches, seed=3):
+                    st.extend(b)
+        rng = np.random.default_rng(0)
+        with ReplayStore(local, readonly=True) as st:
+            gi = st.group_index()
+            store_bytes = st.nbytes
+
+        def batch_rows():  # 64 random groups of 8: the GRPO sample
+            g = rng.choice(len(gi), 64, replace=False)
+            return np.concatenate([gi.group(int(i)) for i in g])
+
+        cold: Dict[str, List[float]] = {"local": [], "remote": []}
+        fetched, needed = [], []
+        for rep in range(5):
+            rows_ = batch_rows()
+            for kind in ("local", "remote"):
+                if kind == "local":
+                    evict_from_page_cache(local)
+                    t = time.perf_counter()
+                    with ReplayStore(local, readonly=True) as st:
+                        out = st.read(rows_)
+                    cold[kind].append(time.perf_counter() - t)
+                else:
+                    cache = os.path.join(work, f"cache-cold{rep}")
+                    t = time.perf_counter()
+                    with ReplayStore(url, readonly=True, cache_dir=cache) as st:
+                        out = st.read(rows_)
+                        cold[kind].append(time.perf_counter() - t)
+                        stats = st.stats()["cache"]
+                    fetched.append(stats["fetched_bytes"])
+                    needed.append(_needed_bytes(out))
+                    shutil.rmtree(cache, ignore_errors=True)
+        print("\nreopen + first batch (512 rows), cold             ms            local disk      ratio")
+        c = {k: statistics.median(v) * 1e3 for k, v in cold.items()}
+        row("seaweedfs, empty cache", f"{c['remote']:.1f}", f"{c['local']:.1f}", f"{c['remote'] / c['local']:.2f}")
+        ratio = statistics.median(f / n for f, n in zip(fetched, needed))
+        row("bytes fetched / bytes needed (cold batch)", f"{ratio:.2f}", "", "")
+
+        # -- warm: every page of the store local (page cache / full object cache); random batches
+        full = os.path.join(work, "cache-full")
+        warm: Dict[str, List[float]] = {"local": [], "remote": []}
+        with ReplayStore(local, readonly=True) as lst, ReplayStore(url, readonly=True, cache_dir=full) as rst:
+            every = lst.row_ids()
+            lst.read(every)
+            rst.read(every)
+            for _ in range(3):
+                rows_ = batch_rows()
+                lst.read(rows_)
+                rst.read(rows_)
+            for _ in range(30):
+                rows_ = batch_rows()
+                for kind, st in (("local", lst), ("remote", rst)):
+                    t = time.perf_counter()
+                    st.read(rows_)
+                    warm[kind].append(time.perf_counter() - t)
+        w = {k: statistics.median(v) * 1e3 for k, v in warm.items()}
+        print("\nbatch of 512 rows, warm                          ms            local disk      ratio")
+        row("seaweedfs, cache holds the store", f"{w['remote']:.2f}", f"{w['local']:.2f}",
+            f"{w['remote'] / w['local']:.2f}")
+
+        # -- hit rate over a run with a cache of half the store
+        with ReplayStore(url, readonly=True, cache_dir=os.path.join(work, "cache-half"),
+                         cache_bytes=store_bytes // 2) as st:
+            t = time.perf_counter()
+            for _ in range(100):
+                st.read(batch_rows())
+            run_s = time.perf_counter() - t
+            stats = st.stats()["cache"]
+        print("\ncache of half the store, 100 random batches")
+        row("hit rate (bytes served from the cache)", f"{stats['hit_rate']:.1%}")
+        row("evicted / fetched", f"{_size(stats['evicted_bytes'])} / {_size(stats['fetched_bytes'])}")
+        row("batches per second", f"{100 / run_s:.1f}")
+    finally:
+        server.close()
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers"])
+    p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote"])
     p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload "
                    "(writers: per writer, default 1024)")
     p.add_argument("--commits", type=int, default=100, help="writers: small commits per writer")
@@ -1313,10 +1450,10 @@ def main(argv=None) -> None:
                    help="priorities: live-row counts to measure, comma separated")
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
-    if args.what == "writers" and "--groups" not in (argv if argv is not None else sys.argv):
+    if args.what in ("writers", "remote") and "--groups" not in (argv if argv is not None else sys.argv):
         args.groups = 1024
     {"store": bench_store, "export": bench_export, "sample": bench_sample,
-     "priorities": bench_priorities, "writers": bench_writers}[args.what](args)
+     "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ later (``pwrite`` goes through the page cache that the mapping shares).
 Ranges never fetched read as zeros: the page checksums a store verifies on
 first read catch a reader that skipped fetching.
 
-Eviction is least recently used, over the bytes held. It never changes a
-path a reader may have mapped: a partly fetched file has its blocks freed
-with ``fallocate(PUNCH_HOLE)`` (same inode, the ranges are fetched again on
-demand); a complete file is only unlinked (a mapping keeps its inode alive
-until it is unmapped). A complete file is also published under a name
+Eviction is least recently used, over the bytes held, and only ever
+unlinks a file: a mapping keeps its inode and bytes alive until it is
+unmapped, so arrays a reader already holds stay valid and correct (punching
+holes instead would turn them into zeros under the reader). A later fetch of
+an evicted name makes a new file; the store drops its maps of the names a
+:meth:`ObjectCache.trim` evicted, and reads them again. A complete file is also published under a name
 derived from the object's URL, so another process using the same
 ``cache_dir`` (a restarted trainer, a second rank) finds it without a
 download; partly fetched files stay private to their process, because only
@@ -25,8 +26,6 @@ space until unmapped.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import hashlib
 import os
@@ -45,18 +44,6 @@ from ..errors import ArgumentError, CorruptStoreError
 Range = Tuple[int, int]
 
 _PARTIAL = ".part-"
-_FALLOC_FL_KEEP_SIZE = 1
-_FALLOC_FL_PUNCH_HOLE = 2
-_libc = None
-
-
-def _punch_hole(fd: int, size: int) -> bool:
-    """Free every block of the file behind ``fd`` but keep its size and inode."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    return _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0
 
 
 def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> List[Range]:
@@ -206,6 +193,11 @@ class ObjectCache:
         new sparse file of ``size_of()`` bytes."""
         with self._lock:
             e = self._entries.get(rel)
+            if e is not None and e.complete and not os.path.exists(e.path):
+                # another process sharing the directory evicted the published copy
+                self._entries.pop(rel)
+                self.stats.held_bytes -= e.held
+                e = None
             if e is not None:
                 self._entries.move_to_end(rel)
                 return e
@@ -236,11 +228,12 @@ class ObjectCache:
 
     def fill(self, rel: str, size: int, fetch: Callable[[List[Range]], Sequence[bytes]],
              ranges: Optional[Sequence[Range]], *, coalesce: int = 0,
-             max_get: int = 8 << 20) -> str:
+             max_get: int = 8 << 20, evict: bool = True) -> str:
         """Make ``ranges`` of ``rel`` (all of it when None) present locally and
         return the file's path. ``fetch(missing)`` downloads the given ranges;
         missing ranges less than ``coalesce`` apart are fetched as one, and
-        none is longer than ``max_get`` (so a whole file arrives in parallel parts)."""
+        none is longer than ``max_get`` (so a whole file arrives in parallel parts).
+        ``evict=False`` leaves eviction to the next :meth:`trim`."""
         e = self.entry(rel, lambda: size)
         with e.lock:
             if ranges is None:
@@ -282,8 +275,13 @@ class ObjectCache:
             if not e.complete and e.held == e.size:
                 e.complete = True
                 self._publish(e)
-        self._evict(keep=e)
+        if evict:
+            self._evict(keep=e)
         return e.path
+
+    def trim(self) -> List[str]:
+        """Evict least recently used files until the bound holds; the names evicted."""
+        return self._evict(keep=None)
 
     def _publish(self, e: _Entry) -> None:
         try:
@@ -294,53 +292,47 @@ class ObjectCache:
             return
         e.published = True
 
-    def _evict(self, keep: _Entry) -> None:
+    def _evict(self, keep: Optional[_Entry]) -> List[str]:
+        evicted: List[str] = []
         while True:
             with self._lock:
                 if self.stats.held_bytes <= self.capacity_bytes:
-                    return
+                    return evicted
                 victim = next((e for e in self._entries.values() if e is not keep and e.held), None)
                 if victim is None:
-                    return
+                    return evicted
                 if not victim.lock.acquire(blocking=False):
                     self._entries.move_to_end(victim.rel)
                     continue
             try:
                 freed = victim.held
-                if victim.complete:
-                    # Readers may have this file mapped, other processes too:
-                    # unlink only; the inode lives until the last unmap.
-                    for path in {victim.path, victim.canonical}:
-                        try:
-                            os.unlink(path)
-                        except FileNotFoundError:
-                            pass
-                    drop = True
-                else:
-                    fd = os.open(victim.path, os.O_WRONLY)
+                # Readers may have this file mapped, other processes too: unlink
+                # only; the inode and its bytes live until the last unmap.
+                for path in {victim.path, victim.canonical} if victim.published else {victim.path}:
                     try:
-                        drop = not _punch_hole(fd, victim.size)
-                    finally:
-                        os.close(fd)
-                    if drop:  # no hole punching here: the path changes on refetch
-                        os.unlink(victim.path)
-                    victim.have = []
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+                victim.have = []
                 with self._lock:
                     self.stats.held_bytes -= freed
                     self.stats.evicted_bytes += freed
                     self.stats.evictions += 1
-                    if drop:
-                        self._entries.pop(victim.rel, None)
+                    self._entries.pop(victim.rel, None)
+                evicted.append(victim.rel)
             finally:
                 victim.lock.release()
 
     def forget(self, rel: str) -> None:
-        """Drop ``rel`` (the object was deleted; its name must not serve old bytes)."""
+        """Drop ``rel`` and its tagged copies (``rel#tag``): the object was deleted,
+        and its name must not serve old bytes."""
         with self._lock:
-            e = self._entries.pop(rel, None)
-            if e is not None:
+            keys = [k for k in self._entries if k == rel or k.startswith(rel + "#")]
+            entries = [self._entries.pop(k) for k in keys]
+            for e in entries:
                 self.stats.held_bytes -= e.held
-        for path in {e.path, e.canonical} if e is not None else {self._canonical(rel)}:
+        paths = {p for e in entries for p in (e.path, e.canonical)} or {self._canonical(rel)}
+        for path in paths:
             try:
                 os.unlink(path)
             except OSError as exc:

@@ -32,24 +32,31 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import random
 import re
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import ConditionalWriteError, MissingDependencyError, ObjectStoreError
+from .._fileio import crash_point, run_concurrently
+from ..errors import (CommitConflictError, ConditionalWriteError, CorruptStoreError, MissingDependencyError,
+                      ObjectStoreError)
 from ._cache import CacheStats, ObjectCache
 from .base import Buffer, check_range, check_rel
 
 DEFAULT_CACHE_BYTES = 4 << 30
+_MANIFEST_PREFIX = "manifests/"
+_PROBED: set = set()  # endpoints whose conditional writes passed the probe in this process
 _OWN_OPTIONS = ("allow_http", "retry_timeout", "max_retries", "connect_timeout", "timeout",
                 "multipart_threshold")
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
                      "InvalidToken", "AuthorizationHeaderMalformed"}
 _NOT_SUPPORTED_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest"}
-_CONDITIONAL_FIX = ("use a server with conditional writes (AWS S3, recent MinIO, seaweedfs, Ceph RGW 18+, "
-                    "Cloudflare R2) or a single-writer store")
+_CONDITIONAL_FIX = ("every commit to a store in an object store is a conditional PUT: use a server with atomic "
+                    "conditional writes (AWS S3, recent MinIO, seaweedfs 4.48+, Ceph RGW 18+, Cloudflare R2), "
+                    "or keep the store on a local or shared filesystem")
 
 
 def _obstore():
@@ -83,6 +90,16 @@ def _short(exc: BaseException) -> str:
     text = str(exc).split("Debug source", 1)[0]
     text = re.sub(r"<\?xml.*", "", text, flags=re.S)
     return " ".join(text.split())[:240]
+
+
+def _flag(value: Any) -> bool:
+    """A boolean option given as a bool or as text (``--storage-option allow_http=false``)."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _generation_of(rel: str) -> int:
+    m = re.match(r"manifests/(\d+)\.json$", rel)
+    return int(m.group(1)) if m else 0
 
 
 def parse_s3_url(url: str) -> Tuple[str, str]:
@@ -131,7 +148,7 @@ class S3Storage:
 
     def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None, *,
                  cache_dir: Optional[str] = None, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 coalesce_bytes: int = 64 << 10, align: int = 8192) -> None:
+                 coalesce_bytes: int = 8 << 10, align: int = 8192) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self._init_args = (url, dict(storage_options or {}), cache_dir, cache_bytes, coalesce_bytes, align)
@@ -147,7 +164,7 @@ class S3Storage:
         self.retry_timeout = float(own.get("retry_timeout", 30.0))
         self.multipart_threshold = int(own.get("multipart_threshold", 4 << 30))
         client_options: Dict[str, Any] = {
-            "allow_http": bool(own.get("allow_http", str(self.endpoint).startswith("http://")))}
+            "allow_http": _flag(own.get("allow_http", str(self.endpoint).startswith("http://")))}
         for key in ("connect_timeout", "timeout"):
             if key in own:
                 client_options[key] = datetime.timedelta(seconds=float(own[key]))
@@ -168,6 +185,8 @@ class S3Storage:
                                    f"accepted: obstore's S3 settings (endpoint, access_key_id, "
                                    f"secret_access_key, region, ...) and {', '.join(_OWN_OPTIONS)}") from None
         self.coalesce_bytes = int(coalesce_bytes)
+        #: the newest manifest generation seen: where the search for a newer one starts
+        self.generation_hint = 0
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
 
     # -- errors ---------------------------------------------------------------
@@ -205,9 +224,23 @@ class S3Storage:
 
     # -- the storage interface ----------------------------------------------
 
-    def read_bytes(self, rel: str) -> bytes:
+    #: every request is a network round trip; listings are not relied on for commits
+    remote = True
+
+    def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
         rel = check_rel(rel)
-        return bytes(self._call("GET", rel, self._ob.get, rel).bytes())
+        data = bytes(self._call("GET", rel, self._ob.get, rel).bytes())
+        if limit is not None and len(data) > limit:
+            raise CorruptStoreError(f"{self._url_of(rel)} is {len(data)} bytes; at most {limit} are expected here")
+        return data
+
+    def exists(self, rel: str) -> bool:
+        """Whether the object ``rel`` exists (one HEAD request)."""
+        try:
+            self.size(rel)
+            return True
+        except FileNotFoundError:
+            return False
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         rel = check_rel(rel)
@@ -225,6 +258,14 @@ class S3Storage:
         rel = check_rel(rel)
         return int(self._call("HEAD", rel, self._ob.head, rel)["size"])
 
+    def age(self, rel: str) -> float:
+        """Seconds since ``rel`` was written, by the server's clock against ours
+        (clean-up keeps files younger than ``retain_seconds``: keep clocks within
+        a small fraction of it)."""
+        rel = check_rel(rel)
+        modified = self._call("HEAD", rel, self._ob.head, rel)["last_modified"]
+        return time.time() - modified.timestamp()
+
     def list(self, reldir: str) -> List[str]:
         reldir = check_rel(reldir, allow_root=True)
         out = self._call("LIST", reldir, self._ob.list_with_delimiter, reldir or None)
@@ -237,28 +278,53 @@ class S3Storage:
         self._call(op, rel, self._ob.put, rel, view,
                    use_multipart=len(view) > self.multipart_threshold, **kwargs)
 
-    def write_new(self, rel: str, data: Buffer) -> None:
-        self._put("PUT", check_rel(rel), data)
+    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
+        """Create ``rel``, which must not exist: a conditional PUT, so that a second
+        writer (there is no lock) can never overwrite a file another commit names."""
+        rel = check_rel(rel)
+        if not self.put_if_absent(rel, data):
+            raise CommitConflictError(
+                f"{self._url_of(rel)} already exists: another writer wrote it (an object store has no lock; "
+                "give a single-writer store one writer, or create it with multi_writer=True); nothing was "
+                "overwritten")
 
     def _create(self, rel: str, view: memoryview) -> bool:
         """One conditional PUT: True if it created ``rel``, False if the server
-        said the name exists (412 Precondition Failed)."""
-        try:
-            # One PUT: the condition is checked with the object (a multipart
-            # upload checks it only at completion); conditional objects are
-            # manifests and probes, far below S3's 5 GiB single-PUT limit.
-            self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
-            return True
-        except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
-            return False
-        except (self._exc.BaseError, OSError) as exc:
-            if _s3_code(exc) in _NOT_SUPPORTED_CODES or _http_status(exc) == 501:
-                raise ConditionalWriteError(
-                    f"{self._url_of(rel)}: the server at {self.endpoint} rejects conditional writes "
-                    f"(If-None-Match: *): {_short(exc)}; {_CONDITIONAL_FIX}") from None
-            raise self._error(exc, "conditional PUT", rel) from None
+        said the name exists (412 Precondition Failed).
 
-    def put_if_absent(self, rel: str, data: Buffer) -> bool:
+        The client does not retry a conditional PUT that failed after it was
+        sent (it is not idempotent to the client), so a connection dropped
+        mid-request (a server restart) is retried here, within
+        ``retry_timeout``; a retry that finds the name taken answers False,
+        and :meth:`put_if_absent` then compares the bytes (our own first
+        attempt may have landed).
+        """
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                # One PUT: the condition is checked with the object (a multipart
+                # upload checks it only at completion); conditional objects are
+                # segments, manifests and probes, below S3's 5 GiB single-PUT limit.
+                self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
+                if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
+                    self.generation_hint = max(self.generation_hint, _generation_of(rel))
+                return True
+            except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
+                return False
+            except (self._exc.BaseError, OSError) as exc:
+                if _s3_code(exc) in _NOT_SUPPORTED_CODES or _http_status(exc) == 501:
+                    raise ConditionalWriteError(
+                        f"{self._url_of(rel)}: the server at {self.endpoint} rejects conditional writes "
+                        f"(If-None-Match: *): {_short(exc)}; {_CONDITIONAL_FIX}") from None
+                status = _http_status(exc)
+                transient = (status is None and _s3_code(exc) is None) or (status is not None and status >= 500)
+                if not transient or time.monotonic() + delay > deadline:
+                    raise self._error(exc, "conditional PUT", rel) from None
+                time.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, 2.0)
+
+    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
         rel = check_rel(rel)
         view = memoryview(data).cast("B")
         if self._create(rel, view):
@@ -270,32 +336,130 @@ class S3Storage:
         except FileNotFoundError:
             return False
 
-    def replace(self, rel: str, data: Buffer) -> None:
-        self._put("PUT", check_rel(rel), data)
+    def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
+                        tries: int = 1 << 16) -> Tuple[int, str]:
+        """Create ``rel_of(i)`` for the first ``i >= first`` no one has, by conditional
+        PUTs; returns ``(i, name)`` (how a writer reserves a segment id)."""
+        view = memoryview(data).cast("B")
+        for i in range(first, first + tries):
+            rel = check_rel(rel_of(i))
+            if self._create(rel, view):
+                return i, rel
+        raise ObjectStoreError(f"{self._url_of(rel_of(first))}: no free name after {tries} tries")
 
-    def delete(self, rel: str) -> None:
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+        """Take the first free name ``rel_of(i)``, ``i >= first``, with a conditional PUT of an
+        empty object; :meth:`write_files` fills it. No other writer can get that name."""
+        empty = memoryview(b"")
+        for i in range(first, first + tries):
+            rel = check_rel(rel_of(i))
+            if self._create(rel, empty):
+                return i, rel
+        raise ObjectStoreError(f"{self._url_of(rel_of(first))}: no free name after {tries} tries")
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
+        """Upload ``(rel, data, step)`` files, concurrently, one PUT each. Their names are this
+        writer's alone (reserved by :meth:`reserve`, or named after an id it reserved), so
+        the PUT only ever replaces this writer's own placeholder; a PUT is atomic, so no
+        reader sees a torn file. ``dirs`` need nothing (an object store has no directories)."""
+        def put(rel: str, data: Buffer, step: Optional[str]) -> Callable[[], None]:
+            def run() -> None:
+                self._put("PUT", check_rel(rel), data)
+                if step:
+                    crash_point(f"{step}.written")
+                    crash_point(f"{step}.renamed")
+            return run
+
+        calls = [put(rel, data, step) for rel, data, step in files]
+        if len(calls) == 1:
+            calls[0]()
+        elif calls:
+            run_concurrently(calls)
+
+    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
+        """Upload ``files``, then create the manifest ``rel`` with a conditional PUT: when
+        ``exclusive`` a taken name answers False (another writer committed it; rebase), else
+        (a single-writer store, which has no lock here) :class:`CommitConflictError`."""
+        self.write_files(files, dirs)
+        if files:
+            crash_point("segments.synced")
+        if exclusive:
+            created = self.put_if_absent(rel, data, step=step)
+        else:
+            self.replace(rel, data, step=step)
+            created = True
+        if created and step:
+            crash_point(f"{step}.renamed")
+        return created
+
+    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
+        """Replace ``rel`` with one PUT, except a manifest, which is only ever created.
+
+        An object store has no lock, so a single-writer store cannot keep a
+        second writer out: instead every manifest is a conditional PUT, and a
+        writer that finds its generation taken learns of the other writer at
+        its commit (:class:`~diskreplay.errors.CommitConflictError`, nothing of
+        its commit is visible) rather than overwriting its commit.
+        """
+        rel = check_rel(rel)
+        if rel.startswith(_MANIFEST_PREFIX):
+            if not self.put_if_absent(rel, data):
+                raise CommitConflictError(
+                    f"{self._url_of(rel)} was committed by another writer while this single-writer store was "
+                    "open (an object store has no lock, so a second writer is found at its commit); nothing "
+                    "of this commit is visible: close the store and reopen it, and give each store one "
+                    "writer, or create it with multi_writer=True for many")
+            return
+        self._put("PUT", rel, data)
+
+    def delete(self, rel: str) -> bool:
+        """Remove ``rel``; True (S3 answers a DELETE of an absent key the same way)."""
         rel = check_rel(rel)
         try:
             self._call("DELETE", rel, self._ob.delete, rel)
         except FileNotFoundError:
             pass
         self._cache.forget(rel)
+        return True
 
     def sync_dir(self, reldir: str) -> None:
         """Nothing to do: an object store makes each PUT and DELETE durable before answering."""
         check_rel(reldir, allow_root=True)
 
-    def local_path(self, rel: str, size: Optional[int] = None) -> str:
-        """A whole local copy of the immutable object ``rel`` (cached), for ``mmap``.
+    def ensure_dir(self, reldir: str) -> None:
+        """Nothing to do: an object store has no directories."""
+        check_rel(reldir, allow_root=True)
+
+    def probe_create_if_absent(self, reldir: str) -> None:
+        """Raise :class:`ConditionalWriteError` (naming the URL) unless conditional PUTs work here.
+
+        The full probe runs once per endpoint in a process (conditional writes
+        are the server's; the probe costs seconds on seaweedfs, whose losing
+        PUTs wait for a lock); later stores there only check bucket,
+        credentials and endpoint.
+        """
+        key = self.endpoint
+        if key in _PROBED:
+            self.check()
+            return
+        self.probe_conditional_put()
+        _PROBED.add(key)
+
+    def local_path(self, rel: str, size: Optional[int] = None, tag: Optional[str] = None) -> str:
+        """A whole local copy of the immutable object ``rel`` (cached), for ``mmap``;
+        ``""`` gives the store's URL (for messages).
 
         ``size`` (known from the manifest) saves a HEAD request.
         """
-        return self.fetch_ranges(rel, None, size=size)
+        if rel in ("", "."):
+            return self.url
+        return self.fetch_ranges(rel, None, size=size, tag=tag)
 
     # -- object-store extras ------------------------------------------------
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
-                     size: Optional[int] = None) -> str:
+                     size: Optional[int] = None, evict: bool = True, tag: Optional[str] = None) -> str:
         """Make byte ranges ``[(start, end), ...]`` of the immutable object ``rel``
         present in its local cache file and return that file's path.
 
@@ -304,9 +468,16 @@ class S3Storage:
         Missing ranges closer than ``coalesce_bytes`` are fetched as one range
         GET; the GETs of one call run concurrently. ``ranges=None`` fetches the
         whole object. The returned path stays the same while the object is
-        cached, so a mapping of it sees ranges filled later.
+        cached, so a mapping of it sees ranges filled later. ``evict=False``
+        leaves the bound to the next :meth:`trim_cache` (a store reading a batch
+        must not lose pages it already checked while fetching more). ``tag``
+        (e.g. the manifest's size and checksum of the object) keeps copies of
+        different contents under one name apart: a name can be written again
+        after a repair rolled a store back, and a shared cache must not serve
+        the old bytes for it.
         """
         rel = check_rel(rel)
+        key = rel if tag is None else f"{rel}#{tag}"
         if ranges is not None:
             ranges = [check_range(rel, s, e) for s, e in ranges]
 
@@ -318,8 +489,13 @@ class S3Storage:
             ends = [e for _, e in gets]
             return self._call("GET", rel, self._ob.get_ranges, rel, starts=starts, ends=ends, coalesce=0)
 
-        entry_size = self._cache.entry(rel, size_of).size
-        return self._cache.fill(rel, entry_size, fetch, ranges, coalesce=self.coalesce_bytes)
+        entry_size = self._cache.entry(key, size_of).size
+        return self._cache.fill(key, entry_size, fetch, ranges, coalesce=self.coalesce_bytes, evict=evict)
+
+    def trim_cache(self) -> List[str]:
+        """Evict down to ``cache_bytes``; returns the names evicted (their files are
+        unlinked: existing maps stay valid, a later fetch makes a new file)."""
+        return [key.split("#", 1)[0] for key in self._cache.trim()]
 
     def cache_stats(self) -> CacheStats:
         """Byte counters of the local cache (requested, hit, fetched, evicted, held; ``hit_rate``)."""
@@ -338,7 +514,7 @@ class S3Storage:
         except FileNotFoundError:
             return
 
-    def probe_conditional_put(self, racers: int = 4) -> None:
+    def probe_conditional_put(self, racers: int = 4, body_bytes: int = 256 << 10) -> None:
         """Raise :class:`ConditionalWriteError` unless the server honours
         ``If-None-Match: *``, sequentially and under concurrency.
 
@@ -371,7 +547,7 @@ class S3Storage:
                     f"each other; {_CONDITIONAL_FIX}")
             # Bodies of some size keep each upload in flight long enough for
             # a check-then-write server to let several through.
-            bodies = [bytes([i]) * (256 << 10) for i in range(racers)]
+            bodies = [bytes([i]) * body_bytes for i in range(racers)]
             start = threading.Barrier(racers)
 
             def create(body: bytes) -> bool:

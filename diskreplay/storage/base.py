@@ -1,43 +1,68 @@
-"""The storage interface a store's committer does all its file I/O through.
+"""The one storage interface a store does all its file I/O through.
 
 A store's files are addressed by *relative paths*: ``/``-separated, below the
 store's root, never absolute, never with ``..`` or empty parts (so no path
 from a manifest can escape the store). Two implementations exist: a
-directory (:class:`~diskreplay.storage.PosixStorage`) and an S3-compatible
-bucket prefix (:class:`~diskreplay.storage.S3Storage`). The contract below is
-what both honour; ``tests/test_storage.py`` runs it against each.
+directory (:class:`~diskreplay.store.storage.LocalStorage`, the store's own
+fast path) and an S3-compatible bucket prefix
+(:class:`~diskreplay.storage.S3Storage`). The contract below is what both
+honour; ``tests/test_storage.py`` runs it against each.
 
-=================================  ==========================================
-``read_bytes(rel)``                the whole file; ``FileNotFoundError`` if absent
-``read_range(rel, start, end)``    bytes ``[start, end)``, short at the end of the
-                                   file (like ``pread``); ``b""`` past it
-``size(rel)``                      its length in bytes
-``list(reldir)``                   names of the files directly in ``reldir``,
-                                   sorted; ``[]`` when there is none
-``write_new(rel, data)``           durably create a file whose name no one else
-                                   writes (a segment); readers never see it
-                                   partially written
-``put_if_absent(rel, data)``       atomically create ``rel`` only if absent;
-                                   ``True`` if this call created it, ``False``
-                                   if a file with other bytes was already there
-                                   (the existing file is untouched)
-``replace(rel, data)``             durably and atomically replace ``rel``
-``delete(rel)``                    remove ``rel``; absent is not an error
-``sync_dir(reldir)``               make creations and deletions in ``reldir``
-                                   durable (a no-op where they already are)
-``local_path(rel)``                a local file with ``rel``'s bytes, for
-                                   ``mmap``; only for immutable files
-=================================  ==========================================
+==========================================  ==================================
+``read_bytes(rel, limit=None)``             the whole file; ``FileNotFoundError``
+                                            if absent
+``read_range(rel, start, end)``             bytes ``[start, end)``, short at the
+                                            end of the file (like ``pread``)
+``size(rel)`` / ``age(rel)``                its length in bytes / seconds since
+                                            it was written
+``list(reldir)``                            names directly in ``reldir``
+                                            (temporary names included, so a
+                                            clean-up sees them); ``[]`` if none
+``write_new(rel, data, step=)``             create a file whose name no one
+                                            else writes (a segment); no
+                                            manifest names it until it is whole
+``put_if_absent(rel, data, step=)``         atomically create ``rel`` only if
+                                            absent; ``True`` if this call
+                                            created it (the existing file is
+                                            untouched otherwise)
+``link_candidates(rel_of, data, first)``    create ``rel_of(i)`` for the first
+                                            free ``i >= first``; ``(i, rel)``
+``replace(rel, data, step=, sync=)``        durably and atomically replace
+                                            ``rel``
+``reserve(rel_of, first)``                  take the first free name
+                                            ``rel_of(i)``, empty, for this
+                                            writer to fill; ``(i, rel)``
+``write_files(files, dirs)``                write ``(rel, data, step)`` files
+                                            no manifest names yet (reserved or
+                                            derived from a reserved id) and
+                                            make them and ``dirs`` durable
+``publish(rel, data, files, dirs,           ``write_files``, then create the
+exclusive=)``                               manifest ``rel``: only if absent
+                                            when ``exclusive`` (False if taken)
+``delete(rel)``                             remove ``rel``; absent is no error
+``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
+                                            durable / make a directory (no-ops
+                                            on an object store)
+``local_path(rel)``                         a local file with ``rel``'s bytes,
+                                            for ``mmap``; only immutable files
+``fetch_ranges(rel, ranges, size=)``        like ``local_path`` but only the
+                                            byte ranges asked for are sure to
+                                            be present (a sparse cache file)
+``probe_create_if_absent(reldir)``          raise unless ``put_if_absent`` is
+                                            atomic here (many writers need it)
+==========================================  ==================================
 
-Names starting with ``.`` are the storage's own (temporary files, probes) and
-never appear in :meth:`Storage.list`.
+``url`` names the store in messages (a directory or ``s3://bucket/prefix``);
+``remote`` is true where every request is a network round trip, so readers
+batch them and find the newest manifest by probing rather than listing.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+
 from ..errors import ArgumentError
-from typing import List, Protocol, Tuple, Union, runtime_checkable
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -46,35 +71,55 @@ Buffer = Union[bytes, bytearray, memoryview]
 class Storage(Protocol):
     """What a store needs from the place its files live (see the module docstring).
 
-    >>> from diskreplay.storage import PosixStorage, Storage
+    >>> from diskreplay.store.storage import LocalStorage
     >>> import tempfile, shutil
     >>> root = tempfile.mkdtemp()
-    >>> isinstance(PosixStorage(root), Storage)
+    >>> isinstance(LocalStorage(root), Storage)
     True
     >>> shutil.rmtree(root)
     """
 
     url: str
+    remote: bool
 
-    def read_bytes(self, rel: str) -> bytes: ...
+    def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes: ...
 
     def read_range(self, rel: str, start: int, end: int) -> bytes: ...
 
     def size(self, rel: str) -> int: ...
 
+    def age(self, rel: str) -> float: ...
+
     def list(self, reldir: str) -> List[str]: ...
 
-    def write_new(self, rel: str, data: Buffer) -> None: ...
+    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None: ...
 
-    def put_if_absent(self, rel: str, data: Buffer) -> bool: ...
+    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool: ...
 
-    def replace(self, rel: str, data: Buffer) -> None: ...
+    def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
+                        tries: int = 1 << 16) -> Tuple[int, str]: ...
 
-    def delete(self, rel: str) -> None: ...
+    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None: ...
+
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]: ...
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None: ...
+
+    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool: ...
+
+    def delete(self, rel: str) -> bool: ...
 
     def sync_dir(self, reldir: str) -> None: ...
 
+    def ensure_dir(self, reldir: str) -> None: ...
+
     def local_path(self, rel: str) -> str: ...
+
+    def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
+                     size: Optional[int] = None) -> str: ...
+
+    def probe_create_if_absent(self, reldir: str) -> None: ...
 
 
 def check_rel(rel: str, *, allow_root: bool = False) -> str:

@@ -88,11 +88,11 @@ class Committer:
 
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
-        root = self.storage.local_path("")
-        gens = fmt.list_generations(root)
-        if gens and gens[0] == self.manifest.generation:
-            return self.manifest  # a generation is created once: the one held is that file (no parse)
-        m, _ = fmt.load_newest_manifest(root)
+        if not self.storage.remote:  # listing a directory is consistent (an object store's is not)
+            gens = fmt.list_generations(self.storage)
+            if gens and gens[0] == self.manifest.generation:
+                return self.manifest  # a generation is created once: the one held is that file (no parse)
+        m, _ = fmt.load_newest_manifest(self.storage)
         if m.generation > self.manifest.generation:
             self.manifest = m
         return self.manifest
@@ -165,7 +165,7 @@ class Committer:
                     delay = min(delay * 2, BACKOFF_CAP)
                 base = self.newest()
             else:
-                raise ops.Conflict(f"gave up committing to {self.storage.local_path('')} after {MAX_ATTEMPTS} "
+                raise ops.Conflict(f"gave up committing to {self.storage.url} after {MAX_ATTEMPTS} "
                                    "lost races")
         except CommitNotDurableError:
             self.stats.not_durable += 1
@@ -202,7 +202,7 @@ class Committer:
         """Many writers: another writer's clean-up takes unnamed files older than
         ``retain_seconds``, so a commit must not name files that old."""
         if self.multi_writer and started is not None and time.monotonic() - started > self.retain_seconds / 2:
-            raise CommitTimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.local_path('')} took more than half of "
+            raise CommitTimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.url} took more than half of "
                                f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
                                "writers, so it is abandoned (nothing was committed; retry it)")
 
@@ -223,7 +223,7 @@ class Committer:
             self._unsynced = True
             if isinstance(exc, OSError):
                 raise CommitNotDurableError(
-                    exc.errno, f"generation {new.generation} of {self.storage.local_path('')} is committed and "
+                    exc.errno, f"generation {new.generation} of {self.storage.url} is committed and "
                     f"visible, but making it durable failed ({exc.strerror or exc}); do not append these rows "
                     "again: the next commit or close() retries", rows=rows(new)) from exc
             raise
@@ -233,7 +233,7 @@ class Committer:
         except OSError as exc:
             self._unsynced = True
             raise CommitNotDurableError(
-                exc.errno, f"generation {new.generation} of {self.storage.local_path('')} is committed and "
+                exc.errno, f"generation {new.generation} of {self.storage.url} is committed and "
                 f"visible, but making it durable failed ({exc.strerror or exc}); do not append these rows again: "
                 "the next commit or close() retries", rows=rows(new)) from exc
         return True
@@ -305,7 +305,7 @@ class Committer:
     def _sweep_exclusive(self) -> None:
         """The single writer's open: everything no retained manifest names is garbage (it holds the lock)."""
         current = self.manifest.generation
-        docs, unreadable = fmt.manifest_docs(self.storage.local_path(""))
+        docs, unreadable = fmt.manifest_docs(self.storage)
         newer_than = sorted(docs, reverse=True)
         keep = [g for g in newer_than if g <= current][: fmt.KEEP_MANIFESTS]
         if self.retain_seconds is not None:
@@ -317,9 +317,9 @@ class Committer:
         self.retained[current] = self.manifest
         referenced = {f for m in self.retained.values() for f in m.files()}
         if unreadable:
-            warnings.warn(f"{self.storage.local_path('')}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
+            warnings.warn(f"{self.storage.url}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
                           "they and every data file are kept (run `diskreplay verify`)", RuntimeWarning, stacklevel=4)
-        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage.local_path(""))
+        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
                      if g not in self.retained and g not in unreadable]
         files = []
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
@@ -346,8 +346,7 @@ class Committer:
         ``retain_seconds`` (younger unnamed files may be another writer's commit
         in flight). Manifests that cannot be read stop the data sweep.
         """
-        root = self.storage.local_path("")
-        gens = fmt.list_generations(root)
+        gens = fmt.list_generations(self.storage)
         retain = self.retain_seconds
         keep, drop = set(gens[: fmt.KEEP_MANIFESTS]), []
         for newer, g in zip(gens, gens[1:]):
@@ -360,7 +359,7 @@ class Committer:
             m = self._docs.get(g)
             if m is None:
                 try:
-                    m = self._docs[g] = fmt.load_manifest(os.path.join(root, fmt.manifest_file(g)), g)
+                    m = self._docs[g] = fmt.read_manifest(self.storage, g)
                 except FileNotFoundError:
                     continue  # another writer's sweep took it: it was past retention
                 except (fmt.FormatError, fmt.CorruptStoreError):

@@ -25,9 +25,9 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock, crash_point, crc32c, fsync_dir, read_file
-from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, ReadOnlyError, RowsEvictedError,
-                      SchemaError, StoreNotFoundError)
+from .._fileio import WriterLock, crash_point, crc32c, fsync_dir
+from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
+                      CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError, StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
@@ -37,7 +37,8 @@ from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_run
-from .storage import LocalStorage
+from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
+from .storage import LocalStorage, open_storage
 from .tokens import check_token, digest
 
 _UNSET: Any = object()
@@ -49,6 +50,7 @@ STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outrun
 # were committed past the rows it covers: a reopened store then reads one index file and at most
 # this many sidecars, whatever its size, while the rewrites cost about one index per 16 commits.
 INDEX_TAIL_SEGMENTS = 16
+IO_THREADS = 16  # object store: segments fetched at once by one read
 T = TypeVar("T")
 
 Column = Union[RaggedColumn, np.ndarray, List[str], None]
@@ -69,8 +71,11 @@ def _writer_id() -> str:
     return f"{random.SystemRandom().getrandbits(64):016x}-{host}-{os.getpid()}"
 
 
-def _reopen(path: str, generation: Optional[int], verify_reads: bool) -> "ReplayStore":
-    return ReplayStore(path, readonly=True, generation=generation, verify_reads=verify_reads)
+def _reopen(path: str, generation: Optional[int], verify_reads: bool, remote: Tuple[Any, ...] = (None, None, None)
+            ) -> "ReplayStore":
+    storage_options, cache_dir, cache_bytes = remote
+    return ReplayStore(path, readonly=True, generation=generation, verify_reads=verify_reads,
+                       storage_options=storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
 
 
 class ReplayStore:
@@ -95,6 +100,17 @@ class ReplayStore:
     default is one writer at a time, holding an exclusive lock.
     ``merge_policy`` says when small segments are merged (:class:`MergePolicy`).
 
+    ``path`` may be ``s3://bucket/prefix`` (``pip install 'diskreplay[s3]'``):
+    the same format in an S3-compatible object store. ``storage_options``
+    configure its client (``endpoint``, ``access_key_id``,
+    ``secret_access_key``, ``region``, ...; the ``AWS_*`` environment
+    variables are used for what is not given); segments are read through a
+    local cache of at most ``cache_bytes`` in ``cache_dir`` (default: a
+    private temporary directory), fetching only the pages a read needs.
+    There is no lock on an object store: every commit is a conditional PUT,
+    so a second writer of a single-writer store fails at its commit instead
+    of overwriting (docs/FORMAT.md, "Object storage").
+
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
     ...     rows = store.extend({"prompt_id": [7, 7], "completion_ids": [[1, 2, 3], [4]],
@@ -108,8 +124,14 @@ class ReplayStore:
                  group_key: Optional[str] = _UNSET, *, readonly: bool = False,
                  capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True,
                  multi_writer: bool = _UNSET, retain_seconds: Optional[int] = _UNSET,
-                 generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None) -> None:
-        self.path = os.path.abspath(os.fspath(path))
+                 generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None, cache_dir: Optional[str] = None,
+                 cache_bytes: Optional[int] = None) -> None:
+        #: the storage every file of the store is read and written through (a directory or a bucket)
+        self.storage = open_storage(path, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
+        self.remote = self.storage.remote
+        self._remote_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
+        self.path = self.storage.url
         self.readonly = readonly
         #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
         self.verify_reads = verify_reads
@@ -129,6 +151,7 @@ class ReplayStore:
         self._index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
+        self._pool: Any = None  # object store: threads fetching for one read
         self.recovered_from: List[str] = []
         for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes),
                             ("retain_seconds", retain_seconds)):
@@ -144,19 +167,24 @@ class ReplayStore:
             raise ArgumentError(f"generation must be a non-negative int and needs readonly=True, got {generation!r}"
                              f"{'' if readonly else ' without readonly=True'}")
 
-        exists = os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
+        try:
+            exists = self._has_format_file()
+        except BaseException:
+            self.storage.close() if self.remote else None
+            raise
         if readonly:
             if not exists:
+                self.close()
                 raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
-        else:
-            stored_multi = exists and fmt.StoreOptions.read(self.path).multi_writer
+        elif not self.remote:
+            stored_multi = exists and fmt.StoreOptions.read(self.storage).multi_writer
             if not (stored_multi or (not exists and multi_writer is True)):
                 os.makedirs(self.path, exist_ok=True)
                 self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
                 self._writer_lock.acquire()
         try:
-            for d in fmt.DATA_DIRS:
+            for d in fmt.DATA_DIRS if not self.remote else ():
                 if os.path.islink(os.path.join(self.path, d)):
                     raise CorruptStoreError(f"{os.path.join(self.path, d)} is a symlink; a store's directories "
                                             "must be its own (nothing outside it is ever read or deleted)")
@@ -165,10 +193,10 @@ class ReplayStore:
                     # the manifest first: a FORMAT.json read after it is at least as new as the
                     # commit (a writer's first extend fixes the schema before it commits)
                     if generation is None:
-                        self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+                        self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
                     else:
                         self.manifest = self._load_generation(int(generation))
-                self.options = fmt.StoreOptions.read(self.path)
+                self.options = fmt.StoreOptions.read(self.storage)
                 self._check_options(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
             else:
                 self.options = fmt.StoreOptions(
@@ -177,35 +205,52 @@ class ReplayStore:
                     capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes,
                     multi_writer=multi_writer is True,
                     retain_seconds=None if retain_seconds is _UNSET else retain_seconds)
-                for d in fmt.DATA_DIRS:
-                    os.makedirs(os.path.join(self.path, d), exist_ok=True)
-                if self.options.multi_writer:
-                    LocalStorage(self.path, _writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
-                fsync_dir(self.path)
-                fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
-                self.options.write(self.path)
+                if self.remote:
+                    # every commit to an object store is a conditional PUT (there is no lock),
+                    # so a server that does not honour them is refused for any store
+                    self.storage.probe_create_if_absent(fmt.MANIFEST_DIR)
+                else:
+                    for d in fmt.DATA_DIRS:
+                        os.makedirs(os.path.join(self.path, d), exist_ok=True)
+                    if self.options.multi_writer:
+                        LocalStorage(self.path, _writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
+                    fsync_dir(self.path)
+                    fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
+                self.options.write(self.storage)
             if not readonly:
-                self.manifest, self.recovered_from = fmt.load_newest_manifest(self.path)
+                self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
             if self.recovered_from:
                 warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
                               stacklevel=2)
             if not readonly:
-                self._committer = Committer(LocalStorage(self.path, _writer_id() if self.multi_writer else ""),
-                                            self.options, self.manifest)
+                self._committer = self._make_committer(self.options)
                 self._committer.collect(full=True)
         except BaseException:
             self.close()
             raise
 
+    def _has_format_file(self) -> bool:
+        if not self.remote:
+            return os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
+        if self.storage.exists(fmt.FORMAT_FILE):
+            return True
+        self.storage.check()  # not found: a missing bucket gives its one clear error here
+        return False
+
+    def _make_committer(self, options: fmt.StoreOptions) -> Committer:
+        if self.remote:
+            return (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
+        return Committer(LocalStorage(self.path, _writer_id() if options.multi_writer else ""), options,
+                         self.manifest)
+
     def _load_generation(self, generation: int) -> fmt.Manifest:
         if generation == 0:
             return fmt.Manifest()
-        path = os.path.join(self.path, fmt.manifest_file(generation))
         try:
-            return fmt.load_manifest(path, generation)
+            return fmt.read_manifest(self.storage, generation)
         except FileNotFoundError:
-            have = fmt.list_generations(self.path)
+            have = fmt.list_generations(self.storage)
             raise StoreNotFoundError(f"generation {generation} of {self.path} is not retained (manifests kept: "
                                     f"{sorted(have)}); pin a snapshot while it is current") from None
 
@@ -239,7 +284,7 @@ class ReplayStore:
         if not self.readonly:
             raise ArgumentError(f"a writer of {self.path} cannot be pickled; send store.snapshot() or open the "
                             "store where it is needed")
-        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads)
+        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads, self._remote_args)
 
     @_locked
     def close(self) -> None:
@@ -254,6 +299,11 @@ class ReplayStore:
                 self._writer_lock = None
             self._closed = True
             self._segments.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+            if self.remote:
+                self.storage.close()
 
     def __len__(self) -> int:
         return self.manifest.num_rows
@@ -264,6 +314,13 @@ class ReplayStore:
             mode = "snapshot"
         return (f"ReplayStore({self.path!r}, rows={len(self)}, group_key={self.group_key!r}, "
                 f"generation={self.generation}, {mode})")
+
+    @property
+    def _reserves_ids(self) -> bool:
+        """Whether new files take the first free id (created only if absent) rather than the
+        next one in the manifest: with many writers, and on an object store, where a second
+        writer of a single-writer store is not kept out and must not overwrite a file."""
+        return self.multi_writer or self.remote
 
     @property
     def multi_writer(self) -> bool:
@@ -342,6 +399,8 @@ class ReplayStore:
         """
         out: Dict[str, Any] = self._committer.stats.as_dict() if self._committer is not None else {}
         out.update(generation=self.generation, segments=len(self.manifest.segments), multi_writer=self.multi_writer)
+        if self.remote:
+            out["cache"] = self.storage.cache_stats().to_dict()
         return out
 
     def snapshot(self) -> "ReplayStore":
@@ -357,7 +416,9 @@ class ReplayStore:
         ...     len(snap), snap.refresh(), len(store)
         (2, False, 3)
         """
-        return ReplayStore(self.path, readonly=True, generation=self.generation, verify_reads=self.verify_reads)
+        storage_options, cache_dir, cache_bytes = self._remote_args
+        return ReplayStore(self.path, readonly=True, generation=self.generation, verify_reads=self.verify_reads,
+                           storage_options=storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
 
     @_locked
     def refresh(self) -> bool:
@@ -368,15 +429,23 @@ class ReplayStore:
         """
         if self._pinned:
             return False
-        gens = fmt.list_generations(self.path)
-        if not gens or gens[0] <= self.manifest.generation:
-            return False
-        m, _ = fmt.load_newest_manifest(self.path)
+        if self.remote:
+            # commits present above a present one are contiguous: if the next one is
+            # absent and ours is still there, nothing is newer (one or two HEADs)
+            gen = self.manifest.generation
+            if not self.storage.exists(fmt.manifest_file(gen + 1)) and gen and \
+                    self.storage.exists(fmt.manifest_file(gen)):
+                return False
+        else:
+            gens = fmt.list_generations(self.path)
+            if not gens or gens[0] <= self.manifest.generation:
+                return False
+        m, _ = fmt.load_newest_manifest(self.storage)
         if m.generation <= self.manifest.generation:
             return False
         # the schema is fixed by the first committed row: until then a writer may rewrite FORMAT.json
         fixed = self.options.schema is not None and self.manifest.next_row > 0
-        self._install(m, self.options if fixed else fmt.StoreOptions.read(self.path))
+        self._install(m, self.options if fixed else fmt.StoreOptions.read(self.storage))
         if self._committer is not None:
             self._committer.manifest = m
         return True
@@ -420,7 +489,7 @@ class ReplayStore:
         m = self._committer.newest()
         options = self.options
         if options.schema is None:
-            options = fmt.StoreOptions.read(self.path)
+            options = fmt.StoreOptions.read(self.storage)
         if m.generation != self.manifest.generation or options is not self.options:
             self._install(m, options)
 
@@ -475,7 +544,7 @@ class ReplayStore:
             return self._commit_rows(record, schema, token)
         except _SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
-            self.options = fmt.StoreOptions.read(self.path)
+            self.options = fmt.StoreOptions.read(self.storage)
             record, schema = normalize_batch(batch, self.schema, self.group_key)
             return self._commit_rows(record, schema, token)
 
@@ -498,15 +567,25 @@ class ReplayStore:
             return options
         fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
                                  options.multi_writer, options.retain_seconds, options.late_columns)
-        if not self.multi_writer:
-            fixed.write(self.path)
+        if not self._reserves_ids:
+            fixed.write(self._committer.storage)
             crash_point("format.done")
             return fixed
         # many writers: the first to create SCHEMA.json fixes the schema for all
         storage = self._committer.storage
         if not storage.put_if_absent(fmt.SCHEMA_FILE, fmt.shared_schema_bytes(schema), step="format"):
-            raise _SchemaRace()
+            if self.multi_writer:
+                raise _SchemaRace()
+            if fmt.read_shared_schema(storage) != schema:
+                raise CommitConflictError(
+                    f"{self.path}/{fmt.SCHEMA_FILE} holds another schema than this first append's: another "
+                    "writer's first append fixed it (an object store has no lock; give a single-writer store "
+                    "one writer), or a crashed first append of another schema did (delete that file if no "
+                    "row was ever committed)")
         storage.sync_dir("")
+        if not self.multi_writer:
+            # object store, one writer: the winner of SCHEMA.json records it where v1 readers look
+            fixed.write(storage)
         return fixed
 
     def _mark_late_columns(self, options: fmt.StoreOptions) -> fmt.StoreOptions:
@@ -539,7 +618,7 @@ class ReplayStore:
             # written and fsynced by the commit's publish, together with the manifest's file; with
             # many writers that raced lately, first, so that a race only redoes the manifest step
             defer = not self.multi_writer or committer.uncontended()
-            entries = self._write_segments(pieces, None if self.multi_writer else m.next_segment, m.next_row,
+            entries = self._write_segments(pieces, None if self._reserves_ids else m.next_segment, m.next_row,
                                            written, pages, defer=defer)
             if not defer:
                 crash_point("segments.synced")
@@ -552,6 +631,7 @@ class ReplayStore:
         prepared = {"first": m.next_row, "entries": tuple(entries)}
 
         def plan(base: fmt.Manifest) -> ops.Operation:
+            self._check_reserved(base, prepared["entries"], written)
             if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
                 prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, pages, base.next_row,
                                                             written)
@@ -652,6 +732,27 @@ class ReplayStore:
         self._committer.pending += files  # made durable with the retry's manifest
         return tuple(out)
 
+    def _check_reserved(self, base: fmt.Manifest, entries: Sequence[fmt.SegmentEntry], written: List[str]) -> None:
+        """Refuse to commit a segment id another commit already names: the id was created
+        only-if-absent, so the storage broke that promise (an object store whose
+        If-None-Match is checked before the write instead of atomically with it). Its
+        objects are kept (left out of ``written``): the other commit names them."""
+        if not self._reserves_ids:
+            return
+        taken = {s.id for s in base.segments} & {e.id for e in entries}
+        if taken:
+            sid = min(taken)
+            for e in entries:
+                if e.id in taken:
+                    for rel in (e.file, e.groups_file):
+                        if rel in written:
+                            written.remove(rel)
+            raise ConditionalWriteError(
+                f"{self.path}/{fmt.segment_file(sid)} was created by two writers although each creates it only "
+                f"if absent (If-None-Match: *): this server does not check the condition atomically with the "
+                f"write, so concurrent commits can overwrite each other's files; run `diskreplay verify "
+                f"{self.path}`, and use a server with atomic conditional writes or one writer at a time")
+
     def _remove(self, written: Sequence[str]) -> None:
         for rel in written:
             try:
@@ -694,6 +795,7 @@ class ReplayStore:
             self._convert(bool(multi_writer))
         if self.multi_writer:
             self._catch_up()
+        self._trim_cache()
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
         new = self._rewrite(0, target_bytes) if m.segments else m
@@ -701,21 +803,21 @@ class ReplayStore:
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = LocalStorage(self.path, _writer_id() if multi_writer else "")
+        storage = self.storage if self.remote else LocalStorage(self.path, _writer_id() if multi_writer else "")
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
-        else:
+        elif not self.remote:
             self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
             self._writer_lock.acquire()
         o = self.options
         options = fmt.StoreOptions(o.group_key, o.capacity_rows, o.capacity_bytes, o.schema, multi_writer,
                                    o.retain_seconds, o.late_columns)
-        options.write(self.path)
+        options.write(storage)
         if multi_writer and self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
         self.options = options
-        self._committer = Committer(storage, options, self.manifest)
+        self._committer = self._make_committer(options)
 
     def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
         """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
@@ -733,7 +835,7 @@ class ReplayStore:
                 return
             record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
                 else pending[0]
-            entries.extend(self._write_segments([record], None if self.multi_writer else seg_id, first, written,
+            entries.extend(self._write_segments([record], None if self._reserves_ids else seg_id, first, written,
                                                 sync_dirs=False))
             first += record.num_rows
             seg_id += 1
@@ -759,7 +861,12 @@ class ReplayStore:
             self._remove(written)
             raise
         op = ops.Rewrite(tuple(m.segments[start:]), tuple(entries))
-        result = self._committer.commit(lambda base: op, written, started=started,
+
+        def plan(base: fmt.Manifest) -> ops.Operation:
+            self._check_reserved(base, entries, written)
+            return op
+
+        result = self._committer.commit(plan, written, started=started,
                                         install=lambda new: self._install(new, self.options))
         self._collect()
         return result.manifest
@@ -798,7 +905,7 @@ class ReplayStore:
             self._catch_up()
         m = self.manifest
         storage = self._committer.storage
-        if self.multi_writer:
+        if self._reserves_ids:
             gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1,
                                                step="state")
             storage.sync_dir(fmt.STATE_DIR)
@@ -821,8 +928,8 @@ class ReplayStore:
             entry = self.manifest.states.get(name)
             if entry is None:
                 return None
-            path = os.path.join(self.path, entry.file)
-            raw = read_file(path, entry.bytes)
+            path = f"{self.path}/{entry.file}" if self.remote else os.path.join(self.path, entry.file)
+            raw = self.storage.read_bytes(entry.file, entry.bytes)
             if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
                 raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
             return decode_state(raw, path)
@@ -837,13 +944,17 @@ class ReplayStore:
             self._segments.move_to_end(entry.id)
         else:
             pages, whole_crc = None, None
-            if self.verify_reads:
+            # remotely the page checksums also say which pages to fetch: always used there
+            if self.verify_reads or self.remote:
                 if entry.groups_bytes:  # page checksums: check what is read, when it is first read
                     pages = self._page_checksums(entry)
-                if pages is None:  # no sidecar (group_key=None): check the whole file once
+                if pages is None and self.verify_reads:  # no sidecar (group_key=None): check the whole file once
                     whole_crc = entry.crc32c
-            seg = Segment(os.path.join(self.path, entry.file), entry.bytes, self.schema, entry.num_rows,
-                          whole_crc, pages)
+            if self.remote:
+                seg = RemoteSegment(self.storage, entry, self.schema, pages, whole_crc)
+            else:
+                seg = Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
+                              whole_crc, pages)
             self._segments[entry.id] = seg
             # each open map holds a file descriptor: keep the most recently used ones
             while len(self._segments) > MAX_OPEN_SEGMENTS:
@@ -852,11 +963,24 @@ class ReplayStore:
 
     def _sidecar(self, entry: fmt.SegmentEntry):
         """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, checked."""
-        out = read_group_sidecar(os.path.join(self.path, entry.groups_file), entry.groups_bytes,
-                                 entry.groups_crc32c, self._key_type(), entry.first_row, entry.num_rows)
+        out = self._read_sidecar(entry)
         if out[3] is not None and entry.id not in self._pages:
             self._pages[entry.id] = out[3]  # read once, for the group index and the segment's pages both
         return out
+
+    def _read_sidecar(self, entry: fmt.SegmentEntry):
+        key_type = self._key_type()
+        if not self.remote:
+            return read_group_sidecar(self.storage.local_path(entry.groups_file), entry.groups_bytes,
+                                      entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
+        # a whole local copy (evicted only between reads: see _trim_cache), named by its URL in errors
+        path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False,
+                                         tag=f"{entry.groups_bytes}-{entry.groups_crc32c:08x}")
+        try:
+            return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
+                                      entry.num_rows)
+        except CorruptStoreError as exc:
+            raise CorruptStoreError(str(exc).replace(path, f"{self.path}/{entry.groups_file}")) from None
 
     def _key_type(self) -> pa.DataType:
         return self.schema[self.group_key].arrow_type
@@ -873,6 +997,69 @@ class ReplayStore:
             else:
                 pages = self._sidecar(entry)[3]
         return pages
+
+    def _io_pool(self) -> Any:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="diskreplay-fetch")
+        return self._pool
+
+    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry]) -> None:
+        """Object store: fetch what opening the segments not yet open needs (group sidecar,
+        then Arrow's header and footer pages), all segments at once: a cold batch then
+        costs two rounds of requests instead of two per segment."""
+        todo = [e for e in entries if e.id not in self._segments and e.groups_bytes]
+        if not todo:
+            return
+        pool = self._io_pool()
+        # one round: the sidecars, and each segment's first and last page (where Arrow's
+        # header and footer usually lie) before the sidecar's checksums say exactly where
+        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in todo]
+        sidecars = [(e, pool.submit(self._sidecar, e)) for e in todo if e.id not in self._pages]
+        for e, fut in sidecars:
+            pages = fut.result()[3]
+            if pages is not None:
+                self._pages.setdefault(e.id, pages)
+        for fut in ends:
+            fut.result()
+        # a header or footer larger than a page: the rest, exactly (usually nothing to fetch)
+        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id])
+                  for e in todo if e.id in self._pages]
+        for fut in frames:
+            fut.result()
+
+    def _trim_cache(self) -> None:
+        """Object store: bring the local cache within ``cache_bytes`` between reads, and
+        forget the maps of evicted files (their pages must be fetched and checked again).
+        Arrays already returned stay valid: evicted files are unlinked, never rewritten."""
+        if not self.remote:
+            return
+        evicted = set(self.storage.trim_cache())
+        if not evicted:
+            return
+        for sid, seg in list(self._segments.items()):
+            if seg.rel in evicted:
+                del self._segments[sid]
+                pages = self._pages.get(sid)
+                if pages is not None:
+                    pages.verified[:] = False
+
+    def _remapping(self, action: Callable[[], T]) -> T:
+        """Run a read; if the cache evicted a file it maps meanwhile (a batch larger than
+        ``cache_bytes``), map it again and repeat once."""
+        try:
+            return action()
+        except _CacheEvicted:
+            self._trim_cache()
+            self._segments.clear()
+            for pages in self._pages.values():
+                pages.verified[:] = False
+        try:
+            return action()
+        except _CacheEvicted:
+            raise ArgumentError(f"{self.path}: the local cache lost files one read still needed twice; raise "
+                                "cache_bytes (or give each process its own cache_dir)") from None
 
     def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -923,7 +1110,8 @@ class ReplayStore:
         if out is not None and not isinstance(out, dict):
             raise ArgumentError(f"out must be a dict the caller keeps between reads (start with {{}}), got "
                                 f"{type(out).__name__}")
-        return self._following(lambda: self._read(rows, cols, out))
+        self._trim_cache()
+        return self._following(lambda: self._remapping(lambda: self._read(rows, cols, out)))
 
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
         names = self.columns
@@ -965,7 +1153,11 @@ class ReplayStore:
         m = self.manifest
         # the touched segments (np.unique would import numpy.ma on first use: 80 ms of a cold first batch)
         touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
-        opened = self._open_segments([m.segments[i] for i in touched])
+        if self.remote:
+            self._open_concurrently([m.segments[i] for i in touched])
+            opened = False
+        else:
+            opened = self._open_segments([m.segments[i] for i in touched])
         # Visit each touched segment once, with the output positions of its rows.
         if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
             parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
@@ -974,6 +1166,9 @@ class ReplayStore:
             cuts = np.flatnonzero(np.diff(seg_idx[order])) + 1
             parts = [(self._segment(m.segments[int(seg_idx[sel[0]])]), sel, local[sel])
                      for sel in np.split(order, cuts)] if n else []
+        if self.remote:
+            fetch_for_read([(seg, loc) for seg, _, loc in parts], cols,
+                           [c for c in cols if self.schema[c].kind == RAGGED], self._io_pool())
         for seg, _, loc in parts:
             if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
                 seg.advise_all()
@@ -1020,6 +1215,9 @@ class ReplayStore:
         current one trains, so cold reads do not serialise on page faults.
         """
         cols = self._resolve_columns(columns)
+        self._trim_cache()
+        if self.remote:
+            return  # nothing to hint: an object store's pages are fetched (and checked) by the read itself
 
         def advise() -> None:
             ids, seg_idx, local = self._locate(rows)
@@ -1049,7 +1247,7 @@ class ReplayStore:
                 gi, end = self._load_group_index(m)
             if end < m.next_row:
                 tail = [s for s in m.segments if s.end_row > end]
-                if len(tail) > 1:  # cold, read them together, not one after another
+                if len(tail) > 1 and not self.remote:  # cold, read them together, not one after another
                     prefetch_files([(os.path.join(self.path, s.groups_file), [(0, 0)]) for s in tail])
                 parts = [self._sidecar(s)[:3] for s in tail]
                 gi = gi.extended(parts, min_row=max(end, m.head))
@@ -1068,8 +1266,10 @@ class ReplayStore:
         if e is None or e.end_row <= m.head or e.first_row > m.head:
             return empty, m.head
         try:
-            keys, counts, rows, pages = read_group_index(os.path.join(self.path, e.file), e.bytes, e.crc32c,
-                                                         self._key_type(), e.first_row, e.end_row)
+            path = (self.storage.fetch_ranges(e.file, None, size=e.bytes, evict=False, tag=f"{e.bytes}-{e.crc32c:08x}")
+                    if self.remote else self.storage.local_path(e.file))
+            keys, counts, rows, pages = read_group_index(path, e.bytes, e.crc32c, self._key_type(), e.first_row,
+                                                         e.end_row)
         except CorruptStoreError as exc:
             warnings.warn(f"{exc}; the group index is rebuilt from the group sidecars instead (run "
                           "`diskreplay verify`)", RuntimeWarning, stacklevel=5)
@@ -1082,7 +1282,8 @@ class ReplayStore:
         ``INDEX_TAIL_SEGMENTS`` segments lie past the rows the current one covers (single writer;
         ``force``: whatever the tail)."""
         m = self.manifest
-        if self.group_key is None or self.multi_writer or not m.segments:
+        # not on an object store: a second writer there (no lock) could write the same index name
+        if self.group_key is None or self.multi_writer or self.remote or not m.segments:
             return
         covered = m.group_index.end_row if m.group_index is not None else m.head
         if not force and sum(1 for s in m.segments if s.end_row > covered) < INDEX_TAIL_SEGMENTS:

@@ -1,10 +1,13 @@
 """Where a store's files live: the few file operations the commit and read paths need.
 
-The commit protocol (``committer.py``) is written against :class:`Storage`
-only, so another backend (an object store, where "create if absent" is a
-conditional PUT) plugs in without touching it. :class:`LocalStorage` is the
-POSIX implementation; its writes keep the fast paths the single-writer store
-always had (a fresh file written in place, one rename for a replaced one).
+The commit protocol (``committer.py``) and the store's reads are written
+against :class:`~diskreplay.storage.base.Storage` only (its contract is in
+that module; ``Storage`` here is that class), so the object-store backend
+(:class:`~diskreplay.storage.S3Storage`, where "create if absent" is a
+conditional PUT) plugs in without touching them. :class:`LocalStorage` is
+the POSIX implementation; its writes keep the fast paths the single-writer
+store always had (a fresh file written in place, one rename for a replaced
+one).
 
 Paths are relative to the store (``segments/000000000007.arrow``), built from
 integer ids by ``diskreplay.format``, never taken from a file's contents.
@@ -16,90 +19,14 @@ import contextlib
 import errno
 import os
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly,
                        run_concurrently, write_and_sync_fd)
-from ..errors import StoreIOError, UnsupportedFilesystemError
+from ..errors import ArgumentError, StoreIOError, UnsupportedFilesystemError
+from ..storage.base import Storage, check_range, check_rel  # the one interface; its local implementation here
 
-
-class Storage:
-    """The storage a store's commit path talks to (abstract).
-
-    ``write_new`` writes a file under a name that nothing names yet;
-    ``put_if_absent`` is the atomic create-if-absent a multi-writer commit
-    needs; ``replace`` atomically replaces a file; ``delete`` removes one
-    (True if it existed); ``sync_dir`` makes the creations and deletions in a
-    directory durable; ``local_path`` gives a local file to memory-map.
-    """
-
-    def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
-        raise NotImplementedError
-
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        raise NotImplementedError
-
-    def size(self, rel: str) -> int:
-        raise NotImplementedError
-
-    def age(self, rel: str) -> float:
-        """Seconds since ``rel`` was last written."""
-        raise NotImplementedError
-
-    def list(self, reldir: str) -> List[str]:
-        raise NotImplementedError
-
-    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
-        raise NotImplementedError
-
-    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
-        raise NotImplementedError
-
-    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
-        raise NotImplementedError
-
-    def delete(self, rel: str) -> bool:
-        raise NotImplementedError
-
-    def sync_dir(self, reldir: str) -> None:
-        raise NotImplementedError
-
-    def ensure_dir(self, reldir: str) -> None:
-        """Create the directory ``reldir`` (durably) if a store made by an older version lacks it."""
-        raise NotImplementedError
-
-    def local_path(self, rel: str) -> str:
-        raise NotImplementedError
-
-    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
-        """Create an empty file under the first free name ``rel_of(i)``, ``i = first, first + 1, ...``;
-        returns ``(i, name)``. No other writer can get that name; :meth:`write_files` fills it."""
-        for i in range(first, first + tries):
-            if self.put_if_absent(rel_of(i), b""):
-                return i, rel_of(i)
-        raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
-
-    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
-        """Write each ``(rel, data, step)`` under a name no manifest holds yet (a torn one is
-        garbage, so in place), then make the files and the entries of ``dirs`` durable."""
-        for rel, data, step in files:
-            self.write_new(rel, data, step=step)
-        for d in dirs:
-            self.sync_dir(d)
-
-    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
-        """Make ``files`` (as :meth:`write_files`) and ``dirs`` durable, then publish the manifest
-        ``rel``: :meth:`put_if_absent` when ``exclusive`` (False: another writer has ``rel``), else
-        :meth:`replace` without the directory sync (the committer's next step). Nothing is
-        published unless every file is durable first."""
-        self.write_files(files, dirs)
-        if files:
-            crash_point("segments.synced")
-        if exclusive:
-            return self.put_if_absent(rel, data, step=step)
-        self.replace(rel, data, step=step, sync=False)
-        return True
+__all__ = ["LocalStorage", "Storage", "open_storage"]
 
 
 class LocalStorage(Storage):
@@ -118,12 +45,14 @@ class LocalStorage(Storage):
         self.writer_id = writer_id or str(os.getpid())
 
     def local_path(self, rel: str) -> str:
+        check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
         return os.path.join(self.root, rel) if rel else self.root
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
         return read_file(self.local_path(rel), limit)
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
+        start, end = check_range(rel, start, end)
         fd = os.open(self.local_path(rel), os.O_RDONLY | os.O_NOFOLLOW)
         try:
             return os.pread(fd, end - start, start)
@@ -320,3 +249,43 @@ class LocalStorage(Storage):
             raise UnsupportedFilesystemError(
                 errno.ENOTSUP, f"multi_writer=True needs an atomic create-if-absent and {self.local_path(reldir)} "
                 "let link() replace an existing file; use a single-writer store", self.local_path(reldir))
+
+    # -- the rest of the storage interface (local files need nothing more) --
+
+    #: a local directory: every file is already present, listing is consistent
+    remote = False
+
+    @property
+    def url(self) -> str:
+        return self.root
+
+    def fetch_ranges(self, rel: str, ranges, *, size: Optional[int] = None) -> str:
+        """The file itself: every range of a local file is present (the call readers
+        make on any storage, so they need no branch for local stores)."""
+        return self.local_path(rel)
+
+
+def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None, *,
+                 writer_id: str = "", **cache_options: Any) -> Storage:
+    """The storage behind a store path: :class:`~diskreplay.storage.S3Storage` for an
+    ``s3://bucket/prefix`` URL, :class:`LocalStorage` for a directory.
+
+    ``cache_options`` (``cache_dir``, ``cache_bytes``) configure the object store's
+    local cache; ``storage_options`` its client (``endpoint``, credentials, ...).
+
+    >>> import tempfile, shutil
+    >>> root = tempfile.mkdtemp()
+    >>> open_storage(root).url == root
+    True
+    >>> type(open_storage("s3://bucket/run", {"endpoint": "http://127.0.0.1:9"})).__name__
+    'S3Storage'
+    >>> shutil.rmtree(root)
+    """
+    from ..storage import S3Storage, is_remote
+
+    if is_remote(path):
+        return S3Storage(path, storage_options, **{k: v for k, v in cache_options.items() if v is not None})
+    if storage_options:
+        raise ArgumentError(f"storage_options are for s3:// URLs; {os.fspath(path)!r} is a local path (leave "
+                            "storage_options out)")
+    return LocalStorage(os.path.abspath(os.fspath(path)), writer_id)

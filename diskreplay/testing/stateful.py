@@ -40,7 +40,7 @@ class WritersMachine(RuleBasedStateMachine):
 
     @initialize(capacity=st.sampled_from([None, 25]), writers=st.integers(2, 3))
     def setup(self, capacity: Optional[int], writers: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="diskreplay-machine-")
+        self.dir = self.new_location()
         self.capacity = capacity
         n = min(writers, self.WRITERS) if self.MULTI_WRITER else 1
         # merges after every other small append: the machine meets them (and their conflicts) constantly
@@ -50,6 +50,11 @@ class WritersMachine(RuleBasedStateMachine):
         self.tokens: Dict[str, List[int]] = {}
         self.sent: Dict[str, int] = {}  # token -> step of the batch it names
         self.steps = [0] * n
+
+    def new_location(self) -> str:
+        """Where each run's store lives: a fresh temporary directory (override for another backend,
+        e.g. a fresh ``s3://`` prefix with the ``AWS_*`` variables set)."""
+        return tempfile.mkdtemp(prefix="diskreplay-machine-")
 
     def _open(self, **kw) -> ReplayStore:
         return ReplayStore(self.dir, capacity=self.capacity, merge_policy=self.policy, **kw)
