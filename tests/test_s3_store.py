@@ -471,22 +471,30 @@ def test_a_reserved_id_taken_twice_is_never_committed(s3_server, s3_url, tmp_pat
     a.extend(_batch(12, 0))
     taken = a.manifest.segments[0]
 
-    def both_created(rel_of, data, first, **kwargs):  # what a check-then-write server answers
+    def both_created(rel_of, first, **kwargs):  # what a check-then-write server answers
         return taken.id, rel_of(taken.id)
 
-    b.storage.link_candidates = both_created
+    b.storage.reserve = both_created
     with pytest.raises(ConditionalWriteError, match=r"created by two writers.*not check the condition atomically"):
         b.extend(_batch(13, 0))
     a.close()
     b.close()
     opts = s3_server.storage_options
+    # b's data is uploaded before the check when b writes it ahead of its manifest (under
+    # contention), with the manifest otherwise: either nothing was overwritten, or the damage
+    # is named by its URL, never served, and repaired
     with _open(s3_url, s3_server, tmp_path / "c", readonly=True) as store:
         assert store.generation == 1
-        with pytest.raises(CorruptStoreError, match=rf"{s3_url}/{taken.groups_file} .*checksum"):
+        try:
+            damaged = False
             store.read(store.row_ids())
-    assert not verify_store(s3_url, storage_options=opts)["ok"]
-    assert repair_store(s3_url, storage_options=opts, force=True)["actions"]
-    assert verify_store(s3_url, storage_options=opts)["ok"]
+        except CorruptStoreError as exc:
+            damaged = True
+            assert f"{s3_url}/{taken.groups_file}" in str(exc) and "checksum" in str(exc)
+    assert verify_store(s3_url, storage_options=opts)["ok"] is not damaged
+    if damaged:
+        assert repair_store(s3_url, storage_options=opts, force=True)["actions"]
+        assert verify_store(s3_url, storage_options=opts)["ok"]
     with _open(s3_url, s3_server, tmp_path / "d", readonly=True) as store:
         assert store.read(store.row_ids())["prompt_id"].tolist() == [1_200_000] * 4
 

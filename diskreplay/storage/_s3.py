@@ -337,7 +337,7 @@ class S3Storage:
             return False
 
     def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
-                        tries: int = 1 << 16) -> Tuple[int, str]:
+                        tries: int = 1 << 16, step: Optional[str] = None) -> Tuple[int, str]:
         """Create ``rel_of(i)`` for the first ``i >= first`` no one has, by conditional
         PUTs; returns ``(i, name)`` (how a writer reserves a segment id)."""
         view = memoryview(data).cast("B")
