@@ -653,11 +653,7 @@ class ReplayStore:
         return tuple(out)
 
     def _remove(self, written: Sequence[str]) -> None:
-        for rel in written:
-            try:
-                self._committer.storage.delete(rel)
-            except OSError:
-                pass
+        self._committer._remove(written)
 
     def _collect(self) -> None:
         try:
