@@ -32,7 +32,9 @@ BACKOFF_FIRST = 0.0005  # seconds; doubled per lost race, capped, with full jitt
 BACKOFF_CAP = 0.05
 QUIET_COMMITS = 8  # commits without a lost race after which a writer folds its data into the manifest's wait
 SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
-DATA_SWEEP_DIRS = (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
+# sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
+# name) against other writers, so it goes last (see Committer._remove)
+DATA_SWEEP_DIRS = (fmt.GROUPS_DIR, fmt.SEGMENT_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
 
 
 @dataclass
@@ -251,7 +253,11 @@ class Committer:
             return False
 
     def _remove(self, written: Sequence[str]) -> None:
-        for rel in written:
+        """Delete a commit's files that no manifest names, newest first: a segment's sidecar
+        (named after the segment's id) goes before the segment file whose creation reserved the
+        id. The other order frees the id while its sidecar is still there, and a writer that
+        reserves it at that moment has its new sidecar deleted by this one."""
+        for rel in reversed(written):
             try:
                 self.storage.delete(rel)
             except OSError:

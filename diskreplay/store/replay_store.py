@@ -754,11 +754,7 @@ class ReplayStore:
                 f"{self.path}`, and use a server with atomic conditional writes or one writer at a time")
 
     def _remove(self, written: Sequence[str]) -> None:
-        for rel in written:
-            try:
-                self._committer.storage.delete(rel)
-            except OSError:
-                pass
+        self._committer._remove(written)
 
     def _collect(self) -> None:
         try:
