@@ -729,7 +729,10 @@ class ReplayStore:
             g_bytes, g_crc = self._sidecar_file(piece, checksums, e.id, first, written, files)
             out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
             first += e.num_rows
-        self._committer.pending += files  # made durable with the retry's manifest
+        # made durable with the retry's manifest; a deferred append rebased before its first publish
+        # still has the old sidecars pending: replace them (both in one write would race)
+        rewritten = {rel for rel, _, _ in files}
+        self._committer.pending = [f for f in self._committer.pending if f[0] not in rewritten] + files
         return tuple(out)
 
     def _check_reserved(self, base: fmt.Manifest, entries: Sequence[fmt.SegmentEntry], written: List[str]) -> None:
