@@ -217,10 +217,24 @@ class S3Storage:
         return ObjectStoreError(f"{url}: {op} failed ({_short(exc)})")
 
     def _call(self, op: str, rel: str, fn, *args, **kwargs):
-        try:
-            return fn(self._store, *args, **kwargs)
-        except (self._exc.BaseError, FileNotFoundError, OSError) as exc:
-            raise self._error(exc, op, rel) from None
+        """One request (idempotent: a read, a list, a plain PUT or a DELETE), retried within
+        ``retry_timeout`` on a transport error or a 5xx. The client retries most of those
+        itself, but not a request sent on a pooled connection the server closed meanwhile (a
+        server restart answers it in microseconds with "error sending request")."""
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                return fn(self._store, *args, **kwargs)
+            except FileNotFoundError as exc:
+                raise self._error(exc, op, rel) from None
+            except (self._exc.BaseError, OSError) as exc:
+                status = _http_status(exc)
+                transient = (status is None and _s3_code(exc) is None) or (status is not None and status >= 500)
+                if not transient or time.monotonic() + delay > deadline:
+                    raise self._error(exc, op, rel) from None
+                time.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, 2.0)
 
     # -- the storage interface ----------------------------------------------
 
