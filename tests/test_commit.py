@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import numpy as np
 import pytest
@@ -302,3 +303,22 @@ def test_durability_owed_is_retried_by_the_next_commit(tmp_path, monkeypatch):
     first_manifest_write = min(i for i, p in enumerate(synced) if p.startswith(mdir + "/"))
     assert mdir in synced[:first_manifest_write] and left == [0]
     store.close()
+
+
+def test_a_commit_stops_at_a_newer_manifest_that_cannot_be_read(tmp_path):
+    """Many writers: the next generation exists but is damaged. Every create of it loses, and the
+    newest readable commit never passes it: the commit names the file instead of retrying for hours."""
+    from diskreplay import CorruptStoreError
+    from diskreplay.testing.workload import batch_for
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        store.extend(batch_for(0, 0))
+        damaged = os.path.join(path, fmt.manifest_file(store.generation + 1))
+        with open(damaged, "w") as f:
+            f.write("{not json")
+        t = time.monotonic()
+        with pytest.raises(CorruptStoreError, match=r"cannot be read as a manifest.*diskreplay repair"):
+            store.extend(batch_for(0, 1))
+        assert time.monotonic() - t < 30
+        assert len(store) == len(batch_for(0, 0)["tag"])

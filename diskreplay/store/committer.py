@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
-from ..errors import CommitNotDurableError, CommitTimeoutError
+from ..errors import CommitNotDurableError, CommitTimeoutError, CorruptStoreError
 from . import ops
 from .storage import Storage
 from .tokens import TokenIndex, compact_tokens
@@ -34,6 +34,7 @@ QUIET_COMMITS = 8  # commits without a lost race after which a writer folds its 
 SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
 # sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
 # name) against other writers, so it goes last (see Committer._remove)
+UNREADABLE_RETRIES = 3  # lost races to a manifest that does not read before the commit gives up
 DATA_SWEEP_DIRS = (fmt.GROUPS_DIR, fmt.SEGMENT_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
 
 
@@ -132,6 +133,7 @@ class Committer:
         # that the race window is the manifest step alone
         base = self.newest() if self.multi_writer else self.manifest
         delay = BACKOFF_FIRST
+        unreadable = 0
         try:
             if self._unsynced:  # an earlier commit is visible but its durability is still owed
                 self.storage.sync_dir(fmt.MANIFEST_DIR)
@@ -166,6 +168,15 @@ class Committer:
                     time.sleep(random.uniform(0, delay))
                     delay = min(delay * 2, BACKOFF_CAP)
                 base = self.newest()
+                if base.generation < new.generation:
+                    # the generation we lost exists but does not read as a manifest: no commit can
+                    # ever follow it (a transient read error gets a few more tries)
+                    unreadable += 1
+                    if unreadable >= UNREADABLE_RETRIES:
+                        raise CorruptStoreError(
+                            f"{self.storage.url}/{new.file} exists but cannot be read as a manifest, so no "
+                            f"commit can follow generation {base.generation}; run `diskreplay verify "
+                            f"{self.storage.url}` and `diskreplay repair` (nothing of this commit is visible)")
             else:
                 raise ops.Conflict(f"gave up committing to {self.storage.url} after {MAX_ATTEMPTS} "
                                    "lost races")
