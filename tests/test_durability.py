@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from diskreplay import CorruptStoreError, FormatError, ReplayStore, RowsEvictedError, StoreLockedError
 from diskreplay import format as fmt
-from diskreplay.testing.workload import expected_rows
+from diskreplay.testing.workload import expected_rows, rows_mismatch
 from diskreplay._fileio import TMP_PREFIX
 from diskreplay.verify import repair_store, verify_store
 
@@ -44,37 +44,6 @@ CRASH_ENV = "DISKREPLAY_CRASH_AT"
 # --------------------------------------------------------------------------- deterministic content
 # These functions are also the prelude of every child script (by their source),
 # so they may use only numpy and builtins.
-
-
-def rows_mismatch(got, ids):
-    """None when ``got`` (a ``store.read`` result) is bit-exact for ``ids``, else what differs."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        return None
-    for name, want in expected_rows(ids).items():
-        col = got.get(name, "missing")
-        if isinstance(col, str):
-            return f"column {name} missing"
-        if name == "tag":
-            if list(col) != want:
-                return f"{name} differs"
-        elif isinstance(want, list):
-            if col is None or len(col) != len(want):
-                return f"{name}: wrong number of rows"
-            lengths = np.array([len(w) for w in want], dtype=np.int64)
-            got_lengths = np.diff(np.asarray(col.offsets))
-            if not np.array_equal(got_lengths, lengths):
-                bad = int(np.flatnonzero(got_lengths != lengths)[0])
-                return f"{name}: row {int(ids[bad])} has {got_lengths[bad]} elements, expected {lengths[bad]}"
-            values = np.asarray(col.values)[int(col.offsets[0]):int(col.offsets[-1])]
-            flat = np.concatenate(want)
-            if values.dtype != flat.dtype or values.tobytes() != flat.tobytes():
-                return f"{name}: values differ"
-        else:
-            arr = np.asarray(col)
-            if arr.dtype != want.dtype or arr.tobytes() != want.tobytes():
-                return f"{name} differs"
-    return None
 
 
 def groups_mismatch(store):

@@ -95,7 +95,7 @@ if ROOT not in sys.path:
 
 from diskreplay import ReplayStore  # noqa: E402
 from diskreplay import format as fmt  # noqa: E402
-from diskreplay.testing.workload import expected_rows  # noqa: E402
+from diskreplay.testing.workload import expected_rows, rows_mismatch  # noqa: E402
 from diskreplay.verify import verify_store  # noqa: E402
 
 SYSCALL_GROUPS = {
@@ -123,30 +123,6 @@ APPENDS = 20
 
 # --------------------------------------------------------------------------- row content
 # A row's content is a function of its id, so any row the store serves can be checked.
-
-
-def rows_mismatch(got, ids) -> Optional[str]:
-    """None when ``got`` (a ``store.read`` result) is bit-exact for ``ids``, else what differs."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        return None
-    for name, want in expected_rows(ids).items():
-        col = got.get(name)
-        if name == "tag":
-            if list(col) != want:
-                return f"{name} differs"
-        elif isinstance(want, list):
-            if col is None or len(col) != len(want):
-                return f"{name}: wrong number of rows"
-            for i, w in enumerate(want):
-                r = np.asarray(col[i])
-                if r.dtype != w.dtype or r.tobytes() != w.tobytes():
-                    return f"{name}: row {int(ids[i])} differs"
-        else:
-            arr = np.asarray(col)
-            if arr.dtype != want.dtype or arr.tobytes() != want.tobytes():
-                return f"{name} differs"
-    return None
 
 
 def state_for(k: int) -> dict:

@@ -75,3 +75,44 @@ def expected_rows(ids):
         "rewards": ((ids * 7) % 11).astype(np.float32) / np.float32(10),
         "tag": [f"row-{r}" for r in ids.tolist()],
     }
+
+
+def rows_mismatch(got, ids):
+    """None when ``got`` (a ``store.read`` result) is bit-exact for ``ids``, else what differs
+    (numpy only, like :func:`expected_rows`: the tests paste its source into child scripts).
+
+    >>> import tempfile, shutil
+    >>> d = tempfile.mkdtemp()
+    >>> with ReplayStore(d) as store:
+    ...     _ = store.extend(expected_rows([0, 1, 2]))
+    ...     rows_mismatch(store.read([1, 2]), [1, 2]) is None, rows_mismatch(store.read([1]), [2])
+    (True, 'prompt_ids: row 2 has 6 elements, expected 4')
+    >>> shutil.rmtree(d)
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        return None
+    for name, want in expected_rows(ids).items():
+        col = got.get(name, "missing")
+        if isinstance(col, str):
+            return f"column {name} missing"
+        if name == "tag":
+            if list(col) != want:
+                return f"{name} differs"
+        elif isinstance(want, list):
+            if col is None or len(col) != len(want):
+                return f"{name}: wrong number of rows"
+            lengths = np.array([len(w) for w in want], dtype=np.int64)
+            got_lengths = np.diff(np.asarray(col.offsets))
+            if not np.array_equal(got_lengths, lengths):
+                bad = int(np.flatnonzero(got_lengths != lengths)[0])
+                return f"{name}: row {int(ids[bad])} has {got_lengths[bad]} elements, expected {lengths[bad]}"
+            values = np.asarray(col.values)[int(col.offsets[0]):int(col.offsets[-1])]
+            flat = np.concatenate(want)
+            if values.dtype != flat.dtype or values.tobytes() != flat.tobytes():
+                return f"{name}: values differ"
+        else:
+            arr = np.asarray(col)
+            if arr.dtype != want.dtype or arr.tobytes() != want.tobytes():
+                return f"{name} differs"
+    return None
