@@ -51,6 +51,16 @@ LATE_COLUMNS_MANIFEST_VERSION = 2
 # knows only single-writer stores refuses it instead of taking a lock the other
 # writers never see and sweeping their in-flight files as garbage.
 MULTI_WRITER_VERSION = 2
+# FORMAT.json of a multi-writer store whose appends commit as deltas (see
+# AppendDelta) says version 4 and "append_deltas": true: a diskreplay without
+# them would take a delta for a damaged manifest, fall back to an older commit
+# and, as a writer, collect the newer ones. Stores created multi-writer get it.
+APPEND_DELTAS_VERSION = 4
+DELTA_FORMAT = "diskreplay.delta"
+# A writer commits a full manifest instead of a delta once its base is this
+# many deltas past a full one, so a reader applies at most this many.
+CHECKPOINT_EVERY = 8
+MAX_DELTA_CHAIN = 1024  # a reader refuses a longer chain (a writer never makes one)
 # A multi-writer store keeps the files of a superseded manifest this long, so
 # that a pinned reader (snapshot, verify, export) and a slow writer finish.
 DEFAULT_RETAIN_SECONDS = 3600
@@ -185,6 +195,8 @@ class StoreOptions:
     retain_seconds: Optional[int] = None
     #: the store may hold columns added after its first commit (the manifests record them)
     late_columns: bool = False
+    #: multi-writer: appends commit as deltas (:class:`AppendDelta`), group sidecars hold segment-local rows
+    append_deltas: bool = False
 
     def to_dict(self) -> dict:
         return _signed(self.body())
@@ -205,15 +217,17 @@ class StoreOptions:
             doc["retain_seconds"] = self.retain_seconds
         if self.late_columns:
             doc.update(version=LATE_COLUMNS_FORMAT_VERSION, late_columns=True)
+        if self.append_deltas:
+            doc.update(version=APPEND_DELTAS_VERSION, append_deltas=True)
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
-        doc = _check_header(doc, STORE_FORMAT, where,
-                            (FORMAT_VERSION, MULTI_WRITER_VERSION, LATE_COLUMNS_FORMAT_VERSION))
+        doc = _check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION,
+                                                        LATE_COLUMNS_FORMAT_VERSION, APPEND_DELTAS_VERSION))
         if not verified:
             _check_signature(doc, where)
-        multi, late = _format_features(doc, where)
+        multi, late, deltas = _format_features(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -226,6 +240,7 @@ class StoreOptions:
             multi_writer=multi,
             retain_seconds=_int(doc, "retain_seconds", where, optional=True, hi=10 ** 9),
             late_columns=late,
+            append_deltas=deltas,
         )
 
     def write(self, root: Any) -> None:
@@ -252,22 +267,31 @@ class StoreOptions:
         return options
 
 
-def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool]:
-    """``(multi_writer, late_columns)`` of a FORMAT.json document, checked against its version."""
+def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool]:
+    """``(multi_writer, late_columns, append_deltas)`` of a FORMAT.json document, checked against its version."""
     multi, late = doc.get("multi_writer", False), doc.get("late_columns", False)
     version = doc["version"]
+    if version == APPEND_DELTAS_VERSION:
+        if doc.get("append_deltas") is not True or multi is not True or not isinstance(late, bool):
+            raise FormatError(f"Unsupported append_deltas={doc.get('append_deltas')!r} / multi_writer={multi!r} / "
+                              f"late_columns={late!r} with version {version} in {where}; expected append_deltas "
+                              "and multi_writer true and late_columns true or false")
+        return True, late, True
+    if doc.get("append_deltas", False) is not False:
+        raise FormatError(f"Unsupported append_deltas={doc.get('append_deltas')!r} with version {version} in "
+                          f"{where}; expected it only in version {APPEND_DELTAS_VERSION}")
     if version == LATE_COLUMNS_FORMAT_VERSION:
         if late is not True or not isinstance(multi, bool):
             raise FormatError(f"Unsupported late_columns={late!r} / multi_writer={multi!r} with version {version} "
                               f"in {where}; expected late_columns true and multi_writer true or false")
-        return multi, True
+        return multi, True, False
     if late is not False:
         raise FormatError(f"Unsupported late_columns={late!r} with version {version} in {where}; expected it only "
                           f"in version {LATE_COLUMNS_FORMAT_VERSION}")
     if multi is not (version == MULTI_WRITER_VERSION):
         raise FormatError(f"Unsupported multi_writer={multi!r} with version {version} in {where}; "
                           f"expected true exactly in version {MULTI_WRITER_VERSION}")
-    return multi, False
+    return multi, False, False
 
 
 def shared_schema_bytes(schema: Schema) -> bytes:
@@ -603,6 +627,8 @@ class Manifest:
     group_index: Optional[GroupIndexEntry] = None
     #: multi-writer stores: counters summed over every writer's commits (``COMMIT_STATS`` keys)
     commit_stats: Mapping[str, int] = field(default_factory=dict)
+    #: not stored: how many append deltas this commit is past the newest full manifest (0: it is one)
+    depth: int = field(default=0, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -724,6 +750,130 @@ class Manifest:
         durable_write(os.path.join(root, self.file), signed_bytes(self.body()), step="manifest")
 
 
+def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
+          options: StoreOptions) -> Tuple[int, Tuple[SegmentEntry, ...]]:
+    """New head and live segments after applying the row and byte capacities."""
+    if options.capacity_rows is not None:
+        head = max(head, next_row - options.capacity_rows)
+    if options.capacity_bytes is not None:
+        total = sum(s.bytes + s.groups_bytes for s in segments)
+        i = 0
+        while i < len(segments) - 1 and total > options.capacity_bytes:
+            total -= segments[i].bytes + segments[i].groups_bytes
+            i += 1
+        if i:
+            head = max(head, segments[i].first_row)
+    segments = tuple(s for s in segments if s.end_row > head)
+    return head, segments
+
+
+def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, token: Optional[TokenRecord],
+                columns: Sequence[ColumnSpec], options: StoreOptions) -> Manifest:
+    """``base`` plus an append of ``num_rows`` rows in ``entries`` (whose ``first_row`` must be
+    ``base.next_row`` onwards), its token and the late columns it adds; capacities applied.
+    The one definition of what an append does, for a writer's commit and a reader's delta."""
+    generation = base.generation + 1
+    next_row = base.next_row + num_rows
+    head, segments = evict(base.head, next_row, base.segments + tuple(entries), options)
+    tokens = base.tokens
+    if token is not None:
+        tokens = tokens + (replace(token, first_row=base.next_row, generation=generation),)
+    late = base.late_columns
+    if columns:  # the schema changes in the same commit as the rows that need it
+        late = add_late_columns(late, columns, base.next_row, generation)
+    return base.evolve(generation=generation, head=head, next_row=next_row,
+                       next_segment=max([base.next_segment] + [e.id + 1 for e in entries]),
+                       segments=segments, tokens=tokens, late_columns=late)
+
+
+def _sum_stats(a: Mapping[str, int], b: Mapping[str, int]) -> Dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass(frozen=True)
+class AppendDelta:
+    """A commit that only appends, stored as what it adds rather than as the whole manifest.
+
+    Multi-writer stores (``append_deltas``) publish most appends this way: the
+    file does not depend on the generation it lands on (its segments' rows are
+    numbered from 0, the group sidecars hold segment-local rows), so a writer
+    that loses the race for generation N creates the same file as N+1 (no
+    re-planning), and a commit costs the same however large the store. The
+    manifest of a delta's generation is ``apply(manifest of generation - 1)``;
+    a full manifest follows every ``CHECKPOINT_EVERY`` deltas.
+
+    >>> d = AppendDelta((SegmentEntry(7, 0, 2, 100, 1),), 2)
+    >>> m = d.apply(Manifest(generation=3, next_row=5, head=5, next_segment=7), StoreOptions())
+    >>> m.generation, m.head, m.next_row, m.segments[0].first_row, m.depth
+    (4, 5, 7, 5, 1)
+    >>> AppendDelta.from_doc(json.loads(signed_bytes(d.body())), "x") == d
+    True
+    """
+
+    entries: Tuple[SegmentEntry, ...]  # ``first_row`` counts from the append's first row (0)
+    num_rows: int
+    token: Optional[TokenRecord] = None  # ``first_row`` and ``generation`` are filled in by ``apply``
+    columns: Tuple[ColumnSpec, ...] = ()
+    #: the writer's commit counters not yet in the store's (``COMMIT_STATS`` keys)
+    commit_stats: Mapping[str, int] = field(default_factory=dict)
+
+    def body(self) -> dict:
+        doc = {"format": DELTA_FORMAT, "version": FORMAT_VERSION, "num_rows": self.num_rows,
+               "segments": [e.to_dict() for e in self.entries]}
+        if self.token is not None:
+            doc["token"] = self.token.to_list()
+        if self.columns:
+            doc["late_columns"] = [c.to_dict() for c in self.columns]
+        if self.commit_stats:
+            doc["commit_stats"] = dict(sorted(self.commit_stats.items()))
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: Any, where: str, verified: bool = False) -> "AppendDelta":
+        doc = _check_header(doc, DELTA_FORMAT, where)
+        if not verified:
+            _check_signature(doc, where)
+        segs, cols = doc.get("segments"), doc.get("late_columns", [])
+        if not isinstance(segs, list) or not segs or not isinstance(cols, list):
+            raise FormatError(f"Unsupported segments/late_columns in {where}; expected non-empty lists")
+        d = cls(tuple(SegmentEntry.from_dict(e, where) for e in segs), _int(doc, "num_rows", where, lo=1),
+                None if doc.get("token") is None else TokenRecord.from_list(doc["token"], where),
+                tuple(ColumnSpec.from_dict(c) for c in cols),
+                _commit_stats(doc.get("commit_stats", {}), where))
+        end = 0
+        for e in d.entries:
+            if e.first_row != end:
+                raise FormatError(f"Unsupported segment {e.id} at row {e.first_row} of the append in {where}; "
+                                  f"expected {end}")
+            end = e.end_row
+        if end != d.num_rows or (d.token is not None and d.token.num_rows != d.num_rows):
+            raise FormatError(f"Unsupported append of {d.num_rows} rows in {where}: its segments hold {end}")
+        for c in d.columns:
+            why = late_column_problem(c)
+            if why is not None:
+                raise FormatError(f"Unsupported late column {c.name!r} in {where}: {why}")
+        return d
+
+    def apply(self, base: Manifest, options: StoreOptions) -> Manifest:
+        """The manifest of the generation after ``base`` that this delta makes."""
+        entries = tuple(replace(e, first_row=e.first_row + base.next_row) for e in self.entries)
+        m = append_rows(base, entries, self.num_rows, self.token, self.columns, options)
+        return m.evolve(depth=base.depth + 1, commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
+
+
+def with_chains(manifests: Mapping[int, Manifest]) -> set:
+    """The generations whose files reading each of ``manifests`` needs: each one and, for a
+    delta, the generations back to the full manifest it applies to (clean-up keeps them all).
+
+    >>> sorted(with_chains({9: Manifest(generation=9, depth=2), 4: Manifest(generation=4)}))
+    [4, 7, 8, 9]
+    """
+    return {g for gen, m in manifests.items() for g in range(gen - m.depth, gen + 1)}
+
+
 def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
     late = doc.get("late_columns")
     if doc["version"] == FORMAT_VERSION:
@@ -743,13 +893,61 @@ def _dumps(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
-def load_manifest(path: str, generation: Optional[int] = None) -> Manifest:
-    """Read, verify and parse one manifest file (which must say it is ``generation``, if given)."""
+def load_manifest(path: str, generation: Optional[int] = None, *, known: Optional[Manifest] = None,
+                  options: Optional[StoreOptions] = None) -> Manifest:
+    """Read, verify and parse one manifest file (which must say it is ``generation``, if given).
+
+    A delta (:class:`AppendDelta`) is applied to the manifests before it, read
+    from the same directory back to a full one, or to ``known`` (a manifest of
+    this store already held) when the chain reaches its generation.
+    """
     doc, verified = read_signed_json(path)
+    if isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
+        m = _MANIFEST_NAME.match(os.path.basename(path))
+        if m is None:
+            raise CorruptStoreError(f"{path} is an append delta outside a store's manifests directory")
+        root = os.path.dirname(os.path.dirname(path))
+        return _resolve(root, int(m.group(1)), doc, verified, path, known, options)
     m = Manifest.from_dict(doc, path, verified)
     if generation is not None and m.generation != generation:
         raise CorruptStoreError(f"{path} says it is generation {m.generation}")
     return m
+
+
+def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, known: Optional[Manifest],
+             options: Optional[StoreOptions]) -> Manifest:
+    """Manifest ``generation`` of ``root`` from its document: a full manifest, or a delta applied
+    to the manifest of the generation before (recursively, back to a full one or ``known``)."""
+    chain: List[Tuple[str, AppendDelta]] = []
+    base = None
+    g, g_where = generation, where
+    while isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
+        chain.append((g_where, AppendDelta.from_doc(doc, g_where, verified)))
+        g -= 1
+        if known is not None and known.generation == g:
+            base = known
+            break
+        if g == 0:  # the store's first commits: they follow the empty store
+            base = Manifest()
+            break
+        if len(chain) > MAX_DELTA_CHAIN:
+            raise CorruptStoreError(f"{where} is an append delta whose chain of {len(chain)} deltas ends at "
+                                    f"generation {g} without a full manifest")
+        g_where = _where(root, manifest_file(g))
+        doc, verified = _read_signed(root, manifest_file(g))  # FileNotFoundError: collected meanwhile
+    if base is None:
+        base = Manifest.from_dict(doc, g_where, verified)
+        if base.generation != g:
+            raise CorruptStoreError(f"{g_where} says it is generation {base.generation}")
+    if not chain:
+        return base
+    if options is None:  # the capacities (FORMAT.json is fixed at creation but for late_columns)
+        raw, ok = _read_signed(root, FORMAT_FILE)
+        options = StoreOptions.from_dict(raw, _where(root, FORMAT_FILE), ok)
+    for _, delta in reversed(chain):
+        base = delta.apply(base, options)
+    base.validate(where)
+    return base
 
 
 def list_generations(root: Any) -> List[int]:
@@ -763,7 +961,8 @@ def list_generations(root: Any) -> List[int]:
     return sorted(gens, reverse=True)
 
 
-def load_newest_manifest(root: Any) -> Tuple[Manifest, List[str]]:
+def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None,
+                         options: Optional[StoreOptions] = None) -> Tuple[Manifest, List[str]]:
     """The newest manifest that parses and verifies, and the problems met on the way.
 
     An empty store gives ``Manifest()``. Raises ``CorruptStoreError`` naming the
@@ -775,14 +974,14 @@ def load_newest_manifest(root: Any) -> Tuple[Manifest, List[str]]:
     """
     root = _dir(root)
     if _is_storage(root):
-        return _newest_by_probing(root)
+        return _newest_by_probing(root, known, options)
     for _ in range(MAX_RELISTS):
         problems: List[str] = []
         vanished = False
         for gen in list_generations(root):
             path = os.path.join(root, manifest_file(gen))
             try:
-                return load_manifest(path, gen), problems
+                return load_manifest(path, gen, known=known, options=options), problems
             except FileNotFoundError:
                 vanished = True  # deleted by the writer's clean-up between listdir and open
             except (CorruptStoreError, FormatError) as exc:
@@ -808,15 +1007,15 @@ def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
     root = _dir(root)
     out: Dict[int, Manifest] = {}
     unreadable: Dict[int, str] = {}
-    for gen in list_generations(root):
+    for gen in reversed(list_generations(root)):  # oldest first: a delta applies to the one before
         path = _where(root, manifest_file(gen))
         try:
-            out[gen] = read_manifest(root, gen) if _is_storage(root) else load_manifest(path)
+            out[gen] = read_manifest(root, gen, known=out.get(gen - 1))
         except (CorruptStoreError, FormatError, FileNotFoundError):
             continue
         except OSError as exc:
             unreadable[gen] = f"{path}: {exc}"
-    return out, unreadable
+    return dict(sorted(out.items(), reverse=True)), unreadable
 
 
 # ---------------------------------------------------------------------------
@@ -845,17 +1044,16 @@ def _read_signed(root: Any, rel: str) -> Tuple[Any, bool]:
     return _parse_json(raw, _where(root, rel)), _signature_in_bytes(raw)
 
 
-def read_manifest(root: Any, generation: int) -> Manifest:
-    """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage)."""
+def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = None,
+                  options: Optional[StoreOptions] = None) -> Manifest:
+    """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage);
+    a delta is resolved as :func:`load_manifest` says."""
     root = _dir(root)
     if not _is_storage(root):
-        return load_manifest(os.path.join(root, manifest_file(generation)), generation)
+        return load_manifest(os.path.join(root, manifest_file(generation)), generation, known=known, options=options)
     where = _where(root, manifest_file(generation))
     doc, verified = _read_signed(root, manifest_file(generation))
-    m = Manifest.from_dict(doc, where, verified)
-    if m.generation != generation:
-        raise CorruptStoreError(f"{where} says it is generation {m.generation}")
-    return m
+    return _resolve(root, generation, doc, verified, where, known, options)
 
 
 def _exists(storage: Any, rel: str) -> bool:
@@ -866,7 +1064,8 @@ def _exists(storage: Any, rel: str) -> bool:
         return False
 
 
-def _newest_by_probing(storage: Any) -> Tuple[Manifest, List[str]]:
+def _newest_by_probing(storage: Any, known: Optional[Manifest] = None,
+                       options: Optional[StoreOptions] = None) -> Tuple[Manifest, List[str]]:
     """The newest intact manifest of an object store, found with HEAD requests.
 
     Commits create generations N, N+1, ... in order and clean-up removes only
@@ -890,7 +1089,7 @@ def _newest_by_probing(storage: Any) -> Tuple[Manifest, List[str]]:
         vanished = False
         for gen in range(newest, 0, -1):
             try:
-                m = read_manifest(storage, gen)
+                m = read_manifest(storage, gen, known=known, options=options)
             except FileNotFoundError:
                 vanished = gen == newest  # collected between the probe and the read: probe again
                 break

@@ -29,6 +29,7 @@ _STATE_META = b"diskreplay.state"
 PAGE_BYTES = 8192
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 _META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
+_META_LOCAL_ROWS = b"diskreplay.rows"  # "segment": a group sidecar's rows count from its segment's first
 _META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's buffers
 
 
@@ -96,12 +97,16 @@ def encode_ipc(batch: pa.RecordBatch) -> pa.Buffer:
     return buf
 
 
-def group_sidecar(keys: pa.Array, first_row: int, checksums: Optional[PageChecksums] = None) -> pa.RecordBatch:
+def group_sidecar(keys: pa.Array, first_row: Optional[int], checksums: Optional[PageChecksums] = None
+                  ) -> pa.RecordBatch:
     """The group sidecar of a segment whose per-row group keys are ``keys``.
 
     One row per group in order of first appearance: ``key``, ``count`` and the
     global ``rows`` of that group (ascending, i.e. insertion order); the
-    segment's page checksums ride in the schema metadata.
+    segment's page checksums ride in the schema metadata. ``first_row=None``
+    records rows counted from the segment's first (``diskreplay.rows:
+    segment`` in the metadata), so the file does not depend on where the
+    segment lands (an append delta's).
     """
     enc = keys.dictionary_encode()
     codes = numpy_view(enc.indices).astype(np.int64)
@@ -109,9 +114,17 @@ def group_sidecar(keys: pa.Array, first_row: int, checksums: Optional[PageChecks
     counts = np.bincount(codes, minlength=len(enc.dictionary)).astype(np.int64)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
-    rows = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(order + first_row, type=pa.int64()))
+    rows = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(order + (first_row or 0), type=pa.int64()))
     batch = pa.RecordBatch.from_arrays([enc.dictionary, pa.array(counts), rows], names=["key", "count", "rows"])
-    return batch if checksums is None else batch.replace_schema_metadata(checksums.metadata())
+    meta = {} if checksums is None else checksums.metadata()
+    if first_row is None:
+        meta[_META_LOCAL_ROWS] = b"segment"
+    return batch.replace_schema_metadata(meta) if meta else batch
+
+
+def segment_local_rows(sidecar: pa.RecordBatch) -> bool:
+    """Whether a group sidecar's rows count from its segment's first row (see :func:`group_sidecar`)."""
+    return (sidecar.schema.metadata or {}).get(_META_LOCAL_ROWS) == b"segment"
 
 
 def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
@@ -131,6 +144,8 @@ def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, 
     rows_col = batch.column("rows")
     rows = numpy_view(rows_col.values)
     offsets = numpy_view(rows_col.offsets)
+    if segment_local_rows(batch):
+        rows = rows + first_row
     if (keys.null_count or batch.column("count").null_count or rows_col.null_count
             or np.any(counts <= 0) or int(counts.sum()) != num_rows or len(rows) != num_rows
             or not np.array_equal(np.diff(offsets), counts)

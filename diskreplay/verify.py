@@ -34,7 +34,7 @@ from .store import ops
 from .store.committer import Committer
 from .storage import S3Storage, is_remote
 from .store.storage import LocalStorage
-from .segment import ArrowFile, PageChecksums, Segment, decode_state, encode_ipc, group_sidecar
+from .segment import ArrowFile, PageChecksums, Segment, decode_state, encode_ipc, group_sidecar, segment_local_rows
 
 QUARANTINE_DIR = "quarantine"
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
@@ -663,7 +663,7 @@ def _compare_sidecar(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key
     try:
         side = ArrowFile(files.local(s.groups_file, s.groups_bytes), s.groups_bytes).batch
         keys = seg.column(group_key)
-        want = group_sidecar(keys, s.first_row)
+        want = group_sidecar(keys, None if segment_local_rows(side) else s.first_row)
     except CorruptStoreError as exc:
         return str(exc)
     except Exception as exc:

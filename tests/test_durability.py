@@ -220,6 +220,12 @@ crash_batch, n_appends, capacity = int(crash_batch), int(n_appends), int(capacit
 kw = {"multi_writer": True, "retain_seconds": 5} if multi == "multi" else {}
 if mode == "create":
     os.environ["DISKREPLAY_CRASH_AT"] = step
+if mode == "race-v2":  # a multi-writer store of the format before append deltas (full manifests)
+    import dataclasses
+    from diskreplay import format as fmt
+    ReplayStore(path, capacity=capacity, **kw).close()
+    dataclasses.replace(fmt.StoreOptions.read(path), append_deltas=False).write(path)
+    mode = "race"
 store = ReplayStore(path, capacity=capacity, **kw)
 print("open", flush=True)
 for b in range(n_appends):
@@ -272,10 +278,13 @@ COMPACT_STEPS = ("segment.written", "segment.renamed", "groups.written", "groups
 # waits retain_seconds, so no commit of the child deletes anything (no "gc.*")
 MULTI_FIRST = ("format.written", "format.renamed")
 # a lost race in the middle of the append (the rival commits right before its link): "#2" is the
-# retry, whose publish rewrites the sidecars for the rows after the rival's ("groups.renamed#2"), makes
-# them durable with the new manifest's file ("segments.synced#2", "manifest.written#2") and links it
-RACE_STEPS = ("groups.renamed#2", "segments.synced#2", "manifest.written#2", "manifest.renamed",
-              "manifest.committed")
+# retry. An append delta links the same file again ("manifest.written#2": its file is in place). In a
+# store of format v2 ("race-v2") the retry's publish rewrites the sidecars for the rows after the
+# rival's ("groups.renamed#2"), makes them durable with the new manifest's file ("segments.synced#2",
+# "manifest.written#2") and links it.
+RACE_STEPS = ("manifest.written#2", "manifest.renamed", "manifest.committed")
+RACE_V2_STEPS = ("groups.renamed#2", "segments.synced#2", "manifest.written#2", "manifest.renamed",
+                 "manifest.committed")
 
 
 def _crash_cases():
@@ -288,7 +297,8 @@ def _crash_cases():
         cases += [(step, "append", multi) for step in DATA_STEPS if keep(step)]
         cases += [(step, "state", multi) for step in STATE_STEPS if keep(step)]
         cases += [(step, "compact", multi) for step in COMPACT_STEPS if keep(step)]
-    return cases + [(step, "race", "multi") for step in RACE_STEPS]
+    return (cases + [(step, "race", "multi") for step in RACE_STEPS]
+            + [(step, "race-v2", "multi") for step in RACE_V2_STEPS])
 
 
 CRASH_CASES = _crash_cases()
@@ -352,7 +362,7 @@ def test_crash_point(crash_runs, step, mode, multi):
         end += n
     inflight = 0 if mode in ("state", "compact") else batch_size(len(returned))
     rival, landing = _rows_landed(proc.stdout, end)
-    assert (mode == "race") == (rival > 0), proc.stdout
+    assert mode.startswith("race") == (rival > 0), proc.stdout
 
     landed = []  # race mode: the in-flight batch committed (after the rival's rows)
 
@@ -1078,8 +1088,8 @@ def test_reader_refresh_survives_gc(tmp_path, monkeypatch):
     writer.extend(expected_rows(np.arange(4, 8)))
     real = fmt.load_newest_manifest
 
-    def slow_load(root):
-        result = real(root)
+    def slow_load(root, **kw):
+        result = real(root, **kw)
         for _ in range(fmt.KEEP_MANIFESTS + 1):  # the writer runs on while the reader sleeps
             writer.extend(expected_rows(np.arange(writer.next_row, writer.next_row + 4)))
         return result
@@ -1119,7 +1129,7 @@ def test_stale_listing_is_not_an_empty_store(tmp_path, monkeypatch):
     m, _ = fmt.load_newest_manifest(path)
     assert m.generation == writer.generation
     # a commit older than the one held is never installed
-    monkeypatch.setattr(fmt, "load_newest_manifest", lambda root: (fmt.Manifest(), []))
+    monkeypatch.setattr(fmt, "load_newest_manifest", lambda root, **kw: (fmt.Manifest(), []))
     monkeypatch.setattr(fmt, "list_generations", lambda root: [writer.generation + 1])
     assert not reader.refresh() and len(reader) == 8
 
@@ -1165,11 +1175,11 @@ def test_reader_opening_during_the_first_commit_has_the_schema(tmp_path, monkeyp
     writer = ReplayStore(path)  # FORMAT.json without a schema, no manifest yet
     real = fmt.load_newest_manifest
 
-    def racing(root):
+    def racing(root, **kw):
         if not getattr(racing, "done", False):
             racing.done = True
             writer.extend(expected_rows(np.arange(0, 4)))  # the first commit lands mid-open
-        return real(root)
+        return real(root, **kw)
 
     monkeypatch.setattr(fmt, "load_newest_manifest", racing)
     reader = ReplayStore(path, readonly=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -47,7 +48,7 @@ def test_mode_mismatch_is_refused_and_changes_nothing(tmp_path):
     # a single-writer store's FORMAT.json is still exactly version 1, without the new keys
     doc = json.load(open(os.path.join(single, fmt.FORMAT_FILE)))
     assert doc["version"] == 1 and "multi_writer" not in doc and "retain_seconds" not in doc
-    assert json.load(open(os.path.join(multi, fmt.FORMAT_FILE)))["version"] == fmt.MULTI_WRITER_VERSION
+    assert json.load(open(os.path.join(multi, fmt.FORMAT_FILE)))["version"] == fmt.APPEND_DELTAS_VERSION
 
 
 def test_conversion_both_ways_keeps_rows(tmp_path):
@@ -569,10 +570,20 @@ CRASH_RIVAL = textwrap.dedent("""
     print("ACK", 1, 0, int(rows[0]), len(rows))
 """)
 
-# "#2": the second attempt, after the lost race and the rebase (its sidecars rewritten for the new rows,
-# made durable with its manifest's file)
+# "#2": the second attempt, after the lost race. An append delta links the same file again; a store
+# of format v2 (full manifests, global rows in its sidecars) rebases: its sidecars are rewritten for
+# the new rows and made durable with its manifest's file. "v2:" runs a store of that format.
 MULTI_CRASH_STEPS = ["segment.written", "groups.renamed", "segments.synced", "manifest.written",
-                     "groups.renamed#2", "manifest.written#2", "manifest.renamed", "manifest.committed"]
+                     "manifest.written#2", "manifest.renamed", "manifest.committed",
+                     "v2:segments.synced", "v2:groups.renamed#2", "v2:manifest.written#2", "v2:manifest.committed"]
+
+
+def _multi_writer_store(path, kind="delta"):
+    """A new multi-writer store; ``kind="v2"``: of the format before append deltas."""
+    ReplayStore(path, multi_writer=True).close()
+    if kind == "v2":
+        options = fmt.StoreOptions.read(path)
+        dataclasses.replace(options, append_deltas=False).write(path)
 
 
 @pytest.fixture(scope="module")
@@ -582,9 +593,10 @@ def multi_crash_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi-crash")
 
     def run(step):
-        path = str(root / step.replace("#", "-"))
-        ReplayStore(path, multi_writer=True).close()
-        proc = subprocess.run([sys.executable, "-c", CRASH_WRITER, path, step, CRASH_RIVAL], capture_output=True,
+        path = str(root / step.replace("#", "-").replace(":", "-"))
+        kind, _, at = step.rpartition(":")
+        _multi_writer_store(path, kind or "delta")
+        proc = subprocess.run([sys.executable, "-c", CRASH_WRITER, path, at, CRASH_RIVAL], capture_output=True,
                               text=True, env=_env(), timeout=300)
         return step, (path, proc)
 
@@ -603,7 +615,8 @@ def test_crash_point_multi_writer_with_a_lost_race(multi_crash_runs, step):
         _, w, s, first, n = line.split()
         acked[(int(w), int(s))] = (int(first), int(n))
     # killed before the link the rival's commit comes right before
-    raced = step not in ("segment.written", "groups.renamed", "segments.synced", "manifest.written")
+    raced = step.rpartition(":")[2] not in ("segment.written", "groups.renamed", "segments.synced",
+                                            "manifest.written")
     assert ((1, 0) in acked) == raced and (0, 4) not in acked and len(acked) == 4 + raced, acked
 
     def batches(store):

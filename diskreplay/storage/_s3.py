@@ -407,6 +407,9 @@ class S3Storage:
             crash_point(f"{step}.renamed")
         return created
 
+    def discard_staged(self) -> None:
+        """Nothing is staged: a publish that lost sends its bytes again (one PUT)."""
+
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
         """Replace ``rel`` with one PUT, except a manifest, which is only ever created.
 

@@ -39,6 +39,8 @@ honour; ``tests/test_storage.py`` runs it against each.
 ``publish(rel, data, files, dirs,           ``write_files``, then create the
 exclusive=)``                               manifest ``rel``: only if absent
                                             when ``exclusive`` (False if taken)
+``discard_staged()``                        drop what a lost ``publish`` kept
+                                            to publish the same bytes again
 ``delete(rel)``                             remove ``rel``; absent is no error
 ``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
                                             durable / make a directory (no-ops
@@ -107,6 +109,8 @@ class Storage(Protocol):
 
     def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
                 dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool: ...
+
+    def discard_staged(self) -> None: ...
 
     def delete(self, rel: str) -> bool: ...
 

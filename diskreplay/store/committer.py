@@ -85,6 +85,9 @@ class Committer:
         self.pending: List[Tuple[str, object, Optional[str]]] = []
         self.pending_dirs: List[str] = []
         self._linked_t = 0.0  # when the newest publish attempt's link (or rename) returned
+        #: counters of this writer's commits published as deltas, not yet in the store's commit_stats
+        #: (a delta's file is fixed before its race, so it carries the ones of the commits before it)
+        self._unreported: Dict[str, int] = {}
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
 
     # ------------------------------------------------------------------ reading the base
@@ -95,7 +98,7 @@ class Committer:
             gens = fmt.list_generations(self.storage)
             if gens and gens[0] == self.manifest.generation:
                 return self.manifest  # a generation is created once: the one held is that file (no parse)
-        m, _ = fmt.load_newest_manifest(self.storage)
+        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
         if m.generation > self.manifest.generation:
             self.manifest = m
         return self.manifest
@@ -134,6 +137,7 @@ class Committer:
         base = self.newest() if self.multi_writer else self.manifest
         delay = BACKOFF_FIRST
         unreadable = 0
+        delta: Optional[Tuple[fmt.AppendDelta, bytes]] = None  # made once: a lost race links the same file again
         try:
             if self._unsynced:  # an earlier commit is visible but its durability is still owed
                 self.storage.sync_dir(fmt.MANIFEST_DIR)
@@ -146,14 +150,27 @@ class Committer:
                         self.manifest = base
                         return CommitResult(base, duplicate=dup)
                 self._check_age(started)
-                new = ops.apply(base, plan(base), self.options)
-                new, logs = compact_tokens(new, self.tokens, self._write_token_log)
-                written += logs
-                publish_t = time.perf_counter()
-                if self.multi_writer:
-                    new = self._count(base, new, attempt, t0 - before, lost_at, publish_t)
-                data = fmt.signed_bytes(new.body())
+                op = plan(base)
+                logs: List[str] = []
+                if self._as_delta(op, base):
+                    if delta is None:
+                        d = op.delta({"commits": 1, **self._unreported})
+                        delta = d, fmt.signed_bytes(d.body())
+                    new, data = delta[0].apply(base, self.options), delta[1]
+                    publish_t = time.perf_counter()
+                else:
+                    new = ops.apply(base, op, self.options).evolve(depth=0)
+                    new, logs = compact_tokens(new, self.tokens, self._write_token_log)
+                    written += logs
+                    publish_t = time.perf_counter()
+                    if self.multi_writer:
+                        new = self._count(base, new, attempt, t0 - before, lost_at, publish_t)
+                    data = fmt.signed_bytes(new.body())
                 if self._publish(new, data, install, rows):
+                    if new.depth:
+                        self._owe(attempt, t0 - before, lost_at, publish_t)
+                    else:
+                        self._unreported = {}
                     break
                 # another writer took this generation: rebase on the newest and retry. The data
                 # files are written and durable already; only the manifest step (and, for an
@@ -188,6 +205,7 @@ class Committer:
                 self._remove(written)
             raise
         finally:
+            self.storage.discard_staged()
             self.pending, self.pending_dirs = [], []  # a duplicate token or an error: never written
             # what the lost races cost: from the first failed link to the last link (the back-off,
             # re-reading the newest commit, re-planning on it, rewriting the sidecars and manifest)
@@ -200,16 +218,34 @@ class Committer:
         self._since_conflict = 0 if attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
 
+    def _as_delta(self, op: ops.Operation, base: fmt.Manifest) -> bool:
+        """Commit ``op`` as an append delta: a relocatable append, unless the base is
+        ``CHECKPOINT_EVERY`` deltas past a full manifest (then this commit writes one)."""
+        return (self.options.append_deltas and isinstance(op, ops.Append) and op.relocatable
+                and base.depth < fmt.CHECKPOINT_EVERY)
+
     @staticmethod
-    def _count(base: fmt.Manifest, new: fmt.Manifest, conflicts: int, t0: float, lost_at: Optional[float],
+    def _stats(conflicts: int, t0: float, lost_at: Optional[float], publish_t: float) -> Dict[str, int]:
+        return {"commits": 1, "conflicts": conflicts, "commit_ms": int(round((publish_t - t0) * 1e3)),
+                "retry_ms": 0 if lost_at is None else int(round((publish_t - lost_at) * 1e3))}
+
+    def _count(self, base: fmt.Manifest, new: fmt.Manifest, conflicts: int, t0: float, lost_at: Optional[float],
                publish_t: float) -> fmt.Manifest:
-        """``new`` with this commit added to the store's ``commit_stats`` (summed over all writers:
-        each commit adds its own to its base's, so a lost race's retry counts it again on the newer base)."""
+        """``new`` with this commit (and this writer's earlier deltas' owed counters) added to the store's
+        ``commit_stats`` (summed over all writers: each commit adds its own to its base's, so a lost
+        race's retry counts it again on the newer base)."""
         stats = dict(base.commit_stats)
-        for key, value in (("commits", 1), ("conflicts", conflicts), ("commit_ms", (publish_t - t0) * 1e3),
-                           ("retry_ms", 0.0 if lost_at is None else (publish_t - lost_at) * 1e3)):
-            stats[key] = stats.get(key, 0) + int(round(value))
+        for key, value in list(self._stats(conflicts, t0, lost_at, publish_t).items()) + list(
+                self._unreported.items()):
+            stats[key] = stats.get(key, 0) + value
         return new.evolve(commit_stats=stats)
+
+    def _owe(self, conflicts: int, t0: float, lost_at: Optional[float], publish_t: float) -> None:
+        """After a delta's publish: its own lost races and times ride in this writer's next commit
+        (its ``commits`` count was in the delta)."""
+        own = self._stats(conflicts, t0, lost_at, publish_t)
+        own.pop("commits")
+        self._unreported = {k: v for k, v in own.items() if v}
 
     def _check_age(self, started: Optional[float]) -> None:
         """Many writers: another writer's clean-up takes unnamed files older than
@@ -306,6 +342,9 @@ class Committer:
         current = self.manifest.generation
         self.retained[current] = self.manifest
         dropped = [g for g in sorted(self.retained)[: -fmt.KEEP_MANIFESTS] if not self._young(g)]
+        # a store converted from many writers may hold deltas: they keep the manifests they apply to
+        needed = fmt.with_chains({g: m for g, m in self.retained.items() if g not in dropped})
+        dropped = [g for g in dropped if g not in needed]
         if not dropped:
             return
         old = [self.retained.pop(g) for g in dropped]
@@ -332,6 +371,7 @@ class Committer:
                     keep.append(g)
         self.retained = {g: docs[g] for g in keep}
         self.retained[current] = self.manifest
+        self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
         referenced = {f for m in self.retained.values() for f in m.files()}
         if unreadable:
             warnings.warn(f"{self.storage.url}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
@@ -372,22 +412,28 @@ class Committer:
             (keep.add(g) if self._age(fmt.manifest_file(newer)) < retain else drop.append(g))
         unreadable = False
         referenced = set()
-        for g in keep:
-            m = self._docs.get(g)
-            if m is None:
-                try:
-                    m = self._docs[g] = fmt.read_manifest(self.storage, g)
-                except FileNotFoundError:
-                    continue  # another writer's sweep took it: it was past retention
-                except (fmt.FormatError, fmt.CorruptStoreError):
-                    continue
-                except OSError:
-                    unreadable = True
-                    continue
-            referenced.update(m.files())
+        done: set = set()
+        while keep - done:  # a kept delta keeps the manifests back to its full one (and their files)
+            for g in sorted(keep - done):
+                done.add(g)
+                m = self._docs.get(g)
+                if m is None:
+                    try:
+                        m = self._docs[g] = fmt.read_manifest(self.storage, g, known=self._docs.get(g - 1),
+                                                              options=self.options)
+                    except FileNotFoundError:
+                        continue  # another writer's sweep took it: it was past retention
+                    except (fmt.FormatError, fmt.CorruptStoreError):
+                        continue
+                    except OSError:
+                        unreadable = True
+                        continue
+                referenced.update(m.files())
+                keep |= fmt.with_chains({g: m})
         for g in list(self._docs):
             if g not in keep:
                 del self._docs[g]
+        drop = [] if unreadable else [g for g in drop if g not in keep]  # an unreadable one may be a delta
         files = []
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
             for name in self.storage.list(d):

@@ -7,7 +7,7 @@ them to whichever manifest a commit is finally based on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import pyarrow as pa
 
@@ -88,18 +88,4 @@ def split(record: pa.RecordBatch) -> List[pa.RecordBatch]:
     return [record.slice(i, step) for i in range(0, record.num_rows, step)]
 
 
-def evict(head: int, next_row: int, segments: Tuple[fmt.SegmentEntry, ...],
-          options: fmt.StoreOptions) -> Tuple[int, Tuple[fmt.SegmentEntry, ...]]:
-    """New head and live segments after applying the row and byte capacities."""
-    if options.capacity_rows is not None:
-        head = max(head, next_row - options.capacity_rows)
-    if options.capacity_bytes is not None:
-        total = sum(s.bytes + s.groups_bytes for s in segments)
-        i = 0
-        while i < len(segments) - 1 and total > options.capacity_bytes:
-            total -= segments[i].bytes + segments[i].groups_bytes
-            i += 1
-        if i:
-            head = max(head, segments[i].first_row)
-    segments = tuple(s for s in segments if s.end_row > head)
-    return head, segments
+evict = fmt.evict  # pure, and what a reader applying an append delta needs too

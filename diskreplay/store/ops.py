@@ -40,7 +40,9 @@ class Append:
     """New segments holding ``num_rows`` rows, to become the rows ``[base.next_row, ...)``.
 
     ``entries`` carry the row ids of the base they were prepared for (a group
-    sidecar records global row ids); ``first_row`` says which.
+    sidecar records global row ids); ``first_row`` says which. A ``relocatable``
+    append's sidecars hold segment-local rows: it applies to any base as it
+    is, and can be committed as an :class:`~diskreplay.format.AppendDelta`.
     """
 
     entries: Tuple[fmt.SegmentEntry, ...]
@@ -48,6 +50,13 @@ class Append:
     token: Optional[fmt.TokenRecord] = None
     #: late columns its segments hold that the schema it was validated against lacked
     columns: Tuple[ColumnSpec, ...] = ()
+    relocatable: bool = False
+
+    def delta(self, commit_stats: Optional[dict] = None) -> fmt.AppendDelta:
+        """This append as a delta (rows numbered from 0)."""
+        first = self.entries[0].first_row
+        return fmt.AppendDelta(tuple(replace(e, first_row=e.first_row - first) for e in self.entries),
+                               self.num_rows, self.token, self.columns, commit_stats or {})
 
 
 @dataclass(frozen=True)
@@ -98,19 +107,11 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
     """
     generation = base.generation + 1
     if isinstance(op, Append):
+        if op.relocatable:
+            return op.delta().apply(base, options)  # the committer says whether it is stored as one
         if op.entries and op.entries[0].first_row != base.next_row:
             raise Conflict(f"append prepared for row {op.entries[0].first_row}, the base ends at {base.next_row}")
-        next_row = base.next_row + op.num_rows
-        head, segments = evict(base.head, next_row, base.segments + op.entries, options)
-        tokens = base.tokens
-        if op.token is not None:
-            tokens = tokens + (replace(op.token, first_row=base.next_row, generation=generation),)
-        late = base.late_columns
-        if op.columns:  # the schema changes in the same commit as the rows that need it
-            late = fmt.add_late_columns(late, op.columns, base.next_row, generation)
-        return base.evolve(generation=generation, head=head, next_row=next_row,
-                           next_segment=max([base.next_segment] + [e.id + 1 for e in op.entries]),
-                           segments=segments, tokens=tokens, late_columns=late)
+        return fmt.append_rows(base, op.entries, op.num_rows, op.token, op.columns, options)
     if isinstance(op, Rewrite):
         ids = [s.id for s in base.segments]
         if not op.replaced:

@@ -41,6 +41,7 @@ class RemoteCommitter(Committer):
         keep = sorted((g for g in docs if g <= current), reverse=True)[: fmt.KEEP_MANIFESTS]
         self.retained = {g: docs[g] for g in keep}
         self.retained[current] = self.manifest
+        self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
         referenced = {f for m in self.retained.values() for f in m.files()}
         # never a manifest newer than ours: it is another writer's (ours will then fail at commit)
         manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)

@@ -204,7 +204,8 @@ class ReplayStore:
                     capacity_rows=None if capacity is _UNSET else (None if capacity is None else int(capacity)),
                     capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes,
                     multi_writer=multi_writer is True,
-                    retain_seconds=None if retain_seconds is _UNSET else retain_seconds)
+                    retain_seconds=None if retain_seconds is _UNSET else retain_seconds,
+                    append_deltas=multi_writer is True)
                 if self.remote:
                     # every commit to an object store is a conditional PUT (there is no lock),
                     # so a server that does not honour them is refused for any store
@@ -440,7 +441,7 @@ class ReplayStore:
             gens = fmt.list_generations(self.path)
             if not gens or gens[0] <= self.manifest.generation:
                 return False
-        m, _ = fmt.load_newest_manifest(self.storage)
+        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
         if m.generation <= self.manifest.generation:
             return False
         # the schema is fixed by the first committed row: until then a writer may rewrite FORMAT.json
@@ -565,8 +566,7 @@ class ReplayStore:
         schema = schema.initial()  # late columns are committed in the manifest, not here
         if options.schema is not None and options.schema == schema:
             return options
-        fixed = fmt.StoreOptions(options.group_key, options.capacity_rows, options.capacity_bytes, schema,
-                                 options.multi_writer, options.retain_seconds, options.late_columns)
+        fixed = dataclasses.replace(options, schema=schema)
         if not self._reserves_ids:
             fixed.write(self._committer.storage)
             crash_point("format.done")
@@ -630,13 +630,15 @@ class ReplayStore:
         tokrec = fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None
         prepared = {"first": m.next_row, "entries": tuple(entries)}
 
+        relocatable = options.append_deltas
+
         def plan(base: fmt.Manifest) -> ops.Operation:
             self._check_reserved(base, prepared["entries"], written)
-            if prepared["first"] != base.next_row:  # rebased: the sidecars record global row ids
+            if prepared["first"] != base.next_row and not relocatable:  # the sidecars record global row ids
                 prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, pages, base.next_row,
                                                             written)
                 prepared["first"] = base.next_row
-            return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()))
+            return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()), relocatable)
 
         def install(new: fmt.Manifest) -> None:
             self._install(new, options)
@@ -710,7 +712,8 @@ class ReplayStore:
                       written: List[str], files: List[Tuple[str, Any, Optional[str]]]) -> Tuple[int, int]:
         if self.group_key is None:
             return 0, 0
-        gdata = encode_ipc(group_sidecar(record.column(self.group_key), first_row, checksums))
+        local = self.options.append_deltas  # rows counted from the segment's: the file fits any base
+        gdata = encode_ipc(group_sidecar(record.column(self.group_key), None if local else first_row, checksums))
         rel = fmt.groups_file(seg_id)
         if rel not in written:
             written.append(rel)
@@ -809,8 +812,7 @@ class ReplayStore:
             self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
             self._writer_lock.acquire()
         o = self.options
-        options = fmt.StoreOptions(o.group_key, o.capacity_rows, o.capacity_bytes, o.schema, multi_writer,
-                                   o.retain_seconds, o.late_columns)
+        options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer)
         options.write(storage)
         if multi_writer and self._writer_lock is not None:
             self._writer_lock.release()

@@ -43,6 +43,7 @@ class LocalStorage(Storage):
         self.root = root
         #: unique per writer: temporary names of concurrent writers never collide
         self.writer_id = writer_id or str(os.getpid())
+        self._staged: Optional[Tuple[Buffer, str]] = None  # (data, temporary name) of a lost publish
 
     def local_path(self, rel: str) -> str:
         check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
@@ -197,27 +198,43 @@ class LocalStorage(Storage):
                 dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
         """The manifest's temporary file is written and fsynced together with ``files`` and ``dirs``
         (one wait on the disk for all of them, see :meth:`write_files`); only then is it linked
-        (``exclusive``) or renamed onto ``rel``."""
-        tmp = self._temp(rel)
-        renamed = False
+        (``exclusive``) or renamed onto ``rel``. A link that lost keeps the temporary file: the
+        next publish of the same ``data`` object (an append delta after a lost race) only links
+        it again (:meth:`discard_staged` drops it)."""
+        staged = self._staged is not None and self._staged[0] is data and not files
+        tmp = self._staged[1] if staged else self._temp(rel)
+        if not staged:
+            self.discard_staged()
+        self._staged = None
+        outcome = ""  # "lost": keep the temporary file for the next try; "renamed": it is gone
         try:
-            self.write_files(list(files) + [(tmp, data, None)], dirs)
+            if not staged:
+                self.write_files(list(files) + [(tmp, data, None)], dirs)
             if files:
                 crash_point("segments.synced")
             if step:
                 crash_point(f"{step}.written")
             if exclusive:
                 if not self.link_new(tmp, rel):
+                    outcome = "lost"
                     return False
             else:
                 os.replace(self.local_path(tmp), self.local_path(rel))
-                renamed = True
+                outcome = "renamed"
             if step:
                 crash_point(f"{step}.renamed")
             return True
         finally:
-            if not renamed:
+            if outcome == "lost":
+                self._staged = (data, tmp)
+            elif outcome != "renamed":
                 self._drop_temp(tmp)
+
+    def discard_staged(self) -> None:
+        """Remove the temporary file a lost publish kept (see :meth:`publish`)."""
+        if self._staged is not None:
+            self._drop_temp(self._staged[1])
+            self._staged = None
 
     def delete(self, rel: str) -> bool:
         return remove_quietly(self.local_path(rel))
