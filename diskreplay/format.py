@@ -975,6 +975,15 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None,
     root = _dir(root)
     if _is_storage(root):
         return _newest_by_probing(root, known, options)
+    if known is not None and known.generation:  # probe up from it rather than list (see newer_generation)
+        newest = newer_generation(root, known.generation)
+        if newest is None:
+            return known, []
+        try:
+            return load_manifest(os.path.join(root, manifest_file(newest)), newest, known=known,
+                                 options=options), []
+        except (FileNotFoundError, CorruptStoreError, FormatError):
+            pass  # collected or damaged: the listing below finds the newest intact one
     for _ in range(MAX_RELISTS):
         problems: List[str] = []
         vanished = False
@@ -1057,11 +1066,32 @@ def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = Non
 
 
 def _exists(storage: Any, rel: str) -> bool:
+    if not _is_storage(storage):
+        return os.path.exists(os.path.join(storage, rel))
     try:
         storage.size(rel)
         return True
     except FileNotFoundError:
         return False
+
+
+def newer_generation(root: Any, held: int) -> Optional[int]:
+    """The newest generation of ``root`` if it is above ``held``, else None, without listing
+    ``manifests/`` (a multi-writer store keeps ``retain_seconds`` of them): the generations
+    present above a present one are contiguous, so one or two probes tell that nothing is
+    newer, and +1, +2, +4, ... then a binary search find the newest. A listing is the fallback
+    when ``held`` itself is gone (collected).
+
+    >>> import tempfile; newer_generation(tempfile.mkdtemp(), 0) is None
+    True
+    """
+    root = _dir(root)
+    if held and _exists(root, manifest_file(held)):
+        newest = _probe_up(root, held)
+    else:
+        gens = list_generations(root)
+        newest = _probe_up(root, gens[0]) if gens else 0
+    return newest if newest > held else None
 
 
 def _newest_by_probing(storage: Any, known: Optional[Manifest] = None,

@@ -94,9 +94,8 @@ class Committer:
 
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
-        if not self.storage.remote:  # listing a directory is consistent (an object store's is not)
-            gens = fmt.list_generations(self.storage)
-            if gens and gens[0] == self.manifest.generation:
+        if not self.storage.remote:  # a stat is consistent (an object store's HEAD after a PUT may not be)
+            if fmt.newer_generation(self.storage, self.manifest.generation) is None:
                 return self.manifest  # a generation is created once: the one held is that file (no parse)
         m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
         if m.generation > self.manifest.generation:

@@ -1,0 +1,259 @@
+"""Append deltas (format v4): multi-writer appends stored as what they add, resolved by readers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from diskreplay import CorruptStoreError, FormatError, ReplayStore
+from diskreplay import format as fmt
+from diskreplay.store import LocalStorage, MergePolicy
+from diskreplay.testing.workload import batch_for, check_rows, token_for
+from diskreplay.verify import verify_store
+
+
+def _kinds(path):
+    """``{generation: "delta" | "full"}`` of the manifests on disk."""
+    out = {}
+    for gen in fmt.list_generations(path):
+        doc = json.load(open(os.path.join(path, fmt.manifest_file(gen))))
+        out[gen] = "delta" if doc["format"] == fmt.DELTA_FORMAT else "full"
+    return out
+
+
+def _same(a: fmt.Manifest, b: fmt.Manifest) -> None:
+    assert a == b and a.depth == b.depth, (a, b)
+
+
+def _grouped(store):
+    return {k: store.group_rows(k).tolist() for k in store.group_keys()}
+
+
+def test_appends_are_deltas_with_a_full_manifest_every_checkpoint(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, capacity=200) as store:
+        assert store.options.append_deltas
+        for step in range(2 * fmt.CHECKPOINT_EVERY + 3):
+            store.extend(batch_for(0, step), token=token_for(0, step))
+        held = store.manifest
+        kinds = _kinds(path)
+        # the merges of small segments are rewrites: full manifests whatever the depth
+        assert "delta" in kinds.values() and "full" in kinds.values()
+        # a reader resolves every generation to exactly what the writer committed
+        with ReplayStore(path, readonly=True) as ro:
+            _same(ro.manifest, held)
+            assert not check_rows(ro, ro.row_ids())
+            assert _grouped(ro) == _grouped(store)
+        depths = {g: fmt.read_manifest(path, g).depth for g in kinds}
+    assert max(depths.values()) <= fmt.CHECKPOINT_EVERY
+    assert all((depths[g] == 0) == (kinds[g] == "full") for g in kinds), (depths, kinds)
+    report = verify_store(path)
+    assert report["ok"] and not report["warnings"], report
+
+
+def test_a_delta_holds_only_what_it_adds_and_segment_local_sidecar_rows(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        store.extend(batch_for(0, 0))
+        rows = store.extend(batch_for(0, 1), token="t1")
+        gen = store.generation
+    raw = open(os.path.join(path, fmt.manifest_file(gen)), "rb").read()
+    doc = json.loads(raw)
+    assert doc["format"] == fmt.DELTA_FORMAT and doc["num_rows"] == len(rows)
+    assert [s["first_row"] for s in doc["segments"]] == [0]  # numbered from the append's first row
+    assert doc["token"][0] == "t1" and "head" not in doc and "generation" not in doc
+    m = fmt.read_manifest(path, gen)
+    assert m.segments[-1].first_row == rows[0] and m.tokens[-1].first_row == rows[0]
+    assert m.tokens[-1].generation == gen
+    # the sidecar does not depend on where the segment landed
+    from diskreplay.segment import ArrowFile, segment_local_rows
+    e = m.segments[-1]
+    side = ArrowFile(os.path.join(path, e.groups_file), e.groups_bytes).batch
+    assert segment_local_rows(side)
+    assert sorted(np.concatenate(side.column("rows").to_numpy(zero_copy_only=False)).tolist()) == \
+        list(range(len(rows)))
+
+
+def test_a_lost_race_links_the_same_file_again(tmp_path, monkeypatch):
+    """The retry after a lost race writes nothing: it links the delta it wrote at the next generation."""
+    path = str(tmp_path / "s")
+    a = ReplayStore(path, multi_writer=True)
+    b = ReplayStore(path)
+    a.extend(batch_for(0, 0))
+    b.extend(batch_for(1, 0))
+    mine = b._committer.storage
+    real_link, real_write = LocalStorage.link_new, LocalStorage.write_files
+    links, writes, raced = [], [], []
+
+    def link_new(self, src, rel):
+        if self is mine and rel.startswith(fmt.MANIFEST_DIR):
+            links.append((src, rel, open(self.local_path(src), "rb").read()))
+            if not raced:
+                raced.append(a.extend(batch_for(0, 1)))  # a's commit takes the generation b is after
+        return real_link(self, src, rel)
+
+    def write_files(self, files, dirs=()):
+        if self is mine:
+            writes.append([rel for rel, _, _ in files])
+        return real_write(self, files, dirs)
+
+    monkeypatch.setattr(LocalStorage, "link_new", link_new)
+    monkeypatch.setattr(LocalStorage, "write_files", write_files)
+    rows = b.extend(batch_for(1, 1), token=token_for(1, 1))
+    monkeypatch.undo()
+    assert raced and rows[0] == raced[0][-1] + 1
+    assert len(links) == 2 and links[0][0] == links[1][0] and links[0][2] == links[1][2]  # one file, twice
+    lost = int(os.path.basename(links[0][1])[:-5])
+    assert links[1][1] == fmt.manifest_file(lost + 1)
+    assert len(writes) == 1, writes  # b's data and delta were written once, before the race
+    assert not [n for n in os.listdir(os.path.join(path, fmt.MANIFEST_DIR)) if n.startswith(".")]
+    stats = b.stats()
+    assert stats["conflicts"] == 1 and stats["rebases"] == 1
+    a.close()
+    b.close()
+    with ReplayStore(path) as w:
+        assert not check_rows(w, w.row_ids())
+        assert w.committed_rows(token_for(1, 1)).tolist() == rows.tolist()
+    assert verify_store(path)["ok"]
+
+
+def test_clean_up_keeps_the_manifests_a_kept_delta_applies_to(tmp_path):
+    path = str(tmp_path / "s")
+    no_merges = MergePolicy(fanin=1 << 20)
+    with ReplayStore(path, multi_writer=True, retain_seconds=1, capacity=60, merge_policy=no_merges) as store:
+        for step in range(3 * (fmt.CHECKPOINT_EVERY + 1) - 2):  # the newest is the 7th delta after a full one
+            store.extend(batch_for(0, step, rows=3))
+        assert store.manifest.depth == fmt.CHECKPOINT_EVERY - 1 > fmt.KEEP_MANIFESTS
+        old = fmt.list_generations(path)
+        past = os.path.getmtime(os.path.join(path, fmt.manifest_file(old[0]))) - 10
+        for name in os.listdir(os.path.join(path, fmt.MANIFEST_DIR)):  # every superseded one is past retention
+            os.utime(os.path.join(path, fmt.MANIFEST_DIR, name), (past, past))
+        for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR):
+            for name in os.listdir(os.path.join(path, d)):
+                os.utime(os.path.join(path, d, name), (past, past))
+        store._committer.collect(full=True)
+        kept = fmt.list_generations(path)
+        assert len(kept) < len(old)
+        for gen in kept:  # each one still resolves, and its files are there
+            m = fmt.read_manifest(path, gen)
+            assert all(os.path.exists(os.path.join(path, f)) for f in m.files())
+        newest = fmt.read_manifest(path, kept[0])
+        assert sorted(kept) == list(range(kept[0] - newest.depth, kept[0] + 1))  # the chain, and only it
+    report = verify_store(path)
+    assert report["ok"] and not report["warnings"], report
+
+
+def test_a_pinned_generation_that_is_a_delta_opens(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        store.extend(batch_for(0, 0))
+        store.extend(batch_for(0, 1))
+        gen, want = store.generation, store.row_ids()
+        with store.snapshot() as snap:
+            store.extend(batch_for(0, 2))
+            assert snap.generation == gen and snap.row_ids().tolist() == want.tolist()
+        assert _kinds(path)[gen] == "delta"
+        with ReplayStore(path, readonly=True, generation=gen) as ro:
+            assert ro.row_ids().tolist() == want.tolist() and not check_rows(ro, want)
+
+
+def test_a_damaged_delta_falls_back_to_the_commit_before(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        for step in range(3):
+            store.extend(batch_for(0, step))
+        gen = store.generation
+        before = fmt.read_manifest(path, gen - 1)
+    f = os.path.join(path, fmt.manifest_file(gen))
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 2] ^= 0x20
+    open(f, "wb").write(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ReplayStore(path, readonly=True) as ro:
+            assert ro.generation == gen - 1 and ro.manifest == before
+    assert any(fmt.manifest_file(gen) in str(w.message) for w in caught)
+    assert not verify_store(path)["ok"]
+
+
+def test_a_delta_chain_without_its_base_is_an_error_naming_the_file(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        for step in range(3):
+            store.extend(batch_for(0, step))
+        gen = store.generation
+    os.remove(os.path.join(path, fmt.manifest_file(gen - 1)))
+    with pytest.raises(FileNotFoundError):
+        fmt.read_manifest(path, gen)
+    doc = json.load(open(os.path.join(path, fmt.manifest_file(gen))))
+    doc["segments"][0]["first_row"] = 1  # not from the append's first row: refused before use
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    open(os.path.join(path, fmt.manifest_file(gen)), "wb").write(fmt.signed_bytes(body))
+    with pytest.raises(FormatError, match="expected 0"):
+        fmt.AppendDelta.from_doc(json.load(open(os.path.join(path, fmt.manifest_file(gen)))), "x")
+
+
+def test_format_v4_flags_must_agree():
+    body = fmt.StoreOptions(multi_writer=True, append_deltas=True).body()
+    assert body["version"] == fmt.APPEND_DELTAS_VERSION and body["append_deltas"] is True
+    assert fmt.StoreOptions.from_dict(json.loads(fmt.signed_bytes(body))).append_deltas
+    for bad in ({"multi_writer": False}, {"append_deltas": False}, {"version": fmt.MULTI_WRITER_VERSION}):
+        doc = {**body, **bad}
+        with pytest.raises(FormatError):
+            fmt.StoreOptions.from_dict(json.loads(fmt.signed_bytes(doc)))
+
+
+def test_a_v2_store_keeps_committing_full_manifests(tmp_path):
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True).close()
+    dataclasses.replace(fmt.StoreOptions.read(path), append_deltas=False).write(path)
+    with ReplayStore(path) as a, ReplayStore(path) as b:
+        for step in range(4):
+            a.extend(batch_for(0, step), token=token_for(0, step))
+            b.extend(batch_for(1, step), token=token_for(1, step))
+        assert set(_kinds(path).values()) == {"full"}
+        assert not check_rows(a, a.row_ids())
+    assert verify_store(path)["ok"]
+
+
+def test_converting_a_single_writer_store_turns_deltas_on_and_reads_its_old_sidecars(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        store.extend(batch_for(0, 0))
+        store.compact(multi_writer=True)
+        assert store.options.append_deltas
+        store.extend(batch_for(0, 1))
+        store.extend(batch_for(0, 2))
+        grouped = _grouped(store)
+    assert "delta" in _kinds(path).values()
+    with ReplayStore(path, readonly=True) as ro:
+        assert _grouped(ro) == grouped and not check_rows(ro, ro.row_ids())
+    # and back: a single writer commits full manifests and keeps reading the deltas it has
+    with ReplayStore(path) as store:
+        store.compact(multi_writer=False)
+        store.extend(batch_for(0, 3))
+        assert not store.options.append_deltas
+    with ReplayStore(path, readonly=True) as ro:
+        assert not check_rows(ro, ro.row_ids())
+    assert verify_store(path)["ok"]
+
+
+def test_corrupt_chain_is_refused_with_the_file_named(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        store.extend(batch_for(0, 0))
+        store.extend(batch_for(0, 1))
+        gen = store.generation
+    # a delta that says it adds a segment id the base already has
+    doc = json.load(open(os.path.join(path, fmt.manifest_file(gen))))
+    base = fmt.read_manifest(path, gen - 1)
+    doc["segments"][0]["id"] = base.segments[0].id
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    open(os.path.join(path, fmt.manifest_file(gen)), "wb").write(fmt.signed_bytes(body))
+    with pytest.raises((CorruptStoreError, FormatError), match=fmt.manifest_file(gen)):
+        fmt.read_manifest(path, gen)
