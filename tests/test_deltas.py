@@ -257,3 +257,29 @@ def test_corrupt_chain_is_refused_with_the_file_named(tmp_path):
     open(os.path.join(path, fmt.manifest_file(gen)), "wb").write(fmt.signed_bytes(body))
     with pytest.raises((CorruptStoreError, FormatError), match=fmt.manifest_file(gen)):
         fmt.read_manifest(path, gen)
+
+
+def test_the_plain_pyarrow_recipe_of_format_md_resolves_deltas(tmp_path):
+    """docs/FORMAT.md's reader, verbatim, on a multi-writer store of deltas and full manifests."""
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = str(tmp_path / "STORE")
+    with ReplayStore(path, multi_writer=True) as a, ReplayStore(path) as b:
+        for step in range(fmt.CHECKPOINT_EVERY + 3):
+            (a if step % 2 else b).extend(batch_for(step % 2, step))
+    with ReplayStore(path, readonly=True) as ro:
+        want = ro.read(ro.row_ids(), ["tag"])["tag"]
+    assert set(_kinds(path).values()) == {"delta", "full"}
+    doc = open(os.path.join(root, "docs", "FORMAT.md")).read()
+    start = doc.index("import json, os, pyarrow as pa")
+    start = doc.rindex("\n", 0, start) + 1
+    recipe = textwrap.dedent(doc[start:doc.index("```", start)])
+    scope = {}
+    cwd = os.getcwd()
+    try:
+        os.chdir(str(tmp_path))
+        exec(compile(recipe, "FORMAT.md", "exec"), scope)
+    finally:
+        os.chdir(cwd)
+    assert scope["table"].column("tag").to_pylist() == list(want)
