@@ -283,3 +283,36 @@ def test_the_plain_pyarrow_recipe_of_format_md_resolves_deltas(tmp_path):
     finally:
         os.chdir(cwd)
     assert scope["table"].column("tag").to_pylist() == list(want)
+
+
+def _age_everything(path, seconds=100):
+    past = os.path.getmtime(os.path.join(path, fmt.FORMAT_FILE)) - seconds
+    for d in (fmt.MANIFEST_DIR, fmt.SEGMENT_DIR, fmt.GROUPS_DIR):
+        for name in os.listdir(os.path.join(path, d)):
+            os.utime(os.path.join(path, d, name), (past, past))
+
+
+def test_repeated_sweeps_keep_exactly_what_kept_commits_name(tmp_path):
+    """The shared sweep holds one manifest and per-commit differences, not every retained manifest,
+    and across sweeps still keeps every file a kept commit names and removes the rest."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=30, capacity=40) as store, \
+            ReplayStore(path) as other:
+        committer = store._committer
+        for round_ in range(3):
+            for step in range(25):
+                (store if step % 3 else other).extend(batch_for(step % 3 == 0, 100 * round_ + step, rows=3))
+            _age_everything(path)
+            store.extend(batch_for(0, 100 * round_ + 99, rows=3))  # a fresh newest commit
+            committer.collect(full=True)
+            kept = fmt.list_generations(path)
+            named = set()
+            for gen in kept:
+                named |= set(fmt.read_manifest(path, gen).files())
+            on_disk = {f"{d}/{n}" for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR)
+                       for n in os.listdir(os.path.join(path, d)) if not n.startswith("index-")}
+            assert named <= on_disk | {f for f in named if "index-" in f}, sorted(named - on_disk)
+            assert on_disk <= named, sorted(on_disk - named)  # old and unnamed: collected
+            assert committer._swept[0] == kept[0] and set(committer._released) <= set(kept)
+    report = verify_store(path)
+    assert report["ok"] and not report["warnings"], report

@@ -79,7 +79,11 @@ class Committer:
         self._superseded_at: Dict[int, float] = {}
         self._unsynced = False
         self._since_sweep = 0
-        self._docs: Dict[int, fmt.Manifest] = {}  # parsed manifests (immutable) for the shared sweep
+        # the shared sweep: the newest generation it read (with its manifest and files), the files each
+        # later-kept generation stopped naming, and each one's delta depth (see _named_by)
+        self._swept: Optional[Tuple[int, fmt.Manifest, frozenset]] = None
+        self._released: Dict[int, frozenset] = {}
+        self._depth: Dict[int, int] = {}
         #: files the next publish writes and fsyncs together with the manifest (and directories
         #: it fsyncs): an append's segments and sidecars, a rebase's rewritten sidecars
         self.pending: List[Tuple[str, object, Optional[str]]] = []
@@ -409,29 +413,7 @@ class Committer:
             if g in keep:
                 continue
             (keep.add(g) if self._age(fmt.manifest_file(newer)) < retain else drop.append(g))
-        unreadable = False
-        referenced = set()
-        done: set = set()
-        while keep - done:  # a kept delta keeps the manifests back to its full one (and their files)
-            for g in sorted(keep - done):
-                done.add(g)
-                m = self._docs.get(g)
-                if m is None:
-                    try:
-                        m = self._docs[g] = fmt.read_manifest(self.storage, g, known=self._docs.get(g - 1),
-                                                              options=self.options)
-                    except FileNotFoundError:
-                        continue  # another writer's sweep took it: it was past retention
-                    except (fmt.FormatError, fmt.CorruptStoreError):
-                        continue
-                    except OSError:
-                        unreadable = True
-                        continue
-                referenced.update(m.files())
-                keep |= fmt.with_chains({g: m})
-        for g in list(self._docs):
-            if g not in keep:
-                del self._docs[g]
+        referenced, unreadable = self._named_by(keep)
         drop = [] if unreadable else [g for g in drop if g not in keep]  # an unreadable one may be a delta
         files = []
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
@@ -442,6 +424,57 @@ class Committer:
                 if garbage and self._age(rel) >= retain:
                     files.append(rel)
         self.delete([fmt.manifest_file(g) for g in drop], files)
+
+    def _named_by(self, keep: set) -> Tuple[set, bool]:
+        """Every file some generation in ``keep`` names, and whether a manifest could not be read;
+        ``keep`` (the newest generations, contiguous) grows by the chain its oldest delta needs.
+
+        A long-lived multi-writer store retains ``retain_seconds`` of commits (thousands), so their
+        manifests are not held: a file, once a commit stops naming it, is never named again (ids
+        only grow), so the files of generations ``lo..hi`` are those of ``hi`` plus those each
+        later generation released (named by the one before it, not by it). Only those differences
+        are kept between sweeps, each generation read once (a delta from the one before it).
+        """
+        if not keep:
+            return set(), False
+        lo, hi = min(keep), max(keep)
+        held = self._swept  # (generation, its manifest, its files) the differences are known up to
+        depth = self._depth.get(lo)
+        if depth is None:
+            try:
+                depth = fmt.read_manifest(self.storage, lo, options=self.options).depth
+            except (OSError, fmt.FormatError, fmt.CorruptStoreError):
+                depth = 0  # met again below
+        lo -= depth
+        keep |= set(range(lo, hi + 1))
+        if held is None or held[0] < lo:  # start afresh at lo: nothing before it matters
+            held, self._released, self._depth = None, {}, {}
+        unreadable = False
+        for g in range(lo if held is None else held[0] + 1, hi + 1):
+            try:
+                m = fmt.read_manifest(self.storage, g, options=self.options,
+                                      known=held[1] if held is not None and held[0] == g - 1 else None)
+            except FileNotFoundError:
+                continue  # another writer's sweep took it: it was past retention
+            except (fmt.FormatError, fmt.CorruptStoreError):
+                continue  # names nothing trustworthy
+            except OSError:
+                unreadable = True
+                continue
+            files = frozenset(m.files())
+            if held is not None:
+                self._released[g] = held[2] - files
+            self._depth[g] = m.depth
+            held = (g, m, files)
+        self._swept = held
+        for table in (self._released, self._depth):
+            for g in [g for g in table if g < lo]:
+                del table[g]
+        referenced = set(held[2]) if held is not None else set()
+        for g, released in self._released.items():
+            if g > lo:  # named by g - 1, which is kept
+                referenced |= released
+        return referenced, unreadable
 
     def delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
         """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.

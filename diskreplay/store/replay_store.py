@@ -648,6 +648,9 @@ class ReplayStore:
                 self._install(result.manifest, self.options)
             return self._replayed(result.duplicate, n, dig)
         new = result.manifest
+        for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
+            if e.groups_bytes:
+                self._pages.setdefault(e.id, checksums)
         self._collect()
         try:
             self._merge_small_tail()
