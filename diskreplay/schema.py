@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import BatchError, FormatError, SchemaError
+from .ragged import arrow_array
 
 PROMPT_IDS = "prompt_ids"
 COMPLETION_IDS = "completion_ids"
@@ -601,28 +602,25 @@ def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int, late: bool = 
     if spec.kind == RAGGED:
         r = col.ragged
         values = _coerce_ragged(spec, r)
-        mask = None if r.validity is None else pa.array(~r.validity)
-        return pa.LargeListArray.from_arrays(pa.array(r.offsets, type=pa.int64()), pa.array(values),
-                                             mask=mask)
+        return pa.LargeListArray.from_arrays(arrow_array(np.asarray(r.offsets, dtype=np.int64)),
+                                             arrow_array(values),
+                                             mask=None if r.validity is None else arrow_array(~r.validity))
     arr = _coerce_array(spec, col.array)
     # a late float column reads NaN in rows without a value, so NaN given for a row is stored as "not computed"
     missing = _late_missing(arr) if late else None
     if spec.kind == VECTOR:
-        flat = pa.array(np.ascontiguousarray(arr).reshape(-1))
-        return pa.FixedSizeListArray.from_arrays(flat, spec.width, mask=missing)
-    if missing is not None:
-        return pa.array(np.ascontiguousarray(arr), mask=np.asarray(missing))
-    if spec.dtype == "string":
-        return pa.array(list(arr), type=pa.large_string())
-    return pa.array(np.ascontiguousarray(arr))
+        return pa.FixedSizeListArray.from_arrays(arrow_array(arr), spec.width,
+                                                 mask=None if missing is None else arrow_array(missing))
+    out = arrow_array(list(arr) if spec.dtype == "string" else arr, mask=missing)
+    return out if out.type == t else out.cast(t)
 
 
-def _late_missing(arr: np.ndarray) -> Optional[pa.Array]:
+def _late_missing(arr: np.ndarray) -> Optional[np.ndarray]:
     """Rows of a late per-row float column that are NaN (a vector's: all NaN), or None if there are none."""
     if arr.dtype.kind != "f":
         return None
     nan = np.isnan(arr) if arr.ndim == 1 else np.isnan(arr).all(axis=1)
-    return pa.array(nan) if nan.any() else None
+    return nan if nan.any() else None
 
 
 def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> None:

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from ._fileio import crc32c
 from .errors import ArgumentError, CorruptStoreError
-from .ragged import numpy_view
+from .ragged import arrow_array, numpy_view
 from .schema import Schema
 
 _PAGE = mmap.PAGESIZE
@@ -114,8 +114,8 @@ def group_sidecar(keys: pa.Array, first_row: Optional[int], checksums: Optional[
     counts = np.bincount(codes, minlength=len(enc.dictionary)).astype(np.int64)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
-    rows = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(order + (first_row or 0), type=pa.int64()))
-    batch = pa.RecordBatch.from_arrays([enc.dictionary, pa.array(counts), rows], names=["key", "count", "rows"])
+    rows = pa.LargeListArray.from_arrays(arrow_array(offsets), arrow_array(order + (first_row or 0)))
+    batch = pa.RecordBatch.from_arrays([enc.dictionary, arrow_array(counts), rows], names=["key", "count", "rows"])
     meta = {} if checksums is None else checksums.metadata()
     if first_row is None:
         meta[_META_LOCAL_ROWS] = b"segment"

@@ -35,3 +35,48 @@ def test_an_empty_row_beside_integer_rows_keeps_them_integers(tmp_path):
     assert store.schema["completion_ids"].dtype == "int32"
     store.extend({"prompt_id": [2, 2], "completion_ids": [[], []]})
     assert store.read([0, 1, 2])["completion_ids"][0].tolist() == [5, 6]
+
+
+def test_arrow_array_equals_pyarrow_for_every_kind_of_column():
+    import pyarrow as pa
+    from hypothesis import given, settings, strategies as st
+
+    from diskreplay.ragged import arrow_array
+
+    dtypes = [np.int32, np.int64, np.float32, np.float64, np.bool_, np.uint8]
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.sampled_from(dtypes), st.lists(st.integers(0, 255), max_size=40), st.data())
+    def check(dtype, values, data):
+        arr = np.array(values, dtype=dtype)
+        mask = np.array(data.draw(st.lists(st.booleans(), min_size=len(values), max_size=len(values))), dtype=bool)
+        got = arrow_array(arr, mask=mask)
+        want = pa.array(arr, mask=mask)
+        assert got.type == want.type and got.equals(want)
+        assert arrow_array(arr[::2]).equals(pa.array(arr[::2]))  # a strided view is copied
+
+    check()
+    strings = ["a", None, "", "ünïcode", "x" * 300]
+    assert arrow_array(strings).equals(pa.array(strings, type=pa.large_string()))
+    assert arrow_array(np.array(["a", "bc"])).to_pylist() == ["a", "bc"]
+
+
+def test_a_writer_never_imports_pandas(tmp_path):
+    """pyarrow.array imports pandas (about a second cold); a writer's appends of every column kind do not."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import numpy as np
+from diskreplay import ReplayStore
+store = ReplayStore({str(tmp_path / 's')!r}, multi_writer=True)
+batch = {{"prompt_id": np.array([1, 1, 2]), "completion_ids": [np.array([1, 2]), np.array([3]), np.array([4])],
+          "rewards": np.array([0.5, 1.0, 0.0], dtype=np.float32), "ok": np.array([True, False, True]),
+          "name": np.array(["a", "b", "c"], dtype=object), "per_func": np.ones((3, 2), dtype=np.float32)}}
+store.extend(batch)
+store.extend({{**batch, "late_score": np.array([np.nan, 1.0, 2.0])}})
+store.close()
+assert "pandas" not in sys.modules, "pandas was imported"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
