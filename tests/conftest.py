@@ -30,6 +30,24 @@ def assert_rows_equal(got, expected):
             np.testing.assert_array_equal(col, np.asarray(want), err_msg=name)
 
 
+def format_md_table(store_path):
+    """Run docs/FORMAT.md's plain-pyarrow reader verbatim on the store at ``store_path``; its table."""
+    import textwrap
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "FORMAT.md")).read()
+    start = doc.index("import json, os, pyarrow as pa")
+    start = doc.rindex("\n", 0, start) + 1
+    recipe = textwrap.dedent(doc[start:doc.index("```", start)])
+    scope = {}
+    cwd = os.getcwd()
+    try:
+        os.chdir(os.path.dirname(os.path.abspath(store_path)))
+        exec(compile(recipe.replace("STORE", os.path.basename(store_path)), "FORMAT.md", "exec"), scope)
+    finally:
+        os.chdir(cwd)
+    return scope["table"]
+
+
 @pytest.fixture
 def store(tmp_path):
     with ReplayStore(tmp_path / "store", capacity=None) as s:

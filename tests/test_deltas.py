@@ -16,6 +16,8 @@ from diskreplay.store import LocalStorage, MergePolicy
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import verify_store
 
+from .conftest import format_md_table
+
 
 def _kinds(path):
     """``{generation: "delta" | "full"}`` of the manifests on disk."""
@@ -28,6 +30,11 @@ def _kinds(path):
 
 def _same(a: fmt.Manifest, b: fmt.Manifest) -> None:
     assert a == b and a.depth == b.depth, (a, b)
+
+
+def _clean(path):
+    report = verify_store(path)
+    assert report["ok"] and not report["warnings"], report
 
 
 def _grouped(store):
@@ -52,8 +59,7 @@ def test_appends_are_deltas_with_a_full_manifest_every_checkpoint(tmp_path):
         depths = {g: fmt.read_manifest(path, g).depth for g in kinds}
     assert max(depths.values()) <= fmt.CHECKPOINT_EVERY
     assert all((depths[g] == 0) == (kinds[g] == "full") for g in kinds), (depths, kinds)
-    report = verify_store(path)
-    assert report["ok"] and not report["warnings"], report
+    _clean(path)
 
 
 def test_a_delta_holds_only_what_it_adds_and_segment_local_sidecar_rows(tmp_path):
@@ -144,8 +150,7 @@ def test_clean_up_keeps_the_manifests_a_kept_delta_applies_to(tmp_path):
             assert all(os.path.exists(os.path.join(path, f)) for f in m.files())
         newest = fmt.read_manifest(path, kept[0])
         assert sorted(kept) == list(range(kept[0] - newest.depth, kept[0] + 1))  # the chain, and only it
-    report = verify_store(path)
-    assert report["ok"] and not report["warnings"], report
+    _clean(path)
 
 
 def test_a_pinned_generation_that_is_a_delta_opens(tmp_path):
@@ -261,9 +266,6 @@ def test_corrupt_chain_is_refused_with_the_file_named(tmp_path):
 
 def test_the_plain_pyarrow_recipe_of_format_md_resolves_deltas(tmp_path):
     """docs/FORMAT.md's reader, verbatim, on a multi-writer store of deltas and full manifests."""
-    import textwrap
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = str(tmp_path / "STORE")
     with ReplayStore(path, multi_writer=True) as a, ReplayStore(path) as b:
         for step in range(fmt.CHECKPOINT_EVERY + 3):
@@ -271,18 +273,7 @@ def test_the_plain_pyarrow_recipe_of_format_md_resolves_deltas(tmp_path):
     with ReplayStore(path, readonly=True) as ro:
         want = ro.read(ro.row_ids(), ["tag"])["tag"]
     assert set(_kinds(path).values()) == {"delta", "full"}
-    doc = open(os.path.join(root, "docs", "FORMAT.md")).read()
-    start = doc.index("import json, os, pyarrow as pa")
-    start = doc.rindex("\n", 0, start) + 1
-    recipe = textwrap.dedent(doc[start:doc.index("```", start)])
-    scope = {}
-    cwd = os.getcwd()
-    try:
-        os.chdir(str(tmp_path))
-        exec(compile(recipe, "FORMAT.md", "exec"), scope)
-    finally:
-        os.chdir(cwd)
-    assert scope["table"].column("tag").to_pylist() == list(want)
+    assert format_md_table(path).column("tag").to_pylist() == list(want)
 
 
 def _age_everything(path, seconds=100):
@@ -314,5 +305,54 @@ def test_repeated_sweeps_keep_exactly_what_kept_commits_name(tmp_path):
             assert named <= on_disk | {f for f in named if "index-" in f}, sorted(named - on_disk)
             assert on_disk <= named, sorted(on_disk - named)  # old and unnamed: collected
             assert committer._swept[0] == kept[0] and set(committer._released) <= set(kept)
-    report = verify_store(path)
-    assert report["ok"] and not report["warnings"], report
+    _clean(path)
+
+
+# the last commit before append deltas: it knows multi-writer stores (v2) but not v4
+BEFORE_DELTAS = "ab056d4"
+
+
+def test_an_older_diskreplay_refuses_a_delta_store_and_its_v2_stores_still_work(tmp_path):
+    from .test_late_columns import _previous_version, _run_previous
+    import tests.test_late_columns as late
+
+    old = late.PREVIOUS_VERSION
+    late.PREVIOUS_VERSION = BEFORE_DELTAS
+    try:
+        previous = _previous_version(tmp_path)
+    finally:
+        late.PREVIOUS_VERSION = old
+    v4, v2 = str(tmp_path / "v4"), str(tmp_path / "v2")
+    with ReplayStore(v4, multi_writer=True) as store:
+        store.extend(batch_for(0, 0))
+        store.extend(batch_for(0, 1))
+    before = {n: open(os.path.join(v4, fmt.MANIFEST_DIR, n), "rb").read()
+              for n in os.listdir(os.path.join(v4, fmt.MANIFEST_DIR))}
+    for mode in ("readonly=True", ""):
+        proc = _run_previous(previous, f"""
+            try:
+                ReplayStore(sys.argv[1], {mode})
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+            """, v4)
+        # refused either way: FORMAT.json's version, or (a reader reads the manifest first) the delta
+        assert "Unsupported version 4" in proc.stdout or (
+            mode and "Unsupported format 'diskreplay.delta'" in proc.stdout), (mode, proc.stdout, proc.stderr)
+    assert {n: open(os.path.join(v4, fmt.MANIFEST_DIR, n), "rb").read()
+            for n in os.listdir(os.path.join(v4, fmt.MANIFEST_DIR))} == before  # nothing collected
+    # a multi-writer store the older diskreplay made: this one appends with full manifests, and the
+    # older one still reads what it wrote
+    proc = _run_previous(previous, """
+        with ReplayStore(sys.argv[1], multi_writer=True) as s:
+            s.extend({"prompt_id": np.array([1, 1, 2]), "completion_ids": [np.arange(3, dtype=np.int32)] * 3})
+        """, v2)
+    assert proc.returncode == 0, proc.stderr
+    with ReplayStore(v2) as store:
+        assert not store.options.append_deltas
+        store.extend({"prompt_id": np.array([3]), "completion_ids": [np.arange(2, dtype=np.int32)]})
+    assert set(_kinds(v2).values()) == {"full"}
+    proc = _run_previous(previous, """
+        with ReplayStore(sys.argv[1], readonly=True) as s:
+            print("rows", len(s), s.read([3])["completion_ids"][0].tolist())
+        """, v2)
+    assert "rows 4 [0, 1]" in proc.stdout, (proc.stdout, proc.stderr)

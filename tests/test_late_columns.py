@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from diskreplay import BatchError, CorruptStoreError, FormatError, ReplayStore, SchemaError, collate, collate_packed
 from diskreplay import format as fmt
 from diskreplay.verify import verify_store
+from .conftest import format_md_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATE = "sampling_per_token_logps"
@@ -567,18 +568,7 @@ def test_info_says_from_which_row_a_late_column_exists(late_store):
 
 def test_the_plain_pyarrow_recipe_of_format_md(late_store):
     """docs/FORMAT.md's reader, verbatim, on a store with late columns."""
-    doc = open(os.path.join(ROOT, "docs", "FORMAT.md")).read()
-    start = doc.index("import json, os, pyarrow as pa")
-    start = doc.rindex("\n", 0, start) + 1
-    recipe = textwrap.dedent(doc[start:doc.index("```", start)])
-    scope = {}
-    cwd = os.getcwd()
-    try:
-        os.chdir(os.path.dirname(late_store))
-        exec(compile(recipe.replace("STORE", os.path.basename(late_store)), "FORMAT.md", "exec"), scope)
-    finally:
-        os.chdir(cwd)
-    table = scope["table"]
+    table = format_md_table(late_store)
     want_logps, want_score = _expected_late_values()
     assert table.num_rows == 6 and table.column("score").to_pylist() == want_score
     got = table.column(LATE).to_pylist()
