@@ -313,7 +313,7 @@ BEFORE_DELTAS = "ab056d4"
 
 
 def test_an_older_diskreplay_refuses_a_delta_store_and_its_v2_stores_still_work(tmp_path):
-    from .test_late_columns import _previous_version, _run_previous
+    from .test_late_columns import _previous_version, _run_previous, open_with_previous
     import tests.test_late_columns as late
 
     old = late.PREVIOUS_VERSION
@@ -329,12 +329,7 @@ def test_an_older_diskreplay_refuses_a_delta_store_and_its_v2_stores_still_work(
     before = {n: open(os.path.join(v4, fmt.MANIFEST_DIR, n), "rb").read()
               for n in os.listdir(os.path.join(v4, fmt.MANIFEST_DIR))}
     for mode in ("readonly=True", ""):
-        proc = _run_previous(previous, f"""
-            try:
-                ReplayStore(sys.argv[1], {mode})
-            except Exception as exc:
-                print(type(exc).__name__, exc)
-            """, v4)
+        proc = open_with_previous(previous, v4, mode)
         # refused either way: FORMAT.json's version, or (a reader reads the manifest first) the delta
         assert "Unsupported version 4" in proc.stdout or (
             mode and "Unsupported format 'diskreplay.delta'" in proc.stdout), (mode, proc.stdout, proc.stderr)

@@ -361,6 +361,16 @@ def _run_previous(previous, body, *args):
     return proc
 
 
+def open_with_previous(previous, path, mode):
+    """Open ``path`` with the older package (``mode``: ``"readonly=True"`` or ``""``); its error is printed."""
+    return _run_previous(previous, f"""
+        try:
+            ReplayStore(sys.argv[1], {mode})
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        """, path)
+
+
 def test_a_store_of_the_previous_version_opens_and_an_older_diskreplay_refuses_late_columns(tmp_path):
     previous = _previous_version(tmp_path)
     path = str(tmp_path / "s")
@@ -380,12 +390,7 @@ def test_a_store_of_the_previous_version_opens_and_an_older_diskreplay_refuses_l
         store.extend(late_batch(4))
     ok(path)
     for mode in ("readonly=True", ""):
-        proc = _run_previous(previous, f"""
-            try:
-                ReplayStore(sys.argv[1], {mode})
-            except Exception as exc:
-                print(type(exc).__name__, exc)
-            """, path)
+        proc = open_with_previous(previous, path, mode)
         assert "Unsupported version 3" in proc.stdout, (proc.stdout, proc.stderr)
     with ReplayStore(path, readonly=True) as store:  # the refusals changed nothing
         assert len(store) == 6 and store.schema.late[LATE] == (4, 3)
