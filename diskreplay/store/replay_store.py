@@ -653,7 +653,7 @@ class ReplayStore:
                 self._pages.setdefault(e.id, checksums)
         self._collect()
         try:
-            self._merge_small_tail()
+            self._merge_small_tail(len(prepared["entries"]))
         except Exception as exc:
             # the append is committed: the merge is an optimisation, retried after the next one
             warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
@@ -873,20 +873,38 @@ class ReplayStore:
         self._collect()
         return result.manifest
 
-    def _merge_small_tail(self) -> None:
+    def _merge_small_tail(self, appended: int = 0) -> None:
         """Keep the number of segments small when every commit is small (a training loop's):
         see :class:`MergePolicy`. With many writers a merge that loses to another commit
-        touching its segments is dropped (the next append plans again)."""
+        touching its segments is dropped (the next append plans again).
+
+        With many writers every writer sees the tail after its own append, so all of them would
+        plan (nearly) the same merge and all but one would lose it, after doing its work. The
+        merge is therefore left to the writer whose append (its ``appended`` newest segments)
+        made it due; should that writer die first, anyone takes a merge that was due
+        ``fanin`` segments ago.
+        """
         while True:
-            start = self.merge_policy.plan(self.manifest.segments, self.options)
+            segs = self.manifest.segments
+            start = self.merge_policy.plan(segs, self.options)
             if start is None:
                 return
+            if self.multi_writer and appended and not self._merge_is_mine(segs, appended):
+                return
+            appended = 0  # a merge this writer made may make another one due: its own
             try:
                 self._rewrite(start, self.merge_policy.max_bytes << 4)
             except ops.Conflict:
                 self._committer.stats.dropped_rewrites += 1
                 self._install(self._committer.manifest, self.options)  # the newer commit it lost to
                 return
+
+    def _merge_is_mine(self, segs: Sequence[fmt.SegmentEntry], appended: int) -> bool:
+        """This writer's append of the newest ``appended`` segments made the merge due (or it is overdue)."""
+        policy, options = self.merge_policy, self.options
+        if policy.plan(segs[:-appended], options) is None:
+            return True
+        return len(segs) > policy.fanin + appended and policy.plan(segs[:-appended - policy.fanin], options) is not None
 
     # ------------------------------------------------------------------ states
 
