@@ -100,6 +100,20 @@ def test_reader_follows_a_writer(s3_server, s3_url, tmp_path):
         reader.close()
 
 
+@pytest.mark.parametrize("multi_writer", [False, True])
+def test_a_late_column_on_object_storage(s3_server, s3_url, tmp_path, multi_writer):
+    """A nullable column added after the first commit (FORMAT.json is marked through the storage)."""
+    with _open(s3_url, s3_server, tmp_path, multi_writer=multi_writer) as store:
+        store.extend(_batch(1, 0))
+        late = dict(_batch(1, 1), sampling_per_token_logps=[np.full(j + 2, -0.5, dtype=np.float32)
+                                                              for j in range(4)])
+        store.extend(late)
+    with ReplayStore(s3_url, readonly=True, storage_options=s3_server.storage_options) as ro:
+        got = ro.read([3, 4])["sampling_per_token_logps"]
+        assert got[0] is None and got[1].tolist() == [-0.5, -0.5]
+        assert ro.options.late_columns
+
+
 def test_environment_variables_alone(s3_server, s3_url, tmp_path, monkeypatch):
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(key)

@@ -595,7 +595,7 @@ class ReplayStore:
             doc = dataclasses.replace(marked, schema=None).body()
             self._committer.storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc), step="format")
         else:
-            marked.write(self.path)
+            marked.write(self.storage)
         crash_point("format.done")
         return marked
 
