@@ -302,7 +302,8 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
             is_prompt = _is_prompt(name)
             side = plen if is_prompt else clen
             ok = r.lengths == side
-            if not ok.all():
+            all_ok = np.count_nonzero(ok) == B
+            if not all_ok:
                 # rows "not computed" have length 0 here; any other mismatch is an error
                 bad = np.flatnonzero(~ok & (r.lengths != 0))
                 if bad.size:
@@ -316,8 +317,8 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
             if sides[is_prompt][2]:  # else no ids on this side: every row is empty there
                 own = r.views()
                 # zeros in rows without values, whatever their stored range
-                fix = ~ok if r.valid is None else ~ok | ~r.valid
-                if fix.any():
+                if not all_ok or r.valid is not None:
+                    fix = ~ok if r.valid is None else ~ok | ~r.valid
                     filler = constant(0, r.dtype, is_prompt)
                     for i in np.flatnonzero(fix).tolist():
                         own[i] = filler[i]
