@@ -109,11 +109,13 @@ class RowRanges(RaggedColumn):
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
-    >>> store = ReplayStore(tempfile.mkdtemp(), group_key=None)
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> store = ReplayStore(tmp.name, group_key=None)
     >>> _ = store.extend({"completion_ids": [[1], [2, 3]]})
     >>> col = store.read_ranges([1, 0])["completion_ids"]
     >>> col.lengths.tolist(), [v.tolist() for v in col.row_views()], col.values.tolist()
     ([2, 1], [[2, 3], [1]], [2, 3, 1])
+    >>> store.close(); tmp.cleanup()
     """
 
     __slots__ = ("plan", "sources", "_dtype", "_column")

@@ -1123,11 +1123,13 @@ class ReplayStore:
         the ``RaggedColumn`` they are (gathered on first access of ``values``).
 
         >>> import tempfile
-        >>> store = ReplayStore(tempfile.mkdtemp(), group_key=None)
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> store = ReplayStore(tmp.name, group_key=None)
         >>> _ = store.extend({"completion_ids": [[1], [2, 3]], "score": [0.5, 1.5]})
         >>> got = store.read_ranges([1, 0])
         >>> got["completion_ids"].lengths.tolist(), got["completion_ids"][0].tolist(), got["score"].tolist()
         ([2, 1], [2, 3], [1.5, 0.5])
+        >>> store.close(); tmp.cleanup()
         """
         cols = self._resolve_columns(columns)
         self._trim_cache()
