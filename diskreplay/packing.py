@@ -30,12 +30,13 @@ into the segments' memory maps, so a batch copies every value once instead of
 twice (``read`` first concatenates the rows, then the packing copies them
 again): what :meth:`Collator.read <diskreplay.collator.Collator.read>` does.
 
-Where the time goes, measured on the 2-core VM at a load of 3-4 (best of 150
+Where the time goes, measured on the 2-core VM at a load of 2-6 (best of 150
 batches; the machine's memory bandwidth, ~6-10 GB/s, bounds writing the 13.4 MB
 of int64 ids, positions and mask and float32 log-probs at 1.3-2.2 ms):
 ``read_ranges`` (locating rows in ~40 segments, page checks, per-row columns)
-1.6 ms; making ~2,000 row views 0.75 ms; the concatenations 2.7 ms; the rest
-(mask, buffers, per-row columns) 0.5 ms. Per-row work is now a view and a
+1.1-1.6 ms; making ~2,000 row views 0.6-0.75 ms; the concatenations 2.2-2.7 ms,
+within ~0.7 ms of the bytes they move; the rest (mask, buffers, per-row
+columns) 0.5 ms. Per-row work is now a view and a
 piece of a C-level join (~0.5 us a row and column); a fancy-index gather
 (``np.take`` over T) or a boolean-mask scatter were measured slower, and
 a first version that built a boolean mask and scattered every column through
