@@ -18,15 +18,29 @@ Two entry points, as for padded batches (see :mod:`diskreplay.padding`):
   log-probs) to a GPU and packs there. ``pack_on_device(collate_unpadded(b))``
   equals ``collate_packed(b)`` element for element.
 
-How the host kernel writes the stream (512 rows, ~870 tokens each): every
-column is one ``np.concatenate`` of per-row views (prompt piece, completion
-piece, row after row; zeros and position counters are views of one small
-constant array) into the output buffer, so each output byte is written once
-by one C loop: 0.35 ms for the 445 k int64 ``input_ids``, measured, against
-1-1.5 ms per column for the first version, which built a boolean "is a
-completion token" mask with a prefix sum and scattered every column through
-it (a fill plus a masked write per column, and a prefix sum per stream). The
-Python cost is one slice per row and column (~0.1 ms per column at 512 rows).
+How the host kernel writes the stream (512 rows, ~820 tokens each, T ~418 k):
+each token column is one ``np.concatenate`` of per-row views (prompt piece,
+completion piece, row after row) into the output buffer, so each output byte
+is written once by one C loop, int32 ids widened on the way. Zeros at the
+other side's positions and ``position_ids`` are views of small constant
+arrays, made once per length and kept (:class:`_Constants`: looking one up
+costs a tenth of slicing it); ``completion_mask`` is one ``np.repeat`` of a
+0/1 pattern. From ``ReplayStore.read_ranges`` the row views point straight
+into the segments' memory maps, so a batch copies every value once instead of
+twice (``read`` first concatenates the rows, then the packing copies them
+again): what :meth:`Collator.read <diskreplay.collator.Collator.read>` does.
+
+Where the time goes, measured on the 2-core VM at a load of 2-6 (best of 150
+batches; the machine's memory bandwidth, ~6-10 GB/s, bounds writing the 13.4 MB
+of int64 ids, positions and mask and float32 log-probs at 1.3-2.2 ms):
+``read_ranges`` (locating rows in ~40 segments, page checks, per-row columns)
+1.1-1.6 ms; making ~2,000 row views 0.6-0.75 ms; the concatenations 2.2-2.7 ms,
+within ~0.7 ms of the bytes they move; the rest (mask, buffers, per-row
+columns) 0.5 ms. Per-row work is now a view and a
+piece of a C-level join (~0.5 us a row and column); a fancy-index gather
+(``np.take`` over T) or a boolean-mask scatter were measured slower, and
+a first version that built a boolean mask and scattered every column through
+it cost 1-1.5 ms per column.
 """
 
 from __future__ import annotations
@@ -37,9 +51,10 @@ import numpy as np
 import torch
 
 from .errors import BatchError
-from .padding import (_OFFSETS, PRESENT_SUFFIX, _batch_size, _buffer, _check_mask_names, _is_prompt, _packed,
+from .padding import (_OFFSETS, PRESENT_SUFFIX, _batch_size, _buffer, _check_mask_names, _is_prompt,
                       _passthrough, _per_row, _presence, _ragged_names, _torch_dtype, _widened)
 from .ragged import RaggedColumn
+from .store.reading import RowRanges
 
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
 
@@ -67,46 +82,92 @@ def _flat_shape(T: int, batch_dim: bool) -> tuple:
     return (1, T) if batch_dim else (T,)
 
 
-class _Pieces:
-    """Views that :func:`np.concatenate` joins into one stream, prompt piece and
-    completion piece of row 0, then of row 1, ...: every output byte is written
-    once, by one C loop, whatever the number of rows."""
+#: longest row whose constant views (zeros, ones, positions) are kept between calls; longer rows
+#: slice theirs per call, which costs nothing next to copying thousands of tokens
+_KEEP_VIEWS = 1 << 13
 
-    def __init__(self, plen: np.ndarray, clen: np.ndarray) -> None:
-        self.plen, self.clen = plen.tolist(), clen.tolist()
-        self.longest = max(max(self.plen, default=0), max(self.clen, default=0))
-        self.slots: list = [None] * (2 * len(self.plen))
-        # per batch, the (start, end) of every row on each side and the runs of constants, made
-        # once and shared by every column of that side (a Python slice per row is the cost here)
-        self._bounds = {id(self.plen): self._ends(plen, self.plen), id(self.clen): self._ends(clen, self.clen)}
-        self._constants: dict = {}
 
-    @staticmethod
-    def _ends(lengths: np.ndarray, as_list: list) -> list:
-        ends = np.cumsum(lengths).tolist()
-        return [(e - n, e) for e, n in zip(ends, as_list)]
+class _Constants:
+    """Read-only views ``fill[:n]`` of a constant stream (``0``, ``1``, or the positions
+    ``0, 1, 2, ...``), one per length, made once and shared by every call.
 
-    def cut(self, values: np.ndarray, lengths: list, array: Optional[np.ndarray] = None) -> list:
-        """``values`` (rows concatenated) cut into one view per row (``lengths``: one side's, or
-        ``array``'s list when the column's own lengths differ)."""
-        bounds = self._bounds.get(id(lengths))
-        if bounds is None:
-            bounds = self._ends(array if array is not None else np.asarray(lengths, dtype=np.int64), lengths)
-        return [values[a:b] for a, b in bounds]
+    A packed batch joins one such view per row and side (zeros at the prompt positions of
+    per-token columns, the 0/1 of ``completion_mask``, ``position_ids``): ~2,000 views for 512
+    rows. Looking a prepared view up costs ~0.03 us, slicing a new one ~0.3 us."""
 
-    def constant(self, value, dtype, lengths: list) -> list:
-        key = (value, np.dtype(dtype), id(lengths))
-        hit = self._constants.get(key)
-        if hit is None:
-            fill = np.full(self.longest, value, dtype=dtype)
-            hit = self._constants[key] = [fill[:n] for n in lengths]
-        return hit
+    def __init__(self) -> None:
+        self._views: dict = {}
 
-    def join(self, prompt: list, completion: list, out: np.ndarray) -> None:
-        if not self.slots:
-            return
-        self.slots[0::2], self.slots[1::2] = prompt, completion
-        np.concatenate(self.slots, out=out, casting="unsafe")
+    def views(self, value: Any, dtype: np.dtype, lengths: list, longest: int) -> list:
+        key = (value, dtype)
+        views = self._views.get(key)
+        if views is None or len(views) <= longest:
+            size = max(longest + 1, 2 * len(views) if views else 1024)
+            fill = np.arange(size, dtype=dtype) if value == "count" else np.full(size, value, dtype=dtype)
+            fill.flags.writeable = False
+            if longest >= _KEEP_VIEWS:
+                return [fill[:n] for n in lengths]
+            views = self._views[key] = [fill[:n] for n in range(min(size, _KEEP_VIEWS))]
+        return list(map(views.__getitem__, lengths))
+
+
+_CONSTANTS = _Constants()
+
+
+class _Rows:
+    """One ragged column of the batch, row by row: ``lengths`` (0 where a row has no value) and
+    the rows as views (:meth:`views`), whether it came from ``ReplayStore.read`` (one values
+    array and its offsets) or ``read_ranges`` (views straight into the segments' maps)."""
+
+    __slots__ = ("col", "lengths", "valid", "dtype")
+
+    def __init__(self, name: str, col: RaggedColumn) -> None:
+        self.col = col
+        if isinstance(col, RowRanges):
+            lengths, self.dtype = col.lengths, col.dtype
+        else:
+            offsets = np.asarray(col.offsets, dtype=np.int64)
+            lengths = np.diff(offsets)
+            if lengths.size and lengths.min() < 0:
+                raise BatchError(f"column {name!r} has decreasing offsets; "
+                                 "offsets of a ragged column must be non-decreasing")
+            self.dtype = np.asarray(col.values).dtype
+        self.valid = None
+        if col.validity is not None:
+            valid = np.asarray(col.validity, dtype=bool)
+            if valid.shape != lengths.shape:
+                raise BatchError(f"column {name!r} has {valid.size} validity flags for "
+                                 f"{lengths.size} rows; expected one flag per row")
+            if not valid.all():
+                self.valid = valid
+                lengths = np.where(valid, lengths, 0)
+        self.lengths = lengths
+
+    def views(self) -> list:
+        col = self.col
+        if isinstance(col, RowRanges):
+            return col.row_views()
+        values = np.asarray(col.values).reshape(-1)
+        offsets = np.asarray(col.offsets, dtype=np.int64).tolist()
+        return list(map(values.__getitem__, map(slice, offsets[:-1], offsets[1:])))
+
+
+def _interleave(first: Optional[list], second: Optional[list]) -> list:
+    """Row 0's first piece, row 0's second piece, row 1's first piece, ...; a side that is
+    None (no such column) is left out."""
+    if first is None:
+        return second or []
+    if second is None:
+        return first
+    slots: list = [None] * (2 * len(first))
+    slots[0::2], slots[1::2] = first, second
+    return slots
+
+
+def _join(pieces: list, out: np.ndarray) -> None:
+    # one C loop writes every output byte once, casting (int32 ids to int64) on the way
+    if pieces:
+        np.concatenate(pieces, out=out, casting="unsafe")
 
 
 def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
@@ -149,9 +210,13 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     have, in every row where it is computed, as many values as the row has
     completion tokens (a ``BatchError`` names the column and row otherwise).
 
-    ``out`` works as in :func:`~diskreplay.padding.collate` (caller-owned
-    buffers the output aliases); :class:`~diskreplay.collator.Collator` keeps
-    such buffers for you across calls.
+    ``batch`` is what ``ReplayStore.read`` returns, or ``read_ranges`` (then
+    every value is copied once, from the segments' maps straight into the
+    stream: what :meth:`Collator.read <diskreplay.collator.Collator.read>`
+    does). ``out`` works as in :func:`~diskreplay.padding.collate`
+    (caller-owned buffers the output aliases);
+    :class:`~diskreplay.collator.Collator` keeps such buffers for you across
+    calls.
 
     >>> b = {"prompt_ids": RaggedColumn.from_arrays([[5, 6], [7]], dtype=np.int32),
     ...      "completion_ids": RaggedColumn.from_arrays([[1], [2, 3]], dtype=np.int32),
@@ -167,28 +232,59 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     """
     _check_names(batch)
     B = _batch_size(batch)
-    packed = {name: _packed(name, col) for name, col in batch.items() if isinstance(col, RaggedColumn)}
-    empty = (np.zeros(0, dtype=np.int32), np.zeros(B, dtype=np.int64))
-    pvals, plen = packed.get("prompt_ids", empty)
-    cvals, clen = packed.get("completion_ids", empty)
+    rows = {name: _Rows(name, col) for name, col in batch.items() if isinstance(col, RaggedColumn)}
+    prompt, completion = rows.get("prompt_ids"), rows.get("completion_ids")
+    zero = np.zeros(B, dtype=np.int64)
+    plen = zero if prompt is None else prompt.lengths
+    clen = zero if completion is None else completion.lengths
     seq = plen + clen
     cu = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(seq, out=cu[1:])
     T = int(cu[-1])
+    max_seqlen = int(seq.max()) if B else 0
+    # per side: lengths as a list (indexes the constant views), the longest, and whether the batch
+    # has that side at all (a side without its ids column adds no pieces)
+    sides = {True: (plen.tolist(), int(plen.max()) if B else 0, prompt is not None),
+             False: (clen.tolist(), int(clen.max()) if B else 0, completion is not None)}
+    zeros: dict = {}
+
+    def constant(value: Any, dtype: np.dtype, prompt_side: bool) -> Optional[list]:
+        lengths, longest, present = sides[prompt_side]
+        if not present:
+            return None
+        key = (value, dtype, prompt_side)
+        hit = zeros.get(key)
+        if hit is None:
+            hit = zeros[key] = _CONSTANTS.views(value, dtype, lengths, longest)
+        return hit
+
+    def token_views(side: Optional[_Rows]) -> Optional[list]:
+        if side is None:
+            return None
+        views = side.views()
+        if side.valid is not None:  # a row without ids adds no tokens, whatever its stored range
+            empty = np.zeros(0, dtype=side.dtype)
+            for i in np.flatnonzero(~side.valid).tolist():
+                views[i] = empty
+        return views
 
     result: dict[str, Any] = {}
-    pieces = _Pieces(plen, clen)
     ids = _buffer(out, "input_ids", _flat_shape(T, batch_dim), torch.int64)
-    pieces.join(pieces.cut(pvals, pieces.plen), pieces.cut(cvals, pieces.clen), ids.numpy().reshape(-1))
+    _join(_interleave(token_views(prompt), token_views(completion)), ids.numpy().reshape(-1))
     pos = _buffer(out, "position_ids", _flat_shape(T, batch_dim), torch.int64)
-    if B:
-        count = np.arange(pieces.longest * 2, dtype=np.int64)
-        np.concatenate([count[:n] for n in seq.tolist()], out=pos.numpy().reshape(-1))
+    _join(_CONSTANTS.views("count", np.dtype(np.int64), seq.tolist(), max_seqlen), pos.numpy().reshape(-1))
     mask = _buffer(out, "completion_mask", (T,), torch.int64)
-    pieces.join(pieces.constant(0, np.int64, pieces.plen), pieces.constant(1, np.int64, pieces.clen), mask.numpy())
+    if B:
+        # 0 over each prompt, 1 over each completion: np.repeat of a 0/1 pattern makes the mask in
+        # one C loop as int8, and one streaming copy widens it (half the time of joining 2 pieces
+        # a row into the int64 buffer, measured with cold caches)
+        pattern = np.zeros(2 * B, dtype=np.int8)
+        pattern[1::2] = 1
+        counts = np.empty(2 * B, dtype=np.int64)
+        counts[0::2], counts[1::2] = plen, clen
+        np.copyto(mask.numpy(), np.repeat(pattern, counts))
     cu_t = _buffer(out, "cu_seqlens", (B + 1,), torch.int32)
     np.copyto(cu_t.numpy(), cu, casting="unsafe")
-    max_seqlen = int(seq.max()) if B else 0
     lengths = {}
     for name, value in (("prompt_lengths", plen), ("completion_lengths", clen)):
         lengths[name] = _buffer(out, name, (B,), torch.int64)
@@ -203,31 +299,32 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
         if col is None:
             result[name] = None
         elif isinstance(col, RaggedColumn):
-            values, lens = packed[name]
-            prompt = _is_prompt(name)
-            side = plen if prompt else clen
-            valid = lens == side
-            if not valid.all():
+            r = rows[name]
+            is_prompt = _is_prompt(name)
+            side = plen if is_prompt else clen
+            ok = r.lengths == side
+            all_ok = np.count_nonzero(ok) == B
+            if not all_ok:
                 # rows "not computed" have length 0 here; any other mismatch is an error
-                bad = np.flatnonzero(~valid & (lens != 0))
+                bad = np.flatnonzero(~ok & (r.lengths != 0))
                 if bad.size:
                     i = int(bad[0])
                     raise BatchError(
-                        f"column {name!r}, row {i}: {int(lens[i])} values for {int(side[i])} "
-                        f"{'prompt' if prompt else 'completion'} tokens; a per-token column must have "
+                        f"column {name!r}, row {i}: {int(r.lengths[i])} values for {int(side[i])} "
+                        f"{'prompt' if is_prompt else 'completion'} tokens; a per-token column must have "
                         "one value per token of its side")
-            dtype = _torch_dtype(values.dtype)
-            t = _buffer(out, name, (T,), dtype)
-            own = pieces.plen if prompt else pieces.clen
-            present = pieces.cut(values, own) if valid.all() else pieces.cut(values, lens.tolist(), lens)
-            if not valid.all():
-                zeros = pieces.constant(0, values.dtype, own)
-                present = [v if ok else z for v, z, ok in zip(present, zeros, valid.tolist())]
-            other = pieces.constant(0, values.dtype, pieces.clen if prompt else pieces.plen)
-            if prompt:
-                pieces.join(present, other, t.numpy())
-            else:
-                pieces.join(other, present, t.numpy())
+            t = _buffer(out, name, (T,), _torch_dtype(r.dtype))
+            own = None
+            if sides[is_prompt][2]:  # else no ids on this side: every row is empty there
+                own = r.views()
+                # zeros in rows without values, whatever their stored range
+                if not all_ok or r.valid is not None:
+                    fix = ~ok if r.valid is None else ~ok | ~r.valid
+                    filler = constant(0, r.dtype, is_prompt)
+                    for i in np.flatnonzero(fix).tolist():
+                        own[i] = filler[i]
+            other = constant(0, r.dtype, not is_prompt)
+            _join(_interleave(own, other) if is_prompt else _interleave(other, own), t.numpy())
             result[name] = t
             flag = _presence(out, name, col, B)
             if flag is not None:

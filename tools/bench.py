@@ -830,6 +830,9 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         "padded read + collate, fresh (collate())": lambda i: collate(store.read(draws[i]), pad),
         "padded read + collate, reused (Collator)": lambda i: padded_c.read(store, draws[i]),
         "packed read + collate, reused (Collator)": lambda i: packed_c.read(store, draws[i]),
+        # the same batch through an ordinary read (its values copied twice: into the read's buffers,
+        # then into the stream), as the packed path read before read_ranges
+        "packed: store.read into reused buffers, then collate": lambda i: packed_c(store.read(draws[i], out=read_out)),
         "ideal numpy gather, padded": lambda i: flat.gather(draws[i], pad),
         "README: collator.read(store, rows), one collator per call site":
             lambda i: readme_c.read(store, draws[i]),
@@ -854,6 +857,9 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         target("README one-call path (collator.read(store, rows)) vs reused, time", readme / reused, "<= 1.1"))
     row("packed vs padded, read + collate", f"{packed:.1f} ms", f"{reused:.1f} ms",
         target("packed vs padded batch (read + collate), speed", reused / packed, ">= 5"))
+    two_copies = ms["packed: store.read into reused buffers, then collate"]
+    row("  packed read + collate vs store.read, then collate", f"{packed:.1f} ms", f"{two_copies:.1f} ms",
+        f"{two_copies / packed:.2f}x")
     row("packed vs padded, collate only", f"{ms['packed collate, reused']:.1f} ms",
         f"{ms['padded collate, reused']:.1f} ms",
         f"{ms['padded collate, reused'] / ms['packed collate, reused']:.2f}x")

@@ -36,7 +36,7 @@ from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encod
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
-from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_run
+from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_ranges, ragged_run
 from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
 from .storage import LocalStorage, open_storage
 from .tokens import check_token, digest
@@ -1133,6 +1133,29 @@ class ReplayStore:
         self._trim_cache()
         return self._following(lambda: self._remapping(lambda: self._read(rows, cols, out)))
 
+    @_locked
+    def read_ranges(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Column]:
+        """:meth:`read`, except that ragged columns come back as
+        :class:`~diskreplay.store.reading.RowRanges`: where each row's values
+        lie in the segments' memory maps (their pages checked as ``read``
+        checks them), not yet copied. A consumer that lays rows out its own
+        way copies them once, straight into its output:
+        ``Collator(layout="packed").read`` does. Anything else may use them as
+        the ``RaggedColumn`` they are (gathered on first access of ``values``).
+
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> store = ReplayStore(tmp.name, group_key=None)
+        >>> _ = store.extend({"completion_ids": [[1], [2, 3]], "score": [0.5, 1.5]})
+        >>> got = store.read_ranges([1, 0])
+        >>> got["completion_ids"].lengths.tolist(), got["completion_ids"][0].tolist(), got["score"].tolist()
+        ([2, 1], [2, 3], [1.5, 0.5])
+        >>> store.close(); tmp.cleanup()
+        """
+        cols = self._resolve_columns(columns)
+        self._trim_cache()
+        return self._following(lambda: self._remapping(lambda: self._read(rows, cols, ranges=True)))
+
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
         names = self.columns
         if columns is None:
@@ -1167,7 +1190,8 @@ class ReplayStore:
             self._segment(e)
         return True
 
-    def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Column]:
+    def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
+              ranges: bool = False) -> Dict[str, Column]:
         rows, seg_idx, local = self._locate(rows)
         n = rows.size
         m = self.manifest
@@ -1204,7 +1228,9 @@ class ReplayStore:
                and bool(np.all(np.diff(parts[0][2]) == 1)))
         for name in cols:
             spec = self.schema[name]
-            if spec.kind == RAGGED and run:
+            if spec.kind == RAGGED and ranges:
+                out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans)
+            elif spec.kind == RAGGED and run:
                 out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
             elif spec.kind == RAGGED:
                 out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers)
@@ -1222,8 +1248,11 @@ class ReplayStore:
                 first = parts[0][0].scalar(name, spec) if parts else None
                 shape = (n,) + (first.shape[1:] if first is not None else ())
                 arr = np.empty(shape, dtype=np.dtype(spec.dtype))
-                for seg, sel, loc in parts:
-                    arr[sel] = seg.scalar(name, spec)[loc]
+                if len(parts) > 1:  # one gather per segment, one scatter to row order (`order`: above)
+                    arr[order] = np.concatenate([seg.scalar(name, spec)[loc] for seg, _, loc in parts])
+                else:
+                    for seg, sel, loc in parts:
+                        arr[sel] = seg.scalar(name, spec)[loc]
                 out[name] = arr
         return out
 
