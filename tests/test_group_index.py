@@ -186,7 +186,7 @@ def test_writer_failures_writing_the_index_do_not_fail_the_append(tmp_path, monk
 
     with ReplayStore(path, merge_policy=NO_MERGE) as store:
         store.extend({"prompt_id": [1], "completion_ids": [[1]]})
-        monkeypatch.setattr(replay_store, "group_index_table", broken)
+        monkeypatch.setattr(replay_store, "encode_group_index", broken)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rows = store.extend({"prompt_id": [2], "completion_ids": [[2]]})
