@@ -327,18 +327,27 @@ class SegmentEntry:
     def from_dict(cls, d: Any, where: str) -> "SegmentEntry":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported segment entry {d!r} in {where}; expected an object")
-        values = [d.get(k) for k in _SEGMENT_INT_FIELDS]
-        # one cheap pass for the common, valid case (a manifest lists every segment)
-        if not all(type(v) is int and lo <= v <= hi for v, (lo, hi) in zip(values, _SEGMENT_INT_RANGES)):
+        get = d.get
+        i, first, n, nbytes, crc, gbytes, gcrc = values = (get("id"), get("first_row"), get("num_rows"),
+                                                            get("bytes"), get("crc32c"), get("groups_bytes"),
+                                                            get("groups_crc32c"))
+        # one plain expression for the common, valid case: a manifest lists every segment, and a
+        # generator over the fields cost more than the rest of opening a 640-segment store
+        if not (type(i) is int and type(first) is int and type(n) is int and type(nbytes) is int
+                and type(crc) is int and type(gbytes) is int and type(gcrc) is int
+                and 0 <= i < 10 ** 12 and 0 <= first <= 1 << 62 and 1 <= n <= 1 << 62 and 1 <= nbytes <= 1 << 62
+                and 0 <= crc <= 0xFFFFFFFF and 0 <= gbytes <= 1 << 62 and 0 <= gcrc <= 0xFFFFFFFF):
             for key, (lo, hi) in zip(_SEGMENT_INT_FIELDS, _SEGMENT_INT_RANGES):
                 _int(d, key, where, lo=lo, hi=hi)  # raises, naming the field
         e = cls(*values)
-        if e.num_rows > 8 * e.bytes:  # even a single bool column needs a bit per row
-            raise FormatError(f"Unsupported num_rows={e.num_rows} for a {e.bytes}-byte segment in {where}")
-        for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
-            if d.get(key, expect) != expect:
-                raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
-                                  "(file names follow from segment ids)")
+        if n > 8 * nbytes:  # even a single bool column needs a bit per row
+            raise FormatError(f"Unsupported num_rows={n} for a {nbytes}-byte segment in {where}")
+        # names are written for readers of the JSON; they must be the ones the ids give
+        if ("file" in d and d["file"] != e.file) or ("groups_file" in d and d["groups_file"] != e.groups_file):
+            for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
+                if d.get(key, expect) != expect:
+                    raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
+                                      "(file names follow from segment ids)")
         return e
 
 
