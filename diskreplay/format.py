@@ -351,18 +351,27 @@ class SegmentEntry:
     def from_dict(cls, d: Any, where: str) -> "SegmentEntry":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported segment entry {d!r} in {where}; expected an object")
-        values = [d.get(k) for k in _SEGMENT_INT_FIELDS]
-        # one cheap pass for the common, valid case (a manifest lists every segment)
-        if not all(type(v) is int and lo <= v <= hi for v, (lo, hi) in zip(values, _SEGMENT_INT_RANGES)):
+        get = d.get
+        i, first, n, nbytes, crc, gbytes, gcrc = values = (get("id"), get("first_row"), get("num_rows"),
+                                                            get("bytes"), get("crc32c"), get("groups_bytes"),
+                                                            get("groups_crc32c"))
+        # one plain expression for the common, valid case: a manifest lists every segment, and a
+        # generator over the fields cost more than the rest of opening a 640-segment store
+        if not (type(i) is int and type(first) is int and type(n) is int and type(nbytes) is int
+                and type(crc) is int and type(gbytes) is int and type(gcrc) is int
+                and 0 <= i < 10 ** 12 and 0 <= first <= 1 << 62 and 1 <= n <= 1 << 62 and 1 <= nbytes <= 1 << 62
+                and 0 <= crc <= 0xFFFFFFFF and 0 <= gbytes <= 1 << 62 and 0 <= gcrc <= 0xFFFFFFFF):
             for key, (lo, hi) in zip(_SEGMENT_INT_FIELDS, _SEGMENT_INT_RANGES):
                 _int(d, key, where, lo=lo, hi=hi)  # raises, naming the field
         e = cls(*values)
-        if e.num_rows > 8 * e.bytes:  # even a single bool column needs a bit per row
-            raise FormatError(f"Unsupported num_rows={e.num_rows} for a {e.bytes}-byte segment in {where}")
-        for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
-            if d.get(key, expect) != expect:
-                raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
-                                  "(file names follow from segment ids)")
+        if n > 8 * nbytes:  # even a single bool column needs a bit per row
+            raise FormatError(f"Unsupported num_rows={n} for a {nbytes}-byte segment in {where}")
+        # names are written for readers of the JSON; they must be the ones the ids give
+        if ("file" in d and d["file"] != e.file) or ("groups_file" in d and d["groups_file"] != e.groups_file):
+            for key, expect in (("file", e.file), ("groups_file", e.groups_file)):
+                if d.get(key, expect) != expect:
+                    raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
+                                      "(file names follow from segment ids)")
         return e
 
 
@@ -400,28 +409,51 @@ class StateEntry:
 @dataclass(frozen=True)
 class GroupIndexEntry:
     """A persisted group index: the groups of rows ``[first_row, end_row)`` in one file
-    (written by the commit of ``generation``; see docs/FORMAT.md, "Group index")."""
+    (written by the commit of ``generation``; see docs/FORMAT.md, "Group index").
+
+    ``frame`` is ``(body_start, body_end, crc32c)`` of a layout-2 file: the CRC-32C of its bytes outside
+    ``[body_start, body_end)`` (Arrow's schema, batch header and footer, which carry each column's own
+    CRC-32C), so a reader checks a few KB before parsing and each column before using it, instead of
+    the whole file. ``None``: a layout-1 file, checked whole against ``crc32c``.
+
+    >>> e = GroupIndexEntry(7, 0, 64, 900, 1, frame=(640, 840, 2))
+    >>> GroupIndexEntry.from_dict(e.to_dict(), "m") == e, e.to_dict()["frame"]
+    (True, [640, 840, 2])
+    """
 
     generation: int
     first_row: int
     end_row: int
     bytes: int
     crc32c: int
+    frame: Optional[Tuple[int, int, int]] = None
 
     @property
     def file(self) -> str:
         return group_index_file(self.generation)
 
     def to_dict(self) -> dict:
-        return {"file": self.file, "generation": self.generation, "first_row": self.first_row,
-                "end_row": self.end_row, "bytes": self.bytes, "crc32c": self.crc32c}
+        d = {"file": self.file, "generation": self.generation, "first_row": self.first_row,
+             "end_row": self.end_row, "bytes": self.bytes, "crc32c": self.crc32c}
+        if self.frame is not None:
+            d["frame"] = list(self.frame)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "GroupIndexEntry":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported group_index {d!r} in {where}; expected an object")
+        frame = d.get("frame")
+        if frame is not None:
+            ok = (isinstance(frame, list) and len(frame) == 3
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in frame))
+            if not ok or not 0 <= frame[0] <= frame[1] <= _int(d, "bytes", where) or not 0 <= frame[2] <= 0xFFFFFFFF:
+                raise FormatError(f"Unsupported group_index frame {frame!r} in {where}; expected [body_start, "
+                                  "body_end, crc32c] within the file")
+            frame = tuple(frame)
         e = cls(_int(d, "generation", where, lo=1, hi=_MAX_ID), _int(d, "first_row", where),
-                _int(d, "end_row", where), _int(d, "bytes", where, lo=1), _int(d, "crc32c", where, hi=0xFFFFFFFF))
+                _int(d, "end_row", where), _int(d, "bytes", where, lo=1), _int(d, "crc32c", where, hi=0xFFFFFFFF),
+                frame)
         if e.end_row < e.first_row:
             raise FormatError(f"Unsupported group_index rows [{e.first_row}, {e.end_row}) in {where}")
         if d.get("file", e.file) != e.file:

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .ragged import gather_ranges, numpy_view
+from .ragged import arrow_array, gather_ranges, numpy_view
 
 
 def arrow_indices(a: np.ndarray) -> pa.Array:
@@ -28,8 +28,7 @@ def arrow_indices(a: np.ndarray) -> pa.Array:
     >>> arrow_indices(np.array([3, 1])).to_pylist()
     [3, 1]
     """
-    a = np.ascontiguousarray(a, dtype=np.int64)
-    return pa.Array.from_buffers(pa.int64(), len(a), [None, pa.py_buffer(a)])
+    return arrow_array(np.asarray(a, dtype=np.int64))
 
 
 class GroupIndex:
@@ -43,13 +42,15 @@ class GroupIndex:
     (['a', 'b'], [10, 12], [2, 1])
     """
 
-    def __init__(self, keys: Any, rows: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, keys: Any, rows: np.ndarray, offsets: np.ndarray, min_row: Optional[int] = None) -> None:
         # keys: a list, or a pyarrow array turned into a list only when asked for
         # (41 k Python objects cost more than the rest of a reopened store's index)
         self._keys: Optional[List[Any]] = keys if isinstance(keys, list) else None
         self._arrow: Optional[pa.Array] = None if isinstance(keys, list) else keys
         self.rows = rows
         self.offsets = offsets
+        # no row is below min_row (known without looking): evicting below it is free, not O(groups)
+        self._min_row = min_row
         self._lookup: Optional[Dict[Any, int]] = None
 
     @property
@@ -84,7 +85,7 @@ class GroupIndex:
         rank[present] = np.arange(len(present))
         gather = np.argsort(rank[codes], kind="stable") if len(codes) else order
         keys = [dictionary[i] for i in present.tolist()]
-        return cls(keys, gather.astype(np.int64) + base, offsets)
+        return cls(keys, gather.astype(np.int64) + base, offsets, min_row=base)
 
     @classmethod
     def from_groups(cls, keys: pa.Array, counts: np.ndarray, rows: np.ndarray, head: int = 0) -> "GroupIndex":
@@ -103,7 +104,10 @@ class GroupIndex:
     def evicted(self, head: int) -> "GroupIndex":
         """This index without the rows below ``head`` (itself when it has none)."""
         G = len(self)
-        if G == 0 or int(self.rows[self.offsets[:-1]].min()) >= head:
+        if G == 0 or (self._min_row is not None and head <= self._min_row):
+            return self
+        if int(self.rows[self.offsets[:-1]].min()) >= head:
+            self._min_row = head
             return self
         # rows ascend inside a group, so a group's live rows are a suffix of it
         live = np.add.reduceat((self.rows >= head).astype(np.int64), self.offsets[:-1])
@@ -117,7 +121,7 @@ class GroupIndex:
         np.cumsum(live, out=offsets[1:])
         keys = ([self._keys[i] for i in keep.tolist()] if self._keys is not None
                 else self._arrow.take(arrow_indices(keep)))
-        return GroupIndex(keys, gather_ranges(self.rows, starts, live), offsets)
+        return GroupIndex(keys, gather_ranges(self.rows, starts, live), offsets, min_row=head)
 
     def extended(self, parts: Sequence[Tuple[pa.Array, np.ndarray, np.ndarray]], min_row: int) -> "GroupIndex":
         """This index with the rows of newer segments: ``parts`` are their sidecars' ``(keys, counts,
@@ -150,7 +154,10 @@ class GroupIndex:
         counts, rows = np.concatenate(counts), np.concatenate(rows)
         G = len(self)
         base = self.arrow_keys(keys.type) if G else pa.nulls(0, type=keys.type)
-        code = numpy_view(pc.fill_null(pc.index_in(keys, value_set=base), -1)).astype(np.int64)
+        found = pc.index_in(keys, value_set=base)
+        code = numpy_view(found).astype(np.int64)
+        if found.null_count:  # not fill_null(found, -1): a Python fill value imports pandas (0.4 s, once)
+            code[~numpy_view(found.is_valid())] = -1
         new = code < 0
         if new.any():
             enc = keys.take(arrow_indices(np.flatnonzero(new))).dictionary_encode()
@@ -176,7 +183,7 @@ class GroupIndex:
         ends = self.offsets[1:]
         at = np.repeat(np.where(code[order] < G, ends[np.minimum(code[order], max(G - 1, 0))] if G else 0,
                                 len(self.rows)), counts[order])
-        all_rows = np.insert(self.rows, at, moved)
+        all_rows = _insert_sorted(self.rows, at, moved)
         G2 = G + len(fresh_keys)
         total = np.zeros(G2, dtype=np.int64)
         total[:G] = np.diff(self.offsets)
@@ -187,7 +194,8 @@ class GroupIndex:
             all_keys: Any = self._keys + fresh_keys.to_pylist()
         else:
             all_keys = pa.concat_arrays([base, fresh_keys]) if G else fresh_keys
-        return GroupIndex(all_keys, all_rows, offsets)
+        floor = None if self._min_row is None else min(self._min_row, min_row)
+        return GroupIndex(all_keys, all_rows, offsets, min_row=floor if G else min_row)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -208,6 +216,24 @@ class GroupIndex:
         if isinstance(key, np.generic):
             key = key.item()
         return self._lookup.get(key)
+
+
+def _insert_sorted(a: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``np.insert(a, at, values)`` for ``at`` in ascending order, in one pass over ``a``, and a plain
+    concatenation when every value goes at the end (new groups only: the usual commit).
+
+    >>> _insert_sorted(np.array([1, 2, 3]), np.array([1, 1, 3]), np.array([7, 8, 9])).tolist()
+    [1, 7, 8, 2, 3, 9]
+    """
+    if not len(at) or at[0] == len(a):
+        return np.concatenate([a, values])
+    out = np.empty(len(a) + len(values), dtype=np.result_type(a, values))
+    dest = at + np.arange(len(at))  # each value lands after the values inserted before it
+    old = np.ones(len(out), dtype=bool)
+    old[dest] = False
+    out[dest] = values
+    out[old] = a
+    return out
 
 
 class KeyCoder:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 
 from ._fileio import crc32c
 from .errors import ArgumentError, CorruptStoreError
+from .groups import arrow_indices
 from .ragged import arrow_array, numpy_view
 from .schema import Schema
 
@@ -159,43 +161,104 @@ def read_group_sidecar(path: str, nbytes: int, crc: int, key_type: pa.DataType, 
 
 
 _META_INDEX_ROWS = b"diskreplay.index.rows"  # "first end": the rows the index covers
-# per segment whose page checksums the index carries: little-endian int64
+# layout 1: per segment whose page checksums the index carries, little-endian int64
 # [segment id, bytes, crc32c, page_bytes, body start, body end, pages]
 _META_INDEX_SEGMENTS = b"diskreplay.index.segments"
+# layout 2: "2", and the CRC-32C of each column's buffers, in column order
+_META_INDEX_LAYOUT = b"diskreplay.index.layout"
+_META_INDEX_CRCS = b"diskreplay.index.crc32c"
+_INDEX_COLUMNS = ("key", "rows", "segments", "page_crc32c")
+_SEGMENT_FIELDS = 7
 
 
-def group_index_table(keys: pa.Array, counts: np.ndarray, rows: np.ndarray, first_row: int, end_row: int,
-                      pages: Dict[int, Tuple[int, int, PageChecksums]]) -> pa.RecordBatch:
-    """A persisted group index: the groups of rows ``[first_row, end_row)`` in the group sidecar's
-    layout (``key``, ``count``, ``rows``; groups ordered by their oldest row, rows ascending), and the
-    page checksums of segments (``pages``: id -> ``(bytes, crc32c, checksums)``) in its metadata, so
-    that a reader opens neither the sidecars nor more than the segments it reads."""
-    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    col = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(rows, dtype=np.int64)))
-    batch = pa.RecordBatch.from_arrays([keys, pa.array(np.asarray(counts, dtype=np.int64)), col],
-                                       names=["key", "count", "rows"])
-    table = np.array([(sid, nbytes, crc, p.page_bytes, p.body[0], p.body[1], len(p.crcs))
-                      for sid, (nbytes, crc, p) in sorted(pages.items())], dtype="<i8").reshape(-1, 7)
-    crcs = (np.concatenate([p.crcs for _, _, p in (pages[k] for k in sorted(pages))]) if pages
+def _index_schema(key_type: pa.DataType) -> Dict[str, pa.DataType]:
+    return {"key": pa.large_list(key_type), "rows": pa.large_list(pa.large_list(pa.int64())),
+            "segments": pa.large_list(pa.int64()), "page_crc32c": pa.large_list(pa.uint32())}
+
+
+def _column_crc(col: pa.Array) -> int:
+    """CRC-32C of a column's buffers (its children's included) in ``buffers()`` order: the bytes a reader uses."""
+    value = 0
+    for b in col.buffers():
+        if b is not None and b.size:
+            value = crc32c(b, value)
+    return value
+
+
+def _body(batch: pa.RecordBatch, base: pa.Buffer) -> Tuple[int, int]:
+    spans = [(b.address - base.address, b.address - base.address + b.size)
+             for col in batch.columns for b in col.buffers() if b is not None and b.size]
+    return (min(a for a, _ in spans), max(e for _, e in spans)) if spans else (0, 0)
+
+
+def _frame_crc(data: pa.Buffer, body: Tuple[int, int]) -> int:
+    """CRC-32C of the bytes of ``data`` outside ``body = (start, end)``."""
+    return crc32c(data.slice(body[1]), crc32c(data.slice(0, body[0])))
+
+
+def encode_group_index(keys: pa.Array, offsets: np.ndarray, rows: np.ndarray, first_row: int, end_row: int,
+                       pages: Dict[int, Tuple[int, int, PageChecksums]]) -> Tuple[pa.Buffer, Tuple[int, int, int]]:
+    """A persisted group index (layout 2, docs/FORMAT.md "Group index") and its frame
+    ``(body_start, body_end, crc32c)`` for the manifest.
+
+    The groups of rows ``[first_row, end_row)``: group ``g`` has key ``keys[g]`` and rows
+    ``rows[offsets[g]:offsets[g + 1]]`` (groups ordered by their oldest row, rows ascending); and the
+    page checksums of segments (``pages``: id -> ``(bytes, crc32c, checksums)``), so that a reader opens
+    neither the sidecars nor more than the segments it reads. One record batch of one row whose columns
+    are lists: each column is a zero-copy view of the mapped file, and its CRC-32C rides in the schema
+    metadata, which the frame's checksum covers.
+
+    >>> data, frame = encode_group_index(pa.array([7, 9]), np.array([0, 2, 3]), np.array([0, 1, 2]), 0, 3, {})
+    >>> b = pa.ipc.open_file(data).get_batch(0)
+    >>> b.column("key")[0].as_py(), b.column("rows")[0].as_py()
+    ([7, 9], [[0, 1], [2]])
+    """
+    ids = sorted(pages)
+    table = np.array([(sid, pages[sid][0], pages[sid][1], pages[sid][2].page_bytes, pages[sid][2].body[0],
+                       pages[sid][2].body[1], len(pages[sid][2].crcs)) for sid in ids],
+                     dtype=np.int64).reshape(-1, _SEGMENT_FIELDS)
+    crcs = (np.concatenate([pages[sid][2].crcs for sid in ids]).astype(np.uint32) if ids
             else np.zeros(0, dtype=np.uint32))
-    return batch.replace_schema_metadata({_META_INDEX_ROWS: f"{first_row} {end_row}".encode(),
-                                          _META_INDEX_SEGMENTS: table.tobytes(),
-                                          _META_PAGE_CRCS: crcs.astype("<u4").tobytes()})
+
+    def one(values: pa.Array) -> pa.Array:  # the whole array as the one row of a list column
+        return pa.LargeListArray.from_arrays(arrow_indices(np.array([0, len(values)])), values)
+
+    groups = pa.LargeListArray.from_arrays(arrow_indices(offsets), arrow_indices(rows))
+    columns = [one(keys), one(groups), one(arrow_indices(table.ravel())),
+               one(pa.Array.from_buffers(pa.uint32(), len(crcs), [None, pa.py_buffer(crcs)]))]
+    batch = pa.RecordBatch.from_arrays(columns, names=list(_INDEX_COLUMNS))
+    meta = {_META_INDEX_LAYOUT: b"2", _META_INDEX_ROWS: f"{first_row} {end_row}".encode()}
+    # the column checksums are taken from the bytes as written (the writer may leave out an all-valid
+    # bitmap or trim a buffer), then stored in the schema metadata: the body's bytes do not depend on it
+    # (were they to, readers would find the columns damaged, warn and use the sidecars)
+    draft = pa.ipc.open_file(encode_ipc(batch.replace_schema_metadata(meta))).get_batch(0)
+    meta[_META_INDEX_CRCS] = " ".join(str(_column_crc(c)) for c in draft.columns).encode()
+    data = encode_ipc(batch.replace_schema_metadata(meta))
+    body = _body(pa.ipc.open_file(data).get_batch(0), data)
+    return data, (body[0], body[1], _frame_crc(data, body))
 
 
 class IndexedPages:
     """The page checksums a persisted group index carries, looked up by segment (each segment's
-    :class:`PageChecksums` is made when that segment is first opened, not on load)."""
+    :class:`PageChecksums` is made when that segment is first opened, not on load).
 
-    def __init__(self, table: np.ndarray, crcs: np.ndarray) -> None:
-        self._table, self._crcs = table, crcs
-        self._start = np.zeros(len(table) + 1, dtype=np.int64)
-        np.cumsum(table[:, 6], out=self._start[1:])
-        self._at = dict(zip(table[:, 0].tolist(), range(len(table))))
+    ``load`` gives ``(table, crcs)`` on the first lookup (a layout-2 index checks those columns then),
+    or None when they cannot be used: then every lookup misses and the sidecars serve instead.
+    """
+
+    def __init__(self, load: Callable[[], Optional[Tuple[np.ndarray, np.ndarray]]]) -> None:
+        self._load: Optional[Callable[[], Optional[Tuple[np.ndarray, np.ndarray]]]] = load
+        self._at: Dict[int, int] = {}
 
     def get(self, seg_id: int, nbytes: int, crc: int) -> Optional[PageChecksums]:
         """The page checksums of segment ``seg_id`` if the index holds them for exactly this file."""
+        if self._load is not None:
+            loaded, self._load = self._load(), None
+            self._table, self._crcs = loaded if loaded is not None else (
+                np.zeros((0, _SEGMENT_FIELDS), dtype=np.int64), np.zeros(0, dtype=np.uint32))
+            self._start = np.zeros(len(self._table) + 1, dtype=np.int64)
+            np.cumsum(self._table[:, 6], out=self._start[1:])
+            self._at = dict(zip(self._table[:, 0].tolist(), range(len(self._table))))
         i = self._at.get(seg_id)
         if i is None:
             return None
@@ -205,16 +268,87 @@ class IndexedPages:
         return PageChecksums(self._crcs[self._start[i]:self._start[i] + count], page_bytes, (start, end))
 
 
-def read_group_index(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
+def read_group_index(path: str, nbytes: int, crc: int, frame: Optional[Tuple[int, int, int]],
+                     key_type: pa.DataType, first_row: int,
                      end_row: int) -> Tuple[pa.Array, np.ndarray, np.ndarray, IndexedPages]:
-    """``(keys, counts, rows, page checksums)`` of a persisted group index.
+    """``(keys, offsets, rows, page checksums)`` of a persisted group index: group ``g`` has key
+    ``keys[g]`` and rows ``rows[offsets[g]:offsets[g + 1]]``, zero-copy views of the mapped file.
 
-    The file is mapped for a whole read (a copy into fresh memory cost 5-10 ms
-    for the 6 MB index of 327 k rows, mapping and checking it 0.7 ms) and
-    checked against its CRC-32C before Arrow parses a byte; then its layout, in O(groups) plus a min/max
-    over the rows (that each row is there exactly once is the writer's promise, which the CRC-32C
-    keeps: a reader does not pay O(rows) to check it again). Raises ``CorruptStoreError`` naming the file.
+    Layout 2 (``frame`` given): the bytes outside the body are checked against the frame's CRC-32C
+    before Arrow parses a byte, then the key and row columns against their own CRC-32C (from the
+    schema metadata); the page checksums' columns on the first lookup. The cost is the checksum of
+    the bytes the index needs, not of the whole file, and no per-segment metadata to parse (layout 1
+    kept the 1.3 MB of page checksums of a 327 k-row store in the schema metadata: 3 ms to parse).
+    Layout 1 (``frame`` None): the whole file is checked against ``crc``.
+
+    Then the layout is checked in O(groups); that each row is there exactly once is the writer's
+    promise, which the checksums keep (a reader does not pay O(rows) to check it again). Raises
+    ``CorruptStoreError`` naming the file.
     """
+    if frame is None:
+        keys, counts, rows, pages = _read_group_index_v1(path, nbytes, crc, key_type, first_row, end_row)
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return keys, offsets, rows, pages
+    batch = ArrowFile(path, nbytes, frame=frame, whole=True).batch
+    want = _index_schema(key_type)
+    got = {fl.name: fl.type for fl in batch.schema}
+    if got != want or batch.num_rows != 1:
+        raise CorruptStoreError(f"{path} has columns {got} and {batch.num_rows} rows; a group index has {want} "
+                                "and 1 row")
+    meta = batch.schema.metadata or {}
+    bad = CorruptStoreError(f"{path} does not index rows [{first_row}, {end_row})")
+    try:
+        lo, hi = (int(x) for x in meta[_META_INDEX_ROWS].split())
+        expect = dict(zip(_INDEX_COLUMNS, (int(x) for x in meta[_META_INDEX_CRCS].split())))
+        layout = meta[_META_INDEX_LAYOUT]
+    except (KeyError, ValueError):
+        raise bad from None
+    if layout != b"2" or len(expect) != len(_INDEX_COLUMNS):
+        raise bad
+    cols = dict(zip(_INDEX_COLUMNS, batch.columns))
+    for name in ("key", "rows"):
+        if _column_crc(cols[name]) != expect[name]:
+            raise CorruptStoreError(f"{path} fails its checksum (crc32c) in column {name!r}; the file is damaged "
+                                    "and is not served; run `diskreplay verify`")
+
+    def whole(col: pa.Array) -> Optional[pa.Array]:  # the values of a list column's one row
+        offs = numpy_view(col.offsets)
+        ok = not col.null_count and len(offs) == 2 and offs[0] == 0 and offs[1] == len(col.values)
+        return col.values if ok else None
+
+    keys, groups = whole(cols["key"]), whole(cols["rows"])
+    if keys is None or groups is None:
+        raise bad
+    offsets, rows = numpy_view(groups.offsets), numpy_view(groups.values)
+    n = end_row - first_row
+    if ((lo, hi) != (first_row, end_row) or keys.null_count or groups.null_count or groups.values.null_count
+            or len(keys) != len(groups) or offsets[0] != 0 or offsets[-1] != n or len(rows) != n
+            or (len(groups) and np.any(offsets[1:] <= offsets[:-1]))):
+        raise bad
+
+    def page_checksums() -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        for name in ("segments", "page_crc32c"):
+            if _column_crc(cols[name]) != expect[name]:
+                warnings.warn(f"{path} fails its checksum (crc32c) in column {name!r}; the page checksums of "
+                              "segments are read from their group sidecars instead (run `diskreplay verify`)",
+                              RuntimeWarning, stacklevel=2)
+                return None
+        table, crcs = whole(cols["segments"]), whole(cols["page_crc32c"])
+        if table is None or crcs is None or len(table) % _SEGMENT_FIELDS:
+            return None
+        table = numpy_view(table).reshape(-1, _SEGMENT_FIELDS)
+        if int(table[:, 6].sum()) != len(crcs) or np.any(table[:, 3] < 512) or np.any(table[:, 6] < 0):
+            return None
+        return table, numpy_view(crcs)
+
+    return keys, offsets, rows, IndexedPages(page_checksums)
+
+
+def _read_group_index_v1(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
+                         end_row: int) -> Tuple[pa.Array, np.ndarray, np.ndarray, IndexedPages]:
+    """``(keys, counts, rows, page checksums)`` of a layout-1 group index (written before layout 2: the
+    sidecar's layout, page checksums in the schema metadata), the whole file checked against ``crc``."""
     batch = ArrowFile(path, nbytes, crc, whole=True).batch
     want = {"key": key_type, "count": pa.int64(), "rows": pa.large_list(pa.int64())}
     got = {fl.name: fl.type for fl in batch.schema}
@@ -224,7 +358,7 @@ def read_group_index(path: str, nbytes: int, crc: int, key_type: pa.DataType, fi
     bad = CorruptStoreError(f"{path} does not index rows [{first_row}, {end_row})")
     try:
         lo, hi = (int(x) for x in meta[_META_INDEX_ROWS].split())
-        table = np.frombuffer(meta[_META_INDEX_SEGMENTS], dtype="<i8").reshape(-1, 7)
+        table = np.frombuffer(meta[_META_INDEX_SEGMENTS], dtype="<i8").reshape(-1, _SEGMENT_FIELDS)
         all_crcs = np.frombuffer(meta[_META_PAGE_CRCS], dtype="<u4")
     except (KeyError, ValueError):
         raise bad from None
@@ -239,7 +373,7 @@ def read_group_index(path: str, nbytes: int, crc: int, key_type: pa.DataType, fi
             or np.any(np.diff(rows[offsets[:-1]]) <= 0) or int(table[:, 6].sum()) != len(all_crcs)
             or np.any(table[:, 3] < 512) or np.any(table[:, 6] < 0)):
         raise bad
-    return keys, counts, rows, IndexedPages(table, all_crcs)
+    return keys, counts, rows, IndexedPages(lambda: (table, all_crcs))
 
 
 def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -271,7 +405,7 @@ class ArrowFile:
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
                  expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None, *,
-                 whole: bool = False) -> None:
+                 whole: bool = False, frame: Optional[Tuple[int, int, int]] = None) -> None:
         self.path = path
         self.pages = pages
         try:
@@ -314,6 +448,12 @@ class ArrowFile:
             head = np.arange(0, -(-pages.body[0] // p))
             tail = np.arange(pages.body[1] // p, n_pages)
             self._verify_pages(np.concatenate([head, tail]))
+        elif frame is not None:
+            # ``(body_start, body_end, crc32c)``: only the bytes outside the body are checked here; the
+            # caller checks the body's buffers against checksums those bytes carry
+            if frame[1] > size or _frame_crc(self._base, frame[:2]) != frame[2]:
+                raise CorruptStoreError(f"{path} fails its checksum (crc32c) outside its data; the file is "
+                                        "damaged and is not served; run `diskreplay verify`")
         elif expected_crc is not None and crc32c(self._base) != expected_crc:
             raise CorruptStoreError(f"{path} fails its checksum (crc32c); the file is damaged and is not "
                                     "served; run `diskreplay verify` / `diskreplay repair`")

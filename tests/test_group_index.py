@@ -13,7 +13,8 @@ from diskreplay import ReplayStore
 from diskreplay.verify import verify_store
 from diskreplay import format as fmt
 from diskreplay.groups import GroupIndex
-from diskreplay.segment import group_sidecar
+from diskreplay._fileio import crc32c
+from diskreplay.segment import encode_ipc, group_sidecar
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 
@@ -186,7 +187,7 @@ def test_writer_failures_writing_the_index_do_not_fail_the_append(tmp_path, monk
 
     with ReplayStore(path, merge_policy=NO_MERGE) as store:
         store.extend({"prompt_id": [1], "completion_ids": [[1]]})
-        monkeypatch.setattr(replay_store, "group_index_table", broken)
+        monkeypatch.setattr(replay_store, "encode_group_index", broken)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rows = store.extend({"prompt_id": [2], "completion_ids": [[2]]})
@@ -194,3 +195,116 @@ def test_writer_failures_writing_the_index_do_not_fail_the_append(tmp_path, monk
         assert any("writing the group index failed" in str(w.message) for w in caught)
         assert not [f for f in os.listdir(os.path.join(path, "groups")) if f.startswith("index-")]
         assert store.group_keys() == [1, 2]
+
+
+def _column_spans(path, e):
+    """Byte range of each column of a persisted index file (its buffers, children's included)."""
+    data = pa.py_buffer(open(os.path.join(path, e.file), "rb").read())
+    batch = pa.ipc.open_file(data).get_batch(0)
+    spans = {}
+    for name, col in zip(batch.schema.names, batch.columns):
+        bufs = [b for b in col.buffers() if b is not None and b.size]
+        spans[name] = (min(b.address for b in bufs) - data.address,
+                       max(b.address + b.size for b in bufs) - data.address)
+    return spans
+
+
+def _flip(path, rel, at):
+    with open(os.path.join(path, rel), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["frame", "key", "rows"])
+def test_damage_the_index_needs_is_found_before_use(tmp_path, where):
+    """A flipped byte in the schema/footer, the keys or the rows: a warning naming the file, and the
+    index from the sidecars (the same index), never a wrong group."""
+    path = str(tmp_path / "s")
+    store = _fill(path, replay_store.INDEX_TAIL_SEGMENTS)
+    want = _sidecar_index(store)
+    e = store.manifest.group_index
+    store.close()
+    assert e.frame is not None
+    spans = _column_spans(path, e)
+    _flip(path, e.file, {"frame": e.bytes - 40, "key": spans["key"][1] - 5,
+                         "rows": (spans["rows"][0] + spans["rows"][1]) // 2}[where])
+    with ReplayStore(path, readonly=True) as reader:
+        with pytest.warns(RuntimeWarning, match=f"{e.file}.*group index is rebuilt from the group sidecars"):
+            gi = reader.group_index()
+        assert gi.keys == want.keys and np.array_equal(gi.rows, want.rows)
+        assert np.array_equal(gi.offsets, want.offsets)
+
+
+@pytest.mark.parametrize("column", ["segments", "page_crc32c"])
+def test_damaged_page_checksums_in_the_index_fall_back_to_the_sidecars(tmp_path, column):
+    """The segments' page checksums are checked on the first segment opened: damage there warns, and the
+    sidecars' checksums serve (the group index itself is intact and used)."""
+    path = str(tmp_path / "s")
+    store = _fill(path, replay_store.INDEX_TAIL_SEGMENTS)
+    want = store.read(store.row_ids())["completion_ids"]
+    e = store.manifest.group_index
+    store.close()
+    lo, hi = _column_spans(path, e)[column]
+    _flip(path, e.file, hi - 3)
+    with ReplayStore(path, readonly=True) as reader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            reader.group_index()
+        with pytest.warns(RuntimeWarning, match=f"{e.file} fails its checksum.*{column}"):
+            got = reader.read(reader.row_ids())["completion_ids"]
+        assert np.array_equal(got.values, want.values) and np.array_equal(got.offsets, want.offsets)
+
+
+def _layout_1(keys, counts, rows, first_row, end_row, pages):
+    """A group index file as versions before layout 2 wrote it: the sidecar's layout, with the rows it
+    covers and the segments' page checksums in the schema metadata."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    col = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(rows, type=pa.int64()))
+    batch = pa.RecordBatch.from_arrays([keys, pa.array(counts, type=pa.int64()), col], names=["key", "count", "rows"])
+    table = np.array([(sid, nbytes, crc, p.page_bytes, p.body[0], p.body[1], len(p.crcs))
+                      for sid, (nbytes, crc, p) in sorted(pages.items())], dtype="<i8").reshape(-1, 7)
+    crcs = np.concatenate([pages[k][2].crcs for k in sorted(pages)]).astype("<u4")
+    return encode_ipc(batch.replace_schema_metadata({
+        b"diskreplay.index.rows": f"{first_row} {end_row}".encode(),
+        b"diskreplay.index.segments": table.tobytes(), b"diskreplay.page_crc32c": crcs.tobytes()}))
+
+
+def test_a_layout_1_index_is_still_read(tmp_path):
+    """Stores whose index was written before layout 2 (no ``frame`` in the manifest) open from it, with
+    no warning and without the covered segments' sidecars."""
+    path = str(tmp_path / "s")
+    store = _fill(path, replay_store.INDEX_TAIL_SEGMENTS + 2)
+    m = store.manifest
+    e = m.group_index
+    want = _sidecar_index(store)
+    covered = [s for s in m.segments if s.end_row <= e.end_row]
+    pages = {s.id: (s.bytes, s.crc32c, store._sidecar(s)[3]) for s in covered}
+    store.close()
+    # the index of exactly the covered rows, as an older writer made it
+    old = _sidecar_index_of(path, covered)
+    data = _layout_1(old.arrow_keys(pa.int64()), old.counts, old.rows, e.first_row, e.end_row, pages)
+    with open(os.path.join(path, e.file), "wb") as f:
+        f.write(data.to_pybytes())
+    m.evolve(group_index=fmt.GroupIndexEntry(e.generation, e.first_row, e.end_row, data.size, crc32c(data))).write(path)
+    for s in covered:
+        os.rename(os.path.join(path, s.groups_file), os.path.join(path, s.groups_file + ".away"))
+    try:
+        with ReplayStore(path, readonly=True) as reader, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert reader.manifest.group_index.frame is None
+            gi = reader.group_index()
+            assert gi.keys == want.keys and np.array_equal(gi.rows, want.rows)
+            assert len(reader.read(reader.row_ids())["completion_ids"]) == len(reader)
+    finally:
+        for s in covered:
+            os.rename(os.path.join(path, s.groups_file + ".away"), os.path.join(path, s.groups_file))
+    assert verify_store(path)["ok"]
+
+
+def _sidecar_index_of(path, segments):
+    with ReplayStore(path, readonly=True) as store:
+        gi = GroupIndex(pa.array([], type=pa.int64()), np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        return gi.extended([store._sidecar(s)[:3] for s in segments], min_row=0)

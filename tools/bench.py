@@ -39,6 +39,7 @@ from diskreplay import (Collator, PromptGroupSampler, RaggedColumn, ReplayStore,
                         collate_unpadded)
 from diskreplay.loader import ReplayLoader  # noqa: E402
 from diskreplay.samplers import STRATEGIES  # noqa: E402
+from diskreplay.store.replay_store import INDEX_TAIL_SEGMENTS  # noqa: E402
 from diskreplay.synthetic import rollout_stream  # noqa: E402
 
 
@@ -73,7 +74,8 @@ def ensure_group_index(path: str) -> None:
     """Give a store written before persisted group indexes existed one (docs/FORMAT.md, "Group index")
     so that reopening it is measured as a store written now would be."""
     with ReplayStore(path, readonly=True) as store:
-        if store.manifest.group_index is not None or store.group_key is None:
+        gi = store.manifest.group_index
+        if (gi is not None and gi.frame is not None) or store.group_key is None:  # (frame: layout 2)
             return
     with ReplayStore(path) as writer:
         writer._persist_group_index(force=True)
@@ -745,17 +747,43 @@ INDEX_CHILD = textwrap.dedent("""
 """)
 
 
-def _bench_index_scaling(small, big, factor, res, report, rounds=7):
-    """The group index's cost on open (a fresh process, warm page cache, first ``group_index()``) for
-    the store and the ``factor`` times larger one, alternated, medians."""
-    times = {"1x": [], f"{factor}x": []}
+def _index_open_ms(paths: Dict[str, str], rounds: int) -> Dict[str, Dict[str, float]]:
+    """Median ``open_ms`` and ``group_index_ms`` of INDEX_CHILD per store, the stores alternated."""
+    times: Dict[str, list] = {name: [] for name in paths}
     for _ in range(rounds):
-        for name, path in (("1x", small), (f"{factor}x", big)):
+        for name, path in paths.items():
             out = subprocess.run([sys.executable, "-c", INDEX_CHILD, path], check=True, capture_output=True,
                                  text=True).stdout
             times[name].append(json.loads(out))
-    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in times.items()}
-    one, big_ = med["1x"], med[f"{factor}x"]
+    return {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in times.items()}
+
+
+def _with_index_tail(path: str, seed: int) -> str:
+    """A copy of the store (segments hard-linked) with commits added until ``INDEX_TAIL_SEGMENTS - 1``
+    segments lie past its persisted group index: a store reopened just before its writer would
+    persist the next one, the most a reader adds from sidecars."""
+    tail = path.rstrip("/") + ".tail"
+    shutil.rmtree(tail, ignore_errors=True)
+    # small files copied (a lock file must not be shared), immutable Arrow files linked
+    shutil.copytree(path, tail, copy_function=lambda src, dst: (os.link(src, dst) if src.endswith(".arrow")
+                                                                else shutil.copy2(src, dst)))
+    with ReplayStore(tail) as writer:
+        for batch in rollout_stream(64 * 4 * INDEX_TAIL_SEGMENTS, 64, 8, seed=seed):
+            m = writer.manifest
+            past = sum(1 for s in m.segments if s.end_row > m.group_index.end_row)
+            if past == INDEX_TAIL_SEGMENTS - 1:
+                break
+            writer.extend(batch)
+    return tail
+
+
+def _bench_index_scaling(small, big, factor, res, report, rounds=7):
+    """The group index's cost on open (a fresh process, warm page cache, first ``group_index()``) for
+    the store and the ``factor`` times larger one, alternated, medians; then the same for copies of
+    both with the most segments a reader adds from their sidecars past the persisted index."""
+    one_name, big_name = "1x", f"{factor}x"
+    med = _index_open_ms({one_name: small, big_name: big}, rounds)
+    one, big_ = med[one_name], med[big_name]
     res["group_index_open_ms"] = med
     print(f"\ngroup index on open, fresh process, warm page cache ({rounds} rounds, medians)")
     row(f"group_index(): {factor}x store vs 1x store", f"{big_['group_index_ms']:.2f} ms",
@@ -764,6 +792,16 @@ def _bench_index_scaling(small, big, factor, res, report, rounds=7):
                one["group_index_ms"], "<= 1.5"))
     row("  open (manifest: one entry per segment)", f"{big_['open_ms']:.2f} ms", f"{one['open_ms']:.2f} ms",
         f"{big_['open_ms'] / one['open_ms']:.2f}x")
+    tails = {one_name: _with_index_tail(small, seed=11), big_name: _with_index_tail(big, seed=11)}
+    try:
+        med = _index_open_ms(tails, rounds)
+    finally:
+        for path in tails.values():
+            shutil.rmtree(path, ignore_errors=True)
+    one, big_ = med[one_name], med[big_name]
+    res["group_index_open_tail_ms"] = med
+    row(f"  group_index() with {INDEX_TAIL_SEGMENTS - 1} segments past the index", f"{big_['group_index_ms']:.2f} ms",
+        f"{one['group_index_ms']:.2f} ms", f"{big_['group_index_ms'] / one['group_index_ms']:.2f}x")
     sys.stdout.flush()
 
 

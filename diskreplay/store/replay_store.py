@@ -31,8 +31,8 @@ from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, C
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
-from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_ipc, encode_state, group_index_table,
-                       group_sidecar, prefetch_files, read_group_index, read_group_sidecar)
+from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
+                       encode_state, group_sidecar, prefetch_files, read_group_index, read_group_sidecar)
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
@@ -1310,21 +1310,22 @@ class ReplayStore:
         """The persisted group index of ``m`` and the row it ends at (an empty index at ``head``
         when there is none, or it cannot be used: the sidecars hold the same information)."""
         keys = [] if self.schema is None else pa.nulls(0, type=self._key_type())  # no row committed yet
-        empty = GroupIndex(keys, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        empty = GroupIndex(keys, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), min_row=m.head)
         e = m.group_index
         if e is None or e.end_row <= m.head or e.first_row > m.head:
             return empty, m.head
         try:
             path = (self.storage.fetch_ranges(e.file, None, size=e.bytes, evict=False, tag=f"{e.bytes}-{e.crc32c:08x}")
                     if self.remote else self.storage.local_path(e.file))
-            keys, counts, rows, pages = read_group_index(path, e.bytes, e.crc32c, self._key_type(), e.first_row,
-                                                         e.end_row)
+            keys, offsets, rows, pages = read_group_index(path, e.bytes, e.crc32c, e.frame, self._key_type(),
+                                                          e.first_row, e.end_row)
         except CorruptStoreError as exc:
             warnings.warn(f"{exc}; the group index is rebuilt from the group sidecars instead (run "
                           "`diskreplay verify`)", RuntimeWarning, stacklevel=5)
             return empty, m.head
         self._index_pages = pages
-        return GroupIndex.from_groups(keys, counts, rows, m.head), e.end_row
+        # every row of the file is at least first_row: with no eviction since, nothing to drop or scan
+        return GroupIndex(keys, rows, offsets, min_row=e.first_row).evicted(m.head), e.end_row
 
     def _persist_group_index(self, force: bool = False) -> None:
         """Write the group index of the live rows to a file and name it in a commit, once
@@ -1343,9 +1344,9 @@ class ReplayStore:
             p = self._page_checksums(s) if s.groups_bytes else None
             if p is not None:
                 pages[s.id] = (s.bytes, s.crc32c, p)
-        data = encode_ipc(group_index_table(gi.arrow_keys(self._key_type()), gi.counts, gi.rows, m.head,
-                                            m.next_row, pages))
-        entry = fmt.GroupIndexEntry(m.generation + 1, m.head, m.next_row, data.size, crc32c(data))
+        data, frame = encode_group_index(gi.arrow_keys(self._key_type()), gi.offsets, gi.rows, m.head, m.next_row,
+                                         pages)
+        entry = fmt.GroupIndexEntry(m.generation + 1, m.head, m.next_row, data.size, crc32c(data), frame)
         storage = self._committer.storage
         try:
             storage.write_new(entry.file, data, step="groups")
