@@ -57,8 +57,9 @@ MULTI_WRITER_VERSION = 2
 # and, as a writer, collect the newer ones. Stores created multi-writer get it.
 APPEND_DELTAS_VERSION = 4
 DELTA_FORMAT = "diskreplay.delta"
-# A writer commits a full manifest instead of a delta once its base is this
-# many deltas past a full one, so a reader applies at most this many.
+# A writer commits a full manifest instead of a delta once its base is
+# CHECKPOINT_EVERY to 2 CHECKPOINT_EVERY - 1 deltas (its own depth, drawn at
+# random) past a full one, so a reader applies at most 2 CHECKPOINT_EVERY - 1.
 CHECKPOINT_EVERY = 8
 MAX_DELTA_CHAIN = 1024  # a reader refuses a longer chain (a writer never makes one)
 # A multi-writer store keeps the files of a superseded manifest this long, so
@@ -835,7 +836,7 @@ class AppendDelta:
     that loses the race for generation N creates the same file as N+1 (no
     re-planning), and a commit costs the same however large the store. The
     manifest of a delta's generation is ``apply(manifest of generation - 1)``;
-    a full manifest follows every ``CHECKPOINT_EVERY`` deltas.
+    a full manifest follows within ``2 * CHECKPOINT_EVERY`` deltas.
 
     >>> d = AppendDelta((SegmentEntry(7, 0, 2, 100, 1),), 2)
     >>> m = d.apply(Manifest(generation=3, next_row=5, head=5, next_segment=7), StoreOptions())

@@ -257,6 +257,7 @@ def _age(path, rel, seconds):
 def test_shared_clean_up_respects_retention(tmp_path):
     path = str(tmp_path / "s")
     with ReplayStore(path, multi_writer=True, retain_seconds=100, capacity=8) as store:
+        store._committer._checkpoint_at = fmt.CHECKPOINT_EVERY  # generation 9 is a full manifest
         for s in range(12):
             store.extend(batch_for(0, s, rows=4))
         old = [g for g in fmt.list_generations(path)][fmt.KEEP_MANIFESTS:]
@@ -273,7 +274,7 @@ def test_shared_clean_up_respects_retention(tmp_path):
             _age(path, fmt.manifest_file(g), 200)
         store._committer.sweep_shared()
         left = fmt.list_generations(path)
-        assert len(left) == fmt.KEEP_MANIFESTS
+        assert len(left) == fmt.KEEP_MANIFESTS  # 9 (full) to 12: no older manifest is needed
         assert os.path.exists(os.path.join(path, "segments/000000099998.arrow"))  # young: maybe in flight
         assert not os.path.exists(os.path.join(path, "segments/000000099999.arrow"))
         assert not os.path.exists(os.path.join(path, "manifests/.tmp-x.json.dead"))

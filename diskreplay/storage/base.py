@@ -39,8 +39,12 @@ honour; ``tests/test_storage.py`` runs it against each.
 ``publish(rel, data, files, dirs,           ``write_files``, then create the
 exclusive=)``                               manifest ``rel``: only if absent
                                             when ``exclusive`` (False if taken)
-``discard_staged()``                        drop what a lost ``publish`` kept
-                                            to publish the same bytes again
+``stage(reldir, data, files, dirs)``       ``write_files`` and a manifest-to-be
+                                            whose name is not known yet, before
+                                            the race: ``publish`` of the same
+                                            ``data`` then only creates the name
+``discard_staged()``                        drop what ``stage`` (or a lost
+                                            ``publish``) kept
 ``delete(rel)``                             remove ``rel``; absent is no error
 ``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
                                             durable / make a directory (no-ops
@@ -109,6 +113,9 @@ class Storage(Protocol):
 
     def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
                 dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool: ...
+
+    def stage(self, reldir: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+              dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None: ...
 
     def discard_staged(self) -> None: ...
 

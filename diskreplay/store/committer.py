@@ -92,6 +92,10 @@ class Committer:
         #: counters of this writer's commits published as deltas, not yet in the store's commit_stats
         #: (a delta's file is fixed before its race, so it carries the ones of the commits before it)
         self._unreported: Dict[str, int] = {}
+        # each writer writes a full manifest at its own depth in [CHECKPOINT_EVERY, 2 CHECKPOINT_EVERY):
+        # at one depth for all, every writer would race to write the same checkpoint and all but one
+        # would lose a full manifest's work
+        self._checkpoint_at = fmt.CHECKPOINT_EVERY + random.randrange(fmt.CHECKPOINT_EVERY)
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
 
     # ------------------------------------------------------------------ reading the base
@@ -135,13 +139,16 @@ class Committer:
         before = max(0.0, time.monotonic() - started) if started is not None else 0.0
         lost_at: Optional[float] = None  # when the first attempt's link failed, once one lost
         publish_t = t0
-        # many writers: plan on the newest commit now, after the data is written and durable, so
-        # that the race window is the manifest step alone
-        base = self.newest() if self.multi_writer else self.manifest
         delay = BACKOFF_FIRST
         unreadable = 0
         delta: Optional[Tuple[fmt.AppendDelta, bytes]] = None  # made once: a lost race links the same file again
+        base = self.manifest
         try:
+            if self.multi_writer and self.options.append_deltas:
+                delta = self._stage_delta(plan)
+            # many writers: plan on the newest commit now, after the data (and an append's delta) is
+            # written and durable, so that the race window is the manifest step alone (a delta's: a link)
+            base = self.newest() if self.multi_writer else self.manifest
             if self._unsynced:  # an earlier commit is visible but its durability is still owed
                 self.storage.sync_dir(fmt.MANIFEST_DIR)
                 self._unsynced = False
@@ -221,11 +228,24 @@ class Committer:
         self._since_conflict = 0 if attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
 
+    def _stage_delta(self, plan: Callable[[fmt.Manifest], ops.Operation]) -> Optional[Tuple[fmt.AppendDelta, bytes]]:
+        """An append's delta, written and made durable with its data before the race (it does
+        not depend on the base): ``(delta, its bytes)``, or None for another operation."""
+        op = plan(self.manifest)
+        if not (isinstance(op, ops.Append) and op.relocatable):
+            return None
+        d = op.delta({"commits": 1, **self._unreported})
+        data = fmt.signed_bytes(d.body())
+        files, dirs = self.pending, self.pending_dirs
+        self.pending, self.pending_dirs = [], []
+        self.storage.stage(fmt.MANIFEST_DIR, data, files, dirs, step="manifest")
+        return d, data
+
     def _as_delta(self, op: ops.Operation, base: fmt.Manifest) -> bool:
-        """Commit ``op`` as an append delta: a relocatable append, unless the base is
-        ``CHECKPOINT_EVERY`` deltas past a full manifest (then this commit writes one)."""
+        """Commit ``op`` as an append delta: a relocatable append, unless the base is this
+        writer's ``_checkpoint_at`` deltas past a full manifest (then this commit writes one)."""
         return (self.options.append_deltas and isinstance(op, ops.Append) and op.relocatable
-                and base.depth < fmt.CHECKPOINT_EVERY)
+                and base.depth < self._checkpoint_at)
 
     @staticmethod
     def _stats(conflicts: int, t0: float, lost_at: Optional[float], publish_t: float) -> Dict[str, int]:

@@ -613,9 +613,10 @@ class ReplayStore:
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
-            # written and fsynced by the commit's publish, together with the manifest's file; with
-            # many writers that raced lately, first, so that a race only redoes the manifest step
-            defer = not self.multi_writer or committer.uncontended()
+            # written and fsynced by the commit, together with the manifest's file (an append delta's
+            # before the race, see Committer._stage_delta); with many writers of full manifests that
+            # raced lately, first, so that a race only redoes the manifest step
+            defer = not self.multi_writer or options.append_deltas or committer.uncontended()
             entries = self._write_segments(pieces, None if self._reserves_ids else m.next_segment, m.next_row,
                                            written, pages, defer=defer)
             if not defer:

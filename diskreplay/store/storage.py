@@ -43,7 +43,8 @@ class LocalStorage(Storage):
         self.root = root
         #: unique per writer: temporary names of concurrent writers never collide
         self.writer_id = writer_id or str(os.getpid())
-        self._staged: Optional[Tuple[Buffer, str]] = None  # (data, temporary name) of a lost publish
+        #: (data, temporary name, whether a link of it lost) of a staged or lost publish
+        self._staged: Optional[Tuple[Buffer, str, bool]] = None
 
     def local_path(self, rel: str) -> str:
         check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
@@ -194,26 +195,47 @@ class LocalStorage(Storage):
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
         durable_write(self.local_path(rel), data, step=step, sync_dir=sync)
 
+    def stage(self, reldir: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
+              dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None:
+        """Write ``files`` and, under a temporary name in ``reldir``, a manifest-to-be ``data``
+        whose generation is not known yet (an append delta), and make them and ``dirs`` durable
+        in one wait: the next :meth:`publish` of the same ``data`` object only links it, so the
+        race for a generation is over the link alone."""
+        self.discard_staged()
+        tmp = f"{reldir}/{TMP_PREFIX}staged.{self.writer_id}"
+        try:
+            self.write_files(list(files) + [(tmp, data, None)], dirs)
+        except BaseException:
+            self._drop_temp(tmp)
+            raise
+        self._staged = (data, tmp, False)
+        if files:
+            crash_point("segments.synced")
+        if step:
+            crash_point(f"{step}.written")
+
     def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
                 dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
         """The manifest's temporary file is written and fsynced together with ``files`` and ``dirs``
         (one wait on the disk for all of them, see :meth:`write_files`); only then is it linked
-        (``exclusive``) or renamed onto ``rel``. A link that lost keeps the temporary file: the
-        next publish of the same ``data`` object (an append delta after a lost race) only links
-        it again (:meth:`discard_staged` drops it)."""
+        (``exclusive``) or renamed onto ``rel``. A file :meth:`stage` wrote for this ``data``, or
+        kept by a publish of it whose link lost, is linked as it is (:meth:`discard_staged`
+        drops it)."""
         staged = self._staged is not None and self._staged[0] is data and not files
         tmp = self._staged[1] if staged else self._temp(rel)
-        if not staged:
-            self.discard_staged()
-        self._staged = None
+        if staged:
+            if self._staged[2] and step:
+                crash_point(f"{step}.written")  # linking again after a lost race
+            self._staged = None
+        # else a staged delta stays for a retry: this is a full manifest (its base was a checkpoint's)
         outcome = ""  # "lost": keep the temporary file for the next try; "renamed": it is gone
         try:
             if not staged:
                 self.write_files(list(files) + [(tmp, data, None)], dirs)
-            if files:
-                crash_point("segments.synced")
-            if step:
-                crash_point(f"{step}.written")
+                if files:
+                    crash_point("segments.synced")
+                if step:
+                    crash_point(f"{step}.written")
             if exclusive:
                 if not self.link_new(tmp, rel):
                     outcome = "lost"
@@ -225,10 +247,12 @@ class LocalStorage(Storage):
                 crash_point(f"{step}.renamed")
             return True
         finally:
-            if outcome == "lost":
-                self._staged = (data, tmp)
+            if outcome == "lost" and staged:
+                self._staged = (data, tmp, True)
             elif outcome != "renamed":
                 self._drop_temp(tmp)
+            if outcome != "lost":
+                self.discard_staged()  # committed (or failed): a staged delta is not needed any more
 
     def discard_staged(self) -> None:
         """Remove the temporary file a lost publish kept (see :meth:`publish`)."""
