@@ -61,8 +61,9 @@ def test_arrow_array_equals_pyarrow_for_every_kind_of_column():
     assert arrow_array(np.array(["a", "bc"])).to_pylist() == ["a", "bc"]
 
 
-def test_a_writer_never_imports_pandas(tmp_path):
-    """pyarrow.array imports pandas (about a second cold); a writer's appends of every column kind do not."""
+def test_writers_and_readers_never_import_pandas(tmp_path):
+    """pyarrow.array imports pandas (about a second cold); appends of every column kind, sampling,
+    collating and the loader do not."""
     import subprocess
     import sys
 
@@ -77,6 +78,12 @@ batch = {{"prompt_id": np.array([1, 1, 2]), "completion_ids": [np.array([1, 2]),
 store.extend(batch)
 store.extend({{**batch, "late_score": np.array([np.nan, 1.0, 2.0])}})
 store.close()
+from diskreplay import Collator, PromptGroupSampler, ReplayLoader
+reader = ReplayStore({str(tmp_path / 's')!r}, readonly=True)
+rows = PromptGroupSampler(num_groups=2, seed=0, strategy="variance").sample(reader, 4)
+Collator(0).read(reader, rows), Collator(layout="packed").read(reader, rows)
+with ReplayLoader(reader, PromptGroupSampler(num_groups=2, seed=1), 4, 0, num_batches=2) as loader:
+    batches = list(loader)
 assert "pandas" not in sys.modules, "pandas was imported"
 """
     subprocess.run([sys.executable, "-c", code], check=True)
