@@ -52,7 +52,7 @@ import torch
 
 from .errors import BatchError
 from .padding import (_OFFSETS, PRESENT_SUFFIX, _batch_size, _buffer, _check_mask_names, _is_prompt,
-                      _passthrough, _per_row, _presence, _ragged_names, _torch_dtype, _widened)
+                      _passthrough, _per_row, _presence, _ragged_names, _torch_dtype, _widened, checked_lengths)
 from .ragged import RaggedColumn
 from .store.reading import RowRanges
 
@@ -124,23 +124,14 @@ class _Rows:
     def __init__(self, name: str, col: RaggedColumn) -> None:
         self.col = col
         if isinstance(col, RowRanges):
-            lengths, self.dtype = col.lengths, col.dtype
+            lengths, self.dtype = col.lengths, col.dtype  # the store's: one flag per row
+            valid = None if col.validity is None else np.asarray(col.validity, dtype=bool)
+            self.valid = None if valid is None or valid.all() else valid
         else:
-            offsets = np.asarray(col.offsets, dtype=np.int64)
-            lengths = np.diff(offsets)
-            if lengths.size and lengths.min() < 0:
-                raise BatchError(f"column {name!r} has decreasing offsets; "
-                                 "offsets of a ragged column must be non-decreasing")
+            lengths, self.valid = checked_lengths(name, col)
             self.dtype = np.asarray(col.values).dtype
-        self.valid = None
-        if col.validity is not None:
-            valid = np.asarray(col.validity, dtype=bool)
-            if valid.shape != lengths.shape:
-                raise BatchError(f"column {name!r} has {valid.size} validity flags for "
-                                 f"{lengths.size} rows; expected one flag per row")
-            if not valid.all():
-                self.valid = valid
-                lengths = np.where(valid, lengths, 0)
+        if self.valid is not None:
+            lengths = np.where(self.valid, lengths, 0)
         self.lengths = lengths
 
     def views(self) -> list:

@@ -168,26 +168,34 @@ def _batch_size(batch: Mapping[str, Any]) -> int:
     return next(iter(sizes.values()), 0)
 
 
-def _packed(name: str, col: RaggedColumn) -> tuple[np.ndarray, np.ndarray]:
-    """(values of the present rows, concatenated; per-row lengths, 0 where
-    the row is None)."""
-    offsets = np.asarray(col.offsets, dtype=np.int64)
-    lengths = np.diff(offsets)
+def checked_lengths(name: str, col: RaggedColumn) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """A ragged column's per-row lengths and its validity (None when every row is present),
+    checked: offsets non-decreasing, one flag per row."""
+    lengths = np.diff(np.asarray(col.offsets, dtype=np.int64))
     if lengths.size and lengths.min() < 0:
         raise BatchError(f"column {name!r} has decreasing offsets; "
                          "offsets of a ragged column must be non-decreasing")
+    if col.validity is None:
+        return lengths, None
+    valid = np.asarray(col.validity, dtype=bool)
+    if valid.shape != lengths.shape:
+        raise BatchError(f"column {name!r} has {valid.size} validity flags for "
+                         f"{lengths.size} rows; expected one flag per row")
+    return lengths, None if valid.all() else valid
+
+
+def _packed(name: str, col: RaggedColumn) -> tuple[np.ndarray, np.ndarray]:
+    """(values of the present rows, concatenated; per-row lengths, 0 where
+    the row is None)."""
+    lengths, valid = checked_lengths(name, col)
+    offsets = np.asarray(col.offsets, dtype=np.int64)
     values = np.asarray(col.values).reshape(-1)
     if offsets.size:
         values = values[offsets[0]:offsets[-1]]
-    if col.validity is not None:
-        valid = np.asarray(col.validity, dtype=bool)
-        if valid.shape != lengths.shape:
-            raise BatchError(f"column {name!r} has {valid.size} validity flags for "
-                             f"{lengths.size} rows; expected one flag per row")
-        if not valid.all():
-            if (lengths[~valid] > 0).any():
-                values = values[np.repeat(valid, lengths)]
-            lengths = np.where(valid, lengths, 0)
+    if valid is not None:
+        if (lengths[~valid] > 0).any():
+            values = values[np.repeat(valid, lengths)]
+        lengths = np.where(valid, lengths, 0)
     return values, lengths
 
 
