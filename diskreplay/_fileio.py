@@ -9,6 +9,7 @@ final name either does not exist or still holds its previous contents.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -63,13 +64,34 @@ def file_crc32c(path: str, chunk: int = 1 << 22) -> int:
             value = crc32c(block, value)
 
 
+@contextlib.contextmanager
+def naming_errors(path: str, doing: str):
+    """An ``OSError`` without a file name (``write``, ``fsync``, ``close``) becomes a
+    :class:`StoreIOError` naming ``path`` (the errno is kept).
+
+    >>> try:
+    ...     with naming_errors("/store/x", "writing"):
+    ...         raise OSError(28, "No space left on device")
+    ... except OSError as exc:
+    ...     print(exc.errno, exc.filename)
+    28 /store/x
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or isinstance(exc, StoreIOError):
+            raise
+        raise StoreIOError(exc.errno, f"{exc.strerror or exc} {doing} {path}", path) from exc
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so that renames and unlinks in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming_errors(path, "syncing the directory"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_dir: bool = True,
@@ -94,16 +116,17 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
     tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}") if atomic else path
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
-        try:
-            view = memoryview(data).cast("B")
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-            # fsync before the rename: otherwise a crash could leave the new
-            # name pointing at a file whose blocks never reached the disk.
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with naming_errors(path, "writing"):
+            try:
+                view = memoryview(data).cast("B")
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+                # fsync before the rename: otherwise a crash could leave the new
+                # name pointing at a file whose blocks never reached the disk.
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         if step:
             crash_point(f"{step}.written")
         if atomic:
@@ -183,12 +206,19 @@ def read_file(path: str, limit: Optional[int] = None) -> bytes:
         if exc.errno == errno.ELOOP:
             raise CorruptStoreError(f"{path} is a symlink; a store's files must be plain files") from None
         raise
-    with os.fdopen(fd, "rb") as f:
-        if limit is not None:
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise CorruptStoreError(f"{path} is {size} bytes; at most {limit} are expected here")
-        return f.read()
+    try:
+        with naming_errors(path, "reading"):
+            if limit is not None:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise CorruptStoreError(f"{path} is {size} bytes; at most {limit} are expected here")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # everything was read: a failing close of a read-only descriptor loses nothing
 
 
 def remove_quietly(path: str) -> bool:

@@ -15,14 +15,13 @@ integer ids by ``diskreplay.format``, never taken from a file's contents.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import time
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
-from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, read_file, remove_quietly,
-                       run_concurrently, write_and_sync_fd)
+from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, naming_errors, read_file,
+                       remove_quietly, run_concurrently, write_and_sync_fd)
 from ..errors import ArgumentError, StoreIOError, UnsupportedFilesystemError
 from ..storage.base import Storage, check_range, check_rel  # the one interface; its local implementation here
 
@@ -129,16 +128,9 @@ class LocalStorage(Storage):
             raise
         return i, rel
 
-    @contextlib.contextmanager
     def _naming(self, rel: str, doing: str):
         """An ``OSError`` without a file name (``write``, ``fsync``) becomes a ``StoreIOError`` naming it."""
-        try:
-            yield
-        except OSError as exc:
-            if exc.filename is not None:
-                raise
-            path = self.local_path(rel)
-            raise StoreIOError(exc.errno, f"{exc.strerror or exc} {doing} {path}", path) from exc
+        return naming_errors(self.local_path(rel), doing)
 
     def _create_exclusive(self, rel: str) -> int:
         return os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -148,7 +140,9 @@ class LocalStorage(Storage):
         place later, which is safe because no manifest names it until its commit."""
         for i in range(first, first + tries):
             try:
-                os.close(self._create_exclusive(rel_of(i)))
+                fd = self._create_exclusive(rel_of(i))
+                with self._naming(rel_of(i), "closing"):
+                    os.close(fd)
                 return i, rel_of(i)
             except FileExistsError:
                 continue
