@@ -37,6 +37,22 @@ def _clean(path):
     assert report["ok"] and not report["warnings"], report
 
 
+def _appended(path, commits):
+    """A new multi-writer store with ``commits`` appends (each one a delta); its generation."""
+    with ReplayStore(path, multi_writer=True) as store:
+        for step in range(commits):
+            store.extend(batch_for(0, step))
+        return store.generation
+
+
+def _resign(path, gen, change):
+    """Rewrite manifest ``gen`` with ``change(doc)`` applied and a valid checksum: forged, not damaged."""
+    f = os.path.join(path, fmt.manifest_file(gen))
+    doc = json.load(open(f))
+    change(doc)
+    open(f, "wb").write(fmt.signed_bytes({k: v for k, v in doc.items() if k != "checksum"}))
+
+
 def _grouped(store):
     return {k: store.group_rows(k).tolist() for k in store.group_keys()}
 
@@ -170,11 +186,8 @@ def test_a_pinned_generation_that_is_a_delta_opens(tmp_path):
 
 def test_a_damaged_delta_falls_back_to_the_commit_before(tmp_path):
     path = str(tmp_path / "s")
-    with ReplayStore(path, multi_writer=True) as store:
-        for step in range(3):
-            store.extend(batch_for(0, step))
-        gen = store.generation
-        before = fmt.read_manifest(path, gen - 1)
+    gen = _appended(path, 3)
+    before = fmt.read_manifest(path, gen - 1)
     f = os.path.join(path, fmt.manifest_file(gen))
     data = bytearray(open(f, "rb").read())
     data[len(data) // 2] ^= 0x20
@@ -189,17 +202,12 @@ def test_a_damaged_delta_falls_back_to_the_commit_before(tmp_path):
 
 def test_a_delta_chain_without_its_base_is_an_error_naming_the_file(tmp_path):
     path = str(tmp_path / "s")
-    with ReplayStore(path, multi_writer=True) as store:
-        for step in range(3):
-            store.extend(batch_for(0, step))
-        gen = store.generation
+    gen = _appended(path, 3)
     os.remove(os.path.join(path, fmt.manifest_file(gen - 1)))
     with pytest.raises(FileNotFoundError):
         fmt.read_manifest(path, gen)
-    doc = json.load(open(os.path.join(path, fmt.manifest_file(gen))))
-    doc["segments"][0]["first_row"] = 1  # not from the append's first row: refused before use
-    body = {k: v for k, v in doc.items() if k != "checksum"}
-    open(os.path.join(path, fmt.manifest_file(gen)), "wb").write(fmt.signed_bytes(body))
+    # not from the append's first row: refused before use
+    _resign(path, gen, lambda doc: doc["segments"][0].update(first_row=1))
     with pytest.raises(FormatError, match="expected 0"):
         fmt.AppendDelta.from_doc(json.load(open(os.path.join(path, fmt.manifest_file(gen)))), "x")
 
@@ -251,16 +259,10 @@ def test_converting_a_single_writer_store_turns_deltas_on_and_reads_its_old_side
 
 def test_corrupt_chain_is_refused_with_the_file_named(tmp_path):
     path = str(tmp_path / "s")
-    with ReplayStore(path, multi_writer=True) as store:
-        store.extend(batch_for(0, 0))
-        store.extend(batch_for(0, 1))
-        gen = store.generation
+    gen = _appended(path, 2)
     # a delta that says it adds a segment id the base already has
-    doc = json.load(open(os.path.join(path, fmt.manifest_file(gen))))
-    base = fmt.read_manifest(path, gen - 1)
-    doc["segments"][0]["id"] = base.segments[0].id
-    body = {k: v for k, v in doc.items() if k != "checksum"}
-    open(os.path.join(path, fmt.manifest_file(gen)), "wb").write(fmt.signed_bytes(body))
+    taken = fmt.read_manifest(path, gen - 1).segments[0].id
+    _resign(path, gen, lambda doc: doc["segments"][0].update(id=taken))
     with pytest.raises((CorruptStoreError, FormatError), match=fmt.manifest_file(gen)):
         fmt.read_manifest(path, gen)
 

@@ -102,9 +102,7 @@ class Committer:
 
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
-        if not self.storage.remote:  # a stat is consistent (an object store's HEAD after a PUT may not be)
-            if fmt.newer_generation(self.storage, self.manifest.generation) is None:
-                return self.manifest  # a generation is created once: the one held is that file (no parse)
+        # probes up from the one held; nothing newer: the one held (a generation is created once)
         m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
         if m.generation > self.manifest.generation:
             self.manifest = m
@@ -162,10 +160,7 @@ class Committer:
                 self._check_age(started)
                 op = plan(base)
                 logs: List[str] = []
-                if self._as_delta(op, base):
-                    if delta is None:
-                        d = op.delta({"commits": 1, **self._unreported})
-                        delta = d, fmt.signed_bytes(d.body())
+                if delta is not None and base.depth < self._checkpoint_at:  # else this commit checkpoints
                     new, data = delta[0].apply(base, self.options), delta[1]
                     publish_t = time.perf_counter()
                 else:
@@ -230,7 +225,9 @@ class Committer:
 
     def _stage_delta(self, plan: Callable[[fmt.Manifest], ops.Operation]) -> Optional[Tuple[fmt.AppendDelta, bytes]]:
         """An append's delta, written and made durable with its data before the race (it does
-        not depend on the base): ``(delta, its bytes)``, or None for another operation."""
+        not depend on the base): ``(delta, its bytes)``, or None for another operation. It is
+        published as it is unless the base turns out ``_checkpoint_at`` deltas deep (then the
+        commit writes a full manifest)."""
         op = plan(self.manifest)
         if not (isinstance(op, ops.Append) and op.relocatable):
             return None
@@ -240,12 +237,6 @@ class Committer:
         self.pending, self.pending_dirs = [], []
         self.storage.stage(fmt.MANIFEST_DIR, data, files, dirs, step="manifest")
         return d, data
-
-    def _as_delta(self, op: ops.Operation, base: fmt.Manifest) -> bool:
-        """Commit ``op`` as an append delta: a relocatable append, unless the base is this
-        writer's ``_checkpoint_at`` deltas past a full manifest (then this commit writes one)."""
-        return (self.options.append_deltas and isinstance(op, ops.Append) and op.relocatable
-                and base.depth < self._checkpoint_at)
 
     @staticmethod
     def _stats(conflicts: int, t0: float, lost_at: Optional[float], publish_t: float) -> Dict[str, int]:

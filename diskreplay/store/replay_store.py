@@ -437,8 +437,6 @@ class ReplayStore:
             if not self.storage.exists(fmt.manifest_file(gen + 1)) and gen and \
                     self.storage.exists(fmt.manifest_file(gen)):
                 return False
-        elif fmt.newer_generation(self.path, self.manifest.generation) is None:
-            return False
         m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
         if m.generation <= self.manifest.generation:
             return False
