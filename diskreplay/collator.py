@@ -94,7 +94,10 @@ class Collator:
 
     def unpadded(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """:func:`~diskreplay.padding.collate_unpadded` into this collator's buffers
-        (the payload that ``pad_on_device`` / ``pack_on_device`` finish on a device)."""
+        (the payload that ``pad_on_device`` / ``pack_on_device`` finish on a device). Given
+        ``store.read_ranges(rows)``, every value is copied once from the segments' maps, the rows of
+        a group (neighbours in their segment) as one piece: what ``ReplayLoader(pad_on_device=True)``
+        does."""
         return collate_unpadded(batch, out=self.buffers)
 
     @property

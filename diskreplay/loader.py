@@ -244,7 +244,7 @@ class _Worker:
         faults = _major_faults()
         with self.store_lock:
             if self.build.reads_ranges and hasattr(self.store, "read_ranges"):
-                # packed on the host: every value is copied once, from the maps into the stream
+                # every value is copied once, from the maps into the stream (or the device payload)
                 batch = self.store.read_ranges(rows, self.columns)
             else:
                 batch = self.store.read(rows, self.columns, out=self.read_buffers)
@@ -327,8 +327,9 @@ class _Build:
                  group_key: Optional[str]) -> None:
         self.layout, self.pad_token_id, self.on_device = layout, pad_token_id, on_device
         self.max_tokens, self.group_key = max_tokens, group_key
-        #: the batch is read as row ranges (no copy) and packed straight from them
-        self.reads_ranges = layout == "packed" and not on_device and max_tokens is None
+        #: the batch is read as row ranges (no copy) and packed (or, for the device, joined) straight
+        #: from them
+        self.reads_ranges = (layout == "packed" or on_device) and max_tokens is None
 
     def host(self, batch: Mapping[str, Any], bufs: _Buffers) -> Dict[str, Any]:
         if self.on_device:

@@ -44,6 +44,7 @@ import torch
 
 from .errors import ArgumentError, BatchError
 from .ragged import RaggedColumn
+from .store.reading import RowRanges
 
 __all__ = ["collate", "collate_unpadded", "pad_on_device", "repad", "repad_stacked"]
 
@@ -197,6 +198,10 @@ def _packed(name: str, col: RaggedColumn) -> tuple[np.ndarray, np.ndarray]:
             values = values[np.repeat(valid, lengths)]
         lengths = np.where(valid, lengths, 0)
     return values, lengths
+
+
+def _all_present(col: RaggedColumn) -> bool:
+    return col.validity is None or bool(np.all(col.validity))
 
 
 #: suffix of the per-row flag collate adds for a ragged column that some rows of the batch lack
@@ -429,13 +434,19 @@ def collate_unpadded(batch: Mapping[str, Any], *,
         if col is None:
             result[name] = None
         elif isinstance(col, RaggedColumn):
-            values, lengths = _packed(name, col)
-            vt = _buffer(out, name, (values.size,), _stored_dtype(values.dtype))
-            np.copyto(vt.numpy(), values)
             ot = _buffer(out, name + _OFFSETS, (B + 1,), torch.int64)
             o = ot.numpy()
-            o[0] = 0
-            np.cumsum(lengths, out=o[1:])
+            if isinstance(col, RowRanges) and _all_present(col):
+                # rows still in the segments' maps (ReplayStore.read_ranges): copied once, run by run
+                vt = _buffer(out, name, (int(col.offsets[-1]),), _stored_dtype(col.dtype))
+                col.plan.gather(col.sources, col.dtype, out=vt.numpy())
+                np.copyto(o, col.offsets)
+            else:
+                values, lengths = _packed(name, col)
+                vt = _buffer(out, name, (values.size,), _stored_dtype(values.dtype))
+                np.copyto(vt.numpy(), values)
+                o[0] = 0
+                np.cumsum(lengths, out=o[1:])
             result[name] = vt
             result[name + _OFFSETS] = ot
             present = _presence(out, name, col, B)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diskreplay import BatchError, Collator, CorruptStoreError, RaggedColumn, ReplayStore, collate, collate_packed
+from diskreplay import (BatchError, Collator, CorruptStoreError, RaggedColumn, ReplayStore, collate, collate_packed,
+                        collate_unpadded)
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.store.reading import RowRanges
 
@@ -59,6 +60,8 @@ def packed_three_ways(store, rows, columns=None, batch_dim=True):
     read = store.read(rows, columns)
     assert_same(direct, collate_packed(read, batch_dim=batch_dim))
     assert_same(direct, reference_packed(read, batch_dim))
+    # the device payload joined from the maps (runs of neighbouring rows copied as one piece)
+    assert_same(Collator(layout="packed").unpadded(store.read_ranges(rows, columns)), collate_unpadded(read))
     return direct
 
 
@@ -89,6 +92,8 @@ def test_direct_path_equals_read_then_pack_across_many_segments(tmp_path):
             with pytest.raises(BatchError, match=f"{LATE}.*completion tokens"):
                 read()
         packed_three_ways(store, np.arange(16 * 3, 16 * 4))
+        packed_three_ways(store, np.arange(16 * 3 - 5, 16 * 5 + 3))  # runs across segment boundaries
+        packed_three_ways(store, np.sort(rng.integers(0, n, 200)))  # runs with repeats
         packed_three_ways(store, [n - 1])
         packed_three_ways(store, np.zeros(0, dtype=np.int64))
 

@@ -44,7 +44,7 @@ class RangePlan:
     memcpy.
     """
 
-    __slots__ = ("part_of", "starts", "ends", "out_offsets", "_slices", "_parts")
+    __slots__ = ("part_of", "starts", "ends", "out_offsets", "_slices", "_parts", "_runs")
 
     def __init__(self, parts: List[Tuple[Segment, Any, np.ndarray]], offsets_of, n: int) -> None:
         if len(parts) == 1 and isinstance(parts[0][1], slice):
@@ -66,6 +66,7 @@ class RangePlan:
         np.cumsum(self.ends - self.starts, out=self.out_offsets[1:])
         self._slices: Optional[list] = None
         self._parts: Optional[list] = None
+        self._runs: Optional[Tuple[list, list]] = None
 
     def views(self, sources: List[np.ndarray]) -> list:
         """One view per row into ``sources`` (a column's values, one array per part).
@@ -80,20 +81,40 @@ class RangePlan:
             self._parts = self.part_of.tolist()
         return list(map(operator.getitem, map(sources.__getitem__, self._parts), self._slices))
 
+    def run_views(self, sources: List[np.ndarray]) -> list:
+        """The rows' values as few views as possible: rows that follow each other in the read and
+        in one segment's values make one view (the rows of a prompt group, written by one
+        ``extend``, lie side by side, so a batch of 64 groups of 8 copies 64 pieces, not 512).
+        Joined, they are the rows' values one after another."""
+        if self._runs is None:
+            n = len(self.starts)
+            follows = np.zeros(n, dtype=bool)  # row i continues row i - 1's run
+            follows[1:] = (self.starts[1:] == self.ends[:-1]) & (self.part_of[1:] == self.part_of[:-1])
+            first = np.flatnonzero(~follows)
+            last = np.append(first[1:] - 1, n - 1) if n else first
+            self._runs = (list(map(slice, self.starts[first].tolist(), self.ends[last].tolist())),
+                          self.part_of[first].tolist())
+        slices, parts = self._runs
+        if len(sources) == 1:
+            return list(map(sources[0].__getitem__, slices))
+        return list(map(operator.getitem, map(sources.__getitem__, parts), slices))
+
     def gather(self, sources: List[np.ndarray], dtype: np.dtype, buffers: Optional[Dict[str, np.ndarray]] = None,
-               name: str = "") -> np.ndarray:
-        """The rows' values, one after another: in ``buffers[name]`` (grown with headroom when
-        short) when given, else in a new array."""
+               name: str = "", out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The rows' values, one after another: in ``out`` (exactly as long as the rows' values)
+        or ``buffers[name]`` (grown with headroom when short) when given, else in a new array."""
         if not len(self.starts):
-            return np.zeros(0, dtype=dtype)
-        pieces = self.views(sources)
-        if buffers is None:
+            return np.zeros(0, dtype=dtype) if out is None else out
+        pieces = self.run_views(sources)
+        if out is None and buffers is None:
             return np.concatenate(pieces).astype(dtype, copy=False)
-        total = int(self.out_offsets[-1])
-        buf = buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.size < total:
-            buf = buffers[name] = np.empty(total + total // 4 + 1, dtype=dtype)
-        return np.concatenate(pieces, out=buf[:total], casting="unsafe")
+        if out is None:
+            total = int(self.out_offsets[-1])
+            buf = buffers.get(name)
+            if buf is None or buf.dtype != dtype or buf.size < total:
+                buf = buffers[name] = np.empty(total + total // 4 + 1, dtype=dtype)
+            out = buf[:total]
+        return np.concatenate(pieces, out=out, casting="unsafe")
 
 
 class RowRanges(RaggedColumn):
