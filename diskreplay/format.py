@@ -515,6 +515,12 @@ class TokenRecord:
                 or len(d[0]) > MAX_TOKEN_CHARS):
             raise FormatError(f"Unsupported token record {d!r} in {where}; expected [token, first_row, num_rows, "
                               "digest, generation]")
+        _, first, n, dig, gen = d
+        # the valid case in one expression: a full manifest holds up to 256 records, and the checks
+        # field by field were a tenth of reading one
+        if (type(first) is int and type(n) is int and type(dig) is int and type(gen) is int
+                and 0 <= first <= 1 << 62 and 1 <= n <= 1 << 62 and 0 <= dig < 1 << 63 and 1 <= gen <= _MAX_ID):
+            return cls(d[0], first, n, dig, gen)
         doc = dict(zip(("first_row", "num_rows", "digest", "generation"), d[1:]))
         return cls(d[0], _int(doc, "first_row", where), _int(doc, "num_rows", where, lo=1),
                    _int(doc, "digest", where, hi=(1 << 63) - 1), _int(doc, "generation", where, lo=1, hi=_MAX_ID))
@@ -819,7 +825,8 @@ def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
             i += 1
         if i:
             head = max(head, segments[i].first_row)
-    segments = tuple(s for s in segments if s.end_row > head)
+    if segments and segments[0].end_row <= head:  # ordered by row: drop the evicted prefix
+        segments = tuple(s for s in segments if s.end_row > head)
     return head, segments
 
 

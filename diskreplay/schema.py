@@ -44,6 +44,9 @@ RAGGED, SCALAR, VECTOR = "ragged", "scalar", "vector"
 _SCALAR_DTYPES = ("int64", "float32", "float64", "bool", "string")
 
 
+_ARROW_TYPES: Dict[Tuple[str, str, Optional[int]], pa.DataType] = {}
+
+
 @dataclass(frozen=True)
 class ColumnSpec:
     """One column of a store's schema.
@@ -60,6 +63,13 @@ class ColumnSpec:
 
     @property
     def arrow_type(self) -> pa.DataType:
+        key = (self.kind, self.dtype, self.width)
+        t = _ARROW_TYPES.get(key)  # asked for per column of every batch and segment: built once
+        if t is None:
+            t = _ARROW_TYPES[key] = self._make_arrow_type()
+        return t
+
+    def _make_arrow_type(self) -> pa.DataType:
         if self.dtype == "string":
             return pa.large_string()
         item = pa.from_numpy_dtype(np.dtype(self.dtype))
