@@ -705,7 +705,11 @@ class Manifest:
         out = []
         for s in self.segments:
             out += [s.file, s.groups_file]
-        out += [st.file for st in self.states.values()]
+        return out + self.files_besides_segments()
+
+    def files_besides_segments(self) -> List[str]:
+        """The data files this manifest references other than its segments and their sidecars."""
+        out = [st.file for st in self.states.values()]
         out += [t.file for t in self.token_logs]
         if self.group_index is not None:
             out.append(self.group_index.file)
