@@ -125,7 +125,7 @@ def _evolve(obj: Any, changes: Mapping[str, Any]) -> Any:
     if names is None:
         names = _FIELDS[type(obj)] = frozenset(f.name for f in fields(obj))
     if not names.issuperset(changes):
-        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(set(changes) - names)}")
+        raise ArgumentError(f"{type(obj).__name__} has no field(s) {sorted(set(changes) - names)}")
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
     new.__dict__.update(changes)
