@@ -208,12 +208,18 @@ def read_file(path: str, limit: Optional[int] = None) -> bytes:
         raise
     try:
         with naming_errors(path, "reading"):
-            if limit is not None:
-                size = os.fstat(fd).st_size
-                if size > limit:
-                    raise CorruptStoreError(f"{path} is {size} bytes; at most {limit} are expected here")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise CorruptStoreError(f"{path} is {size} bytes; at most {limit} are expected here")
+            # one read of the size fstat gave (a manifest, a delta): a file object costs more than
+            # the read; the loop takes what a concurrent append or a short read left
+            chunks = [os.read(fd, size + 1)]
+            while chunks[-1] and (limit is None or sum(map(len, chunks)) <= limit):
+                chunks.append(os.read(fd, 1 << 20))
+            data = b"".join(chunks) if len(chunks) > 2 else chunks[0]
+            if limit is not None and len(data) > limit:
+                raise CorruptStoreError(f"{path} is over {limit} bytes; at most {limit} are expected here")
+            return data
     finally:
         try:
             os.close(fd)

@@ -32,7 +32,8 @@ PAGE_BYTES = 8192
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 _META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
 _META_LOCAL_ROWS = b"diskreplay.rows"  # "segment": a group sidecar's rows count from its segment's first
-_META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's buffers
+_META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's body (its buffers)
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # the defaults (uncompressed), built once
 
 
 class PageChecksums:
@@ -56,11 +57,7 @@ class PageChecksums:
         n = data.size
         crcs = np.fromiter((crc32c(data.slice(i, min(page_bytes, n - i))) for i in range(0, n, page_bytes)),
                            dtype=np.uint32, count=-(-n // page_bytes))
-        batch = pa.ipc.open_file(data).get_batch(0)
-        spans = [(b.address - data.address, b.address - data.address + b.size)
-                 for col in batch.columns for b in col.buffers() if b is not None and b.size]
-        body = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
-        return cls(crcs, page_bytes, body)
+        return cls(crcs, page_bytes, _record_batch_body(data))
 
     def metadata(self) -> Dict[bytes, bytes]:
         return {_META_PAGE_BYTES: str(self.page_bytes).encode(),
@@ -82,16 +79,46 @@ class PageChecksums:
         return cls(crcs, page_bytes, (start, end))
 
 
+def _record_batch_body(data: pa.Buffer) -> Tuple[int, int]:
+    """Byte range of the body of the record batch message in an IPC file of one batch (its
+    buffers and their padding; what Arrow parses to find them, the schema and batch metadata
+    and the footer, lies outside it). Read from the messages' framing: parsing the batch to
+    find its buffers cost 3x more, a tenth of writing a small commit's files."""
+    try:
+        reader = pa.BufferReader(data)
+        reader.seek(8)  # the file's magic, padded
+        pa.ipc.read_message(reader)  # the schema
+        message = pa.ipc.read_message(reader)
+        if message.type == "record batch":
+            end = reader.tell()
+            return end - message.body.size, end
+    except (pa.ArrowInvalid, OSError):
+        pass
+    batch = pa.ipc.open_file(data).get_batch(0)  # a file with dictionaries (never written by a store)
+    spans = [(b.address - data.address, b.address - data.address + b.size)
+             for col in batch.columns for b in col.buffers() if b is not None and b.size]
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+
+
+_SMALL_IPC = 4 << 20  # below this, one pass into a growing buffer is cheaper than sizing it first
+
+
 def encode_ipc(batch: pa.RecordBatch) -> pa.Buffer:
     """One record batch as the bytes of an uncompressed Arrow IPC file.
 
     A dry run into a byte-counting sink sizes the buffer exactly, so the real
     pass writes every byte once (a growing stream would reallocate and copy).
+    A small batch (a commit of a few rows, a group sidecar) is written in one
+    pass instead: the second writer cost more than the copies it saves.
     """
     def write(sink) -> None:
-        with pa.ipc.new_file(sink, batch.schema) as writer:
+        with pa.ipc.RecordBatchFileWriter(sink, batch.schema, options=_IPC_OPTIONS) as writer:
             writer.write_batch(batch)
 
+    if batch.get_total_buffer_size() < _SMALL_IPC:
+        sink = pa.BufferOutputStream()
+        write(sink)
+        return sink.getvalue()
     mock = pa.MockOutputStream()
     write(mock)
     buf = pa.allocate_buffer(mock.size())
@@ -110,18 +137,41 @@ def group_sidecar(keys: pa.Array, first_row: Optional[int], checksums: Optional[
     segment`` in the metadata), so the file does not depend on where the
     segment lands (an append delta's).
     """
-    enc = keys.dictionary_encode()
-    codes = numpy_view(enc.indices).astype(np.int64)
-    order = np.argsort(codes, kind="stable")
-    counts = np.bincount(codes, minlength=len(enc.dictionary)).astype(np.int64)
+    n = len(keys)
+    if _one_group(keys):  # a small commit holds the completions of one prompt: no encoding to do
+        first = numpy_view(keys)[:1].copy()
+        dictionary = pa.Array.from_buffers(keys.type, 1, [None, pa.py_buffer(first)])
+        counts = np.array([n], dtype=np.int64)
+        order = np.arange(n, dtype=np.int64)
+    else:
+        enc = keys.dictionary_encode()
+        dictionary = enc.dictionary
+        codes = numpy_view(enc.indices).astype(np.int64)
+        order = np.argsort(codes, kind="stable")
+        counts = np.bincount(codes, minlength=len(dictionary)).astype(np.int64)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
-    rows = pa.LargeListArray.from_arrays(arrow_array(offsets), arrow_array(order + (first_row or 0)))
-    batch = pa.RecordBatch.from_arrays([enc.dictionary, arrow_array(counts), rows], names=["key", "count", "rows"])
+    if first_row:
+        order += first_row
+    rows = pa.Array.from_buffers(_ROWS_TYPE, len(counts), [None, pa.py_buffer(offsets)],
+                                 children=[arrow_array(order)])
     meta = {} if checksums is None else checksums.metadata()
     if first_row is None:
         meta[_META_LOCAL_ROWS] = b"segment"
-    return batch.replace_schema_metadata(meta) if meta else batch
+    schema = pa.schema([pa.field("key", keys.type), _COUNT_FIELD, _ROWS_FIELD], metadata=meta or None)
+    return pa.RecordBatch.from_arrays([dictionary, arrow_array(counts), rows], schema=schema)
+
+
+_ROWS_TYPE = pa.large_list(pa.int64())
+_COUNT_FIELD, _ROWS_FIELD = pa.field("count", pa.int64()), pa.field("rows", _ROWS_TYPE)
+
+
+def _one_group(keys: pa.Array) -> bool:
+    """Whether every one of ``keys`` (integers, no nulls) is the same."""
+    if keys.null_count or not len(keys) or not pa.types.is_integer(keys.type):
+        return False
+    v = numpy_view(keys)
+    return bool((v == v[0]).all())
 
 
 def segment_local_rows(sidecar: pa.RecordBatch) -> bool:

@@ -283,6 +283,33 @@ def test_shared_clean_up_respects_retention(tmp_path):
         assert check_rows(store, store.row_ids()) is None
 
 
+def test_a_sweep_names_the_files_of_the_manifests_a_writer_made_or_applied_without_reading_them(tmp_path, monkeypatch):
+    """The sweep takes the manifests a writer holds from its own commits and the deltas it applied
+    (merges, checkpoints, another writer's appends and evictions among them); what it finds
+    referenced must be exactly what every retained manifest on disk names."""
+    path = str(tmp_path / "s")
+    a = ReplayStore(path, multi_writer=True, capacity=60, merge_policy=MergePolicy(fanin=4))
+    b = ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=4))
+    for s in range(30):
+        (a if s % 3 else b).extend(batch_for(s % 2, s, rows=3), token=f"t{s}")
+        a.save_state("sampler", {"step": s}) if s % 7 == 0 else None
+    a._catch_up()
+    gens = set(fmt.list_generations(path))
+    reads = []
+    real = fmt.read_manifest
+    monkeypatch.setattr(fmt, "read_manifest", lambda *args, **kw: reads.append(args[1]) or real(*args, **kw))
+    keep = set(gens)
+    referenced, unreadable = a._committer._named_by(keep)
+    monkeypatch.undo()
+    docs, _ = fmt.manifest_docs(path)
+    assert not unreadable and keep >= gens  # and the chain of the oldest delta (generation 0: the empty store)
+    assert referenced == {f for g in keep if g for f in docs[g].files()}
+    assert len(reads) < len(gens) / 4, reads  # a's commits and the deltas it applied were not read again
+    a.close()
+    b.close()
+    _ok(path)
+
+
 # --------------------------------------------------------------------------- snapshots
 
 

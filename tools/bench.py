@@ -6,6 +6,7 @@
     python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
     python tools/bench.py writers [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
     python tools/bench.py remote [--groups 1024] [--dir DIR]
+    python tools/bench.py commit-cpu [--commits 300] [--profile] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -1207,7 +1208,7 @@ WRITER_CHILD = textwrap.dedent("""
     print("ready", flush=True)
     while not os.path.exists(go):
         time.sleep(0.0005)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     errors = 0
     for i, b in enumerate(batches):
         for attempt in range(100):  # Delta and Lance raise on a lost race: retry as their users do
@@ -1218,7 +1219,7 @@ WRITER_CHILD = textwrap.dedent("""
                 if kind == "diskreplay":
                     raise
                 errors += 1
-    out = {"start": t, "seconds": time.perf_counter() - t, "errors": errors}
+    out = {"start": t, "seconds": time.perf_counter() - t, "errors": errors, "cpu": time.process_time() - cpu}
     if kind == "diskreplay":
         out.update(store.stats())
         store.close()
@@ -1254,7 +1255,7 @@ def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str 
         outs.append(json.loads(out.strip().splitlines()[-1]))
     os.remove(go)
     res = {"wall": max(o["end"] for o in outs) - t, "commits": writers * n}
-    for key in ("conflicts", "commit_seconds", "manifest_seconds", "retry_seconds", "errors"):
+    for key in ("conflicts", "commit_seconds", "manifest_seconds", "retry_seconds", "errors", "cpu"):
         res[key] = sum(o.get(key, 0) for o in outs)
     return res
 
@@ -1301,7 +1302,7 @@ def bench_writers(args) -> None:
     n = args.commits
     print(f"\nsmall commits: {n} commits of 8 rows per writer   commits/s  conflicts/commit  retry share")
     print("  (retry share: time lost to races / commit time (first data write to publish); in brackets /"
-          " the manifest step's time)")
+          " the manifest step's time; CPU: the writers' process time (all threads) per commit)")
     runs: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
     plan = [("diskreplay", w) for w in counts] + [(k, w) for k in ("delta", "lance") for w in (1, 4)]
     failed: Dict[Tuple[str, int], str] = {}
@@ -1330,7 +1331,8 @@ def bench_writers(args) -> None:
         dr[w] = r["commits"] / r["wall"]
         row(f"diskreplay, {w} writer(s)", f"{dr[w]:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
             f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%} "
-            f"[{r['retry_seconds'] / max(r['manifest_seconds'], 1e-9):.0%}]")
+            f"[{r['retry_seconds'] / max(r['manifest_seconds'], 1e-9):.0%}] "
+            f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit")
     for kind, w in plan[len(counts):]:
         if (kind, w) in failed:
             row(f"{kind}, {w} writer(s)", f"failed: {failed[(kind, w)]}")
@@ -1338,7 +1340,7 @@ def bench_writers(args) -> None:
         r = median_run((kind, w))
         rate = r["commits"] / r["wall"]
         row(f"{kind}, {w} writer(s)", f"{rate:,.1f}", f"{r['errors'] / r['commits']:.2f} retries",
-            f"dr/{kind} {dr[w] / rate:.1f}x")
+            f"dr/{kind} {dr[w] / rate:.1f}x CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit")
     print(f"  load average at the end {os.getloadavg()[0]:.1f}")
 
 
@@ -1474,13 +1476,93 @@ def bench_remote(args) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------
+# commit-cpu: what one small commit of a multi-writer store costs in CPU
+
+
+def _create_cpu_ms(directory: str, n: int = 200) -> float:
+    """CPU ms to create (and close) one empty file in ``directory``: on a busy ext4 it ranges from
+    0.03 to over 1 ms (inode allocation skipping recently freed inodes), a large share of a commit."""
+    d = tempfile.mkdtemp(prefix="creates-", dir=directory)
+    try:
+        c = time.process_time()
+        for i in range(n):
+            os.close(os.open(os.path.join(d, str(i)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        return 1e3 * (time.process_time() - c) / n
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_commit_cpu(args) -> None:
+    """CPU and wall time per small commit (8 GRPO rows, token, fsync) in ONE process on a
+    multi-writer store: the cost that bounds ``writers``' commits/s on a machine with fewer
+    cores than writers. ``--profile`` adds cProfile tables of the commits (by tottime and
+    cumulative), and of the writer's import and open, measured apart."""
+    import cProfile
+    import io
+    import pstats
+
+    n = args.commits
+    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-commit-cpu-")
+    os.makedirs(work, exist_ok=True)
+    # the rows of bench.py writers' WRITER_CHILD: one group of 8, completions ~50 tokens
+    from diskreplay.synthetic import make_rollouts
+    batches = [make_rollouts(1, 8, seed=i, first_group=i, completion_mean=50) for i in range(n)]
+    warm = [make_rollouts(1, 8, seed=10**6 + i, first_group=10**6 + i, completion_mean=50) for i in range(20)]
+    path = _fresh(os.path.join(work, "store"))
+    c0, t0 = time.process_time(), time.perf_counter()
+    store = ReplayStore(path, multi_writer=True)
+    open_cpu, open_wall = time.process_time() - c0, time.perf_counter() - t0
+    for i, b in enumerate(warm):  # first calls, the schema, first merges
+        store.extend(b, token=f"warm:{i}")
+    # CPU time, not wall: waits on fsync and on the I/O threads are not what bounds 4 writers on 2 cores
+    prof = cProfile.Profile(time.process_time) if args.profile else None
+    c0, t0, os0 = time.process_time(), time.perf_counter(), os.times()
+    if prof:
+        prof.enable()
+    for i, b in enumerate(batches):
+        store.extend(b, token=f"0:{i}")
+    if prof:
+        prof.disable()
+    cpu, wall, os1 = time.process_time() - c0, time.perf_counter() - t0, os.times()
+    create_ms = _create_cpu_ms(os.path.join(path, "segments"))
+    stats = store.stats()
+    store.close()
+    print(f"{n} commits of 8 rows, one writer, multi_writer=True store, token per commit; "
+          f"load average {os.getloadavg()[0]:.1f}{' (cProfile on: times inflated)' if prof else ''}")
+    print(f"  CPU  ms/commit {1e3 * cpu / n:7.2f}   (time.process_time, all threads: user "
+          f"{1e3 * (os1.user - os0.user) / n:.2f}, system {1e3 * (os1.system - os0.system) / n:.2f})")
+    print(f"  wall ms/commit {1e3 * wall / n:7.2f}")
+    print(f"  open (warm imports): CPU {1e3 * open_cpu:.1f} ms, wall {1e3 * open_wall:.1f} ms; "
+          f"commits {stats.get('commits')}, conflicts {stats.get('conflicts')}")
+    print(f"  creating an empty file beside the store's segments: CPU {create_ms:.3f} ms (the kernel's inode "
+          "allocation; a small commit creates 3 files: segment, sidecar, delta)")
+    if prof:
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(35)
+            print(f"\n--- commits, by {key} ---")
+            print("\n".join(out.getvalue().splitlines()[4:]))
+        code = ("import cProfile, pstats, sys, time\n"
+                "p = cProfile.Profile(time.process_time); p.enable()\n"
+                "from diskreplay import ReplayStore\n"
+                f"s = ReplayStore({path!r}, multi_writer=True); s.close()\n"
+                "p.disable(); pstats.Stats(p).sort_stats('cumulative').print_stats(20)\n")
+        env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        print("\n--- a fresh process: import diskreplay + open the store, by cumulative ---")
+        print("\n".join(out.stdout.splitlines()[:45]) or out.stderr)
+    shutil.rmtree(work if not args.dir else path, ignore_errors=True)
+
+
 def _size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote"])
+    p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
+                                      "commit-cpu"])
     p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload "
                    "(writers: per writer, default 1024)")
     p.add_argument("--commits", type=int, default=100, help="writers: small commits per writer")
@@ -1493,12 +1575,16 @@ def main(argv=None) -> None:
                    help="store: commits of 8 rows for the small-commit comparison (0: skip it)")
     p.add_argument("--sizes", default="32768,1000000,10000000",
                    help="priorities: live-row counts to measure, comma separated")
+    p.add_argument("--profile", action="store_true", help="commit-cpu: cProfile tables of commits and open")
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
     if args.what in ("writers", "remote") and "--groups" not in (argv if argv is not None else sys.argv):
         args.groups = 1024
+    if args.what == "commit-cpu" and "--commits" not in (argv if argv is not None else sys.argv):
+        args.commits = 300
     {"store": bench_store, "export": bench_export, "sample": bench_sample,
-     "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote}[args.what](args)
+     "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
+     "commit-cpu": bench_commit_cpu}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ BACKOFF_FIRST = 0.0005  # seconds; doubled per lost race, capped, with full jitt
 BACKOFF_CAP = 0.05
 QUIET_COMMITS = 8  # commits without a lost race after which a writer folds its data into the manifest's wait
 SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
+SEEN_MANIFESTS = 4096  # manifests a writer keeps between its sweeps, so that a sweep need not read them again
 # sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
 # name) against other writers, so it goes last (see Committer._remove)
 UNREADABLE_RETRIES = 3  # lost races to a manifest that does not read before the commit gives up
@@ -84,6 +85,9 @@ class Committer:
         self._swept: Optional[Tuple[int, fmt.Manifest, frozenset]] = None
         self._released: Dict[int, frozenset] = {}
         self._depth: Dict[int, int] = {}
+        # the manifests of the generations this writer made or read since its last sweep (its own
+        # commits, other writers' deltas it applied): the sweep reads only the ones it missed
+        self._seen: Dict[int, fmt.Manifest] = {}
         #: files the next publish writes and fsyncs together with the manifest (and directories
         #: it fsyncs): an append's segments and sidecars, a rebase's rewritten sidecars
         self.pending: List[Tuple[str, object, Optional[str]]] = []
@@ -103,10 +107,18 @@ class Committer:
     def newest(self) -> fmt.Manifest:
         """The newest commit on storage (never older than the one held)."""
         # probes up from the one held; nothing newer: the one held (a generation is created once)
-        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
+        seen = self._seen if self.multi_writer else None
+        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options, seen=seen)
         if m.generation > self.manifest.generation:
             self.manifest = m
+            self._saw(m)
         return self.manifest
+
+    def _saw(self, m: fmt.Manifest) -> None:
+        if self.multi_writer:
+            self._seen[m.generation] = m
+            while len(self._seen) > SEEN_MANIFESTS:
+                del self._seen[next(iter(self._seen))]
 
     def uncontended(self) -> bool:
         """No lost race in this writer's last ``QUIET_COMMITS`` commits: its next append may make its
@@ -304,6 +316,7 @@ class Committer:
     def _installed(self, new: fmt.Manifest, install) -> None:
         self._superseded_at[self.manifest.generation] = time.time()
         self.manifest = new
+        self._saw(new)
         install(new)
         crash_point("manifest.committed")
 
@@ -463,8 +476,9 @@ class Committer:
         unreadable = False
         for g in range(lo if held is None else held[0] + 1, hi + 1):
             try:
-                m = fmt.read_manifest(self.storage, g, options=self.options,
-                                      known=held[1] if held is not None and held[0] == g - 1 else None)
+                m = self._seen.get(g) or fmt.read_manifest(
+                    self.storage, g, options=self.options, known=held[1] if held is not None and held[0] == g - 1
+                    else None)
             except FileNotFoundError:
                 continue  # another writer's sweep took it: it was past retention
             except (fmt.FormatError, fmt.CorruptStoreError):
@@ -472,20 +486,21 @@ class Committer:
             except OSError:
                 unreadable = True
                 continue
-            files = frozenset(m.files())
+            files = _file_keys(m)
             if held is not None:
                 self._released[g] = held[2] - files
             self._depth[g] = m.depth
             held = (g, m, files)
         self._swept = held
+        self._seen = {g: m for g, m in self._seen.items() if g > hi}
         for table in (self._released, self._depth):
             for g in [g for g in table if g < lo]:
                 del table[g]
-        referenced = set(held[2]) if held is not None else set()
+        keys = set(held[2]) if held is not None else set()
         for g, released in self._released.items():
             if g > lo:  # named by g - 1, which is kept
-                referenced |= released
-        return referenced, unreadable
+                keys |= released
+        return _file_names(keys), unreadable
 
     def delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
         """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
@@ -508,6 +523,25 @@ class Committer:
                 dirs.add(os.path.dirname(rel))
         for d in sorted(dirs):
             self.storage.sync_dir(d)
+
+
+def _file_keys(m: fmt.Manifest) -> frozenset:
+    """The files ``m`` names, a segment (and its sidecar) by its id: a sweep compares the files of
+    thousands of generations, and two names per segment cost 10x the ids (:func:`_file_names`)."""
+    keys = {s.id for s in m.segments}
+    keys.update(m.files_besides_segments())
+    return frozenset(keys)
+
+
+def _file_names(keys: set) -> set:
+    out = set()
+    for k in keys:
+        if type(k) is int:
+            out.add(fmt.segment_file(k))
+            out.add(fmt.groups_file(k))
+        else:
+            out.add(k)
+    return out
 
 
 def backoff_delays(n: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> List[Tuple[float, float]]:

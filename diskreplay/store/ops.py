@@ -23,7 +23,7 @@ operation      conflicts with a concurrent commit when
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 from .. import format as fmt
@@ -55,7 +55,7 @@ class Append:
     def delta(self, commit_stats: Optional[dict] = None) -> fmt.AppendDelta:
         """This append as a delta (rows numbered from 0)."""
         first = self.entries[0].first_row
-        return fmt.AppendDelta(tuple(replace(e, first_row=e.first_row - first) for e in self.entries),
+        return fmt.AppendDelta(tuple(e.moved(-first) for e in self.entries),
                                self.num_rows, self.token, self.columns, commit_stats or {})
 
 
