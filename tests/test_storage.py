@@ -154,7 +154,7 @@ def test_bad_ranges(storage):
 # seaweedfs 4.48 makes each losing conditional PUT wait in ~1 s steps when 8
 # arrive at once (a server-side lock; measured: median 60 ms, max 4 s), so
 # each name costs up to a few seconds there.
-_RACE_KEYS = 5
+_RACE_KEYS = 8
 _RACE_WRITERS = 8
 
 
@@ -177,6 +177,9 @@ def _race_worker(writer, barrier, tasks, results):
                 barrier.wait()
                 if st.put_if_absent(f"manifests/{k:08d}.json", _race_bytes(writer, k)):
                     wins.append(k)
+                # everyone done before the next name: a winner (it writes more) would otherwise arrive
+                # last at the next release, run first on 2 cores, and win every name after the first
+                barrier.wait()
             results.put((writer, wins, None))
         except Exception as exc:  # reported to the test, which fails on it
             barrier.abort()
@@ -209,7 +212,7 @@ def race_workers():
 
 
 def test_put_if_absent_race(storage, race_workers):
-    """8 processes create the same 5 names, released together at each name:
+    """8 processes create the same 8 names, released together at each name:
     exactly one winner per name, and the name holds the winner's bytes, intact."""
     results = race_workers(storage)
     errors = [err for _, _, err in results if err]
