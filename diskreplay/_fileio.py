@@ -216,7 +216,7 @@ def read_file(path: str, limit: Optional[int] = None) -> bytes:
             chunks = [os.read(fd, size + 1)]
             while chunks[-1] and (limit is None or sum(map(len, chunks)) <= limit):
                 chunks.append(os.read(fd, 1 << 20))
-            data = b"".join(chunks) if len(chunks) > 2 else chunks[0]
+            data = b"".join(chunks)  # one chunk: that chunk itself, not a copy
             if limit is not None and len(data) > limit:
                 raise CorruptStoreError(f"{path} is over {limit} bytes; at most {limit} are expected here")
             return data

@@ -94,10 +94,7 @@ def _record_batch_body(data: pa.Buffer) -> Tuple[int, int]:
             return end - message.body.size, end
     except (pa.ArrowInvalid, OSError):
         pass
-    batch = pa.ipc.open_file(data).get_batch(0)  # a file with dictionaries (never written by a store)
-    spans = [(b.address - data.address, b.address - data.address + b.size)
-             for col in batch.columns for b in col.buffers() if b is not None and b.size]
-    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
+    return _body(pa.ipc.open_file(data).get_batch(0), data)  # a file with dictionaries (never written by a store)
 
 
 _SMALL_IPC = 4 << 20  # below this, one pass into a growing buffer is cheaper than sizing it first
@@ -236,6 +233,7 @@ def _column_crc(col: pa.Array) -> int:
 
 
 def _body(batch: pa.RecordBatch, base: pa.Buffer) -> Tuple[int, int]:
+    """Byte range of ``base`` from the first of ``batch``'s buffers to the end of the last."""
     spans = [(b.address - base.address, b.address - base.address + b.size)
              for col in batch.columns for b in col.buffers() if b is not None and b.size]
     return (min(a for a, _ in spans), max(e for _, e in spans)) if spans else (0, 0)
