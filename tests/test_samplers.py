@@ -654,14 +654,16 @@ def test_random_strategy_completes_short_group_uniformly_with_replacement(store)
     s = PromptGroupSampler(samples_per_group=8, seed=0)
     with pytest.warns(ReplacementWarning, match="with replacement"):
         rows = s.sample(store, 8, groups=["s"])
-    assert sorted(rows[:3].tolist()) == [0, 1, 2]
-    extra = []
-    for _ in range(600):
-        extra += s.sample(store, 8, groups=["s"])[3:].tolist()
-    counts = np.bincount(extra, minlength=3)
-    assert set(extra) == {0, 1, 2} and counts.min() > 900  # 3000 uniform draws over 3 rows: 1000 each
-    firsts = [tuple(s.sample(store, 8, groups=["s"])[3:5].tolist()) for _ in range(200)]
-    assert len(set(firsts)) > 5  # not the ranking repeated in order
+    assert rows.tolist() == sorted(rows.tolist())  # laid out in row-id order
+    assert set(rows.tolist()) == {0, 1, 2}  # every row of the short group, then 5 draws with replacement
+
+    def extras(rows):  # the 5 rows drawn with replacement: the draw less one of each row
+        return np.bincount(rows, minlength=3) - 1
+
+    counts = sum(extras(s.sample(store, 8, groups=["s"])) for _ in range(600))
+    assert counts.sum() == 3000 and counts.min() > 900  # 3000 uniform draws over 3 rows: 1000 each
+    drawn = {tuple(extras(s.sample(store, 8, groups=["s"]))) for _ in range(200)}
+    assert len(drawn) > 5  # not the ranking repeated
 
 
 def test_min_reward_std_only_groups_with_signal(store):
