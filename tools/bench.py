@@ -848,6 +848,22 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     return statistics.median(loader_ms), statistics.median(direct_ms)
 
 
+def _one_token_rows(batch):
+    """``batch`` with every ragged row cut to its first value (empty rows stay empty): collating it
+    costs the per-row work of the full batch (views, pieces, per-row columns) and almost no bytes."""
+    out = {}
+    for name, col in batch.items():
+        if isinstance(col, RaggedColumn):
+            lengths = np.minimum(col.lengths, 1)
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            out[name] = RaggedColumn(col.values[col.offsets[:-1][lengths > 0] - col.offsets[0]], offsets,
+                                     col.validity)
+        else:
+            out[name] = col
+    return out
+
+
 class _Floor:
     """The memory floor of an output layout: its tensors' bytes written once into warm arrays of
     their own with no per-row work, as one memset each (``fill``: write only) or one copy from
@@ -888,6 +904,9 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         store.read(rows, out=read_out)
     # each layout's output bytes written once at this VM's memory speed, timed with the paths
     floors = {"packed": _Floor(ref), "padded": _Floor(collate(batches[0], pad))}
+    short = [_one_token_rows(b) for b in batches]
+    short_c = Collator(layout="packed")
+    short_c(short[0])
     paths = {
         "read": lambda i: store.read(draws[i]),
         "padded collate, reused": lambda i: padded_c(batches[i]),
@@ -905,6 +924,7 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         "packed on device: read_ranges + collate_unpadded, reused":
             lambda i: packed_c.unpadded(store.read_ranges(draws[i])),
     }
+    paths["packed collate, the same rows cut to one token"] = lambda i: short_c(short[i])
     for layout, floor in floors.items():
         paths[f"floor {layout}: memset"] = floor.fill
         paths[f"floor {layout}: contiguous copy"] = floor.copy
@@ -954,6 +974,9 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         row(f"floor, {layout} layout ({fl.nbytes / 1e6:.1f} MB): memset / copy", f"{fill:.2f} ms", f"{copy:.2f} ms",
             f"{fl.nbytes / 1e6 / copy:.1f} GB/s")
         row(f"  {layout} read + collate vs the copy floor", f"{path:.1f} ms", f"{copy:.2f} ms", f"{path / copy:.1f}x")
+    one = ms["packed collate, the same rows cut to one token"]
+    row("  per-row work: packed collate of the rows cut to one token", f"{one:.1f} ms",
+        f"{ms['packed collate, reused']:.1f} ms", f"{one / ms['packed collate, reused']:.2f}x")
     fp, fd = ms["floor packed: contiguous copy"], ms["floor padded: contiguous copy"]
     row("  packed vs padded speed-up at the floors (copy / memset)", f"{fd / fp:.2f}x",
         f"{ms['floor padded: memset'] / ms['floor packed: memset']:.2f}x")
