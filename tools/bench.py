@@ -848,6 +848,46 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     return statistics.median(loader_ms), statistics.median(direct_ms)
 
 
+def _one_token_rows(batch):
+    """``batch`` with every ragged row cut to its first value (empty rows stay empty): collating it
+    costs the per-row work of the full batch (views, pieces, per-row columns) and almost no bytes."""
+    out = {}
+    for name, col in batch.items():
+        if isinstance(col, RaggedColumn):
+            lengths = np.minimum(col.lengths, 1)
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            out[name] = RaggedColumn(col.values[col.offsets[:-1][lengths > 0] - col.offsets[0]], offsets,
+                                     col.validity)
+        else:
+            out[name] = col
+    return out
+
+
+class _Floor:
+    """The memory floor of an output layout: its tensors' bytes written once into warm arrays of
+    their own with no per-row work, as one memset each (``fill``: write only) or one copy from
+    contiguous memory (``copy``: read and write). No kernel that writes that layout can beat it."""
+
+    def __init__(self, batch):
+        seen, self.dst = set(), []
+        for v in batch.values():
+            if isinstance(v, torch.Tensor) and v.data_ptr() not in seen:  # cu_seq_lens_q/k alias cu_seqlens
+                seen.add(v.data_ptr())
+                self.dst.append(np.empty(v.numel(), dtype=v.numpy().dtype))
+        self.src = [np.ones_like(d) for d in self.dst]
+        self.nbytes = sum(d.nbytes for d in self.dst)
+        self.fill(), self.copy()  # first touch outside the timing
+
+    def fill(self, i=0):
+        for d in self.dst:
+            d.fill(0)
+
+    def copy(self, i=0):
+        for d, s in zip(self.dst, self.src):
+            np.copyto(d, s)
+
+
 def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res, report):
     """Issue 13's table: the same rows built every way, alternated, medians."""
     padded_c, packed_c, readme_c = Collator(pad), Collator(layout="packed"), Collator(pad)
@@ -862,6 +902,11 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
     for b, rows in zip(batches[:3], draws[:3]):  # warm the pages and every buffer
         padded_c.read(store, rows), packed_c.read(store, rows), collate(b, pad), flat.gather(rows, pad), readme_c(b)
         store.read(rows, out=read_out)
+    # each layout's output bytes written once at this VM's memory speed, timed with the paths
+    floors = {"packed": _Floor(ref), "padded": _Floor(collate(batches[0], pad))}
+    short = [_one_token_rows(b) for b in batches]
+    short_c = Collator(layout="packed")
+    short_c(short[0])
     paths = {
         "read": lambda i: store.read(draws[i]),
         "padded collate, reused": lambda i: padded_c(batches[i]),
@@ -879,6 +924,10 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
         "packed on device: read_ranges + collate_unpadded, reused":
             lambda i: packed_c.unpadded(store.read_ranges(draws[i])),
     }
+    paths["packed collate, the same rows cut to one token"] = lambda i: short_c(short[i])
+    for layout, floor in floors.items():
+        paths[f"floor {layout}: memset"] = floor.fill
+        paths[f"floor {layout}: contiguous copy"] = floor.copy
     if torchrl_base is not None:
         paths["TorchRL padded memmap sample"] = lambda i: torchrl_base.sample(draws[i] - store.head, pad)
     ms = _alternate(paths, rounds)
@@ -916,6 +965,23 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
             f"{rl / unp:.2f}x")
     else:
         row("packed vs TorchRL padded memmap sample", "skipped", "no torchrl")
+    # how far each path is from writing its layout's bytes once (issue 13's packed-vs-padded target
+    # is a ratio of two layouts: at their floors it cannot exceed the ratio of their floors)
+    for layout, path in (("packed", packed), ("padded", reused)):
+        fl = floors[layout]
+        fill, copy = ms[f"floor {layout}: memset"], ms[f"floor {layout}: contiguous copy"]
+        res[f"floor_{layout}_memset_ms"], res[f"floor_{layout}_copy_ms"] = fill, copy
+        row(f"floor, {layout} layout ({fl.nbytes / 1e6:.1f} MB): memset / copy", f"{fill:.2f} ms", f"{copy:.2f} ms",
+            f"{fl.nbytes / 1e6 / copy:.1f} GB/s")
+        row(f"  {layout} read + collate vs the copy floor", f"{path:.1f} ms", f"{copy:.2f} ms", f"{path / copy:.1f}x")
+    one = ms["packed collate, the same rows cut to one token"]
+    row("  per-row work: packed collate of the rows cut to one token", f"{one:.1f} ms",
+        f"{ms['packed collate, reused']:.1f} ms", f"{one / ms['packed collate, reused']:.2f}x")
+    fp, fd = ms["floor packed: contiguous copy"], ms["floor padded: contiguous copy"]
+    row("  packed vs padded speed-up at the floors (copy / memset)", f"{fd / fp:.2f}x",
+        f"{ms['floor padded: memset'] / ms['floor packed: memset']:.2f}x")
+    if torchrl_base is not None:
+        row("  TorchRL padded sample vs the padded copy floor", f"{rl:.1f} ms", f"{fd:.2f} ms", f"{rl / fd:.1f}x")
     # host bytes per batch
     batch = batches[0]
     payload = sum(c.values.nbytes if isinstance(c, RaggedColumn) else getattr(c, "nbytes", 0)
