@@ -189,12 +189,17 @@ def run_concurrently(calls: Sequence[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def write_and_sync_fd(fd: int, data: Buffer) -> None:
-    """Write all of ``data`` to ``fd`` and fsync it (the caller closes ``fd``)."""
+def write_all(fd: int, data: Buffer) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write less than asked)."""
     view = memoryview(data).cast("B")
     written = 0
     while written < len(view):
         written += os.write(fd, view[written:])
+
+
+def write_and_sync_fd(fd: int, data: Buffer) -> None:
+    """Write all of ``data`` to ``fd`` and fsync it (the caller closes ``fd``)."""
+    write_all(fd, data)
     os.fsync(fd)
 
 

@@ -114,15 +114,18 @@ def test_a_lost_race_links_the_same_file_again(tmp_path, monkeypatch):
 
     def link_new(self, src, rel):
         if self is mine and rel.startswith(fmt.MANIFEST_DIR):
-            links.append((src, rel, open(self.local_path(src), "rb").read()))
+            # the delta's file: unnamed (O_TMPFILE) where the filesystem has it, else a temporary name
+            with open(f"/proc/self/fd/{src.fd}" if not src.named else self.local_path(src.rel), "rb") as f:
+                data = f.read()
+            links.append((src, rel, data))
             if not raced:
                 raced.append(a.extend(batch_for(0, 1)))  # a's commit takes the generation b is after
         return real_link(self, src, rel)
 
-    def write_files(self, files, dirs=()):
+    def write_files(self, files, dirs=(), **kw):
         if self is mine:
             writes.append([rel for rel, _, _ in files])
-        return real_write(self, files, dirs)
+        return real_write(self, files, dirs, **kw)
 
     monkeypatch.setattr(LocalStorage, "link_new", link_new)
     monkeypatch.setattr(LocalStorage, "write_files", write_files)

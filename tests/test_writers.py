@@ -136,9 +136,9 @@ def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_
     real_write = LocalStorage.write_files
     batches = []
 
-    def write_files(self, files, dirs=()):
+    def write_files(self, files, dirs=(), **kw):
         batches.append([rel for rel, _, _ in files])
-        return real_write(self, files, dirs)
+        return real_write(self, files, dirs, **kw)
 
     monkeypatch.setattr(Committer, "newest", newest)
     monkeypatch.setattr(ReplayStore, "_write_segments", write_segments)

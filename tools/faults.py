@@ -416,6 +416,7 @@ def strace_problem() -> Optional[str]:
 _LINE = re.compile(r"^(\d+)\s+(?:<\.\.\. )?([a-z0-9_]+)(\(| resumed>)(.*)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _FD_PATH = re.compile(r"\d+<([^>]*)>")
+_TMPFILE = re.compile(r"/#\d+$")
 # a temporary name ends in the writer's pid, or in a multi-writer store's writer id (random bits-host-pid)
 _TMP_PID = re.compile(r"(\.tmp-[^/]*?)\.(?:[0-9a-f]{16}-[^/.]*-)?\d+$")
 
@@ -471,7 +472,8 @@ def parse_log(log_path: str) -> Tuple[List[Call], Optional[int]]:
 
 
 def normalize(path: str) -> str:
-    return _TMP_PID.sub(r"\1.PID", path.replace(" (deleted)", ""))
+    # an unnamed O_TMPFILE file shows as DIR/#INODE: the inode number differs from run to run
+    return _TMP_PID.sub(r"\1.PID", _TMPFILE.sub("/#TMPFILE", path.replace(" (deleted)", "")))
 
 
 def in_store(call: Call, store: str) -> bool:

@@ -353,6 +353,15 @@ class Committer:
             self.storage.sync_dir(fmt.MANIFEST_DIR)
             self._unsynced = False
 
+    def close(self) -> None:
+        """:meth:`sync`, then close what the storage keeps open for this writer (directories)."""
+        try:
+            self.sync()
+        finally:
+            close = getattr(self.storage, "close", None)
+            if close is not None and not self.storage.remote:  # a remote store's storage is the store's own
+                close()
+
     # ------------------------------------------------------------------ garbage collection
 
     def collect(self, full: bool = False) -> None:

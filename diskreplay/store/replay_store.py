@@ -293,7 +293,7 @@ class ReplayStore:
         committer, self._committer = self._committer, None
         try:
             if committer is not None:
-                committer.sync()
+                committer.close()
         finally:
             if self._writer_lock is not None:
                 self._writer_lock.release()
