@@ -31,7 +31,7 @@ from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, C
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
-from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
+from ..segment import (IndexedPages, PageChecksums, Segment, coalesce, decode_state, encode_group_index, encode_ipc,
                        encode_state, group_sidecar, prefetch_files, read_group_index, read_group_sidecar)
 from . import ops
 from .committer import Committer
@@ -51,6 +51,8 @@ STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outrun
 # this many sidecars, whatever its size, while the rewrites cost about one index per 16 commits.
 INDEX_TAIL_SEGMENTS = 16
 IO_THREADS = 16  # object store: segments fetched at once by one read
+# buffers of a cold segment closer than this are asked for with one posix_fadvise
+_HINT_GAP = 64 << 10
 T = TypeVar("T")
 
 Column = Union[RaggedColumn, np.ndarray, List[str], None]
@@ -1175,25 +1177,37 @@ class ReplayStore:
                 raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
         return list(columns)
 
-    def _open_segments(self, entries: Sequence[fmt.SegmentEntry]) -> bool:
-        """Open the segments of ``entries`` not open yet, their header and footer pages asked for
-        all at once first (cold, opening 64 segments otherwise waits for ~130 reads in turn).
+    def _open_segments(self, entries: Sequence[fmt.SegmentEntry], cols: Optional[Sequence[str]] = None) -> bool:
+        """Open the segments of ``entries`` not open yet, asking first, for all of them at once, for
+        their header and footer pages and (where their checksums record where they lie) the buffers
+        of ``cols`` that a read needs whatever its rows: cold, the pages that parsing and locating
+        the rows need then arrive in one round, not one per file and kind (opening 64 segments
+        otherwise waits for ~130 reads in turn, then their columns' offsets for as many more).
         True when any was opened (its pages are likely cold)."""
         todo = [e for e in entries if e.id not in self._segments]
         if not todo:
             return False
-        if len(todo) > 1:
-            wanted = []
-            for e in todo:
-                pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
-                # with page checksums only the checksum pages outside the body are read on open, else all
-                if pages is not None:
-                    p = pages.page_bytes
-                    ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
-                else:
-                    ranges = [(0, 0)]
-                wanted.append((os.path.join(self.path, e.file), ranges))
-            prefetch_files(wanted)
+        # field i of a segment is column i of the store (late columns come last, and a segment lacks
+        # only late columns newer than itself); a wrong guess would cost reads, never wrong bytes
+        order = {name: i for i, name in enumerate(self.schema.names)} if cols and self.schema is not None else {}
+        fields = np.array(sorted(order[c] for c in cols if c in order), dtype=np.int64) if order else None
+        wanted = []
+        for e in todo:
+            pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
+            # with page checksums only the checksum pages outside the body are read on open, else all
+            if pages is not None:
+                p = pages.page_bytes
+                ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
+                if fields is not None and pages.buffers is not None:
+                    b = pages.buffers[fields[fields < len(pages.buffers)]]
+                    b = b[b[:, 1] > b[:, 0]]
+                    # whole checksum pages: checking a buffer reads the pages around it
+                    starts, ends = coalesce(b[:, 0] // p * p, -(-b[:, 1] // p) * p, _HINT_GAP)
+                    ranges += zip(starts.tolist(), (ends - starts).tolist())
+            else:
+                ranges = [(0, 0)]
+            wanted.append((os.path.join(self.path, e.file), ranges))
+        prefetch_files(wanted)
         for e in todo:
             self._segment(e)
         return True
@@ -1209,7 +1223,7 @@ class ReplayStore:
             self._open_concurrently([m.segments[i] for i in touched])
             opened = False
         else:
-            opened = self._open_segments([m.segments[i] for i in touched])
+            opened = self._open_segments([m.segments[i] for i in touched], cols)
         # Visit each touched segment once, with the output positions of its rows.
         if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
             parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
@@ -1280,7 +1294,7 @@ class ReplayStore:
             ids, seg_idx, local = self._locate(rows)
             m = self.manifest
             touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if ids.size else []
-            self._open_segments([m.segments[s] for s in touched])
+            self._open_segments([m.segments[s] for s in touched], cols)
             parts = [(self._segment(m.segments[s]), None, local[seg_idx == s]) for s in touched]
             # one pass per round: nearby rows and columns share a call
             hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols])
