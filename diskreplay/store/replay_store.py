@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import numpy as np
 import pyarrow as pa
@@ -1177,21 +1177,23 @@ class ReplayStore:
                 raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
         return list(columns)
 
-    def _open_segments(self, entries: Sequence[fmt.SegmentEntry], cols: Optional[Sequence[str]] = None) -> bool:
+    def _open_segments(self, entries: Sequence[fmt.SegmentEntry],
+                       cols: Optional[Sequence[str]] = None) -> Tuple[bool, Set[Segment]]:
         """Open the segments of ``entries`` not open yet, asking first, for all of them at once, for
         their header and footer pages and (where their checksums record where they lie) the buffers
         of ``cols`` that a read needs whatever its rows: cold, the pages that parsing and locating
         the rows need then arrive in one round, not one per file and kind (opening 64 segments
         otherwise waits for ~130 reads in turn, then their columns' offsets for as many more).
-        True when any was opened (its pages are likely cold)."""
+        ``(any opened, the opened segments whose buffers were asked for)``: the pages of an opened
+        segment are likely cold."""
         todo = [e for e in entries if e.id not in self._segments]
         if not todo:
-            return False
+            return False, set()
         # field i of a segment is column i of the store (late columns come last, and a segment lacks
         # only late columns newer than itself); a wrong guess would cost reads, never wrong bytes
         order = {name: i for i, name in enumerate(self.schema.names)} if cols and self.schema is not None else {}
         fields = np.array(sorted(order[c] for c in cols if c in order), dtype=np.int64) if order else None
-        wanted = []
+        wanted, hinted = [], set()
         for e in todo:
             pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
             # with page checksums only the checksum pages outside the body are read on open, else all
@@ -1204,13 +1206,13 @@ class ReplayStore:
                     # whole checksum pages: checking a buffer reads the pages around it
                     starts, ends = coalesce(b[:, 0] // p * p, -(-b[:, 1] // p) * p, _HINT_GAP)
                     ranges += zip(starts.tolist(), (ends - starts).tolist())
+                    hinted.add(e.id)
             else:
                 ranges = [(0, 0)]
             wanted.append((os.path.join(self.path, e.file), ranges))
         prefetch_files(wanted)
-        for e in todo:
-            self._segment(e)
-        return True
+        segments = [self._segment(e) for e in todo]
+        return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
 
     def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
               ranges: bool = False) -> Dict[str, Column]:
@@ -1221,9 +1223,9 @@ class ReplayStore:
         touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
         if self.remote:
             self._open_concurrently([m.segments[i] for i in touched])
-            opened = False
+            opened, hinted = False, set()
         else:
-            opened = self._open_segments([m.segments[i] for i in touched], cols)
+            opened, hinted = self._open_segments([m.segments[i] for i in touched], cols)
         # Visit each touched segment once, with the output positions of its rows.
         if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
             parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
@@ -1242,7 +1244,7 @@ class ReplayStore:
             # segments opened by this read are likely cold (a reopened store's first batches): ask for
             # all their pages first. Later reads skip it: warm, the hints cost ~2 ms a batch, and a
             # long-running reader's cold pages are hinted ahead by the loader (prefetch)
-            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols])
+            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols], hinted)
         out: Dict[str, Column] = {}
         plans: Dict[Any, RangePlan] = {}
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
@@ -1294,10 +1296,10 @@ class ReplayStore:
             ids, seg_idx, local = self._locate(rows)
             m = self.manifest
             touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if ids.size else []
-            self._open_segments([m.segments[s] for s in touched], cols)
+            _, hinted = self._open_segments([m.segments[s] for s in touched], cols)
             parts = [(self._segment(m.segments[s]), None, local[seg_idx == s]) for s in touched]
             # one pass per round: nearby rows and columns share a call
-            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols])
+            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols], hinted)
 
         self._following(advise)
 
