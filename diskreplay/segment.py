@@ -721,6 +721,7 @@ class Segment(ArrowFile):
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
         self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
+        self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
 
     @property
     def num_rows(self) -> int:
@@ -738,7 +739,7 @@ class Segment(ArrowFile):
         (True, False)
         >>> os.remove(p)
         """
-        return self.batch.schema.get_field_index(name) >= 0
+        return name in self._names
 
     def _absent_ragged(self, name: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A late ragged column this segment predates: every row null ("not computed")."""

@@ -118,9 +118,12 @@ def fill(path, commits=replay_store.INDEX_TAIL_SEGMENTS + 3, rows=16, longest=40
     return path
 
 
-def test_a_cold_read_asks_for_every_segments_buffers_before_parsing_any(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["read", "read_ranges", "prefetch", "collator"])
+def test_a_cold_read_asks_for_every_segments_buffers_before_parsing_any(tmp_path, monkeypatch, how):
     """One ``prefetch_files`` round names, for each touched segment, its header and footer pages and the
-    pages of the requested columns' buffers; it comes before the first segment is parsed."""
+    pages of the requested columns' buffers; it comes before the first segment is parsed. On every read
+    path: ``read``, ``read_ranges`` (a packed ``Collator``'s), and ``prefetch`` (the loader's look-ahead)."""
+    from diskreplay import Collator
     path = fill(str(tmp_path / "s"), rows=64, longest=2000)  # values far longer than the hint gap
     events = []
     real_prefetch, real_segment = replay_store.prefetch_files, replay_store.Segment
@@ -135,6 +138,11 @@ def test_a_cold_read_asks_for_every_segments_buffers_before_parsing_any(tmp_path
     with ReplayStore(path, readonly=True) as store:
         rows = np.arange(0, len(store), 7)
         cols = ["completion_ids", "rewards"]
+        if how == "collator":
+            Collator(layout="packed").read(store, rows, ["prompt_ids", "completion_ids"])
+            cols = ["prompt_ids", "completion_ids"]
+        else:
+            getattr(store, how)(rows, cols)
         got = store.read(rows, cols)
         assert [k for k, _ in events[:2]] == ["hint", "open"] and all(k == "open" for k, _ in events[2:])
         hinted = dict(events[0][1])
@@ -148,7 +156,7 @@ def test_a_cold_read_asks_for_every_segments_buffers_before_parsing_any(tmp_path
             asked = np.zeros(-(-e.bytes // page), dtype=bool)
             for off, length in hinted[os.path.join(path, e.file)]:
                 asked[off // page:(-(-(off + length) // page) if length else len(asked))] = True
-            for addr, size in seg.column_ranges(cols, [True, False]).tolist():
+            for addr, size in seg.column_ranges(cols, [store.schema[c].kind == "ragged" for c in cols]).tolist():
                 start = addr - seg._base.address
                 assert asked[start // page:-(-(start + size) // page)].all(), (e, addr, size)
             # what is not asked for: the values of the ragged columns (and the columns not read)
