@@ -1015,16 +1015,16 @@ class ReplayStore:
     def _key_type(self) -> pa.DataType:
         return self.schema[self.group_key].arrow_type
 
-    def _page_checksums(self, entry: fmt.SegmentEntry) -> Optional[PageChecksums]:
+    def _page_checksums(self, entry: fmt.SegmentEntry, sidecar: bool = True) -> Optional[PageChecksums]:
         """A segment's page checksums: from the persisted group index when it carries them (no
-        sidecar read), else from the sidecar."""
+        sidecar read), else from the sidecar (``sidecar=False``: None instead)."""
         pages = self._pages.get(entry.id)
         if pages is None:
             if self._index_pages is not None:
                 pages = self._index_pages.get(entry.id, entry.bytes, entry.crc32c)
             if pages is not None:
                 self._pages[entry.id] = pages
-            else:
+            elif sidecar:
                 pages = self._sidecar(entry)[3]
         return pages
 
@@ -1035,29 +1035,47 @@ class ReplayStore:
             self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="diskreplay-fetch")
         return self._pool
 
-    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry]) -> None:
+    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry], cols: Optional[Sequence[str]] = None) -> None:
         """Object store: fetch what opening the segments not yet open needs (group sidecar,
         then Arrow's header and footer pages), all segments at once: a cold batch then
-        costs two rounds of requests instead of two per segment."""
+        costs two rounds of requests instead of two per segment. With the header and footer,
+        the buffers of ``cols`` a read needs whatever its rows, where the segment's checksums
+        record them: the read's own first round (``fetch_for_read``) then has nothing to fetch."""
         todo = [e for e in entries if e.id not in self._segments and e.groups_bytes]
         if not todo:
             return
         pool = self._io_pool()
-        # one round: the sidecars, and each segment's first and last page (where Arrow's
-        # header and footer usually lie) before the sidecar's checksums say exactly where
-        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in todo]
-        sidecars = [(e, pool.submit(self._sidecar, e)) for e in todo if e.id not in self._pages]
+        fields = self._field_positions(cols)
+        known = {e.id: self._page_checksums(e, sidecar=False) for e in todo}
+        # one round: the frames of the segments whose checksums are known (the group index's); for the
+        # others the sidecars, and each segment's first and last page (where Arrow's header and footer
+        # usually lie) before the sidecar's checksums say exactly where
+        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, known[e.id], fields)
+                  for e in todo if known[e.id] is not None]
+        rest = [e for e in todo if known[e.id] is None]
+        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in rest]
+        sidecars = [(e, pool.submit(self._sidecar, e)) for e in rest]
         for e, fut in sidecars:
             pages = fut.result()[3]
             if pages is not None:
                 self._pages.setdefault(e.id, pages)
-        for fut in ends:
+        for fut in ends + frames:
             fut.result()
         # a header or footer larger than a page: the rest, exactly (usually nothing to fetch)
-        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id])
-                  for e in todo if e.id in self._pages]
+        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id], fields)
+                  for e in rest if e.id in self._pages]
         for fut in frames:
             fut.result()
+
+    def _field_positions(self, cols: Optional[Sequence[str]]) -> Optional[np.ndarray]:
+        """Positions of ``cols`` among the store's columns, ascending: field ``i`` of a segment is
+        column ``i`` of the store (late columns come last, and a segment lacks only late columns
+        newer than itself). Only used to read recorded buffer ranges early: a wrong guess would
+        cost reads, never wrong bytes."""
+        if not cols or self.schema is None:
+            return None
+        order = {name: i for i, name in enumerate(self.schema.names)}
+        return np.array(sorted(order[c] for c in cols if c in order), dtype=np.int64)
 
     def _trim_cache(self) -> None:
         """Object store: bring the local cache within ``cache_bytes`` between reads, and
@@ -1189,10 +1207,7 @@ class ReplayStore:
         todo = [e for e in entries if e.id not in self._segments]
         if not todo:
             return False, set()
-        # field i of a segment is column i of the store (late columns come last, and a segment lacks
-        # only late columns newer than itself); a wrong guess would cost reads, never wrong bytes
-        order = {name: i for i, name in enumerate(self.schema.names)} if cols and self.schema is not None else {}
-        fields = np.array(sorted(order[c] for c in cols if c in order), dtype=np.int64) if order else None
+        fields = self._field_positions(cols)
         wanted, hinted = [], set()
         for e in todo:
             pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
@@ -1222,7 +1237,7 @@ class ReplayStore:
         # the touched segments (np.unique would import numpy.ma on first use: 80 ms of a cold first batch)
         touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
         if self.remote:
-            self._open_concurrently([m.segments[i] for i in touched])
+            self._open_concurrently([m.segments[i] for i in touched], cols)
             opened, hinted = False, set()
         else:
             opened, hinted = self._open_segments([m.segments[i] for i in touched], cols)
