@@ -608,12 +608,13 @@ class ArrowFile:
         p = self.pages.page_bytes
         # each page once, in file order (np.unique would import numpy.ma: ~80 ms on first use; a set
         # costs a third of a bitmap over the whole file for the few pages a read's rows span)
-        for i in sorted(set(todo.tolist())):
-            if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != self.pages.crcs[i]:
+        ids = sorted(set(todo.tolist()))
+        for i, crc in zip(ids, self.pages.crcs[ids].tolist()):
+            if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != crc:
                 raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{i * p}, {(i + 1) * p}); the "
                                         "file is damaged and is not served; run `diskreplay verify` / "
                                         "`diskreplay repair`")
-            self._verified[i] = True
+        self._verified[ids] = True
 
     def verify_whole(self, crc: int) -> None:
         """Check the whole file against its manifest CRC-32C (before its data is copied elsewhere)."""
