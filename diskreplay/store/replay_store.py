@@ -1222,10 +1222,13 @@ class ReplayStore:
                     starts, ends = coalesce(b[:, 0] // p * p, -(-b[:, 1] // p) * p, _HINT_GAP)
                     ranges += zip(starts.tolist(), (ends - starts).tolist())
                     hinted.add(e.id)
-            else:
+            elif len(todo) > 1:
                 ranges = [(0, 0)]
+            else:  # one file without page checksums: its reads fault in what they touch, not all of it
+                continue
             wanted.append((os.path.join(self.path, e.file), ranges))
-        prefetch_files(wanted)
+        if wanted:
+            prefetch_files(wanted)
         segments = [self._segment(e) for e in todo]
         return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
 
