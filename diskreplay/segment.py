@@ -75,16 +75,6 @@ class PageChecksums:
             meta[_META_BUFFERS] = self.buffers.astype("<i8").tobytes()
         return meta
 
-    def field_ranges(self, fields: int) -> Optional[np.ndarray]:
-        """``[k, 2]`` ``(offset, length)`` of the recorded buffers of the first ``fields`` fields
-        of the segment (None when not recorded), for ``posix_fadvise``."""
-        if self.buffers is None:
-            return None
-        b = self.buffers[:fields]
-        out = np.empty_like(b)
-        out[:, 0], out[:, 1] = b[:, 0], b[:, 1] - b[:, 0]
-        return out[out[:, 1] > 0]
-
     @classmethod
     def from_metadata(cls, meta: Optional[Dict[bytes, bytes]], path: str) -> Optional["PageChecksums"]:
         if not meta or _META_PAGE_CRCS not in meta:
@@ -104,7 +94,13 @@ def buffer_ranges(raw: Optional[bytes], body_start: int, body_end: int) -> Optio
     """The ``[fields, 2]`` ranges of ``diskreplay.buffers`` (``raw``), or None when absent or not
     well formed (each range inside the body): a reader then finds the buffers by parsing the file,
     as before they were recorded. They only say which pages to ask for early; what is read is
-    checked against the page checksums either way."""
+    checked against the page checksums either way.
+
+    >>> buffer_ranges(np.array([8, 16, 16, 16], dtype="<i8").tobytes(), 0, 64).tolist()
+    [[8, 16], [16, 16]]
+    >>> buffer_ranges(b"short", 0, 64) is None, buffer_ranges(np.array([8, 99], dtype="<i8").tobytes(), 0, 64)
+    (True, None)
+    """
     if not raw or len(raw) % 16:
         return None
     r = np.frombuffer(raw, dtype="<i8").reshape(-1, 2).astype(np.int64)
@@ -118,7 +114,15 @@ def field_buffers(batch: pa.RecordBatch, base_address: int) -> np.ndarray:
     that a read needs whatever its rows: a ragged (``large_list``) column's validity and offsets,
     every buffer of any other column (``[0, 0)`` for a field without such bytes). Arrow writes a
     field's buffers one after another, so one range per field covers them with nothing between
-    but padding. (Every segment a writer writes pays this: plain loops, a type id compared.)"""
+    but padding. (Every segment a writer writes pays this: plain loops, a type id compared.)
+
+    >>> rb = pa.record_batch({"ids": pa.array([[1, 2], [3]], type=pa.large_list(pa.int32())),
+    ...                       "reward": pa.array([0.5, 1.0])})
+    >>> data = encode_ipc(rb)
+    >>> r = field_buffers(pa.ipc.open_file(data).get_batch(0), data.address)
+    >>> (r[:, 1] - r[:, 0]).tolist()  # the offsets (3 int64), the rewards (2 float64)
+    [24, 16]
+    """
     out = []
     for col in batch.columns:
         bufs = col.buffers()
