@@ -121,6 +121,9 @@ def is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+_DTYPES: dict = {}  # Arrow type id -> numpy dtype, for numpy_view
+
+
 def numpy_view(arr) -> np.ndarray:
     """A pyarrow primitive array as numpy, zero-copy where the layout allows.
 
@@ -147,7 +150,10 @@ def numpy_view(arr) -> np.ndarray:
         bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little")
         return bits[arr.offset:arr.offset + n].astype(bool)
     if pa.types.is_integer(t) or pa.types.is_floating(t):
-        dtype = np.dtype(t.to_pandas_dtype())
+        # by type id: to_pandas_dtype costs more than the rest of a view (a cold read makes hundreds)
+        dtype = _DTYPES.get(t.id)
+        if dtype is None:
+            dtype = _DTYPES[t.id] = np.dtype(t.to_pandas_dtype())
         buf = arr.buffers()[1]
         if buf is None or n == 0:
             return np.zeros(n, dtype=dtype)

@@ -33,6 +33,9 @@ _META_PAGE_BYTES = b"diskreplay.page_bytes"
 _META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
 _META_LOCAL_ROWS = b"diskreplay.rows"  # "segment": a group sidecar's rows count from its segment's first
 _META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's body (its buffers)
+# little-endian int64 "start end" per field of the segment, in field order: the bytes of the field's
+# buffers a read needs whatever its rows (all of them but a ragged column's values)
+_META_BUFFERS = b"diskreplay.buffers"
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # the defaults (uncompressed), built once
 
 
@@ -45,24 +48,32 @@ class PageChecksums:
     few rows still reads only the pages those rows live in.
     """
 
-    __slots__ = ("crcs", "page_bytes", "body", "verified")
+    __slots__ = ("crcs", "page_bytes", "body", "verified", "buffers")
 
-    def __init__(self, crcs: np.ndarray, page_bytes: int, body: Tuple[int, int]) -> None:
+    def __init__(self, crcs: np.ndarray, page_bytes: int, body: Tuple[int, int],
+                 buffers: Optional[np.ndarray] = None) -> None:
         self.crcs, self.page_bytes, self.body = crcs, page_bytes, body
         # pages that passed, kept here so a segment unmapped and mapped again is not re-checked
         self.verified = np.zeros(len(crcs), dtype=bool)
+        # [fields, 2] byte ranges of each field's buffers but a ragged column's values (see
+        # field_buffers), or None (written before they were recorded): a cold read asks for them
+        # together with the header and footer pages, before parsing the file
+        self.buffers = buffers
 
     @classmethod
     def of(cls, data: pa.Buffer, page_bytes: int = PAGE_BYTES) -> "PageChecksums":
         n = data.size
         crcs = np.fromiter((crc32c(data.slice(i, min(page_bytes, n - i))) for i in range(0, n, page_bytes)),
                            dtype=np.uint32, count=-(-n // page_bytes))
-        return cls(crcs, page_bytes, _record_batch_body(data))
+        return cls(crcs, page_bytes, *_record_batch_layout(data))
 
     def metadata(self) -> Dict[bytes, bytes]:
-        return {_META_PAGE_BYTES: str(self.page_bytes).encode(),
+        meta = {_META_PAGE_BYTES: str(self.page_bytes).encode(),
                 _META_PAGE_CRCS: self.crcs.astype("<u4").tobytes(),
                 _META_BODY: f"{self.body[0]} {self.body[1]}".encode()}
+        if self.buffers is not None:
+            meta[_META_BUFFERS] = self.buffers.astype("<i8").tobytes()
+        return meta
 
     @classmethod
     def from_metadata(cls, meta: Optional[Dict[bytes, bytes]], path: str) -> Optional["PageChecksums"]:
@@ -76,25 +87,78 @@ class PageChecksums:
             raise CorruptStoreError(f"{path}: bad page checksums ({exc})") from None
         if page_bytes < 512 or not 0 <= start <= end:
             raise CorruptStoreError(f"{path}: bad page checksums")
-        return cls(crcs, page_bytes, (start, end))
+        return cls(crcs, page_bytes, (start, end), buffer_ranges(meta.get(_META_BUFFERS), start, end))
 
 
-def _record_batch_body(data: pa.Buffer) -> Tuple[int, int]:
-    """Byte range of the body of the record batch message in an IPC file of one batch (its
-    buffers and their padding; what Arrow parses to find them, the schema and batch metadata
-    and the footer, lies outside it). Read from the messages' framing: parsing the batch to
-    find its buffers cost 3x more, a tenth of writing a small commit's files."""
+def buffer_ranges(raw: Optional[bytes], body_start: int, body_end: int) -> Optional[np.ndarray]:
+    """The ``[fields, 2]`` ranges of ``diskreplay.buffers`` (``raw``), or None when absent or not
+    well formed (each range inside the body): a reader then finds the buffers by parsing the file,
+    as before they were recorded. They only say which pages to ask for early; what is read is
+    checked against the page checksums either way.
+
+    >>> buffer_ranges(np.array([8, 16, 16, 16], dtype="<i8").tobytes(), 0, 64).tolist()
+    [[8, 16], [16, 16]]
+    >>> buffer_ranges(b"short", 0, 64) is None, buffer_ranges(np.array([8, 99], dtype="<i8").tobytes(), 0, 64)
+    (True, None)
+    """
+    if not raw or len(raw) % 16:
+        return None
+    r = np.frombuffer(raw, dtype="<i8").reshape(-1, 2).astype(np.int64)
+    if np.any(r[:, 0] > r[:, 1]) or np.any((r[:, 1] > r[:, 0]) & ((r[:, 0] < body_start) | (r[:, 1] > body_end))):
+        return None
+    return r
+
+
+def field_buffers(batch: pa.RecordBatch, base_address: int) -> np.ndarray:
+    """``[fields, 2]`` int64 ``[start, end)``, relative to ``base_address``, of each field's buffers
+    that a read needs whatever its rows: a ragged (``large_list``) column's validity and offsets,
+    every buffer of any other column (``[0, 0)`` for a field without such bytes). Arrow writes a
+    field's buffers one after another, so one range per field covers them with nothing between
+    but padding. (Every segment a writer writes pays this: plain loops, a type id compared.)
+
+    >>> rb = pa.record_batch({"ids": pa.array([[1, 2], [3]], type=pa.large_list(pa.int32())),
+    ...                       "reward": pa.array([0.5, 1.0])})
+    >>> data = encode_ipc(rb)
+    >>> r = field_buffers(pa.ipc.open_file(data).get_batch(0), data.address)
+    >>> (r[:, 1] - r[:, 0]).tolist()  # the offsets (3 int64), the rewards (2 float64)
+    [24, 16]
+    """
+    out = []
+    for col in batch.columns:
+        bufs = col.buffers()
+        if col.type.id == _LARGE_LIST:
+            bufs = bufs[:2]
+        lo = hi = -1
+        for b in bufs:
+            if b is not None and b.size:
+                a = b.address - base_address
+                lo = a if lo < 0 or a < lo else lo
+                hi = max(hi, a + b.size)
+        out.append((lo, hi) if lo >= 0 else (0, 0))
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+_LARGE_LIST = pa.large_list(pa.int8()).id
+
+
+def _record_batch_layout(data: pa.Buffer) -> Tuple[Tuple[int, int], np.ndarray]:
+    """``(body, field_buffers)`` of an IPC file of one batch: the body from the messages'
+    framing, the buffers from the batch message alone (cheaper than opening the file, which
+    reads the footer and builds a reader; reading the flatbuffer's buffer table in Python
+    cost more than this)."""
     try:
         reader = pa.BufferReader(data)
         reader.seek(8)  # the file's magic, padded
-        pa.ipc.read_message(reader)  # the schema
+        schema = pa.ipc.read_schema(pa.ipc.read_message(reader))
         message = pa.ipc.read_message(reader)
         if message.type == "record batch":
             end = reader.tell()
-            return end - message.body.size, end
+            batch = pa.ipc.read_record_batch(message, schema)
+            return (end - message.body.size, end), field_buffers(batch, data.address)
     except (pa.ArrowInvalid, OSError):
         pass
-    return _body(pa.ipc.open_file(data).get_batch(0), data)  # a file with dictionaries (never written by a store)
+    batch = pa.ipc.open_file(data).get_batch(0)  # a file with dictionaries (never written by a store)
+    return _body(batch, data), field_buffers(batch, data.address)
 
 
 _SMALL_IPC = 4 << 20  # below this, one pass into a growing buffer is cheaper than sizing it first
@@ -214,6 +278,10 @@ _META_INDEX_SEGMENTS = b"diskreplay.index.segments"
 # layout 2: "2", and the CRC-32C of each column's buffers, in column order
 _META_INDEX_LAYOUT = b"diskreplay.index.layout"
 _META_INDEX_CRCS = b"diskreplay.index.crc32c"
+# little-endian int64: the number of fields whose buffers are recorded for each entry of the
+# "segments" column, in its order (0: none), then those fields' "start end" ranges (as a
+# sidecar's diskreplay.buffers), concatenated in the same order
+_META_INDEX_BUFFERS = b"diskreplay.index.buffers"
 _INDEX_COLUMNS = ("key", "rows", "segments", "page_crc32c")
 _SEGMENT_FIELDS = 7
 
@@ -276,6 +344,11 @@ def encode_group_index(keys: pa.Array, offsets: np.ndarray, rows: np.ndarray, fi
                one(pa.Array.from_buffers(pa.uint32(), len(crcs), [None, pa.py_buffer(crcs)]))]
     batch = pa.RecordBatch.from_arrays(columns, names=list(_INDEX_COLUMNS))
     meta = {_META_INDEX_LAYOUT: b"2", _META_INDEX_ROWS: f"{first_row} {end_row}".encode()}
+    recorded = [pages[sid][2].buffers for sid in ids]
+    if any(b is not None for b in recorded):
+        fields = np.array([0 if b is None else len(b) for b in recorded], dtype="<i8")
+        meta[_META_INDEX_BUFFERS] = b"".join([fields.tobytes()] + [b.astype("<i8").tobytes() for b in recorded
+                                                                   if b is not None])
     # the column checksums are taken from the bytes as written (the writer may leave out an all-valid
     # bitmap or trim a buffer), then stored in the schema metadata: the body's bytes do not depend on it
     # (were they to, readers would find the columns damaged, warn and use the sidecars)
@@ -294,9 +367,12 @@ class IndexedPages:
     or None when they cannot be used: then every lookup misses and the sidecars serve instead.
     """
 
-    def __init__(self, load: Callable[[], Optional[Tuple[np.ndarray, np.ndarray]]]) -> None:
+    def __init__(self, load: Callable[[], Optional[Tuple[np.ndarray, np.ndarray]]],
+                 buffers: Optional[bytes] = None) -> None:
         self._load: Optional[Callable[[], Optional[Tuple[np.ndarray, np.ndarray]]]] = load
         self._at: Dict[int, int] = {}
+        self._buffers_raw = buffers  # diskreplay.index.buffers, split on the first lookup
+        self._fields: Optional[np.ndarray] = None
 
     def get(self, seg_id: int, nbytes: int, crc: int) -> Optional[PageChecksums]:
         """The page checksums of segment ``seg_id`` if the index holds them for exactly this file."""
@@ -307,13 +383,33 @@ class IndexedPages:
             self._start = np.zeros(len(self._table) + 1, dtype=np.int64)
             np.cumsum(self._table[:, 6], out=self._start[1:])
             self._at = dict(zip(self._table[:, 0].tolist(), range(len(self._table))))
+            self._split_buffers()
         i = self._at.get(seg_id)
         if i is None:
             return None
         _, seg_bytes, seg_crc, page_bytes, start, end, count = self._table[i].tolist()
         if (seg_bytes, seg_crc) != (nbytes, crc):
             return None
-        return PageChecksums(self._crcs[self._start[i]:self._start[i] + count], page_bytes, (start, end))
+        buffers = None
+        if self._fields is not None and self._fields[i + 1] > self._fields[i]:
+            ranges = self._ranges[self._fields[i]:self._fields[i + 1]]
+            buffers = buffer_ranges(ranges.tobytes(), start, end)  # (None if not inside this body)
+        return PageChecksums(self._crcs[self._start[i]:self._start[i] + count], page_bytes, (start, end), buffers)
+
+    def _split_buffers(self) -> None:
+        """Where each segment's field ranges lie in ``diskreplay.index.buffers``; none are used
+        when it does not fit the ``segments`` column (written for other segments, damaged)."""
+        raw, self._buffers_raw = self._buffers_raw, None
+        n = len(self._table)
+        if not raw or len(raw) % 8 or len(raw) < 8 * n:
+            return
+        words = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+        fields = words[:n]
+        if np.any(fields < 0) or 2 * int(fields.sum()) != len(words) - n:
+            return
+        self._fields = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(fields, out=self._fields[1:])
+        self._ranges = words[n:].reshape(-1, 2)
 
 
 def read_group_index(path: str, nbytes: int, crc: int, frame: Optional[Tuple[int, int, int]],
@@ -390,7 +486,7 @@ def read_group_index(path: str, nbytes: int, crc: int, frame: Optional[Tuple[int
             return None
         return table, numpy_view(crcs)
 
-    return keys, offsets, rows, IndexedPages(page_checksums)
+    return keys, offsets, rows, IndexedPages(page_checksums, meta.get(_META_INDEX_BUFFERS))
 
 
 def _read_group_index_v1(path: str, nbytes: int, crc: int, key_type: pa.DataType, first_row: int,
@@ -521,14 +617,15 @@ class ArrowFile:
         if not len(todo):
             return
         p = self.pages.page_bytes
-        pending = np.zeros(len(self._verified), dtype=bool)
-        pending[todo] = True  # (np.unique would import numpy.ma: ~80 ms on first use)
-        for i in np.flatnonzero(pending).tolist():
-            if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != self.pages.crcs[i]:
+        # each page once, in file order (np.unique would import numpy.ma: ~80 ms on first use; a set
+        # costs a third of a bitmap over the whole file for the few pages a read's rows span)
+        ids = sorted(set(todo.tolist()))
+        for i, crc in zip(ids, self.pages.crcs[ids].tolist()):
+            if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != crc:
                 raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{i * p}, {(i + 1) * p}); the "
                                         "file is damaged and is not served; run `diskreplay verify` / "
                                         "`diskreplay repair`")
-            self._verified[i] = True
+        self._verified[ids] = True
 
     def verify_whole(self, crc: int) -> None:
         """Check the whole file against its manifest CRC-32C (before its data is copied elsewhere)."""
@@ -636,6 +733,7 @@ class Segment(ArrowFile):
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
         self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
+        self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
 
     @property
     def num_rows(self) -> int:
@@ -653,7 +751,7 @@ class Segment(ArrowFile):
         (True, False)
         >>> os.remove(p)
         """
-        return self.batch.schema.get_field_index(name) >= 0
+        return name in self._names
 
     def _absent_ragged(self, name: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A late ragged column this segment predates: every row null ("not computed")."""
@@ -671,9 +769,12 @@ class Segment(ArrowFile):
             arr = self.batch.column(name)
             if self.pages is not None:
                 base = self._base.address
-                for b in arr.buffers()[:2]:  # validity and offsets; values page by page in check_rows
-                    if b is not None and b.size:
-                        self.verify_span(b.address - base, b.address - base + b.size)
+                # validity and offsets (written one after the other: one check); values page by page
+                # in check_rows
+                spans = [(b.address - base, b.address - base + b.size) for b in arr.buffers()[:2]
+                         if b is not None and b.size]
+                if spans:
+                    self.verify_span(min(a for a, _ in spans), max(e for _, e in spans))
                 self._rows_checked[name] = np.zeros(len(arr), dtype=bool)
             offsets = numpy_view(arr.offsets)
             values = numpy_view(arr.values)
@@ -721,7 +822,8 @@ class Segment(ArrowFile):
         return key
 
     def _check_offsets(self, name: str, offsets: np.ndarray, n_values: int) -> None:
-        if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_values or np.any(np.diff(offsets) < 0)):
+        # (count_nonzero of a comparison: a fifth of np.any(np.diff(...) < 0), once per segment and column)
+        if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_values or np.count_nonzero(offsets[1:] < offsets[:-1])):
             raise CorruptStoreError(f"{self.path}: column {name!r} has invalid offsets")
 
     def scalar(self, name: str, spec: Any = None) -> Any:

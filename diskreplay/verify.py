@@ -34,7 +34,8 @@ from .store import ops
 from .store.committer import Committer
 from .storage import S3Storage, is_remote
 from .store.storage import LocalStorage
-from .segment import ArrowFile, PageChecksums, Segment, decode_state, encode_ipc, group_sidecar, segment_local_rows
+from .segment import (_META_BUFFERS, ArrowFile, PageChecksums, Segment, buffer_ranges, decode_state, encode_ipc,
+                      field_buffers, group_sidecar, segment_local_rows)
 
 QUARANTINE_DIR = "quarantine"
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
@@ -671,6 +672,13 @@ def _compare_sidecar(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key
     if not side.schema.equals(want.schema) or not side.equals(want):
         return (f"{path} does not match the {group_key!r} column of {_rel(root, s.file)} "
                 "(keys, counts or row ids differ)")
+    raw = (side.schema.metadata or {}).get(_META_BUFFERS)
+    if raw is not None:  # (sidecars written before the key existed have none)
+        recorded = buffer_ranges(raw, 0, s.bytes)
+        if recorded is None or recorded.tolist() != field_buffers(seg.batch, seg._base.address).tolist():
+            return (f"{path} records buffer ranges (diskreplay.buffers) that are not those of "
+                    f"{_rel(root, s.file)}; reads are right but ask the disk for the wrong pages; "
+                    "run `diskreplay repair`")
     return None
 
 

@@ -1030,6 +1030,9 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
            f"{group_size} rows")
     if not args.quick:  # first: nothing of the store is mapped in this process yet
         _bench_cold_first_batch(store_path, torchrl_base, batch_groups, B, pad, cold, res, report)
+    if args.only == "cold":
+        store.close()
+        return
 
     # --- warm page cache
     rows0 = PromptGroupSampler(num_groups=batch_groups, seed=0).sample(store, B)
@@ -1640,6 +1643,8 @@ def main(argv=None) -> None:
     p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
     p.add_argument("--quick", action="store_true",
                    help="sample: only the warm batch table (skip the per-strategy, cold and memory sections)")
+    p.add_argument("--only", choices=["cold"],
+                   help="sample: only this block (cold: reopen + first batch with the page cache dropped)")
     p.add_argument("--small-commits", type=int, default=3000,
                    help="store: commits of 8 rows for the small-commit comparison (0: skip it)")
     p.add_argument("--sizes", default="32768,1000000,10000000",

@@ -7,7 +7,7 @@ the segment cache (which maps are open) lives in the facade.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Container, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -181,17 +181,21 @@ class RowRanges(RaggedColumn):
         return f"RowRanges(rows={len(self)}, elements={int(self.plan.out_offsets[-1])}, dtype={self._dtype})"
 
 
-def hint_reads(parts: List[Tuple[Segment, Any, np.ndarray]], names: List[str], ragged: List[bool]) -> None:
+def hint_reads(parts: List[Tuple[Segment, Any, np.ndarray]], names: List[str], ragged: List[bool],
+               hinted: Container[Segment] = ()) -> None:
     """Ask for every page a read of ``names`` at these rows needs before touching any, in two
     rounds: the column buffers whatever the rows (offsets, per-row columns) of all segments, then
     the rows' values (finding them needs the offsets, which the first round has in flight).
+    ``hinted``: segments whose column buffers were asked for when they were opened (from their
+    recorded buffer ranges, together with their headers): only their values are left to ask for.
 
     Cold, a batch's pages then arrive together instead of one fault after another (a batch of
     512 rows from 64 segments: ~1,700 serial faults without it)."""
     # a late column is absent from segments older than it: nothing to hint there
     held = [[(n, r) for n, r in zip(names, ragged) if seg.has(n)] for seg, _, _ in parts]
     for (seg, _, _), cols in zip(parts, held):
-        seg.advise(seg.column_ranges([n for n, _ in cols], [r for _, r in cols]))
+        if seg not in hinted:
+            seg.advise(seg.column_ranges([n for n, _ in cols], [r for _, r in cols]))
     for (seg, _, loc), cols in zip(parts, held):
         ranges = [seg.value_ranges(name, loc) for name, r in cols if r]
         if ranges:

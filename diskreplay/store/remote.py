@@ -126,12 +126,18 @@ class RemoteSegment(Segment):
         storage.fetch_ranges(entry.file, ranges, size=size, evict=False, tag=f"{entry.bytes}-{entry.crc32c:08x}")
 
     @staticmethod
-    def prefetch_frame(storage: Any, entry: fmt.SegmentEntry, pages: PageChecksums) -> None:
-        """Fetch the pages a segment's open checks (Arrow's schema, batch header and footer)."""
+    def prefetch_frame(storage: Any, entry: fmt.SegmentEntry, pages: PageChecksums,
+                       fields: Optional[np.ndarray] = None) -> None:
+        """Fetch the pages a segment's open checks (Arrow's schema, batch header and footer), and
+        those of the recorded buffer ranges of its ``fields`` (positions), if any."""
         p, size = pages.page_bytes, entry.bytes
         head = -(-pages.body[0] // p) * p
         tail = pages.body[1] // p * p
         ranges = [r for r in ((0, min(head, size)), (tail, size)) if r[1] > r[0]]
+        if fields is not None and pages.buffers is not None:
+            b = pages.buffers[fields[fields < len(pages.buffers)]]
+            b = b[b[:, 1] > b[:, 0]]
+            ranges += zip((b[:, 0] // p * p).tolist(), np.minimum(-(-b[:, 1] // p) * p, size).tolist())
         storage.fetch_ranges(entry.file, ranges, size=size, evict=False, tag=f"{entry.bytes}-{entry.crc32c:08x}")
 
     def complete(self) -> bool:

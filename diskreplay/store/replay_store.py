@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +31,7 @@ from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, C
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
-from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
+from ..segment import (IndexedPages, PageChecksums, Segment, coalesce, decode_state, encode_group_index, encode_ipc,
                        encode_state, group_sidecar, prefetch_files, read_group_index, read_group_sidecar)
 from . import ops
 from .committer import Committer
@@ -51,6 +51,8 @@ STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outrun
 # this many sidecars, whatever its size, while the rewrites cost about one index per 16 commits.
 INDEX_TAIL_SEGMENTS = 16
 IO_THREADS = 16  # object store: segments fetched at once by one read
+# buffers of a cold segment closer than this are asked for with one posix_fadvise
+_HINT_GAP = 64 << 10
 T = TypeVar("T")
 
 Column = Union[RaggedColumn, np.ndarray, List[str], None]
@@ -1013,16 +1015,16 @@ class ReplayStore:
     def _key_type(self) -> pa.DataType:
         return self.schema[self.group_key].arrow_type
 
-    def _page_checksums(self, entry: fmt.SegmentEntry) -> Optional[PageChecksums]:
+    def _page_checksums(self, entry: fmt.SegmentEntry, sidecar: bool = True) -> Optional[PageChecksums]:
         """A segment's page checksums: from the persisted group index when it carries them (no
-        sidecar read), else from the sidecar."""
+        sidecar read), else from the sidecar (``sidecar=False``: None instead)."""
         pages = self._pages.get(entry.id)
         if pages is None:
             if self._index_pages is not None:
                 pages = self._index_pages.get(entry.id, entry.bytes, entry.crc32c)
             if pages is not None:
                 self._pages[entry.id] = pages
-            else:
+            elif sidecar:
                 pages = self._sidecar(entry)[3]
         return pages
 
@@ -1033,29 +1035,47 @@ class ReplayStore:
             self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="diskreplay-fetch")
         return self._pool
 
-    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry]) -> None:
+    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry], cols: Optional[Sequence[str]] = None) -> None:
         """Object store: fetch what opening the segments not yet open needs (group sidecar,
         then Arrow's header and footer pages), all segments at once: a cold batch then
-        costs two rounds of requests instead of two per segment."""
+        costs two rounds of requests instead of two per segment. With the header and footer,
+        the buffers of ``cols`` a read needs whatever its rows, where the segment's checksums
+        record them: the read's own first round (``fetch_for_read``) then has nothing to fetch."""
         todo = [e for e in entries if e.id not in self._segments and e.groups_bytes]
         if not todo:
             return
         pool = self._io_pool()
-        # one round: the sidecars, and each segment's first and last page (where Arrow's
-        # header and footer usually lie) before the sidecar's checksums say exactly where
-        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in todo]
-        sidecars = [(e, pool.submit(self._sidecar, e)) for e in todo if e.id not in self._pages]
+        fields = self._field_positions(cols)
+        known = {e.id: self._page_checksums(e, sidecar=False) for e in todo}
+        # one round: the frames of the segments whose checksums are known (the group index's); for the
+        # others the sidecars, and each segment's first and last page (where Arrow's header and footer
+        # usually lie) before the sidecar's checksums say exactly where
+        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, known[e.id], fields)
+                  for e in todo if known[e.id] is not None]
+        rest = [e for e in todo if known[e.id] is None]
+        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in rest]
+        sidecars = [(e, pool.submit(self._sidecar, e)) for e in rest]
         for e, fut in sidecars:
             pages = fut.result()[3]
             if pages is not None:
                 self._pages.setdefault(e.id, pages)
-        for fut in ends:
+        for fut in ends + frames:
             fut.result()
         # a header or footer larger than a page: the rest, exactly (usually nothing to fetch)
-        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id])
-                  for e in todo if e.id in self._pages]
+        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id], fields)
+                  for e in rest if e.id in self._pages]
         for fut in frames:
             fut.result()
+
+    def _field_positions(self, cols: Optional[Sequence[str]]) -> Optional[np.ndarray]:
+        """Positions of ``cols`` among the store's columns, ascending: field ``i`` of a segment is
+        column ``i`` of the store (late columns come last, and a segment lacks only late columns
+        newer than itself). Only used to read recorded buffer ranges early: a wrong guess would
+        cost reads, never wrong bytes."""
+        if not cols or self.schema is None:
+            return None
+        order = {name: i for i, name in enumerate(self.schema.names)}
+        return np.array(sorted(order[c] for c in cols if c in order), dtype=np.int64)
 
     def _trim_cache(self) -> None:
         """Object store: bring the local cache within ``cache_bytes`` between reads, and
@@ -1175,28 +1195,42 @@ class ReplayStore:
                 raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
         return list(columns)
 
-    def _open_segments(self, entries: Sequence[fmt.SegmentEntry]) -> bool:
-        """Open the segments of ``entries`` not open yet, their header and footer pages asked for
-        all at once first (cold, opening 64 segments otherwise waits for ~130 reads in turn).
-        True when any was opened (its pages are likely cold)."""
+    def _open_segments(self, entries: Sequence[fmt.SegmentEntry],
+                       cols: Optional[Sequence[str]] = None) -> Tuple[bool, Set[Segment]]:
+        """Open the segments of ``entries`` not open yet, asking first, for all of them at once, for
+        their header and footer pages and (where their checksums record where they lie) the buffers
+        of ``cols`` that a read needs whatever its rows: cold, the pages that parsing and locating
+        the rows need then arrive in one round, not one per file and kind (opening 64 segments
+        otherwise waits for ~130 reads in turn, then their columns' offsets for as many more).
+        ``(any opened, the opened segments whose buffers were asked for)``: the pages of an opened
+        segment are likely cold."""
         todo = [e for e in entries if e.id not in self._segments]
         if not todo:
-            return False
-        if len(todo) > 1:
-            wanted = []
-            for e in todo:
-                pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
-                # with page checksums only the checksum pages outside the body are read on open, else all
-                if pages is not None:
-                    p = pages.page_bytes
-                    ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
-                else:
-                    ranges = [(0, 0)]
-                wanted.append((os.path.join(self.path, e.file), ranges))
-            prefetch_files(wanted)
+            return False, set()
+        fields = self._field_positions(cols)
+        wanted, hinted = [], set()
         for e in todo:
-            self._segment(e)
-        return True
+            pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
+            # with page checksums only the checksum pages outside the body are read on open, else all
+            if pages is not None:
+                p = pages.page_bytes
+                ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
+                if fields is not None and pages.buffers is not None:
+                    b = pages.buffers[fields[fields < len(pages.buffers)]]
+                    b = b[b[:, 1] > b[:, 0]]
+                    # whole checksum pages: checking a buffer reads the pages around it
+                    starts, ends = coalesce(b[:, 0] // p * p, -(-b[:, 1] // p) * p, _HINT_GAP)
+                    ranges += zip(starts.tolist(), (ends - starts).tolist())
+                    hinted.add(e.id)
+            elif len(todo) > 1:
+                ranges = [(0, 0)]
+            else:  # one file without page checksums: its reads fault in what they touch, not all of it
+                continue
+            wanted.append((os.path.join(self.path, e.file), ranges))
+        if wanted:
+            prefetch_files(wanted)
+        segments = [self._segment(e) for e in todo]
+        return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
 
     def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
               ranges: bool = False) -> Dict[str, Column]:
@@ -1206,10 +1240,10 @@ class ReplayStore:
         # the touched segments (np.unique would import numpy.ma on first use: 80 ms of a cold first batch)
         touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
         if self.remote:
-            self._open_concurrently([m.segments[i] for i in touched])
-            opened = False
+            self._open_concurrently([m.segments[i] for i in touched], cols)
+            opened, hinted = False, set()
         else:
-            opened = self._open_segments([m.segments[i] for i in touched])
+            opened, hinted = self._open_segments([m.segments[i] for i in touched], cols)
         # Visit each touched segment once, with the output positions of its rows.
         if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
             parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
@@ -1228,7 +1262,7 @@ class ReplayStore:
             # segments opened by this read are likely cold (a reopened store's first batches): ask for
             # all their pages first. Later reads skip it: warm, the hints cost ~2 ms a batch, and a
             # long-running reader's cold pages are hinted ahead by the loader (prefetch)
-            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols])
+            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols], hinted)
         out: Dict[str, Column] = {}
         plans: Dict[Any, RangePlan] = {}
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
@@ -1280,10 +1314,10 @@ class ReplayStore:
             ids, seg_idx, local = self._locate(rows)
             m = self.manifest
             touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if ids.size else []
-            self._open_segments([m.segments[s] for s in touched])
+            _, hinted = self._open_segments([m.segments[s] for s in touched], cols)
             parts = [(self._segment(m.segments[s]), None, local[seg_idx == s]) for s in touched]
             # one pass per round: nearby rows and columns share a call
-            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols])
+            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols], hinted)
 
         self._following(advise)
 
