@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from diskreplay import CorruptStoreError, ReplayStore
 from diskreplay import format as fmt
 from diskreplay._fileio import crc32c
-from diskreplay.segment import (PageChecksums, Segment, encode_ipc, field_buffers, group_sidecar,
-                                read_group_sidecar)
+from diskreplay.segment import PageChecksums, Segment, encode_ipc, field_buffers, read_group_sidecar
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.verify import repair_store, verify_store
