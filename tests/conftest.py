@@ -30,6 +30,24 @@ def assert_rows_equal(got, expected):
             np.testing.assert_array_equal(col, np.asarray(want), err_msg=name)
 
 
+def package_at(commit, dest):
+    """The ``diskreplay`` package as it was at ``commit``, extracted from git under ``dest`` (the
+    directory to put first on ``sys.path``); skips the test where that history is unavailable."""
+    import io
+    import subprocess
+    import tarfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        raw = subprocess.run(["git", "-C", root, "archive", commit, "diskreplay"], capture_output=True,
+                             check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip(f"git history with {commit} is not available")
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        tar.extractall(dest)
+    return str(dest)
+
+
 def format_md_table(store_path):
     """Run docs/FORMAT.md's plain-pyarrow reader verbatim on the store at ``store_path``; its table."""
     import textwrap

@@ -2,11 +2,9 @@
 (``diskreplay.buffers``, ``diskreplay.index.buffers``; docs/FORMAT.md), so that a cold read asks
 for the header, footer and column buffers of every segment it touches in one round."""
 
-import io
 import os
 import subprocess
 import sys
-import tarfile
 import textwrap
 import warnings
 
@@ -23,6 +21,8 @@ from diskreplay.segment import PageChecksums, Segment, encode_ipc, field_buffers
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.verify import repair_store, verify_store
+
+from .conftest import package_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the commit this feature was built on: it writes no buffer ranges
@@ -327,15 +327,7 @@ def test_merges_compaction_and_repair_record_the_ranges(tmp_path):
 
 
 def _previous(tmp_path):
-    try:
-        raw = subprocess.run(["git", "-C", ROOT, "archive", PREVIOUS_VERSION, "diskreplay"], capture_output=True,
-                             check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip(f"git history with {PREVIOUS_VERSION} is not available")
-    dest = tmp_path / "previous"
-    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
-        tar.extractall(dest)
-    return str(dest)
+    return package_at(PREVIOUS_VERSION, tmp_path / "previous")
 
 
 _DUMP = """

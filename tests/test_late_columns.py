@@ -10,13 +10,11 @@ plain-pyarrow recipe all handle it; two writers adding the same column agree.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import textwrap
 
 import numpy as np
@@ -28,7 +26,7 @@ from hypothesis import strategies as st
 from diskreplay import BatchError, CorruptStoreError, FormatError, ReplayStore, SchemaError, collate, collate_packed
 from diskreplay import format as fmt
 from diskreplay.verify import verify_store
-from .conftest import format_md_table
+from .conftest import format_md_table, package_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATE = "sampling_per_token_logps"
@@ -339,16 +337,7 @@ def test_a_writer_that_does_not_know_a_column_yet(tmp_path):
 
 
 def _previous_version(tmp_path):
-    """The package as it was before late columns, from git (skip where history is unavailable)."""
-    try:
-        raw = subprocess.run(["git", "-C", ROOT, "archive", PREVIOUS_VERSION, "diskreplay"], capture_output=True,
-                             check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip(f"git history with {PREVIOUS_VERSION} is not available")
-    dest = tmp_path / "previous"
-    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
-        tar.extractall(dest)
-    return str(dest)
+    return package_at(PREVIOUS_VERSION, tmp_path / "previous")
 
 
 def _run_previous(previous, body, *args):
