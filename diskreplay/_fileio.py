@@ -151,10 +151,16 @@ _pool_pid = -1
 _pool_lock = threading.Lock()
 
 
+#: forks into this process's ancestry: a holder of descriptors or threads compares it with the value
+#: it saw (os.getpid() per check would be a syscall per use)
+forks = [0]
+
+
 def _after_fork_in_child() -> None:
     # a forked child has the pool object but not its threads, and maybe a lock held by one of them
     global _pool, _pool_lock
     _pool, _pool_lock = None, threading.Lock()
+    forks[0] += 1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -67,6 +67,22 @@ class PageChecksums:
                            dtype=np.uint32, count=-(-n // page_bytes))
         return cls(crcs, page_bytes, *_record_batch_layout(data))
 
+    def buffer_pages(self, fields: np.ndarray) -> Optional[np.ndarray]:
+        """``[k, 2]`` ``[start, end)`` of the whole checksum pages holding the recorded buffers of the
+        segment's ``fields`` (positions; those past the recorded ones and empty ranges skipped), or
+        None when no buffers are recorded. Whole pages: checking a buffer reads the pages around it.
+
+        >>> pc = PageChecksums(np.zeros(4, np.uint32), 512, (0, 2048), np.array([[100, 600], [700, 700]]))
+        >>> pc.buffer_pages(np.array([0, 1, 5])).tolist()
+        [[0, 1024]]
+        """
+        if self.buffers is None:
+            return None
+        p = self.page_bytes
+        b = self.buffers[fields[fields < len(self.buffers)]]
+        b = b[b[:, 1] > b[:, 0]]
+        return np.stack([b[:, 0] // p * p, -(-b[:, 1] // p) * p], axis=1)
+
     def metadata(self) -> Dict[bytes, bytes]:
         meta = {_META_PAGE_BYTES: str(self.page_bytes).encode(),
                 _META_PAGE_CRCS: self.crcs.astype("<u4").tobytes(),

@@ -134,10 +134,9 @@ class RemoteSegment(Segment):
         head = -(-pages.body[0] // p) * p
         tail = pages.body[1] // p * p
         ranges = [r for r in ((0, min(head, size)), (tail, size)) if r[1] > r[0]]
-        if fields is not None and pages.buffers is not None:
-            b = pages.buffers[fields[fields < len(pages.buffers)]]
-            b = b[b[:, 1] > b[:, 0]]
-            ranges += zip((b[:, 0] // p * p).tolist(), np.minimum(-(-b[:, 1] // p) * p, size).tolist())
+        buffers = pages.buffer_pages(fields) if fields is not None else None
+        if buffers is not None:
+            ranges += zip(buffers[:, 0].tolist(), np.minimum(buffers[:, 1], size).tolist())
         storage.fetch_ranges(entry.file, ranges, size=size, evict=False, tag=f"{entry.bytes}-{entry.crc32c:08x}")
 
     def complete(self) -> bool:

@@ -1215,11 +1215,9 @@ class ReplayStore:
             if pages is not None:
                 p = pages.page_bytes
                 ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
-                if fields is not None and pages.buffers is not None:
-                    b = pages.buffers[fields[fields < len(pages.buffers)]]
-                    b = b[b[:, 1] > b[:, 0]]
-                    # whole checksum pages: checking a buffer reads the pages around it
-                    starts, ends = coalesce(b[:, 0] // p * p, -(-b[:, 1] // p) * p, _HINT_GAP)
+                buffers = pages.buffer_pages(fields) if fields is not None else None
+                if buffers is not None:
+                    starts, ends = coalesce(buffers[:, 0], buffers[:, 1], _HINT_GAP)
                     ranges += zip(starts.tolist(), (ends - starts).tolist())
                     hinted.add(e.id)
             elif len(todo) > 1:

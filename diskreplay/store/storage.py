@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, fsync_dir, naming_errors, read_file,
+from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, forks, fsync_dir, naming_errors, read_file,
                        remove_quietly, run_concurrently, write_all, write_and_sync_fd)
 from ..errors import ArgumentError, StoreIOError, UnsupportedFilesystemError
 from ..storage.base import Storage, check_range, check_rel  # the one interface; its local implementation here
@@ -208,10 +208,7 @@ class LocalStorage(Storage):
                     crash_point(f"{step}.renamed")
         finally:
             for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                _close(fd)
 
     def _dir_fd(self, reldir: str) -> int:
         fd = self._fds.directory(reldir)
@@ -411,11 +408,7 @@ class _Temp:
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close(fd if fd >= 0 else None)
 
 
 class _Descriptors:
@@ -424,13 +417,13 @@ class _Descriptors:
     closed them, and their numbers may name other files now): it opens its own."""
 
     def __init__(self) -> None:
-        self.forks = _forks[0]
+        self.forks = forks[0]
         self.dirs: Dict[str, int] = {}
         self.files: Dict[str, int] = {}
 
     def _mine(self) -> None:
-        if self.forks != _forks[0]:
-            self.forks, self.dirs, self.files = _forks[0], {}, {}
+        if self.forks != forks[0]:
+            self.forks, self.dirs, self.files = forks[0], {}, {}
 
     def directory(self, reldir: str) -> Optional[int]:
         self._mine()
@@ -460,17 +453,12 @@ class _Descriptors:
             _close(self.take_reserved(rel))
 
     def close(self) -> None:
-        if self.forks != _forks[0]:
+        if self.forks != forks[0]:
             return  # a forked child's copy: the parent's to close
         fds = list(self.dirs.values()) + list(self.files.values())
         self.dirs, self.files = {}, {}
         for fd in fds:
             _close(fd)
-
-
-# forks into this process's ancestry (os.getpid() per check would be a syscall per descriptor use)
-_forks = [0]
-os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
 def _close(fd: Optional[int]) -> None:
