@@ -18,29 +18,35 @@ Two entry points, as for padded batches (see :mod:`diskreplay.padding`):
   log-probs) to a GPU and packs there. ``pack_on_device(collate_unpadded(b))``
   equals ``collate_packed(b)`` element for element.
 
-How the host kernel writes the stream (512 rows, ~820 tokens each, T ~418 k):
-each token column is one ``np.concatenate`` of per-row views (prompt piece,
-completion piece, row after row) into the output buffer, so each output byte
-is written once by one C loop, int32 ids widened on the way. Zeros at the
-other side's positions and ``position_ids`` are views of small constant
-arrays, made once per length and kept (:class:`_Constants`: looking one up
-costs a tenth of slicing it); ``completion_mask`` is one ``np.repeat`` of a
-0/1 pattern. From ``ReplayStore.read_ranges`` the row views point straight
-into the segments' memory maps, so a batch copies every value once instead of
-twice (``read`` first concatenates the rows, then the packing copies them
-again): what :meth:`Collator.read <diskreplay.collator.Collator.read>` does.
+How the host writes the stream (512 rows, ~820 tokens each, T ~418 k):
 
-Where the time goes, measured on the 2-core VM at a load of 2-6 (best of 150
-batches; the machine's memory bandwidth, ~6-10 GB/s, bounds writing the 13.4 MB
-of int64 ids, positions and mask and float32 log-probs at 1.3-2.2 ms):
-``read_ranges`` (locating rows in ~40 segments, page checks, per-row columns)
-1.1-1.6 ms; making ~2,000 row views 0.6-0.75 ms; the concatenations 2.2-2.7 ms,
-within ~0.7 ms of the bytes they move; the rest (mask, buffers, per-row
-columns) 0.5 ms. Per-row work is now a view and a
-piece of a C-level join (~0.5 us a row and column); a fancy-index gather
-(``np.take`` over T) or a boolean-mask scatter were measured slower, and
-a first version that built a boolean mask and scattered every column through
-it cost 1-1.5 ms per column.
+* With numba installed (``pip install diskreplay[fast]``), compiled kernels
+  (:mod:`diskreplay._jit`) write each column in one pass over the rows,
+  reading every row at its address in the segment's map (or the batch's
+  values): each output byte is written once, at the machine's memory speed,
+  with no per-row Python. ``DISKREPLAY_JIT=0`` switches them off.
+* Without it, each token column is one ``np.concatenate`` of per-row views
+  (prompt piece, completion piece, row after row) into the output buffer, int32
+  ids widened on the way; zeros at the other side's positions and
+  ``position_ids`` are views of small constant arrays, made once per length and
+  kept (:class:`_Constants`: looking one up costs a tenth of slicing it);
+  ``completion_mask`` is one ``np.repeat`` of a 0/1 pattern. Per-row work is a
+  view and a piece of a C-level join (~0.5 us a row and column, ~2 ms a batch);
+  a fancy-index gather (``np.take`` over T) or a boolean-mask scatter were
+  measured slower.
+
+Both paths give the same bytes. From ``ReplayStore.read_ranges`` the rows
+are read straight from the segments' memory maps, so a batch copies every
+value once instead of twice (``read`` first concatenates the rows, then the
+packing copies them again): what :meth:`Collator.read
+<diskreplay.collator.Collator.read>` does.
+
+Measured in ``tools/bench.py sample`` (the paths alternated, so each starts
+with caches other paths have filled; the 13.4 MB of int64 ids, positions and
+mask and float32 log-probs take ~2.3 ms to write at this VM's ~6 GB/s):
+``Collator.read`` of a packed batch 7.4 ms with the numpy path, see the
+closing notes for the compiled one; ``read_ranges`` (locating rows in ~40
+segments, page checks, per-row columns) is ~1 ms of either.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
+from . import _jit
 from .errors import BatchError
 from .padding import (_OFFSETS, PRESENT_SUFFIX, _batch_size, _buffer, _check_mask_names, _is_prompt,
                       _passthrough, _per_row, _presence, _ragged_names, _torch_dtype, _widened, checked_lengths)
@@ -119,7 +126,7 @@ class _Rows:
     the rows as views (:meth:`views`), whether it came from ``ReplayStore.read`` (one values
     array and its offsets) or ``read_ranges`` (views straight into the segments' maps)."""
 
-    __slots__ = ("col", "lengths", "valid", "dtype")
+    __slots__ = ("col", "lengths", "valid", "dtype", "keep")
 
     def __init__(self, name: str, col: RaggedColumn) -> None:
         self.col = col
@@ -141,6 +148,31 @@ class _Rows:
         values = np.asarray(col.values).reshape(-1)
         offsets = np.asarray(col.offsets, dtype=np.int64).tolist()
         return list(map(values.__getitem__, map(slice, offsets[:-1], offsets[1:])))
+
+    def side(self, lengths: np.ndarray) -> Optional[tuple]:
+        """The rows as the compiled kernel reads them: ``(kind, addresses, lengths)``, ``lengths``
+        values read at each row's address, zeros in a row whose own length differs (the caller has
+        checked that it has none: "not computed"); None when they cannot be read by address (a
+        dtype the kernel does not handle, offsets outside the values). ``self`` keeps alive what
+        the addresses point into."""
+        if self.dtype not in _jit.SUPPORTED:
+            return None
+        col = self.col
+        if isinstance(col, RowRanges):
+            at = col.addresses()
+            if at is None:
+                return None
+        else:
+            values = np.ascontiguousarray(np.asarray(col.values).reshape(-1))
+            offsets = np.asarray(col.offsets, dtype=np.int64)
+            if values.dtype != self.dtype or (offsets.size and (offsets[0] < 0 or offsets[-1] > values.size)):
+                return None
+            self.keep = values
+            at = offsets[:-1] * values.itemsize + (values.__array_interface__["data"][0] if values.size else 0)
+        bad = self.lengths != lengths
+        if bad.any():
+            at = np.where(bad, 0, at)
+        return np.empty(0, dtype=self.dtype), at, lengths
 
 
 def _interleave(first: Optional[list], second: Optional[list]) -> list:
@@ -259,13 +291,41 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                 views[i] = empty
         return views
 
+    kernels = _jit.kernels() if T else None
+    nothing = np.zeros(B, dtype=np.int64)
+
+    def compiled(target: np.ndarray, first: Optional[tuple], second: Optional[tuple]) -> bool:
+        # one compiled pass writes the column (False: the numpy path must)
+        if kernels is None or first is None or second is None or target.dtype not in _jit.SUPPORTED:
+            return False
+        kernels.stream(target, cu, *first, *second)
+        return True
+
+    def zeros_of(side_lengths: np.ndarray, dtype: np.dtype) -> tuple:
+        return np.empty(0, dtype=dtype), nothing, side_lengths
+
+    def kernel_side(side: Optional[_Rows], side_lengths: np.ndarray, dtype: np.dtype) -> Optional[tuple]:
+        return zeros_of(side_lengths, dtype) if side is None else side.side(side_lengths)
+
+    def per_token_sides(r: _Rows, is_prompt: bool, dtype: np.dtype) -> tuple:
+        # the column's values on its own side (zeros if the batch has no ids there), zeros on the other
+        mine = kernel_side(r if sides[is_prompt][2] else None, plen if is_prompt else clen, dtype)
+        theirs = zeros_of(clen if is_prompt else plen, dtype)
+        return (mine, theirs) if is_prompt else (theirs, mine)
+
     result: dict[str, Any] = {}
     ids = _buffer(out, "input_ids", _flat_shape(T, batch_dim), torch.int64)
-    _join(_interleave(token_views(prompt), token_views(completion)), ids.numpy().reshape(-1))
+    ids_np = ids.numpy().reshape(-1)
+    if kernels is None or not compiled(ids_np, kernel_side(prompt, plen, ids_np.dtype),
+                                       kernel_side(completion, clen, ids_np.dtype)):
+        _join(_interleave(token_views(prompt), token_views(completion)), ids_np)
     pos = _buffer(out, "position_ids", _flat_shape(T, batch_dim), torch.int64)
-    _join(_CONSTANTS.views("count", np.dtype(np.int64), seq.tolist(), max_seqlen), pos.numpy().reshape(-1))
     mask = _buffer(out, "completion_mask", (T,), torch.int64)
-    if B:
+    if kernels is not None:
+        kernels.layout(pos.numpy().reshape(-1), mask.numpy(), cu, plen)
+    else:
+        _join(_CONSTANTS.views("count", np.dtype(np.int64), seq.tolist(), max_seqlen), pos.numpy().reshape(-1))
+    if B and kernels is None:
         # 0 over each prompt, 1 over each completion: np.repeat of a 0/1 pattern makes the mask in
         # one C loop as int8, and one streaming copy widens it (half the time of joining 2 pieces
         # a row into the int64 buffer, measured with cold caches)
@@ -305,17 +365,18 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                         f"{'prompt' if is_prompt else 'completion'} tokens; a per-token column must have "
                         "one value per token of its side")
             t = _buffer(out, name, (T,), _torch_dtype(r.dtype))
-            own = None
-            if sides[is_prompt][2]:  # else no ids on this side: every row is empty there
-                own = r.views()
-                # zeros in rows without values, whatever their stored range
-                if not all_ok or r.valid is not None:
-                    fix = ~ok if r.valid is None else ~ok | ~r.valid
-                    filler = constant(0, r.dtype, is_prompt)
-                    for i in np.flatnonzero(fix).tolist():
-                        own[i] = filler[i]
-            other = constant(0, r.dtype, not is_prompt)
-            _join(_interleave(own, other) if is_prompt else _interleave(other, own), t.numpy())
+            if kernels is None or not compiled(t.numpy(), *per_token_sides(r, is_prompt, t.numpy().dtype)):
+                own = None
+                if sides[is_prompt][2]:  # else no ids on this side: every row is empty there
+                    own = r.views()
+                    # zeros in rows without values, whatever their stored range
+                    if not all_ok or r.valid is not None:
+                        fix = ~ok if r.valid is None else ~ok | ~r.valid
+                        filler = constant(0, r.dtype, is_prompt)
+                        for i in np.flatnonzero(fix).tolist():
+                            own[i] = filler[i]
+                other = constant(0, r.dtype, not is_prompt)
+                _join(_interleave(own, other) if is_prompt else _interleave(other, own), t.numpy())
             result[name] = t
             flag = _presence(out, name, col, B)
             if flag is not None:

@@ -749,6 +749,7 @@ class Segment(ArrowFile):
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
         self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
+        self._addresses: Dict[str, int] = {}  # ragged column -> address of its first value in this process
         self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
 
     @property
@@ -798,6 +799,15 @@ class Segment(ArrowFile):
             self._check_offsets(name, offsets, len(values))
             hit = self._cache[name] = (values, offsets, validity)
         return hit
+
+    def values_address(self, name: str) -> int:
+        """Where the values of ragged column ``name`` start in this process's memory (the map
+        stays put while the segment is open): compiled kernels read rows by address."""
+        address = self._addresses.get(name)
+        if address is None:
+            values = self.ragged(name)[0]
+            address = self._addresses[name] = values.__array_interface__["data"][0] if values.size else 0
+        return address
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
         """Check the pages holding the values of ``local_rows`` of a ragged column (once per row)."""

@@ -16,7 +16,7 @@ from diskreplay import (BatchError, Collator, CorruptStoreError, RaggedColumn, R
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.store.reading import RowRanges
 
-from .test_packing import assert_same, reference_packed
+from .test_packing import PATHS, assert_same, packing_path, reference_packed
 
 LATE = "sampling_per_token_logps"
 SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -55,11 +55,13 @@ def build_store(path, rng, commits, rows_per_commit, late_from, lengths=(0, 40))
 
 
 def packed_three_ways(store, rows, columns=None, batch_dim=True):
-    """The direct path, the read-then-pack path and the reference: all equal."""
-    direct = Collator(layout="packed", batch_dim=batch_dim).read(store, rows, columns)
+    """The direct path, the read-then-pack path and the reference: all equal, compiled or not."""
     read = store.read(rows, columns)
-    assert_same(direct, collate_packed(read, batch_dim=batch_dim))
-    assert_same(direct, reference_packed(read, batch_dim))
+    for path in PATHS:
+        with packing_path(path):
+            direct = Collator(layout="packed", batch_dim=batch_dim).read(store, rows, columns)
+            assert_same(direct, collate_packed(read, batch_dim=batch_dim))
+            assert_same(direct, reference_packed(read, batch_dim))
     # the device payload joined from the maps (runs of neighbouring rows copied as one piece)
     assert_same(Collator(layout="packed").unpadded(store.read_ranges(rows, columns)), collate_unpadded(read))
     return direct

@@ -3,7 +3,10 @@ a real model: a tiny Qwen2 gives the same per-token log-probs from a packed batc
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -17,6 +20,24 @@ from diskreplay.packing import packed_sizes
 from .test_padding import FAST, batches, ragged
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+#: the ways collate_packed can build a batch: numba's compiled kernels (when installed: the dev
+#: extra installs it) and the numpy joins; every layout test runs both
+PATHS = ("compiled", "numpy") if importlib.util.find_spec("numba") else ("numpy",)
+
+
+@contextlib.contextmanager
+def packing_path(path):
+    """Run collate_packed on one path (DISKREPLAY_JIT is read on every call)."""
+    old = os.environ.get("DISKREPLAY_JIT")
+    os.environ["DISKREPLAY_JIT"] = "1" if path == "compiled" else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DISKREPLAY_JIT"]
+        else:
+            os.environ["DISKREPLAY_JIT"] = old
 
 
 def reference_packed(batch, batch_dim=True):
@@ -108,8 +129,10 @@ def test_collate_packed_matches_reference(batch):
         with pytest.raises(BatchError, match="prompt_ids"):
             collate_packed(batch)
         return
-    for batch_dim in (True, False):
-        assert_same(collate_packed(batch, batch_dim=batch_dim), reference_packed(batch, batch_dim))
+    for path in PATHS:
+        with packing_path(path):
+            for batch_dim in (True, False):
+                assert_same(collate_packed(batch, batch_dim=batch_dim), reference_packed(batch, batch_dim))
 
 
 @FAST
@@ -130,14 +153,40 @@ def test_packed_collator_reuses_its_buffers(batch):
     batch = aligned(batch)
     if not has_tokens(batch):
         return
-    collator = Collator(layout="packed")
-    first = collator(batch)
-    assert_same(first, collate_packed(batch))
-    again = collator(batch)
-    assert_same(again, collate_packed(batch))
-    for name, value in again.items():
-        if isinstance(value, torch.Tensor) and value.numel():
-            assert value.data_ptr() == first[name].data_ptr(), name
+    for path in PATHS:
+        with packing_path(path):
+            collator = Collator(layout="packed")
+            first = collator(batch)
+            assert_same(first, collate_packed(batch))
+            again = collator(batch)
+            assert_same(again, collate_packed(batch))
+            for name, value in again.items():
+                if isinstance(value, torch.Tensor) and value.numel():
+                    assert value.data_ptr() == first[name].data_ptr(), name
+
+
+@pytest.mark.skipif("compiled" not in PATHS, reason="numba is not installed")
+def test_compiled_path_is_switched_by_the_environment_and_falls_back_per_column():
+    from diskreplay import _jit
+
+    with packing_path("compiled"):
+        assert _jit.kernels() is not None
+    with packing_path("numpy"):
+        assert _jit.kernels() is None
+    # dtypes the kernel does not handle (float16), strided values and int64 ids: the compiled
+    # path hands those columns to the numpy joins, the others it writes itself
+    wide = RaggedColumn.from_arrays([[1, 2, 3], [4]], dtype=np.float64)
+    batch = {"prompt_ids": RaggedColumn(np.arange(20, dtype=np.int64)[::2], np.array([1, 3, 4])),
+             "completion_ids": RaggedColumn.from_arrays([[7, 8, 9], [5]], dtype=np.int32),
+             "old_per_token_logps": RaggedColumn.from_arrays([[-1, -2, -3], [-4]], dtype=np.float16),
+             "completion_weights": RaggedColumn(wide.values, wide.offsets, np.array([True, False]))}
+    with packing_path("compiled"):
+        got = collate_packed(batch)
+    with packing_path("numpy"):
+        assert_same(got, collate_packed(batch))
+    assert got["input_ids"].tolist() == [[2, 4, 7, 8, 9, 6, 5]]
+    assert got["old_per_token_logps"].dtype == torch.float16
+    assert got["completion_weights"].tolist() == [0, 0, 1, 2, 3, 0, 0]
 
 
 def test_cu_seqlens_names_and_shapes_match_transformers_flattening_collator():

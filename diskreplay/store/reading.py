@@ -139,12 +139,14 @@ class RowRanges(RaggedColumn):
     >>> store.close(); tmp.cleanup()
     """
 
-    __slots__ = ("plan", "sources", "_dtype", "_column")
+    __slots__ = ("plan", "sources", "_dtype", "_column", "bases")
 
     def __init__(self, plan: RangePlan, sources: List[np.ndarray], dtype: np.dtype,
-                 validity: Optional[np.ndarray] = None) -> None:
+                 validity: Optional[np.ndarray] = None, bases: Optional[np.ndarray] = None) -> None:
         self.plan, self.sources, self._dtype, self.validity = plan, sources, np.dtype(dtype), validity
         self._column: Optional[RaggedColumn] = None
+        #: where each source's values start in memory (int64, one per source), when known
+        self.bases = bases
 
     def __len__(self) -> int:
         return len(self.plan.starts)
@@ -161,6 +163,19 @@ class RowRanges(RaggedColumn):
     def row_views(self) -> list:
         """One read-only view per row (a row without a value gives its stored, usually empty, range)."""
         return self.plan.views(self.sources)
+
+    def addresses(self) -> Optional[np.ndarray]:
+        """Where each row's first value lies in this process's memory (int64; what compiled
+        kernels read, valid while this object and its segments are alive); None if a source's
+        dtype is not the column's."""
+        if any(s.dtype != self._dtype for s in self.sources):
+            return None
+        bases = self.bases
+        if bases is None:
+            bases = self.bases = np.array([s.__array_interface__["data"][0] if s.size else 0
+                                           for s in self.sources], dtype=np.int64)
+        plan = self.plan
+        return bases[plan.part_of] + plan.starts * self._dtype.itemsize
 
     def gather(self, buffers: Optional[Dict[str, np.ndarray]] = None, name: str = "") -> RaggedColumn:
         """The rows copied one after another (what ``ReplayStore.read`` returns), in
@@ -233,7 +248,8 @@ def ragged_ranges(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: in
     plan = plans.get(key)
     if plan is None:
         plan = plans[key] = RangePlan(parts, [offs for _, offs, _ in columns], n)
-    return RowRanges(plan, [values for values, _, _ in columns], dtype, validity)
+    return RowRanges(plan, [values for values, _, _ in columns], dtype, validity,
+                     np.array([seg.values_address(name) for seg, _, _ in parts], dtype=np.int64))
 
 
 def gather_ragged(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
