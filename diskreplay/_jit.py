@@ -50,38 +50,49 @@ def _build() -> Any:
             return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
         return types.voidptr(types.int64), codegen
 
+    # Every loop writes through a view of its row (``dst = out[a:b]; dst[j] = ...``): indexing
+    # ``out[a + j]`` makes numba check for a negative index on every element, which keeps LLVM from
+    # vectorising the loop (4-5x slower, measured on 512 rows of 800 tokens).
+
+    @njit(nogil=True, cache=True)
+    def fill(dst, value):
+        for j in range(dst.shape[0]):
+            dst[j] = value
+
+    @njit(nogil=True, cache=True)
+    def copy(dst, address, kind):
+        src = numba.carray(as_pointer(address), dst.shape[0], kind.dtype)
+        for j in range(dst.shape[0]):
+            dst[j] = src[j]
+
     @njit(nogil=True, cache=True)
     def pair(out, starts, first_kind, first_at, first_len, second_kind, second_at, second_len):
         """Row i of the stream, from ``starts[i]``: ``first_len[i]`` values read at address
         ``first_at[i]`` (zeros where it is 0), then ``second_len[i]`` values at ``second_at[i]``.
         ``*_kind``: an empty array of the source's dtype (the values are cast to ``out``'s)."""
         for i in range(first_len.shape[0]):
-            at = starts[i]
-            n = first_len[i]
+            middle = starts[i] + first_len[i]
+            dst = out[starts[i]:middle]
             if first_at[i] == 0:
-                out[at:at + n] = 0
+                fill(dst, 0)
             else:
-                src = numba.carray(as_pointer(first_at[i]), n, first_kind.dtype)
-                for j in range(n):
-                    out[at + j] = src[j]
-            at += n
-            n = second_len[i]
+                copy(dst, first_at[i], first_kind)
+            dst = out[middle:middle + second_len[i]]
             if second_at[i] == 0:
-                out[at:at + n] = 0
+                fill(dst, 0)
             else:
-                src = numba.carray(as_pointer(second_at[i]), n, second_kind.dtype)
-                for j in range(n):
-                    out[at + j] = src[j]
+                copy(dst, second_at[i], second_kind)
 
     @njit(nogil=True, cache=True)
     def positions_and_mask(positions, mask, starts, prompt_len):
         """``positions``: 0, 1, ... over each row; ``mask``: 0 over its prompt, 1 over its completion."""
         for i in range(prompt_len.shape[0]):
-            at, end, p = starts[i], starts[i + 1], prompt_len[i]
-            for j in range(end - at):
-                positions[at + j] = j
-            mask[at:at + p] = 0
-            mask[at + p:end] = 1
+            at, end = starts[i], starts[i + 1]
+            row = positions[at:end]
+            for j in range(row.shape[0]):
+                row[j] = j
+            fill(mask[at:at + prompt_len[i]], 0)
+            fill(mask[at + prompt_len[i]:end], 1)
 
     class Kernels:
         __slots__ = ()

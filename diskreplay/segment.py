@@ -749,7 +749,8 @@ class Segment(ArrowFile):
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
         self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
-        self._addresses: Dict[str, int] = {}  # ragged column -> address of its first value in this process
+        self._states: Dict[str, tuple] = {}  # ragged column -> ragged_state
+        self._rows_checked_for: Dict[tuple, np.ndarray] = {}  # ragged columns read together -> rows checked
         self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
 
     @property
@@ -800,14 +801,17 @@ class Segment(ArrowFile):
             hit = self._cache[name] = (values, offsets, validity)
         return hit
 
-    def values_address(self, name: str) -> int:
-        """Where the values of ragged column ``name`` start in this process's memory (the map
-        stays put while the segment is open): compiled kernels read rows by address."""
-        address = self._addresses.get(name)
-        if address is None:
-            values = self.ragged(name)[0]
-            address = self._addresses[name] = values.__array_interface__["data"][0] if values.size else 0
-        return address
+    def ragged_state(self, name: str) -> tuple:
+        """``(values, offsets, validity, offsets_key, address)`` of ragged column ``name``: what a
+        read needs of each segment it touches, in one call (:meth:`ragged`, :meth:`offsets_key`, and
+        where the values start in this process's memory, the map staying put while the segment is
+        open: compiled kernels read rows by address)."""
+        state = self._states.get(name)
+        if state is None:
+            values, offsets, validity = self.ragged(name)
+            address = values.__array_interface__["data"][0] if values.size else 0
+            state = self._states[name] = (values, offsets, validity, self.offsets_key(name), address)
+        return state
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
         """Check the pages holding the values of ``local_rows`` of a ragged column (once per row)."""
@@ -831,6 +835,23 @@ class Segment(ArrowFile):
         counts = last - first + 1
         pages = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
         self._verify_pages(pages)
+        checked[todo] = True
+
+    def check_rows_of(self, names: tuple, local_rows: np.ndarray) -> None:
+        """:meth:`check_rows` for each ragged column of ``names`` (a read's): warm, when every
+        row was checked for all of them before, one test instead of one per column."""
+        if self.pages is None or not names:
+            return
+        checked = self._rows_checked_for.get(names)
+        if checked is None:
+            checked = self._rows_checked_for[names] = np.zeros(self.num_rows, dtype=bool)
+        seen = checked[local_rows]
+        if np.count_nonzero(seen) == len(seen):
+            return
+        todo = local_rows[~seen]
+        for name in names:
+            self.ragged(name)  # sets up the column's own check record
+            self.check_rows(name, todo)
         checked[todo] = True
 
     def offsets_key(self, name: str) -> str:

@@ -229,31 +229,32 @@ def ragged_run(name: str, seg: Segment, first: int, n: int) -> Optional[RaggedCo
 
 
 def ragged_ranges(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
-                  plans: Dict[Any, RangePlan]) -> Optional[RowRanges]:
-    """Where the rows of a ragged column lie in the touched segments, their pages checked;
+                  plans: Dict[Any, RangePlan], checked: bool = False) -> Optional[RowRanges]:
+    """Where the rows of a ragged column lie in the touched segments, their pages checked (by the
+    caller when ``checked``: ``Segment.check_rows_of`` for all ragged columns of a read at once);
     None when none of the rows has a value."""
-    columns = [seg.ragged(name) for seg, _, _ in parts]
-    for seg, _, loc in parts:
-        seg.check_rows(name, loc)
+    states = [seg.ragged_state(name) for seg, _, _ in parts]
+    if not checked:
+        for seg, _, loc in parts:
+            seg.check_rows(name, loc)
+    values, offsets, valids, keys, addresses = zip(*states) if states else ((), (), (), (), ())
     validity = None
-    if any(valid is not None for _, _, valid in columns):
+    if any(valid is not None for valid in valids):
         validity = np.ones(n, dtype=bool)
-        for (_, sel, loc), (_, _, valid) in zip(parts, columns):
+        for (_, sel, loc), valid in zip(parts, valids):
             if valid is not None:
                 validity[sel] = valid[loc]
         if not validity.any():
             return None
     # columns whose offsets are equal in every touched segment share one plan
-    key = tuple(seg.offsets_key(name) for seg, _, _ in parts)
-    plan = plans.get(key)
+    plan = plans.get(keys)
     if plan is None:
-        plan = plans[key] = RangePlan(parts, [offs for _, offs, _ in columns], n)
-    return RowRanges(plan, [values for values, _, _ in columns], dtype, validity,
-                     np.array([seg.values_address(name) for seg, _, _ in parts], dtype=np.int64))
+        plan = plans[keys] = RangePlan(parts, offsets, n)
+    return RowRanges(plan, list(values), dtype, validity, np.array(addresses, dtype=np.int64))
 
 
 def gather_ragged(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
-                  plans: Dict[Any, RangePlan], buffers: Optional[Dict[str, np.ndarray]] = None
-                  ) -> Optional[RaggedColumn]:
-    ranges = ragged_ranges(name, parts, n, dtype, plans)
+                  plans: Dict[Any, RangePlan], buffers: Optional[Dict[str, np.ndarray]] = None,
+                  checked: bool = False) -> Optional[RaggedColumn]:
+    ranges = ragged_ranges(name, parts, n, dtype, plans, checked)
     return None if ranges is None else ranges.gather(buffers, name)

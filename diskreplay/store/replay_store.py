@@ -1247,9 +1247,10 @@ class ReplayStore:
             parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
         else:
             order = np.argsort(seg_idx, kind="stable")
-            cuts = np.flatnonzero(np.diff(seg_idx[order])) + 1
-            parts = [(self._segment(m.segments[int(seg_idx[sel[0]])]), sel, local[sel])
-                     for sel in np.split(order, cuts)] if n else []
+            bounds = [0, *(np.flatnonzero(np.diff(seg_idx[order])) + 1).tolist(), n]
+            sels = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])] if n else []
+            parts = [(self._segment(m.segments[i]), sel, local[sel])
+                     for i, sel in zip(seg_idx[order[bounds[:-1]]].tolist(), sels)] if n else []
         if self.remote:
             fetch_for_read([(seg, loc) for seg, _, loc in parts], cols,
                            [c for c in cols if self.schema[c].kind == RAGGED], self._io_pool())
@@ -1266,14 +1267,18 @@ class ReplayStore:
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
         run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
                and bool(np.all(np.diff(parts[0][2]) == 1)))
+        ragged_cols = tuple(c for c in cols if self.schema[c].kind == RAGGED)
+        if not run:
+            for seg, _, loc in parts:
+                seg.check_rows_of(ragged_cols, loc)
         for name in cols:
             spec = self.schema[name]
             if spec.kind == RAGGED and ranges:
-                out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans)
+                out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans, checked=True)
             elif spec.kind == RAGGED and run:
                 out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
             elif spec.kind == RAGGED:
-                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers)
+                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers, checked=True)
             elif spec.dtype == "string":
                 res: List[Any] = [None] * n
                 for seg, sel, loc in parts:
