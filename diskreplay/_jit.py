@@ -25,6 +25,7 @@ itself is cached on disk by numba after the first compile).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -113,4 +114,9 @@ def kernels() -> Optional[Any]:
             _loaded = _build()
         except ImportError:
             _failed = True
+        except Exception as exc:  # numba present but unusable here (e.g. no writable cache directory)
+            _failed = True
+            warnings.warn(f"diskreplay: numba's kernels could not be built ({exc}); packed batches take "
+                          "the numpy path (set NUMBA_CACHE_DIR to a writable directory, or DISKREPLAY_JIT=0 "
+                          "to silence this)", RuntimeWarning, stacklevel=3)
     return _loaded
