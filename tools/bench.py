@@ -1640,7 +1640,8 @@ def main(argv=None) -> None:
     p.add_argument("--commits", type=int, default=100, help="writers: small commits per writer")
     p.add_argument("--rounds", type=int, default=3, help="writers: alternating rounds (medians are reported)")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
-    p.add_argument("--dir", help="work directory (default: a new temporary one); big stores are reused")
+    p.add_argument("--dir", help="work directory, kept (default: a new temporary one, removed at the end); "
+                   "big stores are reused")
     p.add_argument("--quick", action="store_true",
                    help="sample: only the warm batch table (skip the per-strategy, cold and memory sections)")
     p.add_argument("--only", choices=["cold"],
@@ -1656,9 +1657,16 @@ def main(argv=None) -> None:
         args.groups = 1024
     if args.what == "commit-cpu" and "--commits" not in (argv if argv is not None else sys.argv):
         args.commits = 300
-    {"store": bench_store, "export": bench_export, "sample": bench_sample,
-     "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
-     "commit-cpu": bench_commit_cpu}[args.what](args)
+    run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
+           "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
+           "commit-cpu": bench_commit_cpu}[args.what]
+    if args.dir:
+        run(args)
+        return
+    # a temporary work directory goes when the run ends (a `sample` run writes ~5 GB)
+    with tempfile.TemporaryDirectory(prefix=f"diskreplay-bench-{args.what}-") as work:
+        args.dir = work
+        run(args)
 
 
 if __name__ == "__main__":
