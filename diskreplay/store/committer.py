@@ -101,6 +101,8 @@ class Committer:
         # would lose a full manifest's work
         self._checkpoint_at = fmt.CHECKPOINT_EVERY + random.randrange(fmt.CHECKPOINT_EVERY)
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
+        #: (generation, time.monotonic()) at which that generation was the newest (no later one existed)
+        self._newest_at: Tuple[int, float] = (0, 0.0)
 
     # ------------------------------------------------------------------ reading the base
 
@@ -108,11 +110,21 @@ class Committer:
         """The newest commit on storage (never older than the one held)."""
         # probes up from the one held; nothing newer: the one held (a generation is created once)
         seen = self._seen if self.multi_writer else None
-        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options, seen=seen)
+        t = time.monotonic()
+        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options, seen=seen,
+                                        known_is_newest=self._held_is_newest())
         if m.generation > self.manifest.generation:
             self.manifest = m
             self._saw(m)
+        self._newest_at = (self.manifest.generation, t)
         return self.manifest
+
+    def _held_is_newest(self) -> bool:
+        """The manifest held, or one older, was the newest less than ``retain_seconds / 2`` ago:
+        nothing newer than it can have been collected since (see ``fmt.read_forward``)."""
+        gen, at = self._newest_at
+        return (self.multi_writer and self.manifest.generation >= gen > 0
+                and time.monotonic() - at < self.retain_seconds / 2)
 
     def _saw(self, m: fmt.Manifest) -> None:
         if self.multi_writer:
@@ -285,11 +297,13 @@ class Committer:
         rel = new.file
         files, dirs = self.pending, self.pending_dirs
         self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
+        t = time.monotonic()
         try:
             linked = self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest")
             self._linked_t = time.perf_counter()
             if not linked:
                 return False
+            self._newest_at = (new.generation, t)  # its link found no later generation
         except BaseException as exc:
             if not self._visible(rel, data):
                 raise
