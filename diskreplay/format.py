@@ -557,12 +557,27 @@ class TokenLog:
     def from_dict(cls, d: Any, where: str) -> "TokenLog":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported token log entry {d!r} in {where}; expected an object")
-        e = cls(_int(d, "id", where, hi=_MAX_ID), _int(d, "bytes", where, lo=1),
-                _int(d, "crc32c", where, hi=0xFFFFFFFF), _int(d, "count", where, lo=1),
-                _int(d, "last_generation", where, lo=1, hi=_MAX_ID), _int(d, "end_row", where))
+        get = d.get
+        i, nbytes, crc, count, last, end = values = (get("id"), get("bytes"), get("crc32c"), get("count"),
+                                                     get("last_generation"), get("end_row"))
+        # the valid case in one expression, straight into a new instance (as SegmentEntry.from_dict):
+        # a full manifest lists up to 32 logs, and every writer reads every other writer's checkpoints
+        if (type(i) is int and type(nbytes) is int and type(crc) is int and type(count) is int
+                and type(last) is int and type(end) is int and 0 <= i <= _MAX_ID and 1 <= nbytes <= 1 << 62
+                and 0 <= crc <= 0xFFFFFFFF and 1 <= count <= 1 << 62 and 1 <= last <= _MAX_ID
+                and 0 <= end <= 1 << 62):
+            e = object.__new__(cls)
+            e.__dict__.update(zip(_TOKEN_LOG_FIELDS, values))
+        else:
+            e = cls(_int(d, "id", where, hi=_MAX_ID), _int(d, "bytes", where, lo=1),
+                    _int(d, "crc32c", where, hi=0xFFFFFFFF), _int(d, "count", where, lo=1),
+                    _int(d, "last_generation", where, lo=1, hi=_MAX_ID), _int(d, "end_row", where))
         if d.get("file", e.file) != e.file:
             raise FormatError(f"Unsupported token log file {d.get('file')!r} in {where}; expected {e.file!r}")
         return e
+
+
+_TOKEN_LOG_FIELDS = ("id", "bytes", "crc32c", "count", "last_generation", "end_row")
 
 
 def token_log_bytes(records: Sequence[TokenRecord]) -> bytes:
@@ -1187,11 +1202,13 @@ def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] 
     for _ in range(limit):
         g = m.generation + 1
         try:
-            m = load_manifest(os.path.join(root, manifest_file(g)), g, known=m, options=options, seen=seen)
+            m = load_manifest(os.path.join(root, manifest_file(g)), g, known=m, options=options)
         except FileNotFoundError:
             return m, True
         except (OSError, CorruptStoreError, FormatError):
             return m, False
+        if seen is not None:  # every one, full manifests too: a writer's clean-up need not read them again
+            seen[g] = m
     return m, False
 
 
