@@ -328,7 +328,8 @@ class Committer:
         return True
 
     def _installed(self, new: fmt.Manifest, install) -> None:
-        self._superseded_at[self.manifest.generation] = time.time()
+        if not self.multi_writer and self.retain_seconds is not None:  # only _young asks (kept while retained)
+            self._superseded_at[self.manifest.generation] = time.time()
         self.manifest = new
         self._saw(new)
         install(new)
@@ -398,6 +399,8 @@ class Committer:
         if not dropped:
             return
         old = [self.retained.pop(g) for g in dropped]
+        for g in dropped:
+            self._superseded_at.pop(g, None)
         referenced = {f for m in self.retained.values() for f in m.files()}
         self.delete([m.file for m in old], sorted({f for m in old for f in m.files() if f not in referenced}))
 
@@ -422,6 +425,7 @@ class Committer:
         self.retained = {g: docs[g] for g in keep}
         self.retained[current] = self.manifest
         self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
+        self._superseded_at = {g: t for g, t in self._superseded_at.items() if g in self.retained}
         referenced = {f for m in self.retained.values() for f in m.files()}
         if unreadable:
             warnings.warn(f"{self.storage.url}: cannot read manifest(s) {'; '.join(unreadable.values())}; "

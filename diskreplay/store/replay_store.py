@@ -920,7 +920,7 @@ class ReplayStore:
         plan (nearly) the same merge and all but one would lose it, after doing its work. The
         merge is therefore left to the writer whose append (its ``appended`` newest segments)
         made it due; should that writer die first, anyone takes a merge that was due
-        ``fanin`` segments ago.
+        ``fanin * ratio`` segments ago.
         """
         while True:
             segs = self.manifest.segments
@@ -942,7 +942,11 @@ class ReplayStore:
         policy, options = self.merge_policy, self.options
         if policy.plan(segs[:-appended], options) is None:
             return True
-        return len(segs) > policy.fanin + appended and policy.plan(segs[:-appended - policy.fanin], options) is not None
+        # overdue: due before the newest fanin * ratio appends. After only fanin of them the merge
+        # is often in flight still (a few writers append 16 small segments while one merges), and
+        # a second writer taking it would lose the race for the same segments after doing its work
+        lag = policy.fanin * policy.ratio + appended
+        return len(segs) > lag and policy.plan(segs[:-lag], options) is not None
 
     # ------------------------------------------------------------------ states
 
