@@ -1194,9 +1194,10 @@ def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] 
     and of the next (:func:`newer_generation`): nothing new costs one failed open, each new
     commit the read of its file that catching up needs anyway.
 
-    >>> import tempfile; root = tempfile.mkdtemp(); m = Manifest(generation=3)
+    >>> import shutil, tempfile; root = tempfile.mkdtemp(); m = Manifest(generation=3)
     >>> read_forward(root, m) == (m, True)
     True
+    >>> shutil.rmtree(root)
     """
     m = known
     for _ in range(limit):
