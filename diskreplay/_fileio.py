@@ -13,9 +13,9 @@ import contextlib
 import errno
 import fcntl
 import os
+import queue
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Union
 
 import google_crc32c
@@ -146,7 +146,8 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
 # Test hook: tools/faults.py injects faults into the N-th call of a syscall with strace,
 # whose counts are per thread, so it runs the store's I/O on the calling thread.
 _SERIAL_ENV = "DISKREPLAY_SERIAL_IO"
-_pool: Optional[ThreadPoolExecutor] = None
+POOL_THREADS = 8
+_pool: Optional["_Pool"] = None
 _pool_pid = -1
 _pool_lock = threading.Lock()
 
@@ -166,13 +167,78 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _Batch:
+    """The calls of one :func:`run_concurrently`: the last to finish releases ``done``."""
+
+    __slots__ = ("left", "lock", "done", "errors")
+
+    def __init__(self, n: int) -> None:
+        self.left, self.lock, self.done, self.errors = n, threading.Lock(), threading.Lock(), []
+        self.done.acquire()
+
+    def finished(self, exc: Optional[BaseException] = None) -> None:
+        with self.lock:
+            if exc is not None:
+                self.errors.append(exc)
+            self.left -= 1
+            last = not self.left
+        if last:
+            self.done.release()
+
+
+class _Pool:
+    """Threads that run the calls :func:`run_concurrently` hands off, from one queue.
+
+    Not a ``ThreadPoolExecutor``: a call of a small commit (one ``fsync``) is shorter than
+    the executor's future, work item and idle-semaphore bookkeeping, each of which is a lock
+    the waiting thread and the pool's threads hand to each other (about 10 ``futex`` calls a
+    call); here a call costs one queue put, and a batch one lock its caller waits on.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.threads: List[threading.Thread] = []
+        self.idle = 0  # threads not running a call: a call finding none starts one (up to size)
+        self.lock = threading.Lock()
+
+    def submit(self, batch: _Batch, calls: Sequence[Callable[[], None]]) -> None:
+        with self.lock:
+            for _ in calls:
+                if self.idle <= 0 and len(self.threads) < self.size:
+                    t = threading.Thread(target=self._work, name=f"diskreplay-sync_{len(self.threads)}", daemon=True)
+                    self.threads.append(t)
+                    self.idle += 1
+                    t.start()
+                self.idle -= 1
+        for call in calls:
+            self.jobs.put((batch, call))
+
+    def _work(self) -> None:
+        while True:
+            batch, call = self.jobs.get()
+            try:
+                call()
+            except BaseException as exc:  # noqa: B902 - the caller raises it
+                batch.finished(exc)
+            else:
+                batch.finished()
+            finally:
+                del batch, call
+            with self.lock:
+                self.idle += 1
+
+
 def run_concurrently(calls: Sequence[Callable[[], None]]) -> None:
-    """Run ``calls`` at once (on a small thread pool) and wait for all; re-raise the first error.
+    """Run ``calls`` at once (the first on this thread, the others on a small pool of
+    threads) and wait for all; re-raise the first error.
 
     Why: an fsync waits on the disk with the GIL released, and the fsyncs of
     one commit's files and directories share the filesystem's journal commits
     and cache flushes when they are issued together (4 small files: ~20 ms one
     after the other, ~4 ms at once, on the machine of ``tools/bench.py writers``).
+    The first call runs here because this thread would only wait meanwhile: a hand-off
+    to a pool thread and back costs more CPU than a small call's own Python.
 
     >>> out = []; run_concurrently([lambda: out.append(1), lambda: out.append(2)]); sorted(out)
     [1, 2]
@@ -182,17 +248,21 @@ def run_concurrently(calls: Sequence[Callable[[], None]]) -> None:
         for call in calls:
             call()
         return
+    batch = _Batch(len(calls) - 1)
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool, _pool_pid = ThreadPoolExecutor(max_workers=8, thread_name_prefix="diskreplay-sync"), os.getpid()
-        futures = [_pool.submit(call) for call in calls]
-    errors: List[BaseException] = []
-    for f in futures:
-        exc = f.exception()
-        if exc is not None:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+            _pool, _pool_pid = _Pool(POOL_THREADS), os.getpid()
+        _pool.submit(batch, calls[1:])
+    first: Optional[BaseException] = None
+    try:
+        calls[0]()
+    except BaseException as exc:  # noqa: B902 - raised once the others finished with their files
+        first = exc
+    batch.done.acquire()
+    if first is not None:
+        raise first
+    if batch.errors:
+        raise batch.errors[0]
 
 
 def write_all(fd: int, data: Buffer) -> None:

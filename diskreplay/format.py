@@ -69,6 +69,7 @@ DEFAULT_RETAIN_SECONDS = 3600
 # one of these, and a reader that loaded one of them can still open its files.
 KEEP_MANIFESTS = 4
 MAX_RELISTS = 1000  # listings of manifests/ a reader tries before giving up
+FORWARD_READS = 64  # new generations read one after the other (read_forward) before probing for the newest
 MAX_JSON_BYTES = 64 << 20
 _MANIFEST_NAME = re.compile(r"^(\d{12})\.json$")
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -556,12 +557,27 @@ class TokenLog:
     def from_dict(cls, d: Any, where: str) -> "TokenLog":
         if not isinstance(d, dict):
             raise FormatError(f"Unsupported token log entry {d!r} in {where}; expected an object")
-        e = cls(_int(d, "id", where, hi=_MAX_ID), _int(d, "bytes", where, lo=1),
-                _int(d, "crc32c", where, hi=0xFFFFFFFF), _int(d, "count", where, lo=1),
-                _int(d, "last_generation", where, lo=1, hi=_MAX_ID), _int(d, "end_row", where))
+        get = d.get
+        i, nbytes, crc, count, last, end = values = (get("id"), get("bytes"), get("crc32c"), get("count"),
+                                                     get("last_generation"), get("end_row"))
+        # the valid case in one expression, straight into a new instance (as SegmentEntry.from_dict):
+        # a full manifest lists up to 32 logs, and every writer reads every other writer's checkpoints
+        if (type(i) is int and type(nbytes) is int and type(crc) is int and type(count) is int
+                and type(last) is int and type(end) is int and 0 <= i <= _MAX_ID and 1 <= nbytes <= 1 << 62
+                and 0 <= crc <= 0xFFFFFFFF and 1 <= count <= 1 << 62 and 1 <= last <= _MAX_ID
+                and 0 <= end <= 1 << 62):
+            e = object.__new__(cls)
+            e.__dict__.update(zip(_TOKEN_LOG_FIELDS, values))
+        else:
+            e = cls(_int(d, "id", where, hi=_MAX_ID), _int(d, "bytes", where, lo=1),
+                    _int(d, "crc32c", where, hi=0xFFFFFFFF), _int(d, "count", where, lo=1),
+                    _int(d, "last_generation", where, lo=1, hi=_MAX_ID), _int(d, "end_row", where))
         if d.get("file", e.file) != e.file:
             raise FormatError(f"Unsupported token log file {d.get('file')!r} in {where}; expected {e.file!r}")
         return e
+
+
+_TOKEN_LOG_FIELDS = ("id", "bytes", "crc32c", "count", "last_generation", "end_row")
 
 
 def token_log_bytes(records: Sequence[TokenRecord]) -> bytes:
@@ -1040,10 +1056,14 @@ def list_generations(root: Any) -> List[int]:
 
 
 def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
-                         seen: Optional[Dict[int, Manifest]] = None) -> Tuple[Manifest, List[str]]:
+                         seen: Optional[Dict[int, Manifest]] = None,
+                         known_is_newest: bool = False) -> Tuple[Manifest, List[str]]:
     """The newest manifest that parses and verifies, and the problems met on the way.
 
     ``seen`` receives the generations a chain of deltas made on the way (:func:`load_manifest`).
+    ``known_is_newest``: ``known`` was the newest generation so recently that it cannot have
+    been collected since (see :func:`read_forward`); the generations after it are then read
+    in order, without probing for them first.
     An empty store gives ``Manifest()``. Raises ``CorruptStoreError`` naming the
     files when manifests exist but none is intact. A reader whose directory
     listing went stale while a writer committed and cleaned up (every listed
@@ -1054,6 +1074,10 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
     root = _dir(root)
     if _is_storage(root):
         return _newest_by_probing(root, known, options, seen)
+    if known is not None and known.generation and known_is_newest:
+        known, complete = read_forward(root, known, options=options, seen=seen)
+        if complete:
+            return known, []
     if known is not None and known.generation:  # probe up from it rather than list (see newer_generation)
         newest = newer_generation(root, known.generation)
         if newest is None:
@@ -1153,6 +1177,40 @@ def _exists(storage: Any, rel: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] = None,
+                 seen: Optional[Dict[int, Manifest]] = None, limit: int = FORWARD_READS) -> Tuple[Manifest, bool]:
+    """The manifests after ``known`` in a local store, read in order until one is absent:
+    ``(newest read, True)``; ``(newest read, False)`` when more than ``limit`` follow or one does
+    not read (the caller probes and lists, as :func:`load_newest_manifest` does).
+
+    Only for a ``known`` that was the newest generation less than ``retain_seconds / 2`` ago:
+    a manifest is collected only after a newer one has existed for ``retain_seconds``, and
+    every generation above ``known`` was created after it was the newest, so none of them,
+    and not ``known``, can have been collected, and the first absent generation ends the
+    contiguous run of present ones (the margin covers clocks of other hosts, as a commit's
+    own files do). So the open of the next generation replaces the ``stat`` of the held one
+    and of the next (:func:`newer_generation`): nothing new costs one failed open, each new
+    commit the read of its file that catching up needs anyway.
+
+    >>> import shutil, tempfile; root = tempfile.mkdtemp(); m = Manifest(generation=3)
+    >>> read_forward(root, m) == (m, True)
+    True
+    >>> shutil.rmtree(root)
+    """
+    m = known
+    for _ in range(limit):
+        g = m.generation + 1
+        try:
+            m = load_manifest(os.path.join(root, manifest_file(g)), g, known=m, options=options)
+        except FileNotFoundError:
+            return m, True
+        except (OSError, CorruptStoreError, FormatError):
+            return m, False
+        if seen is not None:  # every one, full manifests too: a writer's clean-up need not read them again
+            seen[g] = m
+    return m, False
 
 
 def newer_generation(root: Any, held: int) -> Optional[int]:

@@ -616,11 +616,15 @@ def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int, late: bool = 
         # from the buffers: the offsets were made here (a cumsum from 0 ending at len(values)), so
         # from_arrays' checks of them cost a third of converting a small batch for nothing
         validity = None if r.validity is None else pa.py_buffer(np.packbits(r.validity, bitorder="little"))
-        return pa.Array.from_buffers(t, n, [validity, pa.py_buffer(offsets)], children=[arrow_array(values)],
+        # the values are the item type now (int32 or float32): their buffer as it is
+        items = pa.Array.from_buffers(t.value_type, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
+        return pa.Array.from_buffers(t, n, [validity, pa.py_buffer(offsets)], children=[items],
                                      null_count=-1 if validity is None else int(n - r.validity.sum()))
     arr = _coerce_array(spec, col.array)
     # a late float column reads NaN in rows without a value, so NaN given for a row is stored as "not computed"
     missing = _late_missing(arr) if late else None
+    if spec.kind == SCALAR and missing is None and arr.dtype.kind in "if" and arr.ndim == 1:
+        return pa.Array.from_buffers(t, n, [None, pa.py_buffer(np.ascontiguousarray(arr))])  # arr is t's dtype
     if spec.kind == VECTOR:
         return pa.FixedSizeListArray.from_arrays(arrow_array(arr), spec.width,
                                                  mask=None if missing is None else arrow_array(missing))
@@ -643,6 +647,8 @@ def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> Non
             continue
         ref = PROMPT_IDS if spec.align == "prompt" else COMPLETION_IDS
         if ref not in cols:
+            continue
+        if np.array_equal(col.ragged.offsets, cols[ref].ragged.offsets):  # both from 0: the same lengths
             continue
         a, b = _lengths(col.ragged), _lengths(cols[ref].ragged)
         va = col.ragged.validity

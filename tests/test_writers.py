@@ -671,7 +671,7 @@ def test_crash_point_multi_writer_with_a_lost_race(multi_crash_runs, step):
 
 def test_a_merge_is_left_to_the_writer_whose_append_made_it_due(tmp_path, monkeypatch):
     """Many writers see the same tail: only the one whose append made a merge due does it (the others
-    would lose it after doing its work); a merge overdue by ``fanin`` segments is anyone's."""
+    would lose it after doing its work); a merge overdue by ``fanin * ratio`` segments is anyone's."""
     path = str(tmp_path / "s")
     policy = MergePolicy(fanin=4)
     a = ReplayStore(path, multi_writer=True, merge_policy=policy)
@@ -683,13 +683,14 @@ def test_a_merge_is_left_to_the_writer_whose_append_made_it_due(tmp_path, monkey
     a.extend(batch_for(0, 3, rows=1))  # the 4th small segment: a's merge, but a "dies" before it
     monkeypatch.setattr(ReplayStore, "_merge_small_tail", real)
     assert len(a.manifest.segments) == 4
-    for step in range(policy.fanin):  # b's appends did not make it due: b leaves it, until it is overdue
+    lag = policy.fanin * policy.ratio
+    for step in range(lag):  # b's appends did not make it due: b leaves it, until it is overdue
         b.extend(batch_for(1, step, rows=1))
         assert len(b.manifest.segments) == 5 + step, step
-    b.extend(batch_for(1, policy.fanin, rows=1))
-    assert len(b.manifest.segments) < 4 + policy.fanin + 1  # overdue: b merged
+    b.extend(batch_for(1, lag, rows=1))
+    assert len(b.manifest.segments) < 4 + lag + 1  # overdue: b merged
     assert b.stats()["dropped_rewrites"] == 0
     a.close()
     b.close()
     with ReplayStore(path, readonly=True) as ro:
-        assert not check_rows(ro, ro.row_ids()) and len(ro) == 4 + policy.fanin + 1
+        assert not check_rows(ro, ro.row_ids()) and len(ro) == 4 + lag + 1

@@ -101,6 +101,8 @@ class Committer:
         # would lose a full manifest's work
         self._checkpoint_at = fmt.CHECKPOINT_EVERY + random.randrange(fmt.CHECKPOINT_EVERY)
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
+        #: (generation, time.monotonic()) at which that generation was the newest (no later one existed)
+        self._newest_at: Tuple[int, float] = (0, 0.0)
 
     # ------------------------------------------------------------------ reading the base
 
@@ -108,11 +110,21 @@ class Committer:
         """The newest commit on storage (never older than the one held)."""
         # probes up from the one held; nothing newer: the one held (a generation is created once)
         seen = self._seen if self.multi_writer else None
-        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options, seen=seen)
+        t = time.monotonic()
+        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options, seen=seen,
+                                        known_is_newest=self._held_is_newest())
         if m.generation > self.manifest.generation:
             self.manifest = m
             self._saw(m)
+        self._newest_at = (self.manifest.generation, t)
         return self.manifest
+
+    def _held_is_newest(self) -> bool:
+        """The manifest held, or one older, was the newest less than ``retain_seconds / 2`` ago:
+        nothing newer than it can have been collected since (see ``fmt.read_forward``)."""
+        gen, at = self._newest_at
+        return (self.multi_writer and self.manifest.generation >= gen > 0
+                and time.monotonic() - at < self.retain_seconds / 2)
 
     def _saw(self, m: fmt.Manifest) -> None:
         if self.multi_writer:
@@ -285,11 +297,13 @@ class Committer:
         rel = new.file
         files, dirs = self.pending, self.pending_dirs
         self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
+        t = time.monotonic()
         try:
             linked = self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest")
             self._linked_t = time.perf_counter()
             if not linked:
                 return False
+            self._newest_at = (new.generation, t)  # its link found no later generation
         except BaseException as exc:
             if not self._visible(rel, data):
                 raise
@@ -314,7 +328,8 @@ class Committer:
         return True
 
     def _installed(self, new: fmt.Manifest, install) -> None:
-        self._superseded_at[self.manifest.generation] = time.time()
+        if not self.multi_writer and self.retain_seconds is not None:  # only _young asks (kept while retained)
+            self._superseded_at[self.manifest.generation] = time.time()
         self.manifest = new
         self._saw(new)
         install(new)
@@ -384,6 +399,8 @@ class Committer:
         if not dropped:
             return
         old = [self.retained.pop(g) for g in dropped]
+        for g in dropped:
+            self._superseded_at.pop(g, None)
         referenced = {f for m in self.retained.values() for f in m.files()}
         self.delete([m.file for m in old], sorted({f for m in old for f in m.files() if f not in referenced}))
 
@@ -408,6 +425,7 @@ class Committer:
         self.retained = {g: docs[g] for g in keep}
         self.retained[current] = self.manifest
         self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
+        self._superseded_at = {g: t for g, t in self._superseded_at.items() if g in self.retained}
         referenced = {f for m in self.retained.values() for f in m.files()}
         if unreadable:
             warnings.warn(f"{self.storage.url}: cannot read manifest(s) {'; '.join(unreadable.values())}; "

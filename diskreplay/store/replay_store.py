@@ -153,6 +153,9 @@ class ReplayStore:
         self._index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
+        # the file bytes of this writer's newest small segments, by id: a merge of them (of its own
+        # appends, the next few commits) copies them from here instead of reading the files back
+        self._small_written: Dict[int, Any] = {}
         self._pool: Any = None  # object store: threads fetching for one read
         self.recovered_from: List[str] = []
         for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes),
@@ -302,6 +305,7 @@ class ReplayStore:
                 self._writer_lock = None
             self._closed = True
             self._segments.clear()
+            self._small_written.clear()
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
@@ -610,6 +614,7 @@ class ReplayStore:
                 return self._replayed(rec, n, self._digest_of(pieces))
         written: List[str] = []
         pages: List[PageChecksums] = []
+        encoded: List[Any] = []
         started = time.monotonic()
         try:
             options = self._fix_schema(schema, written)
@@ -618,7 +623,7 @@ class ReplayStore:
             # raced lately, first, so that a race only redoes the manifest step
             defer = not self.multi_writer or options.append_deltas or committer.uncontended()
             entries = self._write_segments(pieces, None if self._reserves_ids else m.next_segment, m.next_row,
-                                           written, pages, defer=defer)
+                                           written, pages, defer=defer, encoded=encoded)
             if not defer:
                 crash_point("segments.synced")
         except BaseException:
@@ -652,6 +657,7 @@ class ReplayStore:
         for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
             if e.groups_bytes:
                 self._pages.setdefault(e.id, checksums)
+        self._keep_small(prepared["entries"], encoded)
         self._collect()
         try:
             self._merge_small_tail(len(prepared["entries"]))
@@ -667,6 +673,16 @@ class ReplayStore:
                           "append", RuntimeWarning, stacklevel=3)
         return np.arange(new.next_row - n, new.next_row, dtype=np.int64)
 
+    def _keep_small(self, entries: Sequence[fmt.SegmentEntry], encoded: Sequence[Any]) -> None:
+        """Remember the bytes of committed segments small enough to be merged (see ``_copy_source``):
+        the newest ``fanin * ratio`` of them, the most a merge takes."""
+        kept = self._small_written
+        for e, data in zip(entries, encoded):
+            if e.bytes < self.merge_policy.max_bytes:
+                kept[e.id] = data
+        for sid in list(kept)[: max(0, len(kept) - self.merge_policy.fanin * self.merge_policy.ratio)]:
+            del kept[sid]
+
     @staticmethod
     def _digest_of(pieces: Sequence[pa.RecordBatch]) -> int:
         datas = [encode_ipc(p) for p in pieces]
@@ -674,14 +690,16 @@ class ReplayStore:
 
     def _write_segments(self, records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int,
                         written: List[str], pages: Optional[List[PageChecksums]] = None,
-                        sync_dirs: bool = True, defer: bool = False) -> List[fmt.SegmentEntry]:
+                        sync_dirs: bool = True, defer: bool = False,
+                        encoded: Optional[List[Any]] = None) -> List[fmt.SegmentEntry]:
         """Write segments and their group sidecars durably, all files' fsyncs at once
         (``Storage.write_files``); with ``sync_dirs`` their directory entries too. ``defer``: leave
         the writes to the commit's publish, which makes them durable with the manifest's file.
 
         ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
         file only if absent, so no two writers ever write the same name. ``pages``
-        collects each segment's page checksums (a rebase rewrites the sidecars with them).
+        collects each segment's page checksums (a rebase rewrites the sidecars with them),
+        ``encoded`` each segment's bytes.
         """
         storage = self._committer.storage
         files: List[Tuple[str, Any, Optional[str]]] = []
@@ -698,6 +716,8 @@ class ReplayStore:
             checksums = PageChecksums.of(data)
             if pages is not None:
                 pages.append(checksums)
+            if encoded is not None:
+                encoded.append(data)
             g_bytes, g_crc = self._sidecar_file(record, checksums, sid, first_row, written, files)
             entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc))
             first_row += record.num_rows
@@ -849,10 +869,11 @@ class ReplayStore:
                 batch = self.schema.conform(self._copy_source(e))  # older than a late column: it gets nulls
                 if e.first_row < m.head:
                     batch = batch.slice(m.head - e.first_row)
-                if pending_bytes and pending_bytes + batch.nbytes > target_bytes:
+                nbytes = batch.nbytes  # walks every list's offsets: once
+                if pending_bytes and pending_bytes + nbytes > target_bytes:
                     flush()
                 pending.append(batch)
-                pending_bytes += batch.nbytes
+                pending_bytes += nbytes
             flush()
             self._committer.storage.write_files([], (fmt.SEGMENT_DIR, fmt.GROUPS_DIR))
             crash_point("segments.synced")
@@ -875,7 +896,14 @@ class ReplayStore:
         manifest's CRC-32C first: the new files get fresh checksums, which would otherwise vouch for
         damaged data. A local file is checked whole before Arrow parses it, without its sidecar's
         page checksums and without entering the segment cache (a merge of 16 small segments of
-        other writers read 16 sidecars and checked every page twice: a fifth of the merge's CPU)."""
+        other writers read 16 sidecars and checked every page twice: a fifth of the merge's CPU).
+        A segment this writer committed lately is parsed from the bytes it wrote (and checked
+        against the same CRC-32C), without opening, mapping and reading its file."""
+        data = self._small_written.pop(entry.id, None)
+        if data is not None and data.size == entry.bytes and crc32c(data) == entry.crc32c:
+            batch = pa.ipc.open_file(data).get_batch(0)
+            if batch.num_rows == entry.num_rows:
+                return batch
         if self.remote or entry.id in self._segments:
             seg = self._segment(entry)
             seg.verify_whole(entry.crc32c)
@@ -892,7 +920,7 @@ class ReplayStore:
         plan (nearly) the same merge and all but one would lose it, after doing its work. The
         merge is therefore left to the writer whose append (its ``appended`` newest segments)
         made it due; should that writer die first, anyone takes a merge that was due
-        ``fanin`` segments ago.
+        ``fanin * ratio`` segments ago.
         """
         while True:
             segs = self.manifest.segments
@@ -914,7 +942,11 @@ class ReplayStore:
         policy, options = self.merge_policy, self.options
         if policy.plan(segs[:-appended], options) is None:
             return True
-        return len(segs) > policy.fanin + appended and policy.plan(segs[:-appended - policy.fanin], options) is not None
+        # overdue: due before the newest fanin * ratio appends. After only fanin of them the merge
+        # is often in flight still (a few writers append 16 small segments while one merges), and
+        # a second writer taking it would lose the race for the same segments after doing its work
+        lag = policy.fanin * policy.ratio + appended
+        return len(segs) > lag and policy.plan(segs[:-lag], options) is not None
 
     # ------------------------------------------------------------------ states
 

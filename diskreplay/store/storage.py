@@ -29,6 +29,7 @@ from ..storage.base import Storage, check_range, check_rel  # the one interface;
 __all__ = ["LocalStorage", "Storage", "open_storage"]
 
 INLINE_WRITE_BYTES = 1 << 20  # a file this small is written by the committing thread, then fsynced on the pool
+PATHS_KEPT = 256  # local paths a storage remembers (a commit's names, the manifests' and directories')
 
 
 class LocalStorage(Storage):
@@ -54,6 +55,7 @@ class LocalStorage(Storage):
         self._finalizer = weakref.finalize(self, self._fds.close)
         #: whether O_TMPFILE + linkat works in the manifests directory (probed on first use)
         self._tmpfile: Optional[bool] = None
+        self._paths: Dict[str, str] = {}  # checked relative path -> its local path (see local_path)
 
     def close(self) -> None:
         """Close the descriptors this writer kept open (directories, reserved files). Idempotent;
@@ -61,9 +63,15 @@ class LocalStorage(Storage):
         self._fds.close()
 
     def local_path(self, rel: str) -> str:
-        check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
-        # os.path.join's generality costs more than the check (a commit asks for ~20 paths)
-        return (self.root + rel if self.root.endswith("/") else f"{self.root}/{rel}") if rel else self.root
+        path = self._paths.get(rel) if type(rel) is str else None  # a commit asks for ~15, most several times
+        if path is None:
+            check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
+            # os.path.join's generality costs more than the check
+            path = (self.root + rel if self.root.endswith("/") else f"{self.root}/{rel}") if rel else self.root
+            if len(self._paths) >= PATHS_KEPT:
+                self._paths.clear()
+            self._paths[rel] = path
+        return path
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
         return read_file(self.local_path(rel), limit)
