@@ -818,6 +818,11 @@ def _alternate(paths: Dict[str, object], rounds: int) -> Dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
+#: blocks of batches per path in the loader comparison: its two medians were of 2 blocks each (20
+#: rounds), and runs of the same code gave 0.92x to 1.17x; of 6 blocks, 1.02x to 1.10x
+_LOADER_BLOCKS = 6
+
+
 def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     """ReplayLoader's consumer-visible ms per batch, back to back, against its own data path (sample, read,
     collate into reused buffers) run on this thread, in alternating blocks of ``block`` batches.
@@ -833,7 +838,7 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
                       layout=layout) as loader:
         for _ in range(4 * block):
             next(loader), collator.read(store, direct.sample(store, B))
-        for _ in range(max(1, rounds // block)):
+        for _ in range(max(_LOADER_BLOCKS, rounds // block)):
             time.sleep(0.5)
             t0 = time.perf_counter()
             for _ in range(block):
