@@ -818,8 +818,8 @@ def _alternate(paths: Dict[str, object], rounds: int) -> Dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-#: blocks of batches per path in the loader comparison: its two medians were of 2 blocks each (20
-#: rounds), and runs of the same code gave 0.92x to 1.17x; of 6 blocks, 1.02x to 1.10x
+#: blocks of batches per path in the loader comparison (at least): with the 2 blocks that 20 rounds
+#: gave, runs of the same code ranged from 0.92x to 1.17x
 _LOADER_BLOCKS = 6
 
 
