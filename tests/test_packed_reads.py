@@ -5,6 +5,8 @@ segments, rows "not computed", damaged pages and a store on S3."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -184,3 +186,36 @@ def test_direct_path_on_s3(s3_server, s3_url, tmp_path):
                      cache_dir=str(tmp_path / "cache2")) as reader:
         assert reader.remote
         packed_three_ways(reader, rows)
+
+
+def test_rows_checked_for_some_columns_are_still_checked_for_others(tmp_path):
+    """A read checks each row's pages once per column: rows already checked for the columns of one
+    read (one test per segment when warm) are checked again for a column that read did not ask for."""
+    path = tmp_path / "s"
+    rng = np.random.default_rng(4)
+    with build_store(path, rng, commits=1, rows_per_commit=64, late_from=None, lengths=(200, 400)) as store:
+        file = path / store.manifest.segments[0].file
+    # a run of consecutive rows (read as views of the segment) and the same rows in another order
+    for rows, path_name in itertools.product((np.arange(30, 35), np.array([34, 30, 32, 31, 33])), PATHS):
+        with ReplayStore(path, readonly=True) as reader, packing_path(path_name):
+            seen = ["completion_ids", "old_per_token_logps"]
+            Collator(layout="packed").read(reader, rows, seen)
+            reader.read(rows, seen)
+            seg = reader._segment(reader.manifest.segments[0])
+            values, offsets, _, _, address = seg.ragged_state("ref_per_token_logps")
+            at = address - seg._base.address + int(offsets[32] + offsets[33]) // 2 * values.itemsize
+            good = file.read_bytes()
+            with open(file, "r+b") as f:  # the map shares the page cache: the reader sees the change
+                f.seek(at)
+                f.write(bytes([good[at] ^ 0x01]))
+            try:
+                # the columns already checked for these rows are served; the other one is checked now
+                assert_same(Collator(layout="packed").read(reader, rows, seen),
+                            collate_packed(reader.read(rows, seen)))
+                for columns in (seen + ["ref_per_token_logps"], ["ref_per_token_logps"]):
+                    with pytest.raises(CorruptStoreError, match="fails its checksum"):
+                        Collator(layout="packed").read(reader, rows, ["completion_ids"] + columns[-1:])
+                    with pytest.raises(CorruptStoreError, match="fails its checksum"):
+                        reader.read(rows, columns)
+            finally:
+                file.write_bytes(good)

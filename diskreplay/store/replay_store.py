@@ -1300,7 +1300,7 @@ class ReplayStore:
         run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
                and bool(np.all(np.diff(parts[0][2]) == 1)))
         ragged_cols = tuple(c for c in cols if self.schema[c].kind == RAGGED)
-        if not run:
+        if ranges or not run:  # (a run's views are checked by ragged_run)
             for seg, _, loc in parts:
                 seg.check_rows_of(ragged_cols, loc)
         for name in cols:
