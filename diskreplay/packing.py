@@ -61,7 +61,7 @@ from . import _jit
 from .errors import BatchError
 from .padding import (_OFFSETS, PRESENT_SUFFIX, _batch_size, _buffer, _check_mask_names, _is_prompt,
                       _passthrough, _per_row, _presence, _ragged_names, _torch_dtype, _widened, checked_lengths)
-from .ragged import RaggedColumn
+from .ragged import RaggedColumn, data_address
 from .store.reading import RowRanges
 
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
@@ -169,7 +169,7 @@ class _Rows:
             if values.dtype != self.dtype or (offsets.size and (offsets[0] < 0 or offsets[-1] > values.size)):
                 return None
             self.keep = values
-            at = offsets[:-1] * values.itemsize + (values.__array_interface__["data"][0] if values.size else 0)
+            at = offsets[:-1] * values.itemsize + data_address(values)
         bad = self.lengths != lengths
         if bad.any():
             at = np.where(bad, 0, at)
@@ -296,8 +296,9 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     nothing = np.zeros(B, dtype=np.int64)
 
     def compiled(target: np.ndarray, first: Optional[tuple], second: Optional[tuple]) -> bool:
-        # one compiled pass writes the column (False: the numpy path must)
-        if kernels is None or first is None or second is None or target.dtype not in _jit.SUPPORTED:
+        # one compiled pass writes the column (False: the numpy path must); callers ask only with
+        # kernels, so that without them no addresses are computed
+        if first is None or second is None or target.dtype not in _jit.SUPPORTED:
             return False
         kernels.stream(target, cu, *first, *second)
         return True
@@ -366,7 +367,8 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                         f"{'prompt' if is_prompt else 'completion'} tokens; a per-token column must have "
                         "one value per token of its side")
             t = _buffer(out, name, (T,), _torch_dtype(r.dtype))
-            if kernels is None or not compiled(t.numpy(), *per_token_sides(r, is_prompt, t.numpy().dtype)):
+            target = t.numpy()
+            if kernels is None or not compiled(target, *per_token_sides(r, is_prompt, target.dtype)):
                 own = None
                 if sides[is_prompt][2]:  # else no ids on this side: every row is empty there
                     own = r.views()
@@ -377,7 +379,7 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                         for i in np.flatnonzero(fix).tolist():
                             own[i] = filler[i]
                 other = constant(0, r.dtype, not is_prompt)
-                _join(_interleave(own, other) if is_prompt else _interleave(other, own), t.numpy())
+                _join(_interleave(own, other) if is_prompt else _interleave(other, own), target)
             result[name] = t
             flag = _presence(out, name, col, B)
             if flag is not None:

@@ -121,6 +121,16 @@ def is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def data_address(arr: np.ndarray) -> int:
+    """Where ``arr``'s first element lies in this process's memory (0 for an empty array): what
+    compiled kernels are handed instead of the array.
+
+    >>> a = np.arange(4, dtype=np.int32); data_address(a[1:]) - data_address(a), data_address(a[:0])
+    (4, 0)
+    """
+    return arr.__array_interface__["data"][0] if arr.size else 0
+
+
 _DTYPES: dict = {}  # Arrow type id -> numpy dtype, for numpy_view
 
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 from ._fileio import crc32c
 from .errors import ArgumentError, CorruptStoreError
 from .groups import arrow_indices
-from .ragged import arrow_array, numpy_view
+from .ragged import arrow_array, data_address, numpy_view
 from .schema import Schema
 
 _PAGE = mmap.PAGESIZE
@@ -809,8 +809,7 @@ class Segment(ArrowFile):
         state = self._states.get(name)
         if state is None:
             values, offsets, validity = self.ragged(name)
-            address = values.__array_interface__["data"][0] if values.size else 0
-            state = self._states[name] = (values, offsets, validity, self.offsets_key(name), address)
+            state = self._states[name] = (values, offsets, validity, self.offsets_key(name), data_address(values))
         return state
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
@@ -824,9 +823,9 @@ class Segment(ArrowFile):
         if np.count_nonzero(seen) == len(seen):
             return
         todo = local_rows[~seen]
-        values, offsets, _ = self.ragged(name)
+        values, offsets, _, _, address = self.ragged_state(name)
         item = values.itemsize
-        start = values.__array_interface__["data"][0] - self._base.address if values.size else 0
+        start = address - self._base.address if values.size else 0
         lo = start + offsets[todo] * item
         hi = start + offsets[todo + 1] * item
         keep = hi > lo
@@ -916,13 +915,12 @@ class Segment(ArrowFile):
     def value_ranges(self, name: str, local_rows: np.ndarray) -> np.ndarray:
         """``[k, 2]`` int64 ``(address, length)`` byte ranges that reading ``local_rows`` of a ragged
         column touches: one per row, then the column's offsets buffer."""
-        values, offsets, _ = self.ragged(name)
+        values, offsets, _, _, addr = self.ragged_state(name)
         local_rows = np.asarray(local_rows, dtype=np.int64)
         if values.size == 0 or len(local_rows) == 0:
             return np.zeros((0, 2), dtype=np.int64)
         arr = self.batch.column(name)
         item = values.itemsize
-        addr = values.__array_interface__["data"][0]
         starts = offsets[local_rows].astype(np.int64)
         out = np.empty((len(local_rows) + 1, 2), dtype=np.int64)
         out[:-1, 0] = addr + starts * item

@@ -142,10 +142,10 @@ class RowRanges(RaggedColumn):
     __slots__ = ("plan", "sources", "_dtype", "_column", "bases")
 
     def __init__(self, plan: RangePlan, sources: List[np.ndarray], dtype: np.dtype,
-                 validity: Optional[np.ndarray] = None, bases: Optional[np.ndarray] = None) -> None:
+                 validity: Optional[np.ndarray], bases: np.ndarray) -> None:
         self.plan, self.sources, self._dtype, self.validity = plan, sources, np.dtype(dtype), validity
         self._column: Optional[RaggedColumn] = None
-        #: where each source's values start in memory (int64, one per source), when known
+        #: where each source's values start in memory (int64, one per source)
         self.bases = bases
 
     def __len__(self) -> int:
@@ -170,12 +170,7 @@ class RowRanges(RaggedColumn):
         dtype is not the column's."""
         if any(s.dtype != self._dtype for s in self.sources):
             return None
-        bases = self.bases
-        if bases is None:
-            bases = self.bases = np.array([s.__array_interface__["data"][0] if s.size else 0
-                                           for s in self.sources], dtype=np.int64)
-        plan = self.plan
-        return bases[plan.part_of] + plan.starts * self._dtype.itemsize
+        return self.bases[self.plan.part_of] + self.plan.starts * self._dtype.itemsize
 
     def gather(self, buffers: Optional[Dict[str, np.ndarray]] = None, name: str = "") -> RaggedColumn:
         """The rows copied one after another (what ``ReplayStore.read`` returns), in
@@ -218,9 +213,9 @@ def hint_reads(parts: List[Tuple[Segment, Any, np.ndarray]], names: List[str], r
 
 
 def ragged_run(name: str, seg: Segment, first: int, n: int) -> Optional[RaggedColumn]:
-    """Rows ``[first, first + n)`` of one segment as zero-copy views of its memory map."""
-    values, offsets, valid = seg.ragged(name)  # first: it sets up the per-row check record
-    seg.check_rows(name, np.arange(first, first + n))
+    """Rows ``[first, first + n)`` of one segment as zero-copy views of its memory map (their pages
+    checked by the caller: ``Segment.check_rows_of``)."""
+    values, offsets, valid = seg.ragged(name)
     validity = None if valid is None else valid[first:first + n]
     if validity is not None and not validity.any():
         return None
@@ -229,14 +224,11 @@ def ragged_run(name: str, seg: Segment, first: int, n: int) -> Optional[RaggedCo
 
 
 def ragged_ranges(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
-                  plans: Dict[Any, RangePlan], checked: bool = False) -> Optional[RowRanges]:
-    """Where the rows of a ragged column lie in the touched segments, their pages checked (by the
-    caller when ``checked``: ``Segment.check_rows_of`` for all ragged columns of a read at once);
-    None when none of the rows has a value."""
+                  plans: Dict[Any, RangePlan]) -> Optional[RowRanges]:
+    """Where the rows of a ragged column lie in the touched segments (their pages checked by the
+    caller: ``Segment.check_rows_of``, once per segment for all ragged columns of a read); None
+    when none of the rows has a value."""
     states = [seg.ragged_state(name) for seg, _, _ in parts]
-    if not checked:
-        for seg, _, loc in parts:
-            seg.check_rows(name, loc)
     values, offsets, valids, keys, addresses = zip(*states) if states else ((), (), (), (), ())
     validity = None
     if any(valid is not None for valid in valids):
@@ -254,7 +246,7 @@ def ragged_ranges(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: in
 
 
 def gather_ragged(name: str, parts: List[Tuple[Segment, Any, np.ndarray]], n: int, dtype: np.dtype,
-                  plans: Dict[Any, RangePlan], buffers: Optional[Dict[str, np.ndarray]] = None,
-                  checked: bool = False) -> Optional[RaggedColumn]:
-    ranges = ragged_ranges(name, parts, n, dtype, plans, checked)
+                  plans: Dict[Any, RangePlan], buffers: Optional[Dict[str, np.ndarray]] = None
+                  ) -> Optional[RaggedColumn]:
+    ranges = ragged_ranges(name, parts, n, dtype, plans)
     return None if ranges is None else ranges.gather(buffers, name)

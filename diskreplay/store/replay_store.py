@@ -1299,18 +1299,18 @@ class ReplayStore:
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
         run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
                and bool(np.all(np.diff(parts[0][2]) == 1)))
+        # every ragged value served is checked here, once per segment for all ragged columns
         ragged_cols = tuple(c for c in cols if self.schema[c].kind == RAGGED)
-        if ranges or not run:  # (a run's views are checked by ragged_run)
-            for seg, _, loc in parts:
-                seg.check_rows_of(ragged_cols, loc)
+        for seg, _, loc in parts:
+            seg.check_rows_of(ragged_cols, loc)
         for name in cols:
             spec = self.schema[name]
             if spec.kind == RAGGED and ranges:
-                out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans, checked=True)
+                out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans)
             elif spec.kind == RAGGED and run:
                 out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
             elif spec.kind == RAGGED:
-                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers, checked=True)
+                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers)
             elif spec.dtype == "string":
                 res: List[Any] = [None] * n
                 for seg, sel, loc in parts:
