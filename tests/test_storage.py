@@ -211,9 +211,13 @@ def race_workers():
         p.join(timeout=30)
 
 
-def test_put_if_absent_race(storage, race_workers):
+def test_put_if_absent_race(request, storage, race_workers):
     """8 processes create the same 8 names, released together at each name:
     exactly one winner per name, and the name holds the winner's bytes, intact."""
+    if request.node.callspec.params["storage"] == "s3-moto":
+        # docs/FORMAT.md, assumption (2): moto's server checks If-None-Match, then writes, in two
+        # steps; this race lets two writers win one name there now and then (CI saw it twice)
+        pytest.skip("moto's conditional PUT is not atomic under concurrency (a documented server limit)")
     results = race_workers(storage)
     errors = [err for _, _, err in results if err]
     assert not errors, errors
