@@ -16,6 +16,7 @@ tokens, completions ~600, old/ref log-probs per completion token.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -1280,8 +1281,7 @@ WRITER_CHILD = textwrap.dedent("""
     s = open_store(scratch)
     append(s, batches[0], 0)
     if kind == "diskreplay":
-        s.close()
-    shutil.rmtree(scratch, ignore_errors=True)
+        s.close()  # the parent removes the scratch store when the whole benchmark ends (see _Trash)
     store = open_store(path)
     print("ready", flush=True)
     while not os.path.exists(go):
@@ -1343,6 +1343,33 @@ def _fresh(path: str) -> str:
     return path
 
 
+class _Trash:
+    """Finished runs' directories, removed only when the benchmark ends.
+
+    On ext4 without a journal (this VM's root filesystem) creating a file scans
+    past every inode of its block group freed in the last 1 to 6 minutes
+    (``recently_deleted()`` in the kernel's inode allocator): after a run's
+    thousands of files are removed, each file the next run creates costs up to
+    ~1 ms of CPU instead of ~0.03 ms. Removing runs between the compared runs
+    would charge one run for the files of the one before it.
+    """
+
+    def __init__(self, work: str) -> None:
+        self.dir = os.path.join(work, ".trash")
+        os.makedirs(self.dir, exist_ok=True)
+        self.count = 0
+
+    def keep(self, path: str) -> None:
+        """Move ``path`` and its writers' warm-up stores (``path.warm*``) out of the way."""
+        for p in [path] + glob.glob(glob.escape(path) + ".warm*"):
+            if os.path.exists(p):
+                self.count += 1
+                os.rename(p, os.path.join(self.dir, str(self.count)))
+
+    def empty(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def bench_writers(args) -> None:
     """Many writer processes on one multi-writer store vs raw write+fsync, and Delta/Lance small commits.
 
@@ -1361,14 +1388,17 @@ def bench_writers(args) -> None:
     counts = (1, 2, 4, 8)
     walls: Dict[int, List[float]] = {w: [] for w in counts}
     t_raw = []
+    trash = _Trash(work)
+    print(f"creating an empty file in the work dir: CPU {_create_cpu_ms(work):.3f} ms (a fresh ext4 ~0.03 ms; "
+          "far more on an ext4 without a journal within minutes of mass deletes there: see _Trash)")
     write_raw(batches, raw_path)  # warm: the page cache, numpy's first calls
-    for _ in range(rounds):
+    for r in range(rounds):
         t_raw.append(write_raw(batches, raw_path))
         for w in counts:
-            path = _fresh(os.path.join(work, f"big{w}"))
+            path = _fresh(os.path.join(work, f"big{w}.{r}"))
             ReplayStore(path, multi_writer=True).close()
             walls[w].append(_run_writers("diskreplay", path, w, n_big, 0)["wall"])
-            shutil.rmtree(path, ignore_errors=True)
+            trash.keep(path)
     raw_rate = pay["rows"] / statistics.median(t_raw)
     os.remove(raw_path)
     print("\naggregate append, 512-row commits, fsync incl.     rows/s    raw write+fsync     ratio")
@@ -1384,11 +1414,11 @@ def bench_writers(args) -> None:
     runs: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
     plan = [("diskreplay", w) for w in counts] + [(k, w) for k in ("delta", "lance") for w in (1, 4)]
     failed: Dict[Tuple[str, int], str] = {}
-    for _ in range(rounds):
+    for r in range(rounds):
         for kind, w in plan:
             if (kind, w) in failed:
                 continue
-            path = _fresh(os.path.join(work, f"{kind}{w}"))
+            path = _fresh(os.path.join(work, f"{kind}{w}.{r}"))
             if kind == "diskreplay":
                 ReplayStore(path, multi_writer=True).close()
             try:
@@ -1397,7 +1427,7 @@ def bench_writers(args) -> None:
                 if kind == "diskreplay":
                     raise
                 failed[(kind, w)] = str(exc).splitlines()[-1][:60]
-            shutil.rmtree(path, ignore_errors=True)
+            trash.keep(path)
 
     def median_run(key):
         rs = sorted(runs[key], key=lambda r: r["wall"])
@@ -1419,7 +1449,9 @@ def bench_writers(args) -> None:
         rate = r["commits"] / r["wall"]
         row(f"{kind}, {w} writer(s)", f"{rate:,.1f}", f"{r['errors'] / r['commits']:.2f} retries",
             f"dr/{kind} {dr[w] / rate:.1f}x CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit")
-    print(f"  load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"  load average at the end {os.getloadavg()[0]:.1f}; creating an empty file in the work dir now: "
+          f"CPU {_create_cpu_ms(work):.3f} ms")
+    trash.empty()
 
 
 # ---------------------------------------------------------------------------
