@@ -283,6 +283,52 @@ def test_shared_clean_up_respects_retention(tmp_path):
         assert check_rows(store, store.row_ids()) is None
 
 
+def test_the_sweep_finds_the_old_manifests_by_bisection(tmp_path, monkeypatch):
+    """Ages fall with the generation, so the sweep stats O(log n) manifests, not every one, and
+    drops exactly those the one-by-one rule drops (a newer one has existed for retain_seconds),
+    back to the full manifest the oldest kept delta needs."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=100) as store:
+        for s in range(120):
+            store.extend(batch_for(0, s, rows=2))
+        gens = sorted(fmt.list_generations(path))
+        for g in gens[:70]:  # time passes for the older ones, oldest oldest
+            _age(path, fmt.manifest_file(g), 1000 - g)
+        # the one-by-one rule: g goes iff the next present generation has existed for 100 s
+        expected_kept = {g for g, newer in zip(gens, gens[1:]) if g >= 70} | set(gens[-fmt.KEEP_MANIFESTS:])
+        oldest_kept = min(expected_kept)
+        chain = fmt.read_manifest(LocalStorage(path), oldest_kept).depth
+        expected_kept |= set(range(oldest_kept - chain, oldest_kept))
+        stats = []
+        real = store._committer._age
+        monkeypatch.setattr(store._committer, "_age", lambda rel: stats.append(rel) or real(rel))
+        store._committer.sweep_shared()
+        assert set(fmt.list_generations(path)) == expected_kept
+        manifest_stats = [r for r in stats if r.startswith(fmt.MANIFEST_DIR + "/0")]
+        assert len(manifest_stats) <= 2 + len(gens).bit_length(), manifest_stats
+        assert check_rows(store, store.row_ids()) is None
+
+
+def test_sweeps_space_out_as_the_store_grows(tmp_path, monkeypatch):
+    """A sweep lists every retained file: the commits between sweeps grow with what the last one
+    listed, so the sweeps' cost per commit stays bounded however much the store retains."""
+    from diskreplay.store import committer as cm
+
+    path = str(tmp_path / "s")
+    monkeypatch.setattr(cm, "SWEEP_ENTRIES_PER_COMMIT", 3)  # every three entries listed: a commit more between
+    with ReplayStore(path, multi_writer=True) as store:
+        sweeps, step = [], [0]
+        real = store._committer.sweep_shared
+        monkeypatch.setattr(store._committer, "sweep_shared", lambda: sweeps.append(step[0]) or real())
+        for step[0] in range(500):
+            store.extend(batch_for(0, step[0], rows=2))
+        listed = sum(len(os.listdir(os.path.join(path, d))) for d in
+                     (fmt.MANIFEST_DIR, fmt.SEGMENT_DIR, fmt.GROUPS_DIR, ".")) + len(fmt.list_generations(path))
+        assert cm.SHARED_GC_EVERY < store._committer._sweep_every <= listed // 3
+        gaps = np.diff(sweeps)
+        assert len(gaps) >= 2 and gaps[0] >= cm.SHARED_GC_EVERY and all(np.diff(gaps) > 0), sweeps
+
+
 def test_a_sweep_names_the_files_of_the_manifests_a_writer_made_or_applied_without_reading_them(tmp_path, monkeypatch):
     """The sweep takes the manifests a writer holds from its own commits and the deltas it applied
     (merges, checkpoints, another writer's appends and evictions among them); what it finds

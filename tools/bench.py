@@ -822,7 +822,7 @@ def _alternate(paths: Dict[str, object], rounds: int) -> Dict[str, float]:
 
 #: blocks of batches per path in the loader comparison (at least): with the 2 blocks that 20 rounds
 #: gave, runs of the same code ranged from 0.92x to 1.17x
-_LOADER_BLOCKS = 6
+_LOADER_BLOCKS = 10
 
 
 def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
@@ -830,12 +830,16 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     collate into reused buffers) run on this thread, in alternating blocks of ``block`` batches.
 
     One loader serves every round, warmed first until its ring buffers have grown to the batches' sizes
-    (fresh pages cost more than the work on this VM). Before a data-path block the worker is given time
+    (fresh pages cost more than the work on this VM), after every row of the store has been read once. Before a data-path block the worker is given time
     to fill its free buffer set and park, so the two never compete; after it, the batches the worker
     built meanwhile are taken untimed, so every timed next() waits for the worker's work on it."""
     collator = Collator(pad, layout=layout)
     direct = PromptGroupSampler(num_groups=batch_groups, seed=21)
     loader_ms, direct_ms = [], []
+    # warm = every page checked once: the first read of a row checks its pages' CRCs, which the two
+    # paths' different draws would otherwise pay unevenly, less and less from block to block
+    for start in range(store.head, store.next_row, B):
+        store.read_ranges(np.arange(start, min(start + B, store.next_row)))
     with ReplayLoader(store, PromptGroupSampler(num_groups=batch_groups, seed=22), B, pad, prefetch=2,
                       layout=layout) as loader:
         for _ in range(4 * block):

@@ -31,7 +31,11 @@ MAX_ATTEMPTS = 10_000  # commits a writer retries after losing the race, before 
 BACKOFF_FIRST = 0.0005  # seconds; doubled per lost race, capped, with full jitter
 BACKOFF_CAP = 0.05
 QUIET_COMMITS = 8  # commits without a lost race after which a writer folds its data into the manifest's wait
-SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store
+SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store (at least)
+# ... and at least a sweep's directory entries over this many: a store that retains an hour of a fast
+# writer's commits holds ~10^5-10^6 files, and a sweep lists them all; spread over its writer's commits
+# this bounds what the sweeps cost each commit (~20 us of listing per commit, whatever the store's size)
+SWEEP_ENTRIES_PER_COMMIT = 64
 SEEN_MANIFESTS = 4096  # manifests a writer keeps between its sweeps, so that a sweep need not read them again
 # sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
 # name) against other writers, so it goes last (see Committer._remove)
@@ -80,6 +84,7 @@ class Committer:
         self._superseded_at: Dict[int, float] = {}
         self._unsynced = False
         self._since_sweep = 0
+        self._sweep_every = SHARED_GC_EVERY  # commits between sweeps, grown with the entries a sweep lists
         # the shared sweep: the newest generation it read (with its manifest and files), the files each
         # later-kept generation stopped naming, and each one's delta depth (see _named_by)
         self._swept: Optional[Tuple[int, fmt.Manifest, frozenset]] = None
@@ -383,7 +388,7 @@ class Committer:
         """Delete what no retained manifest names (see docs/FORMAT.md, step 7 and "Many writers")."""
         if self.multi_writer:
             self._since_sweep += 1
-            if full or self._since_sweep >= SHARED_GC_EVERY:
+            if full or self._since_sweep >= self._sweep_every:
                 self._since_sweep = 0
                 self.sweep_shared()
             return
@@ -459,22 +464,32 @@ class Committer:
         """
         gens = fmt.list_generations(self.storage)
         retain = self.retain_seconds
-        keep, drop = set(gens[: fmt.KEEP_MANIFESTS]), []
-        for newer, g in zip(gens, gens[1:]):
-            if g in keep:
-                continue
-            (keep.add(g) if self._age(fmt.manifest_file(newer)) < retain else drop.append(g))
+        # generations are created in order, so the newer of two has existed for less time: the manifests
+        # that go (older than a generation that has existed for ``retain``) are a run of the oldest ones,
+        # found by bisection (a store retaining 10^5 generations would take 10^5 stats to scan)
+        lo, hi = min(fmt.KEEP_MANIFESTS, len(gens)), len(gens)  # gens[i] goes iff gens[i - 1] is old enough
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._age(fmt.manifest_file(gens[mid - 1])) >= retain:
+                hi = mid
+            else:
+                lo = mid + 1
+        keep, drop = set(gens[:lo]), gens[lo:]
         referenced, unreadable = self._named_by(keep)
         drop = [] if unreadable else [g for g in drop if g not in keep]  # an unreadable one may be a delta
         files = []
+        entries = len(gens)
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
-            for name in self.storage.list(d):
+            names = self.storage.list(d)
+            entries += len(names)
+            for name in names:
                 rel = f"{d}/{name}" if d else name
                 garbage = name.startswith(TMP_PREFIX) or (
                     not unreadable and d not in ("", fmt.MANIFEST_DIR) and rel not in referenced)
                 if garbage and self._age(rel) >= retain:
                     files.append(rel)
         self.delete([fmt.manifest_file(g) for g in drop], files)
+        self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
     def _named_by(self, keep: set) -> Tuple[set, bool]:
         """Every file some generation in ``keep`` names, and whether a manifest could not be read;
