@@ -35,7 +35,7 @@ from .store.committer import Committer
 from .storage import S3Storage, is_remote
 from .store.storage import LocalStorage
 from .segment import (_META_BUFFERS, ArrowFile, PageChecksums, Segment, buffer_ranges, decode_state, encode_ipc,
-                      field_buffers, group_sidecar, segment_local_rows)
+                      field_buffers, group_sidecar, has_page_checksums, segment_local_rows)
 
 QUARANTINE_DIR = "quarantine"
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
@@ -863,8 +863,8 @@ class _Repair:
             try:
                 if seg is None:
                     seg = Segment(self.files.local(s.file, s.bytes), s.bytes, options.schema, s.num_rows)
-                with open(self.files.local(s.file, s.bytes), "rb") as fh:
-                    pages = PageChecksums.of(pa.py_buffer(fh.read()))
+                with open(self.files.local(s.file, s.bytes), "rb") as fh:  # as a writer makes them
+                    pages = PageChecksums.of(pa.py_buffer(fh.read())) if has_page_checksums(s.bytes) else None
                 data = encode_ipc(group_sidecar(seg.column(options.group_key), s.first_row, pages))
             except (CorruptStoreError, KeyError) as exc:
                 self.actions.append(f"cannot rebuild {s.groups_file}: {exc}")

@@ -74,3 +74,14 @@ def store(tmp_path):
 
 # Real S3-compatible servers on 127.0.0.1 (seaweedfs, moto), started once per session.
 from .s3servers import s3_server, s3_servers, s3_url  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def paged_small_segments():
+    """Segments of every size carry page checksums (they begin at 64 KiB otherwise): for the tests of
+    page checks, cold hints and persisted page tables, whose stores hold segments of a few rows."""
+    from diskreplay import segment
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(segment, "PAGED_SEGMENT_BYTES", 0)
+        yield

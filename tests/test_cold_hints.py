@@ -24,6 +24,9 @@ from diskreplay.verify import repair_store, verify_store
 
 from .conftest import package_at
 
+# their stores hold segments of a few rows, which would otherwise be checked whole
+pytestmark = pytest.mark.usefixtures("paged_small_segments")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the commit this feature was built on: it writes no buffer ranges
 PREVIOUS_VERSION = "07367a0"
@@ -360,7 +363,9 @@ def test_stores_of_either_version_read_bit_exactly_with_the_other(tmp_path, writ
     previous = _previous(tmp_path)
     path = str(tmp_path / "s")
     fill_code = f"""
+        from diskreplay import segment
         from diskreplay.store.compaction import MergePolicy
+        segment.PAGED_SEGMENT_BYTES = 0  # (paged_small_segments, in the writer's process; older versions ignore it)
         rng = np.random.default_rng(0)
         with ReplayStore(sys.argv[1], merge_policy=MergePolicy(max_bytes=1)) as s:
             for c in range({replay_store.INDEX_TAIL_SEGMENTS + 3}):
@@ -381,6 +386,46 @@ def test_stores_of_either_version_read_bit_exactly_with_the_other(tmp_path, writ
     for k in old.files:
         assert np.array_equal(old[k], new[k]), k
     assert verify_store(path)["ok"]
+
+
+def test_small_segments_without_page_checksums_read_with_the_previous_version(tmp_path):
+    """Segments of a few rows written by this version have sidecars without page checksums: the
+    previous version reads them (checking each whole, as it does a segment without them) with no
+    warning and the same bytes, and refuses one that is damaged."""
+    previous = _previous(tmp_path)
+    path = str(tmp_path / "s")
+    _run(ROOT, """
+        from diskreplay.store.compaction import MergePolicy
+        rng = np.random.default_rng(1)
+        with ReplayStore(sys.argv[1], merge_policy=MergePolicy(max_bytes=1)) as s:
+            for c in range(5):
+                ids = np.arange(c * 8, c * 8 + 8)
+                s.extend({"prompt_id": ids // 4, "rewards": (ids * 0.5).astype(np.float32),
+                          "completion_ids": [np.arange(int(rng.integers(1, 30)), dtype=np.int32) + i for i in ids]})
+    """, path)
+    with ReplayStore(path, readonly=True) as store:
+        assert all(store._sidecar(e)[3] is None for e in store.manifest.segments)  # no page checksums
+        victim = store.manifest.segments[2]
+    for package, out in ((previous, "old.npz"), (ROOT, "new.npz")):
+        _run(package, _DUMP, path, str(tmp_path / out))
+    old, new = np.load(tmp_path / "old.npz"), np.load(tmp_path / "new.npz")
+    assert sorted(old.files) == sorted(new.files)
+    for k in old.files:
+        assert np.array_equal(old[k], new[k]), k
+    with open(os.path.join(path, victim.file), "r+b") as f:
+        f.seek(victim.bytes // 2)
+        b = f.read(1)
+        f.seek(victim.bytes // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    _run(previous, f"""
+        from diskreplay import CorruptStoreError
+        s = ReplayStore(sys.argv[1], readonly=True)
+        try:
+            s.read(np.arange({victim.first_row}, {victim.end_row}))
+            raise SystemExit("a damaged segment was served")
+        except CorruptStoreError as exc:
+            assert "{victim.file}" in str(exc) and "crc32c" in str(exc), exc
+    """, path)
 
 
 # --------------------------------------------------------------------------- object stores

@@ -18,6 +18,9 @@ from diskreplay.segment import encode_ipc, group_sidecar
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 
+# their stores hold segments of a few rows, which would otherwise be checked whole
+pytestmark = pytest.mark.usefixtures("paged_small_segments")
+
 NO_MERGE = MergePolicy(max_bytes=1)  # one segment per commit, as with commits of a few MB
 
 

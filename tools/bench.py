@@ -829,10 +829,11 @@ def _loader_vs_data_path(store, batch_groups, B, pad, layout, rounds, block=10):
     """ReplayLoader's consumer-visible ms per batch, back to back, against its own data path (sample, read,
     collate into reused buffers) run on this thread, in alternating blocks of ``block`` batches.
 
-    One loader serves every round, warmed first until its ring buffers have grown to the batches' sizes
-    (fresh pages cost more than the work on this VM), after every row of the store has been read once. Before a data-path block the worker is given time
-    to fill its free buffer set and park, so the two never compete; after it, the batches the worker
-    built meanwhile are taken untimed, so every timed next() waits for the worker's work on it."""
+    Every row of the store is read once first, then one loader serves every round, warmed until its
+    ring buffers have grown to the batches' sizes (fresh pages cost more than the work on this VM).
+    Before a data-path block the worker is given time to fill its free buffer set and park, so the
+    two never compete; after it, the batches the worker built meanwhile are taken untimed, so every
+    timed next() waits for the worker's work on it."""
     collator = Collator(pad, layout=layout)
     direct = PromptGroupSampler(num_groups=batch_groups, seed=21)
     loader_ms, direct_ms = [], []

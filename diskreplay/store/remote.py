@@ -88,11 +88,16 @@ class RemoteSegment(Segment):
     fetched and checked once (``expected_crc``).
     """
 
+    @staticmethod
+    def cache_tag(entry: fmt.SegmentEntry) -> str:
+        """The segment's tag in the storage's cache: a name written again after a roll-back is another file."""
+        return f"{entry.bytes}-{entry.crc32c:08x}"
+
     def __init__(self, storage: Any, entry: fmt.SegmentEntry, schema: Optional[Schema],
                  pages: Optional[PageChecksums], expected_crc: Optional[int]) -> None:
         self.storage = storage
         self.rel = entry.file
-        self.tag = f"{entry.bytes}-{entry.crc32c:08x}"  # a name written again after a roll-back is another file
+        self.tag = self.cache_tag(entry)
         path = storage.fetch_ranges(entry.file, [] if pages is not None else None, size=entry.bytes, evict=False,
                                     tag=self.tag)
         self.cache_path = path

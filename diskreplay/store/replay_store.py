@@ -32,7 +32,8 @@ from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
 from ..segment import (IndexedPages, PageChecksums, Segment, coalesce, decode_state, encode_group_index, encode_ipc,
-                       encode_state, group_sidecar, prefetch_files, read_group_index, read_group_sidecar)
+                       encode_state, group_sidecar, has_page_checksums, prefetch_files, read_group_index,
+                       read_group_sidecar)
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
@@ -613,7 +614,7 @@ class ReplayStore:
             if rec is not None:
                 return self._replayed(rec, n, self._digest_of(pieces))
         written: List[str] = []
-        pages: List[PageChecksums] = []
+        pages: List[Optional[PageChecksums]] = []
         encoded: List[Any] = []
         started = time.monotonic()
         try:
@@ -655,7 +656,7 @@ class ReplayStore:
             return self._replayed(result.duplicate, n, dig)
         new = result.manifest
         for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
-            if e.groups_bytes:
+            if e.groups_bytes and checksums is not None:
                 self._pages.setdefault(e.id, checksums)
         self._keep_small(prepared["entries"], encoded)
         self._collect()
@@ -689,7 +690,7 @@ class ReplayStore:
         return digest(sum(p.num_rows for p in pieces), [(d.size, crc32c(d)) for d in datas])
 
     def _write_segments(self, records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int,
-                        written: List[str], pages: Optional[List[PageChecksums]] = None,
+                        written: List[str], pages: Optional[List[Optional[PageChecksums]]] = None,
                         sync_dirs: bool = True, defer: bool = False,
                         encoded: Optional[List[Any]] = None) -> List[fmt.SegmentEntry]:
         """Write segments and their group sidecars durably, all files' fsyncs at once
@@ -698,8 +699,8 @@ class ReplayStore:
 
         ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
         file only if absent, so no two writers ever write the same name. ``pages``
-        collects each segment's page checksums (a rebase rewrites the sidecars with them),
-        ``encoded`` each segment's bytes.
+        collects each segment's page checksums (a rebase rewrites the sidecars with them; None for a
+        small segment, checked whole: ``has_page_checksums``), ``encoded`` each segment's bytes.
         """
         storage = self._committer.storage
         files: List[Tuple[str, Any, Optional[str]]] = []
@@ -713,7 +714,7 @@ class ReplayStore:
                 sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
             written.append(rel)
             files.append((rel, data, "segment"))
-            checksums = PageChecksums.of(data)
+            checksums = PageChecksums.of(data) if has_page_checksums(data.size) else None
             if pages is not None:
                 pages.append(checksums)
             if encoded is not None:
@@ -730,7 +731,7 @@ class ReplayStore:
             storage.write_files(files, dirs)
         return entries
 
-    def _sidecar_file(self, record: pa.RecordBatch, checksums: PageChecksums, seg_id: int, first_row: int,
+    def _sidecar_file(self, record: pa.RecordBatch, checksums: Optional[PageChecksums], seg_id: int, first_row: int,
                       written: List[str], files: List[Tuple[str, Any, Optional[str]]]) -> Tuple[int, int]:
         if self.group_key is None:
             return 0, 0
@@ -743,7 +744,7 @@ class ReplayStore:
         return gdata.size, crc32c(gdata)
 
     def _rebase_sidecars(self, entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
-                         pages: Sequence[PageChecksums], first: int,
+                         pages: Sequence[Optional[PageChecksums]], first: int,
                          written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
         """The entries of an append moved to rows ``first, ...``: its sidecars (which record
         global row ids) are rewritten in place, from the checksums in hand, by the retry's publish
@@ -1008,7 +1009,9 @@ class ReplayStore:
             pages, whole_crc = None, None
             # remotely the page checksums also say which pages to fetch: always used there
             if self.verify_reads or self.remote:
-                if entry.groups_bytes:  # page checksums: check what is read, when it is first read
+                # page checksums: check what is read, when it is first read (a small segment is checked whole:
+                # its sidecar has none, or, written by an older version, has some that need not be read)
+                if entry.groups_bytes and has_page_checksums(entry.bytes):
                     pages = self._page_checksums(entry)
                 if pages is None and self.verify_reads:  # no sidecar (group_key=None): check the whole file once
                     whole_crc = entry.crc32c
@@ -1077,6 +1080,10 @@ class ReplayStore:
         if not todo:
             return
         pool = self._io_pool()
+        # a small segment is fetched whole (and checked whole when opened), in the same round
+        whole = [pool.submit(self.storage.fetch_ranges, e.file, None, size=e.bytes, evict=False,
+                             tag=RemoteSegment.cache_tag(e)) for e in todo if not has_page_checksums(e.bytes)]
+        todo = [e for e in todo if has_page_checksums(e.bytes)]
         fields = self._field_positions(cols)
         known = {e.id: self._page_checksums(e, sidecar=False) for e in todo}
         # one round: the frames of the segments whose checksums are known (the group index's); for the
@@ -1096,7 +1103,7 @@ class ReplayStore:
         # a header or footer larger than a page: the rest, exactly (usually nothing to fetch)
         frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id], fields)
                   for e in rest if e.id in self._pages]
-        for fut in frames:
+        for fut in frames + whole:
             fut.result()
 
     def _field_positions(self, cols: Optional[Sequence[str]]) -> Optional[np.ndarray]:
@@ -1242,7 +1249,8 @@ class ReplayStore:
         fields = self._field_positions(cols)
         wanted, hinted = [], set()
         for e in todo:
-            pages = self._page_checksums(e) if self.verify_reads and e.groups_bytes else None
+            pages = (self._page_checksums(e) if self.verify_reads and e.groups_bytes and has_page_checksums(e.bytes)
+                     else None)
             # with page checksums only the checksum pages outside the body are read on open, else all
             if pages is not None:
                 p = pages.page_bytes
@@ -1418,7 +1426,7 @@ class ReplayStore:
         gi = self._own_groups()
         pages = {}
         for s in m.segments:
-            p = self._page_checksums(s) if s.groups_bytes else None
+            p = self._page_checksums(s) if s.groups_bytes and has_page_checksums(s.bytes) else None
             if p is not None:
                 pages[s.id] = (s.bytes, s.crc32c, p)
         data, frame = encode_group_index(gi.arrow_keys(self._key_type()), gi.offsets, gi.rows, m.head, m.next_row,
