@@ -33,11 +33,6 @@ PAGE_BYTES = 8192
 # against its manifest CRC-32C when first opened, as a segment without a sidecar is: reading all of it
 # costs no more than paging it, and the page checksums and buffer ranges cost its commit ~19% of its CPU.
 PAGED_SEGMENT_BYTES = 64 << 10
-
-
-def has_page_checksums(nbytes: int) -> bool:
-    """Whether a segment file of ``nbytes`` is checked page by page (else whole, on first open)."""
-    return nbytes >= PAGED_SEGMENT_BYTES
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 _META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
 _META_LOCAL_ROWS = b"diskreplay.rows"  # "segment": a group sidecar's rows count from its segment's first
@@ -113,6 +108,15 @@ class PageChecksums:
         if page_bytes < 512 or not 0 <= start <= end:
             raise CorruptStoreError(f"{path}: bad page checksums")
         return cls(crcs, page_bytes, (start, end), buffer_ranges(meta.get(_META_BUFFERS), start, end))
+
+
+def has_page_checksums(nbytes: int) -> bool:
+    """Whether a segment file of ``nbytes`` is checked page by page (else whole, when first opened).
+
+    >>> has_page_checksums(20_000), has_page_checksums(4 << 20)
+    (False, True)
+    """
+    return nbytes >= PAGED_SEGMENT_BYTES
 
 
 def buffer_ranges(raw: Optional[bytes], body_start: int, body_end: int) -> Optional[np.ndarray]:

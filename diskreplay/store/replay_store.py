@@ -1009,11 +1009,8 @@ class ReplayStore:
             pages, whole_crc = None, None
             # remotely the page checksums also say which pages to fetch: always used there
             if self.verify_reads or self.remote:
-                # page checksums: check what is read, when it is first read (a small segment is checked whole:
-                # its sidecar has none, or, written by an older version, has some that need not be read)
-                if entry.groups_bytes and has_page_checksums(entry.bytes):
-                    pages = self._page_checksums(entry)
-                if pages is None and self.verify_reads:  # no sidecar (group_key=None): check the whole file once
+                pages = self._page_checksums(entry)  # check what is read, when it is first read
+                if pages is None and self.verify_reads:  # no sidecar, or a small segment: check the whole file once
                     whole_crc = entry.crc32c
             if self.remote:
                 seg = RemoteSegment(self.storage, entry, self.schema, pages, whole_crc)
@@ -1052,7 +1049,11 @@ class ReplayStore:
 
     def _page_checksums(self, entry: fmt.SegmentEntry, sidecar: bool = True) -> Optional[PageChecksums]:
         """A segment's page checksums: from the persisted group index when it carries them (no
-        sidecar read), else from the sidecar (``sidecar=False``: None instead)."""
+        sidecar read), else from the sidecar (``sidecar=False``: None instead). None for a segment
+        checked whole: without a sidecar, or small (``has_page_checksums``; the sidecar of one written
+        by an older version may hold some, which need not be read)."""
+        if not entry.groups_bytes or not has_page_checksums(entry.bytes):
+            return None
         pages = self._pages.get(entry.id)
         if pages is None:
             if self._index_pages is not None:
@@ -1249,8 +1250,7 @@ class ReplayStore:
         fields = self._field_positions(cols)
         wanted, hinted = [], set()
         for e in todo:
-            pages = (self._page_checksums(e) if self.verify_reads and e.groups_bytes and has_page_checksums(e.bytes)
-                     else None)
+            pages = self._page_checksums(e) if self.verify_reads else None
             # with page checksums only the checksum pages outside the body are read on open, else all
             if pages is not None:
                 p = pages.page_bytes
@@ -1426,7 +1426,7 @@ class ReplayStore:
         gi = self._own_groups()
         pages = {}
         for s in m.segments:
-            p = self._page_checksums(s) if s.groups_bytes and has_page_checksums(s.bytes) else None
+            p = self._page_checksums(s)
             if p is not None:
                 pages[s.id] = (s.bytes, s.crc32c, p)
         data, frame = encode_group_index(gi.arrow_keys(self._key_type()), gi.offsets, gi.rows, m.head, m.next_row,
