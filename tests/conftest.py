@@ -30,6 +30,15 @@ def assert_rows_equal(got, expected):
             np.testing.assert_array_equal(col, np.asarray(want), err_msg=name)
 
 
+def flip_byte(path, rel, at):
+    """Damage a store's file: flip one bit of the byte at offset ``at`` of ``path/rel``."""
+    with open(os.path.join(path, rel), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
 def package_at(commit, dest):
     """The ``diskreplay`` package as it was at ``commit``, extracted from git under ``dest`` (the
     directory to put first on ``sys.path``); skips the test where that history is unavailable."""

@@ -22,7 +22,7 @@ from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.verify import repair_store, verify_store
 
-from .conftest import package_at
+from .conftest import flip_byte, package_at
 
 # their stores hold segments of a few rows, which would otherwise be checked whole
 pytestmark = pytest.mark.usefixtures("paged_small_segments")
@@ -346,6 +346,16 @@ _DUMP = """
 """
 
 
+def _reads_alike(previous, path, tmp_path):
+    """The previous version and this one read every row of ``path`` to the same bytes, with no warning."""
+    for package, out in ((previous, "old.npz"), (ROOT, "new.npz")):
+        _run(package, _DUMP, path, str(tmp_path / out))
+    old, new = np.load(tmp_path / "old.npz"), np.load(tmp_path / "new.npz")
+    assert sorted(old.files) == sorted(new.files)
+    for k in old.files:
+        assert np.array_equal(old[k], new[k]), k
+
+
 def _run(package, body, *args):
     code = "import sys, numpy as np\nfrom diskreplay import ReplayStore\n" + textwrap.dedent(body)
     code += "\nprint(sys.modules['diskreplay'].__file__)"
@@ -379,12 +389,7 @@ def test_stores_of_either_version_read_bit_exactly_with_the_other(tmp_path, writ
         e = store.manifest.segments[0]
         has = store._page_checksums(e).buffers is not None
         assert has == (writer == "this")
-    for package, out in ((previous, "old.npz"), (ROOT, "new.npz")):
-        _run(package, _DUMP, path, str(tmp_path / out))
-    old, new = np.load(tmp_path / "old.npz"), np.load(tmp_path / "new.npz")
-    assert sorted(old.files) == sorted(new.files)
-    for k in old.files:
-        assert np.array_equal(old[k], new[k]), k
+    _reads_alike(previous, path, tmp_path)
     assert verify_store(path)["ok"]
 
 
@@ -406,17 +411,8 @@ def test_small_segments_without_page_checksums_read_with_the_previous_version(tm
     with ReplayStore(path, readonly=True) as store:
         assert all(store._sidecar(e)[3] is None for e in store.manifest.segments)  # no page checksums
         victim = store.manifest.segments[2]
-    for package, out in ((previous, "old.npz"), (ROOT, "new.npz")):
-        _run(package, _DUMP, path, str(tmp_path / out))
-    old, new = np.load(tmp_path / "old.npz"), np.load(tmp_path / "new.npz")
-    assert sorted(old.files) == sorted(new.files)
-    for k in old.files:
-        assert np.array_equal(old[k], new[k]), k
-    with open(os.path.join(path, victim.file), "r+b") as f:
-        f.seek(victim.bytes // 2)
-        b = f.read(1)
-        f.seek(victim.bytes // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
+    _reads_alike(previous, path, tmp_path)
+    flip_byte(path, victim.file, victim.bytes // 2)
     _run(previous, f"""
         from diskreplay import CorruptStoreError
         s = ReplayStore(sys.argv[1], readonly=True)

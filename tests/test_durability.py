@@ -1344,11 +1344,7 @@ def test_small_segments_are_checked_whole_and_large_ones_page_by_page(tmp_path):
         for name in ("completion_ids", "old_per_token_logps"):
             assert np.array_equal(got[name].values, want[name].values), name
     for seg, match in ((small, "fails its checksum \\(crc32c\\)"), (large, "fails its checksum at bytes")):
-        with open(os.path.join(path, seg.file), "r+b") as f:  # a flipped byte in the middle of the data
-            f.seek(seg.bytes // 2)
-            b = f.read(1)
-            f.seek(seg.bytes // 2)
-            f.write(bytes([b[0] ^ 0xFF]))
+        _flip(path, seg.file, seg.bytes // 2)  # a byte in the middle of the data
         with ReplayStore(path, readonly=True) as reader:
             with pytest.raises(CorruptStoreError, match=f"{seg.file}.*{match}"):
                 reader.read(np.arange(seg.first_row, seg.end_row))

@@ -18,6 +18,8 @@ from diskreplay.segment import encode_ipc, group_sidecar
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 
+from .conftest import flip_byte
+
 # their stores hold segments of a few rows, which would otherwise be checked whole
 pytestmark = pytest.mark.usefixtures("paged_small_segments")
 
@@ -212,13 +214,6 @@ def _column_spans(path, e):
     return spans
 
 
-def _flip(path, rel, at):
-    with open(os.path.join(path, rel), "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x40]))
-
 
 @pytest.mark.parametrize("where", ["frame", "key", "rows"])
 def test_damage_the_index_needs_is_found_before_use(tmp_path, where):
@@ -231,7 +226,7 @@ def test_damage_the_index_needs_is_found_before_use(tmp_path, where):
     store.close()
     assert e.frame is not None
     spans = _column_spans(path, e)
-    _flip(path, e.file, {"frame": e.bytes - 40, "key": spans["key"][1] - 5,
+    flip_byte(path, e.file, {"frame": e.bytes - 40, "key": spans["key"][1] - 5,
                          "rows": (spans["rows"][0] + spans["rows"][1]) // 2}[where])
     with ReplayStore(path, readonly=True) as reader:
         with pytest.warns(RuntimeWarning, match=f"{e.file}.*group index is rebuilt from the group sidecars"):
@@ -250,7 +245,7 @@ def test_damaged_page_checksums_in_the_index_fall_back_to_the_sidecars(tmp_path,
     e = store.manifest.group_index
     store.close()
     lo, hi = _column_spans(path, e)[column]
-    _flip(path, e.file, hi - 3)
+    flip_byte(path, e.file, hi - 3)
     with ReplayStore(path, readonly=True) as reader:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
