@@ -39,6 +39,26 @@ def flip_byte(path, rel, at):
         f.write(bytes([byte[0] ^ 0x40]))
 
 
+def race_before_publish(monkeypatch, loser, rival, times=1):
+    """Let ``rival`` (a store) commit right before ``loser`` publishes a manifest, ``times`` times:
+    ``loser`` loses the race for that generation. Returns the count of races still to come."""
+    from diskreplay import format as fmt
+    from diskreplay.store import LocalStorage
+    from diskreplay.testing.workload import batch_for
+
+    real = LocalStorage.link_new
+    left = [times]
+
+    def put(self, src, rel):
+        if self is loser._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and left[0]:
+            left[0] -= 1
+            rival.extend(batch_for(9, 100 + left[0]))
+        return real(self, src, rel)
+
+    monkeypatch.setattr(LocalStorage, "link_new", put)
+    return left
+
+
 def package_at(commit, dest):
     """The ``diskreplay`` package as it was at ``commit``, extracted from git under ``dest`` (the
     directory to put first on ``sys.path``); skips the test where that history is unavailable."""

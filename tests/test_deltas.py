@@ -16,7 +16,7 @@ from diskreplay.store import LocalStorage, MergePolicy
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import verify_store
 
-from .conftest import format_md_table
+from .conftest import format_md_table, race_before_publish
 
 
 def _kinds(path):
@@ -75,6 +75,39 @@ def test_appends_are_deltas_with_a_full_manifest_every_checkpoint(tmp_path):
         depths = {g: fmt.read_manifest(path, g).depth for g in kinds}
     assert max(depths.values()) < 2 * fmt.CHECKPOINT_EVERY
     assert all((depths[g] == 0) == (kinds[g] == "full") for g in kinds), (depths, kinds)
+    _clean(path)
+
+
+def test_a_checkpoint_that_loses_its_race_links_its_delta_while_the_chain_is_short(tmp_path, monkeypatch):
+    """An append whose base is deep enough for this writer to checkpoint (write a full manifest)
+    and that loses the race publishes, on its retry, the delta it staged with its data: a full
+    manifest, the slower commit, would only race again. At ``MAX_DELTA_DEPTH`` it checkpoints."""
+    from diskreplay.store import committer as cm
+
+    path = str(tmp_path / "s")
+    no_merge = MergePolicy(max_bytes=1)  # every commit an append
+    a = ReplayStore(path, multi_writer=True, merge_policy=no_merge)
+    b = ReplayStore(path, multi_writer=True, merge_policy=no_merge)
+    a._committer._checkpoint_at = fmt.CHECKPOINT_EVERY
+    b._committer._checkpoint_at = cm.MAX_DELTA_DEPTH
+    step = 0
+    for target, depth_after in ((fmt.CHECKPOINT_EVERY, fmt.CHECKPOINT_EVERY + 2), (cm.MAX_DELTA_DEPTH - 1, 0)):
+        while b.manifest.depth < target:
+            b.extend(batch_for(1, step), token=token_for(1, step))
+            step += 1
+        a._catch_up()  # a's base: `target` deltas past a full manifest, its checkpoint due
+        race_before_publish(monkeypatch, a, b)  # b's delta takes the generation a's checkpoint wanted
+        rows = a.extend(batch_for(0, step), token=token_for(0, step))
+        monkeypatch.undo()
+        assert a.manifest.depth == depth_after, (target, a.manifest.depth)
+        assert _kinds(path)[a.generation] == ("delta" if depth_after else "full")
+        assert a.read(rows)["tag"] == batch_for(0, step)["tag"]
+    assert a.stats()["conflicts"] == 2
+    with ReplayStore(path, readonly=True) as ro:
+        _same(ro.manifest, a.manifest)
+        assert not check_rows(ro, ro.row_ids())
+    a.close()
+    b.close()
     _clean(path)
 
 

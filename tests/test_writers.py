@@ -23,6 +23,8 @@ from diskreplay.store import LocalStorage, MergePolicy, convert_store
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import repair_store, verify_store
 
+from .conftest import race_before_publish
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -93,21 +95,6 @@ def test_filesystem_without_create_if_absent_is_refused(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- rebases and conflicts
 
 
-def _race(monkeypatch, loser, rival, times=1):
-    """Let ``rival`` commit right before ``loser`` publishes a manifest, ``times`` times."""
-    real = LocalStorage.link_new
-    left = [times]
-
-    def put(self, src, rel):
-        if self is loser._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and left[0]:
-            left[0] -= 1
-            rival.extend(batch_for(9, 100 + left[0]))
-        return real(self, src, rel)
-
-    monkeypatch.setattr(LocalStorage, "link_new", put)
-    return left
-
-
 def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_once(tmp_path, monkeypatch):
     """An uncontended writer leaves its data to the manifest's publish; when another writer
     commits before that publish, the rebased sidecars replace the pending ones (writing both
@@ -163,7 +150,7 @@ def test_a_lost_race_rebases_the_append(tmp_path, monkeypatch, conflicts):
     a = ReplayStore(path, multi_writer=True, capacity=40)
     b = ReplayStore(path)
     a.extend(batch_for(0, 0))
-    _race(monkeypatch, a, b, conflicts)  # 3: rivals commit again in the middle of each rebase
+    race_before_publish(monkeypatch, a, b, conflicts)  # 3: rivals commit again in the middle of each rebase
     want = batch_for(0, 1)
     rows = a.extend(want, token=token_for(0, 1))
     monkeypatch.undo()

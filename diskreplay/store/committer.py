@@ -37,9 +37,13 @@ SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a m
 # this bounds what the sweeps cost each commit (~20 us of listing per commit, whatever the store's size)
 SWEEP_ENTRIES_PER_COMMIT = 64
 SEEN_MANIFESTS = 4096  # manifests a writer keeps between its sweeps, so that a sweep need not read them again
+# the deepest base an append delta may follow: a lost race does not turn an append into a full manifest
+# written again and again (the slower commit, it loses to deltas), while checkpoints still come within
+# 2 * CHECKPOINT_EVERY (a reader applies at most this many deltas)
+MAX_DELTA_DEPTH = 2 * fmt.CHECKPOINT_EVERY - 1
+UNREADABLE_RETRIES = 3  # lost races to a manifest that does not read before the commit gives up
 # sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
 # name) against other writers, so it goes last (see Committer._remove)
-UNREADABLE_RETRIES = 3  # lost races to a manifest that does not read before the commit gives up
 DATA_SWEEP_DIRS = (fmt.GROUPS_DIR, fmt.SEGMENT_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
 
 
@@ -189,7 +193,11 @@ class Committer:
                 self._check_age(started)
                 op = plan(base)
                 logs: List[str] = []
-                if delta is not None and base.depth < self._checkpoint_at:  # else this commit checkpoints
+                # a full manifest (a checkpoint) once the base is this writer's depth past one; after a lost
+                # race, the delta made before it as long as the chain stays short enough (the checkpoint is
+                # left to the next commit: a full manifest's longer race window would lose again)
+                if delta is not None and (base.depth < self._checkpoint_at
+                                          or (attempt and base.depth < MAX_DELTA_DEPTH)):
                     new, data = delta[0].apply(base, self.options), delta[1]
                     publish_t = time.perf_counter()
                 else:
