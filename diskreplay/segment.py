@@ -31,7 +31,7 @@ _STATE_META = b"diskreplay.state"
 PAGE_BYTES = 8192
 # ... for segments of at least this many bytes. A smaller one (a commit of a few rows) is checked whole
 # against its manifest CRC-32C when first opened, as a segment without a sidecar is: reading all of it
-# costs no more than paging it, and the page checksums and buffer ranges cost its commit ~19% of its CPU.
+# costs no more than paging it, and the page checksums and buffer ranges cost its commit 10-20% of its CPU.
 PAGED_SEGMENT_BYTES = 64 << 10
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 _META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file

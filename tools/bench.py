@@ -1667,7 +1667,36 @@ def bench_commit_cpu(args) -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         print("\n--- a fresh process: import diskreplay + open the store, by cumulative ---")
         print("\n".join(out.stdout.splitlines()[:45]) or out.stderr)
+    if not prof:
+        _small_segments_ab(batches, work)
     shutil.rmtree(work if not args.dir else path, ignore_errors=True)
+
+
+def _small_segments_ab(batches, work: str, rounds: int = 5) -> None:
+    """CPU per small commit with segments below 64 KiB checked whole (their sidecars without page
+    checksums, the default) against page checksums on every segment (what stop 19 wrote), alternating
+    in this process, fresh stores, the same batches; medians."""
+    from diskreplay import segment
+
+    default = segment.PAGED_SEGMENT_BYTES
+    cpu: Dict[int, List[float]] = {default: [], 0: []}
+    try:
+        for r in range(rounds):
+            for threshold in (0, default):
+                segment.PAGED_SEGMENT_BYTES = threshold
+                path = _fresh(os.path.join(work, f"ab{r}.{threshold}"))
+                with ReplayStore(path, multi_writer=True) as store:
+                    for i, b in enumerate(batches[:20]):  # warm: first calls, the schema, first merges
+                        store.extend(b, token=f"warm:{i}")
+                    c0 = time.process_time()
+                    for i, b in enumerate(batches):
+                        store.extend(b, token=f"ab:{i}")
+                    cpu[threshold].append(1e3 * (time.process_time() - c0) / len(batches))
+    finally:
+        segment.PAGED_SEGMENT_BYTES = default
+    whole, paged = statistics.median(cpu[default]), statistics.median(cpu[0])
+    print(f"  small segments checked whole (sidecar without page checksums) vs page checksums on every segment, "
+          f"{rounds} alternating rounds: CPU {whole:.2f} vs {paged:.2f} ms/commit ({whole / paged:.2f}x)")
 
 
 def _size(n: float) -> str:
