@@ -827,6 +827,7 @@ class Segment(ArrowFile):
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
         """Check the pages holding the values of ``local_rows`` of a ragged column (once per row)."""
+        self.ragged(name)  # (cached) sets up the column's record of checked rows, if it has page checksums
         checked = self._rows_checked.get(name)
         if checked is None:
             return
@@ -862,7 +863,6 @@ class Segment(ArrowFile):
             return
         todo = local_rows[~seen]
         for name in names:
-            self.ragged(name)  # sets up the column's own check record
             self.check_rows(name, todo)
         checked[todo] = True
 

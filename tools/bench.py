@@ -1694,6 +1694,9 @@ def _small_segments_ab(batches, work: str, rounds: int = 5) -> None:
                     cpu[threshold].append(1e3 * (time.process_time() - c0) / len(batches))
     finally:
         segment.PAGED_SEGMENT_BYTES = default
+        for r in range(rounds):  # after every timing: removing files slows creates here for minutes
+            for threshold in (0, default):
+                shutil.rmtree(os.path.join(work, f"ab{r}.{threshold}"), ignore_errors=True)
     whole, paged = statistics.median(cpu[default]), statistics.median(cpu[0])
     print(f"  small segments checked whole (sidecar without page checksums) vs page checksums on every segment, "
           f"{rounds} alternating rounds: CPU {whole:.2f} vs {paged:.2f} ms/commit ({whole / paged:.2f}x)")
