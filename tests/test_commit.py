@@ -218,6 +218,39 @@ def test_tokens_survive_sealing_merging_and_are_forgotten_only_when_allowed(tmp_
         assert store.extend(expected_rows([60]), token="t0").tolist() == [60]
 
 
+def test_one_writer_finds_every_token_while_its_logs_seal_and_merge(tmp_path, monkeypatch):
+    """The merged lookup of a writer that stays open follows its logs as they are sealed, merged
+    and dropped: it answers as a scan of the manifest's records and logs does, newest first, and
+    against the manifest before a commit it finds none of the newer logs' tokens."""
+    from diskreplay.store import tokens as tok
+
+    monkeypatch.setattr(tok, "INLINE_TOKENS", 3)
+    monkeypatch.setattr(tok, "MAX_TOKEN_LOGS", 2)
+    monkeypatch.setattr(tok, "RETAIN_TOKEN_COMMITS", 25)
+
+    def scan(index, m, token):
+        records = list(m.tokens[::-1]) + [r for e in m.token_logs[::-1] for r in index.records(e)]
+        return next((r for r in records if r.token == token), None)
+
+    with ReplayStore(str(tmp_path / "s"), capacity=20) as store:
+        index = store._committer.tokens
+        before, committed_at = store.manifest, []
+        for i in range(70):
+            store.extend(expected_rows([i]), token=f"t{i}")
+            m = store.manifest
+            committed_at.append(index.find(m, f"t{i}").generation)
+            for j in range(i + 1):
+                rec = index.find(m, f"t{j}")
+                assert rec == scan(index, m, f"t{j}"), (i, j)
+                if committed_at[j] > m.generation - 25 or j >= m.head:  # among the newest 25 commits, or live
+                    assert rec is not None and rec.first_row == j, (i, j)
+            assert index.find(before, f"t{i}") is None
+            if i:
+                assert index.find(before, f"t{i - 1}").first_row == i - 1
+            before = m
+        assert len(store.manifest.token_logs) >= 1
+
+
 def verify_ok(path):
     from diskreplay.verify import verify_store
 

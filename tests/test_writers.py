@@ -296,6 +296,40 @@ def test_the_sweep_finds_the_old_manifests_by_bisection(tmp_path, monkeypatch):
         assert check_rows(store, store.row_ids()) is None
 
 
+def test_a_sweep_stats_an_unnamed_file_again_only_once_it_may_be_old_enough(tmp_path, monkeypatch):
+    """Merged-away segments stay for retain_seconds: the sweeps in between remember when each
+    one will be old enough instead of statting them all every time; then it goes."""
+    from diskreplay.store import committer as cm
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=100) as store:
+        for s in range(40):
+            store.extend(batch_for(0, s, rows=2))
+        committer = store._committer
+        for g in fmt.list_generations(path)[1:]:  # superseded long ago: only the newest few stay
+            _age(path, fmt.manifest_file(g), 1000)
+        stats = []
+        real = committer._age
+        monkeypatch.setattr(committer, "_age", lambda rel: stats.append(rel) or real(rel))
+        committer._ripe = {}  # as a writer that just opened the store
+        committer.sweep_shared()
+        named = {f for g in fmt.list_generations(path) for f in fmt.read_manifest(LocalStorage(path), g).files()}
+        unnamed = {f"{fmt.SEGMENT_DIR}/{n}" for n in os.listdir(os.path.join(path, fmt.SEGMENT_DIR))} - named
+        assert len(unnamed) >= 16  # a merge's inputs, young
+        assert unnamed <= set(stats)  # seen for the first time: statted
+        stats.clear()
+        committer.sweep_shared()
+        assert not unnamed & set(stats)  # known to be young still: not statted
+        now = time.time()
+        monkeypatch.setattr(cm.time, "time", lambda: now + 101)  # retain_seconds later
+        for rel in unnamed:
+            _age(path, rel, 101)
+        committer.sweep_shared()
+        assert unnamed <= set(stats)
+        assert not any(os.path.exists(os.path.join(path, rel)) for rel in unnamed)
+        assert check_rows(store, store.row_ids()) is None
+
+
 def test_sweeps_space_out_as_the_store_grows(tmp_path, monkeypatch):
     """A sweep lists every retained file: the commits between sweeps grow with what the last one
     listed, so the sweeps' cost per commit stays bounded however much the store retains."""

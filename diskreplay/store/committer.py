@@ -93,6 +93,7 @@ class Committer:
         # later-kept generation stopped naming, and each one's delta depth (see _named_by)
         self._swept: Optional[Tuple[int, fmt.Manifest, frozenset]] = None
         self._released: Dict[int, frozenset] = {}
+        self._ripe: Dict[str, float] = {}  # young unnamed files: when (time.time()) each is old enough to go
         self._depth: Dict[int, int] = {}
         # the manifests of the generations this writer made or read since its last sweep (its own
         # commits, other writers' deltas it applied): the sweep reads only the ones it missed
@@ -487,6 +488,9 @@ class Committer:
         drop = [] if unreadable else [g for g in drop if g not in keep]  # an unreadable one may be a delta
         files = []
         entries = len(gens)
+        # unnamed files too young to go, and when they will be old enough: each sweep would stat them
+        # all again (a merge leaves its inputs unnamed; retain_seconds of merges are thousands of files)
+        now, young, ripe = time.time(), {}, self._ripe
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
             names = self.storage.list(d)
             entries += len(names)
@@ -494,8 +498,18 @@ class Committer:
                 rel = f"{d}/{name}" if d else name
                 garbage = name.startswith(TMP_PREFIX) or (
                     not unreadable and d not in ("", fmt.MANIFEST_DIR) and rel not in referenced)
-                if garbage and self._age(rel) >= retain:
+                if not garbage:
+                    continue
+                at = ripe.get(rel)
+                if at is not None and now < at:
+                    young[rel] = at
+                    continue
+                age = self._age(rel)
+                if age >= retain:
                     files.append(rel)
+                else:
+                    young[rel] = now + retain - age
+        self._ripe = young
         self.delete([fmt.manifest_file(g) for g in drop], files)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 

@@ -50,12 +50,19 @@ def digest(num_rows: int, pieces: Sequence[Tuple[int, int]]) -> int:
 
 
 class TokenIndex:
-    """Token lookup over a manifest's inline records and its token logs (parsed once each)."""
+    """Token lookup over a manifest's inline records and its token logs (parsed once each).
+
+    A lookup of a new token (every exactly-once append makes one) misses every log, so the
+    logs' records are also held in one dict, newest log last (it wins), kept for the manifests'
+    ``token_logs`` as long as they only grow at the end (a log sealed): one probe, not one per log.
+    """
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         # by the whole entry: an id freed by clean-up may be reused for another log
         self._logs: Dict[fmt.TokenLog, Dict[str, fmt.TokenRecord]] = {}
+        self._merged_for: Tuple[fmt.TokenLog, ...] = ()
+        self._merged: Dict[str, fmt.TokenRecord] = {}
 
     def _log(self, entry: fmt.TokenLog) -> Dict[str, fmt.TokenRecord]:
         hit = self._logs.get(entry)
@@ -67,10 +74,33 @@ class TokenIndex:
             hit = self._logs[entry] = {r.token: r for r in fmt.parse_token_log(raw, entry.file)}
         return hit
 
+    def _records_of(self, logs: Tuple[fmt.TokenLog, ...]) -> Optional[Dict[str, fmt.TokenRecord]]:
+        """Every record of ``logs``, a token in two of them as the newest one has it (None for
+        the logs of a manifest older than the ones held: they are looked up one by one)."""
+        held = self._merged_for
+        if logs is held or logs == held:
+            return self._merged
+        if len(logs) < len(held) and held[:len(logs)] == logs:
+            return None  # an older manifest's (some of the records held are newer than it)
+        if logs[:len(held)] == held:  # logs sealed since: add theirs
+            merged, new = self._merged, logs[len(held):]
+        else:  # logs dropped or merged into one: start again
+            merged, new = {}, logs
+            self._logs = {e: self._logs[e] for e in logs if e in self._logs}  # the others are gone
+        for entry in new:
+            merged.update(self._log(entry))
+        self._merged_for, self._merged = logs, merged
+        return merged
+
     def find(self, manifest: fmt.Manifest, token: str) -> Optional[fmt.TokenRecord]:
         for r in reversed(manifest.tokens):
             if r.token == token:
                 return r
+        if not manifest.token_logs:
+            return None
+        merged = self._records_of(manifest.token_logs)
+        if merged is not None:
+            return merged.get(token)
         for entry in reversed(manifest.token_logs):
             r = self._log(entry).get(token)
             if r is not None:
