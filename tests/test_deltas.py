@@ -301,6 +301,9 @@ def test_corrupt_chain_is_refused_with_the_file_named(tmp_path):
     _resign(path, gen, lambda doc: doc["segments"][0].update(id=taken))
     with pytest.raises((CorruptStoreError, FormatError), match=fmt.manifest_file(gen)):
         fmt.read_manifest(path, gen)
+    # so is it for a writer catching up from the commit before, which it holds
+    with pytest.raises((CorruptStoreError, FormatError), match=fmt.manifest_file(gen)):
+        fmt.read_manifest(path, gen, known=fmt.read_manifest(path, gen - 1))
 
 
 def test_the_plain_pyarrow_recipe_of_format_md_resolves_deltas(tmp_path):

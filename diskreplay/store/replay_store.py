@@ -32,7 +32,7 @@ from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
 from ..segment import (IndexedPages, PageChecksums, Segment, coalesce, decode_state, encode_group_index, encode_ipc,
-                       encode_state, group_sidecar, has_page_checksums, prefetch_files, read_group_index,
+                       encode_group_sidecar, encode_state, has_page_checksums, prefetch_files, read_group_index,
                        read_group_sidecar)
 from . import ops
 from .committer import Committer
@@ -736,7 +736,7 @@ class ReplayStore:
         if self.group_key is None:
             return 0, 0
         local = self.options.append_deltas  # rows counted from the segment's: the file fits any base
-        gdata = encode_ipc(group_sidecar(record.column(self.group_key), None if local else first_row, checksums))
+        gdata = encode_group_sidecar(record.column(self.group_key), None if local else first_row, checksums)
         rel = fmt.groups_file(seg_id)
         if rel not in written:
             written.append(rel)
