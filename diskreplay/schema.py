@@ -274,7 +274,7 @@ def _to_numpy(name: str, value: Any) -> Any:
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
         return t.cpu().numpy()
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, _Ragged)):
         return value
     if isinstance(value, (list, tuple)):
         return list(value)
@@ -310,6 +310,9 @@ class _Ragged:
     values: np.ndarray
     offsets: np.ndarray  # int64, starts at 0
     validity: Optional[np.ndarray]  # bool per row or None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
 
 
 def _ragged_from_list(name: str, rows: list) -> _Ragged:
@@ -356,6 +359,98 @@ def _ragged_from_list(name: str, rows: list) -> _Ragged:
     values = (np.concatenate([a.astype(dtype, copy=False) for a in present])
               if present else np.zeros(0, dtype=dtype))
     return _Ragged(values, offsets, None if valid.all() else valid)
+
+
+# ---------------------------------------------------------------------------
+# Arrow input: a pyarrow Table / RecordBatch, or a mapping with pyarrow arrays as values
+
+
+def _from_arrow(batch: Any) -> Any:
+    """``batch`` with pyarrow tables and arrays turned into what the other layouts give: a
+    table becomes a mapping of its columns; a list column a ragged column (its buffers, no row
+    is visited in Python), a fixed-size list a 2-D array, any other column a 1-D array; a
+    column that is null in every row is "not computed" (None)."""
+    if isinstance(batch, (pa.Table, pa.RecordBatch)):
+        batch = dict(zip(batch.schema.names, batch.columns))
+    elif not isinstance(batch, Mapping) or not any(isinstance(v, _ARROW_VALUES) for v in batch.values()):
+        return batch
+    return {str(k): _arrow_column(str(k), v) if isinstance(v, _ARROW_VALUES) else v for k, v in batch.items()}
+
+
+_ARROW_VALUES = (pa.Array, pa.ChunkedArray)
+
+
+def _arrow_column(name: str, arr: Any) -> Any:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
+    if len(arr) and arr.null_count == len(arr):
+        return None
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        return _arrow_column(name, arr.dictionary_decode())
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _ragged_from_arrow(name, arr)
+    if pa.types.is_fixed_size_list(t):
+        if arr.null_count:
+            raise BatchError(f"column {name!r} row {_first_null(arr)} is null; a per-row vector needs a value "
+                             "in every row")
+        child = arr.flatten()
+        if child.null_count:
+            raise BatchError(f"column {name!r} row {_first_null(child) // t.list_size} holds a null element; "
+                             "a per-row vector holds numbers")
+        return _arrow_numpy(name, child, t.value_type, numbers=True).reshape(len(arr), t.list_size)
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+            or pa.types.is_string(t) or pa.types.is_large_string(t)):
+        raise BatchError(f"column {name!r} has Arrow type {t}; a store holds numbers, bools, strings and "
+                         "lists or fixed-size lists of numbers")
+    if arr.null_count:
+        if pa.types.is_floating(t):  # a late float column: a null (like NaN) is "not computed"
+            return arr.fill_null(float("nan")).to_numpy(zero_copy_only=False)
+        raise BatchError(f"column {name!r} row {_first_null(arr)} is null; per-row columns must hold a value "
+                         "in every row")
+    return _arrow_numpy(name, arr, t)
+
+
+def _arrow_numpy(name: str, arr: pa.Array, t: pa.DataType, numbers: bool = False) -> np.ndarray:
+    """``arr`` (no nulls) as numpy; strings as objects unless ``numbers`` (a list's elements)."""
+    if not numbers and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return np.array(arr.to_pylist(), dtype=object)
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        raise BatchError(f"column {name!r} holds Arrow {t} values; lists must hold numbers")
+    if pa.types.is_float16(t):
+        arr = arr.cast(pa.float32())
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def _first_null(arr: pa.Array) -> int:
+    return int(np.argmax(arr.is_null().to_numpy(zero_copy_only=False)))
+
+
+def _ragged_from_arrow(name: str, arr: pa.Array) -> _Ragged:
+    """A list column's rows from its offsets and values (a null row: a row without a value)."""
+    offsets = np.asarray(arr.offsets, dtype=np.int64)  # of this (possibly sliced) array's rows
+    start, end = int(offsets[0]), int(offsets[-1])
+    child = arr.values.slice(start, end - start)
+    values = _arrow_numpy(name, child, child.type, numbers=True)
+    offsets = offsets - start
+    child_valid = child.is_valid().to_numpy(zero_copy_only=False) if child.null_count else None
+    validity = None
+    if arr.null_count:
+        validity = arr.is_valid().to_numpy(zero_copy_only=False)
+        lengths = np.diff(offsets)
+        keep = np.repeat(validity, lengths)  # a null row may still span values: they are not its
+        values = values[keep]
+        if child_valid is not None:
+            child_valid = child_valid[keep]
+        lengths[~validity] = 0
+        offsets = np.zeros(len(arr) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+    if child_valid is not None and not child_valid.all():
+        bad = int(np.argmax(~child_valid))
+        row = int(np.searchsorted(offsets, bad, side="right") - 1)
+        raise BatchError(f"column {name!r} row {row} position {bad - int(offsets[row])} is null; the elements of "
+                         "a row are numbers (a whole row may be null: not computed)")
+    return _Ragged(values, offsets, validity)
 
 
 def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:
@@ -444,6 +539,7 @@ def _lengths(r: _Ragged) -> np.ndarray:
 
 
 def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
+    batch = _from_arrow(batch)
     if not isinstance(batch, Mapping):
         raise BatchError(f"a batch must be a mapping of column name to values, got {type(batch).__name__}")
     # a column that is None, or None in every row, was "not computed"
@@ -518,8 +614,8 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
                 if dt == "string":
                     raise BatchError(f"column {name!r}: a per-row vector must be numeric")
                 cols[name] = _Column(ColumnSpec(name, VECTOR, dt, width=int(arr.shape[1])), array=arr)
-        elif isinstance(v, list) and _has_sequence_rows(name, v):
-            r = _ragged_from_list(name, v)
+        elif isinstance(v, _Ragged) or isinstance(v, list) and _has_sequence_rows(name, v):
+            r = v if isinstance(v, _Ragged) else _ragged_from_list(name, v)
             cols[name] = _Column(ColumnSpec(name, RAGGED, _ragged_dtype(name, r.values),
                                             align=_align_for(name, align, arrays)), ragged=r)
         else:

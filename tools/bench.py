@@ -1255,6 +1255,7 @@ def bench_priorities(args) -> None:
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the writers import this diskreplay
 WRITER_CHILD = textwrap.dedent("""
     import json, os, shutil, sys, time
+    import numpy as np
     kind, path, w, n, rows, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     import pyarrow as pa
     from diskreplay import ReplayStore
@@ -1264,20 +1265,25 @@ WRITER_CHILD = textwrap.dedent("""
                    for i in range(n)]
     else:  # the GRPO workload of `bench.py store`: n batches of 512 rows
         batches = list(rollout_stream(n * 64, 64, 8, seed=w))
-    def table(b):
-        return pa.table({k: pa.array([list(x) for x in v]) if isinstance(v, list) else pa.array(v)
+    def table(b):  # the store's own types (int32 ids, float32 log-probs), from the arrays' buffers
+        def ragged(rows):
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum([len(r) for r in rows], out=offsets[1:])
+            return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(rows)))
+        return pa.table({k: ragged(v) if isinstance(v, list) else pa.array(v)
                          for k, v in b.items() if v is not None and k != "rewards_per_func"})
-    if kind == "diskreplay":
+    # every system appends the same pyarrow tables (made before the timing); "diskreplay-dict" the
+    # batches as a trainer holds them (lists of numpy arrays), and so do the 512-row commits
+    tables = [table(b) for b in batches] if rows and kind != "diskreplay-dict" else batches
+    if kind.startswith("diskreplay"):
         open_store = lambda p: ReplayStore(p, multi_writer=True)
-        append = lambda s, b, i: s.extend(b, token=f"{w}:{i}")
+        append = lambda s, b, i: s.extend(tables[i], token=f"{w}:{i}")
     elif kind == "delta":
         from deltalake import write_deltalake
-        tables = [table(b) for b in batches]
         open_store = lambda p: p
         append = lambda p, b, i: write_deltalake(p, tables[i], mode="append")
     else:
         import lance
-        tables = [table(b) for b in batches]
         open_store = lambda p: p
         append = lambda p, b, i: lance.write_dataset(tables[i], p, mode="append")
     # warm up every compared path the same way: one commit of the first batch into a scratch
@@ -1285,7 +1291,7 @@ WRITER_CHILD = textwrap.dedent("""
     scratch = f"{path}.warm{w}"
     s = open_store(scratch)
     append(s, batches[0], 0)
-    if kind == "diskreplay":
+    if kind.startswith("diskreplay"):
         s.close()  # the parent removes the scratch store when the whole benchmark ends (see _Trash)
     store = open_store(path)
     print("ready", flush=True)
@@ -1299,11 +1305,11 @@ WRITER_CHILD = textwrap.dedent("""
                 append(store, b, i)
                 break
             except Exception as exc:
-                if kind == "diskreplay":
+                if kind.startswith("diskreplay"):
                     raise
                 errors += 1
     out = {"start": t, "seconds": time.perf_counter() - t, "errors": errors, "cpu": time.process_time() - cpu}
-    if kind == "diskreplay":
+    if kind.startswith("diskreplay"):
         out.update(store.stats())
         store.close()
     out["end"] = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
@@ -1414,22 +1420,25 @@ def bench_writers(args) -> None:
 
     n = args.commits
     print(f"\nsmall commits: {n} commits of 8 rows per writer   commits/s  conflicts/commit  retry share")
+    print("  (every system appends the same pyarrow tables, made before the timing; 'dict input': the same"
+          " rows as lists of numpy arrays, as a trainer holds them)")
     print("  (retry share: time lost to races / commit time (first data write to publish); in brackets /"
           " the manifest step's time; CPU: the writers' process time (all threads) per commit)")
     runs: Dict[Tuple[str, int], List[Dict[str, float]]] = {}
-    plan = [("diskreplay", w) for w in counts] + [(k, w) for k in ("delta", "lance") for w in (1, 4)]
+    plan = ([("diskreplay", w) for w in counts] + [("diskreplay-dict", 4)]
+            + [(k, w) for k in ("delta", "lance") for w in (1, 4)])
     failed: Dict[Tuple[str, int], str] = {}
     for r in range(rounds):
         for kind, w in plan:
             if (kind, w) in failed:
                 continue
             path = _fresh(os.path.join(work, f"{kind}{w}.{r}"))
-            if kind == "diskreplay":
+            if kind.startswith("diskreplay"):
                 ReplayStore(path, multi_writer=True).close()
             try:
                 runs.setdefault((kind, w), []).append(_run_writers(kind, path, w, n, 8))
             except Exception as exc:  # a missing package or a failed run is reported, not fatal
-                if kind == "diskreplay":
+                if kind.startswith("diskreplay"):
                     raise
                 failed[(kind, w)] = str(exc).splitlines()[-1][:60]
             trash.keep(path)
@@ -1439,14 +1448,17 @@ def bench_writers(args) -> None:
         return rs[len(rs) // 2]
 
     dr: Dict[int, float] = {}
-    for w in counts:
-        r = median_run(("diskreplay", w))
-        dr[w] = r["commits"] / r["wall"]
-        row(f"diskreplay, {w} writer(s)", f"{dr[w]:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
+    for kind, w in plan[:len(counts) + 1]:
+        r = median_run((kind, w))
+        rate = r["commits"] / r["wall"]
+        if kind == "diskreplay":
+            dr[w] = rate
+        label = f"diskreplay, {w} writer(s)" + (", dict input" if kind != "diskreplay" else "")
+        row(label, f"{rate:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
             f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%} "
             f"[{r['retry_seconds'] / max(r['manifest_seconds'], 1e-9):.0%}] "
             f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit")
-    for kind, w in plan[len(counts):]:
+    for kind, w in plan[len(counts) + 1:]:
         if (kind, w) in failed:
             row(f"{kind}, {w} writer(s)", f"failed: {failed[(kind, w)]}")
             continue

@@ -503,7 +503,9 @@ class ReplayStore:
 
         Accepts TRL's padded layout (``prompt_ids``/``prompt_mask`` left-padded,
         ``completion_ids``/``completion_mask`` and per-token columns right-padded,
-        per-row columns ``[B]``) or the ragged layout (lists of 1-D arrays).
+        per-row columns ``[B]``), the ragged layout (lists of 1-D arrays), or Arrow:
+        a ``pyarrow.Table``/``RecordBatch`` or a mapping of pyarrow arrays (list
+        columns are ragged, null rows "not computed"; fixed-size lists are vectors).
         Padding is stripped with the masks; ``None`` columns mean "not computed".
         A nullable column the store lacks (ragged, or per-row float) is added
         in this commit; older rows read "not computed" there (docs/FORMAT.md,

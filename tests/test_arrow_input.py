@@ -1,0 +1,105 @@
+"""``extend`` takes pyarrow tables, record batches and mappings of pyarrow arrays (datasets, Parquet,
+Lance and Delta readers give those): the same rows as the ragged layout, the same errors."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diskreplay import BatchError, ReplayStore
+from diskreplay.schema import normalize_batch
+
+from .conftest import assert_rows_equal
+from .test_store import ragged_batches
+
+RAGGED = ("prompt_ids", "completion_ids", "old_per_token_logps")
+
+
+def _arrow_rows(rows, value_type, large):
+    list_type = pa.large_list(value_type) if large else pa.list_(value_type)
+    return pa.array([None if r is None else r.tolist() for r in rows], type=list_type)
+
+
+def as_table(batch, large=True, chunks=1, pad=0):
+    """``batch`` (ragged layout) as a pyarrow table: ids as int64 lists, ``chunks`` chunks per
+    column, each column a slice of a longer one when ``pad`` (so offsets do not start at 0)."""
+    types = {"prompt_ids": pa.int64(), "completion_ids": pa.int64(), "old_per_token_logps": pa.float32()}
+    cols = {}
+    for k, v in batch.items():
+        if k in types:
+            arr = _arrow_rows([np.zeros(2)] * pad + list(v), types[k], large).slice(pad)
+        else:
+            arr = pa.array(list(v))
+        if chunks > 1 and len(arr) > 1:
+            cut = len(arr) // 2
+            arr = pa.chunked_array([arr.slice(0, cut), arr.slice(cut)])
+        cols[k] = arr
+    return pa.table(cols)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=ragged_batches(), large=st.booleans(), chunks=st.sampled_from([1, 2]), pad=st.integers(0, 2))
+def test_a_table_normalizes_to_the_record_batch_of_its_ragged_layout(batch, large, chunks, pad):
+    want, want_schema = normalize_batch(batch, None, "prompt_id")
+    got, got_schema = normalize_batch(as_table(batch, large, chunks, pad), None, "prompt_id")
+    assert got_schema == want_schema
+    assert got.equals(want)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=ragged_batches())
+def test_a_table_appends_the_rows_a_dict_does(tmp_path_factory, batch):
+    path = tmp_path_factory.mktemp("s")
+    with ReplayStore(path) as store:
+        first = store.extend(batch)
+        second = store.extend(as_table(batch).to_batches()[0] if len(batch["prompt_id"]) else batch)
+        a, b = store.read(first), store.read(second)
+        assert_rows_equal(b, {k: _rows(a[k]) for k in RAGGED})
+        assert list(a["prompt_id"]) == list(b["prompt_id"])
+
+
+def _rows(col):
+    return [None] * len(col) if col is None else [col[i] for i in range(len(col))]
+
+
+def test_a_mapping_of_arrow_arrays_and_a_resent_table_count_once(tmp_path):
+    ids = pa.array([[1, 2], [3]], pa.list_(pa.int32()))
+    batch = {"prompt_id": pa.array(["a", "a"]).dictionary_encode(), "completion_ids": ids,
+             "rewards": pa.array([1.0, 0.0], pa.float16()), "ref_per_token_logps": pa.nulls(2, pa.list_(pa.float32()))}
+    with ReplayStore(str(tmp_path / "s"), multi_writer=True) as store:
+        assert store.extend(batch, token="w:0").tolist() == [0, 1]
+        assert store.extend(pa.table(batch), token="w:0").tolist() == [0, 1]  # the same rows: not again
+        assert len(store) == 2 and "ref_per_token_logps" not in store.schema.names  # all null: not computed
+        got = store.read([0, 1])
+        assert [r.tolist() for r in got["completion_ids"]] == [[1, 2], [3]]
+        assert store.group_rows("a").tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("completion_ids", pa.array([[1, None], [3]], pa.list_(pa.int64())), r"'completion_ids' row 0 position 1 is null"),
+    ("rewards", pa.array([1, None], pa.int64()), r"'rewards' row 1 is null"),
+    ("prompt_id", pa.array([1, None]), r"'prompt_id' row 1 is null"),
+    ("when", pa.array([1, 2], pa.timestamp("s")), r"'when' has Arrow type timestamp\[s\]"),
+    ("completion_ids", pa.array([["a"], ["b"]]), r"'completion_ids' holds Arrow string values"),
+    ("scores", pa.array([[1.0, 2.0], None], pa.list_(pa.float32(), 2)), r"'scores' row 1 is null"),
+])
+def test_bad_arrow_columns_are_refused_naming_the_column_and_row(tmp_path, column, value, message):
+    batch = {"prompt_id": pa.array([1, 1]), "completion_ids": pa.array([[1, 2], [3]]), "rewards": pa.array([1.0, 0.0])}
+    batch[column] = value
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        with pytest.raises(BatchError, match=message):
+            store.extend(pa.table(batch))
+        assert len(store) == 0
+
+
+def test_null_rows_of_a_list_column_are_not_computed_whatever_values_they_span():
+    # Arrow lets a null list slot span values; they are not the row's, so they are dropped
+    values = pa.array([1.0, 2.0, 9.0, 9.0, 3.0], pa.float32())
+    arr = pa.LargeListArray.from_arrays(pa.array([0, 2, 4, 5], pa.int64()), values,
+                                        mask=pa.array([False, True, False]))
+    batch = {"prompt_id": pa.array([1, 1, 1]), "completion_ids": pa.array([[5, 6], [7, 8], [9]]),
+             "old_per_token_logps": arr}
+    record, _ = normalize_batch(batch, None, "prompt_id")
+    assert record.column("old_per_token_logps").to_pylist() == [[1.0, 2.0], None, [3.0]]
