@@ -284,7 +284,7 @@ def _sidecar_template(n: int) -> Tuple[bytes, int]:
     """The sidecar of ``n`` rows of one int64 key (segment-local rows), and where the key's bytes
     lie in it (-1 if two keys' files differ anywhere else: then no template is used)."""
     keys = (0x0123456789ABCDEF, -0x0FEDCBA987654321)
-    a, b = (bytes(encode_ipc(group_sidecar(pa.array([k] * n, pa.int64()), None))) for k in keys)
+    a, b = (bytes(encode_ipc(group_sidecar(arrow_array(np.full(n, k, dtype=np.int64)), None))) for k in keys)
     diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
     at = diff[0] if diff else -1
     if (len(a) != len(b) or not diff or diff[-1] - at >= 8

