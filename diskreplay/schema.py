@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import BatchError, FormatError, SchemaError
-from .ragged import arrow_array
+from .ragged import arrow_array, numpy_view
 
 PROMPT_IDS = "prompt_ids"
 COMPLETION_IDS = "completion_ids"
@@ -405,7 +405,7 @@ def _arrow_column(name: str, arr: Any) -> Any:
                          "lists or fixed-size lists of numbers")
     if arr.null_count:
         if pa.types.is_floating(t):  # a late float column: a null (like NaN) is "not computed"
-            return arr.fill_null(float("nan")).to_numpy(zero_copy_only=False)
+            return numpy_view(arr.fill_null(float("nan")))
         raise BatchError(f"column {name!r} row {_first_null(arr)} is null; per-row columns must hold a value "
                          "in every row")
     return _arrow_numpy(name, arr, t)
@@ -419,24 +419,24 @@ def _arrow_numpy(name: str, arr: pa.Array, t: pa.DataType, numbers: bool = False
         raise BatchError(f"column {name!r} holds Arrow {t} values; lists must hold numbers")
     if pa.types.is_float16(t):
         arr = arr.cast(pa.float32())
-    return arr.to_numpy(zero_copy_only=False)
+    return numpy_view(arr)  # not to_numpy, which imports pandas
 
 
 def _first_null(arr: pa.Array) -> int:
-    return int(np.argmax(arr.is_null().to_numpy(zero_copy_only=False)))
+    return int(np.argmax(numpy_view(arr.is_null())))
 
 
 def _ragged_from_arrow(name: str, arr: pa.Array) -> _Ragged:
     """A list column's rows from its offsets and values (a null row: a row without a value)."""
-    offsets = np.asarray(arr.offsets, dtype=np.int64)  # of this (possibly sliced) array's rows
+    offsets = numpy_view(arr.offsets).astype(np.int64)  # of this (possibly sliced) array's rows
     start, end = int(offsets[0]), int(offsets[-1])
     child = arr.values.slice(start, end - start)
     values = _arrow_numpy(name, child, child.type, numbers=True)
     offsets = offsets - start
-    child_valid = child.is_valid().to_numpy(zero_copy_only=False) if child.null_count else None
+    child_valid = numpy_view(child.is_valid()) if child.null_count else None
     validity = None
     if arr.null_count:
-        validity = arr.is_valid().to_numpy(zero_copy_only=False)
+        validity = numpy_view(arr.is_valid())
         lengths = np.diff(offsets)
         keep = np.repeat(validity, lengths)  # a null row may still span values: they are not its
         values = values[keep]
@@ -451,6 +451,63 @@ def _ragged_from_arrow(name: str, arr: pa.Array) -> _Ragged:
         raise BatchError(f"column {name!r} row {row} position {bad - int(offsets[row])} is null; the elements of "
                          "a row are numbers (a whole row may be null: not computed)")
     return _Ragged(values, offsets, validity)
+
+
+def _arrow_as_stored(batch: Any, schema: "Schema", group_key: Optional[str]) -> Optional[pa.RecordBatch]:
+    """A pyarrow table whose columns have exactly the store's types, as the record batch to store,
+    its buffers as they are; None when anything is to convert or may be wrong (a null, a NaN, a
+    late column, misaligned tokens, a slice): the general path converts it or names the problem.
+
+    Every check the general path makes of such columns is made here, on the buffers: no null
+    element or row, no NaN in a per-token float column, token columns aligned with their ids,
+    every per-row column present (a late float column: no NaN, which it would store as null).
+    """
+    if isinstance(batch, pa.Table):
+        batches = batch.to_batches()
+        if len(batches) != 1:
+            return None
+        batch = batches[0]
+    if not isinstance(batch, pa.RecordBatch) or not batch.num_rows:
+        return None
+    n = batch.num_rows
+    stored = schema.arrow_schema()
+    given: Dict[str, pa.Array] = {}
+    for field, col in zip(batch.schema, batch.columns):
+        name = field.name
+        i = stored.get_field_index(name)
+        if i < 0 or name in given or not field.type.equals(stored.types[i]) or col.null_count or col.offset:
+            return None
+        given[name] = col
+    if group_key is not None and group_key not in given:
+        return None
+    arrays = []
+    for spec in schema.columns.values():
+        col = given.get(spec.name)
+        if col is None:
+            if spec.kind != RAGGED and spec.name not in schema.late:
+                return None
+            arrays.append(pa.nulls(n, spec.arrow_type))
+            continue
+        if spec.kind == RAGGED:
+            offsets, values = numpy_view(col.offsets), col.values
+            if offsets[0] != 0 or values.offset or values.null_count or len(values) != offsets[-1]:
+                return None
+            if spec.dtype == "float32" and len(values) and np.isnan(np.add.reduce(numpy_view(values),
+                                                                                  dtype=np.float64)):
+                return None
+        elif spec.name in schema.late and spec.dtype in ("float32", "float64"):
+            flat = col.flatten() if spec.kind == VECTOR else col
+            if flat.null_count or np.isnan(numpy_view(flat)).any():
+                return None
+        elif spec.kind == VECTOR and col.flatten().null_count:
+            return None
+        arrays.append(col)
+    for spec in schema.columns.values():
+        ref = {"prompt": PROMPT_IDS, "completion": COMPLETION_IDS}.get(spec.align or "")
+        if ref in given and spec.name in given and not np.array_equal(numpy_view(given[spec.name].offsets),
+                                                                       numpy_view(given[ref].offsets)):
+            return None
+    return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema())
 
 
 def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:
@@ -774,6 +831,10 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     >>> rb.num_rows, schema["completion_ids"].kind
     (2, 'ragged')
     """
+    if schema is not None:
+        stored = _arrow_as_stored(batch, schema, group_key)
+        if stored is not None:
+            return stored, schema
     n, cols = _parse_columns(batch)
     if group_key is not None:
         if group_key not in cols:

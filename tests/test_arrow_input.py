@@ -47,6 +47,64 @@ def test_a_table_normalizes_to_the_record_batch_of_its_ragged_layout(batch, larg
     assert got.equals(want)
 
 
+def as_stored(batch, schema):
+    """``batch`` as a pyarrow table of exactly the store's column types (what the store's own
+    exports and Arrow-native producers give): taken as it is, its buffers not converted."""
+    cols = {}
+    for k, v in batch.items():
+        t = schema[k].arrow_type
+        cols[k] = pa.array([None if r is None else r.tolist() for r in v], type=t) if isinstance(v, list) and \
+            schema[k].kind == "ragged" else pa.array(list(v), type=t)
+    return pa.table(cols)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=ragged_batches(), batch=ragged_batches())
+def test_a_table_of_the_stores_types_is_stored_as_the_general_path_stores_it(first, batch):
+    """With the schema known, a table of its exact types is taken as it is when nothing needs
+    converting (and by the general path otherwise): the same record batch, the same file bytes
+    (so the same exactly-once digest) as the ragged layout gives."""
+    from diskreplay.schema import _arrow_as_stored
+    from diskreplay.segment import encode_ipc
+
+    if type(first["prompt_id"][0]) is not type(batch["prompt_id"][0]):
+        batch = first
+    _, schema = normalize_batch(first, None, "prompt_id")
+    table = as_stored(batch, schema)
+    want, _ = normalize_batch(batch, schema, "prompt_id")
+    got, got_schema = normalize_batch(table, schema, "prompt_id")
+    assert got_schema == schema and got.equals(want)
+    assert encode_ipc(got).equals(encode_ipc(want))
+    nulls = any(r is None for r in batch["old_per_token_logps"])
+    assert (_arrow_as_stored(table, schema, "prompt_id") is None) == nulls  # nulls: the general path
+
+
+def test_the_fast_path_leaves_every_problem_to_the_general_path():
+    _, schema = normalize_batch({"prompt_id": [1], "completion_ids": [np.array([1], np.int32)],
+                                 "old_per_token_logps": [np.array([-1.0], np.float32)],
+                                 "rewards": np.array([1.0], np.float32)}, None, "prompt_id")
+    ids = pa.array([[1, 2], [3]], pa.large_list(pa.int32()))
+    good = {"prompt_id": pa.array([1, 1]), "completion_ids": ids,
+            "old_per_token_logps": pa.array([[-1.0, -2.0], [-3.0]], pa.large_list(pa.float32())),
+            "rewards": pa.array([1.0, 0.0], pa.float32())}
+    normalize_batch(pa.table(good), schema, "prompt_id")
+    for change, message in [
+        ({"old_per_token_logps": pa.array([[-1.0, float("nan")], [-3.0]], pa.large_list(pa.float32()))},
+         r"'old_per_token_logps' row 0 position 1 is NaN"),
+        ({"old_per_token_logps": pa.array([[-1.0], [-3.0, -4.0]], pa.large_list(pa.float32()))},
+         r"'old_per_token_logps' row 0 has 1 values but 'completion_ids' has 2"),
+        ({"rewards": pa.array([1.0, None], pa.float32())}, None),  # a null float: NaN, as in a dict
+        ({"prompt_id": None}, r"no group key column 'prompt_id'"),
+    ]:
+        batch = {k: v for k, v in {**good, **change}.items() if v is not None}
+        if message is None:
+            record, _ = normalize_batch(pa.table(batch), schema, "prompt_id")
+            assert np.isnan(record.column("rewards").to_pylist()[1])
+            continue
+        with pytest.raises(BatchError, match=message):
+            normalize_batch(pa.table(batch), schema, "prompt_id")
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=ragged_batches())
 def test_a_table_appends_the_rows_a_dict_does(tmp_path_factory, batch):
