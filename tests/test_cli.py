@@ -562,8 +562,11 @@ def big_store(tmp_path_factory):
 def interrupt(tmp_path, args, out_name, slow="read"):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     ready = tmp_path / "ready"
+    # a job started in the background by a non-interactive shell inherits SIGINT ignored (and so would
+    # the command): the child gets the default, as a command started from a terminal has
     p = subprocess.Popen([sys.executable, "-c", SLOW_CHILD, slow, str(ready), *map(str, args)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (ready.exists() and (out_name is None or any(f.startswith(f".{out_name}.")
