@@ -1400,8 +1400,13 @@ def bench_writers(args) -> None:
     walls: Dict[int, List[float]] = {w: [] for w in counts}
     t_raw = []
     trash = _Trash(work)
-    print(f"creating an empty file in the work dir: CPU {_create_cpu_ms(work):.3f} ms (a fresh ext4 ~0.03 ms; "
+    create_ms = _create_cpu_ms(work)
+    print(f"creating an empty file in the work dir: CPU {create_ms:.3f} ms (a fresh ext4 ~0.03 ms; "
           "far more on an ext4 without a journal within minutes of mass deletes there: see _Trash)")
+    if create_ms > CHURNED_CREATE_MS:
+        print(f"  WARNING: at {create_ms:.2f} ms per file every system's small commits here pay for the files "
+              "deleted nearby lately (each creates 3 or more): run with --dir on a fresh top-level directory "
+              "(e.g. mkdir /bench-$$), or minutes later")
     write_raw(batches, raw_path)  # warm: the page cache, numpy's first calls
     for r in range(rounds):
         t_raw.append(write_raw(batches, raw_path))
@@ -1605,6 +1610,9 @@ def bench_remote(args) -> None:
 
 # ---------------------------------------------------------------------------
 # commit-cpu: what one small commit of a multi-writer store costs in CPU
+
+
+CHURNED_CREATE_MS = 0.1  # a file create costing more than this (0.02-0.05 ms when quiet) skews small commits
 
 
 def _create_cpu_ms(directory: str, n: int = 200) -> float:
