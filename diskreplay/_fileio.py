@@ -32,15 +32,15 @@ _CRASH_ENV = "DISKREPLAY_CRASH_AT"
 
 _crash_hits: dict = {}
 # a commit passes a dozen crash points: os.environ.get costs ~2.5 us (key encoding in Python), 4 % of
-# a small commit's CPU; the mapping it keeps (updated by every change through os.environ) ~0.1 us
-_ENVIRON_DATA = getattr(os.environ, "_data", None)
+# a small commit's CPU; the mapping os.environ keeps (updated by every change through it) ~0.1 us
 _CRASH_KEY = os.environ.encodekey(_CRASH_ENV) if hasattr(os.environ, "encodekey") else None
 
 
 def crash_point(step: str) -> None:
     """Die with SIGKILL here if the durability tests asked for it (``step`` or
     ``step#N``: its N-th hit since that value was set)."""
-    if _CRASH_KEY is not None and isinstance(_ENVIRON_DATA, dict) and _CRASH_KEY not in _ENVIRON_DATA:
+    data = getattr(os.environ, "_data", None)
+    if _CRASH_KEY is not None and isinstance(data, dict) and _CRASH_KEY not in data:
         return
     want = os.environ.get(_CRASH_ENV)
     if not want or want.partition("#")[0] != step:

@@ -371,7 +371,11 @@ def _from_arrow(batch: Any) -> Any:
     is visited in Python), a fixed-size list a 2-D array, any other column a 1-D array; a
     column that is null in every row is "not computed" (None)."""
     if isinstance(batch, (pa.Table, pa.RecordBatch)):
-        batch = dict(zip(batch.schema.names, batch.columns))
+        names = batch.schema.names
+        if len(set(names)) != len(names):
+            twice = next(k for k in names if names.count(k) > 1)
+            raise BatchError(f"column {twice!r} appears twice in the table; a batch has one column per name")
+        batch = dict(zip(names, batch.columns))
     elif not isinstance(batch, Mapping) or not any(isinstance(v, _ARROW_VALUES) for v in batch.values()):
         return batch
     return {str(k): _arrow_column(str(k), v) if isinstance(v, _ARROW_VALUES) else v for k, v in batch.items()}
@@ -388,6 +392,8 @@ def _arrow_column(name: str, arr: Any) -> Any:
     t = arr.type
     if pa.types.is_dictionary(t):
         return _arrow_column(name, arr.dictionary_decode())
+    if pa.types.is_float16(t):  # as float32 whether or not it has nulls (the schema must not depend on them)
+        return _arrow_column(name, arr.cast(pa.float32()))
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return _ragged_from_arrow(name, arr)
     if pa.types.is_fixed_size_list(t):
@@ -414,7 +420,11 @@ def _arrow_column(name: str, arr: Any) -> Any:
 def _arrow_numpy(name: str, arr: pa.Array, t: pa.DataType, numbers: bool = False) -> np.ndarray:
     """``arr`` (no nulls) as numpy; strings as objects unless ``numbers`` (a list's elements)."""
     if not numbers and (pa.types.is_string(t) or pa.types.is_large_string(t)):
-        return np.array(arr.to_pylist(), dtype=object)
+        try:
+            return np.array(arr.to_pylist(), dtype=object)
+        except UnicodeDecodeError as exc:
+            raise BatchError(f"column {name!r} holds a string that is not UTF-8 ({exc.reason} at byte "
+                             f"{exc.start})") from None
     if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
         raise BatchError(f"column {name!r} holds Arrow {t} values; lists must hold numbers")
     if pa.types.is_float16(t):
@@ -453,61 +463,42 @@ def _ragged_from_arrow(name: str, arr: pa.Array) -> _Ragged:
     return _Ragged(values, offsets, validity)
 
 
-def _arrow_as_stored(batch: Any, schema: "Schema", group_key: Optional[str]) -> Optional[pa.RecordBatch]:
-    """A pyarrow table whose columns have exactly the store's types, as the record batch to store,
-    its buffers as they are; None when anything is to convert or may be wrong (a null, a NaN, a
-    late column, misaligned tokens, a slice): the general path converts it or names the problem.
-
-    Every check the general path makes of such columns is made here, on the buffers: no null
-    element or row, no NaN in a per-token float column, token columns aligned with their ids,
-    every per-row column present (a late float column: no NaN, which it would store as null).
-    """
+def _arrow_columns(batch: Any, schema: "Schema") -> Optional[Tuple[int, Dict[str, "_Column"]]]:
+    """``_parse_columns`` for a pyarrow table whose columns have exactly the store's types and no
+    nulls: each column read as numpy views of its buffers (no row visited, nothing inferred);
+    None for anything else (the general path reads it). Validation and the arrays stored are
+    the general path's, from these columns, so the file is the one a dict of the same rows gives."""
     if isinstance(batch, pa.Table):
         batches = batch.to_batches()
         if len(batches) != 1:
             return None
         batch = batches[0]
-    if not isinstance(batch, pa.RecordBatch) or not batch.num_rows:
+    if not isinstance(batch, pa.RecordBatch) or not batch.num_rows or not batch.num_columns:
         return None
+    names = batch.schema.names
+    if len(set(names)) != len(names) or any(k.endswith(MASK_SUFFIX) and k[:-len(MASK_SUFFIX)] + "_ids" in names
+                                           for k in names):
+        return None  # the general path names the duplicate, or takes the mask for its ids
     n = batch.num_rows
-    stored = schema.arrow_schema()
-    given: Dict[str, pa.Array] = {}
-    for field, col in zip(batch.schema, batch.columns):
-        name = field.name
-        i = stored.get_field_index(name)
-        if i < 0 or name in given or not field.type.equals(stored.types[i]) or col.null_count or col.offset:
+    cols: Dict[str, _Column] = {}
+    for name, col in zip(names, batch.columns):
+        spec = schema.columns.get(name)
+        if spec is None or col.type != spec.arrow_type or col.null_count:
             return None
-        given[name] = col
-    if group_key is not None and group_key not in given:
-        return None
-    arrays = []
-    for spec in schema.columns.values():
-        col = given.get(spec.name)
-        if col is None:
-            if spec.kind != RAGGED and spec.name not in schema.late:
-                return None
-            arrays.append(pa.nulls(n, spec.arrow_type))
-            continue
         if spec.kind == RAGGED:
-            offsets, values = numpy_view(col.offsets), col.values
-            if offsets[0] != 0 or values.offset or values.null_count or len(values) != offsets[-1]:
+            offsets = numpy_view(col.offsets)
+            values = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+            if values.null_count:
                 return None
-            if spec.dtype == "float32" and len(values) and np.isnan(np.add.reduce(numpy_view(values),
-                                                                                  dtype=np.float64)):
+            cols[name] = _Column(spec, ragged=_Ragged(numpy_view(values), offsets - offsets[0], None))
+        elif spec.kind == VECTOR:
+            child = col.flatten()
+            if child.null_count:
                 return None
-        elif spec.name in schema.late and spec.dtype in ("float32", "float64"):
-            flat = col.flatten() if spec.kind == VECTOR else col
-            if flat.null_count or np.isnan(numpy_view(flat)).any():
-                return None
-        elif spec.kind == VECTOR and col.flatten().null_count:
-            return None
-        arrays.append(col)
-    for spec in schema.columns.values():
-        ref = {"prompt": PROMPT_IDS, "completion": COMPLETION_IDS}.get(spec.align or "")
-        if ref in given and spec.name in given and not np.array_equal(numpy_view(given[spec.name].offsets),
-                                                                       numpy_view(given[ref].offsets)):
-            return None
-    return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema())
+            cols[name] = _Column(spec, array=numpy_view(child).reshape(n, spec.width))
+        else:
+            cols[name] = _Column(spec, array=_arrow_numpy(name, col, col.type))
+    return n, cols
 
 
 def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:
@@ -831,11 +822,8 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     >>> rb.num_rows, schema["completion_ids"].kind
     (2, 'ragged')
     """
-    if schema is not None:
-        stored = _arrow_as_stored(batch, schema, group_key)
-        if stored is not None:
-            return stored, schema
-    n, cols = _parse_columns(batch)
+    parsed = _arrow_columns(batch, schema) if schema is not None else None
+    n, cols = parsed if parsed is not None else _parse_columns(batch)
     if group_key is not None:
         if group_key not in cols:
             raise BatchError(f"the batch has no group key column {group_key!r}; every row needs its "

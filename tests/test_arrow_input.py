@@ -64,7 +64,7 @@ def test_a_table_of_the_stores_types_is_stored_as_the_general_path_stores_it(fir
     """With the schema known, a table of its exact types is taken as it is when nothing needs
     converting (and by the general path otherwise): the same record batch, the same file bytes
     (so the same exactly-once digest) as the ragged layout gives."""
-    from diskreplay.schema import _arrow_as_stored
+    from diskreplay.schema import _arrow_columns
     from diskreplay.segment import encode_ipc
 
     if type(first["prompt_id"][0]) is not type(batch["prompt_id"][0]):
@@ -76,7 +76,11 @@ def test_a_table_of_the_stores_types_is_stored_as_the_general_path_stores_it(fir
     assert got_schema == schema and got.equals(want)
     assert encode_ipc(got).equals(encode_ipc(want))
     nulls = any(r is None for r in batch["old_per_token_logps"])
-    assert (_arrow_as_stored(table, schema, "prompt_id") is None) == nulls  # nulls: the general path
+    assert (_arrow_columns(table, schema) is None) == nulls  # nulls: the general path
+    # a slice of a longer table holds longer buffers: the file is the same all the same
+    longer = pa.concat_tables([table, table])
+    assert encode_ipc(normalize_batch(longer.slice(0, table.num_rows), schema, "prompt_id")[0]).equals(
+        encode_ipc(want))
 
 
 def test_the_fast_path_leaves_every_problem_to_the_general_path():
@@ -161,3 +165,38 @@ def test_null_rows_of_a_list_column_are_not_computed_whatever_values_they_span()
              "old_per_token_logps": arr}
     record, _ = normalize_batch(batch, None, "prompt_id")
     assert record.column("old_per_token_logps").to_pylist() == [[1.0, 2.0], None, [3.0]]
+
+
+def test_a_resent_slice_of_a_longer_table_counts_once(tmp_path):
+    """Found in review: a table sliced from a longer one keeps its longer buffers; stored as they
+    were, the file (and so the exactly-once digest) differed and the resend was refused."""
+    full = pa.table({"prompt_id": pa.array([1, 2, 3, 4, 5, 6], pa.int64()),
+                     "rewards": pa.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], pa.float32())})
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend({"prompt_id": [0], "rewards": np.array([0.0], np.float32)})
+        first = store.extend(pa.table({"prompt_id": pa.array([1, 2], pa.int64()),
+                                       "rewards": pa.array([1.0, 2.0], pa.float32())}), token="w:1")
+        assert store.extend(full.slice(0, 2), token="w:1").tolist() == first.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: pa.record_batch({"x": pa.array([1, 2, 3])}).select([]), "the batch is empty"),
+    (lambda: pa.table([pa.array([1, 1]), pa.array([2, 2])], names=["prompt_id", "prompt_id"]),
+     "'prompt_id' appears twice"),
+    (lambda: pa.table({"prompt_id": pa.array([1, 1]), "completion_ids": pa.array([[1], [2]]),
+                       "name": pa.Array.from_buffers(pa.large_string(), 2, [None, pa.py_buffer(
+                           np.array([0, 1, 2], np.int64)), pa.py_buffer(b"\xff\xfe")])}), "'name' holds a string that is not UTF-8"),
+])
+def test_malformed_tables_are_refused_like_any_batch(tmp_path, make, message):
+    with ReplayStore(str(tmp_path / "s"), group_key=None) as store:
+        store.extend({"prompt_id": [0], "completion_ids": [[1]], "name": ["a"]})
+        with pytest.raises(BatchError, match=message):
+            store.extend(make())
+        assert len(store) == 1
+
+
+def test_a_half_precision_column_is_float32_with_or_without_nulls():
+    for values in ([1.0, 2.0], [1.0, None]):
+        batch = {"prompt_id": pa.array([1, 1]), "score": pa.array(values, pa.float16())}
+        _, schema = normalize_batch(batch, None, "prompt_id")
+        assert schema["score"].dtype == "float32"

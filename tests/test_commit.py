@@ -251,6 +251,32 @@ def test_one_writer_finds_every_token_while_its_logs_seal_and_merge(tmp_path, mo
         assert len(store.manifest.token_logs) >= 1
 
 
+def test_a_token_log_that_does_not_read_leaves_no_lookup_answering_for_it(tmp_path, monkeypatch):
+    """Found in review: a lookup whose newer logs failed to read half-way left the records of the
+    ones read in the merged lookup, which an older manifest's lookup then found."""
+    from diskreplay.store import tokens as tok
+
+    monkeypatch.setattr(tok, "INLINE_TOKENS", 2)
+    with ReplayStore(str(tmp_path / "s")) as store:
+        index, manifests = store._committer.tokens, []
+        for i in range(12):
+            store.extend(expected_rows([i]), token=f"t{i}")
+            manifests.append(store.manifest)
+        older = next(m for m in manifests if len(m.token_logs) == 1)
+        newer = next(m for m in manifests if len(m.token_logs) >= 3 and m.token_logs[:1] == older.token_logs)
+        in_second = index.records(newer.token_logs[1])[0].token  # committed after `older`
+        index._merged_for, index._merged = (), {}
+        index.find(older, "nothing")  # holds the older manifest's records
+        real, failing = index._log, newer.token_logs[2]
+        monkeypatch.setattr(index, "_log", lambda e: (_ for _ in ()).throw(OSError(5, "EIO")) if e == failing
+                            else real(e))
+        with pytest.raises(OSError):
+            index.find(newer, "zzz")  # reads the second log, fails on the third
+        monkeypatch.setattr(index, "_log", real)
+        assert index.find(older, in_second) is None
+        assert index.find(newer, in_second) is not None
+
+
 def verify_ok(path):
     from diskreplay.verify import verify_store
 

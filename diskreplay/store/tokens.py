@@ -87,8 +87,12 @@ class TokenIndex:
         else:  # logs dropped or merged into one: start again
             merged, new = {}, logs
             self._logs = {e: self._logs[e] for e in logs if e in self._logs}  # the others are gone
-        for entry in new:
-            merged.update(self._log(entry))
+        try:
+            for entry in new:
+                merged.update(self._log(entry))
+        except BaseException:  # a log that does not read: what is held is no one manifest's any more
+            self._merged_for, self._merged = (), {}
+            raise
         self._merged_for, self._merged = logs, merged
         return merged
 
