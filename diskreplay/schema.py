@@ -465,9 +465,10 @@ def _ragged_from_arrow(name: str, arr: pa.Array) -> _Ragged:
 
 def _arrow_columns(batch: Any, schema: "Schema") -> Optional[Tuple[int, Dict[str, "_Column"]]]:
     """``_parse_columns`` for a pyarrow table whose columns have exactly the store's types and no
-    nulls: each column read as numpy views of its buffers (no row visited, nothing inferred);
-    None for anything else (the general path reads it). Validation and the arrays stored are
-    the general path's, from these columns, so the file is the one a dict of the same rows gives."""
+    nulls: each column read from its buffers (:func:`_arrow_column`), its spec the schema's (no
+    row visited, nothing inferred); None for anything else (the general path reads it).
+    Validation and the arrays stored are the general path's, from these columns, so the file is
+    the one a dict of the same rows gives."""
     if isinstance(batch, pa.Table):
         batches = batch.to_batches()
         if len(batches) != 1:
@@ -479,26 +480,14 @@ def _arrow_columns(batch: Any, schema: "Schema") -> Optional[Tuple[int, Dict[str
     if len(set(names)) != len(names) or any(k.endswith(MASK_SUFFIX) and k[:-len(MASK_SUFFIX)] + "_ids" in names
                                            for k in names):
         return None  # the general path names the duplicate, or takes the mask for its ids
-    n = batch.num_rows
     cols: Dict[str, _Column] = {}
     for name, col in zip(names, batch.columns):
         spec = schema.columns.get(name)
         if spec is None or col.type != spec.arrow_type or col.null_count:
             return None
-        if spec.kind == RAGGED:
-            offsets = numpy_view(col.offsets)
-            values = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-            if values.null_count:
-                return None
-            cols[name] = _Column(spec, ragged=_Ragged(numpy_view(values), offsets - offsets[0], None))
-        elif spec.kind == VECTOR:
-            child = col.flatten()
-            if child.null_count:
-                return None
-            cols[name] = _Column(spec, array=numpy_view(child).reshape(n, spec.width))
-        else:
-            cols[name] = _Column(spec, array=_arrow_numpy(name, col, col.type))
-    return n, cols
+        value = _arrow_column(name, col)  # its buffers read as the general path reads them
+        cols[name] = _Column(spec, ragged=value) if spec.kind == RAGGED else _Column(spec, array=value)
+    return batch.num_rows, cols
 
 
 def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:

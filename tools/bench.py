@@ -1274,8 +1274,9 @@ WRITER_CHILD = textwrap.dedent("""
                          for k, v in b.items() if v is not None and k != "rewards_per_func"})
     # every system appends the same pyarrow tables (made before the timing); "diskreplay-dict" the
     # batches as a trainer holds them (lists of numpy arrays), and so do the 512-row commits
+    ours = kind.startswith("diskreplay")
     tables = [table(b) for b in batches] if rows and kind != "diskreplay-dict" else batches
-    if kind.startswith("diskreplay"):
+    if ours:
         open_store = lambda p: ReplayStore(p, multi_writer=True)
         append = lambda s, b, i: s.extend(tables[i], token=f"{w}:{i}")
     elif kind == "delta":
@@ -1291,7 +1292,7 @@ WRITER_CHILD = textwrap.dedent("""
     scratch = f"{path}.warm{w}"
     s = open_store(scratch)
     append(s, batches[0], 0)
-    if kind.startswith("diskreplay"):
+    if ours:
         s.close()  # the parent removes the scratch store when the whole benchmark ends (see _Trash)
     store = open_store(path)
     print("ready", flush=True)
@@ -1305,11 +1306,11 @@ WRITER_CHILD = textwrap.dedent("""
                 append(store, b, i)
                 break
             except Exception as exc:
-                if kind.startswith("diskreplay"):
+                if ours:
                     raise
                 errors += 1
     out = {"start": t, "seconds": time.perf_counter() - t, "errors": errors, "cpu": time.process_time() - cpu}
-    if kind.startswith("diskreplay"):
+    if ours:
         out.update(store.stats())
         store.close()
     out["end"] = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
