@@ -56,6 +56,12 @@ MULTI_WRITER_VERSION = 2
 # them would take a delta for a damaged manifest, fall back to an older commit
 # and, as a writer, collect the newer ones. Stores created multi-writer get it.
 APPEND_DELTAS_VERSION = 4
+# FORMAT.json of a multi-writer store whose small one-group segments may have
+# no sidecar file (the manifest's segment entry carries the group's key, see
+# SegmentEntry.group) says version 5 and "inline_groups": true: a diskreplay
+# without them would find no sidecar for such a segment. Stores created
+# multi-writer get it; stores of version 4 keep writing sidecars.
+INLINE_GROUPS_VERSION = 5
 DELTA_FORMAT = "diskreplay.delta"
 # A writer commits a full manifest instead of a delta once its base is
 # CHECKPOINT_EVERY to 2 CHECKPOINT_EVERY - 1 deltas (its own depth, drawn at
@@ -218,6 +224,8 @@ class StoreOptions:
     late_columns: bool = False
     #: multi-writer: appends commit as deltas (:class:`AppendDelta`), group sidecars hold segment-local rows
     append_deltas: bool = False
+    #: a small segment of one integer group may have no sidecar: its entry names the key (``SegmentEntry.group``)
+    inline_groups: bool = False
 
     def to_dict(self) -> dict:
         return _signed(self.body())
@@ -234,21 +242,26 @@ class StoreOptions:
         # single-writer stores keep writing exactly the v1 document they always did
         if self.multi_writer:
             doc.update(version=MULTI_WRITER_VERSION, multi_writer=True)
+        elif self.inline_groups:  # converted from many writers: its entries may still name inline groups
+            doc.update(multi_writer=False, append_deltas=False)
         if self.retain_seconds is not None:
             doc["retain_seconds"] = self.retain_seconds
         if self.late_columns:
             doc.update(version=LATE_COLUMNS_FORMAT_VERSION, late_columns=True)
         if self.append_deltas:
             doc.update(version=APPEND_DELTAS_VERSION, append_deltas=True)
+        if self.inline_groups:
+            doc.update(version=INLINE_GROUPS_VERSION, inline_groups=True)
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
         doc = _check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION,
-                                                        LATE_COLUMNS_FORMAT_VERSION, APPEND_DELTAS_VERSION))
+                                                        LATE_COLUMNS_FORMAT_VERSION, APPEND_DELTAS_VERSION,
+                                                        INLINE_GROUPS_VERSION))
         if not verified:
             _check_signature(doc, where)
-        multi, late, deltas = _format_features(doc, where)
+        multi, late, deltas, inline = _format_features(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -262,6 +275,7 @@ class StoreOptions:
             retain_seconds=_int(doc, "retain_seconds", where, optional=True, hi=10 ** 9),
             late_columns=late,
             append_deltas=deltas,
+            inline_groups=inline,
         )
 
     def write(self, root: Any) -> None:
@@ -288,16 +302,28 @@ class StoreOptions:
         return options
 
 
-def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool]:
-    """``(multi_writer, late_columns, append_deltas)`` of a FORMAT.json document, checked against its version."""
+def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool, bool]:
+    """``(multi_writer, late_columns, append_deltas, inline_groups)`` of a FORMAT.json document,
+    checked against its version."""
     multi, late = doc.get("multi_writer", False), doc.get("late_columns", False)
     version = doc["version"]
+    inline = version == INLINE_GROUPS_VERSION
+    if doc.get("inline_groups", False) is not inline:
+        raise FormatError(f"Unsupported inline_groups={doc.get('inline_groups')!r} with version {version} in "
+                          f"{where}; expected true exactly in version {INLINE_GROUPS_VERSION}")
+    if inline:  # a multi-writer store (with deltas), or one converted to a single writer
+        deltas = doc.get("append_deltas", False)
+        if not isinstance(late, bool) or multi not in (True, False) or deltas is not multi:
+            raise FormatError(f"Unsupported append_deltas={deltas!r} / multi_writer={multi!r} / late_columns={late!r} "
+                              f"with version {version} in {where}; expected append_deltas and multi_writer both "
+                              "true or both false, and late_columns true or false")
+        return multi, late, deltas, True
     if version == APPEND_DELTAS_VERSION:
         if doc.get("append_deltas") is not True or multi is not True or not isinstance(late, bool):
             raise FormatError(f"Unsupported append_deltas={doc.get('append_deltas')!r} / multi_writer={multi!r} / "
                               f"late_columns={late!r} with version {version} in {where}; expected append_deltas "
                               "and multi_writer true and late_columns true or false")
-        return True, late, True
+        return True, late, True, False
     if doc.get("append_deltas", False) is not False:
         raise FormatError(f"Unsupported append_deltas={doc.get('append_deltas')!r} with version {version} in "
                           f"{where}; expected it only in version {APPEND_DELTAS_VERSION}")
@@ -305,14 +331,14 @@ def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bo
         if late is not True or not isinstance(multi, bool):
             raise FormatError(f"Unsupported late_columns={late!r} / multi_writer={multi!r} with version {version} "
                               f"in {where}; expected late_columns true and multi_writer true or false")
-        return multi, True, False
+        return multi, True, False, False
     if late is not False:
         raise FormatError(f"Unsupported late_columns={late!r} with version {version} in {where}; expected it only "
                           f"in version {LATE_COLUMNS_FORMAT_VERSION}")
     if multi is not (version == MULTI_WRITER_VERSION):
         raise FormatError(f"Unsupported multi_writer={multi!r} with version {version} in {where}; "
                           f"expected true exactly in version {MULTI_WRITER_VERSION}")
-    return multi, False, False
+    return multi, False, False, False
 
 
 def shared_schema_bytes(schema: Schema) -> bytes:
@@ -341,7 +367,16 @@ _SEGMENT_INT_RANGES = ((0, 10 ** 12 - 1), (0, 1 << 62), (1, 1 << 62), (1, 1 << 6
 
 @dataclass(frozen=True)
 class SegmentEntry:
-    """One committed segment: rows ``[first_row, first_row + num_rows)``."""
+    """One committed segment: rows ``[first_row, first_row + num_rows)``.
+
+    ``group`` (stores with ``inline_groups``): every row of the segment is in the group of this
+    int64 key, and the segment has no sidecar file (``groups_bytes`` 0): its index is the key,
+    the row count and the rows. A small commit of one prompt's completions is such a segment.
+
+    >>> e = SegmentEntry(3, 10, 8, 4000, 1, group=42)
+    >>> e.to_dict()["group"], "groups_file" in e.to_dict(), SegmentEntry.from_dict(e.to_dict(), "x") == e
+    (42, False, True)
+    """
 
     id: int
     first_row: int
@@ -350,6 +385,7 @@ class SegmentEntry:
     crc32c: int
     groups_bytes: int = 0
     groups_crc32c: int = 0
+    group: Optional[int] = None
 
     @property
     def file(self) -> str:
@@ -368,6 +404,10 @@ class SegmentEntry:
         return _evolve(self, {"first_row": self.first_row + by})
 
     def to_dict(self) -> dict:
+        if self.group is not None:  # no sidecar file to name
+            return {"id": self.id, "file": self.file, "first_row": self.first_row, "num_rows": self.num_rows,
+                    "bytes": self.bytes, "crc32c": self.crc32c, "groups_bytes": 0, "groups_crc32c": 0,
+                    "group": self.group}
         return {"id": self.id, "file": self.file, "first_row": self.first_row, "num_rows": self.num_rows,
                 "bytes": self.bytes, "crc32c": self.crc32c, "groups_file": self.groups_file,
                 "groups_bytes": self.groups_bytes, "groups_crc32c": self.groups_crc32c}
@@ -392,6 +432,12 @@ class SegmentEntry:
         # through object.__setattr__: half the cost of parsing an entry)
         e = object.__new__(cls)
         e.__dict__.update(zip(_SEGMENT_INT_FIELDS, values))
+        group = get("group")
+        e.__dict__["group"] = group
+        if group is not None and (type(group) is not int or not -(1 << 63) <= group < 1 << 63 or gbytes or gcrc
+                                  or "groups_file" in d):
+            raise FormatError(f"Unsupported group={group!r} of segment {i} in {where}; expected an int64 key and "
+                              "no groups_file, groups_bytes 0 and groups_crc32c 0 (the segment has no sidecar)")
         if n > 8 * nbytes:  # even a single bool column needs a bit per row
             raise FormatError(f"Unsupported num_rows={n} for a {nbytes}-byte segment in {where}")
         # names are written for readers of the JSON; they must be the ones the ids give (the id
@@ -726,7 +772,9 @@ class Manifest:
         """Every data file this manifest references (relative paths)."""
         out = []
         for s in self.segments:
-            out += [s.file, s.groups_file]
+            out.append(s.file)
+            if s.groups_bytes:  # (a store without a group key, or an inline group: no sidecar file)
+                out.append(s.groups_file)
         return out + self.files_besides_segments()
 
     def files_besides_segments(self) -> List[str]:

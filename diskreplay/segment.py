@@ -310,6 +310,35 @@ def _one_group(keys: pa.Array) -> bool:
     return bool((v == v[0]).all())
 
 
+def inline_group(keys: pa.Array) -> Optional[int]:
+    """The key of ``keys`` when all of them are one int64 key (no nulls), else None: a segment
+    of these rows needs no sidecar in a store with inline groups (``SegmentEntry.group``).
+
+    >>> inline_group(pa.array([7, 7], pa.int64())), inline_group(pa.array([7, 8], pa.int64()))
+    (7, None)
+    """
+    if keys.type != pa.int64() or not _one_group(keys):
+        return None
+    return int(numpy_view(keys)[0])
+
+
+def inline_group_sidecar(key: int, key_type: pa.DataType, first_row: int, num_rows: int
+                         ) -> Tuple[pa.Array, np.ndarray, np.ndarray, None]:
+    """What :func:`read_group_sidecar` returns for a segment whose entry names its one group
+    (``SegmentEntry.group``): that key, all ``num_rows`` rows, no page checksums (a small segment
+    is checked whole).
+
+    >>> keys, counts, rows, pages = inline_group_sidecar(5, pa.int64(), 10, 3)
+    >>> keys.to_pylist(), counts.tolist(), rows.tolist(), pages
+    ([5], [3], [10, 11, 12], None)
+    """
+    if key_type != pa.int64():
+        raise CorruptStoreError(f"a segment of rows [{first_row}, {first_row + num_rows}) names its group {key} in "
+                                f"the manifest, but the store's group key is {key_type}, not int64")
+    return (arrow_array(np.array([key], dtype=np.int64)), np.array([num_rows], dtype=np.int64),
+            np.arange(first_row, first_row + num_rows, dtype=np.int64), None)
+
+
 def segment_local_rows(sidecar: pa.RecordBatch) -> bool:
     """Whether a group sidecar's rows count from its segment's first row (see :func:`group_sidecar`)."""
     return (sidecar.schema.metadata or {}).get(_META_LOCAL_ROWS) == b"segment"

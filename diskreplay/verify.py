@@ -30,6 +30,7 @@ import pyarrow as pa
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
 from .errors import CorruptStoreError, FormatError, StoreLockedError, StoreNotFoundError
+from .ragged import numpy_view
 from .store import ops
 from .store.committer import Committer
 from .storage import S3Storage, is_remote
@@ -629,9 +630,15 @@ def _check_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreO
         seg = _open_segment(r, s, options)
     group_key = options.group_key if options is not None else None
     if group_key is None:
-        if s.groups_bytes:
-            r.problem(f"{_rel(r.files, fmt.MANIFEST_DIR)}: segment {s.id} records a group sidecar but "
-                      f"{fmt.FORMAT_FILE} has no group key")
+        if s.groups_bytes or s.group is not None:
+            r.problem(f"{_rel(r.files, fmt.MANIFEST_DIR)}: segment {s.id} records a group "
+                      f"{'sidecar' if s.group is None else 'key'} but {fmt.FORMAT_FILE} has no group key")
+        return
+    if s.group is not None:
+        if seg is not None:
+            problem = _compare_inline_group(r.files, s, seg, group_key)
+            if problem:
+                r.problem(problem)
         return
     problem = _check_checksum(r, s.groups_file, s.groups_bytes, s.groups_crc32c, bar)
     if problem:
@@ -655,6 +662,21 @@ def _open_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreOp
         r.problem(str(exc))
     except Exception as exc:
         r.problem(f"{path} is not a valid segment ({type(exc).__name__}: {exc})")
+    return None
+
+
+def _compare_inline_group(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key: str) -> Optional[str]:
+    """A segment whose manifest entry names its one group (no sidecar): every row has that key."""
+    try:
+        keys = seg.column(group_key)
+        ok = keys.type == pa.int64() and not keys.null_count and bool((numpy_view(keys) == s.group).all())
+    except CorruptStoreError as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{_rel(files, s.file)} cannot be checked ({type(exc).__name__}: {exc})"
+    if not ok:
+        return (f"{_rel(files, s.file)}: the manifest records that all its rows are group {s.group}, but its "
+                f"{group_key!r} column holds other keys")
     return None
 
 
@@ -849,12 +871,13 @@ class _Repair:
             return m
         entries, changed = [], False
         for s in m.segments:
-            ok = self._good(s.groups_file, s.groups_bytes, s.groups_crc32c)
+            ok = s.group is not None or self._good(s.groups_file, s.groups_bytes, s.groups_crc32c)
             seg = None
             if ok:
                 try:
                     seg = Segment(self.files.local(s.file, s.bytes), s.bytes, options.schema, s.num_rows)
-                    ok = _compare_sidecar(self.files, s, seg, options.group_key) is None
+                    compare = _compare_sidecar if s.group is None else _compare_inline_group
+                    ok = compare(self.files, s, seg, options.group_key) is None
                 except CorruptStoreError:
                     ok = True  # the segment itself is unreadable; nothing to rebuild from
             if ok:

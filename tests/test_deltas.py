@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from diskreplay import CorruptStoreError, FormatError, ReplayStore
 from diskreplay import format as fmt
@@ -113,9 +115,11 @@ def test_a_checkpoint_that_loses_its_race_links_its_delta_while_the_chain_is_sho
 
 def test_a_delta_holds_only_what_it_adds_and_segment_local_sidecar_rows(tmp_path):
     path = str(tmp_path / "s")
+    two_groups = batch_for(0, 1, rows=4)
+    two_groups["prompt_id"][2:] += 1  # (a segment of one group has no sidecar file: see below)
     with ReplayStore(path, multi_writer=True) as store:
         store.extend(batch_for(0, 0))
-        rows = store.extend(batch_for(0, 1), token="t1")
+        rows = store.extend(two_groups, token="t1")
         gen = store.generation
     raw = open(os.path.join(path, fmt.manifest_file(gen)), "rb").read()
     doc = json.loads(raw)
@@ -261,7 +265,7 @@ def test_format_v4_flags_must_agree():
 def test_a_v2_store_keeps_committing_full_manifests(tmp_path):
     path = str(tmp_path / "s")
     ReplayStore(path, multi_writer=True).close()
-    dataclasses.replace(fmt.StoreOptions.read(path), append_deltas=False).write(path)
+    dataclasses.replace(fmt.StoreOptions.read(path), append_deltas=False, inline_groups=False).write(path)
     with ReplayStore(path) as a, ReplayStore(path) as b:
         for step in range(4):
             a.extend(batch_for(0, step), token=token_for(0, step))
@@ -373,7 +377,8 @@ def test_an_older_diskreplay_refuses_a_delta_store_and_its_v2_stores_still_work(
     for mode in ("readonly=True", ""):
         proc = open_with_previous(previous, v4, mode)
         # refused either way: FORMAT.json's version, or (a reader reads the manifest first) the delta
-        assert "Unsupported version 4" in proc.stdout or (
+        # (a store created now is version 5: inline groups, below)
+        assert "Unsupported version 5" in proc.stdout or (
             mode and "Unsupported format 'diskreplay.delta'" in proc.stdout), (mode, proc.stdout, proc.stderr)
     assert {n: open(os.path.join(v4, fmt.MANIFEST_DIR, n), "rb").read()
             for n in os.listdir(os.path.join(v4, fmt.MANIFEST_DIR))} == before  # nothing collected
@@ -393,3 +398,115 @@ def test_an_older_diskreplay_refuses_a_delta_store_and_its_v2_stores_still_work(
             print("rows", len(s), s.read([3])["completion_ids"][0].tolist())
         """, v2)
     assert "rows 4 [0, 1]" in proc.stdout, (proc.stdout, proc.stderr)
+
+
+# ---------------------------------------------------------------------------
+# inline groups (format v5): a small segment of one group has no sidecar file
+
+
+def _files(path, d):
+    return sorted(os.listdir(os.path.join(path, d)))
+
+
+def test_a_small_one_group_segment_names_its_group_and_has_no_sidecar(tmp_path):
+    path = str(tmp_path / "s")
+    two = batch_for(0, 2, rows=4)  # groups 1 and 2
+    two["prompt_id"][2:] += 1
+    with ReplayStore(path, multi_writer=True) as store:
+        one = store.extend(batch_for(0, 0, rows=5), token="one")
+        store.extend(two)
+        gen = store.generation
+        e_one, e_two = store.manifest.segments
+        assert e_one.group == 0 and e_one.groups_bytes == 0 and e_two.group is None and e_two.groups_bytes
+        assert _files(path, fmt.GROUPS_DIR) == [os.path.basename(e_two.groups_file)]
+        assert store.group_rows(0).tolist() == one.tolist()
+        assert json.load(open(os.path.join(path, fmt.FORMAT_FILE)))["version"] == fmt.INLINE_GROUPS_VERSION
+    doc = json.load(open(os.path.join(path, fmt.manifest_file(gen - 1))))
+    assert doc["segments"][0]["group"] == 0 and "groups_file" not in doc["segments"][0]
+    assert verify_store(path)["ok"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=40))
+def test_the_group_index_is_the_same_with_inline_groups_and_sidecars(tmp_path_factory, commits):
+    """Commits of random groups (many of one group: inline) to a v5 store and to a v4 store (every
+    segment with a sidecar), merged as they go: the same group index, read fresh or followed."""
+    root = tmp_path_factory.mktemp("inline")
+    v5, v4 = str(root / "v5"), str(root / "v4")
+    ReplayStore(v4, multi_writer=True).close()
+    dataclasses.replace(fmt.StoreOptions.read(v4), inline_groups=False).write(v4)
+    policy = MergePolicy(fanin=4)
+    with ReplayStore(v5, multi_writer=True, merge_policy=policy) as a, ReplayStore(v4, merge_policy=policy) as b:
+        for i, keys in enumerate(commits):
+            batch = batch_for(0, i, rows=len(keys))
+            batch["prompt_id"] = np.asarray(keys, dtype=np.int64)
+            assert a.extend(batch).tolist() == b.extend(batch).tolist()
+        for key in range(4):
+            assert a.group_rows(key).tolist() == b.group_rows(key).tolist()
+        every = [k for c in commits for k in c]
+        for s in a.manifest.segments:  # (small segments all: inline exactly when of one group)
+            held = set(every[s.first_row:s.end_row])
+            assert s.group == (held.pop() if len(held) == 1 else None) and bool(s.groups_bytes) == (s.group is None)
+        assert all(s.group is None for s in b.manifest.segments)
+    for path in (v5, v4):
+        with ReplayStore(path, readonly=True) as ro:
+            for key in range(4):
+                assert ro.group_rows(key).tolist() == [r for r, k in enumerate(every) if k == key]
+        assert verify_store(path)["ok"]
+
+
+def test_verify_and_repair_catch_an_inline_group_the_segment_does_not_hold(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=1 << 20)) as store:
+        for step in range(3):
+            store.extend(batch_for(0, 2 * step, rows=3))
+        gen = store.generation
+    _resign(path, gen, lambda doc: doc["segments"][0].update(group=77))
+    report = verify_store(path)
+    assert not report["ok"] and any("group 77" in p for p in report["problems"]), report["problems"]
+    from diskreplay.verify import repair_store
+
+    repair_store(path, force=True)  # (no writer runs: it was just closed)
+    assert verify_store(path)["ok"]
+    with ReplayStore(path, readonly=True) as ro:
+        assert ro.manifest.segments[-1].group is None and ro.manifest.segments[-1].groups_bytes
+        assert ro.group_rows(2).tolist() == [6, 7, 8] and len(ro.group_rows(77)) == 0
+
+
+def test_a_malformed_inline_group_is_refused_naming_the_field():
+    good = fmt.SegmentEntry(1, 0, 2, 100, 5, group=3).to_dict()
+    for bad in ({"group": "3"}, {"group": 1 << 63}, {"group": 3, "groups_bytes": 10},
+                {"group": 3, "groups_file": "groups/000000000001.arrow"}):
+        with pytest.raises(FormatError, match="group"):
+            fmt.SegmentEntry.from_dict({**good, **bad}, "m.json")
+
+
+# the last commit before inline groups: it knows append deltas (v4) but not v5
+BEFORE_INLINE_GROUPS = "2da331b"
+
+
+def test_an_older_diskreplay_refuses_inline_groups_and_its_v4_stores_keep_sidecars(tmp_path):
+    from .test_late_columns import _run_previous, open_with_previous
+    from .conftest import package_at
+
+    previous = package_at(BEFORE_INLINE_GROUPS, tmp_path / "previous")
+    v5, v4 = str(tmp_path / "v5"), str(tmp_path / "v4")
+    with ReplayStore(v5, multi_writer=True) as store:
+        store.extend(batch_for(0, 0))
+    for mode in ("readonly=True", ""):
+        proc = open_with_previous(previous, v5, mode)
+        assert "Unsupported version 5" in proc.stdout, (mode, proc.stdout, proc.stderr)
+    proc = _run_previous(previous, """
+        with ReplayStore(sys.argv[1], multi_writer=True) as s:
+            s.extend({"prompt_id": np.array([1, 1]), "completion_ids": [np.arange(3, dtype=np.int32)] * 2})
+        """, v4)
+    assert proc.returncode == 0, proc.stderr
+    with ReplayStore(v4) as store:
+        assert store.options.append_deltas and not store.options.inline_groups
+        store.extend({"prompt_id": np.array([3]), "completion_ids": [np.arange(2, dtype=np.int32)]})
+        assert all(s.group is None and s.groups_bytes for s in store.manifest.segments)
+    proc = _run_previous(previous, """
+        with ReplayStore(sys.argv[1], readonly=True) as s:
+            print("rows", len(s), s.group_rows(3).tolist())
+        """, v4)
+    assert "rows 3 [2]" in proc.stdout, (proc.stdout, proc.stderr)

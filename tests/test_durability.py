@@ -224,7 +224,7 @@ if mode == "race-v2":  # a multi-writer store of the format before append deltas
     import dataclasses
     from diskreplay import format as fmt
     ReplayStore(path, capacity=capacity, **kw).close()
-    dataclasses.replace(fmt.StoreOptions.read(path), append_deltas=False).write(path)
+    dataclasses.replace(fmt.StoreOptions.read(path), append_deltas=False, inline_groups=False).write(path)
     mode = "race"
 store = ReplayStore(path, capacity=capacity, **kw)
 print("open", flush=True)

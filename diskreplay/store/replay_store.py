@@ -32,8 +32,8 @@ from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
 from ..segment import (IndexedPages, PageChecksums, Segment, coalesce, decode_state, encode_group_index, encode_ipc,
-                       encode_group_sidecar, encode_state, has_page_checksums, prefetch_files, read_group_index,
-                       read_group_sidecar)
+                       encode_group_sidecar, encode_state, has_page_checksums, inline_group, inline_group_sidecar,
+                       prefetch_files, read_group_index, read_group_sidecar)
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
@@ -211,7 +211,7 @@ class ReplayStore:
                     capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes,
                     multi_writer=multi_writer is True,
                     retain_seconds=None if retain_seconds is _UNSET else retain_seconds,
-                    append_deltas=multi_writer is True)
+                    append_deltas=multi_writer is True, inline_groups=multi_writer is True)
                 if self.remote:
                     # every commit to an object store is a conditional PUT (there is no lock),
                     # so a server that does not honour them is refused for any store
@@ -721,11 +721,14 @@ class ReplayStore:
                 pages.append(checksums)
             if encoded is not None:
                 encoded.append(data)
-            g_bytes, g_crc = self._sidecar_file(record, checksums, sid, first_row, written, files)
-            entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc))
+            g_bytes, g_crc, group = self._sidecar_file(record, checksums, sid, first_row, written, files)
+            entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc,
+                                            group))
             first_row += record.num_rows
         # the new names must be durable before a manifest names the files
-        dirs = [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if sync_dirs else []
+        dirs = []
+        if sync_dirs:
+            dirs = [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if any(e.groups_bytes for e in entries) else [fmt.SEGMENT_DIR]
         if defer:
             self._committer.pending += files
             self._committer.pending_dirs += dirs
@@ -734,16 +737,25 @@ class ReplayStore:
         return entries
 
     def _sidecar_file(self, record: pa.RecordBatch, checksums: Optional[PageChecksums], seg_id: int, first_row: int,
-                      written: List[str], files: List[Tuple[str, Any, Optional[str]]]) -> Tuple[int, int]:
+                      written: List[str], files: List[Tuple[str, Any, Optional[str]]]
+                      ) -> Tuple[int, int, Optional[int]]:
+        """The group sidecar of a segment, added to ``files``: ``(its bytes, its CRC-32C, None)``;
+        ``(0, 0, key)`` for a small segment of one integer group in a store with inline groups
+        (no file: its manifest entry names the key), ``(0, 0, None)`` without a group key."""
         if self.group_key is None:
-            return 0, 0
+            return 0, 0, None
+        keys = record.column(self.group_key)
+        if self.options.inline_groups and checksums is None:
+            key = inline_group(keys)
+            if key is not None:
+                return 0, 0, key
         local = self.options.append_deltas  # rows counted from the segment's: the file fits any base
-        gdata = encode_group_sidecar(record.column(self.group_key), None if local else first_row, checksums)
+        gdata = encode_group_sidecar(keys, None if local else first_row, checksums)
         rel = fmt.groups_file(seg_id)
         if rel not in written:
             written.append(rel)
         files.append((rel, gdata, "groups"))
-        return gdata.size, crc32c(gdata)
+        return gdata.size, crc32c(gdata), None
 
     def _rebase_sidecars(self, entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
                          pages: Sequence[Optional[PageChecksums]], first: int,
@@ -754,8 +766,8 @@ class ReplayStore:
         manifest names them, so a torn rewrite is garbage."""
         out, files = [], []
         for e, piece, checksums in zip(entries, pieces, pages):
-            g_bytes, g_crc = self._sidecar_file(piece, checksums, e.id, first, written, files)
-            out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc))
+            g_bytes, g_crc, group = self._sidecar_file(piece, checksums, e.id, first, written, files)
+            out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc, group))
             first += e.num_rows
         # made durable with the retry's manifest; a deferred append rebased before its first publish
         # still has the old sidecars pending: replace them (both in one write would race)
@@ -837,7 +849,10 @@ class ReplayStore:
             self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
             self._writer_lock.acquire()
         o = self.options
-        options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer)
+        # inline groups stay once a store has them (its manifests may name some); converting to many
+        # writers turns them on, as for a store created multi-writer
+        options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer,
+                                      inline_groups=o.inline_groups or multi_writer)
         options.write(storage)
         if multi_writer and self._writer_lock is not None:
             self._writer_lock.release()
@@ -1033,6 +1048,8 @@ class ReplayStore:
 
     def _read_sidecar(self, entry: fmt.SegmentEntry):
         key_type = self._key_type()
+        if entry.group is not None:  # no file: one group, every row
+            return inline_group_sidecar(entry.group, key_type, entry.first_row, entry.num_rows)
         if not self.remote:
             return read_group_sidecar(self.storage.local_path(entry.groups_file), entry.groups_bytes,
                                       entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
@@ -1383,7 +1400,8 @@ class ReplayStore:
             if end < m.next_row:
                 tail = [s for s in m.segments if s.end_row > end]
                 if len(tail) > 1 and not self.remote:  # cold, read them together, not one after another
-                    prefetch_files([(os.path.join(self.path, s.groups_file), [(0, 0)]) for s in tail])
+                    prefetch_files([(os.path.join(self.path, s.groups_file), [(0, 0)]) for s in tail
+                                    if s.groups_bytes])
                 parts = [self._sidecar(s)[:3] for s in tail]
                 gi = gi.extended(parts, min_row=max(end, m.head))
             gi = gi.evicted(m.head)
