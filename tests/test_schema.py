@@ -77,7 +77,9 @@ batch = {{"prompt_id": np.array([1, 1, 2]), "completion_ids": [np.array([1, 2]),
           "name": np.array(["a", "b", "c"], dtype=object), "per_func": np.ones((3, 2), dtype=np.float32)}}
 store.extend(batch)
 store.extend({{**batch, "late_score": np.array([np.nan, 1.0, 2.0])}})
-store.extend({{**batch, "prompt_id": np.array([3, 3, 3])}})  # one group: its sidecar from a template
+store.extend({{**batch, "prompt_id": np.array([3, 3, 3])}})  # one group: no sidecar (inline)
+store.save_state("sampler", {{"step": 3, "weights": np.ones(4, dtype=np.float32), "seen": np.zeros(2, dtype=bool)}})
+assert store.load_state("sampler")["seen"].tolist() == [False, False]
 store.close()
 from diskreplay import Collator, PromptGroupSampler, ReplayLoader
 reader = ReplayStore({str(tmp_path / 's')!r}, readonly=True)
