@@ -14,10 +14,10 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._fileio import crc32c, durable_write, read_file
-from .errors import ArgumentError, CorruptStoreError, FormatError, SchemaError
+from .errors import ArgumentError, CommitConflictError, CorruptStoreError, FormatError, SchemaError
 from .schema import ColumnSpec, Schema, late_column_problem
 
 FORMAT_FILE = "FORMAT.json"
@@ -63,6 +63,9 @@ APPEND_DELTAS_VERSION = 4
 # multi-writer get it; stores of version 4 keep writing sidecars.
 INLINE_GROUPS_VERSION = 5
 DELTA_FORMAT = "diskreplay.delta"
+# A delta that rewrites segments (a merge, compact) says version 2 (format v5
+# stores): a diskreplay that knows only append deltas refuses it by its version.
+REWRITE_DELTA_VERSION = 2
 # A writer commits a full manifest instead of a delta once its base is
 # CHECKPOINT_EVERY to 2 CHECKPOINT_EVERY - 1 deltas (its own depth, drawn at
 # random) past a full one, so a reader applies at most 2 CHECKPOINT_EVERY - 1.
@@ -1001,6 +1004,103 @@ class AppendDelta:
         return m.evolve(depth=base.depth + 1, commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
 
 
+def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[SegmentEntry],
+                 options: StoreOptions) -> Manifest:
+    """``base`` with the consecutive segments of ids ``replaced`` replaced by ``entries``, which hold
+    the same live rows (a merge, ``compact``); capacities applied. The one definition of what a
+    rewrite does, for a writer's commit and a reader's rewrite delta. Raises
+    ``CommitConflictError`` when ``base`` no longer holds those segments, or holds other rows.
+
+    >>> base = Manifest(generation=4, next_row=6, next_segment=3,
+    ...                 segments=(SegmentEntry(1, 0, 2, 99, 0), SegmentEntry(2, 2, 4, 99, 0)))
+    >>> m = rewrite_rows(base, [1, 2], [SegmentEntry(3, 0, 6, 99, 0)], StoreOptions())
+    >>> m.generation, [s.id for s in m.segments], m.next_segment
+    (5, [3], 4)
+    """
+    if not replaced or not entries:
+        raise CommitConflictError("nothing to rewrite")
+    ids = [s.id for s in base.segments]
+    try:
+        start = ids.index(replaced[0])
+    except ValueError:
+        raise CommitConflictError(f"segment {replaced[0]} was merged or evicted by another commit") from None
+    stop = start + len(replaced)
+    if ids[start:stop] != list(replaced):
+        raise CommitConflictError("the segments to rewrite changed in another commit")
+    run = base.segments[start:stop]
+    first = entries[0].first_row
+    # the same rows: back to back, ending where the run ends, starting where it starts (the oldest
+    # segment: anywhere from there up to head, the rows below it being evicted)
+    contiguous = all(a.end_row == b.first_row for a, b in zip(entries, entries[1:]))
+    starts = first == run[0].first_row or (start == 0 and run[0].first_row <= first <= base.head)
+    if not (contiguous and starts and entries[-1].end_row == run[-1].end_row):
+        raise CommitConflictError(f"the rewrite of rows [{first}, {entries[-1].end_row}) does not hold the rows "
+                                  f"[{run[0].first_row}, {run[-1].end_row}) of the segments it replaces")
+    segments = base.segments[:start] + tuple(entries) + base.segments[stop:]
+    head, segments = evict(base.head, base.next_row, segments, options)
+    return base.evolve(generation=base.generation + 1, head=head, segments=segments,
+                       next_segment=max([base.next_segment] + [e.id + 1 for e in entries]))
+
+
+@dataclass(frozen=True)
+class RewriteDelta:
+    """A commit that only rewrites segments (a merge of small ones, ``compact``), stored as the ids
+    it replaces and the entries that replace them (format v5 stores).
+
+    Like an :class:`AppendDelta`, its file does not depend on the generation it
+    lands on: a writer writes it with the merged segment, before the race, and a
+    lost race costs a check that the replaced segments are still there and a link.
+    The manifest of its generation is ``apply(manifest of generation - 1)``
+    (:func:`rewrite_rows`); a writer links it only where that applies.
+
+    >>> d = RewriteDelta((1, 2), (SegmentEntry(3, 0, 6, 99, 0),))
+    >>> RewriteDelta.from_doc(json.loads(signed_bytes(d.body())), "x") == d
+    True
+    """
+
+    replaced: Tuple[int, ...]
+    entries: Tuple[SegmentEntry, ...]  # global rows
+    commit_stats: Mapping[str, int] = field(default_factory=dict)
+
+    def body(self) -> dict:
+        doc = {"format": DELTA_FORMAT, "version": REWRITE_DELTA_VERSION, "replaced": list(self.replaced),
+               "segments": [e.to_dict() for e in self.entries]}
+        if self.commit_stats:
+            doc["commit_stats"] = dict(sorted(self.commit_stats.items()))
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: Any, where: str, verified: bool = False) -> "RewriteDelta":
+        doc = _check_header(doc, DELTA_FORMAT, where, (REWRITE_DELTA_VERSION,))
+        if not verified:
+            _check_signature(doc, where)
+        replaced, segs = doc.get("replaced"), doc.get("segments")
+        if (not isinstance(replaced, list) or not replaced or len(set(replaced)) != len(replaced)
+                or not all(type(i) is int and 0 <= i <= _MAX_ID for i in replaced)
+                or not isinstance(segs, list) or not segs):
+            raise FormatError(f"Unsupported replaced/segments in the rewrite delta {where}; expected non-empty "
+                              "lists of distinct segment ids and of segments")
+        return cls(tuple(replaced), tuple(SegmentEntry.from_dict(e, where) for e in segs),
+                   _commit_stats(doc.get("commit_stats", {}), where))
+
+    def apply(self, base: Manifest, options: StoreOptions) -> Manifest:
+        """The manifest of the generation after ``base`` that this delta makes (``CommitConflictError``
+        if ``base`` no longer holds the replaced segments)."""
+        m = rewrite_rows(base, self.replaced, self.entries, options)
+        return m.evolve(depth=base.depth + 1, commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
+
+
+Delta = Union[AppendDelta, RewriteDelta]
+
+
+def delta_from_doc(doc: Any, where: str, verified: bool = False) -> Delta:
+    """The delta a ``diskreplay.delta`` document holds: a rewrite (it names what it ``replaced``)
+    or an append."""
+    if isinstance(doc, dict) and "replaced" in doc:
+        return RewriteDelta.from_doc(doc, where, verified)
+    return AppendDelta.from_doc(doc, where, verified)
+
+
 def with_chains(manifests: Mapping[int, Manifest]) -> set:
     """The generations whose files reading each of ``manifests`` needs: each one and, for a
     delta, the generations back to the full manifest it applies to (clean-up keeps them all).
@@ -1056,11 +1156,11 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
              options: Optional[StoreOptions], seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
     """Manifest ``generation`` of ``root`` from its document: a full manifest, or a delta applied
     to the manifest of the generation before (recursively, back to a full one or ``known``)."""
-    chain: List[Tuple[str, AppendDelta]] = []
+    chain: List[Tuple[str, Delta]] = []
     base = None
     g, g_where = generation, where
     while isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
-        chain.append((g_where, AppendDelta.from_doc(doc, g_where, verified)))
+        chain.append((g_where, delta_from_doc(doc, g_where, verified)))
         g -= 1
         if known is not None and known.generation == g:
             base = known
@@ -1083,8 +1183,12 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
         raw, ok = _read_signed(root, FORMAT_FILE)
         options = StoreOptions.from_dict(raw, _where(root, FORMAT_FILE), ok)
     made = []
-    for _, delta in reversed(chain):
-        base = delta.apply(base, options)
+    for d_where, delta in reversed(chain):
+        try:
+            base = delta.apply(base, options)
+        except CommitConflictError as exc:  # its writer applied it to exactly this base: forged or damaged
+            raise CorruptStoreError(f"{d_where} is a rewrite delta that does not apply to generation "
+                                    f"{base.generation}: {exc}") from None
         made.append(base)
     _check_appended(base, where)
     if seen is not None:
@@ -1094,7 +1198,8 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
 
 def _check_appended(m: Manifest, where: str) -> None:
     """What ``Manifest.validate`` could find wrong in ``m``, a valid manifest with append deltas
-    applied: a segment id twice. The rest holds by construction (:meth:`AppendDelta.apply`
+    applied: a segment id twice (a rewrite delta checks its rows itself: :func:`rewrite_rows`). The
+    rest holds by construction (:meth:`AppendDelta.apply`
     places the entries after the base's rows, raises ``next_segment`` past their ids and applies
     the capacities), so a reader catching up does not check every segment's rows per delta."""
     if len({s.id for s in m.segments}) != len(m.segments):

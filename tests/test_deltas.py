@@ -510,3 +510,79 @@ def test_an_older_diskreplay_refuses_inline_groups_and_its_v4_stores_keep_sideca
             print("rows", len(s), s.group_rows(3).tolist())
         """, v4)
     assert "rows 3 [2]" in proc.stdout, (proc.stdout, proc.stderr)
+
+
+# ---------------------------------------------------------------------------
+# rewrite deltas (format v5): a merge is published as the ids it replaces
+
+
+def _rewrites(path):
+    out = []
+    for gen in fmt.list_generations(path):
+        doc = json.load(open(os.path.join(path, fmt.manifest_file(gen))))
+        if "replaced" in doc:
+            out.append(gen)
+    return out
+
+
+def test_merges_are_rewrite_deltas_that_every_reader_resolves(tmp_path):
+    """Two writers' small commits with merges (and a capacity evicting under them): the merges are
+    rewrite deltas, and every generation on disk resolves to what the writers held."""
+    path = str(tmp_path / "s")
+    held = {}
+    with ReplayStore(path, multi_writer=True, capacity=100, merge_policy=MergePolicy(fanin=4)) as a, \
+            ReplayStore(path, merge_policy=MergePolicy(fanin=4)) as b:
+        for step in range(40):
+            w = a if step % 3 else b
+            w.extend(batch_for(int(w is b), step, rows=3), token=token_for(int(w is b), step))
+            held[w.generation] = w.manifest
+        gens = _rewrites(path)
+        assert gens and a.stats()["dropped_rewrites"] + b.stats()["dropped_rewrites"] < len(gens)
+        doc = json.load(open(os.path.join(path, fmt.manifest_file(gens[-1]))))
+        assert doc["version"] == fmt.REWRITE_DELTA_VERSION and "head" not in doc and len(doc["replaced"]) == 4
+        for gen in fmt.list_generations(path):  # resolved from the chain on disk, with no known base
+            m = fmt.read_manifest(path, gen)
+            if gen in held:
+                _same(m, held[gen])
+        assert not check_rows(a, a.row_ids()) and len(a) == 100
+    assert verify_store(path)["ok"]
+
+
+def test_a_v4_store_still_merges_with_full_manifests(tmp_path):
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True).close()
+    dataclasses.replace(fmt.StoreOptions.read(path), inline_groups=False).write(path)
+    with ReplayStore(path, merge_policy=MergePolicy(fanin=4)) as store:
+        for step in range(10):
+            store.extend(batch_for(0, step, rows=3))
+        assert len(store.manifest.segments) < 10
+    assert not _rewrites(path) and "full" in _kinds(path).values()
+
+
+def test_a_rewrite_delta_that_does_not_apply_is_an_error_naming_it(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=4)) as store:
+        for step in range(4):
+            store.extend(batch_for(0, step, rows=3))
+        gen = store.generation
+    assert _rewrites(path) == [gen]
+    for change, why in ((lambda doc: doc["replaced"].reverse(), "changed in another commit"),
+                        (lambda doc: doc["replaced"].append(999), "changed in another commit"),
+                        (lambda doc: doc["segments"][0].update(num_rows=11), "does not hold the rows")):
+        original = open(os.path.join(path, fmt.manifest_file(gen)), "rb").read()
+        _resign(path, gen, change)
+        with pytest.raises(CorruptStoreError, match=why) as info:
+            fmt.read_manifest(path, gen)
+        assert fmt.manifest_file(gen) in str(info.value)
+        open(os.path.join(path, fmt.manifest_file(gen)), "wb").write(original)
+    assert fmt.read_manifest(path, gen).segments[0].num_rows == 12
+
+
+def test_an_append_delta_reader_refuses_a_rewrite_delta_by_its_version(tmp_path):
+    d = fmt.RewriteDelta((1, 2), (fmt.SegmentEntry(3, 0, 6, 99, 0),))
+    doc = json.loads(fmt.signed_bytes(d.body()))
+    with pytest.raises(FormatError, match="Unsupported version 2"):
+        fmt.AppendDelta.from_doc(doc, "x")
+    for bad in ({"replaced": []}, {"replaced": [1, 1]}, {"replaced": ["1"]}, {"segments": []}):
+        with pytest.raises(FormatError, match="replaced/segments"):
+            fmt.RewriteDelta.from_doc(json.loads(fmt.signed_bytes({**d.body(), **bad})), "x")

@@ -570,21 +570,32 @@ def test_compact_keeps_rows_and_readers_working(tmp_path):
         assert again.group_keys()[-1] == 99 and len(again) == 60
 
 
-def test_store_is_readable_with_plain_pyarrow_as_documented(tmp_path):
-    """The recipe of docs/FORMAT.md, run verbatim on a store with evictions."""
+@pytest.mark.parametrize("multi", [False, True], ids=["single", "multi"])
+def test_store_is_readable_with_plain_pyarrow_as_documented(tmp_path, multi):
+    """The recipe of docs/FORMAT.md, run verbatim on a store with evictions; on a multi-writer store
+    (no capacity: the recipe does not apply it per delta), through append and rewrite deltas."""
     import pyarrow as pa
+    from diskreplay import format as fmt
+    from diskreplay.store import MergePolicy
 
     path = tmp_path / "STORE"
-    with ReplayStore(path, capacity=20) as store:
-        for s in range(5):
+    options = dict(multi_writer=True, merge_policy=MergePolicy(fanin=2)) if multi else dict(capacity=20)
+    with ReplayStore(path, **options) as store:
+        store._committer._checkpoint_at = 2 * fmt.CHECKPOINT_EVERY - 1  # (each writer draws its own)
+        for s in range(5 if not multi else 12):
             store.extend(make_rollouts(1, 8, seed=s, first_group=s, completion_mean=10))
-        expected = store.read(store.row_ids(), ["completion_ids", "prompt_id"])
+        expected = store.read(store.row_ids()[-20:], ["completion_ids", "prompt_id"])
+        if multi:  # the recipe resolves the newest commit through the deltas since a full manifest
+            m = store.manifest
+            docs = [json.load(open(os.path.join(path, fmt.manifest_file(g))))
+                    for g in range(m.generation - m.depth + 1, m.generation + 1)]
+            assert m.depth and any("replaced" in d for d in docs) and any("num_rows" in d for d in docs)
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "FORMAT.md")).read()
     recipe = doc.split("```python\n", 1)[1].split("```", 1)[0]
     recipe = textwrap.dedent(recipe).replace('"STORE/', f'"{path}/').replace("f\"STORE/", f"f\"{path}/")
     scope = {}
     exec(recipe, scope)
-    table = scope["table"]
+    table = scope["table"][-20:]
     assert table.num_rows == 20
     assert table.column("prompt_id").to_pylist() == expected["prompt_id"].tolist()
     flat = pa.concat_arrays([c.flatten() for c in table.column("completion_ids").chunks])

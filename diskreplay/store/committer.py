@@ -175,7 +175,7 @@ class Committer:
         publish_t = t0
         delay = BACKOFF_FIRST
         unreadable = 0
-        delta: Optional[Tuple[fmt.AppendDelta, bytes]] = None  # made once: a lost race links the same file again
+        delta: Optional[Tuple[fmt.Delta, bytes]] = None  # made once: a lost race links the same file again
         base = self.manifest
         try:
             if self.multi_writer and self.options.append_deltas:
@@ -201,7 +201,7 @@ class Committer:
                 # left to the next commit: a full manifest's longer race window would lose again)
                 if delta is not None and (base.depth < self._checkpoint_at
                                           or (attempt and base.depth < MAX_DELTA_DEPTH)):
-                    new, data = delta[0].apply(base, self.options), delta[1]
+                    new, data = delta[0].apply(base, self.options), delta[1]  # a rewrite: or ops.Conflict
                     publish_t = time.perf_counter()
                 else:
                     new = ops.apply(base, op, self.options).evolve(depth=0)
@@ -263,15 +263,20 @@ class Committer:
         self._since_conflict = 0 if attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
 
-    def _stage_delta(self, plan: Callable[[fmt.Manifest], ops.Operation]) -> Optional[Tuple[fmt.AppendDelta, bytes]]:
-        """An append's delta, written and made durable with its data before the race (it does
-        not depend on the base): ``(delta, its bytes)``, or None for another operation. It is
-        published as it is unless the base turns out ``_checkpoint_at`` deltas deep (then the
-        commit writes a full manifest)."""
+    def _stage_delta(self, plan: Callable[[fmt.Manifest], ops.Operation]) -> Optional[Tuple[fmt.Delta, bytes]]:
+        """An append's (or, format v5, a rewrite's) delta, written and made durable with its data
+        before the race (it does not depend on the base): ``(delta, its bytes)``, or None for
+        another operation. It is published as it is unless the base turns out ``_checkpoint_at``
+        deltas deep (then the commit writes a full manifest)."""
         op = plan(self.manifest)
-        if not (isinstance(op, ops.Append) and op.relocatable):
+        if isinstance(op, ops.Append) and op.relocatable:
+            d: fmt.Delta = op.delta({"commits": 1, **self._unreported})
+        elif isinstance(op, ops.Rewrite) and self.options.inline_groups:
+            # a merge raced for a full manifest's longer write and lost to the small commits around it
+            # (1.6 lost races per merge with 4 writers); its delta races for a link
+            d = op.delta({"commits": 1, **self._unreported})
+        else:
             return None
-        d = op.delta({"commits": 1, **self._unreported})
         data = fmt.signed_bytes(d.body())
         files, dirs = self.pending, self.pending_dirs
         self.pending, self.pending_dirs = [], []

@@ -13,7 +13,8 @@ operation      conflicts with a concurrent commit when
                it adds that the base has with another type is a
                ``SchemaError`` (the same type: it is already there)
 ``Rewrite``    a replaced segment is no longer in the base (another rewrite
-               merged it, or eviction dropped it)
+               merged it, or eviction dropped it); stored as a rewrite delta
+               in a format v5 store
 ``SaveState``  never (the state of that name from the later commit wins)
 ``Evict``      never (the head only moves forward)
 ``RollBack``   always, unless the base is the one it was planned on
@@ -29,7 +30,6 @@ from typing import Optional, Tuple, Union
 from .. import format as fmt
 from ..errors import ArgumentError, CommitConflictError
 from ..schema import ColumnSpec
-from .compaction import evict
 
 #: an operation cannot be applied to the newest manifest (see the table above)
 Conflict = CommitConflictError
@@ -65,6 +65,14 @@ class Rewrite:
 
     replaced: Tuple[fmt.SegmentEntry, ...]
     entries: Tuple[fmt.SegmentEntry, ...]
+
+    @property
+    def ids(self) -> Tuple[int, ...]:
+        return tuple(s.id for s in self.replaced)
+
+    def delta(self, commit_stats: Optional[dict] = None) -> fmt.RewriteDelta:
+        """This rewrite as a delta (format v5 stores)."""
+        return fmt.RewriteDelta(self.ids, self.entries, commit_stats or {})
 
 
 @dataclass(frozen=True)
@@ -113,22 +121,7 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
             raise Conflict(f"append prepared for row {op.entries[0].first_row}, the base ends at {base.next_row}")
         return fmt.append_rows(base, op.entries, op.num_rows, op.token, op.columns, options)
     if isinstance(op, Rewrite):
-        ids = [s.id for s in base.segments]
-        if not op.replaced:
-            raise Conflict("nothing to rewrite")
-        try:
-            start = ids.index(op.replaced[0].id)
-        except ValueError:
-            raise Conflict(f"segment {op.replaced[0].id} was merged or evicted by another commit") from None
-        if tuple(base.segments[start:start + len(op.replaced)]) != op.replaced:
-            raise Conflict("the segments to rewrite changed in another commit")
-        stop = start + len(op.replaced)
-        segments = base.segments[:start] + op.entries + base.segments[stop:]
-        if segments and segments[0].first_row > base.head:
-            raise Conflict("the rewrite starts above the live rows")
-        head, segments = evict(base.head, base.next_row, segments, options)
-        return base.evolve(generation=generation, head=head, segments=segments,
-                           next_segment=max([base.next_segment] + [e.id + 1 for e in op.entries]))
+        return fmt.rewrite_rows(base, op.ids, op.entries, options)  # (ids are never reused)
     if isinstance(op, SaveState):
         return base.evolve(generation=generation, states={**base.states, op.entry.name: op.entry})
     if isinstance(op, Evict):
