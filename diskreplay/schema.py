@@ -490,6 +490,54 @@ def _arrow_columns(batch: Any, schema: "Schema") -> Optional[Tuple[int, Dict[str
     return batch.num_rows, cols
 
 
+_PASSED_AS_IS = {pa.int64(), pa.float32(), pa.float64(), pa.large_list(pa.int32()), pa.large_list(pa.float32())}
+
+
+def _arrow_record(batch: Any, schema: "Schema") -> Optional[pa.RecordBatch]:
+    """The record batch stored for a pyarrow table that holds exactly the store's columns, of its
+    numeric types, without nulls, slices or late columns: its own arrays (nothing read into numpy
+    or built again), once float lists are checked for NaN and aligned lists for equal lengths.
+    None for anything else (:func:`_arrow_columns`, then the general path, read it and name any
+    problem). The same file bytes as the general path gives: Arrow's IPC writer writes no
+    validity bitmap for an array without nulls, and lists from offset 0."""
+    if isinstance(batch, pa.Table):
+        batches = batch.to_batches()
+        if len(batches) != 1:
+            return None
+        batch = batches[0]
+    if (not isinstance(batch, pa.RecordBatch) or not batch.num_rows or schema.late
+            or batch.schema.names != list(schema.names)):
+        return None
+    offsets: Dict[str, np.ndarray] = {}
+    n = batch.num_rows
+    for spec, col in zip(schema.columns.values(), batch.columns):
+        t = col.type
+        if t != spec.arrow_type or t not in _PASSED_AS_IS or col.null_count or col.offset:
+            return None
+        # no validity bitmaps, buffers of exactly these rows (the IPC writer writes a buffer whole:
+        # a slice of a longer table would give another file, and another exactly-once digest)
+        bufs = col.buffers()
+        if spec.kind != RAGGED:
+            if bufs[0] is not None or bufs[1].size != n * t.bit_width // 8:
+                return None
+            continue
+        off = numpy_view(col.offsets)
+        values = col.values
+        if (off[0] or values.offset or len(values) != off[-1] or bufs[0] is not None or bufs[2] is not None
+                or bufs[1].size != 8 * (n + 1) or bufs[3].size != 4 * len(values)):
+            return None
+        if t.value_type == pa.float32() and len(values) and np.isnan(np.add.reduce(numpy_view(values),
+                                                                                   dtype=np.float64)):
+            return None  # (the general path names the row)
+        offsets[spec.name] = off
+    for name, off in offsets.items():
+        align = schema[name].align
+        ref = None if align is None else offsets.get(PROMPT_IDS if align == "prompt" else COMPLETION_IDS)
+        if ref is not None and not np.array_equal(off, ref):
+            return None
+    return pa.RecordBatch.from_arrays(batch.columns, schema=schema.arrow_schema())
+
+
 def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:
     mask = np.asarray(mask)
     if mask.shape != ids_shape:
@@ -811,6 +859,10 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     >>> rb.num_rows, schema["completion_ids"].kind
     (2, 'ragged')
     """
+    if schema is not None and isinstance(batch, (pa.Table, pa.RecordBatch)):
+        record = _arrow_record(batch, schema)
+        if record is not None:
+            return record, schema
     parsed = _arrow_columns(batch, schema) if schema is not None else None
     n, cols = parsed if parsed is not None else _parse_columns(batch)
     if group_key is not None:

@@ -30,13 +30,12 @@ import pyarrow as pa
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
 from .errors import CorruptStoreError, FormatError, StoreLockedError, StoreNotFoundError
-from .ragged import numpy_view
 from .store import ops
 from .store.committer import Committer
 from .storage import S3Storage, is_remote
 from .store.storage import LocalStorage
 from .segment import (_META_BUFFERS, ArrowFile, PageChecksums, Segment, buffer_ranges, decode_state, encode_ipc,
-                      field_buffers, group_sidecar, has_page_checksums, segment_local_rows)
+                      field_buffers, group_sidecar, has_page_checksums, inline_group, segment_local_rows)
 
 QUARANTINE_DIR = "quarantine"
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
@@ -668,8 +667,7 @@ def _open_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreOp
 def _compare_inline_group(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key: str) -> Optional[str]:
     """A segment whose manifest entry names its one group (no sidecar): every row has that key."""
     try:
-        keys = seg.column(group_key)
-        ok = keys.type == pa.int64() and not keys.null_count and bool((numpy_view(keys) == s.group).all())
+        ok = inline_group(seg.column(group_key)) == s.group
     except CorruptStoreError as exc:
         return str(exc)
     except Exception as exc:

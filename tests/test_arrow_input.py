@@ -200,3 +200,36 @@ def test_a_half_precision_column_is_float32_with_or_without_nulls():
         batch = {"prompt_id": pa.array([1, 1]), "score": pa.array(values, pa.float16())}
         _, schema = normalize_batch(batch, None, "prompt_id")
         assert schema["score"].dtype == "float32"
+
+
+def test_a_table_of_exactly_the_stores_columns_is_stored_as_it_is():
+    """The common case (a rollout worker's table of the store's columns and types) is stored from
+    its own arrays, and gives the bytes the general path gives; anything that needs looking at
+    (a slice with longer buffers, a validity bitmap, a NaN log-prob) goes the general way."""
+    from diskreplay.schema import _arrow_record
+    from diskreplay.segment import encode_ipc
+
+    rows = {"prompt_id": np.array([4, 4, 4]), "completion_ids": [np.arange(k, dtype=np.int32) for k in (2, 0, 3)],
+            "old_per_token_logps": [np.full(k, -0.5, np.float32) for k in (2, 0, 3)],
+            "rewards": np.array([1.0, 0.0, 0.5], np.float32)}
+    _, schema = normalize_batch(rows, None, "prompt_id")
+    table = pa.table({"prompt_id": pa.array(rows["prompt_id"]),
+                      "completion_ids": pa.array([r.tolist() for r in rows["completion_ids"]],
+                                                 pa.large_list(pa.int32())),
+                      "old_per_token_logps": pa.array([r.tolist() for r in rows["old_per_token_logps"]],
+                                                      pa.large_list(pa.float32())),
+                      "rewards": pa.array(rows["rewards"])})
+    record = _arrow_record(table, schema)
+    assert record is not None and record.column(1).buffers()[3].address == table.column(1).chunk(0).buffers()[3].address
+    want = encode_ipc(normalize_batch(rows, schema, "prompt_id")[0])
+    assert encode_ipc(normalize_batch(table, schema, "prompt_id")[0]).equals(want)
+    masked = table.set_column(3, "rewards", pa.array([1.0, 0.0, 0.5], pa.float32(), mask=np.zeros(3, bool)))
+    nan = table.set_column(2, "old_per_token_logps", pa.array([[-0.5, float("nan")], [], [-0.5] * 3],
+                                                              pa.large_list(pa.float32())))
+    longer = pa.concat_tables([table, table]).combine_chunks().slice(0, 3)
+    for other in (masked, longer):  # whichever way it goes, the same file
+        assert encode_ipc(normalize_batch(other, schema, "prompt_id")[0]).equals(want)
+    assert _arrow_record(longer, schema) is None and _arrow_record(nan, schema) is None
+    assert _arrow_record(table.select([0, 1, 3]), schema) is None  # a list column left out: nulls to add
+    with pytest.raises(BatchError, match="row 0 position 1 is NaN"):
+        normalize_batch(nan, schema, "prompt_id")

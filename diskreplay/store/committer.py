@@ -201,7 +201,8 @@ class Committer:
                 # left to the next commit: a full manifest's longer race window would lose again)
                 if delta is not None and (base.depth < self._checkpoint_at
                                           or (attempt and base.depth < MAX_DELTA_DEPTH)):
-                    new, data = delta[0].apply(base, self.options), delta[1]  # a rewrite: or ops.Conflict
+                    # (a rewrite delta raises ops.Conflict once the base no longer holds its segments)
+                    new, data = delta[0].apply(base, self.options), delta[1]
                     publish_t = time.perf_counter()
                 else:
                     new = ops.apply(base, op, self.options).evolve(depth=0)
