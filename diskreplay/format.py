@@ -316,7 +316,7 @@ def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bo
                           f"{where}; expected true exactly in version {INLINE_GROUPS_VERSION}")
     if inline:  # a multi-writer store (with deltas), or one converted to a single writer
         deltas = doc.get("append_deltas", False)
-        if not isinstance(late, bool) or multi not in (True, False) or deltas is not multi:
+        if not isinstance(late, bool) or not isinstance(multi, bool) or deltas is not multi:
             raise FormatError(f"Unsupported append_deltas={deltas!r} / multi_writer={multi!r} / late_columns={late!r} "
                               f"with version {version} in {where}; expected append_deltas and multi_writer both "
                               "true or both false, and late_columns true or false")
@@ -1075,9 +1075,9 @@ class RewriteDelta:
         if not verified:
             _check_signature(doc, where)
         replaced, segs = doc.get("replaced"), doc.get("segments")
-        if (not isinstance(replaced, list) or not replaced or len(set(replaced)) != len(replaced)
+        if (not isinstance(replaced, list) or not replaced
                 or not all(type(i) is int and 0 <= i <= _MAX_ID for i in replaced)
-                or not isinstance(segs, list) or not segs):
+                or len(set(replaced)) != len(replaced) or not isinstance(segs, list) or not segs):
             raise FormatError(f"Unsupported replaced/segments in the rewrite delta {where}; expected non-empty "
                               "lists of distinct segment ids and of segments")
         return cls(tuple(replaced), tuple(SegmentEntry.from_dict(e, where) for e in segs),
@@ -1198,10 +1198,10 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
 
 def _check_appended(m: Manifest, where: str) -> None:
     """What ``Manifest.validate`` could find wrong in ``m``, a valid manifest with append deltas
-    applied: a segment id twice (a rewrite delta checks its rows itself: :func:`rewrite_rows`). The
-    rest holds by construction (:meth:`AppendDelta.apply`
-    places the entries after the base's rows, raises ``next_segment`` past their ids and applies
-    the capacities), so a reader catching up does not check every segment's rows per delta."""
+    applied: a segment id twice. The rest holds by construction (:meth:`AppendDelta.apply` places
+    the entries after the base's rows, raises ``next_segment`` past their ids and applies the
+    capacities; :func:`rewrite_rows` checks a rewrite's rows), so a reader catching up does not
+    check every segment's rows per delta."""
     if len({s.id for s in m.segments}) != len(m.segments):
         raise FormatError(f"a segment id appears twice in {where}")
 

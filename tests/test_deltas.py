@@ -583,6 +583,22 @@ def test_an_append_delta_reader_refuses_a_rewrite_delta_by_its_version(tmp_path)
     doc = json.loads(fmt.signed_bytes(d.body()))
     with pytest.raises(FormatError, match="Unsupported version 2"):
         fmt.AppendDelta.from_doc(doc, "x")
-    for bad in ({"replaced": []}, {"replaced": [1, 1]}, {"replaced": ["1"]}, {"segments": []}):
+    for bad in ({"replaced": []}, {"replaced": [1, 1]}, {"replaced": ["1"]}, {"replaced": [[1]]}, {"segments": []}):
         with pytest.raises(FormatError, match="replaced/segments"):
             fmt.RewriteDelta.from_doc(json.loads(fmt.signed_bytes({**d.body(), **bad})), "x")
+
+
+def test_a_store_converted_to_one_writer_keeps_reading_its_inline_groups(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        for step in range(3):
+            store.extend(batch_for(0, 2 * step, rows=3))
+    with ReplayStore(path) as store:
+        store.compact(target_bytes=1, multi_writer=False)  # (one segment per input: inline groups stay)
+        store.extend(batch_for(0, 6, rows=2))
+        assert [s.group for s in store.manifest.segments] == [0, 1, 2, 3]
+    doc = json.load(open(os.path.join(path, fmt.FORMAT_FILE)))
+    assert doc["version"] == fmt.INLINE_GROUPS_VERSION and doc["multi_writer"] is False
+    with ReplayStore(path, readonly=True) as ro:
+        assert not ro.options.multi_writer and ro.group_rows(3).tolist() == [9, 10]
+    assert verify_store(path)["ok"]
