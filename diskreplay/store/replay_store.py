@@ -726,9 +726,7 @@ class ReplayStore:
                                             group))
             first_row += record.num_rows
         # the new names must be durable before a manifest names the files
-        dirs = []
-        if sync_dirs:
-            dirs = [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if any(e.groups_bytes for e in entries) else [fmt.SEGMENT_DIR]
+        dirs = _dirs_of(entries) if sync_dirs else []
         if defer:
             self._committer.pending += files
             self._committer.pending_dirs += dirs
@@ -892,7 +890,7 @@ class ReplayStore:
                 pending.append(batch)
                 pending_bytes += nbytes
             flush()
-            self._committer.storage.write_files([], (fmt.SEGMENT_DIR, fmt.GROUPS_DIR))
+            self._committer.storage.write_files([], _dirs_of(entries))
             crash_point("segments.synced")
         except BaseException:
             self._remove(written)
@@ -1526,6 +1524,12 @@ class ReplayStore:
             self._catch_up()
         rec = self._committer.find_token(token)
         return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+
+
+def _dirs_of(entries: Sequence[fmt.SegmentEntry]) -> List[str]:
+    """The directories whose new names ``entries``' files are: ``segments/``, and ``groups/``
+    unless none of them has a sidecar (an inline group, or no group key)."""
+    return [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if any(e.groups_bytes for e in entries) else [fmt.SEGMENT_DIR]
 
 
 def _concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:
