@@ -463,18 +463,25 @@ def _ragged_from_arrow(name: str, arr: pa.Array) -> _Ragged:
     return _Ragged(values, offsets, validity)
 
 
+def _one_record_batch(batch: Any) -> Optional[pa.RecordBatch]:
+    """A pyarrow table of one chunk (or a record batch) with rows and columns, as a record batch;
+    None for anything else."""
+    if isinstance(batch, pa.Table):
+        batches = batch.to_batches()
+        batch = batches[0] if len(batches) == 1 else None
+    if not isinstance(batch, pa.RecordBatch) or not batch.num_rows or not batch.num_columns:
+        return None
+    return batch
+
+
 def _arrow_columns(batch: Any, schema: "Schema") -> Optional[Tuple[int, Dict[str, "_Column"]]]:
-    """``_parse_columns`` for a pyarrow table whose columns have exactly the store's types and no
+    """``_parse_columns`` for a record batch whose columns have exactly the store's types and no
     nulls: each column read from its buffers (:func:`_arrow_column`), its spec the schema's (no
     row visited, nothing inferred); None for anything else (the general path reads it).
     Validation and the arrays stored are the general path's, from these columns, so the file is
     the one a dict of the same rows gives."""
-    if isinstance(batch, pa.Table):
-        batches = batch.to_batches()
-        if len(batches) != 1:
-            return None
-        batch = batches[0]
-    if not isinstance(batch, pa.RecordBatch) or not batch.num_rows or not batch.num_columns:
+    batch = _one_record_batch(batch)
+    if batch is None:
         return None
     names = batch.schema.names
     if len(set(names)) != len(names) or any(k.endswith(MASK_SUFFIX) and k[:-len(MASK_SUFFIX)] + "_ids" in names
@@ -494,19 +501,14 @@ _PASSED_AS_IS = {pa.int64(), pa.float32(), pa.float64(), pa.large_list(pa.int32(
 
 
 def _arrow_record(batch: Any, schema: "Schema") -> Optional[pa.RecordBatch]:
-    """The record batch stored for a pyarrow table that holds exactly the store's columns, of its
-    numeric types, without nulls, slices or late columns: its own arrays (nothing read into numpy
-    or built again), once float lists are checked for NaN and aligned lists for equal lengths.
+    """The record batch stored for one that holds exactly the store's columns, of its numeric
+    types, without nulls, slices or late columns: its own arrays (nothing read into numpy or
+    built again), once float lists are checked for NaN and aligned lists for equal lengths.
     None for anything else (:func:`_arrow_columns`, then the general path, read it and name any
     problem). The same file bytes as the general path gives: Arrow's IPC writer writes no
     validity bitmap for an array without nulls, and lists from offset 0."""
-    if isinstance(batch, pa.Table):
-        batches = batch.to_batches()
-        if len(batches) != 1:
-            return None
-        batch = batches[0]
-    if (not isinstance(batch, pa.RecordBatch) or not batch.num_rows or schema.late
-            or batch.schema.names != list(schema.names)):
+    batch = _one_record_batch(batch)
+    if batch is None or schema.late or batch.schema.names != list(schema.names):
         return None
     offsets: Dict[str, np.ndarray] = {}
     n = batch.num_rows
@@ -859,11 +861,12 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     >>> rb.num_rows, schema["completion_ids"].kind
     (2, 'ragged')
     """
-    if schema is not None and isinstance(batch, (pa.Table, pa.RecordBatch)):
-        record = _arrow_record(batch, schema)
+    arrow = _one_record_batch(batch) if schema is not None else None
+    if arrow is not None:
+        record = _arrow_record(arrow, schema)
         if record is not None:
             return record, schema
-    parsed = _arrow_columns(batch, schema) if schema is not None else None
+    parsed = _arrow_columns(arrow, schema) if arrow is not None else None
     n, cols = parsed if parsed is not None else _parse_columns(batch)
     if group_key is not None:
         if group_key not in cols:

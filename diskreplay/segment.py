@@ -256,46 +256,13 @@ def encode_group_sidecar(keys: pa.Array, first_row: Optional[int], checksums: Op
                          ) -> pa.Buffer:
     """``encode_ipc(group_sidecar(keys, first_row, checksums))``, the bytes of a group sidecar file.
 
-    The sidecar of a small commit (one integer group, segment-local rows, no page checksums:
-    a multi-writer append of one prompt's completions) is the same file for every key but the
-    key's 8 bytes, so it is made from a template of its row count (building and encoding the
-    Arrow batch cost ~10 % of such a commit's CPU).
+    (A small segment of one prompt group has none in a format v5 store: :func:`inline_group`.)
 
-    >>> keys = pa.array([7, 7, 7], pa.int64())
+    >>> keys = pa.array([7, 7, 8], pa.int64())
     >>> encode_group_sidecar(keys, None).equals(encode_ipc(group_sidecar(keys, None)))
     True
     """
-    if first_row is not None or checksums is not None or keys.type != pa.int64() or not _one_group(keys):
-        return encode_ipc(group_sidecar(keys, first_row, checksums))
-    template = _SIDECAR_TEMPLATES.get(len(keys))
-    if template is None:
-        if len(_SIDECAR_TEMPLATES) >= _MAX_SIDECAR_TEMPLATES:
-            _SIDECAR_TEMPLATES.clear()
-        template = _SIDECAR_TEMPLATES[len(keys)] = _sidecar_template(len(keys))
-    if template[1] < 0:
-        return encode_ipc(group_sidecar(keys, first_row, checksums))
-    data, at = template
-    out = bytearray(data)
-    out[at:at + 8] = numpy_view(keys)[:1].astype("<i8").tobytes()
-    return pa.py_buffer(out)
-
-
-def _sidecar_template(n: int) -> Tuple[bytes, int]:
-    """The sidecar of ``n`` rows of one int64 key (segment-local rows), and where the key's bytes
-    lie in it (-1 if two keys' files differ anywhere else: then no template is used)."""
-    keys = (0x0123456789ABCDEF, -0x0FEDCBA987654321)
-    a, b = (bytes(encode_ipc(group_sidecar(arrow_array(np.full(n, k, dtype=np.int64)), None))) for k in keys)
-    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    at = diff[0] if diff else -1
-    if (len(a) != len(b) or not diff or diff[-1] - at >= 8
-            or a[at:at + 8] != keys[0].to_bytes(8, "little", signed=True)
-            or b[at:at + 8] != keys[1].to_bytes(8, "little", signed=True)):
-        return a, -1
-    return a, at
-
-
-_SIDECAR_TEMPLATES: Dict[int, Tuple[bytes, int]] = {}
-_MAX_SIDECAR_TEMPLATES = 256  # row counts: a writer's commits have a few
+    return encode_ipc(group_sidecar(keys, first_row, checksums))
 
 
 _ROWS_TYPE = pa.large_list(pa.int64())

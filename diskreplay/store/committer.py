@@ -270,14 +270,12 @@ class Committer:
         another operation. It is published as it is unless the base turns out ``_checkpoint_at``
         deltas deep (then the commit writes a full manifest)."""
         op = plan(self.manifest)
-        if isinstance(op, ops.Append) and op.relocatable:
-            d: fmt.Delta = op.delta({"commits": 1, **self._unreported})
-        elif isinstance(op, ops.Rewrite) and self.options.inline_groups:
-            # a merge raced for a full manifest's longer write and lost to the small commits around it
-            # (1.6 lost races per merge with 4 writers); its delta races for a link
-            d = op.delta({"commits": 1, **self._unreported})
-        else:
+        # (a merge as a full manifest raced with a longer write and lost to the small commits around
+        # it: 1.6 lost races per merge with 4 writers; its delta races for a link)
+        if not (isinstance(op, ops.Append) and op.relocatable
+                or isinstance(op, ops.Rewrite) and self.options.inline_groups):
             return None
+        d = op.delta({"commits": 1, **self._unreported})
         data = fmt.signed_bytes(d.body())
         files, dirs = self.pending, self.pending_dirs
         self.pending, self.pending_dirs = [], []
