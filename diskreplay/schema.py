@@ -506,38 +506,56 @@ def _arrow_record(batch: Any, schema: "Schema") -> Optional[pa.RecordBatch]:
     built again), once float lists are checked for NaN and aligned lists for equal lengths.
     None for anything else (:func:`_arrow_columns`, then the general path, read it and name any
     problem). The same file bytes as the general path gives: Arrow's IPC writer writes no
-    validity bitmap for an array without nulls, and lists from offset 0."""
+    validity bitmap for an array without nulls, and lists from offset 0.
+
+    Every check reads the arrays' buffers (one ``buffers()`` call a column): this runs on every
+    small commit of Arrow input, where per-array accessors and numpy views cost more than the
+    commit's encoding (112 us against 45 us for 8 rows).
+    """
     batch = _one_record_batch(batch)
-    if batch is None or schema.late or batch.schema.names != list(schema.names):
+    if batch is None or schema.late:
         return None
-    offsets: Dict[str, np.ndarray] = {}
+    stored = schema.arrow_schema()
+    types_match = batch.schema.equals(stored, check_metadata=True)  # the batch is then stored as it is
+    if not types_match and batch.schema.names != list(schema.names):
+        return None
     n = batch.num_rows
+    offsets: Dict[str, pa.Buffer] = {}
     for spec, col in zip(schema.columns.values(), batch.columns):
         t = col.type
-        if t != spec.arrow_type or t not in _PASSED_AS_IS or col.null_count or col.offset:
+        if t not in _PASSED_AS_IS or not types_match and t != spec.arrow_type:
+            return None
+        if col.offset:
             return None
         # no validity bitmaps, buffers of exactly these rows (the IPC writer writes a buffer whole:
         # a slice of a longer table would give another file, and another exactly-once digest)
         bufs = col.buffers()
+        if bufs[0] is not None:
+            return None
         if spec.kind != RAGGED:
-            if bufs[0] is not None or bufs[1].size != n * t.bit_width // 8:
+            if bufs[1].size != n * (t.bit_width // 8):
                 return None
             continue
-        off = numpy_view(col.offsets)
-        values = col.values
-        if (off[0] or values.offset or len(values) != off[-1] or bufs[0] is not None or bufs[2] is not None
-                or bufs[1].size != 8 * (n + 1) or bufs[3].size != 4 * len(values)):
+        off_buf, values_buf = bufs[1], bufs[3]
+        if bufs[2] is not None or off_buf.size != 8 * (n + 1):
             return None
-        if t.value_type == pa.float32() and len(values) and np.isnan(np.add.reduce(numpy_view(values),
-                                                                                   dtype=np.float64)):
+        off = np.frombuffer(off_buf, dtype=np.int64)
+        total = int(off[-1])
+        values = col.values
+        if off[0] or values.offset or len(values) != total or values_buf.size != 4 * total:
+            return None
+        if spec.dtype == "float32" and total and np.isnan(
+                np.add.reduce(np.frombuffer(values_buf, dtype=np.float32), dtype=np.float64)):
             return None  # (the general path names the row)
-        offsets[spec.name] = off
-    for name, off in offsets.items():
+        offsets[spec.name] = off_buf
+    for name, off_buf in offsets.items():
         align = schema[name].align
         ref = None if align is None else offsets.get(PROMPT_IDS if align == "prompt" else COMPLETION_IDS)
-        if ref is not None and not np.array_equal(off, ref):
+        if ref is not None and not off_buf.equals(ref):
             return None
-    return pa.RecordBatch.from_arrays(batch.columns, schema=schema.arrow_schema())
+    if types_match:
+        return batch
+    return pa.RecordBatch.from_arrays(batch.columns, schema=stored)
 
 
 def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.ndarray:

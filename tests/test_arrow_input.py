@@ -227,7 +227,15 @@ def test_a_table_of_exactly_the_stores_columns_is_stored_as_it_is():
     nan = table.set_column(2, "old_per_token_logps", pa.array([[-0.5, float("nan")], [], [-0.5] * 3],
                                                               pa.large_list(pa.float32())))
     longer = pa.concat_tables([table, table]).combine_chunks().slice(0, 3)
-    for other in (masked, longer):  # whichever way it goes, the same file
+    # a table whose schema is the stored one is stored as it is; one that carries metadata (a
+    # pandas round trip's) or other field flags is rebuilt on the stored schema: the same file
+    assert table.schema.equals(schema.arrow_schema(), check_metadata=True)
+    assert _arrow_record(table, schema).schema.equals(table.schema, check_metadata=True)
+    tagged = table.replace_schema_metadata({b"pandas": b"{}"})
+    flagged = pa.table(table.columns, schema=pa.schema([f.with_nullable(False) for f in table.schema]))
+    for other in (tagged, flagged):
+        assert _arrow_record(other, schema).schema.equals(schema.arrow_schema(), check_metadata=True)
+    for other in (masked, longer, tagged, flagged):  # whichever way it goes, the same file
         assert encode_ipc(normalize_batch(other, schema, "prompt_id")[0]).equals(want)
     assert _arrow_record(longer, schema) is None and _arrow_record(nan, schema) is None
     assert _arrow_record(table.select([0, 1, 3]), schema) is None  # a list column left out: nulls to add
