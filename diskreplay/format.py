@@ -651,7 +651,16 @@ def parse_token_log(raw: bytes, where: str) -> List[TokenRecord]:
 COMMIT_STATS = ("commits", "conflicts", "commit_ms", "retry_ms")
 
 
+_COMMIT_STATS = frozenset(COMMIT_STATS)
+
+
 def _commit_stats(d: Any, where: str) -> Dict[str, int]:
+    if type(d) is dict:  # the common case in one pass (every delta holds a few counters)
+        for k, v in d.items():
+            if k not in _COMMIT_STATS or type(v) is not int or not 0 <= v <= 1 << 62:
+                break
+        else:
+            return dict(d)
     if not isinstance(d, dict) or set(d) - set(COMMIT_STATS):
         raise FormatError(f"Unsupported commit_stats {d!r} in {where}; expected an object with keys {COMMIT_STATS}")
     return {k: _int(d, k, where) for k in COMMIT_STATS if k in d}
@@ -908,9 +917,10 @@ def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
 
 
 def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, token: Optional[TokenRecord],
-                columns: Sequence[ColumnSpec], options: StoreOptions) -> Manifest:
+                columns: Sequence[ColumnSpec], options: StoreOptions, **changes: Any) -> Manifest:
     """``base`` plus an append of ``num_rows`` rows in ``entries`` (whose ``first_row`` must be
-    ``base.next_row`` onwards), its token and the late columns it adds; capacities applied.
+    ``base.next_row`` onwards), its token and the late columns it adds; capacities applied;
+    ``changes`` of other fields made in the same copy.
     The one definition of what an append does, for a writer's commit and a reader's delta."""
     generation = base.generation + 1
     next_row = base.next_row + num_rows
@@ -923,7 +933,7 @@ def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, 
         late = add_late_columns(late, columns, base.next_row, generation)
     return base.evolve(generation=generation, head=head, next_row=next_row,
                        next_segment=max([base.next_segment] + [e.id + 1 for e in entries]),
-                       segments=segments, tokens=tokens, late_columns=late)
+                       segments=segments, tokens=tokens, late_columns=late, **changes)
 
 
 def _sum_stats(a: Mapping[str, int], b: Mapping[str, int]) -> Dict[str, int]:
@@ -979,10 +989,14 @@ class AppendDelta:
         segs, cols = doc.get("segments"), doc.get("late_columns", [])
         if not isinstance(segs, list) or not segs or not isinstance(cols, list):
             raise FormatError(f"Unsupported segments/late_columns in {where}; expected non-empty lists")
-        d = cls(tuple(SegmentEntry.from_dict(e, where) for e in segs), _int(doc, "num_rows", where, lo=1),
-                None if doc.get("token") is None else TokenRecord.from_list(doc["token"], where),
-                tuple(ColumnSpec.from_dict(c) for c in cols),
-                _commit_stats(doc.get("commit_stats", {}), where))
+        # the fields straight into a new instance (a frozen dataclass's __init__ sets each through
+        # object.__setattr__): every writer of a multi-writer store reads every other writer's deltas
+        d = object.__new__(cls)
+        d.__dict__.update(entries=tuple([SegmentEntry.from_dict(e, where) for e in segs]),
+                          num_rows=_int(doc, "num_rows", where, lo=1),
+                          token=None if doc.get("token") is None else TokenRecord.from_list(doc["token"], where),
+                          columns=tuple([ColumnSpec.from_dict(c) for c in cols]) if cols else (),
+                          commit_stats=_commit_stats(doc.get("commit_stats", {}), where))
         end = 0
         for e in d.entries:
             if e.first_row != end:
@@ -999,9 +1013,10 @@ class AppendDelta:
 
     def apply(self, base: Manifest, options: StoreOptions) -> Manifest:
         """The manifest of the generation after ``base`` that this delta makes."""
-        entries = tuple(e.moved(base.next_row) for e in self.entries)
-        m = append_rows(base, entries, self.num_rows, self.token, self.columns, options)
-        return m.evolve(depth=base.depth + 1, commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
+        at = base.next_row
+        entries = tuple([e.moved(at) for e in self.entries])
+        return append_rows(base, entries, self.num_rows, self.token, self.columns, options, depth=base.depth + 1,
+                           commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
 
 
 def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[SegmentEntry],
@@ -1323,9 +1338,10 @@ def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = Non
     """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage);
     a delta is resolved as :func:`load_manifest` says."""
     root = _dir(root)
-    if not _is_storage(root):
-        return load_manifest(os.path.join(root, manifest_file(generation)), generation, known=known, options=options,
-                             seen=seen)
+    if not _is_storage(root):  # (load_manifest without finding the root and generation in the path)
+        path = os.path.join(root, manifest_file(generation))
+        doc, verified = read_signed_json(path)
+        return _resolve(root, generation, doc, verified, path, known, options, seen)
     where = _where(root, manifest_file(generation))
     doc, verified = _read_signed(root, manifest_file(generation))
     return _resolve(root, generation, doc, verified, where, known, options, seen)
@@ -1365,7 +1381,7 @@ def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] 
     for _ in range(limit):
         g = m.generation + 1
         try:
-            m = load_manifest(os.path.join(root, manifest_file(g)), g, known=m, options=options)
+            m = read_manifest(root, g, known=m, options=options)
         except FileNotFoundError:
             return m, True
         except (OSError, CorruptStoreError, FormatError):
