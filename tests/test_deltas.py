@@ -354,6 +354,31 @@ def test_repeated_sweeps_keep_exactly_what_kept_commits_name(tmp_path):
     _clean(path)
 
 
+def test_a_sweep_names_each_generation_s_files_from_the_one_before(tmp_path):
+    """The sweep takes what a generation shares with the one before (the same segments, states,
+    token logs, index objects) without naming it again: the same keys as naming it whole, through
+    appends with tokens (sealed into token logs), merges, saved states and evictions."""
+    from diskreplay.store.committer import _file_keys
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, capacity=200) as store, ReplayStore(path) as other:
+        for step in range(90):
+            w = store if step % 3 else other
+            w.extend(batch_for(step % 3 == 0, step, rows=3), token=f"t{step}")
+            if step % 17 == 5:
+                w.save_state("sampler", {"step": np.array([step])})
+    gens = sorted(fmt.list_generations(path))
+    held, checked = None, 0
+    for g in gens:
+        m = fmt.read_manifest(path, g, known=held[1] if held is not None and held[0] == g - 1 else None)
+        keys = _file_keys(m, held)
+        assert keys == _file_keys(m), g
+        checked += held is not None and m.token_logs is held[1].token_logs
+        held = (g, m, keys)
+    assert len(gens) > 90 and checked > 50 and held[1].token_logs and held[1].states
+    _clean(path)
+
+
 # the last commit before append deltas: it knows multi-writer stores (v2) but not v4
 BEFORE_DELTAS = "ab056d4"
 

@@ -556,7 +556,7 @@ class Committer:
             except OSError:
                 unreadable = True
                 continue
-            files = _file_keys(m)
+            files = _file_keys(m, held)
             if held is not None:
                 self._released[g] = held[2] - files
             self._depth[g] = m.depth
@@ -595,9 +595,21 @@ class Committer:
             self.storage.sync_dir(d)
 
 
-def _file_keys(m: fmt.Manifest) -> frozenset:
+def _file_keys(m: fmt.Manifest, before: Optional[Tuple[int, fmt.Manifest, frozenset]] = None) -> frozenset:
     """The files ``m`` names, a segment (and its sidecar) by its id: a sweep compares the files of
-    thousands of generations, and two names per segment cost 10x the ids (:func:`_file_names`)."""
+    thousands of generations, and two names per segment cost 10x the ids (:func:`_file_names`).
+    ``before``: the generation before, its manifest and its keys; what ``m`` holds as the same
+    objects (a delta's manifest keeps its base's states, token logs and index) is not named again."""
+    if before is not None:
+        prev, prev_keys = before[1], before[2]
+        if m.segments is prev.segments:
+            if m.states is prev.states and m.token_logs is prev.token_logs and m.group_index is prev.group_index:
+                return prev_keys
+        elif m.states is prev.states and m.token_logs is prev.token_logs and m.group_index is prev.group_index:
+            # only segments changed (an append, a merge): the other keys are the strings of prev_keys
+            keys = {k for k in prev_keys if type(k) is not int}
+            keys.update([s.id for s in m.segments])
+            return frozenset(keys)
     keys = {s.id for s in m.segments}
     keys.update(m.files_besides_segments())
     return frozenset(keys)
