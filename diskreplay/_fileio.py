@@ -110,7 +110,7 @@ def fsync_dir(path: str) -> None:
 
 
 def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_dir: bool = True,
-                  atomic: bool = True) -> None:
+                  atomic: bool = True, fsync: bool = True) -> None:
     """Atomically and durably replace ``path`` with ``data``.
 
     ``step`` names the commit step for crash injection (``<step>.written`` is
@@ -121,6 +121,8 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
     ``atomic=False`` writes ``path`` in place (no temporary name, no rename):
     for a new file that nothing references until a later commit, where a torn
     file is harmless garbage, this saves a rename and its journal commit.
+    ``fsync=False`` (a store opened with ``fsync=False``) neither fsyncs the file
+    nor its directory: atomic all the same, durable only once the kernel writes it.
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp(); durable_write(os.path.join(d, "x"), b"hi")
@@ -139,7 +141,8 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
                     written += os.write(fd, view[written:])
                 # fsync before the rename: otherwise a crash could leave the new
                 # name pointing at a file whose blocks never reached the disk.
-                os.fsync(fd)
+                if fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         if step:
@@ -154,7 +157,7 @@ def durable_write(path: str, data: Buffer, *, step: Optional[str] = None, sync_d
         raise
     if step:
         crash_point(f"{step}.renamed")
-    if sync_dir:
+    if sync_dir and fsync:
         fsync_dir(directory or ".")
 
 

@@ -381,3 +381,42 @@ def test_a_commit_stops_at_a_newer_manifest_that_cannot_be_read(tmp_path):
             store.extend(batch_for(0, 1))
         assert time.monotonic() - t < 30
         assert len(store) == len(batch_for(0, 0)["tag"])
+
+
+# --------------------------------------------------------------------------- fsync=False
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_a_writer_without_fsync_commits_everything_and_never_fsyncs(tmp_path, monkeypatch, multi):
+    """``fsync=False``: appends (with tokens, sealed into logs), merges, saved states, compact
+    and clean-up make no fsync call (``compact`` writes FORMAT.json durably, as creating a store
+    does), and another process's view (a fresh reader) has every row."""
+    path = str(tmp_path / "store")
+    ReplayStore(path, capacity=300, multi_writer=multi).close()  # creating a store fsyncs (once)
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    with ReplayStore(path, fsync=False) as store:
+        assert store.fsync is False
+        for i in range(60):
+            store.extend(_batch(store, 1 + i % 5), token=f"t{i}")
+            if i % 20 == 7:
+                store.save_state("sampler", {"step": np.array([i])})
+        store.compact()
+        end = store.next_row
+    assert [c for c in calls if not c.endswith(".tmp-FORMAT.json." + str(os.getpid())) and not c == path] == []
+    monkeypatch.setattr(os, "fsync", real)
+    with ReplayStore(path, readonly=True) as ro:
+        assert ro.next_row == end
+        check_live_rows(ro, 300)
+        assert int(ro.load_state("sampler")["step"][0]) == 47
+    with ReplayStore(path) as store:  # the default fsyncs again
+        monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd) or real(fd))
+        store.extend(_batch(store))
+    assert calls
+
+
+def test_fsync_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match="fsync must be True or False"):
+        ReplayStore(str(tmp_path / "s"), fsync="no")
+    assert not os.path.exists(tmp_path / "s")

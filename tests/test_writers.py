@@ -502,7 +502,7 @@ WRITER = textwrap.dedent("""
     from diskreplay import ReplayStore
     from diskreplay.testing.workload import batch_for, token_for
     path, w, step, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    store = ReplayStore(path)
+    store = ReplayStore(path, fsync=w % 2 == 0)  # odd writers commit without fsync: a SIGKILL loses nothing
     while step < stop:
         rows = store.extend(batch_for(w, step), token=token_for(w, step))
         print("ACK", step, int(rows[0]), len(rows), flush=True)

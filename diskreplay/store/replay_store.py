@@ -103,6 +103,15 @@ class ReplayStore:
     default is one writer at a time, holding an exclusive lock.
     ``merge_policy`` says when small segments are merged (:class:`MergePolicy`).
 
+    ``fsync=False`` makes this process's commits without ``fsync``: they stay
+    atomic and survive the process's death (SIGKILL, the OOM killer: the kernel
+    holds the bytes), but a power loss or kernel crash may lose the newest
+    commits or leave them naming data that never reached the disk
+    (``diskreplay verify`` finds it, ``diskreplay repair`` rolls back to the
+    newest intact commit). It is not stored: each writer chooses. Lance's and
+    Delta's appends make no fsync either; ``tools/bench.py writers`` measures
+    both settings against them. Object stores ignore it (a PUT is durable).
+
     ``path`` may be ``s3://bucket/prefix`` (``pip install 'diskreplay[s3]'``):
     the same format in an S3-compatible object store. ``storage_options``
     configure its client (``endpoint``, ``access_key_id``,
@@ -129,13 +138,17 @@ class ReplayStore:
                  multi_writer: bool = _UNSET, retain_seconds: Optional[int] = _UNSET,
                  generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None,
                  storage_options: Optional[Mapping[str, Any]] = None, cache_dir: Optional[str] = None,
-                 cache_bytes: Optional[int] = None) -> None:
+                 cache_bytes: Optional[int] = None, fsync: bool = True) -> None:
         #: the storage every file of the store is read and written through (a directory or a bucket)
         self.storage = open_storage(path, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
         self.remote = self.storage.remote
         self._remote_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
         self.path = self.storage.url
         self.readonly = readonly
+        if not isinstance(fsync, bool):
+            raise ArgumentError(f"fsync must be True or False, got {fsync!r}")
+        #: whether this process's commits fsync their files and directories (see the class docstring)
+        self.fsync = fsync
         #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
         self.verify_reads = verify_reads
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
@@ -248,8 +261,8 @@ class ReplayStore:
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
         if self.remote:
             return (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
-        return Committer(LocalStorage(self.path, _writer_id() if options.multi_writer else ""), options,
-                         self.manifest)
+        storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync)
+        return Committer(storage, options, self.manifest)
 
     def _load_generation(self, generation: int) -> fmt.Manifest:
         if generation == 0:
@@ -840,7 +853,8 @@ class ReplayStore:
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = self.storage if self.remote else LocalStorage(self.path, _writer_id() if multi_writer else "")
+        storage = self.storage if self.remote else LocalStorage(self.path, _writer_id() if multi_writer else "",
+                                                                fsync=self.fsync)
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
         elif not self.remote:
