@@ -386,11 +386,16 @@ def test_a_commit_stops_at_a_newer_manifest_that_cannot_be_read(tmp_path):
 # --------------------------------------------------------------------------- fsync=False
 
 
-@pytest.mark.parametrize("multi", [False, True])
-def test_a_writer_without_fsync_commits_everything_and_never_fsyncs(tmp_path, monkeypatch, multi):
+@pytest.mark.parametrize("multi,named_temps", [(False, False), (True, False), (True, True)])
+def test_a_writer_without_fsync_commits_everything_and_never_fsyncs(tmp_path, monkeypatch, multi, named_temps):
     """``fsync=False``: appends (with tokens, sealed into logs), merges, saved states, compact
     and clean-up make no fsync call (``compact`` writes FORMAT.json durably, as creating a store
-    does), and another process's view (a fresh reader) has every row."""
+    does), and another process's view (a fresh reader) has every row; also where manifests-to-be
+    are named files (no ``O_TMPFILE``: NFS), which are closed before they are linked."""
+    from diskreplay.store.storage import LocalStorage
+
+    if named_temps:
+        monkeypatch.setattr(LocalStorage, "_probe_tmpfile", lambda self, reldir: False)
     path = str(tmp_path / "store")
     ReplayStore(path, capacity=300, multi_writer=multi).close()  # creating a store fsyncs (once)
     calls = []

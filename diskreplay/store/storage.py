@@ -217,6 +217,10 @@ class LocalStorage(Storage):
                 else:
                     calls.append(write(fd, rel, data))
             run_concurrently(calls + [sync(fd, d, "syncing the directory") for fd, d in dir_fds])
+            if not self.fsync and temp is not None and temp[0].named:
+                # linked by its name: closed first, which on NFS sends its bytes to the server (as
+                # the fsync would), so that no other host sees the name before the bytes
+                temp[0].close()
             for _, _, _, step in items:
                 if step:  # no rename: ".renamed" is hit too, where a temporary name's rename would be
                     crash_point(f"{step}.written")
