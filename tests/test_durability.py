@@ -579,7 +579,7 @@ def test_random_sigkill_with_eviction(tmp_path, fsync):
 
 def test_killed_writer_leaves_no_lock(tmp_path):
     path = str(tmp_path / "store")
-    child = Child(KILL_CHILD, path, 7, 30)
+    child = Child(KILL_CHILD, path, 7, 30, True)
     child.wait_for("rows")
     with pytest.raises(StoreLockedError):
         ReplayStore(path)
