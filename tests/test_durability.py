@@ -217,7 +217,9 @@ from diskreplay.store import LocalStorage
 path, step, crash_batch, n_appends, capacity, mode, multi = sys.argv[1:8]
 crash_batch, n_appends, capacity = int(crash_batch), int(n_appends), int(capacity)
 # many writers: a short retain_seconds, so that the test's reopen collects what the crash left
-kw = {"multi_writer": True, "retain_seconds": 5} if multi == "multi" else {}
+kw = {"multi_writer": True, "retain_seconds": 5} if multi != "single" else {}
+if multi == "nofsync":  # a multi-writer store's writer without fsync: the same steps, the same outcomes
+    kw["fsync"] = False
 if mode == "create":
     os.environ["DISKREPLAY_CRASH_AT"] = step
 if mode == "race-v2":  # a multi-writer store of the format before append deltas (full manifests)
@@ -297,7 +299,9 @@ def _crash_cases():
         cases += [(step, "append", multi) for step in DATA_STEPS if keep(step)]
         cases += [(step, "state", multi) for step in STATE_STEPS if keep(step)]
         cases += [(step, "compact", multi) for step in COMPACT_STEPS if keep(step)]
-    return (cases + [(step, "race", "multi") for step in RACE_STEPS]
+    # a writer without fsync (fsync=False) crashes at the same steps of an append, with and without a race
+    cases += [(step, "append", "nofsync") for step in DATA_STEPS if not step.startswith("gc.")]
+    return (cases + [(step, "race", multi) for step in RACE_STEPS for multi in ("multi", "nofsync")]
             + [(step, "race-v2", "multi") for step in RACE_V2_STEPS])
 
 
@@ -350,8 +354,9 @@ def check_live_rows_moved(store, capacity, moved_from, moved_to, n):
 def test_crash_point(crash_runs, step, mode, multi):
     """Killed at ``step``: returned appends intact, the in-flight one all-or-nothing, store usable.
 
-    ``multi``: the same on a multi-writer store; ``race``: the in-flight append also lost a race
-    to another writer in the middle of its commit and was rebased after that writer's rows."""
+    ``multi``: the same on a multi-writer store (``nofsync``: by a writer with ``fsync=False``);
+    ``race``: the in-flight append also lost a race to another writer in the middle of its commit
+    and was rebased after that writer's rows."""
     path, proc = crash_runs[(step, mode, multi)]
     # the child must have died at the crash point, not finished or failed
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
@@ -389,7 +394,7 @@ def test_crash_point(crash_runs, step, mode, multi):
                 st_now = ro.load_state("sampler")
                 # the previous state intact, or the new one complete
                 assert state_mismatch(st_now, 1) is None or state_mismatch(st_now, 2) is None, st_now
-    if multi == "multi":  # time passes, past retain_seconds: the reopen's clean-up takes what the crash left
+    if multi != "single":  # time passes, past retain_seconds: the reopen's clean-up takes what the crash left
         old = time.time() - 10
         for d, _, names in os.walk(path):
             for name in names:
