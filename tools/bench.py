@@ -1479,6 +1479,13 @@ def bench_writers(args) -> None:
         row(f"{kind}, {w} writer(s)", f"{rate:,.1f}", f"{r['errors'] / r['commits']:.2f} retries",
             f"dr/{kind} {dr[w] / rate:.1f}x (fsync=False {unsynced[w] / rate:.1f}x) "
             f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit")
+        # the same ratios within each round (its runs were minutes apart at most): the VM's speed drifts
+        # between rounds, and a ratio of runs from one round is the steadier figure
+        for mine, label in (("diskreplay", "durable"), ("diskreplay-nofsync", "fsync=False")):
+            per_round = [(a["commits"] / a["wall"]) / (b["commits"] / b["wall"])
+                         for a, b in zip(runs[(mine, w)], runs[(kind, w)])]
+            print(f"    dr/{kind}, {label}, round by round: "
+                  f"{' '.join(f'{x:.1f}x' for x in per_round)} (median {statistics.median(per_round):.1f}x)")
     print("  (neither Delta's nor Lance's append calls fsync (strace): fsync=False is the like-for-like setting; "
           "diskreplay's default makes every commit durable)")
     print(f"  load average at the end {os.getloadavg()[0]:.1f}; creating an empty file in the work dir now: "
