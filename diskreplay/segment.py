@@ -617,6 +617,18 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray
     return lo[first], reach[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
 
 
+def _read_exactly(fd: int, size: int, path: str) -> bytes:
+    """The ``size`` bytes of the open file ``fd`` (CorruptStoreError naming ``path`` if it ends sooner)."""
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise CorruptStoreError(f"{path} ended after {size - left} of its {size} bytes; the file was truncated")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 class ArrowFile:
     """A memory-mapped Arrow IPC file holding one record batch.
 
@@ -627,7 +639,10 @@ class ArrowFile:
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
                  expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None, *,
-                 whole: bool = False, frame: Optional[Tuple[int, int, int]] = None) -> None:
+                 whole: bool = False, frame: Optional[Tuple[int, int, int]] = None, copy: bool = False) -> None:
+        """``copy``: read the file into memory with one ``read`` instead of mapping it (a small file
+        read once and whole, as a merge reads its inputs: mapping it, advising and faulting in its
+        pages cost more than copying it)."""
         self.path = path
         self.pages = pages
         try:
@@ -643,20 +658,25 @@ class ArrowFile:
                                         "the file is truncated or was replaced")
             if size == 0:
                 raise CorruptStoreError(f"{path} is empty")
-            self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            # Rows are read at random: without this, each page fault reads ahead
-            # (up to MBs on some VMs) and cold batches pay for bytes they never use.
-            # Readers that need many pages ask for them explicitly (advise, advise_all).
-            # ``whole``: a file read from end to end is read ahead as a whole
-            try:
-                self._mmap.madvise(mmap.MADV_WILLNEED if whole else mmap.MADV_RANDOM)
-            except (AttributeError, OSError):
-                pass
-            self.advised_all = whole
+            if copy:
+                self._mmap: Optional[mmap.mmap] = None
+                self._base = pa.py_buffer(_read_exactly(fd, size, path))
+                self.advised_all = True
+            else:
+                self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                # Rows are read at random: without this, each page fault reads ahead
+                # (up to MBs on some VMs) and cold batches pay for bytes they never use.
+                # Readers that need many pages ask for them explicitly (advise, advise_all).
+                # ``whole``: a file read from end to end is read ahead as a whole
+                try:
+                    self._mmap.madvise(mmap.MADV_WILLNEED if whole else mmap.MADV_RANDOM)
+                except (AttributeError, OSError):
+                    pass
+                self.advised_all = whole
+                self._base = pa.py_buffer(self._mmap)
         finally:
             os.close(fd)
         self.size = size
-        self._base = pa.py_buffer(self._mmap)
         # Checksums are checked before Arrow parses a byte: a damaged file must
         # neither be served nor reach the parser (some flips crash it). With page
         # checksums only the non-data pages are checked here, data pages on first read.
@@ -746,6 +766,8 @@ class ArrowFile:
         a 40 ms batch of 512 rows, measured), while reading a few pages more
         costs nothing measurable.
         """
+        if self._mmap is None:  # a copy in memory: nothing to read ahead
+            return
         r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         r = r[r[:, 1] > 0]
         if not len(r):
@@ -798,8 +820,9 @@ class Segment(ArrowFile):
 
     def __init__(self, path: str, expected_bytes: Optional[int] = None,
                  schema: Optional[Union[Schema, pa.Schema]] = None, num_rows: Optional[int] = None,
-                 expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None) -> None:
-        super().__init__(path, expected_bytes, expected_crc, pages)
+                 expected_crc: Optional[int] = None, pages: Optional[PageChecksums] = None, *,
+                 copy: bool = False) -> None:
+        super().__init__(path, expected_bytes, expected_crc, pages, copy=copy)
         if num_rows is not None and self.batch.num_rows != num_rows:
             raise CorruptStoreError(f"{path} holds {self.batch.num_rows} rows; the manifest records {num_rows}")
         if schema is not None:

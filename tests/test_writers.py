@@ -767,3 +767,30 @@ def test_a_merge_is_left_to_the_writer_whose_append_made_it_due(tmp_path, monkey
     b.close()
     with ReplayStore(path, readonly=True) as ro:
         assert not check_rows(ro, ro.row_ids()) and len(ro) == 4 + lag + 1
+
+
+def test_a_merge_reads_another_writer_s_segments_whole_and_refuses_a_damaged_one(tmp_path):
+    """A merge copies the other writers' small segments (read into memory, not mapped), each
+    checked whole against its CRC-32C first: a damaged one stops the merge with a warning naming
+    the file, the append that made it due stays committed, and nothing is merged."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as a, ReplayStore(path) as b:
+        for step in range(15):
+            b.extend(batch_for(1, step))
+        seg = b.manifest.segments[3]
+        with open(os.path.join(path, seg.file), "r+b") as f:
+            f.seek(seg.bytes // 2)
+            byte = f.read(1)
+            f.seek(seg.bytes // 2)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.warns(RuntimeWarning, match=os.path.basename(seg.file)):
+            rows = a.extend(batch_for(0, 0))
+        assert len(a.manifest.segments) == 16 and a.next_row == rows[-1] + 1
+        assert check_rows(a, np.arange(rows[0], rows[-1] + 1)) is None
+    with ReplayStore(path, multi_writer=True) as a:  # intact inputs: copied the same way (compact)
+        with open(os.path.join(path, seg.file), "r+b") as f:
+            f.seek(seg.bytes // 2)
+            f.write(byte)
+        a.compact()
+        assert len(a.manifest.segments) == 1
+        assert check_rows(a, a.row_ids()) is None

@@ -51,6 +51,9 @@ STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outrun
 # were committed past the rows it covers: a reopened store then reads one index file and at most
 # this many sidecars, whatever its size, while the rewrites cost about one index per 16 commits.
 INDEX_TAIL_SEGMENTS = 16
+# a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
+# advising and faulting in a 12 KB segment cost ~3x the copy (merged inputs are < MERGE_MAX_BYTES)
+COPY_SOURCE_BYTES = 4 << 20
 IO_THREADS = 16  # object store: segments fetched at once by one read
 # buffers of a cold segment closer than this are asked for with one posix_fadvise
 _HINT_GAP = 64 << 10
@@ -927,7 +930,8 @@ class ReplayStore:
         page checksums and without entering the segment cache (a merge of 16 small segments of
         other writers read 16 sidecars and checked every page twice: a fifth of the merge's CPU).
         A segment this writer committed lately is parsed from the bytes it wrote (and checked
-        against the same CRC-32C), without opening, mapping and reading its file."""
+        against the same CRC-32C), without opening, mapping and reading its file; another small
+        one is read into memory with one ``read`` (``COPY_SOURCE_BYTES``), not mapped."""
         data = self._small_written.pop(entry.id, None)
         if data is not None and data.size == entry.bytes and crc32c(data) == entry.crc32c:
             batch = pa.ipc.open_file(data).get_batch(0)
@@ -938,7 +942,7 @@ class ReplayStore:
             seg.verify_whole(entry.crc32c)
             return seg.batch
         return Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
-                       entry.crc32c).batch
+                       entry.crc32c, copy=entry.bytes <= COPY_SOURCE_BYTES).batch
 
     def _merge_small_tail(self, appended: int = 0) -> None:
         """Keep the number of segments small when every commit is small (a training loop's):
