@@ -291,6 +291,18 @@ def write_all(fd: int, data: Buffer) -> None:
         written += os.write(fd, view[written:])
 
 
+def read_exactly(fd: int, size: int, path: str) -> bytes:
+    """The ``size`` bytes of the open file ``fd`` (``CorruptStoreError`` naming ``path`` if it ends sooner)."""
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise CorruptStoreError(f"{path} ended after {size - left} of its {size} bytes; the file was truncated")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def write_and_sync_fd(fd: int, data: Buffer) -> None:
     """Write all of ``data`` to ``fd`` and fsync it (the caller closes ``fd``)."""
     write_all(fd, data)

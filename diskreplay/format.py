@@ -1020,9 +1020,10 @@ class AppendDelta:
 
 
 def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[SegmentEntry],
-                 options: StoreOptions) -> Manifest:
+                 options: StoreOptions, **changes: Any) -> Manifest:
     """``base`` with the consecutive segments of ids ``replaced`` replaced by ``entries``, which hold
-    the same live rows (a merge, ``compact``); capacities applied. The one definition of what a
+    the same live rows (a merge, ``compact``); capacities applied; ``changes`` of other fields made
+    in the same copy (as :func:`append_rows`). The one definition of what a
     rewrite does, for a writer's commit and a reader's rewrite delta. Raises
     ``CommitConflictError`` when ``base`` no longer holds those segments, or holds other rows.
 
@@ -1054,7 +1055,7 @@ def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[Segm
     segments = base.segments[:start] + tuple(entries) + base.segments[stop:]
     head, segments = evict(base.head, base.next_row, segments, options)
     return base.evolve(generation=base.generation + 1, head=head, segments=segments,
-                       next_segment=max([base.next_segment] + [e.id + 1 for e in entries]))
+                       next_segment=max([base.next_segment] + [e.id + 1 for e in entries]), **changes)
 
 
 @dataclass(frozen=True)
@@ -1101,8 +1102,8 @@ class RewriteDelta:
     def apply(self, base: Manifest, options: StoreOptions) -> Manifest:
         """The manifest of the generation after ``base`` that this delta makes (``CommitConflictError``
         if ``base`` no longer holds the replaced segments)."""
-        m = rewrite_rows(base, self.replaced, self.entries, options)
-        return m.evolve(depth=base.depth + 1, commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
+        return rewrite_rows(base, self.replaced, self.entries, options, depth=base.depth + 1,
+                            commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
 
 
 Delta = Union[AppendDelta, RewriteDelta]
@@ -1338,13 +1339,9 @@ def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = Non
     """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage);
     a delta is resolved as :func:`load_manifest` says."""
     root = _dir(root)
-    if not _is_storage(root):  # (load_manifest without finding the root and generation in the path)
-        path = os.path.join(root, manifest_file(generation))
-        doc, verified = read_signed_json(path)
-        return _resolve(root, generation, doc, verified, path, known, options, seen)
-    where = _where(root, manifest_file(generation))
-    doc, verified = _read_signed(root, manifest_file(generation))
-    return _resolve(root, generation, doc, verified, where, known, options, seen)
+    rel = manifest_file(generation)
+    doc, verified = _read_signed(root, rel)
+    return _resolve(root, generation, doc, verified, _where(root, rel), known, options, seen)
 
 
 def _exists(storage: Any, rel: str) -> bool:

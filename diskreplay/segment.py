@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 import pyarrow as pa
 
-from ._fileio import crc32c
+from ._fileio import crc32c, read_exactly
 from .errors import ArgumentError, CorruptStoreError
 from .groups import arrow_indices
 from .ragged import arrow_array, data_address, numpy_view
@@ -617,18 +617,6 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray
     return lo[first], reach[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
 
 
-def _read_exactly(fd: int, size: int, path: str) -> bytes:
-    """The ``size`` bytes of the open file ``fd`` (CorruptStoreError naming ``path`` if it ends sooner)."""
-    chunks, left = [], size
-    while left:
-        chunk = os.read(fd, left)
-        if not chunk:
-            raise CorruptStoreError(f"{path} ended after {size - left} of its {size} bytes; the file was truncated")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
 class ArrowFile:
     """A memory-mapped Arrow IPC file holding one record batch.
 
@@ -660,7 +648,7 @@ class ArrowFile:
                 raise CorruptStoreError(f"{path} is empty")
             if copy:
                 self._mmap: Optional[mmap.mmap] = None
-                self._base = pa.py_buffer(_read_exactly(fd, size, path))
+                self._base = pa.py_buffer(read_exactly(fd, size, path))
                 self.advised_all = True
             else:
                 self._mmap = mmap.mmap(fd, size, prot=mmap.PROT_READ)

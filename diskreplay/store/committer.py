@@ -600,18 +600,16 @@ def _file_keys(m: fmt.Manifest, before: Optional[Tuple[int, fmt.Manifest, frozen
     thousands of generations, and two names per segment cost 10x the ids (:func:`_file_names`).
     ``before``: the generation before, its manifest and its keys; what ``m`` holds as the same
     objects (a delta's manifest keeps its base's states, token logs and index) is not named again."""
-    if before is not None:
-        prev, prev_keys = before[1], before[2]
+    prev = before[1] if before is not None else None
+    if prev is not None and m.states is prev.states and m.token_logs is prev.token_logs \
+            and m.group_index is prev.group_index:
         if m.segments is prev.segments:
-            if m.states is prev.states and m.token_logs is prev.token_logs and m.group_index is prev.group_index:
-                return prev_keys
-        elif m.states is prev.states and m.token_logs is prev.token_logs and m.group_index is prev.group_index:
-            # only segments changed (an append, a merge): the other keys are the strings of prev_keys
-            keys = {k for k in prev_keys if type(k) is not int}
-            keys.update([s.id for s in m.segments])
-            return frozenset(keys)
-    keys = {s.id for s in m.segments}
-    keys.update(m.files_besides_segments())
+            return before[2]
+        # only segments changed (an append, a merge): the other keys are the strings of the keys before
+        keys = {k for k in before[2] if type(k) is not int}
+    else:
+        keys = set(m.files_besides_segments())
+    keys.update([s.id for s in m.segments])
     return frozenset(keys)
 
 
