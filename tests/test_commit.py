@@ -425,3 +425,106 @@ def test_fsync_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match="fsync must be True or False"):
         ReplayStore(str(tmp_path / "s"), fsync="no")
     assert not os.path.exists(tmp_path / "s")
+
+
+# --------------------------------------------------------------------------- names reserved ahead
+
+
+def _segment_names(path):
+    return {f"{fmt.SEGMENT_DIR}/{n}" for n in os.listdir(os.path.join(path, fmt.SEGMENT_DIR))}
+
+
+def _named(path):
+    with ReplayStore(path, readonly=True) as ro:
+        return {s.file for s in ro.manifest.segments}
+
+
+def test_many_writers_fsync_segments_once_per_names_reserved_ahead(tmp_path, monkeypatch):
+    """A writer of a multi-writer store reserves ``RESERVE_AHEAD`` segment names at once and makes
+    them durable with one fsync of ``segments/``; its small commits then fsync no directory but
+    ``manifests/``. ``close`` removes the names it did not use (durably), and every row reads."""
+    from diskreplay.store.replay_store import RESERVE_AHEAD
+
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True).close()
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    commits = 2 * RESERVE_AHEAD + 3
+    with ReplayStore(path) as store:
+        for _ in range(commits):
+            store.extend(_batch(store))
+        merges = store.stats()["commits"] - commits
+        ahead = {rel for _, rel, _ in store._committer.storage._fds.ahead}
+        assert len(ahead) == RESERVE_AHEAD - (commits + merges) % RESERVE_AHEAD
+        assert ahead <= _segment_names(path) and not ahead & _named(path)
+        synced_before_close = len(synced)
+    segments_dir = os.path.join(path, fmt.SEGMENT_DIR)
+    batches = -(-(commits + merges) // RESERVE_AHEAD)
+    assert synced[:synced_before_close].count(segments_dir) == batches
+    assert synced[synced_before_close:].count(segments_dir) == 1  # the removals at close
+    assert synced.count(os.path.join(path, fmt.MANIFEST_DIR)) >= commits
+    assert not ahead & _segment_names(path)  # removed: nothing of them left behind
+    monkeypatch.setattr(os, "fsync", real)
+    with ReplayStore(path, readonly=True) as ro:
+        check_live_rows(ro)
+        assert ro.next_row == 4 * commits
+
+
+def test_a_name_reserved_ahead_is_never_used_once_removed_or_old(tmp_path):
+    """A name reserved ahead that was removed meanwhile (a clean-up misled by a clock that jumped)
+    is skipped, never written; names older than a quarter of ``retain_seconds`` are given up (and
+    removed while surely still this writer's, younger than half of it), and fresh ones reserved."""
+    from diskreplay.verify import verify_store
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=400) as store:
+        fds = store._committer.storage._fds
+        store.extend(_batch(store))
+        gone = fds.ahead[0][1]
+        os.remove(os.path.join(path, gone))
+        store.extend(_batch(store))
+        assert gone not in _named(path) and not os.path.exists(os.path.join(path, gone))
+
+        old = [rel for _, rel, _ in fds.ahead]
+        fds.ahead_at -= 101  # older than max_age (100 s), younger than 200 s: removed
+        store.extend(_batch(store))
+        assert not any(os.path.exists(os.path.join(path, rel)) for rel in old)
+        assert not set(old) & _named(path)
+
+        older = [rel for _, rel, _ in fds.ahead]
+        fds.ahead_at -= 201  # maybe another writer's by now: left to clean-up, unused
+        store.extend(_batch(store))
+        assert all(os.path.exists(os.path.join(path, rel)) for rel in older)
+        assert not set(older) & _named(path)
+        rows = store.next_row
+    report = verify_store(path)
+    assert report["ok"], report["problems"]
+    with ReplayStore(path, readonly=True) as ro:
+        check_live_rows(ro)
+        assert ro.next_row == rows == 16
+
+
+def test_a_forked_child_never_takes_its_parent_s_names_reserved_ahead(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as store:
+        store.extend(_batch(store))
+        storage = store._committer.storage
+        parents = {rel for _, rel, _ in storage._fds.ahead}
+        assert parents
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: reserve one name the way a commit does, and report it
+            try:
+                _, rel = storage.reserve(fmt.segment_file, 0, ahead=4, max_age=60.0)
+                os.write(write, rel.encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        taken = os.read(read, 200).decode()
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert taken and taken not in parents and os.path.exists(os.path.join(path, taken))
+        assert {rel for _, rel, _ in storage._fds.ahead} == parents  # the parent's, untouched
+        store.extend(_batch(store))
+        check_live_rows(store)

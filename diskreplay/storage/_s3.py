@@ -371,6 +371,10 @@ class S3Storage:
                 return i, rel
         raise ObjectStoreError(f"{self._url_of(rel_of(first))}: no free name after {tries} tries")
 
+    def name_durable(self, rel: str) -> bool:
+        """True: a PUT makes an object and its name durable at once (there are no directories)."""
+        return True
+
     def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
         """Upload ``(rel, data, step)`` files, concurrently, one PUT each. Their names are this
         writer's alone (reserved by :meth:`reserve`, or named after an id it reserved), so

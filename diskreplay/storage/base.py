@@ -32,6 +32,9 @@ honour; ``tests/test_storage.py`` runs it against each.
 ``reserve(rel_of, first)``                  take the first free name
                                             ``rel_of(i)``, empty, for this
                                             writer to fill; ``(i, rel)``
+``name_durable(rel)``                       whether ``rel``'s name is durable
+                                            already (reserved ahead: its
+                                            directory need no fsync)
 ``write_files(files, dirs)``                write ``(rel, data, step)`` files
                                             no manifest names yet (reserved or
                                             derived from a reserved id) and
@@ -110,6 +113,8 @@ class Storage(Protocol):
     def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]: ...
 
     def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None: ...
+
+    def name_durable(self, rel: str) -> bool: ...
 
     def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
                 dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool: ...

@@ -39,7 +39,7 @@ from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_ranges, ragged_run
 from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
-from .storage import LocalStorage, open_storage
+from .storage import LocalStorage, Storage, open_storage
 from .tokens import check_token, digest
 
 _UNSET: Any = object()
@@ -55,6 +55,9 @@ INDEX_TAIL_SEGMENTS = 16
 # advising and faulting in a 12 KB segment cost ~3x the copy (merged inputs are < MERGE_MAX_BYTES)
 COPY_SOURCE_BYTES = 4 << 20
 IO_THREADS = 16  # object store: segments fetched at once by one read
+# many writers, local files: segment names each writer reserves at once, with one fsync of segments/
+# for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers")
+RESERVE_AHEAD = 16
 # buffers of a cold segment closer than this are asked for with one posix_fadvise
 _HINT_GAP = 64 << 10
 T = TypeVar("T")
@@ -345,6 +348,15 @@ class ReplayStore:
         next one in the manifest: with many writers, and on an object store, where a second
         writer of a single-writer store is not kept out and must not overwrite a file."""
         return self.multi_writer or self.remote
+
+    @property
+    def _reserve_ahead(self) -> Dict[str, Any]:
+        """How ``reserve`` takes a segment name: many writers of local files take it from names
+        reserved ahead, used while younger than a quarter of ``retain_seconds`` (clean-up takes
+        unnamed files past it; a commit's own files must stay younger than half of it)."""
+        if self.remote or not self.multi_writer:
+            return {}
+        return {"ahead": RESERVE_AHEAD, "max_age": self._committer.retain_seconds / 4}
 
     @property
     def multi_writer(self) -> bool:
@@ -726,7 +738,8 @@ class ReplayStore:
         for record in records:
             data = encode_ipc(record)
             if seg_id is None:
-                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment))
+                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment),
+                                           **self._reserve_ahead)
                 self._next_id = sid + 1
             else:
                 sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
@@ -742,7 +755,7 @@ class ReplayStore:
                                             group))
             first_row += record.num_rows
         # the new names must be durable before a manifest names the files
-        dirs = _dirs_of(entries) if sync_dirs else []
+        dirs = _dirs_of(entries, storage) if sync_dirs else []
         if defer:
             self._committer.pending += files
             self._committer.pending_dirs += dirs
@@ -907,7 +920,7 @@ class ReplayStore:
                 pending.append(batch)
                 pending_bytes += nbytes
             flush()
-            self._committer.storage.write_files([], _dirs_of(entries))
+            self._committer.storage.write_files([], _dirs_of(entries, self._committer.storage))
             crash_point("segments.synced")
         except BaseException:
             self._remove(written)
@@ -1544,10 +1557,12 @@ class ReplayStore:
         return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
 
 
-def _dirs_of(entries: Sequence[fmt.SegmentEntry]) -> List[str]:
-    """The directories whose new names ``entries``' files are: ``segments/``, and ``groups/``
-    unless none of them has a sidecar (an inline group, or no group key)."""
-    return [fmt.SEGMENT_DIR, fmt.GROUPS_DIR] if any(e.groups_bytes for e in entries) else [fmt.SEGMENT_DIR]
+def _dirs_of(entries: Sequence[fmt.SegmentEntry], storage: Storage) -> List[str]:
+    """The directories to fsync for the new names of ``entries``' files: ``segments/`` unless every
+    segment's name is durable already (reserved ahead), and ``groups/`` unless none of them has a
+    sidecar (an inline group, or no group key)."""
+    dirs = [] if all(storage.name_durable(e.file) for e in entries) else [fmt.SEGMENT_DIR]
+    return dirs + [fmt.GROUPS_DIR] if any(e.groups_bytes for e in entries) else dirs
 
 
 def _concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:

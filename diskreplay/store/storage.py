@@ -63,8 +63,10 @@ class LocalStorage(Storage):
         self._paths: Dict[str, str] = {}  # checked relative path -> its local path (see local_path)
 
     def close(self) -> None:
-        """Close the descriptors this writer kept open (directories, reserved files). Idempotent;
-        the object stays usable (a later call opens what it needs again)."""
+        """Close the descriptors this writer kept open (directories, reserved files) and remove the
+        names it reserved ahead and did not use. Idempotent; the object stays usable (a later call
+        opens what it needs again)."""
+        self.release_ahead()
         self._fds.close()
 
     def local_path(self, rel: str) -> str:
@@ -159,17 +161,87 @@ class LocalStorage(Storage):
     def _create_exclusive(self, rel: str) -> int:
         return os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
-    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16, ahead: int = 1,
+                max_age: float = 0.0) -> Tuple[int, str]:
         """``O_EXCL`` creates the name itself (no temporary file, no link): the file is written in
-        place later, which is safe because no manifest names it until its commit."""
+        place later, which is safe because no manifest names it until its commit.
+
+        ``ahead > 1`` (with fsync): take the name from this writer's names reserved together,
+        ``ahead`` at a time, whose directory entries one directory fsync made durable (see
+        :meth:`name_durable`); one reserved more than ``max_age`` seconds ago is not used (an
+        unnamed file that old may be another writer's clean-up's soon: ``retain_seconds``)."""
+        if ahead > 1 and self.fsync:
+            return self._reserve_ahead(rel_of, first, tries, ahead, max_age)
+        i, rel, fd = self._create_first_free(rel_of, first, tries)
+        self._fds.reserved(rel, fd)  # write_files writes through it
+        return i, rel
+
+    def _create_first_free(self, rel_of: Callable[[int], str], first: int, tries: int) -> Tuple[int, str, int]:
         for i in range(first, first + tries):
             try:
-                fd = self._create_exclusive(rel_of(i))
+                return i, rel_of(i), self._create_exclusive(rel_of(i))
             except FileExistsError:
                 continue
-            self._fds.reserved(rel_of(i), fd)  # write_files writes through it
-            return i, rel_of(i)
         raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
+
+    def _reserve_ahead(self, rel_of: Callable[[int], str], first: int, tries: int, ahead: int,
+                       max_age: float) -> Tuple[int, str]:
+        fds = self._fds
+        fds._mine()
+        if fds.ahead and time.monotonic() - fds.ahead_at > max_age:
+            self.release_ahead()
+        while fds.ahead and os.fstat(fds.ahead[0][2]).st_nlink == 0:
+            # removed meanwhile (a clean-up misled by a clock that jumped): never write it
+            _close(fds.ahead.pop(0)[2])
+        if not fds.ahead:
+            made: List[Tuple[int, str, int]] = []
+            first = max(first, fds.ahead_next)  # never a name given up again (nor its id)
+            try:
+                for _ in range(ahead):
+                    made.append(self._create_first_free(rel_of, first, tries))
+                    first = made[-1][0] + 1
+                self.sync_dir(os.path.dirname(made[0][1]))
+            except BaseException:
+                for _, rel, fd in made:
+                    _close(fd)
+                    remove_quietly(self.local_path(rel))
+                raise
+            fds.keep_ahead(made, max_age)
+        i, rel, fd = fds.ahead.pop(0)
+        # its age to clean-up starts now, as a name reserved by this commit's would: so a commit's
+        # unnamed files stay younger than half of retain_seconds (Committer._check_age), and
+        # waiting here kept them younger than max_age
+        with self._naming(rel, "touching"):
+            os.utime(fd)
+        fds.reserved(rel, fd)
+        fds.durable.add(rel)
+        return i, rel
+
+    def name_durable(self, rel: str) -> bool:
+        """Whether the directory entry of ``rel``, a name :meth:`reserve` took ahead, is durable
+        already (its directory was fsynced after it was created): a commit need not fsync the
+        directory for it."""
+        self._fds._mine()
+        return rel in self._fds.durable
+
+    def release_ahead(self) -> None:
+        """Remove the names reserved ahead and not taken (a writer's ``close``; or too old to use)."""
+        fds = self._fds
+        fds._mine()
+        made, fds.ahead = fds.ahead, []
+        # removing one is safe while no clean-up can have taken it (and another writer made the
+        # name again): a clean-up takes unnamed files only past retain_seconds, twice max_age at least
+        young = time.monotonic() - fds.ahead_at < 2 * fds.ahead_max_age
+        for _, rel, fd in made:
+            _close(fd)
+        if not (made and young):
+            return
+        try:  # surely still this writer's: no clean-up takes an unnamed file this young
+            for _, rel, _ in made:
+                remove_quietly(self.local_path(rel))
+            self.sync_dir(os.path.dirname(made[0][1]))  # as every deletion is
+        except OSError:
+            pass  # unnamed files: clean-up takes them after retain_seconds
 
     def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = (), *,
                     temp: Optional[Tuple["_Temp", Buffer]] = None) -> None:
@@ -363,6 +435,7 @@ class LocalStorage(Storage):
 
     def delete(self, rel: str) -> bool:
         self._fds.drop_reserved(rel)  # reserved and never written (a failed commit removes its files)
+        self._fds.durable.discard(rel)  # a name made again later is not durable
         return remove_quietly(self.local_path(rel))
 
     def sync_dir(self, reldir: str) -> None:
@@ -438,14 +511,32 @@ class _Descriptors:
     :meth:`LocalStorage.reserve` created. A forked child does not use its parent's (it may have
     closed them, and their numbers may name other files now): it opens its own."""
 
+    #: names taken ahead a writer remembers as durable (past this, it forgets them all: each one
+    #: then costs its commit a directory fsync, as any other new name)
+    DURABLE_KEPT = 4096
+
     def __init__(self) -> None:
         self.forks = forks[0]
         self.dirs: Dict[str, int] = {}
         self.files: Dict[str, int] = {}
+        #: names reserved ahead and not taken yet: (id, name, descriptor), when, and for how long
+        self.ahead: List[Tuple[int, str, int]] = []
+        self.ahead_at = self.ahead_max_age = 0.0
+        self.ahead_next = 0  # the id after the last one reserved ahead
+        #: names taken ahead: their directory entries are durable
+        self.durable: set = set()
 
     def _mine(self) -> None:
-        if self.forks != forks[0]:
-            self.forks, self.dirs, self.files = forks[0], {}, {}
+        if self.forks != forks[0]:  # the parent's names reserved ahead are the parent's to use
+            self.forks, self.dirs, self.files, self.ahead, self.durable = forks[0], {}, {}, [], set()
+            self.ahead_next = 0
+
+    def keep_ahead(self, made: List[Tuple[int, str, int]], max_age: float) -> None:
+        self._mine()
+        self.ahead, self.ahead_at, self.ahead_max_age = made, time.monotonic(), max_age
+        self.ahead_next = made[-1][0] + 1
+        if len(self.durable) > self.DURABLE_KEPT:
+            self.durable.clear()
 
     def directory(self, reldir: str) -> Optional[int]:
         self._mine()
@@ -477,8 +568,8 @@ class _Descriptors:
     def close(self) -> None:
         if self.forks != forks[0]:
             return  # a forked child's copy: the parent's to close
-        fds = list(self.dirs.values()) + list(self.files.values())
-        self.dirs, self.files = {}, {}
+        fds = list(self.dirs.values()) + list(self.files.values()) + [fd for _, _, fd in self.ahead]
+        self.dirs, self.files, self.ahead = {}, {}, []
         for fd in fds:
             _close(fd)
 
