@@ -44,12 +44,14 @@ A case whose injection did not hit the syscall the baseline saw there (the run
 diverged: rare, and run again up to twice) is counted as ``missed``, not as
 survived.
 
-``--power-loss`` also checks the order of the baseline's deletions against the
+``--power-loss`` also checks the order of the baseline's creations and deletions against the
 usual power-loss model (an unlink is durable only after an fsync of its
 directory, and may become durable any time before): no data file may be
 unlinked while the unlink of a manifest that may name it is not yet durable,
-and every unlink must be made durable by a directory fsync before the next
-commit.
+every unlink must be made durable by a directory fsync before the next
+commit, and so must every new name of a data file (a creation, a link) made
+before a commit point (a name reserved ahead, made durable when it is
+reserved, passes; one a commit named without its directory's fsync would not).
 
 Examples::
 
@@ -723,14 +725,35 @@ def _run_case_forked(case: Case, template: str, keep: Optional[str]) -> Dict[str
 # --------------------------------------------------------------------------- power loss
 
 
+def _created(c: Call, store: str) -> Optional[str]:
+    """The data file ``c`` gave a new name in ``store`` (an ``O_CREAT`` open, a ``link``), if any:
+    not a manifest, a temporary name or the writer lock."""
+    if c.name in ("openat", "open") and "O_CREAT" in c.args and c.result[:1].isdigit():
+        path = c.paths[0] if c.paths else ""
+    elif c.name in ("link", "linkat") and c.result.startswith("0") and len(c.paths) >= 2:
+        path = c.paths[-1]
+    else:
+        return None
+    path = normalize(path)
+    if not path.startswith(store + "/") or "/.tmp-" in path or path.startswith(
+            os.path.join(store, fmt.MANIFEST_DIR) + "/") or os.path.basename(path) == fmt.LOCK_FILE:
+        return None
+    return path
+
+
 def power_loss_findings(calls: List[Call], store: str) -> List[str]:
-    """Deletions of an unfaulted run checked against the power-loss model (see the module docstring)."""
+    """Creations and deletions of an unfaulted run checked against the power-loss model (see the
+    module docstring): every name a commit may need is durable before the commit point."""
     findings: List[str] = []
     mdir = os.path.join(store, fmt.MANIFEST_DIR)
     pending: Dict[str, List[str]] = collections.defaultdict(list)  # dir -> unlinks not yet made durable
+    created: Dict[str, List[str]] = collections.defaultdict(list)  # dir -> new names not yet durable
     def rel(p):
         return os.path.relpath(p, store)
     for c in calls:
+        new_name = _created(c, store)
+        if new_name is not None:
+            created[os.path.dirname(new_name)].append(new_name)
         if c.name in ("unlink", "unlinkat") and c.paths and c.paths[-1].startswith(store + "/") \
                 and c.result.startswith("0"):
             path = normalize(c.paths[-1])
@@ -739,16 +762,26 @@ def power_loss_findings(calls: List[Call], store: str) -> List[str]:
                 findings.append(f"{rel(path)} unlinked while the unlink of {rel(pending[mdir][-1])} is not "
                                 f"durable (no fsync of manifests/ in between): a power cut can bring that "
                                 f"manifest back without this file [{c.step}]")
-            pending[directory].append(path)
+            if "/.tmp-" not in path:  # a temporary name that comes back is garbage, taken by clean-up
+                pending[directory].append(path)
+            if path in created[directory]:  # made and removed: neither needs to last
+                created[directory].remove(path)
         elif c.name in ("fsync", "fdatasync") and c.paths:
             pending.pop(normalize(c.paths[0]), None)
-        elif c.name in ("rename", "renameat", "renameat2") and len(c.paths) >= 2 and \
-                c.paths[1].startswith(mdir + "/") and "/.tmp-" not in c.paths[1]:
+            created.pop(normalize(c.paths[0]), None)
+        elif c.name in ("rename", "renameat", "renameat2", "link", "linkat") and len(c.paths) >= 2 and \
+                c.paths[-1].startswith(mdir + "/") and "/.tmp-" not in c.paths[-1] and c.result.startswith("0"):
             for directory, paths in pending.items():
                 for p in paths:
                     findings.append(f"unlink of {rel(p)} not made durable (no fsync of {rel(directory) or '.'}) "
                                     f"before the next commit [{c.step}]")
+            for directory, paths in created.items():
+                for p in paths:
+                    findings.append(f"{rel(p)} created but its name not made durable (no fsync of "
+                                    f"{rel(directory) or '.'}) before the commit point: a power cut can keep the "
+                                    f"manifest without the file [{c.step}]")
             pending.clear()
+            created.clear()
     for directory, paths in pending.items():
         for p in paths:
             findings.append(f"unlink of {rel(p)} never made durable (no fsync of {rel(directory) or '.'})")
@@ -883,7 +916,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   + (" ..." if len(missed) > 20 else ""))
         found = power_loss_findings(calls, base_store) if args.power_loss else []
         if args.power_loss:
-            print(f"\npower-loss order of the unfaulted run's deletions: {len(found)} finding(s)")
+            print(f"\npower-loss order of the unfaulted run's creations and deletions: {len(found)} finding(s)")
             for line in found[:10]:
                 print("  " + line)
             if len(found) > 10:
