@@ -216,8 +216,9 @@ from diskreplay import ReplayStore
 from diskreplay.store import LocalStorage
 path, step, crash_batch, n_appends, capacity, mode, multi = sys.argv[1:8]
 crash_batch, n_appends, capacity = int(crash_batch), int(n_appends), int(capacity)
-# many writers: a short retain_seconds, so that the test's reopen collects what the crash left
-kw = {"multi_writer": True, "retain_seconds": 5} if multi != "single" else {}
+# many writers: a short retain_seconds, so that the test's reopen collects what the crash left;
+# "ahead": one long enough for segment names reserved ahead (the test ages the files past it)
+kw = {"multi_writer": True, "retain_seconds": 240 if multi == "ahead" else 5} if multi != "single" else {}
 if multi == "nofsync":  # a multi-writer store's writer without fsync: the same steps, the same outcomes
     kw["fsync"] = False
 if mode == "create":
@@ -301,7 +302,9 @@ def _crash_cases():
         cases += [(step, "compact", multi) for step in COMPACT_STEPS if keep(step)]
     # a writer without fsync (fsync=False) crashes at the same steps of an append, with and without a race
     cases += [(step, "append", "nofsync") for step in DATA_STEPS if not step.startswith("gc.")]
-    return (cases + [(step, "race", multi) for step in RACE_STEPS for multi in ("multi", "nofsync")]
+    # ... and a writer taking its segment names from names reserved ahead
+    cases += [(step, "append", "ahead") for step in DATA_STEPS if not step.startswith("gc.")]
+    return (cases + [(step, "race", multi) for step in RACE_STEPS for multi in ("multi", "nofsync", "ahead")]
             + [(step, "race-v2", "multi") for step in RACE_V2_STEPS])
 
 
@@ -354,7 +357,8 @@ def check_live_rows_moved(store, capacity, moved_from, moved_to, n):
 def test_crash_point(crash_runs, step, mode, multi):
     """Killed at ``step``: returned appends intact, the in-flight one all-or-nothing, store usable.
 
-    ``multi``: the same on a multi-writer store (``nofsync``: by a writer with ``fsync=False``);
+    ``multi``: the same on a multi-writer store (``nofsync``: by a writer with ``fsync=False``;
+    ``ahead``: by one taking segment names reserved ahead);
     ``race``: the in-flight append also lost a race to another writer in the middle of its commit
     and was rebased after that writer's rows."""
     path, proc = crash_runs[(step, mode, multi)]
@@ -394,8 +398,11 @@ def test_crash_point(crash_runs, step, mode, multi):
                 st_now = ro.load_state("sampler")
                 # the previous state intact, or the new one complete
                 assert state_mismatch(st_now, 1) is None or state_mismatch(st_now, 2) is None, st_now
+    if multi == "ahead":  # the names it reserved ahead and did not take are left, empty and unnamed
+        seg_dir = os.path.join(path, fmt.SEGMENT_DIR)
+        assert any(os.path.getsize(os.path.join(seg_dir, n)) == 0 for n in os.listdir(seg_dir))
     if multi != "single":  # time passes, past retain_seconds: the reopen's clean-up takes what the crash left
-        old = time.time() - 10
+        old = time.time() - (300 if multi == "ahead" else 10)
         for d, _, names in os.walk(path):
             for name in names:
                 os.utime(os.path.join(d, name), (old, old))

@@ -58,6 +58,10 @@ IO_THREADS = 16  # object store: segments fetched at once by one read
 # many writers, local files: segment names each writer reserves at once, with one fsync of segments/
 # for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers")
 RESERVE_AHEAD = 16
+# ... while they are younger than a quarter of retain_seconds, if that is at least this long (a
+# store that retains less, a test's, reserves each name with its commit: else each slow commit
+# would find its names too old, give them up and reserve 16 more)
+RESERVE_AHEAD_MIN_AGE = 60.0
 # buffers of a cold segment closer than this are asked for with one posix_fadvise
 _HINT_GAP = 64 << 10
 T = TypeVar("T")
@@ -353,8 +357,9 @@ class ReplayStore:
     def _reserve_ahead(self) -> Dict[str, Any]:
         """How ``reserve`` takes a segment name: many writers of local files take it from names
         reserved ahead, used while younger than a quarter of ``retain_seconds`` (clean-up takes
-        unnamed files past it; a commit's own files must stay younger than half of it)."""
-        if self.remote or not self.multi_writer:
+        unnamed files past it; a commit's own files must stay younger than half of it), where that
+        is at least ``RESERVE_AHEAD_MIN_AGE``."""
+        if self.remote or not self.multi_writer or self._committer.retain_seconds < 4 * RESERVE_AHEAD_MIN_AGE:
             return {}
         return {"ahead": RESERVE_AHEAD, "max_age": self._committer.retain_seconds / 4}
 
