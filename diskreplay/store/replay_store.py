@@ -56,7 +56,9 @@ INDEX_TAIL_SEGMENTS = 16
 COPY_SOURCE_BYTES = 4 << 20
 IO_THREADS = 16  # object store: segments fetched at once by one read
 # many writers, local files: segment names each writer reserves at once, with one fsync of segments/
-# for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers")
+# for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers");
+# a segment of MERGE_MAX_BYTES or more takes a name of its own (the directory's fsync, issued with its
+# own, costs it nothing)
 RESERVE_AHEAD = 16
 # ... while they are younger than a quarter of retain_seconds, if that is at least this long (a
 # store that retains less, a test's, reserves each name with its commit: else each slow commit
@@ -743,8 +745,9 @@ class ReplayStore:
         for record in records:
             data = encode_ipc(record)
             if seg_id is None:
-                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment),
-                                           **self._reserve_ahead)
+                # a small segment's name reserved ahead (a large one's fsync hides its directory's)
+                ahead = self._reserve_ahead if data.size < self.merge_policy.max_bytes else {}
+                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment), **ahead)
                 self._next_id = sid + 1
             else:
                 sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
