@@ -472,9 +472,11 @@ def test_many_writers_fsync_segments_once_per_names_reserved_ahead(tmp_path, mon
 
 
 def test_a_name_reserved_ahead_is_never_used_once_removed_or_old(tmp_path):
-    """A name reserved ahead that was removed meanwhile (a clean-up misled by a clock that jumped)
-    is skipped, never written; names older than a quarter of ``retain_seconds`` are given up (and
-    removed while surely still this writer's, younger than half of it), and fresh ones reserved."""
+    """A name reserved ahead that was removed meanwhile (a clean-up misled by a clock that jumped),
+    or removed and made again by another writer, is skipped, never written, and never removed;
+    names older than a quarter of ``retain_seconds`` (by this process's clock, or by their mtimes,
+    which clean-up judges: a suspended host) are given up, removed only while surely still this
+    writer's (younger than half of it), and fresh ones reserved."""
     from diskreplay.verify import verify_store
 
     path = str(tmp_path / "s")
@@ -497,12 +499,40 @@ def test_a_name_reserved_ahead_is_never_used_once_removed_or_old(tmp_path):
         store.extend(_batch(store))
         assert all(os.path.exists(os.path.join(path, rel)) for rel in older)
         assert not set(older) & _named(path)
+
+        # a host suspended for longer than retain_seconds: this process's clock stood still, but the
+        # names' mtimes are old to clean-up's (wall) clock, so they are given up and left alone
+        suspended = [rel for _, rel, _ in fds.ahead]
+        past = time.time() - 250
+        for rel in suspended:
+            os.utime(os.path.join(path, rel), (past, past))
+        store.extend(_batch(store))
+        assert all(os.path.exists(os.path.join(path, rel)) for rel in suspended)
+        assert not set(suspended) & _named(path)
+
+        # a name removed by a clean-up and made again by another writer: neither taken nor removed
+        theirs = fds.ahead[0][1]
+        os.remove(os.path.join(path, theirs))
+        with open(os.path.join(path, theirs), "wb") as f:
+            f.write(b"another writer's segment")
+        store.extend(_batch(store))
+        assert theirs not in _named(path)
         rows = store.next_row
+        theirs_too = fds.ahead[0][1]  # the same, found by close()
+        os.remove(os.path.join(path, theirs_too))
+        with open(os.path.join(path, theirs_too), "wb") as f:
+            f.write(b"another writer's segment")
+    for rel in (theirs, theirs_too):  # close() removed its own names only
+        with open(os.path.join(path, rel), "rb") as f:
+            assert f.read() == b"another writer's segment"
+        os.remove(os.path.join(path, rel))
+    assert not {rel for rel in _segment_names(path) if os.path.getsize(os.path.join(path, rel)) == 0} - set(
+        older + suspended)  # the rest of its names were removed at close
     report = verify_store(path)
     assert report["ok"], report["problems"]
     with ReplayStore(path, readonly=True) as ro:
         check_live_rows(ro)
-        assert ro.next_row == rows == 16
+        assert ro.next_row == rows == 24
 
 
 def test_a_forked_child_never_takes_its_parent_s_names_reserved_ahead(tmp_path):

@@ -730,7 +730,8 @@ def _created(c: Call, store: str) -> Optional[str]:
     not a manifest, a temporary name or the writer lock."""
     if c.name in ("openat", "open") and "O_CREAT" in c.args and c.result[:1].isdigit():
         path = c.paths[0] if c.paths else ""
-    elif c.name in ("link", "linkat") and c.result.startswith("0") and len(c.paths) >= 2:
+    elif c.name in ("link", "linkat", "rename", "renameat", "renameat2") and c.result.startswith("0") \
+            and len(c.paths) >= 2:  # (a rename over an existing name makes no new one: counted anyway)
         path = c.paths[-1]
     else:
         return None
@@ -854,8 +855,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       "free there, and the faults are injected, not real)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--multi-writer", action="store_true",
-                        help="sweep a multi-writer store (retain_seconds=1); every 4th append of the child "
-                             "loses a race to another writer object in the process and retries")
+                        help="sweep a multi-writer store (retain_seconds=3600, its files aged past it); every 4th "
+                             "append of the child loses a race to another writer object in the process and retries")
     args = parser.parse_args(argv)
 
     groups = [g.strip() for g in args.syscalls.split(",") if g.strip()]

@@ -170,7 +170,7 @@ class LocalStorage(Storage):
         ``ahead`` at a time, whose directory entries one directory fsync made durable (see
         :meth:`name_durable`); one reserved more than ``max_age`` seconds ago is not used (an
         unnamed file that old may be another writer's clean-up's soon: ``retain_seconds``)."""
-        if ahead > 1 and self.fsync:
+        if ahead > 1 and max_age > 0 and self.fsync:
             return self._reserve_ahead(rel_of, first, tries, ahead, max_age)
         i, rel, fd = self._create_first_free(rel_of, first, tries)
         self._fds.reserved(rel, fd)  # write_files writes through it
@@ -188,34 +188,69 @@ class LocalStorage(Storage):
                        max_age: float) -> Tuple[int, str]:
         fds = self._fds
         fds._mine()
-        if fds.ahead and time.monotonic() - fds.ahead_at > max_age:
+        if fds.ahead and self._ahead_age() > max_age:
             self.release_ahead()
-        while fds.ahead and os.fstat(fds.ahead[0][2]).st_nlink == 0:
-            # removed meanwhile (a clean-up misled by a clock that jumped): never write it
-            _close(fds.ahead.pop(0)[2])
-        if not fds.ahead:
-            made: List[Tuple[int, str, int]] = []
-            first = max(first, fds.ahead_next)  # never a name given up again (nor its id)
+        taken = self._take_ahead()
+        if taken is not None:
+            return taken
+        made: List[Tuple[int, str, int]] = []
+        first = max(first, fds.ahead_next)  # never a name given up again (nor its id)
+        try:
+            for _ in range(ahead):
+                made.append(self._create_first_free(rel_of, first, tries))
+                first = made[-1][0] + 1
+            self.sync_dir(os.path.dirname(made[0][1]))
+        except BaseException:
+            for _, rel, fd in made:
+                _close(fd)
+                remove_quietly(self.local_path(rel))
+            raise
+        fds.keep_ahead(made, max_age)
+        taken = self._take_ahead()
+        if taken is None:
+            raise StoreIOError(errno.ENOENT, "the segment names just reserved were all removed at once",
+                               self.local_path(os.path.dirname(made[0][1])))
+        return taken
+
+    def _take_ahead(self) -> Optional[Tuple[int, str]]:
+        """The lowest name reserved ahead that is still this writer's file, or None."""
+        fds = self._fds
+        while fds.ahead:
+            i, rel, fd = fds.ahead.pop(0)
             try:
-                for _ in range(ahead):
-                    made.append(self._create_first_free(rel_of, first, tries))
-                    first = made[-1][0] + 1
-                self.sync_dir(os.path.dirname(made[0][1]))
-            except BaseException:
-                for _, rel, fd in made:
-                    _close(fd)
-                    remove_quietly(self.local_path(rel))
-                raise
-            fds.keep_ahead(made, max_age)
-        i, rel, fd = fds.ahead.pop(0)
-        # its age to clean-up starts now, as a name reserved by this commit's would: so a commit's
-        # unnamed files stay younger than half of retain_seconds (Committer._check_age), and
-        # waiting here kept them younger than max_age
-        with self._naming(rel, "touching"):
-            os.utime(fd)
-        fds.reserved(rel, fd)
-        fds.durable.add(rel)
-        return i, rel
+                # its age to clean-up starts now, as a name reserved by this commit's would: so a
+                # commit's unnamed files stay younger than half of retain_seconds (Committer._check_age);
+                # waiting here kept it younger than max_age by this host's clock and its mtime
+                os.utime(fd)
+                still_mine = self._still_mine(rel, fd)
+            except OSError:
+                still_mine = False
+            if still_mine:
+                fds.reserved(rel, fd)
+                fds.durable.add(rel)
+                return i, rel
+            _close(fd)  # removed meanwhile (a clean-up misled by a clock that jumped): never written
+        return None
+
+    def _ahead_age(self) -> float:
+        """How old the names reserved ahead are, by this process's clock and by their mtime against
+        the wall clock (what clean-up judges): the older of the two (a suspended host stops the
+        first, a wall clock that jumps moves the second)."""
+        fds = self._fds
+        age = time.monotonic() - fds.ahead_at
+        try:
+            return max(age, time.time() - os.fstat(fds.ahead[0][2]).st_mtime)
+        except (OSError, IndexError):
+            return float("inf")
+
+    def _still_mine(self, rel: str, fd: int) -> bool:
+        """``rel`` is still the file this writer created as ``fd``: not removed (on NFS, renamed to a
+        ``.nfs`` name), and not made again by another writer since."""
+        st = os.fstat(fd)
+        try:
+            return st.st_nlink > 0 and os.lstat(self.local_path(rel)).st_ino == st.st_ino
+        except FileNotFoundError:
+            return False
 
     def name_durable(self, rel: str) -> bool:
         """Whether the directory entry of ``rel``, a name :meth:`reserve` took ahead, is durable
@@ -228,20 +263,27 @@ class LocalStorage(Storage):
         """Remove the names reserved ahead and not taken (a writer's ``close``; or too old to use)."""
         fds = self._fds
         fds._mine()
-        made, fds.ahead = fds.ahead, []
-        # removing one is safe while no clean-up can have taken it (and another writer made the
-        # name again): a clean-up takes unnamed files only past retain_seconds, twice max_age at least
-        young = time.monotonic() - fds.ahead_at < 2 * fds.ahead_max_age
-        for _, rel, fd in made:
-            _close(fd)
-        if not (made and young):
+        if not fds.ahead:
             return
-        try:  # surely still this writer's: no clean-up takes an unnamed file this young
-            for _, rel, _ in made:
-                remove_quietly(self.local_path(rel))
-            self.sync_dir(os.path.dirname(made[0][1]))  # as every deletion is
-        except OSError:
-            pass  # unnamed files: clean-up takes them after retain_seconds
+        # removing one is safe while no clean-up can have taken it (and another writer made the
+        # name again): a clean-up takes unnamed files only past retain_seconds, twice max_age at least;
+        # and only the file this writer created (a host suspended for longer escapes the age)
+        young = self._ahead_age() < 2 * fds.ahead_max_age
+        made, fds.ahead = fds.ahead, []
+        removed = False
+        for _, rel, fd in made:
+            try:
+                if young and self._still_mine(rel, fd):
+                    removed |= remove_quietly(self.local_path(rel))
+            except OSError:
+                pass  # an unnamed file: clean-up takes it after retain_seconds
+            finally:
+                _close(fd)
+        if removed:
+            try:
+                self.sync_dir(os.path.dirname(made[0][1]))  # as every deletion is
+            except OSError:
+                pass
 
     def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = (), *,
                     temp: Optional[Tuple["_Temp", Buffer]] = None) -> None:
