@@ -122,6 +122,23 @@ def write_raw(batches, path: str) -> float:
     return time.perf_counter() - t
 
 
+def warm_free_memory(nbytes: int) -> None:
+    """Touch ``nbytes`` of fresh memory and free it, right before a measured run allocates.
+
+    This VM returns free memory to its host a few seconds after it is freed
+    (virtio-balloon free page reporting), and the next touch of such a page
+    costs ~3 ns per byte, page cache included: writing 4 MB into a new file
+    took 14 ms here, into a just-truncated one (pages freed a moment ago) 2 ms,
+    and 2 ms into a new file right after this warm-up. Without it a run that
+    creates new files pays for the VM, and a baseline that rewrites one file
+    does not.
+
+    >>> warm_free_memory(1 << 20)
+    """
+    block = np.ones(nbytes, dtype=np.uint8)
+    del block
+
+
 def write_store(batches, path: str) -> float:
     t = time.perf_counter()
     with ReplayStore(path) as store:
@@ -1341,10 +1358,12 @@ WRITER_CHILD = textwrap.dedent("""
 """)
 
 
-def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str = "") -> Dict[str, float]:
+def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str = "",
+                 warm_bytes: int = 256 << 20) -> Dict[str, float]:
     """``writers`` processes append ``n`` batches each, started together; the wall time from the
     start signal to the last writer's last commit (measured by the writers: interpreter start,
-    imports, warm-up and exit are outside it) and their summed stats."""
+    imports, warm-up and exit are outside it) and their summed stats. ``warm_bytes`` of free
+    memory are touched right before the start (:func:`warm_free_memory`)."""
     go = go or path + ".go"
     if os.path.exists(go):
         os.remove(go)
@@ -1358,6 +1377,7 @@ def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str 
             for q in procs:
                 q.kill()
             raise RuntimeError(f"{kind} writer failed: {line}{p.stderr.read()}")
+    warm_free_memory(warm_bytes)
     t = time.perf_counter()
     open(go, "w").close()
     outs = []
@@ -1432,18 +1452,22 @@ def bench_writers(args) -> None:
         print(f"  WARNING: at {create_ms:.2f} ms per file every system's small commits here pay for the files "
               "deleted nearby lately (each creates 3 or more): run with --dir on a fresh top-level directory "
               "(e.g. mkdir /bench-$$), or minutes later")
-    write_raw(batches, raw_path)  # warm: the page cache, numpy's first calls
+    write_raw(batches, raw_path)  # warm: numpy's first calls
+    trash.keep(raw_path)
+    warm = 3 * pay["raw"]  # per writer: its columns joined, its segments' bytes, their page cache
     for r in range(rounds):
-        t_raw.append(write_raw(batches, raw_path))
+        warm_free_memory(warm)
+        t_raw.append(write_raw(batches, raw_path))  # a new file, as a store's appends are
+        trash.keep(raw_path)
         for w in counts:
             path = _fresh(os.path.join(work, f"big{w}.{r}"))
             ReplayStore(path, multi_writer=True).close()
-            walls[w].append(_run_writers("diskreplay", path, w, n_big, 0)["wall"])
+            walls[w].append(_run_writers("diskreplay", path, w, n_big, 0, warm_bytes=w * warm)["wall"])
             trash.keep(path)
     raw_rate = pay["rows"] / statistics.median(t_raw)
-    os.remove(raw_path)
     print("\naggregate append, 512-row commits, fsync incl.     rows/s    raw write+fsync     ratio")
-    print("  (raw: one process appends one writer's bytes to one file, fsync per batch)")
+    print("  (raw: one process appends one writer's bytes to a new file, fsync per batch; free memory "
+          "is touched before every run: see warm_free_memory)")
     for w in counts:
         rate = w * pay["rows"] / statistics.median(walls[w])
         row(f"{w} writer process(es)", f"{rate:,.0f}", f"{raw_rate:,.0f}", f"{rate / raw_rate:.2f}")
