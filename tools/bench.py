@@ -194,12 +194,10 @@ def bench_store(args) -> None:
           f"{pay['prompt_tokens']:,}, raw payload {pay['raw'] / 2**20:.1f} MiB")
     raw_path, store_path = os.path.join(work, "raw.bin"), os.path.join(work, "store")
     shutil.rmtree(store_path, ignore_errors=True)
-    # alternate to even out the disk's mood; keep the best of three; both write new files into
-    # free memory touched right before (see warm_free_memory)
+    # alternate to even out the disk's mood; keep the best of three; both write into free memory
+    # touched right before (see warm_free_memory)
     t_raw, t_store = [], []
     for i in range(3):
-        if os.path.exists(raw_path):
-            os.remove(raw_path)
         warm_free_memory(3 * pay["raw"])
         t_raw.append(write_raw(batches, raw_path))
         shutil.rmtree(store_path, ignore_errors=True)
