@@ -425,8 +425,8 @@ def test_crash_point(crash_runs, step, mode, multi):
 MERGE_CHILD = """
 from diskreplay import ReplayStore
 from diskreplay.store import MERGE_FANIN
-path, step = sys.argv[1:3]
-store = ReplayStore(path)
+path, step, multi = sys.argv[1:4]
+store = ReplayStore(path, multi_writer=multi == "multi")
 for b in range(MERGE_FANIN):
     if b == MERGE_FANIN - 1:
         os.environ["DISKREPLAY_CRASH_AT"] = step + "#2"  # the 1st hit is the append's own, the 2nd the merge's
@@ -438,13 +438,20 @@ print("done", flush=True)
 
 
 @pytest.mark.parametrize("step", ["segment.written", "groups.written", "segments.synced", "manifest.written",
-                                  "manifest.renamed", "manifest.committed", "gc.manifest"])
+                                  "manifest.renamed", "manifest.committed", "gc.manifest",
+                                  "multi:segment.written", "multi:groups.written", "multi:segments.synced",
+                                  "multi:manifest.written", "multi:manifest.renamed", "multi:manifest.committed"])
 def test_crash_point_in_merge_of_small_segments(tmp_path, step):
-    """The merge that follows a small append is its own commit: a crash in it keeps the append."""
+    """The merge that follows a small append is its own commit: a crash in it keeps the append. The
+    merge's files are written and made durable in the same wait as its manifest's (or, with many
+    writers, its rewrite delta's) file, so every step of that wait is a crash point of the merge."""
     from diskreplay.store import MERGE_FANIN
 
     path = str(tmp_path / "store")
-    proc = run_child(MERGE_CHILD, path, step)
+    multi, _, step = step.rpartition(":")
+    if multi:  # the shortest retain_seconds that names reserved ahead take (the test ages files past it)
+        ReplayStore(path, multi_writer=True, retain_seconds=240).close()
+    proc = run_child(MERGE_CHILD, path, step, multi or "single")
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     returned, _, _ = parse_lines(proc.stdout)
     assert len(returned) == MERGE_FANIN - 1
@@ -454,6 +461,11 @@ def test_crash_point_in_merge_of_small_segments(tmp_path, step):
         assert ro.next_row == total  # the last append committed before its merge began
         assert len(ro.manifest.segments) in (1, MERGE_FANIN)
         check_live_rows(ro)
+    if multi:  # time passes, past retain_seconds: the reopen's clean-up takes what the crash left
+        old = time.time() - 300
+        for d, _, names in os.walk(path):
+            for name in names:
+                os.utime(os.path.join(d, name), (old, old))
     with ReplayStore(path) as store:
         store.extend(expected_rows(np.arange(total, total + 3)))
         check_live_rows(store)
