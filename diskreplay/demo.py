@@ -37,6 +37,9 @@ _REOPEN = textwrap.dedent("""
 """)
 
 
+MIN_GROUPS = 64  # the largest batch the demo draws: 64 prompt groups
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -48,14 +51,34 @@ def _human(n: float) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m diskreplay.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", help="where to write the store (default: a new temporary directory)")
-    p.add_argument("--groups", type=int, default=512, help="prompt groups to generate (8 rows each)")
-    p.add_argument("--keep", action="store_true", help="keep the store and the exports afterwards")
+    p.add_argument("--dir", help="a directory for the demo's store (DIR/store, replaced if it holds an earlier "
+                                 "run's store; anything else there is refused) and its export "
+                                 "(DIR/rollouts.parquet); both are kept (default: a new temporary directory, "
+                                 "removed at the end unless --keep)")
+    p.add_argument("--groups", type=int, default=512,
+                   help=f"prompt groups to generate (8 rows each; at least {MIN_GROUPS}, the most one batch draws)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory with the store and the export")
     args = p.parse_args(argv)
-
+    if args.groups < MIN_GROUPS:
+        p.error(f"--groups must be at least {MIN_GROUPS} (the demo draws batches of {MIN_GROUPS} prompt groups), "
+                f"got {args.groups}")
+    if args.dir is not None:
+        path = os.path.join(args.dir, "store")
+        if os.path.lexists(path) and not os.path.exists(os.path.join(path, "FORMAT.json")) \
+                and not (os.path.isdir(path) and not os.listdir(path)):
+            p.error(f"{path} exists and is not a diskreplay store; the demo replaces only a store of its own "
+                    "(pass another --dir)")
     work = args.dir or tempfile.mkdtemp(prefix="diskreplay-demo-")
+    try:
+        return _run(work, args)
+    finally:
+        if not args.keep and args.dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(work: str, args: argparse.Namespace) -> int:
     path = os.path.join(work, "store")
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)  # an earlier run's store (main checked)
     print(f"diskreplay demo: {args.groups} prompts x 8 completions -> {path}")
 
     # 1. stream rollouts in, one commit per training step of 64 prompts
@@ -121,11 +144,10 @@ def main(argv=None) -> int:
         import pyarrow.parquet as pq
 
         meta = pq.read_metadata(out_path)
-        print(f"  exported to {out_path}: {meta.num_rows:,} rows, {_human(os.path.getsize(out_path))} "
+        kept = "" if args.keep or args.dir is not None else " (removed at the end: --keep keeps it)"
+        print(f"  exported to {out_path}{kept}: {meta.num_rows:,} rows, {_human(os.path.getsize(out_path))} "
               f"in {time.perf_counter() - t:.2f} s")
     store.close()
-    if not args.keep and args.dir is None:
-        shutil.rmtree(work, ignore_errors=True)
     print("\ndone.")
     return 0
 

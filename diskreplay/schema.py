@@ -658,6 +658,11 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
     for k in list(arrays):
         if k.endswith(MASK_SUFFIX) and (k[: -len(MASK_SUFFIX)] + "_ids") in arrays:
             masks[k[: -len(MASK_SUFFIX)] + "_ids"] = arrays.pop(k)
+    for ids_name in (PROMPT_IDS, COMPLETION_IDS):  # TRL's masks: never data, even without their ids
+        mask_name = ids_name[:-4] + MASK_SUFFIX
+        if mask_name in arrays:
+            raise BatchError(f"column {mask_name!r} is the padding mask of {ids_name!r}, which the batch lacks "
+                             f"(columns given: {sorted(raw)})")
     if not arrays:
         raise BatchError("the batch holds only masks and no data columns")
 
@@ -706,6 +711,10 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
                 if own_ids:
                     mask, col_align = bool_masks.get(name), None
                 else:
+                    if ref not in arrays:
+                        raise BatchError(f"column {name!r} is a padded per-token tensor {tuple(v.shape)} but the "
+                                         f"batch has no {ref!r} (with its mask) to strip the padding with; pass "
+                                         f"{ref!r}, or the rows as a list of 1-D arrays")
                     if ref in ids_shape and v.shape != ids_shape[ref]:
                         raise BatchError(f"column {name!r} has shape {v.shape} but {ref!r} has shape "
                                          f"{ids_shape[ref]}; a per-token column must match its ids")

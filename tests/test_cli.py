@@ -608,3 +608,18 @@ def test_ctrl_c_during_import_append_keeps_whole_chunks(big_store, tmp_path):
     assert rc == 130 and err.count("\n") == 1 and "committed before it stay" in err
     with ReplayStore(str(target), readonly=True) as s:
         assert 1 < len(s) < 20_001 and (len(s) - 1) % 50 == 0
+
+
+def test_demo_refuses_a_dir_whose_store_is_not_a_store_and_too_few_groups(tmp_path, capsys):
+    """``--dir DIR`` replaces DIR/store only when it holds a store (an earlier run's), never a user's files."""
+    from diskreplay import demo
+
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "notes.txt").write_text("precious")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--dir", str(tmp_path), "--groups", "64"])
+    assert exc.value.code == 2 and "is not a diskreplay store" in capsys.readouterr().err
+    assert (tmp_path / "store" / "notes.txt").read_text() == "precious"
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--groups", "8"])
+    assert exc.value.code == 2 and "--groups must be at least 64" in capsys.readouterr().err

@@ -734,7 +734,7 @@ def test_no_bare_builtin_errors_are_raised_from_cli_and_export():
     root = pathlib.Path(diskreplay.__file__).parent
     ours = {n for n in dir(__import__("diskreplay.errors", fromlist=["x"])) if n.endswith("Error")}
     ours |= {"KeyboardInterrupt", "ArgumentTypeError"}  # Ctrl-C re-raised; argparse's own usage error
-    helpers = {"missing_store", "_null_rows_error"}  # functions returning one of ours
+    helpers = {"missing_store", "_null_rows_error", "_null_values_error"}  # functions returning one of ours
     bad = []
     for path in [root / "cli.py", *sorted((root / "export").glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -744,3 +744,30 @@ def test_no_bare_builtin_errors_are_raised_from_cli_and_export():
                 if name not in ours and name not in helpers:
                     bad.append(f"{path.name}:{node.lineno} raises {name}")
     assert bad == []
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "json"])
+def test_jsonl_writes_null_for_non_finite_floats_and_import_names_it(tmp_path, monkeypatch, fast):
+    """JSON has no NaN or Infinity: both encoders write null (the standard library would write
+    ``-Infinity``, which strict parsers refuse), and an import of a null inside a row says why."""
+    import diskreplay.export.writers as writers
+
+    if fast:
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(writers, "_orjson", lambda: None)
+    s = ReplayStore(str(tmp_path / "s"))
+    s.extend({"prompt_id": ["q1", "q1"], "completion_ids": [[1, 2], [3]],
+              "old_per_token_logps": [[-0.1, -np.inf], [-0.2]], "rewards": np.array([np.nan, 1.0], np.float32)})
+    out = str(tmp_path / "o.jsonl")
+    export_jsonl(s, out)
+
+    def strict(text):
+        raise AssertionError(f"not JSON: {text}")
+
+    rows = [json.loads(line, parse_constant=strict) for line in open(out, encoding="utf-8")]
+    assert rows[0]["old_per_token_logps"][1] is None and rows[0]["rewards"] is None
+    assert np.float32(rows[0]["old_per_token_logps"][0]) == np.float32(-0.1) and rows[1]["rewards"] == 1.0
+    with pytest.raises(ExportError, match=r"o.jsonl:1: column 'old_per_token_logps' position 1 is null.*JSON has no NaN"):
+        import_rollouts(out, str(tmp_path / "back"))
+    assert not os.path.exists(os.path.join(tmp_path, "back", "FORMAT.json"))

@@ -545,3 +545,19 @@ def test_state_dict_counts_only_the_batches_received(store):
     want = np.bincount(rows - state["data"]["counts_base"], minlength=len(state["data"]["counts"]))
     assert state["data"]["counts"].tolist() == want.tolist()
     assert "counts" not in state["position"] and state["position"]["draws"] == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
+def test_a_cuda_device_without_cuda_warns_and_yields_cpu_tensors(store):
+    """DESIGN.md: on a machine without CUDA the loader yields CPU tensors, so one training script
+    runs on a laptop, a CPU CI machine and the cluster."""
+    want = reference(store, PromptGroupSampler(num_groups=4, seed=4), 2)
+    with pytest.warns(RuntimeWarning, match="no CUDA, so the loader yields CPU tensors"):
+        loader = ReplayLoader(store, PromptGroupSampler(num_groups=4, seed=4), BATCH, PAD, device="cuda",
+                              num_batches=2)
+    with loader:
+        got = list(loader)
+    assert len(got) == 2
+    for a, b in zip(got, want):
+        assert a["completion_ids"].device.type == "cpu"
+        assert torch.equal(a["completion_ids"], b["completion_ids"])

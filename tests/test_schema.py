@@ -90,3 +90,27 @@ with ReplayLoader(reader, PromptGroupSampler(num_groups=2, seed=1), 4, 0, num_ba
 assert "pandas" not in sys.modules, "pandas was imported"
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_mask_or_padded_per_token_column_without_its_ids_is_refused(tmp_path):
+    """A typo in ``completion_ids`` must not store the mask as data (nor per-token padding as values):
+    the error names the missing ids column, and the store is as before."""
+    store = ReplayStore(str(tmp_path / "s"))
+    store.extend({"prompt_id": [1, 1], "completion_ids": torch.ones(2, 3, dtype=torch.long),
+                  "completion_mask": torch.ones(2, 3, dtype=torch.long)})
+    typo = {"prompt_id": [2, 2], "completion_id": torch.ones(2, 3, dtype=torch.long),
+            "completion_mask": torch.ones(2, 3, dtype=torch.long)}
+    with pytest.raises(BatchError, match="'completion_mask' is the padding mask of 'completion_ids', which the "
+                                         "batch lacks"):
+        store.extend(typo)
+    with pytest.raises(BatchError, match="'prompt_mask' is the padding mask of 'prompt_ids'"):
+        store.extend({"prompt_id": [2, 2], "completion_ids": [[1], [2]], "prompt_mask": torch.ones(2, 3)})
+    with pytest.raises(BatchError, match="'old_per_token_logps' is a padded per-token tensor .* no 'completion_ids'"):
+        store.extend({"prompt_id": [2, 2], "old_per_token_logps": torch.zeros(2, 3)})
+    fresh = ReplayStore(str(tmp_path / "fresh"))
+    with pytest.raises(BatchError, match="padding mask of 'completion_ids'"):
+        fresh.extend(typo)
+    assert len(store) == 2 and len(fresh) == 0 and store.generation == 1
+    # the ragged layout needs no ids to strip padding with: per-token lists alone are fine
+    store.extend({"prompt_id": [3], "completion_ids": [[4, 5]], "old_per_token_logps": [[-0.5, -1.0]]})
+    assert store.read([2], ["old_per_token_logps"])["old_per_token_logps"][0].tolist() == [-0.5, -1.0]

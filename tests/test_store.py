@@ -641,3 +641,47 @@ def test_damaged_page_is_never_served_by_any_read_path(tmp_path):
         reader = ReplayStore(path, readonly=True)
         with pytest.raises(CorruptStoreError, match="fails its checksum"):
             reader.read(rows)
+
+
+def test_read_refuses_a_boolean_mask_and_fractional_ids(tmp_path):
+    """A mask (as ``sampler.eligible()`` returns) cast to ids would read rows 0 and 1; a float id
+    truncated would read another row: both are refused, naming what to pass instead."""
+    from diskreplay import ArgumentError, PromptGroupSampler
+
+    store = ReplayStore(str(tmp_path / "s"))
+    store.extend(make_rollouts(4, 2, seed=0))
+    mask = PromptGroupSampler(num_groups=1).eligible(store, exclude=[(0, 2)])
+    assert mask.dtype == bool and mask.tolist() == [False] * 2 + [True] * 6
+    with pytest.raises(ArgumentError, match=r"boolean mask .*store.row_ids\(\)\[mask\]"):
+        store.read(mask, ["rewards"])
+    for bad in ([1.9], np.array([1.0]), torch.tensor([0.5])):
+        with pytest.raises(ArgumentError, match="integer row ids, got float"):
+            store.read(bad, ["rewards"])
+    rows = store.row_ids()[mask]
+    assert np.array_equal(store.read(rows, ["rewards"])["rewards"], store.read(rows.tolist(), ["rewards"])["rewards"])
+    by_tensor = store.read(torch.tensor([3]), ["rewards"])["rewards"]
+    assert by_tensor.tolist() == store.read([3], ["rewards"])["rewards"].tolist()
+    assert len(store.read([], ["rewards"])["rewards"]) == 0
+
+
+def test_a_writer_refuses_a_path_that_is_not_a_store_and_leaves_it_untouched(tmp_path):
+    """A mistyped path to a run's directory (or a file) is not filled with store files; a directory
+    holding only a store's own entries (a creation killed before FORMAT.json) is a store to create."""
+    from diskreplay import OutputExistsError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("lr: 1e-6\n")
+    with pytest.raises(OutputExistsError, match="non-empty directory that holds no diskreplay store.*config.yaml"):
+        ReplayStore(str(run))
+    assert os.listdir(run) == ["config.yaml"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputExistsError, match="is a file, not a directory"):
+        ReplayStore(str(tmp_path / "file"))
+    leftover = tmp_path / "half-made"
+    for d in ("segments", "manifests", "groups"):
+        (leftover / d).mkdir(parents=True)
+    (leftover / "LOCK").write_text("")
+    with ReplayStore(str(leftover)) as store:
+        store.extend(make_rollouts(2, 2, seed=1))
+        assert len(store) == 4

@@ -127,6 +127,18 @@ def _at(where: Union[Where, str], i: int) -> str:
     return where.row(i) if isinstance(where, Where) else f"{where}, row {i}"
 
 
+def _null_values_error(name: str, arr: pa.Array, where: Union[Where, str]) -> ExportError:
+    """A null inside a row of a list column (a row's own null is "not computed"): JSON has no NaN
+    or Infinity, so a JSONL export writes null for a non-finite value, e.g. a -inf log-prob."""
+    child_nulls = ~arr.values.is_valid().to_numpy(zero_copy_only=False)
+    k = int(np.flatnonzero(child_nulls)[0])
+    offsets = arr.offsets.to_numpy(zero_copy_only=False)
+    i = int(np.searchsorted(offsets, k, side="right") - 1)
+    return ExportError(f"{_at(where, i)}: column {name!r} position {k - int(offsets[i])} is null; a value inside a "
+                       "row cannot be missing (JSON has no NaN or Infinity, so a JSONL export writes null for "
+                       "them: export to Parquet to keep non-finite values)")
+
+
 def _null_rows_error(name: str, arr: pa.Array, where: Union[Where, str]) -> ExportError:
     i = int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
     return ExportError(f"{_at(where, i)}: column {name!r} is null; per-row columns need a value in every row "
@@ -272,6 +284,8 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
                 batch[name] = None  # the store fills an absent ragged column with missing rows
                 continue
             dtype = hint.dtype if hint is not None else ("int32" if name in TOKEN_ID_COLUMNS else None)
+            if arr.values.null_count:
+                raise _null_values_error(name, arr, where)
             batch[name] = _ragged_rows(arr, dtype)
         elif pa.types.is_fixed_size_list(t):
             if arr.null_count:

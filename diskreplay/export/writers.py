@@ -8,6 +8,7 @@ range, so memory stays bounded by a chunk however large the store is.
 from __future__ import annotations
 
 import json
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -73,7 +74,8 @@ class ParquetSink:
 
 
 class JsonlSink:
-    """Writes one JSON object per row and line (``null`` for a missing value).
+    """Writes one JSON object per row and line (``null`` for a missing value, and for NaN and
+    ±Infinity, which JSON lacks: the standard library would write ``NaN``, which is not JSON).
 
     With ``orjson`` installed (``pip install 'diskreplay[jsonl]'``) token and
     log-prob lists are serialised straight from the Arrow buffers, about 14x
@@ -101,7 +103,7 @@ class JsonlSink:
                 cols = [_rows_for_json(part.column(i)) for i in range(part.num_columns)]
                 lines = [dumps(dict(zip(names, vals)), option=option) for vals in zip(*cols)]
             else:
-                cols = [part.column(i).to_pylist() for i in range(part.num_columns)]
+                cols = [_finite_or_null(part.column(i)) for i in range(part.num_columns)]
                 lines = [json.dumps(dict(zip(names, vals)), ensure_ascii=False).encode("utf-8")
                          for vals in zip(*cols)]
             lines.append(b"")
@@ -132,6 +134,21 @@ def check_compression(codec: Any) -> str:
         raise ExportError(f"{'this pyarrow build lacks' if missing else 'unknown'} Parquet compression "
                           f"{codec!r}; choose one of {', '.join(valid)}")
     return codec.lower()
+
+
+def _finite_or_null(column: pa.ChunkedArray) -> List[Any]:
+    """A column's Python values with NaN and ±Infinity as None, as orjson writes them (the standard
+    library writes ``NaN``/``Infinity``, which no strict JSON parser reads)."""
+    rows = column.to_pylist()
+    t = column.type
+    scalar = pa.types.is_floating(t)
+    if not (scalar or (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t))
+            and pa.types.is_floating(t.value_type)):
+        return rows
+    if scalar:
+        return [v if v is None or math.isfinite(v) else None for v in rows]
+    return [r if r is None or all(map(math.isfinite, r)) else [v if math.isfinite(v) else None for v in r]
+            for r in rows]
 
 
 def _orjson() -> Any:

@@ -25,9 +25,10 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock, crash_point, crc32c, fsync_dir
+from .._fileio import TMP_PREFIX, WriterLock, crash_point, crc32c, fsync_dir
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
-                      CorruptStoreError, ReadOnlyError, RowsEvictedError, SchemaError, StoreNotFoundError)
+                      CorruptStoreError, OutputExistsError, ReadOnlyError, RowsEvictedError, SchemaError,
+                      StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
@@ -209,6 +210,8 @@ class ReplayStore:
                 raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
         elif not self.remote:
+            if not exists:
+                _refuse_foreign_path(self.path)
             stored_multi = exists and fmt.StoreOptions.read(self.storage).multi_writer
             if not (stored_multi or (not exists and multi_writer is True)):
                 os.makedirs(self.path, exist_ok=True)
@@ -1205,7 +1208,7 @@ class ReplayStore:
                                 "cache_bytes (or give each process its own cache_dir)") from None
 
     def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        rows = _row_ids(rows)
         m = self.manifest
         if rows.size:
             lo, hi = rows.min(), rows.max()
@@ -1563,6 +1566,37 @@ class ReplayStore:
             self._catch_up()
         rec = self._committer.find_token(token)
         return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+
+
+def _refuse_foreign_path(path: str) -> None:
+    """A writer creates a store only in a new or empty directory, or in one holding nothing but a store's
+    own entries (a creation that died before FORMAT.json, another writer creating it at this moment): a
+    mistyped path to a run's directory must not be filled with store files."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise OutputExistsError(f"{path} is a file, not a directory; a store is a directory (pass a new or empty "
+                                "one, or the directory of an existing store)")
+    own = {*fmt.DATA_DIRS, fmt.LOCK_FILE, fmt.FORMAT_FILE, fmt.SCHEMA_FILE}
+    foreign = sorted(n for n in os.listdir(path) if n not in own and not n.startswith(TMP_PREFIX))
+    if foreign:
+        raise OutputExistsError(f"{path} is a non-empty directory that holds no diskreplay store (it has "
+                                f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} and no "
+                                f"{fmt.FORMAT_FILE}); pass a new or empty directory, or the directory of an existing "
+                                "store")
+
+
+def _row_ids(rows: Any) -> np.ndarray:
+    """``rows`` as a flat int64 array of row ids, refusing what would silently read other rows: a
+    boolean mask (cast, it would read rows 0 and 1) and fractional ids (truncated)."""
+    ids = np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows).reshape(-1)
+    if ids.dtype.kind in "iu" or not ids.size:
+        return ids.astype(np.int64, copy=False)
+    if ids.dtype.kind == "b":
+        raise ArgumentError(f"rows is a boolean mask of {ids.size} entries; pass row ids: for a mask over the "
+                            "live rows (as a sampler's eligible() returns) that is store.row_ids()[mask]")
+    raise ArgumentError(f"rows must be integer row ids, got {ids.dtype} values (e.g. {ids[0].item()!r}); ids are never "
+                        "rounded")
 
 
 def _dirs_of(entries: Sequence[fmt.SegmentEntry], storage: Storage) -> List[str]:
