@@ -113,6 +113,18 @@ def _codec(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _version_range(text: str) -> str:
+    """``--policy-versions``, checked while the arguments are parsed (exit status 2, before any work);
+    the export parses the same text again."""
+    from .export._common import parse_version_range
+
+    try:
+        parse_version_range(text)
+    except DiskReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _store(args: argparse.Namespace) -> Any:
     """The command's store path, or the one-line refusal when no store is there (nothing is created).
 
@@ -390,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the --format asked even when OUT's extension names another format")
 
     rows = argparse.ArgumentParser(add_help=False)
-    rows.add_argument("--policy-versions", metavar="A:B",
+    rows.add_argument("--policy-versions", metavar="A:B", type=_version_range,
                       help="keep rows whose policy_version is in A..B, inclusive; either end may be left "
                            "open (e.g. 100:, :50, 7)")
     rows.add_argument("--reward-key", default="rewards", metavar="COL",

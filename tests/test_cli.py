@@ -255,7 +255,6 @@ def test_import_with_mapping_and_skip_bad(capsys, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["export", "{store}", "{tmp}/exists.parquet"], "already exists"),
     (["export", "{store}", "{tmp}/o.parquet", "--columns", "nope"], "'nope' is not in the store"),
-    (["export", "{store}", "{tmp}/o.parquet", "--policy-versions", "x:y"], "policy-version range"),
     (["export", "{tmp}/no_store", "{tmp}/o.parquet"], "no diskreplay store"),
     (["export", "{store}", "{tmp}/o.jsonl", "--tokenizer", "{tmp}/bad_tok"], "does not load"),
     (["export", "{store}", "{tmp}/missing_dir/o.parquet"], "does not exist"),
@@ -623,3 +622,10 @@ def test_demo_refuses_a_dir_whose_store_is_not_a_store_and_too_few_groups(tmp_pa
     with pytest.raises(SystemExit) as exc:
         demo.main(["--groups", "8"])
     assert exc.value.code == 2 and "--groups must be at least 64" in capsys.readouterr().err
+
+
+def test_a_bad_policy_version_range_is_a_usage_error_before_any_work(store, tmp_path, capsys):
+    for bad in ("abc", "3:1"):
+        rc, _, err = cli(capsys, "export", store, tmp_path / "o.parquet", "--policy-versions", bad)
+        assert rc == 2 and "argument --policy-versions" in err
+    assert not os.path.exists(tmp_path / "o.parquet")

@@ -43,7 +43,14 @@ from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_rea
 from .storage import LocalStorage, Storage, open_storage
 from .tokens import check_token, digest
 
-_UNSET: Any = object()
+class _Unset:
+    """The default of an option a store keeps: the stored value on a reopen, the documented one on creation."""
+
+    def __repr__(self) -> str:
+        return "<stored>"
+
+
+_UNSET: Any = _Unset()
 # Segments a store keeps mapped at once (each map holds a file descriptor, and
 # 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
 MAX_OPEN_SEGMENTS = 256
@@ -102,6 +109,9 @@ class ReplayStore:
     ``capacity`` bounds the live rows (exact FIFO), ``capacity_bytes`` the
     bytes of live segments (whole oldest segments are evicted). ``group_key``
     names the per-row column indexed at write time (``None``: no index).
+    Options shown as ``<stored>`` in the signature take the stored value on a
+    reopen; a new store gets no capacities, ``group_key="prompt_id"`` and one
+    writer (``multi_writer=False``).
     ``readonly=True`` never writes, works on a read-only directory, and can
     follow a live writer with :meth:`refresh`; with ``generation=N`` it is
     pinned to that commit (a snapshot: it never refreshes) while its files are
