@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer\n"
              "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
              "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n"
-             + EXIT_CODES + "\n", [common, out, rows, tok, cur])
+             + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--min-margin", type=float, default=0.0, metavar="M",
@@ -556,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
              "completion_mask. Always added: the group key, reward, rank (0 = best), row.",
              "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
              "  diskreplay best-of-n runs/grpo/replay sft.parquet --k 4\n"
-             + EXIT_CODES + "\n", [common, out, rows, tok, cur])
+             + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--k", type=_positive_int, default=1, metavar="K", help="completions per group (default: 1)")

@@ -892,6 +892,7 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     if arrow is not None:
         record = _arrow_record(arrow, schema)
         if record is not None:
+            _check_token_ids(record)
             return record, schema
     parsed = _arrow_columns(arrow, schema) if arrow is not None else None
     n, cols = parsed if parsed is not None else _parse_columns(batch)
@@ -923,4 +924,28 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
             raise BatchError(f"the batch lacks column {missing[0]!r}, which the store holds for every row")
     _check_alignment(n, cols, schema)
     arrays = [_arrow_array(spec, cols.get(spec.name), n, spec.name in schema.late) for spec in schema.columns.values()]
-    return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema()), schema
+    record = pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema())
+    _check_token_ids(record)
+    return record, schema
+
+
+def _check_token_ids(record: pa.RecordBatch) -> None:
+    """No negative token id is stored: one is a label's ignore index (-100) or a padding value at a
+    position the mask kept, and an embedding lookup fails on it far from here (the store's ids are
+    int32 lists, starting at offset 0: the record is the normalized one)."""
+    for name in (PROMPT_IDS, COMPLETION_IDS):
+        i = record.schema.get_field_index(name)
+        if i < 0:
+            continue
+        col = record.column(i)
+        bufs = col.buffers()
+        if bufs[1] is None or bufs[3] is None:  # no row has ids (all "not computed")
+            continue
+        offsets = np.frombuffer(bufs[1], dtype=np.int64, count=len(col) + 1, offset=8 * col.offset)
+        values = np.frombuffer(bufs[3], dtype=np.int32, count=int(offsets[-1]))[int(offsets[0]):]
+        if values.size and values.min() < 0:
+            k = int(np.argmax(values < 0)) + int(offsets[0])
+            row = int(np.searchsorted(offsets, k, side="right") - 1)
+            raise BatchError(f"column {name!r} row {row} position {k - int(offsets[row])} holds token id "
+                             f"{int(values[k - int(offsets[0])])}; token ids are >= 0 (a negative one is a label's "
+                             "ignore index or a padding value the mask kept: check the mask)")

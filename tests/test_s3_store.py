@@ -333,8 +333,10 @@ def test_export_and_import_through_the_cli(s3_server, s3_url, tmp_path):
     assert main(["import", str(out), dest, "--append", *opts]) == 0
     with _open(dest, s3_server, tmp_path / "d", readonly=True) as store:
         assert len(store) == 24 and store.read([23])["prompt_id"].tolist() == [1_100_002]
-    for cmd in (["info", dest], ["verify", dest], ["compact", dest], ["repair", dest, "--dry-run", "--force"]):
+    for cmd in (["info", dest], ["verify", dest], ["compact", dest], ["repair", dest, "--dry-run", "--force"],
+                ["pairs", s3_url, str(tmp_path / "pairs.jsonl")], ["best-of-n", s3_url, str(tmp_path / "sft.jsonl")]):
         assert main([*cmd, *opts]) == 0, cmd
+    assert (tmp_path / "sft.jsonl").read_text().count("\n") == 3  # one completion per prompt group
 
 
 # -- many writers, killed writers, a server restart ------------------------------

@@ -114,3 +114,28 @@ def test_a_mask_or_padded_per_token_column_without_its_ids_is_refused(tmp_path):
     # the ragged layout needs no ids to strip padding with: per-token lists alone are fine
     store.extend({"prompt_id": [3], "completion_ids": [[4, 5]], "old_per_token_logps": [[-0.5, -1.0]]})
     assert store.read([2], ["old_per_token_logps"])["old_per_token_logps"][0].tolist() == [-0.5, -1.0]
+
+
+def test_a_negative_token_id_is_refused_naming_row_and_position(tmp_path):
+    """-100 (a label's ignore index) or a padding value the mask kept would crash an embedding
+    lookup far from the store: every input layout is refused, and nothing is written."""
+    import pyarrow as pa
+
+    store = ReplayStore(str(tmp_path / "s"))
+    store.extend({"prompt_id": [1], "completion_ids": [[1, 2]]})
+    bad = [({"prompt_id": [1, 1], "completion_ids": torch.tensor([[5, -100], [3, 4]]),
+             "completion_mask": torch.ones(2, 2)}, "row 0 position 1 holds token id -100"),
+           ({"prompt_id": [2], "completion_ids": [[0, 3, -1]]}, "row 0 position 2 holds token id -1"),
+           ({"prompt_id": [2, 2], "prompt_ids": [[7], [-3, 7]], "completion_ids": [[1], [2]]},
+            "'prompt_ids' row 1 position 0 holds token id -3"),
+           (pa.table({"prompt_id": pa.array([3, 3], pa.int64()),
+                      "completion_ids": pa.array([[4], [5, -7]], pa.large_list(pa.int32()))}),
+            "row 1 position 1 holds token id -7")]
+    for batch, message in bad:
+        with pytest.raises(BatchError, match=message):
+            store.extend(batch)
+    assert len(store) == 1 and store.generation == 1
+    # a masked-out -100 is padding: stripped, never stored
+    store.extend({"prompt_id": [1], "completion_ids": torch.tensor([[5, -100]]),
+                  "completion_mask": torch.tensor([[1, 0]])})
+    assert store.read([1], ["completion_ids"])["completion_ids"][0].tolist() == [5]
