@@ -570,7 +570,7 @@ def _check_mask(name: str, mask: np.ndarray, ids_shape: Tuple[int, ...]) -> np.n
     bad = (mask != 0) & (mask != 1)
     if bad.any():
         r, c = np.argwhere(bad)[0]
-        raise BatchError(f"column {name!r} row {r} position {c} holds {mask[r, c]!r}; "
+        raise BatchError(f"column {name!r} row {r} position {c} holds {mask[r, c].item()!r}; "
                          "a mask must hold only 0 and 1")
     return mask.astype(bool)
 

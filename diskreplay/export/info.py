@@ -168,8 +168,9 @@ def format_info(info: Dict[str, Any]) -> str:
         return str(n)
 
     lines = [f"store       {info['path']}",
-             f"rows        {info['rows']:,} live (ids {info['head']:,}..{info['next_row'] - 1:,}), "
-             f"generation {info['generation']}",
+             f"rows        {info['rows']:,} live "
+             + (f"(ids {info['head']:,}..{info['next_row'] - 1:,})" if info['rows'] else "(none yet)")
+             + f", generation {info['generation']}",
              f"groups      {info['groups'] if info['groups'] is not None else '-'}"
              f" (key: {info['group_key'] or 'none'})",
              f"segments    {info['segments']}",

@@ -265,7 +265,7 @@ class PrioritizedSampler(Sampler):
             raise SamplerError(f"rows must be row ids >= 0, got {int(rows.min())}")
         if not np.isfinite(vals).all():
             bad = int(np.flatnonzero(~np.isfinite(vals))[0])
-            raise SamplerError(f"values[{bad}]={vals[bad]!r} is not finite; priorities must be finite numbers")
+            raise SamplerError(f"values[{bad}]={vals[bad].item()!r} is not finite; priorities must be finite numbers")
         if not len(rows):
             return
         # keep the last value of a repeated row (fancy assignment leaves that order unspecified)
