@@ -351,14 +351,18 @@ def remove_quietly(path: str) -> bool:
 
 
 class WriterLock:
-    """An exclusive ``flock`` on ``STORE/LOCK``.
+    """An exclusive ``flock`` on ``STORE/LOCK`` (``shared=True``: a shared one).
 
     The kernel drops a flock when its holder dies, so a writer killed with
-    SIGKILL never leaves a stale lock behind.
+    SIGKILL never leaves a stale lock behind. The writers of a multi-writer
+    store hold it shared, which never blocks one another; converting the
+    store to one writer takes it exclusively, so it is refused while another
+    writer has the store open.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, shared: bool = False) -> None:
         self.path = path
+        self.shared = shared
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:
@@ -369,14 +373,21 @@ class WriterLock:
                 raise CorruptStoreError(f"{self.path} is a symlink; a store's LOCK must be a plain file") from None
             raise
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise StoreLockedError(
+                    f"{os.path.dirname(self.path)} is being converted or repaired by another process (it holds "
+                    "LOCK); wait for it, or open the store with readonly=True" if self.shared else
                     f"{os.path.dirname(self.path)} is already open for writing by another process "
                     "(it holds LOCK); open it with readonly=True to read while it writes") from None
+            if self.shared and exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                return  # a filesystem without flock (NFS without a lock manager): many writers need none
             raise
+        if self.shared:  # many holders: no pid to record
+            self._fd = fd
+            return
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())

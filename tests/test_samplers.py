@@ -741,6 +741,9 @@ def test_ranks_partition_one_global_batch(tmp_path, world_size):
             RandomSampler(rank=2, world_size=2)
         with pytest.raises(SamplerError, match="world_size"):
             RandomSampler(world_size=0)
+        for kw in ({"rank": "1", "world_size": 2}, {"rank": 1.0, "world_size": 2}, {"world_size": 2.0}):
+            with pytest.raises(TypeError, match="must be"):  # a value of the wrong type is a TypeError too
+                RandomSampler(**kw)
         with pytest.raises(SamplerError, match="config"):
             RandomSampler(rank=1, world_size=2).load_state_dict(RandomSampler(world_size=2).state_dict())
 
@@ -756,6 +759,24 @@ def test_agree_generation_without_torch_distributed(store):
         gen = snap.generation
         put(store, ["c"])
         assert snap.generation == gen and len(snap) == 2 and store.generation > gen
+
+
+def test_agree_generation_on_a_lagging_rank_keeps_the_store_s_options(tmp_path):
+    """A rank whose store is behind rank 0's opens rank 0's generation with its own store's options
+    (an s3:// store's storage options and cache, verify_reads), as store.snapshot() does."""
+    from diskreplay.samplers.distributed import _open_generation
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as writer:
+        put(writer, ["a", "b"])
+        with ReplayStore(path, readonly=True, verify_reads=False) as follower:
+            put(writer, ["c"])
+            with _open_generation(follower, writer.generation) as snap:
+                assert snap.generation == writer.generation > follower.generation
+                assert snap.verify_reads is False and snap._remote_args == follower._remote_args
+            with follower.snapshot(follower.generation - 1) as older, follower.snapshot() as now:
+                assert (older.generation, now.generation) == (follower.generation - 1, follower.generation)
+                assert not older.verify_reads and (len(older), len(now)) == (0, 2)
 
 
 def test_ssr_moving_to_another_store_starts_over(tmp_path):

@@ -657,11 +657,27 @@ def test_read_refuses_a_boolean_mask_and_fractional_ids(tmp_path):
     for bad in ([1.9], np.array([1.0]), torch.tensor([0.5])):
         with pytest.raises(ArgumentError, match="integer row ids, got float"):
             store.read(bad, ["rewards"])
+    for bad, shown in (([0, None], "None"), (["0"], "'0'")):
+        with pytest.raises(ArgumentError, match=f"integer row ids, got .* values \\(e.g. {shown}\\)"):
+            store.read(bad, ["rewards"])
     rows = store.row_ids()[mask]
     assert np.array_equal(store.read(rows, ["rewards"])["rewards"], store.read(rows.tolist(), ["rewards"])["rewards"])
     by_tensor = store.read(torch.tensor([3]), ["rewards"])["rewards"]
     assert by_tensor.tolist() == store.read([3], ["rewards"])["rewards"].tolist()
     assert len(store.read([], ["rewards"])["rewards"]) == 0
+
+
+def test_a_generation_not_retained_or_not_made_yet_says_which(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        for i in range(8):
+            store.extend(make_rollouts(1, 2, seed=i))
+        newest = store.generation
+    with pytest.raises(FileNotFoundError, match=r"generation 1 .* is not retained \(generations kept: 5\.\.8 "
+                                                r"\(4 manifests\)\)"):
+        ReplayStore(path, readonly=True, generation=1)
+    with pytest.raises(FileNotFoundError, match=f"generation 50 .* does not exist yet \\(the newest is {newest}\\)"):
+        ReplayStore(path, readonly=True, generation=50)
 
 
 def test_a_writer_refuses_a_path_that_is_not_a_store_and_leaves_it_untouched(tmp_path):

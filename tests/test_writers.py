@@ -53,6 +53,64 @@ def test_mode_mismatch_is_refused_and_changes_nothing(tmp_path):
     assert json.load(open(os.path.join(multi, fmt.FORMAT_FILE)))["version"] == fmt.INLINE_GROUPS_VERSION
 
 
+def test_a_mode_mismatch_while_the_single_writer_is_open_names_the_mode_and_leaves_lock_alone(tmp_path):
+    """Adding many-writer workers to a running single-writer job: the error says the store is
+    single-writer and how to convert (not "open it read-only"), and the refused open takes no lock."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as writer:
+        writer.extend(batch_for(0, 0))
+        lock = os.path.join(path, fmt.LOCK_FILE)
+        before = (os.stat(lock).st_mtime_ns, open(lock).read())
+        with pytest.raises(SchemaError, match="single-writer store.*--multi-writer"):
+            ReplayStore(path, multi_writer=True)
+        assert (os.stat(lock).st_mtime_ns, open(lock).read()) == before
+        writer.extend(batch_for(0, 1))  # the writer's lock is intact
+
+
+CONVERTING_WRITER = textwrap.dedent("""
+    import sys
+    from diskreplay import ReplayStore
+    from diskreplay.testing.workload import batch_for, token_for
+    with ReplayStore(sys.argv[1], multi_writer=True) as store:
+        store.extend(batch_for(7, 0), token=token_for(7, 0))
+        print("open", flush=True)
+        sys.stdin.readline()  # stays open (a live writer) until told to go
+        store.extend(batch_for(7, 1), token=token_for(7, 1))
+    print("closed", flush=True)
+""")
+
+
+def test_converting_to_one_writer_is_refused_while_another_writer_is_open(tmp_path):
+    """Writers of a multi-writer store hold LOCK shared; converting to one writer takes it exclusively.
+    Under a live writer a conversion would let its commits and the converter's replace each other
+    (a rename over a linked generation) and reuse the names it reserved ahead: refused, nothing changed."""
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True).close()
+    other = subprocess.Popen([sys.executable, "-c", CONVERTING_WRITER, path], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert other.stdout.readline().strip() == "open"
+        with ReplayStore(path) as store:
+            store.extend(batch_for(0, 0))
+            before = open(os.path.join(path, fmt.FORMAT_FILE), "rb").read()
+            with pytest.raises(StoreLockedError, match="other processes.*every other writer stopped"):
+                store.compact(multi_writer=False)
+            assert open(os.path.join(path, fmt.FORMAT_FILE), "rb").read() == before
+            store.extend(batch_for(0, 1))  # still a writer of many, its lock kept
+        other.stdin.write("go\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "closed" and other.wait(60) == 0
+    finally:
+        other.kill()
+    with ReplayStore(path) as store:  # every other writer stopped: converts
+        store.compact(multi_writer=False)
+        assert not store.multi_writer and check_rows(store, store.row_ids()) is None and len(store) == \
+            sum(len(batch_for(w, i)["tag"]) for w, i in ((7, 0), (7, 1), (0, 0), (0, 1)))
+        with pytest.raises(StoreLockedError):
+            ReplayStore(path)  # now the one writer's store
+    _ok(path)
+
+
 def test_conversion_both_ways_keeps_rows(tmp_path):
     path = str(tmp_path / "s")
     with ReplayStore(path) as store:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from ..errors import DiskReplayError, FormatError, SamplerError, SettingError
+from ..errors import ArgumentError, DiskReplayError, FormatError, SamplerError, SettingError
 from ..ragged import is_int as _is_int
 from .kernels import Ranges, merge_ranges
 
@@ -436,12 +436,15 @@ class Sampler:
     policy_version_key = Setting(lambda n, v: check_column(n, v), mutable=False)
 
     def __init__(self, seed: Any, policy_version_key: str, rank: Any = 0, world_size: Any = 1) -> None:
+        # a value of the wrong type is also a TypeError (ArgumentError), one out of range a ValueError
         if not _is_int(world_size) or world_size < 1:
-            raise SamplerError(f"world_size must be a positive integer, got {world_size!r}; pass the number of "
-                               "trainer ranks (torch.distributed.get_world_size())")
+            raise (SamplerError if _is_int(world_size) else ArgumentError)(
+                f"world_size must be a positive integer, got {world_size!r}; pass the number of trainer ranks "
+                "(torch.distributed.get_world_size())")
         if not _is_int(rank) or not 0 <= rank < world_size:
-            raise SamplerError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}; pass "
-                               "torch.distributed.get_rank()")
+            raise (SamplerError if _is_int(rank) else ArgumentError)(
+                f"rank must be an integer in [0, world_size={world_size}), got {rank!r}; pass "
+                "torch.distributed.get_rank()")
         self.rank, self.world_size = int(rank), int(world_size)
         self.seed = seed
         self.policy_version_key = policy_version_key

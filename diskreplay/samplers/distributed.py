@@ -14,13 +14,15 @@ from ..errors import SamplerError
 
 
 def _open_generation(store: Any, generation: int) -> Any:
+    """``generation`` of ``store`` pinned, opened with the store's own options (an ``s3://`` store's
+    storage options, its cache, ``verify_reads``): ``store.snapshot(generation)``."""
     snapshot = getattr(store, "snapshot", None)
     if snapshot is not None and store.generation == generation:
         return snapshot()
     try:
-        return type(store)(store.path, readonly=True, generation=generation)
+        return snapshot(generation)
     except TypeError as exc:
-        if "generation" not in str(exc):
+        if snapshot is not None and "generation" not in str(exc) and "positional" not in str(exc):
             raise
         raise SamplerError(f"agree_generation needs pinned snapshots (ReplayStore(path, readonly=True, "
                            f"generation=N) and store.snapshot()), which this {type(store).__name__} does not "
@@ -33,20 +35,27 @@ def agree_generation(store: Any, group: Optional[Any] = None) -> Any:
 
     With ``torch.distributed`` initialised, rank 0 (of ``group``) broadcasts
     ``store.generation`` and every rank opens that generation pinned
-    (``ReplayStore(path, readonly=True, generation=N)``), so samplers built
+    (``store.snapshot(N)``: with ``store``'s own options), so samplers built
     with the same seed and settings and ``rank=dist.get_rank()``,
     ``world_size=dist.get_world_size()`` draw disjoint slices of one global
     batch even while a writer keeps appending. Without ``torch.distributed``
     (one process) it pins the current generation. Close the snapshot when
     done (it is a context manager); call again to move to a newer generation.
 
-    Example (in a ``torchrun`` job)::
+    A :class:`PrioritizedSampler`'s ranks stay one global draw only while
+    their priorities agree: give every rank's ``update_priorities`` the
+    rows and values of all ranks (``dist.all_gather`` them), not its own.
 
-        with agree_generation(ReplayStore(path, readonly=True)) as snap:
-            rows = sampler.sample(snap, batch_size)
-
-    >>> agree_generation.__name__
-    'agree_generation'
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore, PromptGroupSampler
+    >>> store = ReplayStore(tempfile.mkdtemp())  # in a torchrun job: ReplayStore(path, readonly=True)
+    >>> _ = store.extend({"prompt_id": [1, 1, 2, 2]})
+    >>> with agree_generation(store) as snap:
+    ...     _ = store.extend({"prompt_id": [3, 3]})  # a writer goes on; the ranks' draws do not move
+    ...     rows = PromptGroupSampler(num_groups=1, rank=0, world_size=2, seed=0).sample(snap, 2)
+    ...     len(snap), sorted(set(snap.read(rows)["prompt_id"].tolist())) in ([1], [2])
+    (4, True)
+    >>> store.close()
     """
     generation = int(store.generation)
     try:

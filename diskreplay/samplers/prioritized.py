@@ -253,6 +253,11 @@ class PrioritizedSampler(Sampler):
         Rows already evicted are ignored; rows the sampler has not read yet keep
         the override until they are. O(k log N) for k rows.
 
+        With ranks (``rank=``/``world_size=``), every rank must make the same
+        updates, or their priorities, and so their draws, part ways: pass each
+        rank the rows and values of all ranks (``torch.distributed.all_gather``
+        of what each rank drew and computed), not only its own.
+
         >>> s = PrioritizedSampler(seed=0)
         >>> s.update_priorities([0, 1], [-2.0, 0.5])
         """

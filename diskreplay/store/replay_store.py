@@ -28,7 +28,7 @@ from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, crash_point, crc32c, fsync_dir
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
                       CorruptStoreError, OutputExistsError, ReadOnlyError, RowsEvictedError, SchemaError,
-                      StoreNotFoundError)
+                      StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
@@ -220,13 +220,21 @@ class ReplayStore:
                 raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
         elif not self.remote:
-            if not exists:
-                _refuse_foreign_path(self.path)
-            stored_multi = exists and fmt.StoreOptions.read(self.storage).multi_writer
-            if not (stored_multi or (not exists and multi_writer is True)):
-                os.makedirs(self.path, exist_ok=True)
-                self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
-                self._writer_lock.acquire()
+            try:
+                if not exists:
+                    _refuse_foreign_path(self.path)
+                else:  # before the lock: an open refused for its options changes nothing (not even LOCK)
+                    self.options = fmt.StoreOptions.read(self.storage)
+                    self._check_options(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
+            except BaseException:
+                self.close()
+                raise
+            stored_multi = exists and self.options.multi_writer
+            os.makedirs(self.path, exist_ok=True)
+            # one writer: exclusive; many: shared, which only a conversion to one writer conflicts with
+            self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE),
+                                           shared=stored_multi or (not exists and multi_writer is True))
+            self._writer_lock.acquire()
         try:
             for d in fmt.DATA_DIRS if not self.remote else ():
                 if os.path.islink(os.path.join(self.path, d)):
@@ -295,9 +303,13 @@ class ReplayStore:
         try:
             return fmt.read_manifest(self.storage, generation)
         except FileNotFoundError:
-            have = fmt.list_generations(self.storage)
-            raise StoreNotFoundError(f"generation {generation} of {self.path} is not retained (manifests kept: "
-                                    f"{sorted(have)}); pin a snapshot while it is current") from None
+            have = fmt.list_generations(self.storage)  # newest first
+            if have and generation > have[0]:
+                raise StoreNotFoundError(f"generation {generation} of {self.path} does not exist yet (the newest "
+                                         f"is {have[0]})") from None
+            kept = "none" if not have else f"{have[-1]}..{have[0]} ({len(have)} manifests)"
+            raise StoreNotFoundError(f"generation {generation} of {self.path} is not retained (generations kept: "
+                                     f"{kept}); pin a snapshot while it is current") from None
 
     def _check_options(self, capacity: Any, group_key: Any, capacity_bytes: Any, multi_writer: Any,
                        retain_seconds: Any) -> None:
@@ -459,10 +471,12 @@ class ReplayStore:
             out["cache"] = self.storage.cache_stats().to_dict()
         return out
 
-    def snapshot(self) -> "ReplayStore":
-        """A read-only store pinned at the current generation: it never refreshes, so every
-        read is of this commit (while its files are retained: ``retain_seconds`` in a
-        multi-writer store, ``KEEP_MANIFESTS`` commits otherwise). Picklable; a context manager.
+    def snapshot(self, generation: Optional[int] = None) -> "ReplayStore":
+        """A read-only store pinned at the current generation (or at ``generation``, while it is
+        retained), opened with this store's options (storage options, cache, ``verify_reads``):
+        it never refreshes, so every read is of this commit (while its files are retained:
+        ``retain_seconds`` in a multi-writer store, ``KEEP_MANIFESTS`` commits otherwise).
+        Picklable; a context manager.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -472,9 +486,8 @@ class ReplayStore:
         ...     len(snap), snap.refresh(), len(store)
         (2, False, 3)
         """
-        storage_options, cache_dir, cache_bytes = self._remote_args
-        return ReplayStore(self.path, readonly=True, generation=self.generation, verify_reads=self.verify_reads,
-                           storage_options=storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
+        return _reopen(self.path, self.generation if generation is None else generation, self.verify_reads,
+                       self._remote_args)
 
     @_locked
     def refresh(self) -> bool:
@@ -895,19 +908,38 @@ class ReplayStore:
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
         elif not self.remote:
-            self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE))
-            self._writer_lock.acquire()
+            self._lock(shared=False)
         o = self.options
         # inline groups stay once a store has them (its manifests may name some); converting to many
         # writers turns them on, as for a store created multi-writer
         options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer,
                                       inline_groups=o.inline_groups or multi_writer)
         options.write(storage)
-        if multi_writer and self._writer_lock is not None:
-            self._writer_lock.release()
-            self._writer_lock = None
+        if multi_writer and not self.remote:
+            self._lock(shared=True)
         self.options = options
         self._committer = self._make_committer(options)
+
+    def _lock(self, shared: bool) -> None:
+        """Hold LOCK shared (a writer of many) or exclusively (the one writer). Going exclusive is
+        refused while any other writer holds it: converting a store under live writers would let
+        their commits and this one's replace each other, and their reserved names collide."""
+        path = os.path.join(self.path, fmt.LOCK_FILE)
+        held, self._writer_lock = self._writer_lock, None
+        if held is not None:
+            held.release()
+        lock = WriterLock(path, shared=shared)
+        try:
+            lock.acquire()
+        except StoreLockedError:
+            if held is not None:  # keep what this writer had
+                held.acquire()
+                self._writer_lock = held
+            if shared:
+                raise
+            raise StoreLockedError(f"{self.path} is open for writing by other processes (they hold LOCK); "
+                                   "converting it needs every other writer stopped (and closed)") from None
+        self._writer_lock = lock
 
     def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
         """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
@@ -1605,7 +1637,12 @@ def _row_ids(rows: Any) -> np.ndarray:
     if ids.dtype.kind == "b":
         raise ArgumentError(f"rows is a boolean mask of {ids.size} entries; pass row ids: for a mask over the "
                             "live rows (as a sampler's eligible() returns) that is store.row_ids()[mask]")
-    raise ArgumentError(f"rows must be integer row ids, got {ids.dtype} values (e.g. {ids[0].item()!r}); ids are never "
+    if ids.dtype == object and all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+                                   for x in ids):
+        return ids.astype(np.int64)  # Python ints too large for one numpy type fail here, as they should
+    bad = next((x for x in ids if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_))), ids[0])
+    bad = bad.item() if isinstance(bad, np.generic) else bad
+    raise ArgumentError(f"rows must be integer row ids, got {ids.dtype} values (e.g. {bad!r:.40}); ids are never "
                         "rounded")
 
 
