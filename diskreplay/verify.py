@@ -23,7 +23,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import pyarrow as pa
 
@@ -51,7 +51,9 @@ def verify_store(path: Any, progress: bool = False, *, storage_options: Optional
     "checked_files", "checked_bytes"}``. ``ok`` is False exactly when there are
     problems: damaged, missing, hostile or inconsistent files, each named in
     its message. Unreferenced and temporary files are warnings (a crashed
-    writer leaves them; the next writer removes them). ``path`` may be
+    writer leaves them; the next writer removes them), unless they may be a
+    live writer's commit in flight: younger than this check (of a commit after
+    the manifest it checks) or, in a multi-writer store, than ``retain_seconds``. ``path`` may be
     ``s3://bucket/prefix`` (with ``storage_options``, or the ``AWS_*`` variables).
 
     >>> import tempfile
@@ -88,10 +90,17 @@ def _newest_generation(files: "_Files") -> int:
 
 def _verify_once(files: "_Files", progress: bool) -> "_Report":
     r = _Report(files)
+    started = time.time()
     if not files.is_store_dir():
         r.problem(f"{files.url} is not a directory")
         return r
     options = _check_format_file(r)
+    # files a live writer may still commit (or, with many writers, one its clean-up keeps) are not
+    # left-overs: younger than this check (it cannot see the commits made after its manifest), or
+    # with many writers younger than retain_seconds (commits in flight, orphans not yet due)
+    in_flight = float(SNAPSHOT_MARGIN_SECONDS)
+    if options is not None and options.multi_writer:
+        in_flight = float(options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS)
     manifests, damaged = _scan_manifests(r)
     newest = manifests[0] if manifests else None
     for gen, message in damaged:
@@ -132,8 +141,12 @@ def _verify_once(files: "_Files", progress: bool) -> "_Report":
                 problem = _check_size(r.files, rel, size)
                 if problem and r.files.exists(m.file):
                     r.warn(f"{problem} (referenced by the older {m.file})")
-    _scan_unreferenced(r, manifests)
+    _scan_unreferenced(r, manifests, lambda rel: r.files.age(rel) < max(in_flight, time.time() - started + 1.0))
     return r
+
+
+#: a file written this long before verify began may belong to a commit made after its manifest was read
+SNAPSHOT_MARGIN_SECONDS = 1.0
 
 
 def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force: bool = False, *,
@@ -278,6 +291,13 @@ class _Files:
     def where(self, rel: str) -> str:
         return os.path.join(self.url, rel)
 
+    def age(self, rel: str) -> float:
+        """Seconds since ``rel`` was last written (infinite for a file gone meanwhile)."""
+        try:
+            return time.time() - os.lstat(self.where(rel)).st_mtime
+        except FileNotFoundError:
+            return float("inf")
+
     def is_store_dir(self) -> bool:
         return os.path.isdir(self.url)
 
@@ -403,6 +423,12 @@ class _RemoteFiles(_Files):
 
     def where(self, rel: str) -> str:
         return f"{self.url}/{rel}" if rel else self.url
+
+    def age(self, rel: str) -> float:
+        try:
+            return self.storage.age(rel)
+        except FileNotFoundError:
+            return float("inf")
 
     def is_store_dir(self) -> bool:
         self.storage.check()  # a missing bucket or refused credentials: one clear error
@@ -725,7 +751,7 @@ def _referenced(manifests: Iterable[fmt.Manifest]) -> Set[str]:
     return out
 
 
-def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest]) -> None:
+def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest], in_flight: Callable[[str], bool]) -> None:
     referenced = _referenced(manifests)
     files = r.files
     for rel, is_dir in files.entries():
@@ -740,11 +766,13 @@ def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest]) -> None:
                 if is_dir and n:
                     r.warn(f"{path} holds {n} quarantined file(s) from an earlier repair")
             elif name.startswith(TMP_PREFIX):
-                r.warn(f"{path} is a temporary file left by an interrupted write")
+                if not in_flight(rel):
+                    r.warn(f"{path} is a temporary file left by an interrupted write")
             elif name not in _ROOT_NAMES:
                 r.warn(f"{path} is not part of a diskreplay store")
             continue
-        if rel in referenced:
+        if rel in referenced or not is_dir and (name.startswith(TMP_PREFIX) or not files.is_link(rel)) \
+                and in_flight(rel):
             continue
         if name.startswith(TMP_PREFIX):
             r.warn(f"{path} is a temporary file left by an interrupted write")

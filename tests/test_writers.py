@@ -852,3 +852,21 @@ def test_a_merge_reads_another_writer_s_segments_whole_and_refuses_a_damaged_one
         a.compact()
         assert len(a.manifest.segments) == 1
         assert check_rows(a, a.row_ids()) is None
+
+
+def test_verify_does_not_report_the_files_of_commits_in_flight(tmp_path):
+    """On a live store verify sees files of commits made after the manifest it checks, and (many
+    writers) files of commits in flight: not left-overs. Older than retain_seconds they are."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=240) as store:
+        store.extend(batch_for(0, 0))
+    fresh = [fmt.segment_file(900), f"{fmt.SEGMENT_DIR}/.tmp-staged.x", f"{fmt.MANIFEST_DIR}/.tmp-staged.y"]
+    for rel in fresh:
+        with open(os.path.join(path, rel), "wb") as f:
+            f.write(b"in flight")
+    report = _ok(path)
+    assert report["warnings"] == [], report["warnings"]
+    for rel in fresh:  # past retain_seconds: an orphan of a dead writer, which clean-up takes
+        os.utime(os.path.join(path, rel), (time.time() - 300, time.time() - 300))
+    report = _ok(path)
+    assert all(any(os.path.basename(rel) in w for w in report["warnings"]) for rel in fresh), report["warnings"]
