@@ -255,7 +255,8 @@ def cmd_import(args: argparse.Namespace) -> int:
                                split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
 
     res = _import_remote(args, lambda tmp: run(tmp, False)) if _remote(args) else run(args.path)
-    text = (f"imported {res['rows']:,} row{'' if res['rows'] == 1 else 's'} from {args.src} ({res['format']}) into {res['path']}; "
+    rows = f"{res['rows']:,} row{'' if res['rows'] == 1 else 's'}"
+    text = (f"imported {rows} from {args.src} ({res['format']}) into {res['path']}; "
             f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
     if res.get("skipped"):
         n = res["skipped"]

@@ -381,7 +381,8 @@ def test_stores_of_either_version_read_bit_exactly_with_the_other(tmp_path, writ
             for c in range({replay_store.INDEX_TAIL_SEGMENTS + 3}):
                 ids = np.arange(c * 16, c * 16 + 16)
                 s.extend({{"prompt_id": ids // 4, "rewards": (ids * 0.5).astype(np.float32),
-                          "completion_ids": [np.arange(int(rng.integers(0, 30)), dtype=np.int32) + 2 * i for i in ids]}})
+                          "completion_ids": [np.arange(int(rng.integers(0, 30)), dtype=np.int32) + 2 * i
+                                             for i in ids]}})
     """
     _run(previous if writer == "previous" else ROOT, fill_code, path)
     with ReplayStore(path, readonly=True) as store:

@@ -768,6 +768,7 @@ def test_jsonl_writes_null_for_non_finite_floats_and_import_names_it(tmp_path, m
     rows = [json.loads(line, parse_constant=strict) for line in open(out, encoding="utf-8")]
     assert rows[0]["old_per_token_logps"][1] is None and rows[0]["rewards"] is None
     assert np.float32(rows[0]["old_per_token_logps"][0]) == np.float32(-0.1) and rows[1]["rewards"] == 1.0
-    with pytest.raises(ExportError, match=r"o.jsonl:1: column 'old_per_token_logps' position 1 is null.*JSON has no NaN"):
+    with pytest.raises(ExportError, match=r"o.jsonl:1: column 'old_per_token_logps' position 1 is null.*JSON "
+                                          r"has no NaN"):
         import_rollouts(out, str(tmp_path / "back"))
     assert not os.path.exists(os.path.join(tmp_path, "back", "FORMAT.json"))
