@@ -201,12 +201,27 @@ def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict
     except (CorruptStoreError, FormatError):
         multi = False  # run() reports the damaged FORMAT.json
     if multi or files.remote:  # an object store has no lock: a live writer is told by its recent commits
+        if not files.remote:
+            # the writers of a local multi-writer store hold LOCK shared: any of them still open (idle
+            # or not) is certain, and holding LOCK exclusively keeps new ones out while repair runs
+            lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
+            try:
+                lock.acquire()
+            except StoreLockedError:
+                raise StoreLockedError(f"{root} is a multi-writer store that writers have open (they hold LOCK); "
+                                       "repair refuses a store with live writers: stop them all and run repair "
+                                       "again") from None
         age = files.youngest_activity()
         if age < LIVE_SECONDS and not force:
+            if lock is not None:
+                lock.release()
             kind = "a multi-writer store" if multi else "a store on object storage (which has no lock)"
             raise StoreLockedError(f"{root} is {kind} that was written {age:.0f} s ago; repair "
                                    f"refuses a store with live writers: stop them all and run repair again, or pass "
                                    f"--force (force=True) if none is running")
+        if dry_run and lock is not None:
+            lock.release()
+            lock = None
     else:
         lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
         try:

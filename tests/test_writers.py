@@ -550,6 +550,17 @@ def test_repair_refuses_a_store_with_a_live_writer(tmp_path):
     with pytest.raises(StoreLockedError, match="--force"):
         repair_store(multi)
     assert repair_store(multi, force=True)["rows"] == len(batch_for(0, 0)["tag"])
+    # a writer that is open but idle (no commit for minutes) holds LOCK shared: even --force is refused
+    with ReplayStore(multi) as idle:
+        old = time.time() - 600
+        for d, _, names in os.walk(multi):
+            for name in names:
+                os.utime(os.path.join(d, name), (old, old))
+        for dry_run in (True, False):
+            with pytest.raises(StoreLockedError, match="writers have open"):
+                repair_store(multi, dry_run=dry_run, force=True)
+        idle.extend(batch_for(0, 1))  # untouched, still a writer
+    assert repair_store(multi, dry_run=True, force=True)["actions"] == []  # closed: nothing holds LOCK
 
 
 # --------------------------------------------------------------------------- processes, SIGKILL
