@@ -195,22 +195,18 @@ def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict
     root = files.url
     if not files.exists(fmt.FORMAT_FILE):
         raise StoreNotFoundError(f"no diskreplay store at {root} (no {fmt.FORMAT_FILE})")
-    lock = None
     try:
         multi = fmt.StoreOptions.read(files.root).multi_writer
     except (CorruptStoreError, FormatError):
         multi = False  # run() reports the damaged FORMAT.json
+    # a local store's writers hold LOCK (one exclusively; many shared): any of them still open, idle or
+    # not, is certain, and holding LOCK exclusively keeps new ones out while repair runs
+    lock = None if files.remote else _repair_lock(
+        files, f"{root} is a multi-writer store that writers have open (they hold LOCK); repair refuses a store "
+               "with live writers: stop them all and run repair again" if multi else
+               f"{root} is open for writing by another process (it holds LOCK); repair refuses a store with a "
+               "live writer: close it (stop the run) and repair again")
     if multi or files.remote:  # an object store has no lock: a live writer is told by its recent commits
-        if not files.remote:
-            # the writers of a local multi-writer store hold LOCK shared: any of them still open (idle
-            # or not) is certain, and holding LOCK exclusively keeps new ones out while repair runs
-            lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
-            try:
-                lock.acquire()
-            except StoreLockedError:
-                raise StoreLockedError(f"{root} is a multi-writer store that writers have open (they hold LOCK); "
-                                       "repair refuses a store with live writers: stop them all and run repair "
-                                       "again") from None
         age = files.youngest_activity()
         if age < LIVE_SECONDS and not force:
             if lock is not None:
@@ -219,25 +215,24 @@ def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict
             raise StoreLockedError(f"{root} is {kind} that was written {age:.0f} s ago; repair "
                                    f"refuses a store with live writers: stop them all and run repair again, or pass "
                                    f"--force (force=True) if none is running")
-        if dry_run and lock is not None:
-            lock.release()
-            lock = None
-    else:
-        lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
-        try:
-            lock.acquire()
-        except StoreLockedError:
-            raise StoreLockedError(f"{root} is open for writing by another process (it holds LOCK); repair "
-                                   "refuses a store with a live writer: close it (stop the run) and repair "
-                                   "again") from None
-        if dry_run:
-            lock.release()
-            lock = None
+    if dry_run and lock is not None:
+        lock.release()
+        lock = None
     try:
         return _Repair(files, dry_run, progress).run()
     finally:
         if lock is not None:
             lock.release()
+
+
+def _repair_lock(files: "_Files", refusal: str) -> WriterLock:
+    """LOCK of the local store ``files``, held exclusively; ``StoreLockedError(refusal)`` while a writer holds it."""
+    lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
+    try:
+        lock.acquire()
+    except StoreLockedError:
+        raise StoreLockedError(refusal) from None
+    return lock
 
 
 LIVE_SECONDS = 60
