@@ -364,6 +364,7 @@ class WriterLock:
         self.path = path
         self.shared = shared
         self._fd: Optional[int] = None
+        self._pid = 0  # the process that took it
 
     def acquire(self) -> None:
         try:
@@ -385,6 +386,7 @@ class WriterLock:
             if self.shared and exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 return  # a filesystem without flock (NFS without a lock manager): many writers need none
             raise
+        self._pid = os.getpid()
         if self.shared:  # many holders: no pid to record
             self._fd = fd
             return
@@ -405,7 +407,10 @@ class WriterLock:
         if fd is None:
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            # a forked child shares the parent's open file and so its flock: unlocking there would
+            # unlock the parent; closing the child's descriptor leaves the parent's lock alone
+            if self._pid == os.getpid():
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             # closing drops the flock even when the unlock failed; Linux frees the
             # descriptor even when close() itself reports an error, so never keep it

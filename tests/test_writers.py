@@ -881,3 +881,27 @@ def test_verify_does_not_report_the_files_of_commits_in_flight(tmp_path):
         os.utime(os.path.join(path, rel), (time.time() - 300, time.time() - 300))
     report = _ok(path)
     assert all(any(os.path.basename(rel) in w for w in report["warnings"]) for rel in fresh), report["warnings"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_closing_the_store_keeps_the_parent_s_lock(tmp_path):
+    """A child forked from a writer shares its LOCK's open file, so unlocking there would unlock the
+    parent: the child's close only closes its descriptor, and the parent stays the locked writer."""
+    for multi in (False, True):
+        path = str(tmp_path / f"s{int(multi)}")
+        with ReplayStore(path, multi_writer=multi) as store:
+            store.extend(batch_for(0, 0))
+            pid = os.fork()
+            if pid == 0:  # the child: close the inherited store and leave at once
+                try:
+                    store.close()
+                finally:
+                    os._exit(0)
+            assert os.waitpid(pid, 0)[1] == 0
+            if multi:  # another writer may not convert the store under this one
+                with ReplayStore(path) as other, pytest.raises(StoreLockedError, match="other processes"):
+                    other.compact(multi_writer=False)
+            else:  # nor may a second single writer open it
+                with pytest.raises(StoreLockedError, match="already open for writing"):
+                    ReplayStore(path)
+            store.extend(batch_for(0, 1))
