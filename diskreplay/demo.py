@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from . import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplayStore, collate)
+from .format import FORMAT_FILE
 from .synthetic import rollout_stream
 
 _REOPEN = textwrap.dedent("""
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
                 f"got {args.groups}")
     if args.dir is not None:
         path = os.path.join(args.dir, "store")
-        if os.path.lexists(path) and not os.path.exists(os.path.join(path, "FORMAT.json")) \
+        if os.path.lexists(path) and not os.path.exists(os.path.join(path, FORMAT_FILE)) \
                 and not (os.path.isdir(path) and not os.listdir(path)):
             p.error(f"{path} exists and is not a diskreplay store; the demo replaces only a store of its own "
                     "(pass another --dir)")

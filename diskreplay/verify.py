@@ -98,9 +98,9 @@ def _verify_once(files: "_Files", progress: bool) -> "_Report":
     # files a live writer may still commit (or, with many writers, one its clean-up keeps) are not
     # left-overs: younger than this check (it cannot see the commits made after its manifest), or
     # with many writers younger than retain_seconds (commits in flight, orphans not yet due)
-    in_flight = float(SNAPSHOT_MARGIN_SECONDS)
+    kept = 0.0
     if options is not None and options.multi_writer:
-        in_flight = float(options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS)
+        kept = float(options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS)
     manifests, damaged = _scan_manifests(r)
     newest = manifests[0] if manifests else None
     for gen, message in damaged:
@@ -141,7 +141,8 @@ def _verify_once(files: "_Files", progress: bool) -> "_Report":
                 problem = _check_size(r.files, rel, size)
                 if problem and r.files.exists(m.file):
                     r.warn(f"{problem} (referenced by the older {m.file})")
-    _scan_unreferenced(r, manifests, lambda rel: r.files.age(rel) < max(in_flight, time.time() - started + 1.0))
+    _scan_unreferenced(r, manifests, lambda rel: r.files.age(rel) < max(kept, time.time() - started
+                                                                         + SNAPSHOT_MARGIN_SECONDS))
     return r
 
 
@@ -781,8 +782,7 @@ def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest], in_flight: Cal
             elif name not in _ROOT_NAMES:
                 r.warn(f"{path} is not part of a diskreplay store")
             continue
-        if rel in referenced or not is_dir and (name.startswith(TMP_PREFIX) or not files.is_link(rel)) \
-                and in_flight(rel):
+        if rel in referenced or not is_dir and not files.is_link(rel) and in_flight(rel):
             continue
         if name.startswith(TMP_PREFIX):
             r.warn(f"{path} is a temporary file left by an interrupted write")

@@ -17,17 +17,12 @@ def _open_generation(store: Any, generation: int) -> Any:
     """``generation`` of ``store`` pinned, opened with the store's own options (an ``s3://`` store's
     storage options, its cache, ``verify_reads``): ``store.snapshot(generation)``."""
     snapshot = getattr(store, "snapshot", None)
-    if snapshot is not None and store.generation == generation:
-        return snapshot()
-    try:
-        return snapshot(generation)
-    except TypeError as exc:
-        if snapshot is not None and "generation" not in str(exc) and "positional" not in str(exc):
-            raise
+    if snapshot is None:
         raise SamplerError(f"agree_generation needs pinned snapshots (ReplayStore(path, readonly=True, "
                            f"generation=N) and store.snapshot()), which this {type(store).__name__} does not "
                            "offer; upgrade diskreplay, or make every rank sample from one read-only store that "
-                           "no writer changes") from None
+                           "no writer changes")
+    return snapshot(generation)
 
 
 def agree_generation(store: Any, group: Optional[Any] = None) -> Any:

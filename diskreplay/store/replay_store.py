@@ -1637,11 +1637,11 @@ def _row_ids(rows: Any) -> np.ndarray:
     if ids.dtype.kind == "b":
         raise ArgumentError(f"rows is a boolean mask of {ids.size} entries; pass row ids: for a mask over the "
                             "live rows (as a sampler's eligible() returns) that is store.row_ids()[mask]")
-    if ids.dtype == object and all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-                                   for x in ids):
-        return ids.astype(np.int64)  # Python ints too large for one numpy type fail here, as they should
-    bad = next((x for x in ids if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_))), ids[0])
-    bad = bad.item() if isinstance(bad, np.generic) else bad
+    at = next((i for i, x in enumerate(ids) if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_))),
+              None)
+    if at is None:  # Python ints of an object array (too large for int64: an error here, as it should be)
+        return ids.astype(np.int64)
+    bad = ids[at].item() if isinstance(ids[at], np.generic) else ids[at]
     raise ArgumentError(f"rows must be integer row ids, got {ids.dtype} values (e.g. {bad!r:.40}); ids are never "
                         "rounded")
 
