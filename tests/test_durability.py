@@ -427,6 +427,8 @@ from diskreplay import ReplayStore
 from diskreplay.store import MERGE_FANIN
 path, step, multi = sys.argv[1:4]
 store = ReplayStore(path, multi_writer=multi == "multi")
+if multi == "multi":  # every commit a delta: a checkpoint's full manifest would be a second "manifest.written"
+    store._committer._checkpoint_at = 1 << 30  # in the append itself, at a depth each writer draws at random
 for b in range(MERGE_FANIN):
     if b == MERGE_FANIN - 1:
         os.environ["DISKREPLAY_CRASH_AT"] = step + "#2"  # the 1st hit is the append's own, the 2nd the merge's
