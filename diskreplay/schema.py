@@ -322,7 +322,8 @@ def _ragged_from_list(name: str, rows: list) -> _Ragged:
         values = np.concatenate(rows) if rows else None
     except (ValueError, TypeError, RuntimeError):
         values = None
-    if values is not None and values.dtype.kind == "f" and any(type(r) is list and not r for r in rows):
+    if (values is not None and values.dtype.kind == "f" and list in set(map(type, rows))
+            and any(type(r) is list and not r for r in rows)):
         values = None  # numpy makes [] float64, which would turn integer rows beside it into floats
     if values is not None and values.ndim == 1 and values.dtype.kind in "iubf":
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -786,8 +787,8 @@ def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
     if v.dtype.kind not in "f" and v.size:
         raise BatchError(f"column {spec.name!r} holds {v.dtype} values; expected floats (e.g. log-probs)")
     out = v.astype(np.float32, copy=False)
-    # a NaN anywhere makes the sum NaN (so can inf - inf: then look closer)
-    if out.size and np.isnan(np.add.reduce(out, dtype=np.float64)):
+    # a NaN anywhere makes the sum NaN (so can inf - inf: then look closer; an overflow only makes it inf)
+    if out.size and np.isnan(np.add.reduce(out)):
         nan = np.isnan(out)
         if nan.any():
             bad = int(np.argmax(nan))
