@@ -86,6 +86,22 @@ class ReadOnlyError(DiskReplayError, PermissionError):
     """
 
 
+class StoreClosedError(ReadOnlyError, ValueError):
+    """The store was used after ``close()`` (like a closed file: a ``ValueError``; and, for a
+    write, the ``ReadOnlyError`` it always was). Open it again to use it.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> store.close()
+    >>> try:
+    ...     store.read([0])
+    ... except StoreClosedError as exc:
+    ...     print("refused:", str(exc).endswith("is closed; open it again to use it"))
+    refused: True
+    """
+
+
 class RowsEvictedError(DiskReplayError, IndexError):
     """Rows were asked for that are not (or no longer) in the store.
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from diskreplay import (BatchError, CorruptStoreError, ReadOnlyError, ReplayStore, RowsEvictedError,
-                        SchemaError, StoreLockedError)
+                        SchemaError, StoreClosedError, StoreLockedError)
 from diskreplay.synthetic import make_rollouts
 
 from .conftest import assert_rows_equal
@@ -141,6 +141,53 @@ def test_read_spanning_segments_in_any_order(store):
 
 
 # --------------------------------------------------------------------------- reopen, capacity, groups
+
+@pytest.mark.parametrize("kind", ["writer", "multi-writer", "readonly"])
+def test_a_closed_store_refuses_every_use_and_close_stays_idempotent(tmp_path, kind):
+    """Like a closed file: reads, refreshes, snapshots, states and appends after ``close()`` raise
+    ``StoreClosedError`` (a ``ValueError``; a write's is the ``ReadOnlyError`` it always was)
+    rather than quietly reopening the files the close released."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=kind == "multi-writer") as w:
+        w.extend(make_rollouts(2, 4, seed=0))
+        w.save_state("sampler", {"step": 1})
+    store = ReplayStore(path, readonly=kind == "readonly") if kind != "multi-writer" else \
+        ReplayStore(path, multi_writer=True)
+    assert len(store.read([0, 7])["prompt_id"]) == 2
+    store.close()
+    uses = {"read": lambda: store.read([0]), "read_ranges": lambda: store.read_ranges([0]),
+            "prefetch": lambda: store.prefetch([0]), "refresh": store.refresh, "snapshot": store.snapshot,
+            "group_index": store.group_index, "load_state": lambda: store.load_state("sampler"),
+            "committed_rows": lambda: store.committed_rows("t"),
+            "extend": lambda: store.extend(make_rollouts(1, 4, seed=1))}
+    for name, use in uses.items():
+        with pytest.raises(StoreClosedError, match="is closed; open it again") as info:
+            use()
+        assert isinstance(info.value, ValueError) and isinstance(info.value, ReadOnlyError), name
+    store.close()  # idempotent
+    assert len(store) == 8  # what was held stays readable as plain attributes
+    with ReplayStore(path, readonly=True) as again:
+        assert len(again) == 8 and again.load_state("sampler") == {"step": 1}
+
+
+@pytest.mark.parametrize("multi_writer", [False, True])
+def test_a_reader_of_a_commit_before_the_first_row_has_no_columns(tmp_path, multi_writer):
+    """Generation 0 (pinned, or a follower opened before the first append) lists the columns of no
+    commit of its own: not the schema a later first append fixed on storage; a refresh brings them."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=multi_writer) as w:
+        follower = ReplayStore(path, readonly=True)
+        w.extend({"prompt_id": [1, 2], "rewards": [0.5, 1.0]})
+        w.extend({"prompt_id": [3], "rewards": [0.25], "completion_ids": [np.array([4, 5])]})
+        assert follower.columns == [] and follower.schema is None and follower.num_groups == 0
+        assert follower.refresh() and follower.columns == ["prompt_id", "rewards", "completion_ids"]
+        follower.close()
+    seen = {}
+    for generation in (0, 1, 2):
+        with ReplayStore(path, readonly=True, generation=generation) as pinned:
+            seen[generation] = (len(pinned), pinned.columns)
+    assert seen == {0: (0, []), 1: (2, ["prompt_id", "rewards"]), 2: (3, ["prompt_id", "rewards", "completion_ids"])}
+
 
 def test_reopen_in_fresh_process(tmp_path):
     path = tmp_path / "s"

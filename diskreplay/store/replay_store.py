@@ -28,7 +28,7 @@ from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, crash_point, crc32c, fsync_dir
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
                       CorruptStoreError, OutputExistsError, ReadOnlyError, RowsEvictedError, SchemaError,
-                      StoreLockedError, StoreNotFoundError)
+                      StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
@@ -80,10 +80,12 @@ Column = Union[RaggedColumn, np.ndarray, List[str], None]
 
 
 def _locked(method):
-    """Run a method under the store's re-entrant lock (a loader thread reads while the trainer appends)."""
+    """Run a method under the store's re-entrant lock (a loader thread reads while the trainer appends);
+    refused once the store is closed."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self.lock:
+            self._require_open()
             return method(self, *args, **kwargs)
     return wrapper
 
@@ -343,9 +345,13 @@ class ReplayStore:
                             "store where it is needed")
         return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads, self._remote_args)
 
-    @_locked
     def close(self) -> None:
-        """Make owed durability good, release the writer lock and the memory maps. Idempotent."""
+        """Make owed durability good, release the writer lock and the memory maps. Idempotent; a
+        closed store refuses further use (:class:`~diskreplay.errors.StoreClosedError`)."""
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         committer, self._committer = self._committer, None
         try:
             if committer is not None:
@@ -402,6 +408,10 @@ class ReplayStore:
         return self._schema_of(self.manifest, self.options)
 
     def _schema_of(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> Optional[Schema]:
+        if self.readonly and not manifest.next_row:
+            # a reader of a commit before the first row (generation 0, pinned or not): a schema
+            # on storage is a later commit's (or a first append's that crashed), not this one's
+            return None
         if not manifest.late_columns:
             return options.schema
         hit = getattr(self, "_late_schema", None)
@@ -486,6 +496,7 @@ class ReplayStore:
         ...     len(snap), snap.refresh(), len(store)
         (2, False, 3)
         """
+        self._require_open()
         return _reopen(self.path, self.generation if generation is None else generation, self.verify_reads,
                        self._remote_args)
 
@@ -543,11 +554,14 @@ class ReplayStore:
 
     # ------------------------------------------------------------------ writing
 
+    def _require_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.path} is closed; open it again to use it")
+
     def _require_writer(self) -> None:
+        self._require_open()
         if self.readonly:
             raise ReadOnlyError(f"{self.path} is open read-only; open it without readonly=True to write")
-        if self._committer is None:
-            raise ReadOnlyError(f"{self.path} is closed")
 
     def _catch_up(self) -> None:
         """Multi-writer: adopt the newest commit of any writer before planning a new one."""
