@@ -443,8 +443,9 @@ class ReplayLoader:
     ``sampler.sample`` (see :meth:`diskreplay.samplers.Sampler.eligible`). A read-only store is refreshed
     before every draw (it follows a live writer). ``state_dict()`` is the
     sampler's state after the last batch the consumer received;
-    ``state_name`` names where :meth:`save_state` keeps it in the store, and
-    the constructor restores it when the store has it. An exception in the
+    ``state_name`` names where :meth:`save_state` keeps it in the store: the
+    constructor restores it when the store has it, and :meth:`close` (the end
+    of a ``with`` block) saves it. An exception in the
     worker is re-raised (the same exception object, carrying the worker's
     traceback and a note) by the ``__next__`` that would have returned the
     batch it spoiled, and by every call after. Close with :meth:`close` or a
@@ -563,24 +564,30 @@ class ReplayLoader:
                 break
         return ended
 
-    def close(self) -> None:
-        """Stop the worker thread (promptly, even while it waits on a full queue). Idempotent.
+    def close(self, save: bool = True) -> None:
+        """Stop the worker thread (promptly, even while it waits on a full queue) and, with a
+        ``state_name``, ``save=True`` and a store open for writing, :meth:`save_state`. Idempotent.
 
         The sampler is rewound to :meth:`state_dict` (the state after the last
-        batch received), so batches built ahead are not lost from its stream.
-        Batches already received stay valid.
+        batch received), so batches built ahead are not lost from its stream,
+        and a loader made with the same ``state_name`` after a restart
+        continues it. Batches already received stay valid. A ``with`` block
+        that ends in an exception keeps the state saved before it (the
+        batch in hand may not have been trained on).
         """
         if self._closed:
             return
         self._closed = True
         if self._stop(_JOIN_S):
             self.sampler.load_state_dict(self.state_dict())
+        if save and self.state_name is not None and not self.store.readonly and not self.store.closed:
+            self.save_state()
 
     def __enter__(self) -> "ReplayLoader":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(save=exc_type is None)
 
     def __iter__(self) -> "ReplayLoader":
         return self

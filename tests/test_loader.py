@@ -419,6 +419,44 @@ def test_resume_in_a_new_process_state(path, kind):
     assert len(got) == m
 
 
+@pytest.mark.parametrize("kind", sorted(SAMPLERS))
+def test_closing_saves_the_state_so_a_restart_continues_the_stream(path, kind):
+    # README's SSR example saves nothing by hand: the end of the with block must
+    with ReplayStore(path, readonly=True) as ro:
+        want = reference(ro, SAMPLERS[kind](11), 5)
+    with ReplayStore(path) as s:
+        with ReplayLoader(s, SAMPLERS[kind](11), BATCH, PAD, state_name="ld") as loader:
+            next(loader), next(loader)
+            time.sleep(0.05)  # drawn ahead: not part of the saved state
+        generation = s.generation
+    with ReplayStore(path) as s:
+        assert s.load_state("ld") is not None
+        with pytest.raises(RuntimeError, match="consumer failed"):
+            with ReplayLoader(s, SAMPLERS[kind](99), BATCH, PAD, state_name="ld") as loader:
+                next(loader)
+                raise RuntimeError("consumer failed")
+        assert s.generation == generation  # an error in the block keeps the state saved before it
+    with ReplayStore(path) as s:
+        with ReplayLoader(s, SAMPLERS[kind](99), BATCH, PAD, state_name="ld", num_batches=3) as loader:
+            got = [cloned(b) for b in loader]
+    for g, w in zip(got, want[2:]):
+        assert_batch_equal(g, w)
+
+
+def test_closing_a_loader_of_a_closed_or_read_only_store_saves_nothing(path):
+    with ReplayStore(path, readonly=True) as ro:
+        with ReplayLoader(ro, RandomSampler(seed=0), BATCH, PAD, state_name="ld") as loader:
+            next(loader)
+        assert ro.load_state("ld") is None
+    s = ReplayStore(path)
+    loader = ReplayLoader(s, RandomSampler(seed=0), BATCH, PAD, state_name="ld")
+    next(loader)
+    s.close()
+    loader.close()  # nothing to save into: no error
+    with ReplayStore(path, readonly=True) as ro:
+        assert ro.load_state("ld") is None
+
+
 def test_load_state_dict_mid_stream(store):
     with ReplayLoader(store, PromptGroupSampler(num_groups=4, seed=2), BATCH, PAD) as loader:
         for _ in range(3):

@@ -369,6 +369,17 @@ class ReplayStore:
             if self.remote:
                 self.storage.close()
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (like a file's ``closed``).
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> store.close(); store.closed
+        True
+        """
+        return self._closed
+
     def __len__(self) -> int:
         return self.manifest.num_rows
 
