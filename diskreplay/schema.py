@@ -19,7 +19,11 @@ Column kinds:
 In the TRL layout a 2-D column is per-token when it has the shape of
 ``completion_ids`` (or, for ``prompt_*`` names, of ``prompt_ids``) or when its
 name says so (contains ``logp``, ``logprob`` or ``token``); any other 2-D
-column (and any whose name contains ``reward``) is a per-row vector.
+column (and any whose name contains ``reward``) is a per-row vector. Once a
+store has the column, its schema decides (a vector column stays one in a batch
+whose completions happen to be as wide); to make a first batch's per-row vector
+as wide as its ids one, pass it as an Arrow ``fixed_size_list`` column, or
+name it ``..._reward...``.
 """
 
 from __future__ import annotations
@@ -644,7 +648,7 @@ def _lengths(r: _Ragged) -> np.ndarray:
     return np.diff(r.offsets)
 
 
-def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
+def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) -> Tuple[int, Dict[str, _Column]]:
     batch = _from_arrow(batch)
     if not isinstance(batch, Mapping):
         raise BatchError(f"a batch must be a mapping of column name to values, got {type(batch).__name__}")
@@ -706,8 +710,12 @@ def _parse_columns(batch: Mapping[str, Any]) -> Tuple[int, Dict[str, _Column]]:
                 raise BatchError(f"column {name!r} has shape {v.shape}; at most 2 dimensions are supported")
             ref = PROMPT_IDS if name.startswith("prompt_") else COMPLETION_IDS
             own_ids = name in (PROMPT_IDS, COMPLETION_IDS) or name in bool_masks
-            is_token = own_ids or _name_says_token(name) or (
-                ref in ids_shape and v.shape == ids_shape[ref] and "reward" not in name.lower())
+            known = schema.columns.get(name) if schema is not None else None
+            if known is not None and not own_ids:
+                is_token = known.kind == RAGGED  # the store settled it (a vector may be as wide as the ids)
+            else:
+                is_token = own_ids or _name_says_token(name) or (
+                    ref in ids_shape and v.shape == ids_shape[ref] and "reward" not in name.lower())
             if is_token:
                 if own_ids:
                     mask, col_align = bool_masks.get(name), None
@@ -896,7 +904,7 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
             _check_token_ids(record)
             return record, schema
     parsed = _arrow_columns(arrow, schema) if arrow is not None else None
-    n, cols = parsed if parsed is not None else _parse_columns(batch)
+    n, cols = parsed if parsed is not None else _parse_columns(batch, schema)
     if group_key is not None:
         if group_key not in cols:
             raise BatchError(f"the batch has no group key column {group_key!r}; every row needs its "

@@ -1,6 +1,9 @@
 """schema: what extend accepts as token ids (issue 12 item 8: float or string ids were stored as such)."""
 
+import tempfile
+
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -69,7 +72,10 @@ def test_writers_and_readers_never_import_pandas(tmp_path):
 
     code = f"""
 import sys
+import tempfile
+
 import numpy as np
+import pyarrow as pa
 from diskreplay import ReplayStore
 store = ReplayStore({str(tmp_path / 's')!r}, multi_writer=True)
 batch = {{"prompt_id": np.array([1, 1, 2]), "completion_ids": [np.array([1, 2]), np.array([3]), np.array([4])],
@@ -139,3 +145,31 @@ def test_a_negative_token_id_is_refused_naming_row_and_position(tmp_path):
     store.extend({"prompt_id": [1], "completion_ids": torch.tensor([[5, -100]]),
                   "completion_mask": torch.tensor([[1, 0]])})
     assert store.read([1], ["completion_ids"])["completion_ids"][0].tolist() == [5]
+
+
+def test_a_stored_vector_column_stays_a_vector_when_the_completions_are_as_wide():
+    # a per-row vector of width 3 beside completions padded to 3 is not per-token once the store says so
+    import torch
+    from diskreplay import ReplayStore
+
+    def batch(width):
+        ids = torch.ones(2, width, dtype=torch.long)
+        mask = torch.ones(2, width, dtype=torch.long)
+        mask[1, 1:] = 0
+        return {"prompt_id": torch.tensor([0, 0]), "completion_ids": ids, "completion_mask": mask,
+                "judge_scores": torch.tensor([[.1, .2, .3], [.4, .5, .6]])}
+
+    with tempfile.TemporaryDirectory() as d:
+        store = ReplayStore(d)
+        store.extend(batch(5))
+        assert store.schema["judge_scores"].kind == "vector"
+        assert store.extend(batch(3)).tolist() == [2, 3]
+        np.testing.assert_array_equal(store.read([3])["judge_scores"], np.float32([[.4, .5, .6]]))
+        store.close()
+    with tempfile.TemporaryDirectory() as d:  # a first batch settles it with an Arrow fixed_size_list
+        store = ReplayStore(d)
+        scores = pa.FixedSizeListArray.from_arrays(pa.array([.1, .2, .3, .4, .5, .6], pa.float32()), 3)
+        store.extend(pa.table({"prompt_id": [0, 0], "completion_ids": [[1, 2, 3], [1]], "judge_scores": scores}))
+        store.extend(batch(3))
+        np.testing.assert_array_equal(store.read([3])["judge_scores"], np.float32([[.4, .5, .6]]))
+        store.close()
