@@ -32,6 +32,8 @@ GROUPS_DIR = "groups"
 STATE_DIR = "state"
 TOKENS_DIR = "tokens"
 DATA_DIRS = (MANIFEST_DIR, SEGMENT_DIR, GROUPS_DIR, STATE_DIR, TOKENS_DIR)
+#: where repair (and a writer opening a store without any manifest) moves files instead of deleting them
+QUARANTINE_DIR = "quarantine"
 
 STORE_FORMAT = "diskreplay"
 MANIFEST_FORMAT = "diskreplay.manifest"

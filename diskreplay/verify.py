@@ -37,7 +37,7 @@ from .store.storage import LocalStorage
 from .segment import (_META_BUFFERS, ArrowFile, PageChecksums, Segment, buffer_ranges, decode_state, encode_ipc,
                       field_buffers, group_sidecar, has_page_checksums, inline_group, segment_local_rows)
 
-QUARANTINE_DIR = "quarantine"
+QUARANTINE_DIR = fmt.QUARANTINE_DIR
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
 # times verify starts again on a newer commit when a live writer collected files under it
 CATCH_UPS = 20
@@ -142,7 +142,8 @@ def _verify_once(files: "_Files", progress: bool) -> "_Report":
                 if problem and r.files.exists(m.file):
                     r.warn(f"{problem} (referenced by the older {m.file})")
     _scan_unreferenced(r, manifests, lambda rel: r.files.age(rel) < max(kept, time.time() - started
-                                                                         + SNAPSHOT_MARGIN_SECONDS))
+                                                                         + SNAPSHOT_MARGIN_SECONDS),
+                       no_manifest=not manifests and not damaged)
     return r
 
 
@@ -372,6 +373,9 @@ class _Files:
     def is_link(self, rel: str) -> bool:
         return os.path.islink(self.where(rel))
 
+    def size(self, rel: str) -> int:
+        return os.lstat(self.where(rel)).st_size
+
     def quarantined(self) -> int:
         q = self.where(QUARANTINE_DIR)
         return len(os.listdir(q)) if os.path.isdir(q) and not os.path.islink(q) else 0
@@ -479,6 +483,9 @@ class _RemoteFiles(_Files):
 
     def is_link(self, rel: str) -> bool:
         return False
+
+    def size(self, rel: str) -> int:
+        return self.storage.size(rel)
 
     def quarantined(self) -> int:
         return len(self.storage.list(QUARANTINE_DIR)) + sum(
@@ -762,9 +769,11 @@ def _referenced(manifests: Iterable[fmt.Manifest]) -> Set[str]:
     return out
 
 
-def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest], in_flight: Callable[[str], bool]) -> None:
+def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest], in_flight: Callable[[str], bool], *,
+                       no_manifest: bool = False) -> None:
     referenced = _referenced(manifests)
     files = r.files
+    orphans = []
     for rel, is_dir in files.entries():
         path = _rel(files, rel)
         name = os.path.basename(rel)
@@ -791,8 +800,21 @@ def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest], in_flight: Cal
         elif rel.startswith(fmt.MANIFEST_DIR + "/"):
             if not fmt._MANIFEST_NAME.match(name):
                 r.warn(f"{path} is not a manifest name")
+        elif no_manifest and not is_dir and files.size(rel):
+            orphans.append(rel)
         else:
             r.warn(f"{path} is not referenced by any intact manifest")
+    if orphans:
+        r.problem(_orphans_message(files, orphans))
+
+
+def _orphans_message(files: "_Files", orphans: List[str]) -> str:
+    orphans = sorted(orphans, key=lambda rel: (not rel.startswith(fmt.SEGMENT_DIR + "/"), rel))
+    return (f"{_rel(files, fmt.MANIFEST_DIR)}: no manifest at all, yet {len(orphans)} data file(s) "
+            f"({', '.join(orphans[:3])}{', ...' if len(orphans) > 3 else ''}): the store's manifests were "
+            "deleted or lost (its rows are in these files), or its first commit crashed; a writer that "
+            f"opens the store moves them to {fmt.QUARANTINE_DIR}/ (nothing is deleted); restore the "
+            "manifests from a backup to get the rows back")
 
 
 # --------------------------------------------------------------------------- repair
@@ -836,6 +858,12 @@ class _Repair:
             # would empty the store, so leave it for a person to look at.
             raise CorruptStoreError(f"no intact manifest in {_rel(self.root, fmt.MANIFEST_DIR)}; repair will not "
                                     "guess which files hold committed rows: " + "; ".join(m for _, m in damaged))
+        if not intact:
+            orphans = [rel for rel, is_dir in self.files.entries()
+                       if "/" in rel and not is_dir and not rel.startswith(fmt.MANIFEST_DIR + "/")
+                       and not os.path.basename(rel).startswith(TMP_PREFIX) and self.files.size(rel)]
+            if orphans:
+                raise CorruptStoreError(_orphans_message(self.files, orphans) + "; repair changes nothing here")
         for gen, message in damaged:
             self._quarantine(fmt.manifest_file(gen), f"it is damaged: {message}")
 

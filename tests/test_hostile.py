@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -542,3 +543,36 @@ def test_opening_never_imports_pickle_or_evaluates(store_path, monkeypatch):
     assert store.load_state("sampler")["k"] == 1
     assert verify_store(store_path)["ok"]
     assert isinstance(DiskReplayError("x"), Exception)
+
+
+@pytest.mark.parametrize("multi_writer", [False, True])
+def test_a_store_whose_manifests_were_deleted_keeps_its_rows_for_a_person(tmp_path, multi_writer):
+    # a newcomer's session: `rm manifests/*`, then verify said ok and the next writer deleted every segment
+    from diskreplay.verify import repair_store
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=multi_writer) as store:
+        for i in range(5):
+            store.extend({"prompt_id": [i, i], "completion_ids": [[1, 2], [3]]})
+    segments = sorted(os.listdir(os.path.join(path, "segments")))
+    data = {n: open(os.path.join(path, "segments", n), "rb").read() for n in segments}
+    for name in os.listdir(os.path.join(path, "manifests")):
+        os.remove(os.path.join(path, "manifests", name))
+    for d in ("segments", "groups", "state", "tokens"):  # written two hours ago: no commit in flight
+        for name in os.listdir(os.path.join(path, d)) if os.path.isdir(os.path.join(path, d)) else ():
+            os.utime(os.path.join(path, d, name), (time.time() - 7200,) * 2)
+    report = verify_store(path)
+    assert not report["ok"] and any("no manifest at all" in p and "segments/" in p for p in report["problems"])
+    with pytest.raises(CorruptStoreError, match="no manifest at all"):
+        repair_store(path, force=True)
+    assert sorted(os.listdir(os.path.join(path, "segments"))) == segments  # repair changed nothing
+    with pytest.warns(RuntimeWarning, match="moved to quarantine/ .*not deleted"):
+        store = ReplayStore(path, multi_writer=multi_writer)
+    with store:
+        store.extend({"prompt_id": [9], "completion_ids": [[4]]})  # cannot overwrite a set-aside file
+        assert len(store) == 1
+    kept = os.path.join(path, "quarantine", "segments")
+    for name, raw in data.items():
+        if raw:  # an empty reserved name holds no rows
+            assert open(os.path.join(kept, name), "rb").read() == raw
+    assert verify_store(path)["ok"]

@@ -450,8 +450,8 @@ class Committer:
         if unreadable:
             warnings.warn(f"{self.storage.url}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
                           "they and every data file are kept (run `diskreplay verify`)", RuntimeWarning, stacklevel=4)
-        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
-                     if g not in self.retained and g not in unreadable]
+        generations = fmt.list_generations(self.storage)
+        manifests = [fmt.manifest_file(g) for g in generations if g not in self.retained and g not in unreadable]
         files = []
         for d in DATA_SWEEP_DIRS + (fmt.MANIFEST_DIR, ""):
             for name in self.storage.list(d):
@@ -460,6 +460,8 @@ class Committer:
                 if name.startswith(TMP_PREFIX) or (
                         not unreadable and d not in ("", fmt.MANIFEST_DIR) and rel not in referenced):
                     files.append(rel)
+        if not generations and not current:
+            files = self._set_aside_unnamed(files)
         self.delete(manifests, files)
 
     def _age(self, rel: str) -> float:
@@ -516,6 +518,8 @@ class Committer:
                 else:
                     young[rel] = now + retain - age
         self._ripe = young
+        if not gens and not self.manifest.generation:
+            files = self._set_aside_unnamed(files)
         self.delete([fmt.manifest_file(g) for g in drop], files)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
@@ -571,6 +575,54 @@ class Committer:
             if g > lo:  # named by g - 1, which is kept
                 keys |= released
         return _file_names(keys), unreadable
+
+    def _set_aside_unnamed(self, files: List[str]) -> List[str]:
+        """A store without any manifest: move its unnamed data files to ``quarantine/``, and return
+        the rest of ``files`` (temporary files, empty reserved names) to delete.
+
+        No manifest names them, yet without a manifest nothing tells a first commit that crashed
+        from a store whose manifests were deleted or lost (its rows are in these files): they are
+        kept for a person to look at, never deleted, and the next commit cannot overwrite them.
+        """
+        rest, moved = [], []
+        for rel in files:
+            name = os.path.basename(rel)
+            if name.startswith(TMP_PREFIX) or "/" not in rel or rel.startswith(fmt.MANIFEST_DIR + "/"):
+                rest.append(rel)
+                continue
+            try:
+                if not self.storage.size(rel):
+                    rest.append(rel)  # a name reserved ahead and never written: no data
+                    continue
+                moved.append(self._set_aside(rel))
+            except FileNotFoundError:
+                continue
+        if moved:
+            moved.sort(key=lambda rel: (not rel.startswith(f"{fmt.QUARANTINE_DIR}/{fmt.SEGMENT_DIR}/"), rel))
+            warnings.warn(f"{self.storage.url} has no manifest, yet held {len(moved)} data file(s): its manifests "
+                          "were deleted or lost, or its first commit crashed; they were moved to "
+                          f"{fmt.QUARANTINE_DIR}/ (e.g. {moved[0]}), not deleted (restore the manifests from a "
+                          "backup to get their rows back)", RuntimeWarning, stacklevel=5)
+        return rest
+
+    def _set_aside(self, rel: str) -> str:
+        """Move ``rel`` to a free name under ``quarantine/`` (a rename where the storage has one)."""
+        for n in range(1 << 16):
+            dest = f"{fmt.QUARANTINE_DIR}/{rel}" + (f".{n}" if n else "")
+            local = getattr(self.storage, "local_path", None) if not self.storage.remote else None
+            if local is not None:
+                target = local(dest)
+                if os.path.lexists(target):
+                    continue
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.rename(local(rel), target)
+                self.storage.sync_dir(os.path.dirname(dest))
+                self.storage.sync_dir(os.path.dirname(rel))
+                return dest
+            if self.storage.put_if_absent(dest, self.storage.read_bytes(rel)):
+                self.storage.delete(rel)
+                return dest
+        raise FileExistsError(f"no free name for {rel} under {fmt.QUARANTINE_DIR}/")
 
     def delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
         """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
