@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from . import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplayStore, collate)
+from .errors import DiskReplayError
 from .format import FORMAT_FILE
 from .synthetic import rollout_stream
 
@@ -57,21 +58,34 @@ def main(argv=None) -> int:
                                  "(DIR/rollouts.parquet); both are kept (default: a new temporary directory, "
                                  "removed at the end unless --keep)")
     p.add_argument("--groups", type=int, default=512,
-                   help=f"prompt groups to generate (8 rows each; at least {MIN_GROUPS}, the most one batch draws)")
+                   help=f"prompt groups to generate (8 rows each; at least {MIN_GROUPS}, the most one batch draws; "
+                        "default 512)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory with the store and the export")
     args = p.parse_args(argv)
     if args.groups < MIN_GROUPS:
         p.error(f"--groups must be at least {MIN_GROUPS} (the demo draws batches of {MIN_GROUPS} prompt groups), "
                 f"got {args.groups}")
     if args.dir is not None:
-        path = os.path.join(args.dir, "store")
+        path, export = os.path.join(args.dir, "store"), os.path.join(args.dir, "rollouts.parquet")
+        if os.path.lexists(args.dir) and not os.path.isdir(args.dir):
+            p.error(f"--dir {args.dir} exists and is not a directory")
         if os.path.lexists(path) and not os.path.exists(os.path.join(path, FORMAT_FILE)) \
                 and not (os.path.isdir(path) and not os.listdir(path)):
             p.error(f"{path} exists and is not a diskreplay store; the demo replaces only a store of its own "
                     "(pass another --dir)")
-    work = args.dir or tempfile.mkdtemp(prefix="diskreplay-demo-")
+        if os.path.lexists(export) and not os.path.isfile(export):
+            p.error(f"{export} exists and is not a file; the demo replaces only a Parquet file there "
+                    "(pass another --dir)")
+    try:
+        work = args.dir or tempfile.mkdtemp(prefix="diskreplay-demo-")
+    except OSError as exc:
+        print(f"error: cannot make a temporary directory for the demo: {exc} (pass --dir)", file=sys.stderr)
+        return 1
     try:
         return _run(work, args)
+    except (DiskReplayError, OSError) as exc:  # a directory it may not write, a full disk: say so, briefly
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -624,6 +624,25 @@ def test_demo_refuses_a_dir_whose_store_is_not_a_store_and_too_few_groups(tmp_pa
     assert exc.value.code == 2 and "--groups must be at least 64" in capsys.readouterr().err
 
 
+def test_demo_says_what_is_wrong_with_its_dir_in_one_line(tmp_path, capsys):
+    """A newcomer's mistakes (a file for --dir, a directory where the export goes) are one line, no traceback."""
+    from diskreplay import demo
+
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--dir", str(tmp_path / "afile"), "--groups", "64"])
+    assert exc.value.code == 2 and "is not a directory" in capsys.readouterr().err
+    (tmp_path / "d" / "rollouts.parquet").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--dir", str(tmp_path / "d"), "--groups", "64"])
+    assert exc.value.code == 2 and "rollouts.parquet exists and is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "store").exists()  # refused before any work
+    assert demo.main(["--dir", str(tmp_path / "afile" / "sub"), "--groups", "64"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Not a directory" in err
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
 def test_a_bad_policy_version_range_is_a_usage_error_before_any_work(store, tmp_path, capsys):
     for bad in ("abc", "3:1"):
         rc, _, err = cli(capsys, "export", store, tmp_path / "o.parquet", "--policy-versions", bad)
