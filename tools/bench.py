@@ -1809,12 +1809,14 @@ def _size(n: float) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
                                       "commit-cpu"])
-    p.add_argument("--groups", type=int, default=4096, help="prompt groups of 8 rows in the workload "
-                   "(writers: per writer, default 1024)")
-    p.add_argument("--commits", type=int, default=100, help="writers: small commits per writer")
+    p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
+                   "(default 4096; writers: per writer, and remote: default 1024)")
+    p.add_argument("--commits", type=int, default=None,
+                   help="writers: small commits per writer (default 100); commit-cpu: commits timed (default 300)")
     p.add_argument("--rounds", type=int, default=3, help="writers: alternating rounds (medians are reported)")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory, kept (default: a new temporary one, removed at the end); "
@@ -1830,10 +1832,10 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="commit-cpu: cProfile tables of commits and open")
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
-    if args.what in ("writers", "remote") and "--groups" not in (argv if argv is not None else sys.argv):
-        args.groups = 1024
-    if args.what == "commit-cpu" and "--commits" not in (argv if argv is not None else sys.argv):
-        args.commits = 300
+    if args.groups is None:
+        args.groups = 1024 if args.what in ("writers", "remote") else 4096
+    if args.commits is None:
+        args.commits = 300 if args.what == "commit-cpu" else 100
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
            "commit-cpu": bench_commit_cpu}[args.what]
