@@ -821,7 +821,27 @@ def _coerce_array(spec: ColumnSpec, arr: np.ndarray) -> np.ndarray:
         raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds integers there")
     if want in ("float32", "float64") and k not in "fiu":
         raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds floats there")
+    if want == "int64" and k == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > _INT64_MAX:
+        _out_of_range(spec, arr, arr > _INT64_MAX, "int64")  # would wrap to a negative key or version
+    if want == "float32" and arr.dtype.itemsize > 4 and arr.size:
+        with np.errstate(invalid="ignore"):
+            big = np.abs(arr) > _FLOAT32_MAX  # NaN compares False; inf stays inf
+        if big.any():
+            _out_of_range(spec, arr, big & np.isfinite(arr), "float32")
     return arr.astype(want, copy=False)
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _out_of_range(spec: ColumnSpec, arr: np.ndarray, bad: np.ndarray, dtype: str) -> None:
+    if not bad.any():
+        return
+    flat = int(np.argmax(bad.reshape(-1)))
+    row = flat // (arr.size // len(arr)) if arr.ndim > 1 else flat
+    raise BatchError(f"column {spec.name!r} row {row} holds {arr.reshape(-1)[flat].item()!r}, which {dtype} (the store's "
+                     f"type there) cannot hold; it would be stored as a different value")
 
 
 def _arrow_array(spec: ColumnSpec, col: Optional[_Column], n: int, late: bool = False) -> pa.Array:
