@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--overwrite", action="store_true",
                      help="replace OUT if it exists (the old one stays until the new one is complete); a "
-                          "directory is replaced only if it is empty or an earlier output of the same kind")
+                          "directory is replaced only if it is an earlier output of the same kind (or, by a "
+                          "directory output such as hf or zarr, empty), and a file only by a file output")
     out.add_argument("--force", action="store_true",
                      help="write the --format asked even when OUT's extension names another format")
 
@@ -524,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-evict", action="store_true",
                    help="with --append: go ahead even if the store's capacity evicts its oldest rows")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing PATH (the old one stays until the new store is complete)")
+                   help="replace an existing PATH that is a store or an empty directory (the old one stays "
+                        "until the new store is complete); never a file or a directory of other things")
 
     cur = argparse.ArgumentParser(add_help=False)
     cur.add_argument("--format", "-f", choices=["jsonl", "parquet", "hf"],

@@ -648,3 +648,19 @@ def test_a_bad_policy_version_range_is_a_usage_error_before_any_work(store, tmp_
         rc, _, err = cli(capsys, "export", store, tmp_path / "o.parquet", "--policy-versions", bad)
         assert rc == 2 and "argument --policy-versions" in err
     assert not os.path.exists(tmp_path / "o.parquet")
+
+
+def test_overwrite_never_replaces_a_file_with_a_directory_output(store, tmp_path, capsys):
+    """``import SRC notastore.txt --overwrite`` deleted the user's file (arguments swapped, a typo)."""
+    src = tmp_path / "rows.parquet"
+    assert cli(capsys, "export", store, src)[0] == 0
+    mine = tmp_path / "notastore.txt"
+    mine.write_text("precious")
+    for args in (["import", src, mine, "--overwrite"], ["export", store, mine, "-f", "hf", "--overwrite", "--force"]):
+        rc, _, err = cli(capsys, *args)
+        assert rc == 1 and "it is a file, and this output is a directory" in err, err
+        assert mine.read_text() == "precious"
+    empty = tmp_path / "e.parquet"
+    empty.mkdir()
+    rc, _, err = cli(capsys, "export", store, empty, "--overwrite")
+    assert rc == 1 and "it is a directory, and this output is a file" in err and empty.is_dir()

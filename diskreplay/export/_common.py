@@ -257,8 +257,11 @@ def check_output(out: PathLike, overwrite: bool, replaceable: Any = None) -> str
         ok = replaceable(out) if replaceable is not None else (
             not os.path.isdir(out) or os.path.islink(out) or not os.listdir(out))
         if not ok:
-            raise OutputExistsError(f"{out} exists and is not an output of this kind (it is a "
-                                    f"{'directory' if os.path.isdir(out) else 'file'} with other contents); "
+            if os.path.isdir(out) and not os.path.islink(out):
+                what = "a directory with other contents" if os.listdir(out) else "a directory, and this output is a file"
+            else:
+                what = "a file, and this output is a directory"
+            raise OutputExistsError(f"{out} exists and is not an output of this kind (it is {what}); "
                                     "refusing to replace it even with --overwrite: remove it yourself or "
                                     "choose another name")
     return out
@@ -313,11 +316,14 @@ def replaceable_file(path: str) -> bool:
 
 
 def replaceable_dir(*markers: str) -> Any:
-    """``overwrite`` of a directory output may replace a file, an empty directory, or
-    a directory holding one of ``markers`` (an earlier output of the same kind)."""
+    """``overwrite`` of a directory output may replace a link, an empty directory, or a
+    directory holding one of ``markers`` (an earlier output of the same kind); never a
+    file (a mistyped name, or a source and an output swapped, would lose it)."""
     def ok(path: str) -> bool:
-        if not os.path.isdir(path) or os.path.islink(path):
+        if os.path.islink(path):
             return True
+        if not os.path.isdir(path):
+            return False
         names = os.listdir(path)
         return not names or any(m in names for m in markers)
     return ok
