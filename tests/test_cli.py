@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -664,3 +665,15 @@ def test_overwrite_never_replaces_a_file_with_a_directory_output(store, tmp_path
     empty.mkdir()
     rc, _, err = cli(capsys, "export", store, empty, "--overwrite")
     assert rc == 1 and "it is a directory, and this output is a file" in err and empty.is_dir()
+
+
+def test_info_reward_stats_with_infinities_say_what_the_mean_is_without_warnings(tmp_path, capsys):
+    path = tmp_path / "s"
+    with ReplayStore(str(path)) as s:
+        s.extend({"prompt_id": list(range(7)), "completion_ids": [[1]] * 7,
+                  "rewards": np.array([np.nan, 3, -np.inf, 0, 1, 2, 1], dtype=np.float32)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rc, out, err = cli(capsys, "info", path)
+    line = next(x for x in out.splitlines() if x.strip().startswith("rewards"))
+    assert rc == 0 and "mean -inf" in line and "n=6" in line and not err

@@ -23,12 +23,19 @@ class RunningStats:
     """
 
     def __init__(self) -> None:
-        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0  # of the finite values
         self.lo, self.hi = math.inf, -math.inf
+        self.infs = [0, 0]  # -inf, +inf: the mean is theirs (NaN with both), the std undefined
 
     def add(self, x: np.ndarray) -> None:
         x = np.asarray(x, dtype=np.float64).reshape(-1)
         x = x[~np.isnan(x)]
+        finite = np.isfinite(x)
+        if not finite.all():
+            self.infs[0] += int((x == -math.inf).sum())
+            self.infs[1] += int((x == math.inf).sum())
+            self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
+            x = x[finite]
         if not x.size:
             return
         n, mean = x.size, float(x.mean())
@@ -41,8 +48,18 @@ class RunningStats:
         self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
 
     def summary(self) -> Optional[Dict[str, Any]]:
-        if not self.n:
+        """``None`` before any value that is not NaN; NaNs are not counted.
+
+        >>> s = RunningStats(); s.add(np.array([1.0, -np.inf, np.nan])); s.summary()
+        {'count': 2, 'mean': -inf, 'std': nan, 'min': -inf, 'max': 1.0}
+        """
+        neg, pos = self.infs
+        count = self.n + neg + pos
+        if not count:
             return None
+        if neg or pos:
+            mean = math.nan if neg and pos else (math.inf if pos else -math.inf)
+            return {"count": count, "mean": mean, "std": math.nan, "min": self.lo, "max": self.hi}
         return {"count": self.n, "mean": self.mean, "std": math.sqrt(self.m2 / self.n), "min": self.lo,
                 "max": self.hi}
 
