@@ -968,3 +968,16 @@ def test_int64_versions_are_compared_exactly(store):
             warnings.simplefilter("ignore", ReplacementWarning)
             assert set(s.sample(store, 8, min_policy_version=low + 1).tolist()) <= {1, 2, 3}
             assert set(s.sample(store, 8, min_policy_version=2 ** 62 + 1).tolist()) == {2}
+
+
+def test_an_infinite_priority_is_sampled_as_a_nan_one_and_named(tmp_path):
+    # extend accepts an infinite advantage; SSR then refused every draw ("total inf") without naming the row
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend({"prompt_id": [0, 0, 1], "completion_ids": [[1], [2], [3]],
+                      "advantages": np.array([0.5, np.inf, 1.0], np.float32)})
+        sampler = PrioritizedSampler(eps=0.0, seed=0)
+        with pytest.warns(RuntimeWarning, match="column 'advantages' row 1 is infinite") as caught:
+            rows = sampler.sample(store, 64)
+        assert caught[0].filename == __file__
+        assert set(rows.tolist()) == {0, 2}
+        assert set(sampler.sample(store, 64).tolist()) == {0, 2}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -113,7 +114,14 @@ class PrioritizedSampler(Sampler):
             numeric_column(store, self.priority_key, "priority_key")
             new = np.abs(reward_scalar(store.read(np.arange(start, stop, dtype=np.int64),
                                                   [self.priority_key])[self.priority_key]))
-            new[np.isnan(new)] = 0.0
+            bad = ~np.isfinite(new)
+            if bad.any():
+                if np.isinf(new).any():
+                    row = start + int(np.argmax(np.isinf(new)))
+                    warnings.warn(f"column {self.priority_key!r} row {row} is infinite: it is sampled as a NaN "
+                                  f"priority is, with weight eps ** alpha (a priority must be finite; "
+                                  "update_priorities refuses one that is not)", RuntimeWarning, stacklevel=5)
+                new[bad] = 0.0
         if len(self._pending_rows):
             pr, pv = self._pending_rows, self._pending_values
             hit = (pr >= start) & (pr < stop)
