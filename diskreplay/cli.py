@@ -237,7 +237,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not isinstance(store, str):
         store.close()
     _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
-                     + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")"))
+                     + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")")
+                     + "".join(f"\nwarning: {w}" for w in res.get("warnings", ())))
     return 0
 
 

@@ -760,7 +760,8 @@ def test_jsonl_writes_null_for_non_finite_floats_and_import_names_it(tmp_path, m
     s.extend({"prompt_id": ["q1", "q1"], "completion_ids": [[1, 2], [3]],
               "old_per_token_logps": [[-0.1, -np.inf], [-0.2]], "rewards": np.array([np.nan, 1.0], np.float32)})
     out = str(tmp_path / "o.jsonl")
-    export_jsonl(s, out)
+    res = export_jsonl(s, out)
+    assert res["warnings"] and res["warnings"][0].startswith("2 NaN or infinite value(s) were written as null")
 
     def strict(text):
         raise AssertionError(f"not JSON: {text}")
@@ -772,3 +773,26 @@ def test_jsonl_writes_null_for_non_finite_floats_and_import_names_it(tmp_path, m
                                           r"has no NaN"):
         import_rollouts(out, str(tmp_path / "back"))
     assert not os.path.exists(os.path.join(tmp_path, "back", "FORMAT.json"))
+
+
+def test_a_jsonl_export_of_a_vector_column_imports_back(tmp_path):
+    """A per-row vector is a list per line, not as long as the completion: the import reads it as the
+    vector it was (it refused the file: 'per-token columns must align with their ids')."""
+    src = ReplayStore(str(tmp_path / "src"))
+    scores = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
+    src.extend({"prompt_id": [0, 0, 1], "completion_ids": [[1], [2, 3, 4], [5, 6]],
+                "old_per_token_logps": [[-0.1], [-0.2, -0.3, -0.4], [-0.5, -0.6]], "scores": scores})
+    src.close()
+    export(str(tmp_path / "src"), str(tmp_path / "o.jsonl"))
+    import_rollouts(str(tmp_path / "o.jsonl"), str(tmp_path / "dst"))
+    with ReplayStore(str(tmp_path / "dst"), readonly=True) as dst:
+        assert dst.schema["scores"].kind == "vector" and dst.schema["scores"].width == 2
+        assert dst.schema["old_per_token_logps"].kind == "ragged"
+        np.testing.assert_array_equal(dst.read([0, 1, 2])["scores"], scores)
+    lines = open(tmp_path / "o.jsonl").read().splitlines()
+    bad = json.loads(lines[2])
+    bad["scores"] = None
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines[:2] + [json.dumps(bad)]) + "\n")
+    with pytest.raises(ExportError, match="bad.jsonl:3: column 'scores' has no value; earlier lines hold a per-row "
+                                          "vector of 2"):
+        import_rollouts(str(tmp_path / "bad.jsonl"), str(tmp_path / "dst2"))

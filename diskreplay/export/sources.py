@@ -246,6 +246,8 @@ class JsonlSource:
         self.total = None if path.endswith(".gz") else os.path.getsize(path)
         self._classes: Dict[str, str] = {}
         self._peeked: Dict[str, str] = {}
+        self._peeked_vectors: Dict[str, int] = {}
+        self._vectors: Dict[str, int] = {}  # list columns read as per-row vectors: their width
         self._order: List[str] = []  # every table carries these columns (missing values are null)
         self._started = False
         self.bytes_read = 0
@@ -293,26 +295,39 @@ class JsonlSource:
         checked for a missing per-row value.
         """
         seen: Dict[str, str] = {}
+        widths: Dict[str, set] = {}  # lengths of each list column
+        unaligned: set = set()  # list columns whose length differs from their ids' in some line
         skipped, examples, strict = self.skipped, list(self.bad_examples), self.skip_bad
         self.skip_bad = True  # bad lines are reported by the real pass, with their line numbers
         try:
             for i, (_, obj) in enumerate(self._lines()):
+                present = [k for k, v in obj.items() if v is not None]
                 for k, v in obj.items():
                     c = _json_class(v)
                     if seen.get(k, "null") == "null":
                         seen[k] = c
+                    if c == "list":
+                        widths.setdefault(k, set()).add(len(v))
+                        ref = _aligned_with(k, present)
+                        if ref is not None and isinstance(obj.get(ref), list) and len(obj[ref]) != len(v):
+                            unaligned.add(k)
                 if i + 1 >= limit:
                     break
         finally:
             self.skipped, self.bad_examples, self.bytes_read, self.skip_bad = skipped, examples, 0, strict
         self._peeked = {k: c for k, c in seen.items() if c not in ("null", "object")}
         self._peek_order = list(seen)
+        # a per-row vector (a store's fixed-width column, exported as a list per line): one width in
+        # every line, and not the length of its ids (a per-token column would be)
+        self._peeked_vectors = {k: next(iter(w)) for k, w in widths.items()
+                                if k in unaligned and len(w) == 1 and next(iter(w)) > 0}
         return list(seen)
 
     def batches(self, chunk_rows: int, kept: Sequence[str], rename: Mapping[str, str]
                 ) -> Iterator[Tuple[pa.Table, Where]]:
         keep = set(kept)
         self._classes = {rename.get(k, k): c for k, c in self._peeked.items() if k in keep}
+        self._vectors = {rename.get(k, k): w for k, w in self._peeked_vectors.items() if k in keep}
         self._order = [rename.get(k, k) for k in self._peek_order if k in keep]
         self._started = False
         rows: List[dict] = []
@@ -364,8 +379,14 @@ class JsonlSource:
                 self._bad(lineno, f"column {k!r} has no value; per-row columns need one in every line")
                 return False
         present = [k for k, v in row.items() if v is not None]
+        for k, width in self._vectors.items():
+            v = row.get(k)
+            if v is None or len(v) != width:
+                self._bad(lineno, f"column {k!r} has {'no value' if v is None else f'{len(v)} values'}; "
+                                  f"earlier lines hold a per-row vector of {width} there")
+                return False
         for k in present:
-            if classes.get(k) != "list":
+            if classes.get(k) != "list" or k in self._vectors:
                 continue
             ref = _aligned_with(k, present)
             if ref is not None and classes.get(ref) == "list" and len(row[k]) != len(row[ref]):
@@ -409,6 +430,9 @@ class JsonlSource:
             rows = [rows[i] for i in keep]
             lines = [lines[i] for i in keep]
             arrays = {k: pa.array([r.get(k) for r in rows]) for k in names}
+        for k, width in self._vectors.items():
+            if k in arrays:
+                arrays[k] = pa.FixedSizeListArray.from_arrays(arrays[k].flatten(), width)
         table = pa.Table.from_arrays([arrays[k] for k in names], names=names)
         yield table, Where.lines(self.path, lines)
 

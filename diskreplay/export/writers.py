@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..ragged import numpy_view
@@ -89,8 +90,18 @@ class JsonlSink:
     def __init__(self, path: str, schema: pa.Schema, metadata: Optional[dict] = None) -> None:
         self.schema = schema
         self.rows = 0
+        self.nonfinite = 0  # NaN and ±Infinity values written as null
         self._orjson = _orjson()
         self._fh = open(path, "wb")
+
+    @property
+    def notes(self) -> List[str]:
+        """What the file does not hold as the store does (an export's ``warnings``)."""
+        if not self.nonfinite:
+            return []
+        return [f"{self.nonfinite:,} NaN or infinite value(s) were written as null (JSON has no such numbers); "
+                "importing the file back refuses a null inside a list (e.g. a -inf log-prob): export to Parquet "
+                "to keep them"]
 
     def write(self, table: pa.Table) -> None:
         # a few hundred rows at a time: the text is ~2x the Arrow bytes, and memory
@@ -98,6 +109,7 @@ class JsonlSink:
         for start in range(0, table.num_rows, JSONL_ROWS_PER_WRITE):
             part = table.slice(start, JSONL_ROWS_PER_WRITE)
             names = part.column_names
+            self.nonfinite += sum(_count_nonfinite(part.column(i)) for i in range(part.num_columns))
             if self._orjson is not None:
                 dumps, option = self._orjson.dumps, self._orjson.OPT_SERIALIZE_NUMPY
                 cols = [_rows_for_json(part.column(i)) for i in range(part.num_columns)]
@@ -134,6 +146,19 @@ def check_compression(codec: Any) -> str:
         raise ExportError(f"{'this pyarrow build lacks' if missing else 'unknown'} Parquet compression "
                           f"{codec!r}; choose one of {', '.join(valid)}")
     return codec.lower()
+
+
+def _count_nonfinite(column: pa.ChunkedArray) -> int:
+    """NaN and ±Infinity values in a float column, or a list column of floats."""
+    t = column.type
+    nested = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    if not pa.types.is_floating(t.value_type if nested else t):
+        return 0
+    arr = column.combine_chunks()
+    values = arr.flatten() if nested else arr
+    if values.null_count:
+        values = values.drop_null()
+    return len(values) - int(pc.sum(pc.is_finite(values)).as_py() or 0)
 
 
 def _finite_or_null(column: pa.ChunkedArray) -> List[Any]:
@@ -267,8 +292,10 @@ REPLACEABLE = {"parquet": replaceable_file, "jsonl": replaceable_file,
 
 
 def write_tables(fmt: str, out: str, schema: pa.Schema, tables: Iterator[pa.Table], *,
-                 metadata: Optional[dict] = None, overwrite: bool = False, **kw: Any) -> int:
-    """Write a stream of tables to ``out`` atomically; returns the number of rows."""
+                 metadata: Optional[dict] = None, overwrite: bool = False, notes: Optional[List[str]] = None,
+                 **kw: Any) -> int:
+    """Write a stream of tables to ``out`` atomically; returns the number of rows, and adds to
+    ``notes`` what the output does not hold as the store does."""
     directory = fmt == "hf"
     with atomic_output(out, overwrite=overwrite, directory=directory, replaceable=REPLACEABLE[fmt]) as tmp:
         sink = open_sink(fmt, tmp, schema, metadata, **kw)
@@ -282,6 +309,8 @@ def write_tables(fmt: str, out: str, schema: pa.Schema, tables: Iterator[pa.Tabl
         except BaseException:
             sink.abort()
             raise
+        if notes is not None:
+            notes.extend(getattr(sink, "notes", ()))
         return sink.rows
 
 
@@ -373,12 +402,16 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
 
         try:
             kw = {"compression": compression, "row_group_bytes": chunk_bytes} if format == "parquet" else {}
-            rows = write_tables(format, out, schema, tables(), metadata=meta, overwrite=overwrite, **kw)
+            notes: List[str] = []
+            rows = write_tables(format, out, schema, tables(), metadata=meta, overwrite=overwrite, notes=notes,
+                                **kw)
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    return {"path": out, "format": format, "rows": rows, "columns": names + text_cols,
-            "bytes": _size(out)}
+    res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": _size(out)}
+    if notes:
+        res["warnings"] = notes
+    return res
 
 
 def _size(path: str) -> int:
