@@ -19,6 +19,8 @@ checked, and parsed from there) and quarantines by copy-then-delete.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import stat
 import time
@@ -29,7 +31,7 @@ import pyarrow as pa
 
 from . import format as fmt
 from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c, fsync_dir
-from .errors import CorruptStoreError, FormatError, StoreLockedError, StoreNotFoundError
+from .errors import CorruptStoreError, FormatError, ReadOnlyError, StoreLockedError, StoreNotFoundError
 from .store import ops
 from .store.committer import Committer
 from .storage import S3Storage, is_remote
@@ -207,7 +209,7 @@ def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict
         files, f"{root} is a multi-writer store that writers have open (they hold LOCK); repair refuses a store "
                "with live writers: stop them all and run repair again" if multi else
                f"{root} is open for writing by another process (it holds LOCK); repair refuses a store with a "
-               "live writer: close it (stop the run) and repair again")
+               "live writer: close it (stop the run) and repair again", dry_run)
     if multi or files.remote:  # an object store has no lock: a live writer is told by its recent commits
         age = files.youngest_activity()
         if age < LIVE_SECONDS and not force:
@@ -227,13 +229,41 @@ def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict
             lock.release()
 
 
-def _repair_lock(files: "_Files", refusal: str) -> WriterLock:
-    """LOCK of the local store ``files``, held exclusively; ``StoreLockedError(refusal)`` while a writer holds it."""
-    lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
+def _repair_lock(files: "_Files", refusal: str, dry_run: bool = False) -> Optional[WriterLock]:
+    """LOCK of the local store ``files``, held exclusively; ``StoreLockedError(refusal)`` while a writer holds it.
+
+    A dry run only tests it (None), through a read-only descriptor: it needs no write access to the store.
+    """
+    path = os.path.join(files.url, fmt.LOCK_FILE)
+    if dry_run:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None  # no writer ever opened the store
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptStoreError(f"{path} is a symlink; a store's LOCK must be a plain file") from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StoreLockedError(refusal) from None
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        finally:
+            os.close(fd)
+        return None
+    lock = WriterLock(path)
     try:
         lock.acquire()
     except StoreLockedError:
         raise StoreLockedError(refusal) from None
+    except PermissionError as exc:
+        raise ReadOnlyError(f"repair needs write access to {files.url} (it takes {fmt.LOCK_FILE} and moves files "
+                            f"into {fmt.QUARANTINE_DIR}/): {exc.strerror}; --dry-run (dry_run=True) reports "
+                            "what it would do without it") from None
     return lock
 
 

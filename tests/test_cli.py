@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -677,3 +678,27 @@ def test_info_reward_stats_with_infinities_say_what_the_mean_is_without_warnings
         rc, out, err = cli(capsys, "info", path)
     line = next(x for x in out.splitlines() if x.startswith("rewards"))
     assert rc == 0 and "mean -inf" in line and "n=6" in line and not err
+
+
+DROP_ROOT_OVERRIDES = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner",
+                       "--inh-caps", "-dac_override,-dac_read_search,-fowner"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv to make a store this process may not write")
+def test_repair_dry_run_works_on_a_store_it_may_not_write(tmp_path):
+    """--dry-run reports without the lock, so read access suffices (it failed opening LOCK for writing)."""
+    path = tmp_path / "s"
+    with ReplayStore(str(path)) as s:
+        s.extend({"prompt_id": [0], "completion_ids": [[1]]})
+    subprocess.run(["chmod", "-R", "a-w", str(path)], check=True)
+    try:
+        run = lambda *a: subprocess.run(DROP_ROOT_OVERRIDES + [sys.executable, "-m", "diskreplay", "repair",
+                                                               str(path), *a], capture_output=True, text=True)
+        dry = run("--dry-run")
+        assert dry.returncode == 0 and "nothing to repair" in dry.stdout, dry.stderr
+        real = run()
+        assert real.returncode == 1 and "repair needs write access" in real.stderr
+        assert "Traceback" not in real.stderr and "--dry-run" in real.stderr
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(path)], check=True)
