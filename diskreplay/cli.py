@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -102,6 +103,27 @@ def _chunk_bytes(text: str) -> int:
     if not (0 < mb < float("inf")) or int(mb * (1 << 20)) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of MiB (e.g. 64 or 0.5), got {text!r}")
     return int(mb * (1 << 20))
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _mapping(text: str) -> str:
+    """One ``--map NEW=OLD``, checked while the arguments are parsed (exit status 2, before any work)."""
+    from .export.importer import parse_mapping
+
+    try:
+        parse_mapping([text])
+    except DiskReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _codec(text: str) -> str:
@@ -466,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--columns", metavar="A,B,...",
                    help="comma-separated columns to export, in this order (default: all), e.g. "
                         "--columns prompt_id,completion_ids,rewards")
-    p.add_argument("--min-reward", type=float, metavar="R",
+    p.add_argument("--min-reward", type=_finite_float, metavar="R",
                    help="keep rows whose reward is >= R (see --reward-key), e.g. --min-reward 1")
     p.add_argument("--limit", type=_count, metavar="N", help="export at most N rows (the oldest matching ones)")
     p.add_argument("--compression", type=_codec, metavar="CODEC",
@@ -501,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", "-f", choices=["auto", "parquet", "jsonl", "hf", "zarr", "store"], default="auto",
                    help="source format (default: auto, from the layout, name or first bytes); 'store' copies "
                         "another diskreplay store (with --append: merges it)")
-    p.add_argument("--map", action="append", metavar="NEW=OLD",
+    p.add_argument("--map", action="append", metavar="NEW=OLD", type=_mapping,
                    help="rename source column OLD to NEW (repeatable), e.g. --map completion_ids=response_tokens")
     p.add_argument("--aliases", action="store_true",
                    help="also rename the well-known names listed above when the diskreplay name is absent")
@@ -550,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
              + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
-    p.add_argument("--min-margin", type=float, default=0.0, metavar="M",
+    p.add_argument("--min-margin", type=_finite_float, default=0.0, metavar="M",
                    help="keep pairs whose reward margin is >= M (default: 0, i.e. any positive margin)")
 
     p = _sub(subs, "best-of-n", cmd_best_of_n, "top-k completions per group as an SFT set",
@@ -564,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--k", type=_positive_int, default=1, metavar="K", help="completions per group (default: 1)")
-    p.add_argument("--min-reward", type=float, metavar="R",
+    p.add_argument("--min-reward", type=_finite_float, metavar="R",
                    help="only completions with reward >= R (default: no threshold)")
 
     p = _sub(subs, "compact", cmd_compact, "rewrite live rows into fewer, larger segments",
@@ -595,6 +617,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _misused_options(args: argparse.Namespace) -> Optional[str]:
+    """An option that the others make meaningless (a usage error, not silently ignored)."""
+    if args.command == "import" and args.allow_evict and not args.append:
+        return "--allow-evict applies to --append (a new store evicts nothing it held)"
+    if args.command == "export" and args.compression is not None:
+        from .export._common import output_format
+
+        try:
+            fmt_ = output_format(args.out, args.format, force=args.force)
+        except DiskReplayError:
+            return None  # the export names the problem
+        if fmt_ != "parquet":
+            return f"--compression applies to parquet exports, not {fmt_}"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``diskreplay`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
@@ -604,6 +642,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
+        return 2
+    misuse = _misused_options(args)
+    if misuse:
+        print(f"{PROG} {args.command}: error: {misuse}", file=sys.stderr)
         return 2
     # tokenizers are loaded from local directories only; make sure nothing reaches for the hub
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):

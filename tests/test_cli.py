@@ -702,3 +702,24 @@ def test_repair_dry_run_works_on_a_store_it_may_not_write(tmp_path):
         assert "Traceback" not in real.stderr and "--dry-run" in real.stderr
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(path)], check=True)
+
+
+def test_options_that_mean_nothing_are_usage_errors_not_ignored(store, tmp_path, capsys):
+    """A NaN threshold selected nothing; --split, --allow-evict, --compression and a malformed --map
+    were ignored or failed after parsing (exit 1, not README's 2 for a bad option)."""
+    src = tmp_path / "rows.parquet"
+    assert cli(capsys, "export", store, src)[0] == 0
+    for args, says in [
+        (["export", store, tmp_path / "a.parquet", "--min-reward", "nan"], "--min-reward: must be a finite number"),
+        (["best-of-n", store, tmp_path / "b.jsonl", "--min-reward", "inf"], "--min-reward: must be a finite number"),
+        (["pairs", store, tmp_path / "c.jsonl", "--min-margin", "nan"], "--min-margin: must be a finite number"),
+        (["import", src, tmp_path / "d", "--map", "foo"], "--map: a column mapping must look like NEW=OLD"),
+        (["import", src, tmp_path / "e", "--allow-evict"], "--allow-evict applies to --append"),
+        (["export", store, tmp_path / "f.jsonl", "--compression", "zstd"], "--compression applies to parquet"),
+    ]:
+        rc, _, err = cli(capsys, *args)
+        assert rc == 2 and says in err, (args, err)
+    assert not any((tmp_path / n).exists() for n in ("a.parquet", "b.jsonl", "c.jsonl", "d", "e", "f.jsonl"))
+    rc, _, err = cli(capsys, "import", src, tmp_path / "g", "--split", "train")
+    assert rc == 1 and "--split train" in err and "parquet, which has none" in err
+    assert not (tmp_path / "g").exists()

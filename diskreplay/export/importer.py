@@ -331,6 +331,9 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
 
 
 def _open_source(fmt: str, src: str, skip_bad: bool, split: Optional[str]) -> Any:
+    if split is not None and fmt != "hf":
+        raise ExportError(f"a split (--split {split}) picks one of a saved Hugging Face DatasetDict's; {src} is "
+                          f"{fmt}, which has none")
     if fmt == "parquet":
         return ParquetSource(src)
     if fmt == "jsonl":
