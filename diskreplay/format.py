@@ -154,9 +154,14 @@ def _check_header(doc: Any, fmt: str, where: str, versions: Tuple[int, ...] = (F
     if doc.get("format") != fmt:
         raise FormatError(f"Unsupported format {doc.get('format')!r} in {where}; expected {fmt!r}")
     if doc.get("version") not in versions:
-        known = " or ".join(map(str, versions))
-        raise FormatError(f"Unsupported version {doc.get('version')!r} in {where}; expected {known} (this "
-                          f"diskreplay reads format {' and '.join(f'v{v}' for v in versions)} only)")
+        if len(versions) == 1:
+            known = str(versions[0])
+        elif list(versions) == list(range(min(versions), max(versions) + 1)):
+            known = f"{min(versions)} to {max(versions)}"
+        else:
+            known = ", ".join(map(str, versions[:-1])) + f" or {versions[-1]}"
+        raise FormatError(f"Unsupported version {doc.get('version')!r} in {where}; this diskreplay reads "
+                          f"version {known} only (a newer diskreplay wrote it? upgrade to read it)")
     return doc
 
 
@@ -299,7 +304,7 @@ class StoreOptions:
             doc, verified = _read_signed(root, FORMAT_FILE)
             options = cls.from_dict(doc, path, verified)
         except FormatError as exc:
-            raise FormatError(f"{exc} ({path})") from None
+            raise (exc if path in str(exc) else FormatError(f"{exc} ({path})")) from None
         if options.multi_writer and options.schema is None:
             schema = read_shared_schema(root)
             if schema is not None:

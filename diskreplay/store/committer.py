@@ -622,7 +622,8 @@ class Committer:
             if self.storage.put_if_absent(dest, self.storage.read_bytes(rel)):
                 self.storage.delete(rel)
                 return dest
-        raise FileExistsError(f"no free name for {rel} under {fmt.QUARANTINE_DIR}/")
+        raise CorruptStoreError(f"{self.storage.url}/{fmt.QUARANTINE_DIR}/ has no free name left for {rel}; "
+                                "look at what it holds and empty it")
 
     def delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
         """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
