@@ -331,6 +331,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
             b, a = res[f"{what}_before"], res[f"{what}_after"]
             parts.append(f"{what} {b:,} -> {a:,}" if what == "segments" else f"{what} {_size(b)} -> {_size(a)}")
     parts += [f"{k} {v}" for k, v in res.items() if not k.startswith(("segments_", "bytes_"))]
+    if multi is not None:
+        parts.append(f"now a {'multi' if multi else 'single'}-writer store")
     _emit(args, res, f"compacted {args.path}: " + ", ".join(parts))
     return 0
 
@@ -453,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
              "kinds and types, reward/advantage statistics (mean/std/min/max over live rows) and the\n"
              "policy-version range. Opens the store read-only; streams it to count tokens.",
              "  diskreplay info runs/grpo/replay\n"
-             "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n", [remote, common])
+             "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n" + EXIT_CODES + "\n", [remote, common])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
 
     p = _sub(subs, "export", cmd_export, "export live rows to parquet / jsonl / hf / zarr",
