@@ -48,7 +48,7 @@ class FormatError(DiskReplayError, ValueError):
     ...     StoreOptions.from_dict({"format": "diskreplay", "version": 99})
     ... except FormatError as exc:
     ...     print(exc)
-    Unsupported version 99 in FORMAT.json; expected 1 or 2 or 3 or 4 or 5 (this diskreplay reads format v1 and v2 and v3 and v4 and v5 only)
+    Unsupported version 99 in FORMAT.json; this diskreplay reads version 1 to 5 only (a newer diskreplay wrote it? upgrade to read it)
     """
 
 
