@@ -112,6 +112,8 @@ class Committer:
         # at one depth for all, every writer would race to write the same checkpoint and all but one
         # would lose a full manifest's work
         self._checkpoint_at = fmt.CHECKPOINT_EVERY + random.randrange(fmt.CHECKPOINT_EVERY)
+        # after its checkpoint lost a race at depth ``_lost_checkpoint_at``, not before this depth
+        self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
         #: (generation, time.monotonic()) at which that generation was the newest (no later one existed)
         self._newest_at: Tuple[int, float] = (0, 0.0)
@@ -199,12 +201,16 @@ class Committer:
                 # a full manifest (a checkpoint) once the base is this writer's depth past one; after a lost
                 # race, the delta made before it as long as the chain stays short enough (the checkpoint is
                 # left to the next commit: a full manifest's longer race window would lose again)
-                if delta is not None and (base.depth < self._checkpoint_at
+                if 0 <= base.depth < self._lost_checkpoint_at:  # another writer's checkpoint landed
+                    self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
+                checkpoint = False
+                if delta is not None and (base.depth < max(self._checkpoint_at, self._checkpoint_deferred)
                                           or (attempt and base.depth < MAX_DELTA_DEPTH)):
                     # (a rewrite delta raises ops.Conflict once the base no longer holds its segments)
                     new, data = delta[0].apply(base, self.options), delta[1]
                     publish_t = time.perf_counter()
                 else:
+                    checkpoint = delta is not None
                     new = ops.apply(base, op, self.options).evolve(depth=0)
                     new, logs = compact_tokens(new, self.tokens, self._write_token_log)
                     written += logs
@@ -217,7 +223,17 @@ class Committer:
                         self._owe(attempt, t0 - before, lost_at, publish_t)
                     else:
                         self._unreported = {}
+                    if checkpoint:
+                        self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
                     break
+                if checkpoint:
+                    # a full manifest's write and fsync come after the base is read: a window in which the
+                    # others' deltas (a link each) win. Trying again at the next commit, and the one after,
+                    # would lose again as all the writers past their depth do: wait a few deltas deeper,
+                    # so that one of them (or this one, at most MAX_DELTA_DEPTH) writes it
+                    self._lost_checkpoint_at = base.depth
+                    self._checkpoint_deferred = min(MAX_DELTA_DEPTH, base.depth + 1
+                                                    + random.randrange(fmt.CHECKPOINT_EVERY // 2))
                 # another writer took this generation: rebase on the newest and retry. The data
                 # files are written and durable already; only the manifest step (and, for an
                 # append, its sidecars' row ids) is redone.
