@@ -701,7 +701,9 @@ def _check_segment(r: _Report, s: fmt.SegmentEntry, options: Optional[fmt.StoreO
         seg = None
     else:
         seg = _open_segment(r, s, options)
-    group_key = options.group_key if options is not None else None
+    if options is None:
+        return  # FORMAT.json is the problem reported: nothing says whether the store has a group key
+    group_key = options.group_key
     if group_key is None:
         if s.groups_bytes or s.group is not None:
             r.problem(f"{_rel(r.files, fmt.MANIFEST_DIR)}: segment {s.id} records a group "

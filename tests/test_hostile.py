@@ -576,3 +576,11 @@ def test_a_store_whose_manifests_were_deleted_keeps_its_rows_for_a_person(tmp_pa
         if raw:  # an empty reserved name holds no rows
             assert open(os.path.join(kept, name), "rb").read() == raw
     assert verify_store(path)["ok"]
+
+
+def test_verify_of_a_damaged_format_json_reports_it_once(store_path):
+    # it also reported each segment's sidecar "but FORMAT.json has no group key": follow-ons of the one problem
+    with open(os.path.join(store_path, "FORMAT.json"), "w") as f:
+        f.write("{bad")
+    report = verify_store(store_path)
+    assert len(report["problems"]) == 1 and "FORMAT.json is not valid JSON" in report["problems"][0]
