@@ -796,3 +796,15 @@ def test_a_jsonl_export_of_a_vector_column_imports_back(tmp_path):
     with pytest.raises(ExportError, match="bad.jsonl:3: column 'scores' has no value; earlier lines hold a per-row "
                                           "vector of 2"):
         import_rollouts(str(tmp_path / "bad.jsonl"), str(tmp_path / "dst2"))
+
+
+def test_jsonl_writes_float32_digits_whether_or_not_a_column_has_null_rows(tmp_path):
+    """With orjson, a log-prob column holding a "not computed" row was written with float64 digits."""
+    pytest.importorskip("orjson")
+    s = ReplayStore(str(tmp_path / "s"))
+    s.extend({"prompt_id": [0, 0], "completion_ids": [[1, 2], [3]],
+              "old_per_token_logps": [np.float32([-0.7976544499397278, -1.0]), None]})
+    out = str(tmp_path / "o.jsonl")
+    export_jsonl(s, out)
+    lines = open(out).read().splitlines()
+    assert '"old_per_token_logps":[-0.79765445,-1.0]' in lines[0] and '"old_per_token_logps":null' in lines[1]

@@ -193,11 +193,15 @@ def _rows_for_json(column: pa.ChunkedArray) -> List[Any]:
     values (no Python objects per element), anything else as Python values."""
     arr = column.combine_chunks()
     t = arr.type
-    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and arr.null_count == 0 and arr.values.null_count == 0:
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and arr.values.null_count == 0:
         values = numpy_view(arr.values)
         if values.dtype in _JSON_NUMPY:
             offsets = numpy_view(arr.offsets).tolist()
-            return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            rows = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            if arr.null_count:  # rows "not computed": null, the others as the rows without any are
+                for i in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)).tolist():
+                    rows[i] = None
+            return rows
     return arr.to_pylist()
 
 
