@@ -905,3 +905,31 @@ def test_a_forked_child_closing_the_store_keeps_the_parent_s_lock(tmp_path):
                 with pytest.raises(StoreLockedError, match="already open for writing"):
                     ReplayStore(path)
             store.extend(batch_for(0, 1))
+
+
+@pytest.mark.parametrize("token", ["w1:1", None])
+def test_a_link_that_landed_but_answered_eexist_is_this_writers_commit(tmp_path, monkeypatch, token):
+    """On NFS a retransmitted link whose first reply was lost answers EEXIST although it landed: the
+    writer took its own commit for another's, rebased on it and (with a token, finding its own record)
+    removed the files the commit names; without one it raised although the rows were committed."""
+    path = str(tmp_path / "s")
+    store = ReplayStore(path, multi_writer=True)
+    store.extend(batch_for(1, 0))
+    real, armed = os.link, [True]
+
+    def link(src, dst, **kw):
+        real(src, dst, **kw)
+        if armed[0] and os.sep + fmt.MANIFEST_DIR + os.sep in str(dst):
+            armed[0] = False
+            raise FileExistsError(errno.EEXIST, "File exists (a retransmitted link)", dst)
+
+    monkeypatch.setattr(os, "link", link)
+    rows = store.extend(batch_for(1, 1), token=token)
+    monkeypatch.setattr(os, "link", real)
+    assert not armed[0] and store.generation == 2 and rows.tolist() == list(range(len(batch_for(1, 0)["prompt_id"]),
+                                                                                   len(store)))
+    store.close()
+    with ReplayStore(path, readonly=True) as reader:
+        assert reader.generation == 2
+        assert check_rows(reader, reader.row_ids()) is None
+    assert verify_store(path)["ok"]

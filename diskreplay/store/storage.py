@@ -138,8 +138,19 @@ class LocalStorage(Storage):
             else:
                 os.link(self.local_path(src.rel if isinstance(src, _Temp) else src), self.local_path(rel))
         except FileExistsError:
-            return False
+            # a link that landed can still answer EEXIST: on NFS, a retransmitted link whose first
+            # reply was lost. The name is then our own file (the same inode), not a lost race: taken
+            # for one, the writer would rebase on its own commit and remove the files it names
+            return self._is_same_file(src, rel)
         return True
+
+    def _is_same_file(self, src: "str | _Temp", rel: str) -> bool:
+        try:
+            mine = os.fstat(src.fd) if isinstance(src, _Temp) else os.stat(self.local_path(src))
+            there = os.stat(self.local_path(rel))
+        except OSError:
+            return False
+        return (mine.st_ino, mine.st_dev) == (there.st_ino, there.st_dev)
 
     def link_candidates(self, rel_of, data: Buffer, first: int, *, tries: int = 1 << 16,
                         step: Optional[str] = None) -> Tuple[int, str]:
