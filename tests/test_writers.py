@@ -933,3 +933,50 @@ def test_a_link_that_landed_but_answered_eexist_is_this_writers_commit(tmp_path,
         assert reader.generation == 2
         assert check_rows(reader, reader.row_ids()) is None
     assert verify_store(path)["ok"]
+
+
+@pytest.mark.parametrize("multi_writer", [True, False])
+def test_a_commit_whose_outcome_is_not_known_keeps_its_files(tmp_path, monkeypatch, multi_writer):
+    """The link (rename) lands but answers EIO, and reading the manifest back fails too: the writer took
+    the commit for one that never happened and removed the files the committed generation names."""
+    from diskreplay.errors import StoreIOError
+    from diskreplay.store import storage as local
+
+    path = str(tmp_path / "s")
+    store = ReplayStore(path, multi_writer=multi_writer)
+    store.extend(batch_for(1, 0))
+    name = "link" if multi_writer else "replace"
+    real, real_read = getattr(os, name), local.read_file
+    armed = {"publish": True, "read": False}
+
+    def publish(src, dst, **kw):
+        real(src, dst, **kw)
+        if armed["publish"] and os.sep + fmt.MANIFEST_DIR + os.sep + "0" in str(dst):
+            armed["publish"], armed["read"] = False, True
+            raise OSError(errno.EIO, "Input/output error", dst)
+
+    def read_file(p, limit=None):
+        if armed["read"] and os.sep + fmt.MANIFEST_DIR + os.sep in p:
+            armed["read"] = False
+            raise OSError(errno.EIO, "Input/output error", p)
+        return real_read(p, limit)
+
+    monkeypatch.setattr(os, name, publish)
+    monkeypatch.setattr(local, "read_file", read_file)
+    with pytest.raises(StoreIOError, match="was committed is not known"):
+        store.extend(batch_for(1, 1), token="t1")
+    monkeypatch.setattr(os, name, real)
+    monkeypatch.setattr(local, "read_file", real_read)
+    assert verify_store(path)["ok"]  # generation 2 landed, and every file it names is there
+    if multi_writer:
+        first = store.extend(batch_for(1, 1), token="t1")  # the retry finds it: the same rows, nothing added
+    else:
+        with pytest.raises(StoreIOError, match="close and reopen the store"):
+            store.extend(batch_for(1, 2))
+        store.close()
+        store = ReplayStore(path)
+        first = store.extend(batch_for(1, 1), token="t1")
+    assert store.generation == 2 and first.tolist() == list(range(len(batch_for(1, 0)["prompt_id"]), len(store)))
+    assert check_rows(store, store.row_ids()) is None
+    store.close()
+    assert verify_store(path)["ok"]

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
-from ..errors import CommitNotDurableError, CommitTimeoutError, CorruptStoreError
+from ..errors import CommitNotDurableError, CommitTimeoutError, CorruptStoreError, StoreIOError
 from . import ops
 from .storage import Storage
 from .tokens import TokenIndex, compact_tokens
@@ -114,6 +114,7 @@ class Committer:
         self._checkpoint_at = fmt.CHECKPOINT_EVERY + random.randrange(fmt.CHECKPOINT_EVERY)
         # after its checkpoint lost a race at depth ``_lost_checkpoint_at``, not before this depth
         self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
+        self._in_doubt: Optional[str] = None  # a commit whose outcome is not known (see _publish)
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
         #: (generation, time.monotonic()) at which that generation was the newest (no later one existed)
         self._newest_at: Tuple[int, float] = (0, 0.0)
@@ -170,6 +171,8 @@ class Committer:
         (:class:`CommitNotDurableError`, whose ``rows`` is ``rows(new)``): a
         writer must never reuse a visible commit's generation, ids or rows.
         """
+        self.require_known_state()
+        self._in_doubt = None  # many writers: the base read below finds that commit if it landed
         t0 = time.perf_counter()
         # the commit began when its first data file was written (``started``), if it wrote any
         before = max(0.0, time.monotonic() - started) if started is not None else 0.0
@@ -263,8 +266,8 @@ class Committer:
             self.stats.not_durable += 1
             raise
         except BaseException:
-            if self.manifest.generation == base.generation:  # not committed: its files are garbage
-                self._remove(written)
+            if self.manifest.generation == base.generation and self._in_doubt is None:
+                self._remove(written)  # not committed: its files are garbage
             raise
         finally:
             self.storage.discard_staged()
@@ -341,7 +344,20 @@ class Committer:
                 return False
             self._newest_at = (new.generation, t)  # its link found no later generation
         except BaseException as exc:
-            if not self._visible(rel, data):
+            visible = self._visible(rel, data)
+            if visible is None:
+                # the link (or rename) failed and reading its name back failed too: whether the commit
+                # landed is not known, so its files stay (if it landed, it names them; if not, clean-up
+                # collects them as any commit's that never happened)
+                self._in_doubt = (f"whether generation {new.generation} of {self.storage.url} was committed is "
+                                  f"not known: publishing it failed ({exc}) and reading it back failed too")
+                if isinstance(exc, OSError):
+                    raise StoreIOError(exc.errno, f"{self._in_doubt}; retry with the same token to find out (a "
+                                       "retry without one may append the rows twice)"
+                                       + ("" if self.multi_writer else ", after reopening the store"),
+                                       exc.filename) from exc
+                raise
+            if not visible:
                 raise
             # the create/rename landed and only something after it failed: committed
             self._installed(new, install)
@@ -371,11 +387,22 @@ class Committer:
         install(new)
         crash_point("manifest.committed")
 
-    def _visible(self, rel: str, data: bytes) -> bool:
+    def require_known_state(self) -> None:
+        """Refuse to write after a single-writer commit whose outcome is not known (see :meth:`_publish`):
+        one writer plans on the manifest it holds, and if that commit landed, the next would write its
+        segment ids again and replace its generation (a rename). Many writers read the base anyway."""
+        if self._in_doubt is not None and not self.multi_writer:
+            raise StoreIOError(errno.EIO, f"{self._in_doubt}; close and reopen the store to go on from what "
+                               "storage holds", self.storage.url)
+
+    def _visible(self, rel: str, data: bytes) -> Optional[bool]:
+        """Whether the manifest ``rel`` holds ``data`` (None: it cannot be read, so not known)."""
         try:
             return self.storage.read_bytes(rel) == data
-        except OSError:
+        except FileNotFoundError:
             return False
+        except OSError:
+            return None
 
     def _remove(self, written: Sequence[str]) -> None:
         """Delete a commit's files that no manifest names, newest first: a segment's sidecar

@@ -573,6 +573,8 @@ class ReplayStore:
         self._require_open()
         if self.readonly:
             raise ReadOnlyError(f"{self.path} is open read-only; open it without readonly=True to write")
+        if self._committer is not None:
+            self._committer.require_known_state()
 
     def _catch_up(self) -> None:
         """Multi-writer: adopt the newest commit of any writer before planning a new one."""
