@@ -980,3 +980,70 @@ def test_a_commit_whose_outcome_is_not_known_keeps_its_files(tmp_path, monkeypat
     assert check_rows(store, store.row_ids()) is None
     store.close()
     assert verify_store(path)["ok"]
+
+
+def _age_files(path, seconds):
+    for d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR, fmt.MANIFEST_DIR):
+        for name in os.listdir(os.path.join(path, d)):
+            os.utime(os.path.join(path, d, name), (time.time() - seconds,) * 2)
+
+
+def test_a_sweep_never_removes_a_file_whose_id_was_reserved_again_since_it_looked(tmp_path, monkeypatch):
+    """Writer B's sweep finds an old orphan segment; before B removes it, writer A's sweep removes it,
+    and A's commit reserves the freed id (the lowest free one at next_segment) and names it. B then
+    removed A's committed segment: its sweep decided on one stat, long before the unlink."""
+    from diskreplay.store import committer as C
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=2) as s:
+        s.extend(batch_for(1, 0))
+        orphan = fmt.segment_file(s.manifest.next_segment)
+    with open(os.path.join(path, orphan), "wb") as f:
+        f.write(b"x" * 100)  # a killed writer's segment, never committed
+    _age_files(path, 20)
+    real, state = C.Committer.delete, {}
+
+    def delete(self, manifests, files, *rest):
+        if not state and orphan in files:
+            state["busy"] = True
+            state["A"] = a = ReplayStore(path, multi_writer=True)  # A's open sweep removes the orphan ...
+            a.extend(batch_for(2, 0))  # ... and its commit takes the id
+            assert orphan in [s.file for s in a.manifest.segments]
+        return real(self, manifests, files, *rest)
+
+    monkeypatch.setattr(C.Committer, "delete", delete)
+    b = ReplayStore(path, multi_writer=True)  # B's open sweep
+    monkeypatch.setattr(C.Committer, "delete", real)
+    a = state["A"]
+    assert check_rows(a, a.row_ids()) is None  # A's committed segment is still there
+    a.close(), b.close()
+    assert verify_store(path)["ok"]
+
+
+def test_a_sweep_that_took_longer_than_half_the_retention_removes_no_data_file(tmp_path, monkeypatch):
+    """A sweep descheduled between its listing of manifests/ and its stats of the data files took a
+    file that a generation committed meanwhile names for an old unnamed one."""
+    from diskreplay.store import committer as C
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=2) as s:
+        for i in range(6):
+            s.extend(batch_for(1, i))
+    real, other = C.Committer._named_by, []
+
+    def slow(self, keep):
+        out = real(self, keep)
+        if not other:
+            other.append(None)
+            other[0] = ReplayStore(path, multi_writer=True)
+            other[0].extend(batch_for(2, 0))  # committed after this sweep listed manifests/
+            time.sleep(2.5)  # ... and this sweep goes on past retain_seconds
+        return out
+
+    monkeypatch.setattr(C.Committer, "_named_by", slow)
+    b = ReplayStore(path, multi_writer=True)
+    monkeypatch.setattr(C.Committer, "_named_by", real)
+    with ReplayStore(path, readonly=True) as reader:
+        assert check_rows(reader, reader.row_ids()) is None
+    other[0].close(), b.close()
+    assert verify_store(path)["ok"]

@@ -521,7 +521,15 @@ class Committer:
         goes once no remaining manifest names it and it is older than
         ``retain_seconds`` (younger unnamed files may be another writer's commit
         in flight). Manifests that cannot be read stop the data sweep.
+
+        Two rules keep a sweep's decisions from going stale: a file's age is
+        checked again right before it is removed (another writer's sweep may
+        have removed it meanwhile, and a commit reserved its id again: that
+        file is young), and a sweep that took more than ``retain_seconds / 2``
+        removes no data file (a generation committed after its listing may
+        name one; commits have the same bound, see :meth:`_check_age`).
         """
+        started = time.monotonic()
         gens = fmt.list_generations(self.storage)
         retain = self.retain_seconds
         # generations are created in order, so the newer of two has existed for less time: the manifests
@@ -561,9 +569,12 @@ class Committer:
                 else:
                     young[rel] = now + retain - age
         self._ripe = young
+        if time.monotonic() - started > retain / 2:
+            files = []  # stale: the next sweep decides again
+        still_old = lambda rel: self._age(rel) >= retain  # noqa: E731 - checked right before each removal
         if not gens and not self.manifest.generation:
-            files = self._set_aside_unnamed(files)
-        self.delete([fmt.manifest_file(g) for g in drop], files)
+            files = self._set_aside_unnamed(files, still_old)
+        self.delete([fmt.manifest_file(g) for g in drop], files, still_old)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
     def _named_by(self, keep: set) -> Tuple[set, bool]:
@@ -619,7 +630,7 @@ class Committer:
                 keys |= released
         return _file_names(keys), unreadable
 
-    def _set_aside_unnamed(self, files: List[str]) -> List[str]:
+    def _set_aside_unnamed(self, files: List[str], still: Callable[[str], bool] = lambda rel: True) -> List[str]:
         """A store without any manifest: move its unnamed data files to ``quarantine/``, and return
         the rest of ``files`` (temporary files, empty reserved names) to delete.
 
@@ -637,7 +648,8 @@ class Committer:
                 if not self.storage.size(rel):
                     rest.append(rel)  # a name reserved ahead and never written: no data
                     continue
-                moved.append(self._set_aside(rel))
+                if still(rel):
+                    moved.append(self._set_aside(rel))
             except FileNotFoundError:
                 continue
         if moved:
@@ -668,7 +680,8 @@ class Committer:
         raise CorruptStoreError(f"{self.storage.url}/{fmt.QUARANTINE_DIR}/ has no free name left for {rel}; "
                                 "look at what it holds and empty it")
 
-    def delete(self, manifests: Sequence[str], files: Sequence[str]) -> None:
+    def delete(self, manifests: Sequence[str], files: Sequence[str],
+               still: Callable[[str], bool] = lambda rel: True) -> None:
         """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
 
         The order is what keeps a power cut safe: an unlink becomes durable at
@@ -685,7 +698,7 @@ class Committer:
         dirs = set()
         for rel in files:
             crash_point("gc.file")
-            if self.storage.delete(rel):
+            if still(rel) and self.storage.delete(rel):
                 dirs.add(os.path.dirname(rel))
         for d in sorted(dirs):
             self.storage.sync_dir(d)
