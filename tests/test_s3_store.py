@@ -541,3 +541,23 @@ def test_state_machine_on_object_storage(s3_server, monkeypatch, multi_writer):
     run_state_machine_as_test(OnS3, settings=settings(
         max_examples=3, stateful_step_count=8, deadline=None, derandomize=True,
         suppress_health_check=list(HealthCheck)))
+
+
+def test_a_store_whose_manifests_were_deleted_keeps_its_objects(s3_server, s3_url, tmp_path):
+    """As on a disk: with no manifest left, a writer's open moves the data objects to quarantine/
+    rather than deleting them (they may be the rows of a store whose manifests were lost)."""
+    with _open(s3_url, s3_server, tmp_path, retain_seconds=1) as store:
+        for step in range(3):
+            store.extend(_batch(1, step))
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    client = s3_server.client()
+    segments = [k for k in _keys(s3_server, s3_url) if k.startswith("segments/")]
+    for key in _keys(s3_server, s3_url):
+        if key.startswith("manifests/"):
+            client.delete_object(Bucket=bucket, Key=f"{prefix}/{key}")
+    time.sleep(1.2)  # older than retain_seconds: no commit of them can be in flight
+    with pytest.warns(RuntimeWarning, match="moved to quarantine/"):
+        store = _open(s3_url, s3_server, tmp_path, retain_seconds=1)
+    store.close()
+    kept = _keys(s3_server, s3_url)
+    assert segments and all(f"quarantine/{k}" in kept and k not in kept for k in segments), kept

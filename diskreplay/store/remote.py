@@ -54,7 +54,10 @@ class RemoteCommitter(Committer):
                 garbage = name.startswith(TMP_PREFIX) or (not unreadable and rel not in referenced)
                 if garbage and self._age(rel) >= grace:
                     files.append(rel)
-        self.delete(manifests, files)
+        still_old = lambda rel: self._age(rel) >= grace  # noqa: E731 - checked right before each removal
+        if not docs and not unreadable and not current:  # no manifest at all: kept, in quarantine/
+            files = self._set_aside_unnamed(files, still_old)
+        self.delete(manifests, files, still_old)
 
     def _write_token_log(self, data: bytes, first_id: int) -> int:
         # the first free id, created only if absent: never another writer's (or a crashed one's) log
