@@ -444,3 +444,43 @@ def test_disk_storage_refuses_what_it_cannot_do(tmp_path):
     assert readonly.get(torch.tensor([0, 2]))["x"].tolist() == [0, 2]
     with pytest.raises(diskreplay.ReadOnlyError):
         ReplayBuffer(storage=readonly, batch_size=2).extend(TensorDict({"x": torch.arange(1)}, batch_size=[1]))
+
+
+@pytest.mark.parametrize("resume", ["load_state_dict", "loads"])
+def test_extend_after_resuming_an_older_checkpoint_returns_the_new_rows_slots(tmp_path, resume):
+    """A checkpoint older than the store's last rows (a preemption): the writer's restored cursor made
+    extend return slots [7, 8, 9] while the rows went to [0, 1, 2], so priorities and lookups hit other
+    rows. And dumps() saved nothing of the storage: loads() of it into another path said nothing."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    path, ckpt = str(tmp_path / "s"), str(tmp_path / "ckpt")
+    rb = TensorDictReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=3)
+    rb.extend(TensorDict({"a": torch.arange(7)}, [7]))
+    state = rb.state_dict()
+    rb.dumps(ckpt)
+    rb.extend(TensorDict({"a": torch.arange(100, 103)}, [3]))  # after the checkpoint
+    rb.storage.close()
+    resumed = TensorDictReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=3)
+    resumed.load_state_dict(state) if resume == "load_state_dict" else resumed.loads(ckpt)
+    index = resumed.extend(TensorDict({"a": torch.arange(200, 203)}, [3]))
+    assert index.tolist() == [0, 1, 2] and resumed[index]["a"].tolist() == [200, 201, 202]
+    resumed.storage.close()
+    if resume == "loads":
+        other = TensorDictReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "other"), 10), batch_size=3)
+        with pytest.warns(UserWarning, match="this storage keeps the rows of"):
+            other.loads(ckpt)
+        other.storage.close()
+
+
+def test_a_writer_behind_the_store_writes_nothing_and_says_so(tmp_path):
+    """Another process appended since the writer's cursor was set: the rows would land on other slots than
+    the ones extend returns, so nothing is written; the writer then follows the store."""
+    path = str(tmp_path / "s")
+    rb = ReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=2)
+    rb.extend(TensorDict({"x": torch.arange(3)}, [3]))
+    rb.writer._cursor = 7
+    with pytest.raises(diskreplay.errors.UnsupportedError, match="nothing was written"):
+        rb.extend(TensorDict({"x": torch.arange(2)}, [2]))
+    assert len(rb.storage) == 3
+    assert rb.extend(TensorDict({"x": torch.arange(10, 12)}, [2])).tolist() == [3, 4]
+    rb.storage.close()

@@ -21,7 +21,12 @@ Positions. TorchRL addresses a storage of ``max_size`` slots written
 round-robin; slot ``p`` holds the live row ``r`` with ``r % max_size == p``
 (row ids only grow; the oldest rows are evicted as new ones arrive), which is
 exactly where TorchRL's writer puts them. A buffer attached to a reopened
-store has its writer's cursor moved to the store's next row.
+store has its writer's cursor moved to the store's next row, and so does
+loading a buffer state (``load_state_dict``, ``loads``: a checkpoint older
+than the store's last rows). A writer whose cursor is not the store's next
+row anyway (another process appended) writes nothing: ``extend`` raises and
+the writer follows the store. ``dumps`` writes the store's path and next row
+(``storage.json``): the rows are in the store, durable already.
 
 Needs the ``[torchrl]`` extra (``pip install diskreplay[torchrl]``). TorchRL's
 compiled extension is not needed: its pure-Python samplers are enough.
@@ -156,6 +161,21 @@ class DiskReplayStorage(_TorchRLStoreStorage):
                 continue
             writer._cursor = self.store.next_row % self.max_size
             self._synced_writers.append(id(writer))
+            # a buffer state loaded later (a checkpoint older than the store's last rows: the usual
+            # resume after a preemption) restores the writer's cursor from it, and the writer returns
+            # the indices it computes from that cursor: it must follow the store after a load too
+            for name in ("load_state_dict", "loads"):
+                load = getattr(writer, name, None)
+                if load is not None and not getattr(load, "_follows_store", False):
+                    setattr(writer, name, self._following(writer, load))
+
+    def _following(self, writer: Any, load: Any) -> Any:
+        def loaded(*args: Any, **kwargs: Any) -> Any:
+            out = load(*args, **kwargs)
+            writer._cursor = self.store.next_row % self.max_size
+            return out
+        loaded._follows_store = True
+        return loaded
 
     def _rows(self, positions: np.ndarray) -> np.ndarray:
         """Live row ids of TorchRL slots."""
@@ -189,9 +209,14 @@ class DiskReplayStorage(_TorchRLStoreStorage):
                 raise UnsupportedError(f"DiskReplayStorage rows are written once, at the end (slots "
                                        f"{expected.tolist()[:5]}...); overwriting slots {positions.tolist()[:5]} "
                                        "in place is not supported")
-            # a writer that started before the store's last rows (a reopened store): follow the store
+            # the writer's cursor is not the store's next row (another process appended, or its state
+            # was set by hand): writing would return indices of other rows; nothing is written
             self._synced_writers = []
             self._sync_writers()
+            raise UnsupportedError(f"the buffer's writer chose slots {positions.tolist()[:5]}... but the next rows of "
+                                   f"{self.store.path} go to slots {expected.tolist()[:5]}... (another process "
+                                   "appended, or the writer's cursor was set); nothing was written and the writer "
+                                   "now follows the store: extend again")
         self.store.extend(tensordict_to_columns(data))
         self._set_last_cursor(int(expected[-1]))
         self._bump_mutation_revision()
@@ -236,6 +261,29 @@ class DiskReplayStorage(_TorchRLStoreStorage):
             warnings.warn(f"the storage state is of the store at {path!r}; this storage keeps the rows of "
                           f"{self.store.path!r} (open that path to use its rows)", stacklevel=2)
         self._bump_mutation_revision()
+
+    def dumps(self, path: Any) -> None:
+        """Write ``storage.json`` (the store's path and next row) into the directory ``path``: the rows
+        are in the store, durable already, and a checkpoint names them instead of copying them."""
+        import json
+        import os
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "storage.json"), "w") as f:
+            json.dump(self.state_dict(), f)
+
+    def loads(self, path: Any) -> None:
+        """Read what :meth:`dumps` wrote (:meth:`load_state_dict`: a checkpoint of another store warns)."""
+        import json
+        import os
+
+        where = os.path.join(path, "storage.json")
+        try:
+            with open(where) as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            raise SchemaError(f"{where} is missing: {path} is not a checkpoint of a DiskReplayStorage") from None
+        self.load_state_dict(state)
 
     def __getstate__(self) -> Dict[str, Any]:
         raise UnsupportedError("a DiskReplayStorage holds an open store; send its path and reopen it (read-only "
