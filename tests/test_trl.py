@@ -328,6 +328,8 @@ def test_bad_input_fails_at_construction(tmp_path):
 
     with pytest.raises(ValueError, match="replay_k=5 exceeds num_generations=4"):
         make_config(tmp_path, replay_mode="repo", replay_k=5)
+    for mode in ("ssr", "off"):  # replay_k is RePO's: another mode does not read it
+        assert make_config(tmp_path, replay_mode=mode, replay_k=100).replay_k == 100
     with pytest.raises(ValueError, match="replay_mode must be one of"):
         make_config(tmp_path, replay_mode="prioritized")
     with pytest.raises(ValueError, match="ssr_replay_fraction"):

@@ -93,7 +93,7 @@ def check_replay_options(args: Any) -> None:
     g = args.num_generations
     if not is_int(args.replay_k) or args.replay_k < 1:
         raise ReplayConfigError(f"replay_k must be a positive integer, got {args.replay_k!r}")
-    if args.replay_k > g:
+    if mode == "repo" and args.replay_k > g:  # only RePO draws replay_k rows per prompt
         raise ReplayConfigError(f"replay_k={args.replay_k} exceeds num_generations={g}: RePO replays at most one "
                                 f"group's worth of past generations per prompt; lower replay_k to at most {g}")
     if args.replay_strategy is not None:
