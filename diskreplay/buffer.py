@@ -16,7 +16,7 @@ import torch
 
 from .collator import Collator
 from .errors import ArgumentError, SamplerError
-from .loader import store_lock
+from .loader import resolve_device, store_lock
 
 __all__ = ["ReplayBuffer"]
 
@@ -76,7 +76,7 @@ class ReplayBuffer:
             collator = Collator(pad_token_id, layout=layout)
             collate_fn = lambda batch, pad_token_id: collator(batch)  # noqa: E731
         self.collate_fn = collate_fn
-        self.device = None if device is None else torch.device(device)
+        self.device = resolve_device(device, "sample() returns")
         self.state_name = state_name
         self._closed = False
         if state_name is not None:

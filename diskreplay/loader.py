@@ -109,6 +109,35 @@ _STORE_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKe
 _STORE_LOCKS_GUARD = threading.Lock()
 
 
+def resolve_device(device: Any, who: str = "it yields") -> Optional[torch.device]:
+    """``device`` as a ``torch.device`` (None: CPU). An integer is a CUDA device index (a
+    ``local_rank``); a CUDA device on a machine without CUDA warns and gives CPU tensors
+    (DESIGN.md: the same training script runs on a laptop or a CPU CI machine).
+
+    >>> resolve_device(None) is None, resolve_device("cpu")
+    (True, device(type='cpu'))
+    """
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ArgumentError(f"device={device}: a CUDA device index is >= 0")
+        dev = torch.device("cuda", device)
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ArgumentError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cuda', 'cuda:0', "
+                                "0 or 'cpu'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(f"device={device!r}: this machine has no CUDA, so {who} CPU tensors", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def store_lock(store: Any) -> threading.RLock:
     """The lock that serialises loaders and buffers using one ``ReplayStore`` object.
 
@@ -487,19 +516,14 @@ class ReplayLoader:
         if not hasattr(sampler, "sample") or not hasattr(sampler, "state_dict"):
             raise ArgumentError(f"sampler must have sample(store, batch_size) and state_dict(), got "
                                 f"{type(sampler).__name__}; pass e.g. PromptGroupSampler(num_groups=8)")
-        dev = None if device is None else torch.device(device)
-        if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
-            # the same training script runs on a laptop or a CPU CI machine (DESIGN.md: CPU tensors there)
-            warnings.warn(f"device={device!r}: this machine has no CUDA, so the loader yields CPU tensors",
-                          RuntimeWarning, stacklevel=2)
-            dev = None
-        if dev is not None and dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = resolve_device(device, "the loader yields")
         if pin_memory is None:
             pin_memory = dev is not None and dev.type == "cuda"
         if pin_memory and not torch.cuda.is_available():
-            raise ArgumentError("pin_memory=True needs CUDA, which this machine lacks; "
-                                "leave pin_memory=None (pinned iff device is CUDA)")
+            # as torch's DataLoader does: the same script runs on a CPU machine
+            warnings.warn("pin_memory=True: this machine has no CUDA, so host buffers are not pinned",
+                          RuntimeWarning, stacklevel=2)
+            pin_memory = False
         if columns is not None:
             columns = [columns] if isinstance(columns, str) else list(columns)
         self.store, self.sampler = store, sampler

@@ -283,10 +283,31 @@ def test_pinned_ring_on_host(store):
         assert b["completion_ids"].is_pinned()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
-def test_pin_memory_without_cuda_is_an_error(store):
-    with pytest.raises(ValueError, match="pin_memory"):
-        ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, pin_memory=True)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without CUDA")
+@pytest.mark.parametrize("kwargs", [{"pin_memory": True}, {"device": 0}, {"device": "cuda:0"}, {"device": "cuda"}])
+def test_cuda_options_without_cuda_warn_and_yield_cpu_tensors(store, kwargs):
+    """As torch's DataLoader does (pin_memory=True raised; device=0, a local_rank, raised RuntimeError)."""
+    with pytest.warns(RuntimeWarning, match="no CUDA") as caught:
+        loader = ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, num_batches=1, **kwargs)
+    assert caught[0].filename == __file__
+    with loader:
+        assert all(v.device.type == "cpu" and not v.is_pinned() for v in next(loader).values()
+                   if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without CUDA")
+def test_replay_buffer_on_cuda_without_cuda_warns_and_samples_on_the_cpu(path):
+    from diskreplay import ReplayBuffer
+
+    with pytest.warns(RuntimeWarning, match="no CUDA"):
+        buffer = ReplayBuffer(ReplayStore(path), RandomSampler(seed=0), BATCH, device="cuda", state_name=None)
+    with buffer:
+        assert buffer.sample()["completion_ids"].device.type == "cpu"
+
+
+def test_a_device_that_is_none_says_so(store):
+    with pytest.raises(ValueError, match="device='gpu' is not a torch device"):
+        ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, device="gpu")
 
 
 # --------------------------------------------------------------------------- shutdown
