@@ -16,7 +16,7 @@ import torch
 
 from .collator import Collator
 from .errors import ArgumentError, SamplerError
-from .loader import resolve_device, store_lock
+from .loader import resolve_device, restore_state, store_lock
 
 __all__ = ["ReplayBuffer"]
 
@@ -79,10 +79,7 @@ class ReplayBuffer:
         self.device = resolve_device(device, "sample() returns")
         self.state_name = state_name
         self._closed = False
-        if state_name is not None:
-            saved = store.load_state(state_name)
-            if saved is not None:
-                sampler.load_state_dict(saved)
+        restore_state(store, state_name, sampler, "ReplayBuffer")
 
     def __len__(self) -> int:
         return len(self.store)

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from .collator import LAYOUTS
-from .errors import ArgumentError, LoaderError, RowsEvictedError
+from .errors import ArgumentError, LoaderError, RowsEvictedError, SamplerError
 from .packing import collate_packed, pack_on_device as _pack_on_device, packed_sizes
 from .padding import _Buffers, collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
 from .ragged import RaggedColumn, is_int as _is_int
@@ -136,6 +136,22 @@ def resolve_device(device: Any, who: str = "it yields") -> Optional[torch.device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def restore_state(store: Any, state_name: Optional[str], sampler: Any, owner: str) -> None:
+    """Load the sampler state the store keeps under ``state_name`` (if any) into ``sampler``; a state
+    this sampler cannot take is an error that says how to start afresh instead."""
+    if state_name is None:
+        return
+    saved = store.load_state(state_name)
+    if saved is None:
+        return
+    try:
+        sampler.load_state_dict(saved)
+    except SamplerError as exc:
+        raise SamplerError(f"{store.path} keeps a sampler state under state_name={state_name!r} that this "
+                           f"{type(sampler).__name__} cannot take ({exc}); pass {owner} another state_name, or "
+                           "state_name=None to start without it") from None
 
 
 def store_lock(store: Any) -> threading.RLock:
@@ -549,10 +565,7 @@ class ReplayLoader:
         self._closed = False
         self._worker: Optional[_Worker] = None
         self._finalizer: Optional[weakref.finalize] = None
-        if state_name is not None:
-            saved = store.load_state(state_name)
-            if saved is not None:
-                sampler.load_state_dict(saved)
+        restore_state(store, state_name, sampler, "ReplayLoader")
         self._state = _position(sampler)
         self._start()
 

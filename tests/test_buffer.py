@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,3 +178,20 @@ def test_packed_layout(tmp_path):
         want = collate_packed(buf.store.read(s["rows"].numpy()))
         assert set(s) == set(want) | {"rows"}
         assert all(torch.equal(s[k], v) if isinstance(v, torch.Tensor) else s[k] == v for k, v in want.items())
+
+
+def test_a_saved_state_of_another_sampler_says_how_to_start_afresh(tmp_path):
+    """ReplayBuffer's default state_name met the state of another sampler class (offline replay of a
+    store trained with SSR): the error named neither the state nor state_name=None."""
+    from diskreplay import PrioritizedSampler, PromptGroupSampler, ReplayBuffer, SamplerError
+
+    path = str(tmp_path / "s")
+    with ReplayBuffer(ReplayStore(path), PrioritizedSampler(seed=0), 4) as buffer:
+        buffer.store.extend({"prompt_id": [0, 0, 1, 1], "completion_ids": [[1], [2], [3], [4]],
+                             "advantages": np.float32([1, 2, 3, 4])})
+        buffer.sample()
+    with pytest.raises(SamplerError, match="state_name='replay_buffer'.*state_name=None"):
+        ReplayBuffer(ReplayStore(path, readonly=True), PromptGroupSampler(num_groups=1), 4)
+    with ReplayBuffer(ReplayStore(path, readonly=True), PromptGroupSampler(num_groups=1), 2,
+                      state_name=None) as buffer:
+        assert len(buffer.sample()["rows"]) == 2
