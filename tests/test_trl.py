@@ -660,3 +660,34 @@ def _loss_positions(trainer, prompt, completion):
             if b["prompt_ids"][i][pm].tolist() == prompt and b["completion_ids"][i][cm].tolist() == completion:
                 out.append((b, (b["sampling_per_token_logps"][i][cm], b["importance_sampling_ratio"][i][cm])))
     return out
+
+
+def test_truncated_completions_keep_their_tokens_and_stay_out_of_the_loss_when_replayed(tmp_path):
+    """mask_truncated_completions zeroes the loss mask of a completion cut at max_completion_length:
+    the store stripped it with that mask and kept an empty completion (with its reward and advantage);
+    it now keeps the tokens, flags the row, and a replay masks it out of the loss as TRL did."""
+    trainer = train(tmp_path, replay_mode="repo", replay_k=2, mask_truncated_completions=True,
+                    max_completion_length=4, max_steps=4)
+    with open_store(trainer) as store:
+        rows = store.row_ids()
+        got = store.read(rows, ["prompt_ids", "completion_ids", "completion_truncated"])
+        flags = np.asarray(got["completion_truncated"])
+        lengths = np.diff(got["completion_ids"].offsets)
+        assert flags.sum() > 0 and (lengths[flags == 1.0] >= 1).all() and (lengths <= 4).all()
+        flagged = {int(r) for r, f in zip(rows, flags) if f == 1.0}
+        replayed = [int(r) for h in trainer.replay_history for r in h["replayed_rows"] if int(r) in flagged]
+        assert replayed, "no truncated row was replayed: the test proves nothing"
+        pad = trainer._pad_token_id()
+        masked_out = set()
+        for b in trainer.loss_batches:
+            for i in range(b["prompt_ids"].shape[0]):
+                if int(b["completion_mask"][i].sum()) == 0:
+                    ids = b["completion_ids"][i].tolist()
+                    while ids and ids[-1] == pad:
+                        ids.pop()
+                    masked_out.add((tuple(b["prompt_ids"][i][b["prompt_mask"][i].bool()].tolist()), tuple(ids)))
+        for r in replayed:
+            row = store.read([r], ["prompt_ids", "completion_ids"])
+            key = (tuple(row["prompt_ids"][0].tolist()), tuple(row["completion_ids"][0].tolist()))
+            assert key in masked_out, f"replayed truncated row {r} reached the loss unmasked"
+    assert_finite_losses(trainer)

@@ -16,8 +16,8 @@ import torch
 from ...errors import ReplayConfigError
 from .planners import GROUP_KEY, VERSION_KEY, ReplayPlan, prompt_key
 
-__all__ = ["COMPLETION_SIDE", "KNOWN_KEYS", "OPTIONAL_KEYS", "PROMPT_SIDE", "assemble", "importance_ratio",
-           "prompt_keys", "record", "sampling_logps_or_old"]
+__all__ = ["COMPLETION_SIDE", "KNOWN_KEYS", "OPTIONAL_KEYS", "PROMPT_SIDE", "TRUNCATED", "assemble", "content_mask",
+           "importance_ratio", "prompt_keys", "record", "sampling_logps_or_old"]
 
 PROMPT_SIDE = ("prompt_ids", "prompt_mask")
 COMPLETION_SIDE = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
@@ -44,13 +44,42 @@ def sequence_ratio(ratio: torch.Tensor, mode: str) -> bool:
     return ratio.dim() == 2 and ratio.shape[1] == 1 and mode.startswith("sequence")
 
 
+TRUNCATED = "completion_truncated"  # 1.0: TRL masked the whole completion out of the loss (truncated)
+
+
+def content_mask(completion_ids: torch.Tensor, completion_mask: torch.Tensor, truncated: torch.Tensor,
+                 pad_token_id: int) -> torch.Tensor:
+    """``completion_mask`` with the rows of ``truncated`` covering their tokens (up to the last that is
+    not padding), so that the store keeps what was generated. With ``mask_truncated_completions``,
+    TRL zeroes the whole loss mask of a completion that hit ``max_completion_length`` without an
+    EOS: the mask then says nothing of its tokens (such a row's mask sums to 0, an EOS-only
+    completion's to 1).
+
+    >>> ids = torch.tensor([[5, 6, 1, 0], [7, 8, 9, 0]]); mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
+    >>> content_mask(ids, mask, torch.tensor([0.0, 1.0]), 0).tolist()
+    [[1, 1, 1, 0], [1, 1, 1, 0]]
+    """
+    pos = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    length = torch.where(completion_ids != pad_token_id, pos + 1, 0).max(dim=1).values
+    content = (pos[None, :] < length[:, None]).to(completion_mask.dtype)
+    return torch.where(truncated.to(torch.bool)[:, None], content, completion_mask)
+
+
 def record(out: Dict[str, Any], keys: np.ndarray, rewards: np.ndarray, rewards_per_func: np.ndarray,
-           old: Optional[torch.Tensor], step: int, ratio_mode: str) -> Dict[str, Any]:
-    """The ``store.extend`` batch of the fresh rows (the store strips the padding with the masks)."""
+           old: Optional[torch.Tensor], step: int, ratio_mode: str,
+           truncated: Optional[torch.Tensor] = None, pad_token_id: int = 0) -> Dict[str, Any]:
+    """The ``store.extend`` batch of the fresh rows (the store strips the padding with the masks).
+
+    ``truncated`` (1.0 per row whose loss mask TRL zeroed, 0.0 for the others; None: not recorded):
+    those rows are stored with their tokens (:func:`content_mask`) and ``completion_truncated`` says
+    which they are, so that a replay masks them out of the loss again."""
     n = len(keys)
+    mask = out["completion_mask"]
+    if truncated is not None:
+        mask = content_mask(out["completion_ids"], mask, truncated, pad_token_id)
     rec: Dict[str, Any] = {
         "prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
-        "completion_ids": out["completion_ids"], "completion_mask": out["completion_mask"],
+        "completion_ids": out["completion_ids"], "completion_mask": mask,
         GROUP_KEY: keys, VERSION_KEY: np.full(n, step, dtype=np.int64),
         "rewards": rewards, "rewards_per_func": rewards_per_func,
         "advantages": out["advantages"].detach().float(),
@@ -68,6 +97,8 @@ def record(out: Dict[str, Any], keys: np.ndarray, rewards: np.ndarray, rewards_p
     ratio = out.get("importance_sampling_ratio")
     if ratio is not None:
         rec["importance_sampling_ratio"] = ratio[:, 0] if sequence_ratio(ratio, ratio_mode) else ratio
+    if truncated is not None:
+        rec[TRUNCATED] = truncated.detach().cpu().float()
     return rec
 
 

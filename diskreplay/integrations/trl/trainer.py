@@ -26,7 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from ... import PrioritizedSampler, PromptGroupSampler, RaggedColumn, ReplayStore, collate
 from ...errors import IntegrationError, ReplayConfigError
-from .batch import (KNOWN_KEYS, OPTIONAL_KEYS, assemble, importance_ratio, prompt_keys, record,
+from .batch import (KNOWN_KEYS, OPTIONAL_KEYS, TRUNCATED, assemble, importance_ratio, prompt_keys, record,
                     sampling_logps_or_old)
 from .checkpoint import (STATE_NAME, ReplayState, checkpoint_state_path, load_checkpoint_state,
                          save_checkpoint_state)
@@ -415,7 +415,13 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         plan = self._plan(store, fresh, step)
         if self.args.replay_append and self.replay_mode != "off" and self.accelerator.num_processes > 1:
             plan = self._common_append(plan, out["prompt_ids"].device)
-        fresh_rows = store.extend(record(out, keys, rewards, rewards_per_func, old, step, self._ratio_mode()))
+        truncated = None
+        if getattr(self.args, "mask_truncated_completions", False) or TRUNCATED in store.columns:
+            # TRL zeroed the loss mask of completions cut at max_completion_length: their tokens are
+            # kept (exports, best-of-n, pairs) and flagged, so that a replay masks them out again
+            truncated = (out["completion_mask"].sum(dim=1) == 0).float()
+        fresh_rows = store.extend(record(out, keys, rewards, rewards_per_func, old, step, self._ratio_mode(),
+                                         truncated, self._pad_token_id()))
 
         result = out
         replay: Dict[str, Any] = {}
@@ -516,6 +522,10 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                                         "did not compute it), so it cannot be replayed; write the store with "
                                         "replay_compute_old_logps=True and the same beta")
         replay = collate(batch, self._pad_token_id())
+        if getattr(self.args, "mask_truncated_completions", False) and TRUNCATED in store.columns:
+            flags = np.asarray(store.read(rows, columns=[TRUNCATED])[TRUNCATED], dtype=np.float64)
+            keep = torch.as_tensor(~(flags == 1.0))[:, None].to(replay["completion_mask"].dtype)
+            replay["completion_mask"] = replay["completion_mask"] * keep.to(replay["completion_mask"].device)
         if any(out.get(c) is not None for c in _IS_KEYS):
             replay["sampling_per_token_logps"] = sampling_logps_or_old(replay)
             replay.pop("sampling_per_token_logps_present", None)
