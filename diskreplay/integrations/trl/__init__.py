@@ -41,6 +41,14 @@ and std, advantage 0, never a reason to call a group "with spread"
 (``swap_zero_std``), ranked last by the ``reward`` and ``variance``
 strategies, skipped by the reward statistics and curated exports.
 
+Truncated completions
+---------------------
+With ``mask_truncated_completions``, TRL zeroes the whole loss mask of a
+completion cut at ``max_completion_length``. Such a row is stored with its
+tokens (up to its last non-padding token: exports, best-of-n and preference
+pairs see what was generated) and ``completion_truncated`` = 1.0 (0.0 for
+the others); a replay masks it out of the loss again, as TRL did.
+
 The seam
 --------
 Only ``GRPOTrainer._generate_and_score_completions(inputs)`` is overridden: it
