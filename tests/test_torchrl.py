@@ -484,3 +484,26 @@ def test_a_writer_behind_the_store_writes_nothing_and_says_so(tmp_path):
     assert len(rb.storage) == 3
     assert rb.extend(TensorDict({"x": torch.arange(10, 12)}, [2])).tolist() == [3, 4]
     rb.storage.close()
+
+
+def test_tensors_come_back_with_their_dtypes_and_shapes_after_a_reopen(tmp_path):
+    """A bool token mask came back int64 (so lp[mask] indexed positions 0 and 1), small ints as int64,
+    float16 as float64; bfloat16 raised a bare TypeError and a [B, 2, 2] column was refused."""
+    from tensordict import lazy_stack
+
+    path = str(tmp_path / "s")
+    lp, mask = torch.tensor([-1.0, -2.0, -3.0, -4.0]), torch.tensor([False, True, True, False])
+    row = TensorDict({"lp": lp, "mask": mask, "ids": torch.tensor([1, 2], dtype=torch.uint8),
+                      "half": torch.tensor([0.5], dtype=torch.float16),
+                      "bf": torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+                      "img": torch.arange(4, dtype=torch.int16).reshape(2, 2)}, [])
+    rb = ReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=1)
+    rb.extend(lazy_stack([row, row.clone()]))
+    rb.storage.close()
+    rb = ReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=1)
+    got = rb[1]
+    for key in row.keys():
+        assert got[key].dtype == row[key].dtype and got[key].shape == row[key].shape, key
+        assert torch.equal(got[key], row[key]), key
+    assert got["lp"][got["mask"]].tolist() == [-2.0, -3.0]
+    rb.storage.close()

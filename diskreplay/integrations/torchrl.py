@@ -16,6 +16,11 @@ fixed-shape tensor per row a vector column; strings (``NonTensorStack``) a
 string column; rows of different lengths (a lazy stack of TensorDicts, the
 way TorchRL keeps token sequences) a ragged column, returned as a lazy stack
 again (``sample.get(("tokens", "full"), as_padded_tensor=True)`` pads them).
+The store holds ints as int32/int64 and floats as float32/float64, at most
+one dimension per row; each column's torch dtype and per-row shape are kept
+beside the rows (the saved state ``torchrl.layout``, one commit when a column
+first appears), so tensors come back as they went in: bool masks, uint8 ids,
+float16, bfloat16, ``[B, 2, 2]`` per-row tensors.
 
 Positions. TorchRL addresses a storage of ``max_size`` slots written
 round-robin; slot ``p`` holds the live row ``r`` with ``r % max_size == p``
@@ -54,6 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["DiskReplayStorage", "tensordict_to_columns", "columns_to_tensordict"]
 
 SEP = "."
+LAYOUT_STATE = "torchrl.layout"  # the saved state with each column's torch dtype and per-row shape
 # TorchRL keeps its writer cursor in a 32-bit shared integer: an unbounded store is addressed modulo this
 _UNBOUNDED_SLOTS = 2 ** 31 - 1
 
@@ -121,6 +127,9 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         self.initialized = True
         self._last_cursor = None
         self._synced_writers: List[int] = []
+        self._layout: Dict[str, Any] = {}
+        self._layout_generation = -1
+        self._load_layout()
 
     # -- TorchRL's Storage interface
     @property
@@ -177,6 +186,13 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         loaded._follows_store = True
         return loaded
 
+    def _load_layout(self) -> None:
+        """The tensors' dtypes and shapes, kept in the store (a saved state) beside the rows."""
+        if self._layout_generation != self.store.generation:
+            saved = self.store.load_state(LAYOUT_STATE)
+            self._layout = dict(saved.get("columns", {})) if isinstance(saved, dict) else {}
+            self._layout_generation = self.store.generation
+
     def _rows(self, positions: np.ndarray) -> np.ndarray:
         """Live row ids of TorchRL slots."""
         head, n = self.store.head, len(self.store)
@@ -217,7 +233,14 @@ class DiskReplayStorage(_TorchRLStoreStorage):
                                    f"{self.store.path} go to slots {expected.tolist()[:5]}... (another process "
                                    "appended, or the writer's cursor was set); nothing was written and the writer "
                                    "now follows the store: extend again")
-        self.store.extend(tensordict_to_columns(data))
+        layout: Dict[str, Any] = {}
+        self.store.extend(tensordict_to_columns(data, layout))
+        self._load_layout()
+        changed = {k: v for k, v in layout.items() if self._layout.get(k) != v}
+        if changed:  # a new column, or another dtype: one more commit, once
+            self._layout.update(changed)
+            self.store.save_state(LAYOUT_STATE, {"columns": self._layout})
+            self._layout_generation = self.store.generation
         self._set_last_cursor(int(expected[-1]))
         self._bump_mutation_revision()
 
@@ -231,7 +254,8 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         if isinstance(index, slice):
             index = range(*index.indices(len(self.store)))
         rows = self._rows(_as_positions(index))
-        td = columns_to_tensordict(self.store.read(rows), len(rows))
+        self._load_layout()
+        td = columns_to_tensordict(self.store.read(rows), len(rows), self._layout)
         return td[0] if single else td
 
     def contains(self, item: Any) -> Any:
@@ -290,14 +314,27 @@ class DiskReplayStorage(_TorchRLStoreStorage):
                                "for readers) instead of pickling it")
 
 
-def tensordict_to_columns(data: Any) -> Dict[str, Any]:
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16: its values are exactly float32 ones (the layout casts them back)
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def tensordict_to_columns(data: Any, layout: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """A batched TensorDict as the column mapping ``ReplayStore.extend`` takes (nested keys joined with ".").
+
+    ``layout``, when given, receives each tensor column's torch dtype and per-row shape
+    (``[dtype, shape]``, shape None for a ragged column): the store keeps ints as int32/int64,
+    floats as float32/float64 and at most one dimension per row, and :func:`columns_to_tensordict`
+    with the same layout gives the tensors back as they were (bool masks, int8 ids, bfloat16, ...).
 
     >>> import torch
     >>> from tensordict import TensorDict
-    >>> cols = tensordict_to_columns(TensorDict({"next": {"reward": torch.ones(2)}}, batch_size=[2]))
-    >>> list(cols), cols["next.reward"].tolist()
-    (['next.reward'], [1.0, 1.0])
+    >>> layout = {}
+    >>> cols = tensordict_to_columns(TensorDict({"next": {"done": torch.ones(2, 1, dtype=torch.bool)}},
+    ...                                         batch_size=[2]), layout)
+    >>> list(cols), cols["next.done"].tolist(), layout
+    (['next.done'], [[True], [True]], {'next.done': ['torch.bool', [1]]})
     """
     out: Dict[str, Any] = {}
     for key in data.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf):
@@ -305,24 +342,47 @@ def tensordict_to_columns(data: Any) -> Dict[str, Any]:
         if isinstance(data, LazyStackedTensorDict) and issubclass(data.entry_class(key), torch.Tensor):
             parts = data.get(key, as_list=True)
             if any(p.shape != parts[0].shape for p in parts) or parts[0].ndim == 1:
-                out[name] = [p.detach().cpu().numpy() for p in parts]  # one sequence per row: ragged
-            else:
-                out[name] = torch.stack(parts).detach().cpu().numpy()
-            continue
-        value = data.get(key)
+                if any(p.ndim != 1 for p in parts):
+                    raise SchemaError(f"{key!r}: rows of different shapes {tuple(parts[0].shape)}, ... must be "
+                                      "1-D sequences (one value per token) to be stored")
+                out[name] = [_numpy(p) for p in parts]  # one sequence per row: ragged
+                if layout is not None:
+                    layout[name] = [str(parts[0].dtype), None]
+                continue
+            value = torch.stack(parts)
+        else:
+            value = data.get(key)
         if isinstance(value, torch.Tensor):
-            out[name] = value.detach().cpu().numpy()
+            if layout is not None:
+                layout[name] = [str(value.dtype), list(value.shape[1:])]
+            if value.ndim > 2:  # a per-row tensor of several dimensions: stored flat, a vector
+                value = value.reshape(value.shape[0], -1)
+            out[name] = _numpy(value)
         else:
             out[name] = list(value.tolist() if hasattr(value, "tolist") else value)
     return out
+
+
+def _restore(t: torch.Tensor, spec: Any, n: int) -> torch.Tensor:
+    """``t`` as ``layout`` recorded it: its torch dtype, and (dense columns) its per-row shape."""
+    if not spec:
+        return t
+    dtype = getattr(torch, str(spec[0]).replace("torch.", ""), None)
+    if isinstance(dtype, torch.dtype) and t.dtype != dtype:
+        t = t.to(dtype)
+    shape = spec[1] if len(spec) > 1 else None
+    if shape is not None and tuple(t.shape[1:]) != tuple(shape):
+        t = t.reshape(n, *shape)
+    return t
 
 
 def _is_leaf(cls: type) -> bool:
     return not issubclass(cls, TensorDictBase) or issubclass(cls, (NonTensorData, NonTensorStack))
 
 
-def columns_to_tensordict(batch: Dict[str, Any], n: int) -> Any:
-    """``store.read(rows)`` as a TensorDict of ``n`` rows: nested keys back, a lazy stack when a column is ragged.
+def columns_to_tensordict(batch: Dict[str, Any], n: int, layout: Optional[Dict[str, Any]] = None) -> Any:
+    """``store.read(rows)`` as a TensorDict of ``n`` rows: nested keys back, a lazy stack when a column is ragged;
+    with a ``layout`` (:func:`tensordict_to_columns`) each tensor's dtype and per-row shape back.
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -341,18 +401,21 @@ def columns_to_tensordict(batch: Dict[str, Any], n: int) -> Any:
         elif isinstance(col, list):
             dense[key] = NonTensorStack.from_list(col)
         else:
-            dense[key] = torch.from_numpy(np.ascontiguousarray(col))
+            dense[key] = _restore(torch.from_numpy(np.ascontiguousarray(col)), (layout or {}).get(name), n)
     td = TensorDict(batch_size=[n])
     for key, value in dense.items():
         td.set(key, value)
     if not ragged:
         return td
+    specs = {key: (layout or {}).get(SEP.join(key) if isinstance(key, tuple) else key) for key in ragged}
     rows = []
     for i in range(n):
         one = td[i]
         for key, col in ragged.items():
             v = np.asarray(col[i])
-            # token ids come back as int64 (what embeddings index with), whatever width the store chose
-            one.set(key, torch.from_numpy(v.astype(np.int64) if v.dtype.kind in "iu" else v.copy()))
+            # token ids come back as int64 (what embeddings index with) unless the layout says otherwise
+            t = torch.from_numpy(v.astype(np.int64) if v.dtype.kind in "iu" else v.copy())
+            spec = specs[key]
+            one.set(key, _restore(t, spec[:1], 1) if spec else t)
         rows.append(one)
     return lazy_stack(rows)
