@@ -584,3 +584,31 @@ def test_verify_of_a_damaged_format_json_reports_it_once(store_path):
         f.write("{bad")
     report = verify_store(store_path)
     assert len(report["problems"]) == 1 and "FORMAT.json is not valid JSON" in report["problems"][0]
+
+
+def test_recent_files_of_a_many_writer_store_whose_manifests_were_deleted_are_kept_too(tmp_path):
+    """Files younger than retain_seconds may be a first commit in flight, so the open keeps them; once
+    the store had manifests again they looked like any orphan and a later sweep deleted them."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True, retain_seconds=60) as store:
+        store.extend({"prompt_id": [0, 0], "completion_ids": [[1, 2], [3]]})
+        store.extend({"prompt_id": [1], "completion_ids": [[4]]})
+    segments = sorted(os.listdir(os.path.join(path, "segments")))
+    data = {n: open(os.path.join(path, "segments", n), "rb").read() for n in segments}
+    shutil.rmtree(os.path.join(path, "manifests"))
+    os.mkdir(os.path.join(path, "manifests"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # young: nothing is moved (nor deleted) yet
+        store = ReplayStore(path, multi_writer=True, retain_seconds=60)
+    store.extend({"prompt_id": [9], "completion_ids": [[5]]})  # the store has a manifest again
+    for name in segments:  # ... and the old files are past retention now
+        os.utime(os.path.join(path, "segments", name), (time.time() - 120,) * 2)
+    store._committer._ripe = {}  # when it meant to look at them again: now, as the clock moved 2 minutes
+    with pytest.warns(RuntimeWarning, match="no manifest ever named"):
+        store._committer.collect(full=True)
+    store.close()
+    for name, raw in data.items():
+        if raw:
+            assert open(os.path.join(path, "quarantine", "segments", name), "rb").read() == raw
+    assert not os.path.exists(os.path.join(path, "quarantine", "pending.json"))
+    assert verify_store(path)["ok"]

@@ -13,6 +13,7 @@ specification; this module is its executable form.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import time
@@ -44,6 +45,8 @@ SEEN_MANIFESTS = 4096  # manifests a writer keeps between its sweeps, so that a 
 # 2 * CHECKPOINT_EVERY (a reader applies at most this many deltas)
 MAX_DELTA_DEPTH = 2 * fmt.CHECKPOINT_EVERY - 1
 UNREADABLE_RETRIES = 3  # lost races to a manifest that does not read before the commit gives up
+#: files a sweep of a store without manifests could not judge yet (see Committer._pending_set_aside)
+PENDING_FILE = f"{fmt.QUARANTINE_DIR}/pending.json"
 # sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
 # name) against other writers, so it goes last (see Committer._remove)
 DATA_SWEEP_DIRS = (fmt.GROUPS_DIR, fmt.SEGMENT_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
@@ -572,8 +575,14 @@ class Committer:
         if time.monotonic() - started > retain / 2:
             files = []  # stale: the next sweep decides again
         still_old = lambda rel: self._age(rel) >= retain  # noqa: E731 - checked right before each removal
+        pending = self._pending_set_aside(gens, young, referenced, unreadable)
         if not gens and not self.manifest.generation:
             files = self._set_aside_unnamed(files, still_old)
+        elif pending:
+            kept = [rel for rel in files if rel in pending]
+            if kept:
+                files = [rel for rel in files if rel not in pending] + self._set_aside_unnamed(kept, still_old, True)
+                self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
         self.delete([fmt.manifest_file(g) for g in drop], files, still_old)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
@@ -630,7 +639,40 @@ class Committer:
                 keys |= released
         return _file_names(keys), unreadable
 
-    def _set_aside_unnamed(self, files: List[str], still: Callable[[str], bool] = lambda rel: True) -> List[str]:
+    def _pending_set_aside(self, gens: List[int], young: Dict[str, float], referenced: set,
+                           unreadable: bool) -> set:
+        """The files a sweep of a store without any manifest found too young to judge (they may be
+        a first commit in flight, or the rows of a store whose manifests were lost), kept in
+        ``quarantine/pending.json`` so that whichever writer's sweep finds them old and still unnamed
+        moves them to ``quarantine/`` instead of deleting them (by then the store has manifests, and
+        they would look like any orphan). Returns that set; entries named or gone since are dropped."""
+        try:
+            doc = json.loads(self.storage.read_bytes(PENDING_FILE))
+            pending = set(doc.get("files", [])) if isinstance(doc, dict) else set()
+        except FileNotFoundError:
+            pending = set()
+        except (OSError, ValueError):
+            return set()  # unreadable: nothing is set aside by it (nor deleted from it) this time
+        before = set(pending)
+        if not gens and not self.manifest.generation:
+            pending |= {rel for rel in young if not rel.startswith(fmt.MANIFEST_DIR + "/")
+                        and not os.path.basename(rel).startswith(TMP_PREFIX) and "/" in rel}
+        elif not unreadable:
+            pending = {rel for rel in pending if rel not in referenced and self._age(rel) != float("inf")}
+        self._write_pending(pending, before)
+        return pending
+
+    def _write_pending(self, pending: set, before: set) -> None:
+        if pending == before:
+            return
+        if pending:
+            self.storage.ensure_dir(fmt.QUARANTINE_DIR)
+            self.storage.replace(PENDING_FILE, json.dumps({"files": sorted(pending)}).encode())
+        else:
+            self.storage.delete(PENDING_FILE)
+
+    def _set_aside_unnamed(self, files: List[str], still: Callable[[str], bool] = lambda rel: True,
+                           pending: bool = False) -> List[str]:
         """A store without any manifest: move its unnamed data files to ``quarantine/``, and return
         the rest of ``files`` (temporary files, empty reserved names) to delete.
 
@@ -654,7 +696,9 @@ class Committer:
                 continue
         if moved:
             moved.sort(key=lambda rel: (not rel.startswith(f"{fmt.QUARANTINE_DIR}/{fmt.SEGMENT_DIR}/"), rel))
-            warnings.warn(f"{self.storage.url} has no manifest, yet held {len(moved)} data file(s): its manifests "
+            found = ("held data files no manifest ever named while it had none" if pending else
+                     "has no manifest, yet held")
+            warnings.warn(f"{self.storage.url} {found}: {len(moved)} file(s); its manifests "
                           "were deleted or lost, or its first commit crashed; they were moved to "
                           f"{fmt.QUARANTINE_DIR}/ (e.g. {moved[0]}), not deleted (restore the manifests from a "
                           "backup to get their rows back)", RuntimeWarning, stacklevel=5)

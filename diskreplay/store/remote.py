@@ -47,16 +47,26 @@ class RemoteCommitter(Committer):
         manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
                      if g < current and g not in self.retained and g not in unreadable]
         grace = self.options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS
-        files = []
+        files, young = [], {}
         for d in DATA_SWEEP_DIRS:
             for name in self.storage.list(d):
                 rel = f"{d}/{name}"
                 garbage = name.startswith(TMP_PREFIX) or (not unreadable and rel not in referenced)
-                if garbage and self._age(rel) >= grace:
+                if not garbage:
+                    continue
+                if self._age(rel) >= grace:
                     files.append(rel)
+                else:
+                    young[rel] = 0.0
         still_old = lambda rel: self._age(rel) >= grace  # noqa: E731 - checked right before each removal
+        pending = self._pending_set_aside(sorted(docs), young, referenced, bool(unreadable))
         if not docs and not unreadable and not current:  # no manifest at all: kept, in quarantine/
             files = self._set_aside_unnamed(files, still_old)
+        elif pending:
+            kept = [rel for rel in files if rel in pending]
+            if kept:
+                files = [rel for rel in files if rel not in pending] + self._set_aside_unnamed(kept, still_old, True)
+                self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
         self.delete(manifests, files, still_old)
 
     def _write_token_log(self, data: bytes, first_id: int) -> int:
