@@ -794,15 +794,24 @@ def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
         return v.astype(np.int32, copy=False)
     if v.dtype.kind not in "f" and v.size:
         raise BatchError(f"column {spec.name!r} holds {v.dtype} values; expected floats (e.g. log-probs)")
-    out = v.astype(np.float32, copy=False)
-    # a NaN anywhere makes the sum NaN (so can inf - inf: then look closer; an overflow only makes it inf)
-    if out.size and np.isnan(np.add.reduce(out)):
+    with np.errstate(over="ignore"):  # a float64 beyond float32 is refused below, by name
+        out = v.astype(np.float32, copy=False)
+    # a NaN anywhere makes the sum NaN, an infinity (or a float64 the cast made one) inf: then look closer
+    if out.size and not np.isfinite(np.add.reduce(out)):
         nan = np.isnan(out)
         if nan.any():
             bad = int(np.argmax(nan))
             row = int(np.searchsorted(r.offsets, bad, side="right") - 1)
             raise BatchError(f"column {spec.name!r} row {row} position {bad - int(r.offsets[row])} is NaN; "
                              "per-token values must be numbers")
+        if v.dtype.itemsize > 4:
+            over = np.isinf(out) & np.isfinite(v)
+            if over.any():
+                bad = int(np.argmax(over))
+                row = int(np.searchsorted(r.offsets, bad, side="right") - 1)
+                raise BatchError(f"column {spec.name!r} row {row} position {bad - int(r.offsets[row])} holds "
+                                 f"{v[bad].item()!r}, which float32 (the store's type there) cannot hold; it would "
+                                 "be stored as a different value")
     return out
 
 

@@ -180,11 +180,13 @@ def test_a_stored_vector_column_stays_a_vector_when_the_completions_are_as_wide(
     ("policy_version", np.array([0, 2**63], np.uint64), "row 1 holds 9223372036854775808, which int64"),
     ("rewards", np.array([0.5, 1e39]), r"row 1 holds 1e\+39, which float32"),
     ("per_func", np.array([[0.0, 1.0], [2.0, -1e39]]), r"row 1 holds -1e\+39, which float32"),
+    ("old_per_token_logps", [np.array([-0.5]), np.array([-1e39])], r"row 1 position 0 holds -1e\+39, which float32"),
 ])
 def test_values_the_stored_type_cannot_hold_are_refused_not_wrapped(tmp_path, column, values, message):
     # a uint64 prompt hash became a negative key (then `groups=[hash]` found nothing); 1e39 became inf
     first = {"prompt_id": [0, 0], "completion_ids": [[1], [2]], "policy_version": [0, 0],
-             "rewards": np.float32([0, 1]), "per_func": np.float32([[0, 1], [1, 0]])}
+             "rewards": np.float32([0, 1]), "per_func": np.float32([[0, 1], [1, 0]]),
+             "old_per_token_logps": [np.float32([-0.5]), np.float32([-0.25])]}
     with ReplayStore(str(tmp_path / "s")) as store:
         store.extend(first)
         with pytest.raises(BatchError, match=message):
