@@ -793,9 +793,20 @@ def test_a_jsonl_export_of_a_vector_column_imports_back(tmp_path):
     bad = json.loads(lines[2])
     bad["scores"] = None
     (tmp_path / "bad.jsonl").write_text("\n".join(lines[:2] + [json.dumps(bad)]) + "\n")
-    with pytest.raises(ExportError, match="bad.jsonl:3: column 'scores' has no value; earlier lines hold a per-row "
+    import_rollouts(str(tmp_path / "bad.jsonl"), str(tmp_path / "dst2"))  # null: "not computed"
+    with ReplayStore(str(tmp_path / "dst2"), readonly=True) as dst:
+        assert np.isnan(dst.read([2])["scores"]).all()
+    # a width other lines do not have, on a line past those the import looked at first
+    lines_ok = [json.loads(x) for x in lines]
+    many = [dict(lines_ok[i % 3], prompt_id=i) for i in range(12)]
+    many[11]["scores"] = [1.0, 2.0, 3.0]
+    (tmp_path / "wide.jsonl").write_text("\n".join(map(json.dumps, many)) + "\n")
+    from diskreplay.export.sources import JsonlSource
+    src = JsonlSource(str(tmp_path / "wide.jsonl"))
+    src.peek_columns(10)  # the 12th line is past the lines looked at
+    with pytest.raises(ExportError, match="wide.jsonl:12: column 'scores' has 3 values; other lines hold a per-row "
                                           "vector of 2"):
-        import_rollouts(str(tmp_path / "bad.jsonl"), str(tmp_path / "dst2"))
+        list(src.batches(100, [k for k in many[0]], {}))
 
 
 def test_jsonl_writes_float32_digits_whether_or_not_a_column_has_null_rows(tmp_path):
@@ -808,3 +819,17 @@ def test_jsonl_writes_float32_digits_whether_or_not_a_column_has_null_rows(tmp_p
     export_jsonl(s, out)
     lines = open(out).read().splitlines()
     assert '"old_per_token_logps":[-0.79765445,-1.0]' in lines[0] and '"old_per_token_logps":null' in lines[1]
+
+
+def test_a_jsonl_export_of_a_vector_column_added_late_imports_back(tmp_path):
+    """Rows before a late vector column export it as null ("not computed"): the import refused them."""
+    src = ReplayStore(str(tmp_path / "src"))
+    src.extend({"prompt_id": [0, 0], "completion_ids": [[1], [2, 3]]})
+    src.extend({"prompt_id": [1, 1], "completion_ids": [[4, 5, 6], [7]], "feat": np.float32([[1, 2], [3, 4]])})
+    src.close()
+    export(str(tmp_path / "src"), str(tmp_path / "o.jsonl"))
+    import_rollouts(str(tmp_path / "o.jsonl"), str(tmp_path / "dst"))
+    with ReplayStore(str(tmp_path / "dst"), readonly=True) as dst:
+        got = dst.read([0, 1, 2, 3])["feat"]
+        assert dst.schema["feat"].kind == "vector" and np.isnan(got[:2]).all()
+        np.testing.assert_array_equal(got[2:], [[1, 2], [3, 4]])

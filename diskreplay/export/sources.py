@@ -380,10 +380,10 @@ class JsonlSource:
                 return False
         present = [k for k, v in row.items() if v is not None]
         for k, width in self._vectors.items():
-            v = row.get(k)
-            if v is None or len(v) != width:
-                self._bad(lineno, f"column {k!r} has {'no value' if v is None else f'{len(v)} values'}; "
-                                  f"earlier lines hold a per-row vector of {width} there")
+            v = row.get(k)  # None: "not computed" (a column the store added after its first commit)
+            if v is not None and len(v) != width:
+                self._bad(lineno, f"column {k!r} has {len(v)} values; other lines hold a per-row vector of "
+                                  f"{width} there")
                 return False
         for k in present:
             if classes.get(k) != "list" or k in self._vectors:
@@ -432,7 +432,12 @@ class JsonlSource:
             arrays = {k: pa.array([r.get(k) for r in rows]) for k in names}
         for k, width in self._vectors.items():
             if k in arrays:
-                arrays[k] = pa.FixedSizeListArray.from_arrays(arrays[k].flatten(), width)
+                col = arrays[k]
+                if col.null_count == len(col):  # not computed in every row of this chunk
+                    arrays[k] = pa.nulls(len(col), pa.list_(pa.float64(), width))
+                    continue
+                values = pa.array([x if x is not None else [0] * width for x in col.to_pylist()]).flatten()
+                arrays[k] = pa.FixedSizeListArray.from_arrays(values, width, mask=col.is_null())
         table = pa.Table.from_arrays([arrays[k] for k in names], names=names)
         yield table, Where.lines(self.path, lines)
 
