@@ -30,6 +30,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .errors import ArgumentError, DiskReplayError, StoreNotFoundError
 
 PROG = "diskreplay"
@@ -52,9 +54,26 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def _emit(args: argparse.Namespace, result: Dict[str, Any], text: str) -> None:
     if getattr(args, "json", False):
-        print(json.dumps(result, indent=2, default=str))
+        print(json.dumps(_json_safe(result), indent=2, default=str, allow_nan=False))
     else:
         print(text)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as null: JSON has no such numbers (``jq`` refuses ``NaN``).
+
+    >>> _json_safe({"mean": float("-inf"), "n": [1.5, float("nan")]})
+    {'mean': None, 'n': [1.5, None]}
+    """
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
 
 
 def _size(n: Optional[int]) -> str:

@@ -677,6 +677,15 @@ def test_info_reward_stats_with_infinities_say_what_the_mean_is_without_warnings
         rc, out, err = cli(capsys, "info", path)
     line = next(x for x in out.splitlines() if x.startswith("rewards"))
     assert rc == 0 and "mean -inf" in line and "n=6" in line and not err
+    with ReplayStore(str(path)) as s:  # inf and -inf in one row of a vector column too
+        s.extend({"prompt_id": [7, 8], "completion_ids": [[1]] * 2, "rewards": np.float32([1, np.inf]),
+                  "rewards_per_func": np.float32([[np.inf, -np.inf], [1, 2]])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rc, out, err = cli(capsys, "info", path, "--json")
+    assert rc == 0 and not err
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))  # jq refuses NaN/Infinity
+    assert doc["stats"]["rewards"]["mean"] is None
 
 
 DROP_ROOT_OVERRIDES = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner",

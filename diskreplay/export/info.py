@@ -154,7 +154,8 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
                         if v.ndim == 2:
                             for j, p in enumerate(parts[c]):
                                 p.add(v[:, j])
-                            v = v.mean(axis=1)
+                            with np.errstate(invalid="ignore"):  # inf and -inf in one row: NaN
+                                v = v.mean(axis=1)
                         stats[c].add(v)
                     if version:
                         v = np.asarray(data[version])
