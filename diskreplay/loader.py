@@ -61,6 +61,7 @@ same store object while a loader draws from it.
 from __future__ import annotations
 
 import collections
+import operator
 import queue
 import resource
 import threading
@@ -119,7 +120,14 @@ def resolve_device(device: Any, who: str = "it yields") -> Optional[torch.device
     """
     if device is None:
         return None
-    if isinstance(device, int) and not isinstance(device, bool):
+    index = None
+    if not isinstance(device, (str, torch.device, bool)) and hasattr(device, "__index__"):
+        try:
+            index = operator.index(device)  # an int, a numpy integer, a 0-d integer tensor: a CUDA index
+        except TypeError:
+            pass
+    if index is not None:
+        device = index
         if device < 0:
             raise ArgumentError(f"device={device}: a CUDA device index is >= 0")
         dev = torch.device("cuda", device)

@@ -408,7 +408,9 @@ class _Files:
 
     def quarantined(self) -> int:
         q = self.where(QUARANTINE_DIR)
-        return len(os.listdir(q)) if os.path.isdir(q) and not os.path.islink(q) else 0
+        if not os.path.isdir(q) or os.path.islink(q):
+            return 0
+        return sum(len([f for f in files if f != "pending.json"]) for _, _, files in os.walk(q))
 
     def youngest_activity(self) -> float:
         """Seconds since the newest manifest or temporary file was written."""
@@ -518,7 +520,7 @@ class _RemoteFiles(_Files):
         return self.storage.size(rel)
 
     def quarantined(self) -> int:
-        return len(self.storage.list(QUARANTINE_DIR)) + sum(
+        return len([n for n in self.storage.list(QUARANTINE_DIR) if n != "pending.json"]) + sum(
             len(self.storage.list(f"{QUARANTINE_DIR}/{d}")) for d in fmt.DATA_DIRS)
 
     def youngest_activity(self) -> float:
@@ -816,7 +818,8 @@ def _scan_unreferenced(r: _Report, manifests: List[fmt.Manifest], in_flight: Cal
             elif name == QUARANTINE_DIR:
                 n = files.quarantined()
                 if is_dir and n:
-                    r.warn(f"{path} holds {n} quarantined file(s) from an earlier repair")
+                    r.warn(f"{path} holds {n} quarantined file(s), set aside by a repair or by a writer that found "
+                           "no manifest (nothing there is read; look at them, then remove them)")
             elif name.startswith(TMP_PREFIX):
                 if not in_flight(rel):
                     r.warn(f"{path} is a temporary file left by an interrupted write")

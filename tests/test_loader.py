@@ -620,3 +620,12 @@ def test_a_cuda_device_without_cuda_warns_and_yields_cpu_tensors(store):
     for a, b in zip(got, want):
         assert a["completion_ids"].device.type == "cpu"
         assert torch.equal(a["completion_ids"], b["completion_ids"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without CUDA")
+def test_a_numpy_or_tensor_local_rank_is_a_cuda_index(store):
+    import numpy as np
+
+    for rank in (np.int64(0), torch.tensor(0)):
+        with pytest.warns(RuntimeWarning, match="no CUDA"):
+            ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, num_batches=1, device=rank).close()
