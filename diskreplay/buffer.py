@@ -16,7 +16,7 @@ import torch
 
 from .collator import Collator
 from .errors import ArgumentError, SamplerError
-from .loader import resolve_device, restore_state, store_lock
+from .loader import resolve_device, restore_state, state_key, store_lock
 
 __all__ = ["ReplayBuffer"]
 
@@ -42,9 +42,10 @@ class ReplayBuffer:
     pad_token_id)`` replaces the collator (e.g. ``collate`` for a fresh batch
     per call).
 
-    The sampler's state lives in the store under ``state_name``: restored on
-    construction when present, written by :meth:`save` and by :meth:`close`
-    (on a writable store), so a restarted job continues the same stream.
+    The sampler's state lives in the store under ``state_name`` (``NAME.rankR``
+    for a sampler of one rank of several): restored on construction when
+    present, written by :meth:`save` and by :meth:`close` (on a writable
+    store), so a restarted job continues the same stream.
 
     >>> import tempfile, torch
     >>> from diskreplay import ReplayStore, PromptGroupSampler
@@ -166,7 +167,7 @@ class ReplayBuffer:
         if self.state_name is None:
             raise ArgumentError("save() needs a state_name; pass state_name='...' to ReplayBuffer")
         with store_lock(self.store):
-            self.store.save_state(self.state_name, self.sampler.state_dict())
+            self.store.save_state(state_key(self.state_name, self.sampler), self.sampler.state_dict())
 
     def close(self, save: bool = True) -> None:
         """Save the sampler state (``save=True``, a writable store, a ``state_name``) and close the store.

@@ -146,11 +146,24 @@ def resolve_device(device: Any, who: str = "it yields") -> Optional[torch.device
     return dev
 
 
+def state_key(state_name: str, sampler: Any) -> str:
+    """Where ``state_name``'s state of ``sampler`` is kept: a sampler of one rank of several keeps its
+    own (``NAME.rankR``), so that ranks sharing a store and a name do not overwrite each other's.
+
+    >>> from diskreplay import RandomSampler
+    >>> state_key("ssr", RandomSampler()), state_key("ssr", RandomSampler(rank=1, world_size=2))
+    ('ssr', 'ssr.rank1')
+    """
+    world = getattr(sampler, "world_size", 1)
+    return state_name if not world or world <= 1 else f"{state_name}.rank{getattr(sampler, 'rank', 0)}"
+
+
 def restore_state(store: Any, state_name: Optional[str], sampler: Any, owner: str) -> None:
     """Load the sampler state the store keeps under ``state_name`` (if any) into ``sampler``; a state
     this sampler cannot take is an error that says how to start afresh instead."""
     if state_name is None:
         return
+    state_name = state_key(state_name, sampler)
     saved = store.load_state(state_name)
     if saved is None:
         return
@@ -498,7 +511,8 @@ class ReplayLoader:
     sampler's state after the last batch the consumer received;
     ``state_name`` names where :meth:`save_state` keeps it in the store: the
     constructor restores it when the store has it, and :meth:`close` (the end
-    of a ``with`` block) saves it. An exception in the
+    of a ``with`` block) saves it; a sampler of one rank of several keeps its
+    own, ``NAME.rankR``. An exception in the
     worker is re-raised (the same exception object, carrying the worker's
     traceback and a note) by the ``__next__`` that would have returned the
     batch it spoiled, and by every call after. Close with :meth:`close` or a
@@ -772,7 +786,7 @@ class ReplayLoader:
             raise ArgumentError("save_state() needs a state_name; pass state_name='...' to ReplayLoader")
         state = self.state_dict()
         with store_lock(self.store):
-            self.store.save_state(self.state_name, state)
+            self.store.save_state(state_key(self.state_name, self.sampler), state)
 
     def update_priorities(self, rows: Any, values: Any) -> None:
         """Forward to ``sampler.update_priorities`` without racing the worker's draws.

@@ -629,3 +629,21 @@ def test_a_numpy_or_tensor_local_rank_is_a_cuda_index(store):
     for rank in (np.int64(0), torch.tensor(0)):
         with pytest.warns(RuntimeWarning, match="no CUDA"):
             ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, num_batches=1, device=rank).close()
+
+
+def test_ranks_sharing_a_state_name_keep_their_own_states(path):
+    """Closing now saves: two ranks of one store and one state_name would overwrite each other's."""
+    with ReplayStore(path, readonly=True) as ro:
+        want = {r: reference(ro, RandomSampler(seed=3, rank=r, world_size=2), 4) for r in (0, 1)}
+    with ReplayStore(path) as s:
+        for r in (0, 1):
+            with ReplayLoader(s, RandomSampler(seed=3, rank=r, world_size=2), BATCH, PAD, state_name="ld") as loader:
+                next(loader), next(loader)
+        assert s.load_state("ld") is None and s.load_state("ld.rank0") and s.load_state("ld.rank1")
+    with ReplayStore(path) as s:
+        for r in (0, 1):
+            with ReplayLoader(s, RandomSampler(seed=3, rank=r, world_size=2), BATCH, PAD, state_name="ld",
+                              num_batches=2) as loader:
+                got = [cloned(b) for b in loader]
+            for g, w in zip(got, want[r][2:]):
+                assert_batch_equal(g, w)
