@@ -981,3 +981,25 @@ def test_an_infinite_priority_is_sampled_as_a_nan_one_and_named(tmp_path):
         assert caught[0].filename == __file__
         assert set(rows.tolist()) == {0, 2}
         assert set(sampler.sample(store, 64).tolist()) == {0, 2}
+
+
+def test_a_sampler_used_on_an_older_snapshot_keeps_its_state(tmp_path):
+    """Priorities and sample counts are sampler state: a draw on an older snapshot of the same store
+    (a rank pinned at the agreed generation, the live store used for logging) threw them away."""
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend({"prompt_id": [0, 0, 1, 1], "completion_ids": [[1], [2], [3], [4]],
+                      "advantages": np.float32([1, 1, 1, 1])})
+        snap = store.snapshot()
+        store.extend({"prompt_id": [2, 2], "completion_ids": [[5], [6]], "advantages": np.float32([1, 1])})
+        ssr = PrioritizedSampler(eps=0.0, seed=0)
+        ssr.update_priorities([0], [100.0])
+        live = ssr.probabilities(store, [0, 1, 2, 3])
+        old = ssr.probabilities(snap, [0, 1, 2, 3])
+        assert old[0] == pytest.approx(100 / 103) and live[0] == pytest.approx(100 / 105)
+        assert set(ssr.sample(snap, 64).tolist()) <= {0, 1, 2, 3}  # never a row the snapshot lacks
+        np.testing.assert_allclose(ssr.probabilities(store, [0, 1, 2, 3]), live)
+        uniform = RandomSampler(seed=0)
+        rows = uniform.sample(store, 6)
+        uniform.sample(snap, 1)
+        assert (uniform.sample_counts(rows) >= 1).all()
+        snap.close()

@@ -288,15 +288,31 @@ class LiveRows:
         self._n += n
 
     def sync(self, store: Any) -> bool:
-        """Align with ``store``'s live rows; True if the rows changed."""
+        """Cover ``store``'s live rows; True if the rows held changed.
+
+        An older snapshot of the same store (fewer rows at the end, or rows at
+        the front that a newer view evicted) keeps what is held: its rows are
+        a subset, and rows never change, so the values of the rows after its
+        end (sampler state: priorities, counts) stay for the newer view. Rows
+        before ``head`` go: they are evicted in this view, and no later one
+        brings them back.
+        """
         head, nxt, end = store.head, store.next_row, self.end
         same_store = self.path is None or self.path == store.path
         self.path = store.path
-        if same_store and head == self.base and nxt == end:
+        if same_store and head == self.base and nxt <= end:
             return False
-        if not same_store or head < self.base or nxt < end:
+        if not same_store or nxt < head or (self._n and head >= end):
             self._reset(head)
             end = head
+        if head < self.base:  # an older view, where rows that a newer one evicted are live
+            front = np.asarray(self.fill(store, head, self.base))
+            values = self.values.copy()
+            self._start, self._n, self.base = 0, 0, head
+            self._append(front)
+            self._append(values)
+            self.epoch += 1
+            end = self.end
         if head > self.base:
             drop = min(head - self.base, self._n)
             self._start, self._n = self._start + drop, self._n - drop
@@ -308,9 +324,9 @@ class LiveRows:
         return True
 
     def live(self, store: Any) -> np.ndarray:
-        """Values of rows ``[store.head, store.next_row)``."""
+        """Values of rows ``[store.head, store.next_row)`` (a view)."""
         self.sync(store)
-        return self.values
+        return self.values[store.head - self.base:store.next_row - self.base]
 
     def get(self, rows: Any, default: Any = 0) -> np.ndarray:
         """Values of ``rows`` (``default`` for rows outside ``[base, end)``)."""

@@ -142,7 +142,8 @@ class PrioritizedSampler(Sampler):
     def _sync(self, store: Any, filt: RowFilter) -> SumTree:
         """The sum tree of the store's live rows for ``filt``; only rows that came, went or changed are touched."""
         self._prio.sync(store)
-        tree, base, end = self._tree, self._prio.base, self._prio.end
+        # the store's live rows: the rows held may go further (an older snapshot of the same store)
+        tree, base, end = self._tree, max(self._prio.base, store.head), min(self._prio.end, store.next_row)
         if not self._tree_valid or self._tree_filter.bound != filt.bound or self._tree_epoch != self._prio.epoch \
                 or tree.base > base or tree.end > end:
             tree.reset(base)
