@@ -833,3 +833,19 @@ def test_a_jsonl_export_of_a_vector_column_added_late_imports_back(tmp_path):
         got = dst.read([0, 1, 2, 3])["feat"]
         assert dst.schema["feat"].kind == "vector" and np.isnan(got[:2]).all()
         np.testing.assert_array_equal(got[2:], [[1, 2], [3, 4]])
+
+
+def test_curation_takes_a_vector_reward_as_the_mean_of_its_scored_functions(tmp_path):
+    """A row only some reward functions scored ([1.0, NaN]) has reward 1.0, as TRL and the samplers
+    take it: pairs, best-of-n and --min-reward dropped it as NaN."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": [1, 1, 1], "prompt_ids": [[9], [9], [9]], "completion_ids": [[5], [6], [7]],
+                  "rewards_per_func": np.array([[1.0, np.nan], [0, 0], [0.2, 0.2]], np.float32)})
+    preference_pairs(path, str(tmp_path / "p.jsonl"), reward_key="rewards_per_func")
+    pair = json.loads(open(tmp_path / "p.jsonl").readline())
+    assert pair["chosen_ids"] == [5] and pair["rejected_ids"] == [6]
+    best_of_n(path, str(tmp_path / "b.jsonl"), reward_key="rewards_per_func", k=1)
+    assert json.loads(open(tmp_path / "b.jsonl").readline())["input_ids"] == [9, 5]
+    res = export(path, str(tmp_path / "e.jsonl"), min_reward=0.5, reward_key="rewards_per_func")
+    assert res["rows"] == 1

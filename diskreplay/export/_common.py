@@ -526,15 +526,15 @@ def make_filter(policy_versions: Any = None, min_reward: Optional[float] = None,
 
 
 def per_row_value(arr: np.ndarray) -> np.ndarray:
-    """One float per row: a vector column (one value per reward function) is averaged.
+    """One float per row: a vector column (one value per reward function) is the mean of the values
+    that are not NaN, as TRL and the samplers take it (a row no function scored stays NaN).
 
-    >>> per_row_value(np.array([[1.0, 3.0], [0.0, 0.0]])).tolist()
-    [2.0, 0.0]
+    >>> per_row_value(np.array([[1.0, 3.0], [0.0, 0.0], [1.0, np.nan]])).tolist()
+    [2.0, 0.0, 1.0]
     """
-    arr = np.asarray(arr)
-    if arr.ndim == 2:
-        return arr.astype(np.float64).mean(axis=1)
-    return arr.astype(np.float64, copy=False)
+    from ..samplers.kernels import reward_scalar  # the samplers' reduction: one rule for every reader
+
+    return reward_scalar(arr)
 
 
 def check_chunk_bytes(chunk_bytes: Any) -> int:

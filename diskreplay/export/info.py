@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import format as fmt
 from ..schema import RAGGED
-from ._common import CHUNK_BYTES, StoreLike, open_store, plan_chunks, progress_bar
+from ._common import CHUNK_BYTES, StoreLike, open_store, per_row_value, plan_chunks, progress_bar
 
 _STAT_HINTS = ("reward", "advantage")
 
@@ -155,7 +155,7 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
                             for j, p in enumerate(parts[c]):
                                 p.add(v[:, j])
                             with np.errstate(invalid="ignore"):  # inf and -inf in one row: NaN
-                                v = v.mean(axis=1)
+                                v = per_row_value(v)
                         stats[c].add(v)
                     if version:
                         v = np.asarray(data[version])
