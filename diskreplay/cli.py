@@ -642,6 +642,8 @@ def _misused_options(args: argparse.Namespace) -> Optional[str]:
     """An option that the others make meaningless (a usage error, not silently ignored)."""
     if args.command == "import" and args.allow_evict and not args.append:
         return "--allow-evict applies to --append (a new store evicts nothing it held)"
+    if args.command == "import" and args.append and args.capacity is not None:
+        return "--capacity sets a new store's capacity; --append keeps the store's own"
     if args.command == "export" and args.compression is not None:
         from .export._common import output_format
 

@@ -723,6 +723,7 @@ def test_options_that_mean_nothing_are_usage_errors_not_ignored(store, tmp_path,
         (["pairs", store, tmp_path / "c.jsonl", "--min-margin", "nan"], "--min-margin: must be a finite number"),
         (["import", src, tmp_path / "d", "--map", "foo"], "--map: a column mapping must look like NEW=OLD"),
         (["import", src, tmp_path / "e", "--allow-evict"], "--allow-evict applies to --append"),
+        (["import", src, tmp_path / "e", "--append", "--capacity", "3"], "--append keeps the store's own"),
         (["export", store, tmp_path / "f.jsonl", "--compression", "zstd"], "--compression applies to parquet"),
     ]:
         rc, _, err = cli(capsys, *args)
