@@ -849,3 +849,19 @@ def test_curation_takes_a_vector_reward_as_the_mean_of_its_scored_functions(tmp_
     assert json.loads(open(tmp_path / "b.jsonl").readline())["input_ids"] == [9, 5]
     res = export(path, str(tmp_path / "e.jsonl"), min_reward=0.5, reward_key="rewards_per_func")
     assert res["rows"] == 1
+
+
+def test_pairs_and_best_of_n_leave_out_rows_without_a_prompt(tmp_path):
+    """prompt_ids added after the store's first commit: its older rows have none, and became pairs and
+    SFT examples with a null prompt (TRL's collators fail on it, or train without the prompt)."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": [1, 1], "completion_ids": [[5], [6]], "rewards": [1.0, 0.0]})
+        s.extend({"prompt_id": [2, 2], "prompt_ids": [[9, 9], [9, 9]], "completion_ids": [[7], [8]],
+                  "rewards": [1.0, 0.0]})
+    best_of_n(path, str(tmp_path / "b.jsonl"))
+    rows = [json.loads(x) for x in open(tmp_path / "b.jsonl")]
+    assert [r["input_ids"] for r in rows] == [[9, 9, 7]]
+    res = preference_pairs(path, str(tmp_path / "p.jsonl"))
+    pairs = [json.loads(x) for x in open(tmp_path / "p.jsonl")]
+    assert res["pairs"] == 1 and pairs[0]["prompt_ids"] == [9, 9] and pairs[0]["chosen_ids"] == [7]

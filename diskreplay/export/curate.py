@@ -36,7 +36,10 @@ def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, polic
     """``(rows, rewards, group ids, group keys, key name)`` of the eligible live rows.
 
     Rows are listed group by group in the group index's order (groups by first
-    appearance, rows oldest first within a group).
+    appearance, rows oldest first within a group). A row without a reward, or
+    without ``prompt_ids`` where the store added that column after its first
+    commit (its older rows have none: a pair or an SFT example without its
+    prompt would train on the wrong thing), is not eligible.
     """
     if not len(st):
         raise ExportError(f"the store at {st.path} is empty")
@@ -64,12 +67,18 @@ def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, polic
     rewards = np.empty(len(st), dtype=np.float64)
     eligible = np.ones(len(st), dtype=bool)
     cols = [reward_key] + flt.columns()
+    late_prompt = "prompt_ids" in st.schema.late
     with progress_bar(len(st), f"{what}: rewards", progress) as bar:
         for lo, hi in (piece for chunk in plan_chunks(st, CHUNK_BYTES) for piece in chunk):
-            data = st.read(np.arange(lo, hi), list(dict.fromkeys(cols)))
+            data = st.read(np.arange(lo, hi), list(dict.fromkeys(cols + (["prompt_ids"] if late_prompt else []))))
             rewards[lo - head:hi - head] = per_row_value(data[reward_key])
             if flt.active:
                 eligible[lo - head:hi - head] = flt.mask(data, hi - lo)
+            if late_prompt:
+                prompt = data["prompt_ids"]
+                has = (np.zeros(hi - lo, dtype=bool) if prompt is None else
+                       np.ones(hi - lo, dtype=bool) if prompt.validity is None else np.asarray(prompt.validity))
+                eligible[lo - head:hi - head] &= has
             bar.update(hi - lo)
     gid = np.repeat(np.arange(len(gi), dtype=np.int64), gi.counts)
     rows = gi.rows
