@@ -865,3 +865,17 @@ def test_pairs_and_best_of_n_leave_out_rows_without_a_prompt(tmp_path):
     res = preference_pairs(path, str(tmp_path / "p.jsonl"))
     pairs = [json.loads(x) for x in open(tmp_path / "p.jsonl")]
     assert res["pairs"] == 1 and pairs[0]["prompt_ids"] == [9, 9] and pairs[0]["chosen_ids"] == [7]
+
+
+def test_an_hf_export_without_rows_loads_and_imports(tmp_path):
+    """datasets cannot load its own save_to_disk of an empty dataset (no data file listed): an export
+    whose filters keep nothing made one, and importing it was a traceback."""
+    datasets = pytest.importorskip("datasets")
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": [0], "completion_ids": [[1]], "policy_version": [0]})
+    res = export(path, str(tmp_path / "out"), format="hf", policy_versions="5:")
+    assert res["rows"] == 0
+    ds = datasets.load_from_disk(str(tmp_path / "out"))
+    assert len(ds) == 0 and "completion_ids" in ds.column_names
+    import_rollouts(str(tmp_path / "out"), str(tmp_path / "back"))

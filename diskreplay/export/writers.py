@@ -240,6 +240,8 @@ class HFSink:
             with _quiet_datasets(datasets):
                 ds.save_to_disk(self.path)
             del ds
+            if not self.rows:
+                _give_an_empty_dataset_a_shard(self.path, self.features.arrow_schema)
             if self.metadata is not None:
                 with open(os.path.join(self.path, HF_META_FILE), "w", encoding="utf-8") as fh:
                     json.dump(self.metadata, fh, indent=1)
@@ -252,6 +254,22 @@ class HFSink:
         except Exception:
             pass
         remove_path(self._build)
+
+
+def _give_an_empty_dataset_a_shard(path: str, schema: pa.Schema) -> None:
+    """``save_to_disk`` of a dataset without rows lists no data file, and ``load_from_disk`` of it
+    fails (IndexError): list one Arrow stream of the schema and no batches, which loads as 0 rows."""
+    state_file = os.path.join(path, "state.json")
+    with open(state_file, encoding="utf-8") as fh:
+        state = json.load(fh)
+    if state.get("_data_files"):
+        return
+    name = "data-00000-of-00001.arrow"
+    with pa.OSFile(os.path.join(path, name), "wb") as sink:
+        pa.ipc.new_stream(sink, schema).close()
+    state["_data_files"] = [{"filename": name}]
+    with open(state_file, "w", encoding="utf-8") as fh:
+        json.dump(state, fh, indent=2, sort_keys=True)
 
 
 @contextmanager
