@@ -879,3 +879,20 @@ def test_an_hf_export_without_rows_loads_and_imports(tmp_path):
     ds = datasets.load_from_disk(str(tmp_path / "out"))
     assert len(ds) == 0 and "completion_ids" in ds.column_names
     import_rollouts(str(tmp_path / "out"), str(tmp_path / "back"))
+
+
+def test_zarr_archive_nodes_of_awkward_column_names_never_collide(tmp_path):
+    """'values' was mapped to columns/col3, which a column named 'col3' also took; 'zarr.json' was
+    used as a node name."""
+    pytest.importorskip("zarr")
+    path = str(tmp_path / "s")
+    cols = {"prompt_id": [0, 0], "completion_ids": [[1], [2, 3]], "rewards": np.float32([1, 2]),
+            "values": np.float32([3, 4]), "col4": np.float32([5, 6]), "zarr.json": np.float32([7, 8])}
+    with ReplayStore(path) as s:
+        s.extend(cols)
+    export(path, str(tmp_path / "a.zarr"))
+    import_rollouts(str(tmp_path / "a.zarr"), str(tmp_path / "back"))
+    with ReplayStore(str(tmp_path / "back"), readonly=True) as back:
+        got = back.read([0, 1])
+        for name in ("rewards", "values", "col4", "zarr.json"):
+            np.testing.assert_array_equal(got[name], cols[name])

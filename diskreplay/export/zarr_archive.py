@@ -126,9 +126,32 @@ class _ColumnWriter:
             self.validity.close()
 
 
+_RESERVED_NODES = frozenset({"values", "offsets", "validity", "zarr.json"})
+
+
 def _column_paths(names: Sequence[str]) -> Dict[str, str]:
-    return {n: f"columns/{n}" if _NODE_NAME.match(n) and n not in ("values", "offsets", "validity")
-            else f"columns/col{i}" for i, n in enumerate(names)}
+    """A node per column, named after it where zarr allows that name; otherwise, and for a name
+    another column's node took, ``col<i>`` (the archive's attributes map names to nodes).
+
+    >>> _column_paths(["a", "a b", "col1", "zarr.json"])
+    {'a': 'columns/a', 'col1': 'columns/col1', 'a b': 'columns/col1_1', 'zarr.json': 'columns/col3'}
+    """
+    paths: Dict[str, str] = {}
+    taken = set()
+    named = [n for n in names if _NODE_NAME.match(n) and n not in _RESERVED_NODES]
+    for n in named:  # the names first: an unnamed column's col<i> never takes a column's own name
+        paths[n] = f"columns/{n}"
+        taken.add(n)
+    for i, n in enumerate(names):
+        if n in paths:
+            continue
+        node, k = f"col{i}", 0
+        while node in taken:
+            k += 1
+            node = f"col{i}_{k}"
+        paths[n] = f"columns/{node}"
+        taken.add(node)
+    return paths
 
 
 def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] = None,
