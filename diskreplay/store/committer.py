@@ -574,16 +574,8 @@ class Committer:
         self._ripe = young
         if time.monotonic() - started > retain / 2:
             files = []  # stale: the next sweep decides again
-        still_old = lambda rel: self._age(rel) >= retain  # noqa: E731 - checked right before each removal
-        pending = self._pending_set_aside(gens, young, referenced, unreadable)
-        if not gens and not self.manifest.generation:
-            files = self._set_aside_unnamed(files, still_old)
-        elif pending:
-            kept = [rel for rel in files if rel in pending]
-            if kept:
-                files = [rel for rel in files if rel not in pending] + self._set_aside_unnamed(kept, still_old, True)
-                self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
-        self.delete([fmt.manifest_file(g) for g in drop], files, still_old)
+        self._collect_unnamed([fmt.manifest_file(g) for g in drop], files, young, retain,
+                              not gens and not self.manifest.generation, gens, referenced, unreadable)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
     def _named_by(self, keep: set) -> Tuple[set, bool]:
@@ -638,6 +630,22 @@ class Committer:
             if g > lo:  # named by g - 1, which is kept
                 keys |= released
         return _file_names(keys), unreadable
+
+    def _collect_unnamed(self, manifests: List[str], files: List[str], young: Dict[str, float], retain: float,
+                         no_manifest: bool, gens: List[int], referenced: set, unreadable: bool) -> None:
+        """Remove the sweep's ``manifests`` and unnamed ``files`` (each old for ``retain`` seconds, checked
+        again right before its removal), except that a store without any manifest, and the files its
+        sweeps could not judge then (:meth:`_pending_set_aside`), move theirs to ``quarantine/``."""
+        still_old = lambda rel: self._age(rel) >= retain  # noqa: E731 - checked right before each removal
+        pending = self._pending_set_aside(gens, young, referenced, unreadable)
+        if no_manifest:
+            files = self._set_aside_unnamed(files, still_old)
+        elif pending:
+            kept = [rel for rel in files if rel in pending]
+            if kept:
+                files = [rel for rel in files if rel not in pending] + self._set_aside_unnamed(kept, still_old, True)
+                self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
+        self.delete(manifests, files, still_old)
 
     def _pending_set_aside(self, gens: List[int], young: Dict[str, float], referenced: set,
                            unreadable: bool) -> set:

@@ -58,16 +58,8 @@ class RemoteCommitter(Committer):
                     files.append(rel)
                 else:
                     young[rel] = 0.0
-        still_old = lambda rel: self._age(rel) >= grace  # noqa: E731 - checked right before each removal
-        pending = self._pending_set_aside(sorted(docs), young, referenced, bool(unreadable))
-        if not docs and not unreadable and not current:  # no manifest at all: kept, in quarantine/
-            files = self._set_aside_unnamed(files, still_old)
-        elif pending:
-            kept = [rel for rel in files if rel in pending]
-            if kept:
-                files = [rel for rel in files if rel not in pending] + self._set_aside_unnamed(kept, still_old, True)
-                self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
-        self.delete(manifests, files, still_old)
+        self._collect_unnamed(manifests, files, young, grace, not docs and not unreadable and not current,
+                              sorted(docs), referenced, bool(unreadable))
 
     def _write_token_log(self, data: bytes, first_id: int) -> int:
         # the first free id, created only if absent: never another writer's (or a crashed one's) log
