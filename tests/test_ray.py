@@ -201,6 +201,9 @@ def test_rollout_actors_exactly_once_across_restarts(ray_cluster, tmp_path):
 
     trainer = ray.remote(StoreFollower).options(num_cpus=0).remote(
         path, PromptGroupSampler(samples_per_group=2, seed=0), verify_reads=True)
+    # the follower holds generation 0 before any rollout: on 2 busy cores its actor could otherwise
+    # start after the writers' last commit, and never need a refresh (the check below was flaky)
+    assert ray.get(trainer.stats.remote())["generation"] == 0
     pending = {(w, s): actors[w].rollout.remote(s) for w in range(WRITERS) for s in range(STEPS)}
     waited = trainer.wait_for_rows.remote(8, timeout=60)
     draws = [trainer.sample_batch.remote(8) for _ in range(12)]
