@@ -1003,3 +1003,14 @@ def test_a_sampler_used_on_an_older_snapshot_keeps_its_state(tmp_path):
         uniform.sample(snap, 1)
         assert (uniform.sample_counts(rows) >= 1).all()
         snap.close()
+
+
+def test_a_group_draw_that_raises_leaves_the_stream_where_it_was(tmp_path):
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend({"prompt_id": list(range(20)), "completion_ids": [[i + 1] for i in range(20)]})
+        failed, clean = PromptGroupSampler(num_groups=1, seed=1), PromptGroupSampler(num_groups=1, seed=1)
+        for bad in ({"groups": [99]}, {"groups": [1, 2]}):
+            with pytest.raises(diskreplay.SamplerError):
+                failed.sample(store, 1 if "99" in str(bad) else 3, **bad)
+        assert [failed.sample(store, 1).tolist() for _ in range(5)] == [clean.sample(store, 1).tolist()
+                                                                        for _ in range(5)]

@@ -264,7 +264,20 @@ class PromptGroupSampler(Sampler):
         [3, 0]
         >>> PromptGroupSampler.recency(num_groups=1).sample(store, 2, groups=["a"], exclude=[(2, 4)]).tolist()
         [1, 0]
+
+        A call that raises leaves the sampler's stream where it was (a caller
+        that falls back to another draw gets the stream of a sampler that
+        never made the failed call).
         """
+        position = self._rng.bit_generator.state
+        try:
+            return self._draw(store, batch_size, groups, min_policy_version, exclude, min_row)
+        except BaseException:
+            self._rng.bit_generator.state = position
+            raise
+
+    def _draw(self, store: Any, batch_size: int, groups: Any, min_policy_version: Optional[float], exclude: Any,
+              min_row: Optional[int]) -> np.ndarray:
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
         filt = self._filter(min_policy_version, exclude, min_row)
         key = self.group_key if self.group_key is not None else store.group_key
