@@ -1014,3 +1014,11 @@ def test_a_group_draw_that_raises_leaves_the_stream_where_it_was(tmp_path):
                 failed.sample(store, 1 if "99" in str(bad) else 3, **bad)
         assert [failed.sample(store, 1).tolist() for _ in range(5)] == [clean.sample(store, 1).tolist()
                                                                         for _ in range(5)]
+
+
+@pytest.mark.parametrize("make", [lambda: RandomSampler(seed=0), lambda: PrioritizedSampler(seed=0),
+                                  lambda: PromptGroupSampler(num_groups=1, seed=0)])
+def test_an_empty_store_says_to_extend_it(tmp_path, make):
+    with ReplayStore(str(tmp_path / "s")) as store:
+        with pytest.raises(diskreplay.SamplerError, match="extend it first"):
+            make().sample(store, 2)

@@ -250,6 +250,8 @@ class PrioritizedSampler(Sampler):
         self._counts.sync(store)
         tree = self._sync(store, filt)
         total = tree.total
+        if not len(store):
+            raise SamplerError(f"the store at {store.path} has no live rows; extend it first")
         if not total > 0 or not np.isfinite(total):
             raise SamplerError(f"no live row{filt.describe(self.policy_version_key)} has a positive sampling weight "
                                f"(total {total!r}); extend the store or raise eps above 0" + filt.fix())

@@ -109,6 +109,8 @@ class RandomSampler(Sampler):
             else:
                 rows = head + elig.ids[self._rng.integers(0, n_elig, need)]
         else:
+            if need > n_elig and not len(store):
+                raise SamplerError(f"the store at {store.path} has no live rows; extend it first")
             if need > n_elig:
                 raise SamplerError(f"batch_size={batch_size}{ranks} exceeds the {n_elig} live rows{stale} of the "
                                    "store; a pass without replacement cannot repeat rows: lower batch_size or use "
