@@ -896,3 +896,12 @@ def test_zarr_archive_nodes_of_awkward_column_names_never_collide(tmp_path):
         got = back.read([0, 1])
         for name in ("rewards", "values", "col4", "zarr.json"):
             np.testing.assert_array_equal(got[name], cols[name])
+
+
+def test_min_margin_compares_at_the_rewards_precision(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": [1, 1], "prompt_ids": [[9], [9]], "completion_ids": [[5], [6]],
+                  "rewards": np.float32([0.5, 0.1])})
+    assert preference_pairs(path, str(tmp_path / "p.jsonl"), min_margin=0.4)["pairs"] == 1
+    assert preference_pairs(path, str(tmp_path / "q.jsonl"), min_margin=0.41)["pairs"] == 0

@@ -168,7 +168,9 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
         best, worst = desc[rank_d == 0], asc[rank_a == 0]  # one each per group, in group order
         counts = np.bincount(gid, minlength=len(keys))
         margin = r[best] - r[worst]
-        ok = (counts[gid[best]] >= 2) & (margin > 0) & (margin >= min_margin)
+        # at the precision rewards are stored in (float32): 0.5 - 0.1 is 0.39999999 in float64, and
+        # --min-margin 0.4 must keep that pair
+        ok = (counts[gid[best]] >= 2) & (margin > 0) & (margin.astype(np.float32) >= np.float32(min_margin))
         best, worst, margin = best[ok], worst[ok], margin[ok]
         key_type = st.schema[key].arrow_type
         seq = pa.string() if text else pa.list_(pa.int32())
