@@ -366,17 +366,35 @@ class WriterLock:
         self._fd: Optional[int] = None
         self._pid = 0  # the process that took it
 
-    def acquire(self) -> None:
+    def probe(self) -> None:
+        """Raise ``StoreLockedError`` if a holder has the lock now; take nothing, through a read-only
+        descriptor (a store this process may not write, a dry run). No LOCK file: no holder ever."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = self._open(os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            if self._flock(fd):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):  # no flock: nothing to test
+                raise
+        finally:
+            os.close(fd)
+
+    def _open(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptStoreError(f"{self.path} is a symlink; a store's LOCK must be a plain file") from None
             raise
+
+    def _flock(self, fd: int) -> bool:
+        """Take the lock (non-blocking) on ``fd``; False on a filesystem without flock for a shared one."""
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
-            os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise StoreLockedError(
                     f"{os.path.dirname(self.path)} is being converted or repaired by another process (it holds "
@@ -384,8 +402,20 @@ class WriterLock:
                     f"{os.path.dirname(self.path)} is already open for writing by another process "
                     "(it holds LOCK); open it with readonly=True to read while it writes") from None
             if self.shared and exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                return  # a filesystem without flock (NFS without a lock manager): many writers need none
+                return False  # a filesystem without flock (NFS without a lock manager): many writers need none
             raise
+        return True
+
+    def acquire(self) -> None:
+        fd = self._open(os.O_RDWR | os.O_CREAT)
+        try:
+            locked = self._flock(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not locked:
+            os.close(fd)
+            return
         self._pid = os.getpid()
         if self.shared:  # many holders: no pid to record
             self._fd = fd

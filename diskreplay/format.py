@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._fileio import crc32c, durable_write, read_file
+from ._fileio import TMP_PREFIX, crc32c, durable_write, read_file
 from .errors import ArgumentError, CommitConflictError, CorruptStoreError, FormatError, SchemaError
 from .schema import ColumnSpec, Schema, late_column_problem
 
@@ -34,6 +34,21 @@ TOKENS_DIR = "tokens"
 DATA_DIRS = (MANIFEST_DIR, SEGMENT_DIR, GROUPS_DIR, STATE_DIR, TOKENS_DIR)
 #: where repair (and a writer opening a store without any manifest) moves files instead of deleting them
 QUARANTINE_DIR = "quarantine"
+#: in QUARANTINE_DIR: files a sweep of a store without manifests could not judge yet (not quarantined)
+QUARANTINE_PENDING = "pending.json"
+
+
+def is_data_file(rel: str) -> bool:
+    """A file of a data directory other than ``manifests/``, not a temporary one: what may hold rows
+    (or their index, a state) that only a manifest says are committed.
+
+    >>> is_data_file("segments/000000000001.arrow"), is_data_file("manifests/000000000001.json")
+    (True, False)
+    >>> is_data_file("groups/.tmp-x"), is_data_file("FORMAT.json")
+    (False, False)
+    """
+    d, _, name = rel.partition("/")
+    return bool(name) and d in DATA_DIRS and d != MANIFEST_DIR and not name.startswith(TMP_PREFIX)
 
 STORE_FORMAT = "diskreplay"
 MANIFEST_FORMAT = "diskreplay.manifest"

@@ -19,8 +19,6 @@ checked, and parsed from there) and quarantines by copy-then-delete.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import stat
 import time
@@ -234,28 +232,13 @@ def _repair_lock(files: "_Files", refusal: str, dry_run: bool = False) -> Option
 
     A dry run only tests it (None), through a read-only descriptor: it needs no write access to the store.
     """
-    path = os.path.join(files.url, fmt.LOCK_FILE)
+    lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
     if dry_run:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None  # no writer ever opened the store
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptStoreError(f"{path} is a symlink; a store's LOCK must be a plain file") from None
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise StoreLockedError(refusal) from None
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        finally:
-            os.close(fd)
+            lock.probe()
+        except StoreLockedError:
+            raise StoreLockedError(refusal) from None
         return None
-    lock = WriterLock(path)
     try:
         lock.acquire()
     except StoreLockedError:
@@ -410,7 +393,7 @@ class _Files:
         q = self.where(QUARANTINE_DIR)
         if not os.path.isdir(q) or os.path.islink(q):
             return 0
-        return sum(len([f for f in files if f != "pending.json"]) for _, _, files in os.walk(q))
+        return sum(len([f for f in files if f != fmt.QUARANTINE_PENDING]) for _, _, files in os.walk(q))
 
     def youngest_activity(self) -> float:
         """Seconds since the newest manifest or temporary file was written."""
@@ -520,7 +503,7 @@ class _RemoteFiles(_Files):
         return self.storage.size(rel)
 
     def quarantined(self) -> int:
-        return len([n for n in self.storage.list(QUARANTINE_DIR) if n != "pending.json"]) + sum(
+        return len([n for n in self.storage.list(QUARANTINE_DIR) if n != fmt.QUARANTINE_PENDING]) + sum(
             len(self.storage.list(f"{QUARANTINE_DIR}/{d}")) for d in fmt.DATA_DIRS)
 
     def youngest_activity(self) -> float:
@@ -895,8 +878,7 @@ class _Repair:
                                     "guess which files hold committed rows: " + "; ".join(m for _, m in damaged))
         if not intact:
             orphans = [rel for rel, is_dir in self.files.entries()
-                       if "/" in rel and not is_dir and not rel.startswith(fmt.MANIFEST_DIR + "/")
-                       and not os.path.basename(rel).startswith(TMP_PREFIX) and self.files.size(rel)]
+                       if not is_dir and fmt.is_data_file(rel) and self.files.size(rel)]
             if orphans:
                 raise CorruptStoreError(_orphans_message(self.files, orphans) + "; repair changes nothing here")
         for gen, message in damaged:

@@ -39,6 +39,8 @@ compiled extension is not needed: its pure-Python samplers are enough.
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from typing import Any, Dict, List, Optional, Union
 
@@ -128,7 +130,6 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         self._last_cursor = None
         self._synced_writers: List[int] = []
         self._layout: Dict[str, Any] = {}
-        self._layout_generation = -1
         self._load_layout()
 
     # -- TorchRL's Storage interface
@@ -188,10 +189,8 @@ class DiskReplayStorage(_TorchRLStoreStorage):
 
     def _load_layout(self) -> None:
         """The tensors' dtypes and shapes, kept in the store (a saved state) beside the rows."""
-        if self._layout_generation != self.store.generation:
-            saved = self.store.load_state(LAYOUT_STATE)
-            self._layout = dict(saved.get("columns", {})) if isinstance(saved, dict) else {}
-            self._layout_generation = self.store.generation
+        saved = self.store.load_state(LAYOUT_STATE)
+        self._layout = dict(saved.get("columns", {})) if isinstance(saved, dict) else {}
 
     def _rows(self, positions: np.ndarray) -> np.ndarray:
         """Live row ids of TorchRL slots."""
@@ -235,12 +234,10 @@ class DiskReplayStorage(_TorchRLStoreStorage):
                                    "now follows the store: extend again")
         layout: Dict[str, Any] = {}
         self.store.extend(tensordict_to_columns(data, layout))
-        self._load_layout()
         changed = {k: v for k, v in layout.items() if self._layout.get(k) != v}
         if changed:  # a new column, or another dtype: one more commit, once
             self._layout.update(changed)
             self.store.save_state(LAYOUT_STATE, {"columns": self._layout})
-            self._layout_generation = self.store.generation
         self._set_last_cursor(int(expected[-1]))
         self._bump_mutation_revision()
 
@@ -254,8 +251,10 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         if isinstance(index, slice):
             index = range(*index.indices(len(self.store)))
         rows = self._rows(_as_positions(index))
-        self._load_layout()
-        td = columns_to_tensordict(self.store.read(rows), len(rows), self._layout)
+        batch = self.store.read(rows)
+        if any(name not in self._layout for name in batch):  # another process wrote a new column
+            self._load_layout()
+        td = columns_to_tensordict(batch, len(rows), self._layout)
         return td[0] if single else td
 
     def contains(self, item: Any) -> Any:
@@ -289,18 +288,12 @@ class DiskReplayStorage(_TorchRLStoreStorage):
     def dumps(self, path: Any) -> None:
         """Write ``storage.json`` (the store's path and next row) into the directory ``path``: the rows
         are in the store, durable already, and a checkpoint names them instead of copying them."""
-        import json
-        import os
-
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "storage.json"), "w") as f:
             json.dump(self.state_dict(), f)
 
     def loads(self, path: Any) -> None:
         """Read what :meth:`dumps` wrote (:meth:`load_state_dict`: a checkpoint of another store warns)."""
-        import json
-        import os
-
         where = os.path.join(path, "storage.json")
         try:
             with open(where) as f:

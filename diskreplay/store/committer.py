@@ -19,7 +19,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
@@ -46,7 +46,7 @@ SEEN_MANIFESTS = 4096  # manifests a writer keeps between its sweeps, so that a 
 MAX_DELTA_DEPTH = 2 * fmt.CHECKPOINT_EVERY - 1
 UNREADABLE_RETRIES = 3  # lost races to a manifest that does not read before the commit gives up
 #: files a sweep of a store without manifests could not judge yet (see Committer._pending_set_aside)
-PENDING_FILE = f"{fmt.QUARANTINE_DIR}/pending.json"
+PENDING_FILE = f"{fmt.QUARANTINE_DIR}/{fmt.QUARANTINE_PENDING}"
 # sidecars before segments: a segment file's existence reserves its id (and so its sidecar's
 # name) against other writers, so it goes last (see Committer._remove)
 DATA_SWEEP_DIRS = (fmt.GROUPS_DIR, fmt.SEGMENT_DIR, fmt.STATE_DIR, fmt.TOKENS_DIR)
@@ -575,7 +575,7 @@ class Committer:
         if time.monotonic() - started > retain / 2:
             files = []  # stale: the next sweep decides again
         self._collect_unnamed([fmt.manifest_file(g) for g in drop], files, young, retain,
-                              not gens and not self.manifest.generation, gens, referenced, unreadable)
+                              not gens and not self.manifest.generation, referenced, unreadable)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
     def _named_by(self, keep: set) -> Tuple[set, bool]:
@@ -631,13 +631,14 @@ class Committer:
                 keys |= released
         return _file_names(keys), unreadable
 
-    def _collect_unnamed(self, manifests: List[str], files: List[str], young: Dict[str, float], retain: float,
-                         no_manifest: bool, gens: List[int], referenced: set, unreadable: bool) -> None:
+    def _collect_unnamed(self, manifests: List[str], files: List[str], young: Iterable[str], retain: float,
+                         no_manifest: bool, referenced: set, unreadable: bool) -> None:
         """Remove the sweep's ``manifests`` and unnamed ``files`` (each old for ``retain`` seconds, checked
         again right before its removal), except that a store without any manifest, and the files its
-        sweeps could not judge then (:meth:`_pending_set_aside`), move theirs to ``quarantine/``."""
+        sweeps could not judge then (``young``, see :meth:`_pending_set_aside`), move theirs to
+        ``quarantine/``."""
         still_old = lambda rel: self._age(rel) >= retain  # noqa: E731 - checked right before each removal
-        pending = self._pending_set_aside(gens, young, referenced, unreadable)
+        pending = self._pending_set_aside(no_manifest, young, referenced, unreadable)
         if no_manifest:
             files = self._set_aside_unnamed(files, still_old)
         elif pending:
@@ -647,7 +648,7 @@ class Committer:
                 self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
         self.delete(manifests, files, still_old)
 
-    def _pending_set_aside(self, gens: List[int], young: Dict[str, float], referenced: set,
+    def _pending_set_aside(self, no_manifest: bool, young: Iterable[str], referenced: set,
                            unreadable: bool) -> set:
         """The files a sweep of a store without any manifest found too young to judge (they may be
         a first commit in flight, or the rows of a store whose manifests were lost), kept in
@@ -662,9 +663,8 @@ class Committer:
         except (OSError, ValueError):
             return set()  # unreadable: nothing is set aside by it (nor deleted from it) this time
         before = set(pending)
-        if not gens and not self.manifest.generation:
-            pending |= {rel for rel in young if not rel.startswith(fmt.MANIFEST_DIR + "/")
-                        and not os.path.basename(rel).startswith(TMP_PREFIX) and "/" in rel}
+        if no_manifest:
+            pending |= {rel for rel in young if fmt.is_data_file(rel)}
         elif not unreadable:
             pending = {rel for rel in pending if rel not in referenced and self._age(rel) != float("inf")}
         self._write_pending(pending, before)
@@ -690,8 +690,7 @@ class Committer:
         """
         rest, moved = [], []
         for rel in files:
-            name = os.path.basename(rel)
-            if name.startswith(TMP_PREFIX) or "/" not in rel or rel.startswith(fmt.MANIFEST_DIR + "/"):
+            if not fmt.is_data_file(rel):
                 rest.append(rel)
                 continue
             try:
@@ -714,9 +713,10 @@ class Committer:
 
     def _set_aside(self, rel: str) -> str:
         """Move ``rel`` to a free name under ``quarantine/`` (a rename where the storage has one)."""
+        local = None if self.storage.remote else self.storage.local_path
+        data = None if local is not None else self.storage.read_bytes(rel)  # an object store copies
         for n in range(1 << 16):
             dest = f"{fmt.QUARANTINE_DIR}/{rel}" + (f".{n}" if n else "")
-            local = getattr(self.storage, "local_path", None) if not self.storage.remote else None
             if local is not None:
                 target = local(dest)
                 if os.path.lexists(target):
@@ -726,7 +726,7 @@ class Committer:
                 self.storage.sync_dir(os.path.dirname(dest))
                 self.storage.sync_dir(os.path.dirname(rel))
                 return dest
-            if self.storage.put_if_absent(dest, self.storage.read_bytes(rel)):
+            if self.storage.put_if_absent(dest, data):
                 self.storage.delete(rel)
                 return dest
         raise CorruptStoreError(f"{self.storage.url}/{fmt.QUARANTINE_DIR}/ has no free name left for {rel}; "

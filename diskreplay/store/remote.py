@@ -47,7 +47,7 @@ class RemoteCommitter(Committer):
         manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
                      if g < current and g not in self.retained and g not in unreadable]
         grace = self.options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS
-        files, young = [], {}
+        files, young = [], []
         for d in DATA_SWEEP_DIRS:
             for name in self.storage.list(d):
                 rel = f"{d}/{name}"
@@ -57,9 +57,9 @@ class RemoteCommitter(Committer):
                 if self._age(rel) >= grace:
                     files.append(rel)
                 else:
-                    young[rel] = 0.0
+                    young.append(rel)
         self._collect_unnamed(manifests, files, young, grace, not docs and not unreadable and not current,
-                              sorted(docs), referenced, bool(unreadable))
+                              referenced, bool(unreadable))
 
     def _write_token_log(self, data: bytes, first_id: int) -> int:
         # the first free id, created only if absent: never another writer's (or a crashed one's) log

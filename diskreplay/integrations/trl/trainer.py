@@ -510,7 +510,10 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         sampling = any(out.get(c) is not None for c in _IS_KEYS) and "sampling_per_token_logps" in store.columns
         # sampling log-probs are often recorded from the middle of a run on (a late column): rows without
         # them are replayed without correction, the others with a ratio from their stored log-probs
-        batch = store.read(rows, columns=want + (["sampling_per_token_logps"] if sampling else []))
+        truncated = getattr(self.args, "mask_truncated_completions", False) and TRUNCATED in store.columns
+        batch = store.read(rows, columns=want + (["sampling_per_token_logps"] if sampling else [])
+                           + ([TRUNCATED] if truncated else []))
+        flags = batch.pop(TRUNCATED, None)
         for name in want:
             col, missing = batch[name], None
             if col is None:  # a ragged column that none of these rows has
@@ -522,9 +525,9 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                                         "did not compute it), so it cannot be replayed; write the store with "
                                         "replay_compute_old_logps=True and the same beta")
         replay = collate(batch, self._pad_token_id())
-        if getattr(self.args, "mask_truncated_completions", False) and TRUNCATED in store.columns:
-            flags = np.asarray(store.read(rows, columns=[TRUNCATED])[TRUNCATED], dtype=np.float64)
-            keep = torch.as_tensor(~(flags == 1.0))[:, None].to(replay["completion_mask"].dtype)
+        if flags is not None:
+            keep = torch.as_tensor(~(np.asarray(flags, dtype=np.float64) == 1.0))[:, None].to(
+                replay["completion_mask"].dtype)
             replay["completion_mask"] = replay["completion_mask"] * keep.to(replay["completion_mask"].device)
         if any(out.get(c) is not None for c in _IS_KEYS):
             replay["sampling_per_token_logps"] = sampling_logps_or_old(replay)
