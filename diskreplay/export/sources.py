@@ -436,8 +436,7 @@ class JsonlSource:
                 if col.null_count == len(col):  # not computed in every row of this chunk
                     arrays[k] = pa.nulls(len(col), pa.list_(pa.float64(), width))
                     continue
-                values = pa.array([x if x is not None else [0] * width for x in col.to_pylist()]).flatten()
-                arrays[k] = pa.FixedSizeListArray.from_arrays(values, width, mask=col.is_null())
+                arrays[k] = col.cast(pa.list_(col.type.value_type, width))  # every row checked: that width
         table = pa.Table.from_arrays([arrays[k] for k in names], names=names)
         yield table, Where.lines(self.path, lines)
 
