@@ -211,7 +211,10 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
       transformers' flash-attention path reads (``cu_seq_lens_q``,
       ``cu_seq_lens_k``: the same tensor; ``max_length_q``, ``max_length_k``),
       laid out as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
-      lays them out, so ``model(**{k: batch[k] for k in (...)})`` works.
+      lays them out, so ``model(**{k: batch[k] for k in (...)}, use_cache=False)``
+      works (only flash-attention reads ``cu_seq_lens_*``; sdpa and eager
+      keep rows apart by the ``position_ids`` restarts, and only without a KV
+      cache: ``use_cache=True``, the default, lets rows attend to each other).
     * ``completion_mask``: int64 [T], 1 at completion tokens.
     * ``prompt_lengths``, ``completion_lengths``: int64 [B]. Row i's
       completion is ``stream[cu[i] + prompt_lengths[i] : cu[i + 1]]``; to sum a
@@ -348,6 +351,10 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
 
     for name, col in batch.items():
         if name in _TOKENS:
+            # which rows hold their prompt (completion) at all: an uncomputed one packs as an empty one
+            flag = _presence(out, name, col, B) if isinstance(col, RaggedColumn) else None
+            if flag is not None:
+                result[name + PRESENT_SUFFIX] = flag
             continue
         if col is None:
             result[name] = None

@@ -7,6 +7,7 @@ import contextlib
 import doctest
 import importlib.util
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import torch
 from hypothesis import given
 
 import diskreplay.packing as packing_module
-from diskreplay import BatchError, Collator, RaggedColumn, collate, collate_packed, collate_unpadded, pack_on_device
+from diskreplay import (BatchError, Collator, RaggedColumn, ReplayStore, collate, collate_packed, collate_unpadded,
+                        pack_on_device)
 from diskreplay.packing import packed_sizes
 
 from .test_padding import FAST, batches, ragged
@@ -319,3 +321,16 @@ def test_pack_on_device_on_cuda_is_bit_identical():
 def test_doctests():
     result = doctest.testmod(packing_module, extraglobs={"np": np})
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_packed_host_and_device_paths_say_which_rows_hold_their_ids():
+    """collate_packed left out prompt_ids_present / completion_ids_present, which pack_on_device (and
+    the padded layout) give: a prompt never computed looked like an empty one on the host path."""
+    store = ReplayStore(tempfile.mkdtemp())
+    store.extend({"prompt_id": [1, 2], "prompt_ids": [[1, 2], None], "completion_ids": [[3], [4, 5]]})
+    b = store.read([0, 1])
+    host, device = collate_packed(b), pack_on_device(collate_unpadded(b))
+    assert set(host) == set(device)
+    assert host["prompt_ids_present"].tolist() == device["prompt_ids_present"].tolist() == [True, False]
+    assert "completion_ids_present" not in host  # every row has its completion
+    store.close()

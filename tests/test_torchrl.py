@@ -507,3 +507,23 @@ def test_tensors_come_back_with_their_dtypes_and_shapes_after_a_reopen(tmp_path)
         assert torch.equal(got[key], row[key]), key
     assert got["lp"][got["mask"]].tolist() == [-2.0, -3.0]
     rb.storage.close()
+
+
+def test_rows_without_a_per_token_column_come_back_without_it(tmp_path):
+    """A per-token column first extended later (or a row stored with None there) made every read that
+    mixed such rows with the others raise a TypeError (an object array given to torch.from_numpy)."""
+    from tensordict import lazy_stack
+
+    def batch(n, with_logps):
+        return lazy_stack([TensorDict({"tokens": torch.arange(i + 1),
+                                       **({"log_probs": -torch.arange(i + 1.0)} if with_logps else {})}, [])
+                           for i in range(n)])
+
+    rb = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 100), batch_size=4)
+    rb.extend(batch(2, False))
+    rb.extend(batch(2, True))
+    got = rb.storage.get([0, 2, 3])
+    assert [t.tolist() for t in got.get("tokens", as_list=True)] == [[0], [0], [0, 1]]
+    assert "log_probs" not in got[0].keys()
+    assert got[1]["log_probs"].tolist() == [-0.0] and got[2]["log_probs"].tolist() == [-0.0, -1.0]
+    rb.storage.close()

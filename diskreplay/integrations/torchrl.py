@@ -375,7 +375,9 @@ def _is_leaf(cls: type) -> bool:
 
 def columns_to_tensordict(batch: Dict[str, Any], n: int, layout: Optional[Dict[str, Any]] = None) -> Any:
     """``store.read(rows)`` as a TensorDict of ``n`` rows: nested keys back, a lazy stack when a column is ragged;
-    with a ``layout`` (:func:`tensordict_to_columns`) each tensor's dtype and per-row shape back.
+    with a ``layout`` (:func:`tensordict_to_columns`) each tensor's dtype and per-row shape back. A row
+    without a value in a ragged column (extended before the column was, or with ``None``) comes back
+    without that key, as it was extended.
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -405,7 +407,10 @@ def columns_to_tensordict(batch: Dict[str, Any], n: int, layout: Optional[Dict[s
     for i in range(n):
         one = td[i]
         for key, col in ragged.items():
-            v = np.asarray(col[i])
+            v = col[i]
+            if v is None:  # not computed for this row: no key, as it was extended
+                continue
+            v = np.asarray(v)
             # token ids come back as int64 (what embeddings index with) unless the layout says otherwise
             t = torch.from_numpy(v.astype(np.int64) if v.dtype.kind in "iu" else v.copy())
             spec = specs[key]
