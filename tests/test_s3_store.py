@@ -561,3 +561,22 @@ def test_a_store_whose_manifests_were_deleted_keeps_its_objects(s3_server, s3_ur
     store.close()
     kept = _keys(s3_server, s3_url)
     assert segments and all(f"quarantine/{k}" in kept and k not in kept for k in segments), kept
+
+
+def test_a_single_writers_reopen_keeps_what_a_pinned_snapshot_reads(s3_server, s3_url, tmp_path):
+    """The sweep at a single writer's open on object storage kept the newest 4 manifests only (not every
+    one superseded less than retain_seconds ago, as a local store does), and judged unnamed objects by
+    their own age: a snapshot pinned 2 s before lost its segments, and its generation could not be opened."""
+    with _open(s3_url, s3_server, tmp_path, capacity=8, retain_seconds=30) as store:
+        for step in range(2):
+            store.extend(_batch(1, step, n=1))
+        pinned = store.generation
+        snap = store.snapshot()
+        for step in range(2, 10):
+            store.extend(_batch(1, step, n=1))  # evicts the snapshot's rows; superseded just now
+        assert store.head > 0
+    _open(s3_url, s3_server, tmp_path).close()  # reopened at once: the snapshot's files stay
+    assert snap.read([0, 1])["prompt_id"].tolist() == [100_000, 100_001]
+    with _open(s3_url, s3_server, tmp_path, readonly=True, generation=pinned) as old:
+        assert old.read([0, 1])["prompt_id"].tolist() == [100_000, 100_001]
+    snap.close()

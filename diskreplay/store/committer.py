@@ -19,7 +19,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
@@ -481,14 +481,7 @@ class Committer:
         """The single writer's open: everything no retained manifest names is garbage (it holds the lock)."""
         current = self.manifest.generation
         docs, unreadable = fmt.manifest_docs(self.storage)
-        newer_than = sorted(docs, reverse=True)
-        keep = [g for g in newer_than if g <= current][: fmt.KEEP_MANIFESTS]
-        if self.retain_seconds is not None:
-            for g in newer_than:
-                nxt = [h for h in docs if h > g]
-                if g <= current and nxt and self._age(fmt.manifest_file(min(nxt))) < self.retain_seconds:
-                    keep.append(g)
-        self.retained = {g: docs[g] for g in keep}
+        self.retained = {g: docs[g] for g in self.kept_at_open(docs, current)}
         self.retained[current] = self.manifest
         self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
         self._superseded_at = {g: t for g, t in self._superseded_at.items() if g in self.retained}
@@ -509,6 +502,28 @@ class Committer:
         if not generations and not current:
             files = self._set_aside_unnamed(files)
         self.delete(manifests, files)
+
+    def kept_at_open(self, docs: Mapping[int, fmt.Manifest], current: int) -> List[int]:
+        """The generations up to ``current`` that a single writer's open keeps: the newest
+        ``KEEP_MANIFESTS``, and with ``retain_seconds`` every one superseded less than that ago (its
+        successor has existed for less: a pinned snapshot may read it). Generations are created in
+        order, so the newer of two has existed for less time: those are a run of the newest, found
+        by bisection (``stat``s, or HEAD requests, of O(log n) manifests, not of every one)."""
+        gens = sorted(g for g in docs if g <= current)
+        keep = gens[-fmt.KEEP_MANIFESTS:]
+        if self.retain_seconds is None or not gens:
+            return keep
+        later = sorted(docs)  # a generation's successor may be above ``current`` (another writer's)
+        succ = {g: later[i + 1] for i, g in enumerate(later[:-1])}
+        lo, hi = 0, len(gens)  # gens[i:] were superseded lately (or never) iff gens[i]'s successor is young
+        while lo < hi:
+            mid = (lo + hi) // 2
+            nxt = succ.get(gens[mid])
+            if nxt is None or self._age(fmt.manifest_file(nxt)) < self.retain_seconds:
+                hi = mid
+            else:
+                lo = mid + 1
+        return sorted(set(keep) | set(gens[lo:]))
 
     def _age(self, rel: str) -> float:
         try:

@@ -38,8 +38,7 @@ class RemoteCommitter(Committer):
     def _sweep_exclusive(self) -> None:
         current = self.manifest.generation
         docs, unreadable = fmt.manifest_docs(self.storage)
-        keep = sorted((g for g in docs if g <= current), reverse=True)[: fmt.KEEP_MANIFESTS]
-        self.retained = {g: docs[g] for g in keep}
+        self.retained = {g: docs[g] for g in self.kept_at_open(docs, current)}
         self.retained[current] = self.manifest
         self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
         referenced = {f for m in self.retained.values() for f in m.files()}
