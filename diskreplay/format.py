@@ -50,6 +50,30 @@ def is_data_file(rel: str) -> bool:
     d, _, name = rel.partition("/")
     return bool(name) and d in DATA_DIRS and d != MANIFEST_DIR and not name.startswith(TMP_PREFIX)
 
+#: the names a store gives its files in its data directories (and their temporary names)
+_STORE_FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\.|index-)?\d{12}\.(?:arrow|json)$")
+
+
+def is_store_entry(rel: str) -> bool:
+    """Whether ``rel`` (a path in a store's directory or prefix) may be one of a store's own entries:
+    its directories, FORMAT.json, SCHEMA.json, LOCK, a file its data directories name as a store
+    does, a temporary file; anything in ``quarantine/``. Creating a store refuses a place holding
+    anything else (a mistyped path to a run's directory or bucket prefix).
+
+    >>> is_store_entry("segments/000000000001.arrow"), is_store_entry("segments/checkpoint-1.bin")
+    (True, False)
+    >>> is_store_entry("notes.txt"), is_store_entry("state/sampler.000000000003.arrow")
+    (False, True)
+    """
+    d, sep, name = rel.partition("/")
+    if not sep:
+        return (d in (*DATA_DIRS, QUARANTINE_DIR, FORMAT_FILE, SCHEMA_FILE, LOCK_FILE)
+                or d.startswith((TMP_PREFIX, ".probe-")))  # (an object store's probes of its server)
+    if d == QUARANTINE_DIR:
+        return True
+    return d in DATA_DIRS and "/" not in name and (name.startswith(".") or bool(_STORE_FILE_NAME.match(name)))
+
+
 STORE_FORMAT = "diskreplay"
 MANIFEST_FORMAT = "diskreplay.manifest"
 TOKENS_FORMAT = "diskreplay.tokens"

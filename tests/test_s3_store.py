@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from diskreplay import (ArgumentError, BatchError, CommitConflictError, ConditionalWriteError, CorruptStoreError,
-                        ObjectStoreError, PromptGroupSampler, ReadOnlyError, ReplayLoader, ReplayStore,
+                        ObjectStoreError, OutputExistsError, PromptGroupSampler, ReadOnlyError, ReplayLoader, ReplayStore,
                         RowsEvictedError, SchemaError, StoreNotFoundError)
 from diskreplay.verify import repair_store, verify_store
 
@@ -580,3 +580,22 @@ def test_a_single_writers_reopen_keeps_what_a_pinned_snapshot_reads(s3_server, s
     with _open(s3_url, s3_server, tmp_path, readonly=True, generation=pinned) as old:
         assert old.read([0, 1])["prompt_id"].tolist() == [100_000, 100_001]
     snap.close()
+
+
+@pytest.mark.parametrize("multi_writer", [False, True])
+def test_creating_a_store_at_a_prefix_holding_other_objects_is_refused(s3_server, s3_url, tmp_path, multi_writer):
+    """A store was created inside a prefix holding other objects, and its open moved those that sat in
+    a store-named folder (segments/checkpoint-0001.bin) into quarantine/; a local directory is refused."""
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key=f"{prefix}/segments/checkpoint-0001.bin", Body=b"weights")
+    with pytest.raises(OutputExistsError, match="segments/checkpoint-0001.bin"):
+        _open(s3_url, s3_server, tmp_path, multi_writer=multi_writer)
+    assert _keys(s3_server, s3_url) == ["segments/checkpoint-0001.bin"]  # nothing written, nothing moved
+    client.delete_object(Bucket=bucket, Key=f"{prefix}/segments/checkpoint-0001.bin")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/notes.txt", Body=b"notes")
+    with pytest.raises(OutputExistsError, match="notes.txt"):
+        _open(s3_url, s3_server, tmp_path, multi_writer=multi_writer)
+    client.delete_object(Bucket=bucket, Key=f"{prefix}/notes.txt")
+    with _open(s3_url, s3_server, tmp_path, multi_writer=multi_writer) as store:  # an empty prefix: fine
+        store.extend(_batch(1, 0))

@@ -748,3 +748,20 @@ def test_a_writer_refuses_a_path_that_is_not_a_store_and_leaves_it_untouched(tmp
     with ReplayStore(str(leftover)) as store:
         store.extend(make_rollouts(2, 2, seed=1))
         assert len(store) == 4
+
+
+def test_creating_a_store_where_a_store_named_folder_holds_other_files_is_refused(tmp_path):
+    """Only the top level was checked: a directory whose segments/ held another program's file was
+    taken, and the open moved that file into quarantine/."""
+    from diskreplay import OutputExistsError
+
+    path = tmp_path / "run"
+    (path / "segments").mkdir(parents=True)
+    (path / "segments" / "checkpoint-0001.bin").write_bytes(b"weights")
+    with pytest.raises(OutputExistsError, match="segments/checkpoint-0001.bin"):
+        ReplayStore(str(path))
+    assert sorted(p.name for p in path.rglob("*")) == ["checkpoint-0001.bin", "segments"]
+    (path / "segments" / "checkpoint-0001.bin").unlink()
+    (path / "segments" / "000000000003.arrow").write_bytes(b"a crashed first commit's")
+    with pytest.warns(RuntimeWarning, match="quarantine"):
+        ReplayStore(str(path)).close()  # a store's own name: a store's, set aside as before

@@ -287,6 +287,17 @@ class S3Storage:
         # "" is a folder marker (seaweedfs lists "dir/" after its last object goes).
         return sorted(n for n in names if n and not n.startswith("."))
 
+    def some_names(self, limit: int = 1000) -> List[str]:
+        """Paths of up to about ``limit`` objects anywhere under the store's prefix (one listing
+        page, no delimiter: objects in any "folder"), relative to it."""
+        out: List[str] = []
+        stream = self._call("LIST", "", self._ob.list, None, chunk_size=limit)
+        for chunk in stream:
+            out += [o["path"] for o in chunk]
+            if len(out) >= limit:
+                break
+        return sorted(out)  # (the client's store has the prefix: its paths are relative to it)
+
     def _put(self, op: str, rel: str, data: Buffer, **kwargs) -> None:
         view = memoryview(data).cast("B")
         self._call(op, rel, self._ob.put, rel, view,

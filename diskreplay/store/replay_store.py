@@ -221,6 +221,12 @@ class ReplayStore:
                 self.close()
                 raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
+        elif self.remote and not exists:
+            try:
+                _refuse_foreign_entries(self.path, self.storage.some_names())
+            except BaseException:
+                self.close()
+                raise
         elif not self.remote:
             try:
                 if not exists:
@@ -1646,12 +1652,25 @@ def _refuse_foreign_path(path: str) -> None:
     if not os.path.isdir(path):
         raise OutputExistsError(f"{path} is a file, not a directory; a store is a directory (pass a new or empty "
                                 "one, or the directory of an existing store)")
-    own = {*fmt.DATA_DIRS, fmt.LOCK_FILE, fmt.FORMAT_FILE, fmt.SCHEMA_FILE}
-    foreign = sorted(n for n in os.listdir(path) if n not in own and not n.startswith(TMP_PREFIX))
+    entries = []
+    for name in os.listdir(path):
+        entries.append(name)
+        if name in fmt.DATA_DIRS and os.path.isdir(os.path.join(path, name)) \
+                and not os.path.islink(os.path.join(path, name)):
+            entries += [f"{name}/{inner}" for inner in os.listdir(os.path.join(path, name))]
+    _refuse_foreign_entries(path, entries)
+
+
+def _refuse_foreign_entries(where: str, entries: Sequence[str]) -> None:
+    """Refuse to create a store where ``entries`` (paths found there) are not all a store's own (see
+    :func:`fmt.is_store_entry`): a store's open sweeps its directories and sets aside, or deletes,
+    what no manifest names, so another program's files there would be moved or lost."""
+    foreign = sorted(e for e in entries if not fmt.is_store_entry(e))
     if foreign:
-        raise OutputExistsError(f"{path} is a non-empty directory that holds no diskreplay store (it has "
+        kind = "prefix" if where.startswith("s3://") else "directory"
+        raise OutputExistsError(f"{where} is a non-empty {kind} that holds no diskreplay store (it has "
                                 f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} and no "
-                                f"{fmt.FORMAT_FILE}); pass a new or empty directory, or the directory of an existing "
+                                f"{fmt.FORMAT_FILE}); pass a new or empty {kind}, or the {kind} of an existing "
                                 "store")
 
 
