@@ -599,3 +599,14 @@ def test_creating_a_store_at_a_prefix_holding_other_objects_is_refused(s3_server
     client.delete_object(Bucket=bucket, Key=f"{prefix}/notes.txt")
     with _open(s3_url, s3_server, tmp_path, multi_writer=multi_writer) as store:  # an empty prefix: fine
         store.extend(_batch(1, 0))
+
+
+def test_unusable_storage_options_are_named():
+    """A non-numeric retry_timeout / timeout / multipart_threshold raised a bare ValueError, and
+    allow_http=false with an http:// endpoint failed later with "check that the server is running"."""
+    for key, value in (("retry_timeout", "abc"), ("timeout", "soon"), ("multipart_threshold", "1.5e6x"),
+                       ("max_retries", -1)):
+        with pytest.raises(ObjectStoreError, match=rf"storage option {key}={value!r} is not a non-negative"):
+            ReplayStore("s3://bucket/x", storage_options={"endpoint": "http://127.0.0.1:1", key: value})
+    with pytest.raises(ObjectStoreError, match="plain HTTP but allow_http is false"):
+        ReplayStore("s3://bucket/x", storage_options={"endpoint": "http://127.0.0.1:1", "allow_http": "false"})

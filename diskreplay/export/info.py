@@ -199,7 +199,9 @@ def format_info(info: Dict[str, Any]) -> str:
              + (f", {size(info['capacity_bytes'])}" if info.get("capacity_bytes") else "")]
     if "multi_writer" in info:
         retain = info.get("retain_seconds")
-        lines.append("writers     " + ("many (multi_writer)" if info["multi_writer"] else "one (exclusive lock)")
+        one = "one (object storage has no lock: a second writer's commit is refused)" \
+            if str(info["path"]).startswith("s3://") else "one (exclusive lock)"
+        lines.append("writers     " + ("many (multi_writer)" if info["multi_writer"] else one)
                      + (f", files of superseded commits kept {retain} s" if retain else ""))
     cs = info.get("commit_stats")
     if cs:

@@ -161,17 +161,40 @@ class S3Storage:
             opts["endpoint"] = opts.pop("endpoint_url")
         self.endpoint = (opts.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL")
                          or os.environ.get("AWS_ENDPOINT") or "the default AWS endpoint")
-        self.retry_timeout = float(own.get("retry_timeout", 30.0))
-        self.multipart_threshold = int(own.get("multipart_threshold", 4 << 30))
+        def integer(value: Any) -> int:  # "1e6" from the command line too
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                f = float(value)
+                if not f.is_integer():
+                    raise
+                return int(f)
+
+        def number(key: str, default: Any, kind: Callable[[Any], Any]) -> Any:
+            value = own.get(key, default)
+            try:
+                out = kind(value)
+            except (TypeError, ValueError):
+                out = None
+            if out is None or out < 0:
+                raise ObjectStoreError(f"{self.url}: storage option {key}={value!r} is not a non-negative "
+                                       f"{'integer' if kind is integer else 'number'}")
+            return out
+
+        self.retry_timeout = number("retry_timeout", 30.0, float)
+        self.multipart_threshold = number("multipart_threshold", 4 << 30, integer)
         client_options: Dict[str, Any] = {
             "allow_http": _flag(own.get("allow_http", str(self.endpoint).startswith("http://")))}
+        if not client_options["allow_http"] and str(self.endpoint).startswith("http://"):
+            raise ObjectStoreError(f"{self.url}: the endpoint {self.endpoint} is plain HTTP but allow_http is "
+                                   "false; use an https:// endpoint, or allow_http=true for a server without TLS")
         for key in ("connect_timeout", "timeout"):
             if key in own:
-                client_options[key] = datetime.timedelta(seconds=float(own[key]))
+                client_options[key] = datetime.timedelta(seconds=number(key, None, float))
         retry_config = {
             # retry_timeout is the bound that matters (backoff jitter makes 10
             # retries last anywhere from 1 to 20 s); a seaweedfs restart takes ~4 s.
-            "max_retries": int(own.get("max_retries", 100)),
+            "max_retries": number("max_retries", 100, integer),
             "retry_timeout": datetime.timedelta(seconds=self.retry_timeout),
             "backoff": {"init_backoff": datetime.timedelta(milliseconds=50),
                         "max_backoff": datetime.timedelta(seconds=2), "base": 2},
