@@ -610,3 +610,24 @@ def test_unusable_storage_options_are_named():
             ReplayStore("s3://bucket/x", storage_options={"endpoint": "http://127.0.0.1:1", key: value})
     with pytest.raises(ObjectStoreError, match="plain HTTP but allow_http is false"):
         ReplayStore("s3://bucket/x", storage_options={"endpoint": "http://127.0.0.1:1", "allow_http": "false"})
+
+
+def test_a_shared_cache_dir_stays_near_its_bound_across_processes(s3_server, s3_url, tmp_path):
+    """Copies a process published in a shared cache_dir stayed after it closed, and no later process
+    counted or removed them: four readers one after another left 4x cache_bytes behind."""
+    rng = np.random.default_rng(2)
+    with _open(s3_url, s3_server, tmp_path) as w:
+        for i in range(8):
+            w.extend({"prompt_id": np.arange(32) + 32 * i,
+                      "completion_ids": [rng.integers(0, 1000, 300, dtype=np.int32) for _ in range(32)]})
+        biggest = max(s.bytes + s.groups_bytes for s in w.manifest.segments)
+    shared, bound = tmp_path / "shared", 96 << 10
+
+    def used():  # disk blocks, each inode once
+        return sum(st.st_blocks * 512 for st in {p.stat().st_ino: p.stat() for p in shared.iterdir()}.values())
+
+    for reader in range(4):
+        with ReplayStore(s3_url, readonly=True, storage_options=s3_server.storage_options,
+                         cache_dir=str(shared), cache_bytes=bound) as ro:
+            ro.read(np.arange(64 * reader, 64 * (reader + 1)))  # each reader other segments
+        assert used() <= bound + 3 * biggest, (reader, used())

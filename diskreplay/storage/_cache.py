@@ -20,8 +20,11 @@ download; partly fetched files stay private to their process, because only
 their owner knows which ranges they hold.
 
 The bound counts the bytes this process holds; files another process
-published count once found. Mapped files that were evicted hold their disk
-space until unmapped.
+published count once found. A shared directory is also trimmed when a cache
+opens it: the published copies that processes which are gone (or still
+running) left there are removed, least recently used first, until they fit
+the bound (restarted trainers sharing a ``cache_dir`` each added up to it).
+Mapped files that were evicted hold their disk space until unmapped.
 """
 
 from __future__ import annotations
@@ -162,6 +165,35 @@ class ObjectCache:
         self._lock = threading.Lock()
         self.stats = CacheStats()
         self._remove_dead_partials()
+        if not self._own_dir:
+            self._trim_directory()
+
+    def _trim_directory(self) -> None:
+        """Remove published copies in the shared directory, least recently used first (a copy's
+        mtime is bumped whenever a process takes it up), until they fit ``capacity_bytes``. Only
+        unlinks: a process that maps one keeps it, and fetches it again if it needs it later."""
+        published, seen = [], set()
+        with os.scandir(self.directory) as it:
+            for d in it:
+                if d.name.startswith(_PARTIAL) or not d.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    st = d.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                # a running process's private name of a copy it published is the same inode
+                nbytes = 0 if st.st_ino in seen else st.st_blocks * 512
+                seen.add(st.st_ino)
+                published.append((st.st_mtime, nbytes, d.path))
+        total = sum(b for _, b, _ in published)
+        for _, nbytes, path in sorted(published):
+            if total <= self.capacity_bytes:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            total -= nbytes
 
     def _remove_dead_partials(self) -> None:
         """Partly fetched files of processes that are gone are unusable (only
@@ -205,6 +237,10 @@ class ObjectCache:
         try:
             size = os.stat(canonical).st_size
             e = _Entry(rel, canonical, canonical, size, complete=True)
+            try:
+                os.utime(canonical)  # in use: the last a trim of the shared directory removes
+            except OSError:
+                pass
         except FileNotFoundError:
             size = size_of()
             path = os.path.join(os.path.dirname(canonical),
@@ -340,11 +376,12 @@ class ObjectCache:
                     raise
 
     def close(self) -> None:
-        """Remove this process's partly fetched files (and a private directory)."""
+        """Remove this process's private files: partly fetched ones, and its own name of each it
+    published (and a private directory)."""
         with self._lock:
             entries, self._entries = list(self._entries.values()), OrderedDict()
         for e in entries:
-            if not e.published:
+            if e.path != e.canonical:  # a published one keeps its shared name only
                 try:
                     os.unlink(e.path)
                 except OSError:
