@@ -921,24 +921,28 @@ class _Repair:
             bad = self._bad_segments(newest)
             cut = max(i for i, s in enumerate(newest.segments) if s in bad) + 1 if bad else 0
             segments = newest.segments[cut:]
-            head = segments[0].first_row if segments else newest.next_row
+            # the rows of the first kept segment below head stay evicted (a damaged state alone loses no row)
+            head = max(newest.head, segments[0].first_row) if segments else newest.next_row
             states = {k: v for k, v in newest.states.items() if v not in self._bad_states(newest)}
             lost = head - newest.head
-            self.actions.append(f"every manifest references a damaged segment; dropping rows "
-                                f"[{newest.head}, {head}) ({lost} rows) so that the store opens")
+            if lost:
+                self.actions.append(f"every manifest references a damaged segment; dropping rows "
+                                    f"[{newest.head}, {head}) ({lost} rows) so that the store opens")
             for st in newest.states.values():
                 if st.name not in states:
                     self.actions.append(f"dropping the damaged saved state {st.name!r} ({st.file})")
             chosen = newest.evolve(generation=newest.generation + 1, head=head, segments=segments, states=states)
             self._commit(chosen)
             return chosen, [chosen]
-        # older manifests stay only while their files are intact (a reader may hold one)
+        # older manifests stay only while their files are intact (a reader may hold one), and always
+        # when a kept delta applies to them (a delta's manifest is its base's plus what it adds:
+        # without the base it cannot be read, whatever its base's own files are)
         kept = [chosen] if chosen is not None else []
         for m in intact:
             if chosen is None or m.generation >= chosen.generation:
                 continue
             bad = [s.file for s in m.segments if _check_size(self.files, s.file, s.bytes)]
-            if bad:
+            if bad and m.generation not in fmt.with_chains({k.generation: k for k in kept}):
                 self._quarantine(m.file, f"it references damaged or missing {', '.join(bad)}")
             else:
                 kept.append(m)

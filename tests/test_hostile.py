@@ -27,7 +27,7 @@ from diskreplay import format as fmt
 from diskreplay._fileio import crc32c
 from diskreplay.schema import Schema
 from diskreplay.segment import _STATE_META, encode_ipc
-from diskreplay.verify import verify_store
+from diskreplay.verify import repair_store, verify_store
 
 from .test_durability import check_live_rows, expected_rows
 
@@ -612,3 +612,44 @@ def test_recent_files_of_a_many_writer_store_whose_manifests_were_deleted_are_ke
             assert open(os.path.join(path, "quarantine", "segments", name), "rb").read() == raw
     assert not os.path.exists(os.path.join(path, "quarantine", "pending.json"))
     assert verify_store(path)["ok"]
+
+
+def _four_rows(key):
+    return {"prompt_id": [key] * 4, "completion_ids": [list(range(i, i + 3)) for i in range(4)]}
+
+
+def test_repair_keeps_the_manifests_a_kept_delta_applies_to(tmp_path):
+    """An evicted segment's file went missing (only older manifests named it); repair quarantined those
+    manifests although the newest one is an append delta on them: no open worked any more."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d, capacity=8, multi_writer=True) as s:
+        for i in range(3):
+            s.extend(_four_rows(i))  # the third evicts segment 0, which generations 1 and 2 still name
+    os.remove(os.path.join(d, "segments", "000000000000.arrow"))
+    repair_store(d, force=True)
+    with ReplayStore(d, readonly=True) as r:
+        assert r.read(np.arange(4, 12))["prompt_id"].tolist() == [1] * 4 + [2] * 4
+    assert verify_store(d)["ok"]
+
+
+def test_repair_of_a_damaged_state_alone_keeps_head(tmp_path):
+    """Only a saved state was damaged; repair set head to the first segment's first row, which made
+    evicted rows live again (beyond the capacity) and reported them as "dropped"."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d, capacity=10) as s:
+        s.extend(_four_rows(0))
+        s.save_state("sampler", {"x": 1})
+        for i in range(1, 4):
+            s.extend(_four_rows(i))
+        head = s.head
+    (state,) = os.listdir(os.path.join(d, "state"))
+    with open(os.path.join(d, "state", state), "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 1]))
+    actions = repair_store(d)["actions"]
+    assert not any("dropping rows" in a for a in actions) and any("saved state 'sampler'" in a for a in actions)
+    with ReplayStore(d, readonly=True) as r:
+        assert (r.head, len(r)) == (head, 10)
+    assert verify_store(d)["ok"]
