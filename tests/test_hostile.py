@@ -653,3 +653,32 @@ def test_repair_of_a_damaged_state_alone_keeps_head(tmp_path):
     with ReplayStore(d, readonly=True) as r:
         assert (r.head, len(r)) == (head, 10)
     assert verify_store(d)["ok"]
+
+
+def test_a_store_that_lost_format_json_is_not_created_anew(tmp_path):
+    """A writer's open of a store whose FORMAT.json was deleted created a new one with default options
+    (capacity None) and accepted another schema, after which every old segment was unreadable."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d, capacity=30) as s:
+        for i in range(3):
+            s.extend(_four_rows(i))
+    os.remove(os.path.join(d, "FORMAT.json"))
+    before = sorted(os.listdir(d))
+    with pytest.raises(CorruptStoreError, match=r"manifests/.*but no FORMAT.json: it was lost"):
+        ReplayStore(d)
+    assert sorted(os.listdir(d)) == before
+
+
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_multi_writer_store_that_lost_schema_json_says_so(tmp_path, readonly):
+    """Without SCHEMA.json a reader's read returned {} for rows it counted, verify blamed FORMAT.json,
+    and a writer fixed a new schema, after which every committed segment was unreadable."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d, multi_writer=True) as s:
+        for i in range(3):
+            s.extend(_four_rows(i))
+    os.remove(os.path.join(d, "SCHEMA.json"))
+    with pytest.raises(CorruptStoreError, match="schema is gone.*SCHEMA.json is missing"):
+        ReplayStore(d, readonly=readonly)
+    assert not os.path.exists(os.path.join(d, "SCHEMA.json"))
+    assert any("SCHEMA.json is missing" in p for p in verify_store(d)["problems"])

@@ -280,6 +280,13 @@ class ReplayStore:
                 self.options.write(self.storage)
             if not readonly:
                 self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
+            if self.manifest.next_row and self.options.schema is None:
+                # the schema is fixed before the first commit: a store with rows and none lost it, and a
+                # writer fixing another now would make every committed segment unreadable
+                holder = fmt.SCHEMA_FILE if self.options.multi_writer or self.remote else fmt.FORMAT_FILE
+                raise CorruptStoreError(f"{self.path} has committed rows but its schema is gone ({holder} "
+                                        f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records none'}); "
+                                        "restore it from a backup or a copy of the store (nothing was changed)")
             if self.recovered_from:
                 warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
@@ -1666,6 +1673,16 @@ def _refuse_foreign_entries(where: str, entries: Sequence[str]) -> None:
     :func:`fmt.is_store_entry`): a store's open sweeps its directories and sets aside, or deletes,
     what no manifest names, so another program's files there would be moved or lost."""
     foreign = sorted(e for e in entries if not fmt.is_store_entry(e))
+    committed = sorted((e for e in entries if "/" in e and e not in foreign and e.partition("/")[0] in fmt.DATA_DIRS
+                        and not e.rpartition("/")[2].startswith((TMP_PREFIX, "."))),
+                       key=lambda e: (not e.startswith(fmt.MANIFEST_DIR), e))
+    if committed and not foreign:
+        # FORMAT.json is written when a store is created, before any of these: it was lost, and a store
+        # created here anew (default options, perhaps another schema) would misread or sweep them
+        raise CorruptStoreError(f"{where} holds a store's files ({', '.join(committed[:2])}"
+                                f"{', ...' if len(committed) > 2 else ''}) but no {fmt.FORMAT_FILE}: it was lost or "
+                                f"deleted; restore it (from a backup or a copy of the store) before opening the store "
+                                "(nothing was changed)")
     if foreign:
         kind = "prefix" if where.startswith("s3://") else "directory"
         raise OutputExistsError(f"{where} is a non-empty {kind} that holds no diskreplay store (it has "
