@@ -682,3 +682,24 @@ def test_a_multi_writer_store_that_lost_schema_json_says_so(tmp_path, readonly):
         ReplayStore(d, readonly=readonly)
     assert not os.path.exists(os.path.join(d, "SCHEMA.json"))
     assert any("SCHEMA.json is missing" in p for p in verify_store(d)["problems"])
+
+
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_missing_group_index_file_is_rebuilt_from_the_sidecars(tmp_path, readonly):
+    """verify said readers rebuild a missing persisted group index from the sidecars; they raised an
+    uncaught FileNotFoundError (a damaged one was handled)."""
+    from diskreplay import PromptGroupSampler
+
+    d = str(tmp_path / "s")
+    with ReplayStore(d) as s:
+        for i in range(40):
+            s.extend({"prompt_id": [i, i], "completion_ids": [[i], [i, i]]})
+        index = s.manifest.group_index.file
+        want = s.group_index()
+        want = {int(k): want.group(i).tolist() for i, k in enumerate(want.keys)}
+    os.remove(os.path.join(d, index))
+    with ReplayStore(d, readonly=readonly) as r:
+        with pytest.warns(RuntimeWarning, match="is missing; the group index is rebuilt from the group sidecars"):
+            got = r.group_index()
+        assert {int(k): got.group(i).tolist() for i, k in enumerate(got.keys)} == want
+        assert len(PromptGroupSampler(num_groups=2, seed=0).sample(r, 4)) == 4

@@ -1545,6 +1545,17 @@ class ReplayStore:
                     if self.remote else self.storage.local_path(e.file))
             keys, offsets, rows, pages = read_group_index(path, e.bytes, e.crc32c, e.frame, self._key_type(),
                                                           e.first_row, e.end_row)
+        except FileNotFoundError:
+            # collected with its manifest (a reader behind the writer: the caller reads a newer one), or
+            # missing while its manifest is there: the sidecars hold the same information
+            still = self.storage.exists(m.file) if self.remote else \
+                os.path.exists(self.storage.local_path(m.file))
+            if not still:
+                raise
+            warnings.warn(f"{self.path}/{e.file}, the group index {m.file} names, is missing; the group index "
+                          "is rebuilt from the group sidecars instead (run `diskreplay verify`)", RuntimeWarning,
+                          stacklevel=5)
+            return empty, m.head
         except CorruptStoreError as exc:
             warnings.warn(f"{exc}; the group index is rebuilt from the group sidecars instead (run "
                           "`diskreplay verify`)", RuntimeWarning, stacklevel=5)
