@@ -10,6 +10,7 @@ so no manifest can point outside the store directory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -1163,6 +1164,11 @@ def delta_from_doc(doc: Any, where: str, verified: bool = False) -> Delta:
     return AppendDelta.from_doc(doc, where, verified)
 
 
+class MissingBaseError(FileNotFoundError):
+    """A delta's file is there but a manifest it applies to is not (``filename``): collected with it
+    by a clean-up in progress (the delta goes next), or lost."""
+
+
 def with_chains(manifests: Mapping[int, Manifest]) -> set:
     """The generations whose files reading each of ``manifests`` needs: each one and, for a
     delta, the generations back to the full manifest it applies to (clean-up keeps them all).
@@ -1234,7 +1240,11 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
             raise CorruptStoreError(f"{where} is an append delta whose chain of {len(chain)} deltas ends at "
                                     f"generation {g} without a full manifest")
         g_where = _where(root, manifest_file(g))
-        doc, verified = _read_signed(root, manifest_file(g))  # FileNotFoundError: collected meanwhile
+        try:
+            doc, verified = _read_signed(root, manifest_file(g))
+        except FileNotFoundError:  # collected with the delta meanwhile, or lost: MissingBaseError says which
+            raise MissingBaseError(errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it "
+                                   "applies to, is missing", g_where) from None
     if base is None:
         base = Manifest.from_dict(doc, g_where, verified)
         if base.generation != g:
@@ -1313,16 +1323,21 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
             pass  # collected or damaged: the listing below finds the newest intact one
     for _ in range(MAX_RELISTS):
         problems: List[str] = []
-        vanished = False
-        for gen in list_generations(root):
+        vanished = broken = False
+        gens = list_generations(root)
+        for gen in gens:
             path = os.path.join(root, manifest_file(gen))
             try:
                 return load_manifest(path, gen, known=known, options=options), problems
+            except MissingBaseError as exc:
+                # a clean-up removes a chain oldest first: its delta goes next, and the listing changes
+                problems.append(exc.strerror)
+                broken = True
             except FileNotFoundError:
                 vanished = True  # deleted by the writer's clean-up between listdir and open
             except (CorruptStoreError, FormatError) as exc:
                 problems.append(str(exc))
-        if not vanished:
+        if not vanished and not (broken and list_generations(root) != gens):
             break
     else:
         raise CorruptStoreError(f"the manifests of {root} kept vanishing while being read "

@@ -41,6 +41,9 @@ QUARANTINE_DIR = fmt.QUARANTINE_DIR
 _ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
 # times verify starts again on a newer commit when a live writer collected files under it
 CATCH_UPS = 20
+#: a delta found without the manifest it applies to is looked for again after this long: a clean-up
+#: removes a chain oldest first, so one in progress takes the delta next (lost otherwise: damage)
+MISSING_BASE_RECHECK_SECONDS = 0.5
 
 
 def verify_store(path: Any, progress: bool = False, *, storage_options: Optional[Dict[str, Any]] = None
@@ -587,10 +590,13 @@ def _scan_manifests(r: Optional[_Report], files: Optional[_Files] = None
     """Intact manifests newest first, and ``(generation, message)`` of damaged ones."""
     files = r.files if r is not None else files
     root = files
-    intact, damaged = [], []
+    intact, damaged, suspects = [], [], []
     for gen in fmt.list_generations(files.root):
         try:
             m = _load_manifest(files, gen)
+        except fmt.MissingBaseError as exc:
+            suspects.append((gen, exc.strerror))  # lost, or a clean-up in progress removes the delta next
+            continue
         except FileNotFoundError:
             continue
         except (CorruptStoreError, FormatError) as exc:
@@ -601,6 +607,11 @@ def _scan_manifests(r: Optional[_Report], files: Optional[_Files] = None
         if r is not None:
             r.checked_files += 1
         intact.append(m)
+    if suspects:
+        time.sleep(MISSING_BASE_RECHECK_SECONDS)
+        still = set(fmt.list_generations(files.root))
+        damaged += [(gen, msg) for gen, msg in suspects if gen in still]
+        damaged.sort(key=lambda d: -d[0])
     return intact, damaged
 
 

@@ -703,3 +703,19 @@ def test_a_missing_group_index_file_is_rebuilt_from_the_sidecars(tmp_path, reado
             got = r.group_index()
         assert {int(k): got.group(i).tolist() for i, k in enumerate(got.keys)} == want
         assert len(PromptGroupSampler(num_groups=2, seed=0).sample(r, 4)) == 4
+
+
+def test_a_delta_whose_base_manifest_is_gone_is_named(tmp_path):
+    """verify said ok (0 rows) and every open failed after 1000 listings blaming "something deleting
+    them" when the full manifest an append delta applies to was deleted."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d, multi_writer=True) as s:
+        for i in range(3):
+            s.extend(_four_rows(i))
+    os.remove(os.path.join(d, "manifests", "000000000001.json"))
+    report = verify_store(d)
+    assert not report["ok"]
+    assert any("000000000003.json is an append delta, but" in p and "000000000001.json, a manifest it applies to, "
+               "is missing" in p for p in report["problems"])
+    with pytest.raises(CorruptStoreError, match="000000000003.json is an append delta, but .*000000000001.json"):
+        ReplayStore(d, readonly=True)
