@@ -910,6 +910,7 @@ class _Repair:
             generation, rows = 0, 0
         else:
             chosen = self._rebuild_sidecars(chosen, _with_late_columns(_Report(self.root), options, chosen))
+            chosen = self._drop_damaged_token_logs(chosen)
             generation, rows = chosen.generation, chosen.num_rows
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
         self._quarantine_unreferenced(kept)
@@ -1003,6 +1004,19 @@ class _Repair:
         if not changed:
             return m
         new_m = m.evolve(generation=m.generation + 1, segments=tuple(entries))
+        self._commit(new_m)
+        return new_m
+
+    def _drop_damaged_token_logs(self, m: fmt.Manifest) -> fmt.Manifest:
+        """``m`` without its damaged sealed token logs, committed (a tokened ``extend`` reads them and
+        raised ``CorruptStoreError`` every time): their tokens are forgotten, as old ones are."""
+        bad = [t for t in m.token_logs if not self._good(t.file, t.bytes, t.crc32c)]
+        if not bad:
+            return m
+        for t in bad:
+            self.actions.append(f"dropping the damaged token log {t.file}: its {t.count} exactly-once tokens are "
+                                "forgotten (a batch re-sent with one of them is appended again)")
+        new_m = m.evolve(generation=m.generation + 1, token_logs=tuple(t for t in m.token_logs if t not in bad))
         self._commit(new_m)
         return new_m
 

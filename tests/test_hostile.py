@@ -719,3 +719,28 @@ def test_a_delta_whose_base_manifest_is_gone_is_named(tmp_path):
                "is missing" in p for p in report["problems"])
     with pytest.raises(CorruptStoreError, match="000000000003.json is an append delta, but .*000000000001.json"):
         ReplayStore(d, readonly=True)
+
+
+@pytest.mark.parametrize("multi_writer", [False, True])
+def test_repair_drops_a_damaged_token_log(tmp_path, multi_writer):
+    """verify named a damaged sealed token log, repair did nothing, and every extend with a token raised
+    CorruptStoreError from then on."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d, multi_writer=multi_writer) as s:
+        i = 0
+        while not s.manifest.token_logs:  # (many writers seal at a checkpoint, 8 to 15 commits apart)
+            s.extend({"prompt_id": [i], "completion_ids": [[i]]}, token=f"t{i}")
+            i += 1
+        log = s.manifest.token_logs[0]
+    with open(os.path.join(d, log.file), "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 4]))
+    assert any(log.file in p for p in verify_store(d)["problems"])
+    actions = repair_store(d, force=True)["actions"]
+    assert any(f"dropping the damaged token log {log.file}: its {log.count} exactly-once tokens" in a for a in actions)
+    assert verify_store(d)["ok"]
+    with ReplayStore(d) as s:
+        rows = s.extend({"prompt_id": [99], "completion_ids": [[9]]}, token="brand-new")
+        assert s.extend({"prompt_id": [99], "completion_ids": [[9]]}, token="brand-new").tolist() == rows.tolist()
