@@ -432,6 +432,17 @@ class WriterLock:
                           f"({exc.strerror}); the store was not opened", self.path) from None
         self._fd = fd
 
+    def __del__(self) -> None:
+        # a store dropped without close(): its lock goes with it, as its file would close (a later open
+        # in this process was refused, "open for writing by another process", until the process ended).
+        # Closing the descriptor alone: in a forked child it leaves the parent's lock alone
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:

@@ -767,3 +767,18 @@ def test_creating_a_store_where_a_store_named_folder_holds_other_files_is_refuse
         ReplayStore(str(path))
     (path / "segments" / "000000000003.arrow").unlink()
     ReplayStore(str(path)).close()  # its own (empty) directories only: a creation that died early
+
+
+def test_a_writer_dropped_without_close_releases_its_lock(tmp_path):
+    """LOCK stayed held by a store dropped without close() until the process ended: the next open in
+    the same process was refused as "open for writing by another process"."""
+    import gc
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": [1], "completion_ids": [[1]]})
+    s = ReplayStore(path)
+    del s
+    gc.collect()
+    with ReplayStore(path) as again:
+        assert len(again) == 1
