@@ -23,7 +23,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import pyarrow as pa
 
@@ -911,6 +911,7 @@ class _Repair:
         else:
             chosen = self._rebuild_sidecars(chosen, _with_late_columns(_Report(self.root), options, chosen))
             chosen = self._drop_damaged_token_logs(chosen)
+            chosen = self._past_rolled_back(chosen, intact, damaged)
             generation, rows = chosen.generation, chosen.num_rows
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
         self._quarantine_unreferenced(kept)
@@ -1004,6 +1005,24 @@ class _Repair:
         if not changed:
             return m
         new_m = m.evolve(generation=m.generation + 1, segments=tuple(entries))
+        self._commit(new_m)
+        return new_m
+
+    def _past_rolled_back(self, m: fmt.Manifest, intact: Sequence[fmt.Manifest],
+                          damaged: Sequence[Tuple[int, str]]) -> fmt.Manifest:
+        """After a roll-back, ``m``'s contents committed as a generation above every one moved to
+        quarantine, with segment ids past every one they (or the segment files) used: a reader that
+        held a newer generation, or cached its segments by id, must not meet those generations and
+        ids again naming other rows (the next commit reused both)."""
+        newest = max([g.generation for g in intact] + [g for g, _ in damaged])
+        if m.generation >= newest:
+            return m
+        ids = [g.next_segment for g in intact]
+        for rel, is_dir in self.files.entries():
+            d, _, name = rel.partition("/")
+            if not is_dir and d in (fmt.SEGMENT_DIR, fmt.GROUPS_DIR) and name[:12].isdigit():
+                ids.append(int(name[:12]) + 1)
+        new_m = m.evolve(generation=newest + 1, next_segment=max([m.next_segment] + ids))
         self._commit(new_m)
         return new_m
 

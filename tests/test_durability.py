@@ -1338,14 +1338,17 @@ def test_repair_rolls_back_past_a_damaged_newest_segment(tmp_path):
     assert snapshot(path) == before  # a dry run changes nothing
     res = repair_store(path)
     assert res["actions"] == dry["actions"]
-    assert res["generation"] == 2 and res["rows"] == 12
+    # generation 2's rows, committed as generation 4: a reader that held 3 (or cached segment 2 by id)
+    # never meets generation 3 or segment id 2 again naming other rows
+    assert res["generation"] == 4 and res["rows"] == 12
     assert fmt.manifest_file(3) in _quarantined(path) and fmt.segment_file(2) in _quarantined(path)
     assert_verifies(path)
     with ReplayStore(path) as store:
-        assert store.generation == 2
+        assert store.generation == 4
         check_live_rows(store)
         store.extend(expected_rows(np.arange(12, 15)))
         check_live_rows(store)
+        assert store.generation == 5 and store.manifest.segments[-1].id >= 3
     assert_verifies(path)
 
 
@@ -1422,7 +1425,7 @@ def test_repair_quarantines_leftovers_and_damaged_manifests(tmp_path):
     assert not report["ok"] and all(any(rel in w for w in report["warnings"]) for rel in leftovers), report
     res = repair_store(path)
     assert set(leftovers) | {fmt.manifest_file(3)} <= set(_quarantined(path)), res
-    assert res["generation"] == 2
+    assert res["generation"] == 4  # generation 2's rows, past the generation moved to quarantine
     report = assert_verifies(path)
     assert all("quarantine" in w for w in report["warnings"]), report["warnings"]
 

@@ -744,3 +744,21 @@ def test_repair_drops_a_damaged_token_log(tmp_path, multi_writer):
     with ReplayStore(d) as s:
         rows = s.extend({"prompt_id": [99], "completion_ids": [[9]]}, token="brand-new")
         assert s.extend({"prompt_id": [99], "completion_ids": [[9]]}, token="brand-new").tolist() == rows.tolist()
+
+
+def test_a_reader_open_across_a_repair_roll_back_reads_the_new_rows(tmp_path):
+    """repair rolled back to generation 2 and the next commits reused generation 3 and segment id 2:
+    a reader that had read segment 2 before kept serving its old rows for the new row ids."""
+    d = str(tmp_path / "s")
+    with ReplayStore(d) as w:
+        for i in range(3):
+            w.extend(_four_rows(i))  # segment 2 holds rows 8..11
+    with ReplayStore(d, readonly=True) as reader:
+        assert reader.read([8, 9])["prompt_id"].tolist() == [2, 2]
+        os.remove(os.path.join(d, "segments", "000000000002.arrow"))
+        repair_store(d)
+        with ReplayStore(d) as w:
+            for i in range(3):
+                w.extend(_four_rows(70 + i))
+        reader.refresh()
+        assert reader.read([8, 9])["prompt_id"].tolist() == [70, 70]
