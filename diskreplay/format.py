@@ -1494,6 +1494,10 @@ def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: 
         for gen in range(newest, 0, -1):
             try:
                 m = read_manifest(storage, gen, known=known, options=options, seen=seen)
+            except MissingBaseError as exc:
+                # a generation found by probing keeps its chain for retain_seconds after it is superseded
+                problems.append(exc.strerror)
+                continue
             except FileNotFoundError:
                 vanished = gen == newest  # collected between the probe and the read: probe again
                 break

@@ -631,3 +631,14 @@ def test_a_shared_cache_dir_stays_near_its_bound_across_processes(s3_server, s3_
                          cache_dir=str(shared), cache_bytes=bound) as ro:
             ro.read(np.arange(64 * reader, 64 * (reader + 1)))  # each reader other segments
         assert used() <= bound + 3 * biggest, (reader, used())
+
+
+def test_a_delta_whose_base_manifest_is_gone_is_named_on_object_storage(s3_server, s3_url, tmp_path):
+    """The open probed and re-read 1000 times, blaming "something deleting them"."""
+    with _open(s3_url, s3_server, tmp_path, multi_writer=True) as store:
+        for step in range(3):
+            store.extend(_batch(1, step))
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/manifests/000000000001.json")
+    with pytest.raises(CorruptStoreError, match="000000000003.json is an append delta, but .*000000000001.json"):
+        _open(s3_url, s3_server, tmp_path, readonly=True)
