@@ -1164,7 +1164,7 @@ def delta_from_doc(doc: Any, where: str, verified: bool = False) -> Delta:
     return AppendDelta.from_doc(doc, where, verified)
 
 
-class MissingBaseError(FileNotFoundError):
+class _MissingBase(FileNotFoundError):
     """A delta's file is there but a manifest it applies to is not (``filename``): collected with it
     by a clean-up in progress (the delta goes next), or lost."""
 
@@ -1242,8 +1242,8 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
         g_where = _where(root, manifest_file(g))
         try:
             doc, verified = _read_signed(root, manifest_file(g))
-        except FileNotFoundError:  # collected with the delta meanwhile, or lost: MissingBaseError says which
-            raise MissingBaseError(errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it "
+        except FileNotFoundError:  # collected with the delta meanwhile, or lost: _MissingBase says which
+            raise _MissingBase(errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it "
                                    "applies to, is missing", g_where) from None
     if base is None:
         base = Manifest.from_dict(doc, g_where, verified)
@@ -1329,7 +1329,7 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
             path = os.path.join(root, manifest_file(gen))
             try:
                 return load_manifest(path, gen, known=known, options=options), problems
-            except MissingBaseError as exc:
+            except _MissingBase as exc:
                 # a clean-up removes a chain oldest first: its delta goes next, and the listing changes
                 problems.append(exc.strerror)
                 broken = True
@@ -1494,7 +1494,7 @@ def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: 
         for gen in range(newest, 0, -1):
             try:
                 m = read_manifest(storage, gen, known=known, options=options, seen=seen)
-            except MissingBaseError as exc:
+            except _MissingBase as exc:
                 # a generation found by probing keeps its chain for retain_seconds after it is superseded
                 problems.append(exc.strerror)
                 continue

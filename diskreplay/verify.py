@@ -594,7 +594,7 @@ def _scan_manifests(r: Optional[_Report], files: Optional[_Files] = None
     for gen in fmt.list_generations(files.root):
         try:
             m = _load_manifest(files, gen)
-        except fmt.MissingBaseError as exc:
+        except fmt._MissingBase as exc:
             suspects.append((gen, exc.strerror))  # lost, or a clean-up in progress removes the delta next
             continue
         except FileNotFoundError:
