@@ -1022,3 +1022,23 @@ def test_an_empty_store_says_to_extend_it(tmp_path, make):
     with ReplayStore(str(tmp_path / "s")) as store:
         with pytest.raises(diskreplay.SamplerError, match="extend it first"):
             make().sample(store, 2)
+
+
+@pytest.mark.parametrize("case", ["float64 scalar", "three reward functions"])
+def test_min_reward_std_zero_drops_groups_whose_rewards_are_all_equal(tmp_path, case):
+    """A group's mean (a rounded sum over a count) can differ from its equal rewards by one rounding
+    step: identical rewards got a spread of ~1e-17 > 0.0, so min_reward_std=0.0 ("only groups with any
+    spread") drew them. 12 of the 19 values 0.05 .. 0.95 did in groups of 8; any 0/1 pattern over
+    three reward functions did in groups of 16."""
+    if case == "float64 scalar":
+        n, r0, r1 = 8, np.full(8, 0.1), np.array([0.0, 1.0] * 4)
+    else:
+        n = 16
+        r0 = np.tile(np.array([1, 0, 0], np.float32), (n, 1))
+        r1 = np.array([[1, 0, 0]] * (n // 2) + [[0, 0, 0]] * (n // 2), np.float32)
+    store = ReplayStore(str(tmp_path / "s"))
+    store.extend({"prompt_id": [0] * n + [1] * n, "rewards": np.concatenate([r0, r1])})
+    sampler = PromptGroupSampler(samples_per_group=n, min_reward_std=0.0, seed=0)
+    drawn = {int(k) for _ in range(20) for k in store.read(sampler.sample(store, n), ["prompt_id"])["prompt_id"]}
+    assert drawn == {1}
+    store.close()

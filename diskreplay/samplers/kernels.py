@@ -99,21 +99,29 @@ def group_spread(group_of_row: np.ndarray, rewards: np.ndarray, n_groups: int) -
     """Sample standard deviation (ddof=1, TRL's ``nanstd``) of each group's finite rewards.
 
     Non-finite rewards (NaN: unscored; +-inf) are left out; a group with fewer
-    than two finite rewards has no spread (NaN), so no bound accepts it.
+    than two finite rewards has no spread (NaN), so no bound accepts it. A
+    group whose finite rewards are all equal has a spread of exactly 0 (its
+    mean, a rounded sum over a count, can differ from them by one rounding
+    step, which left ~1e-17 for ``min_reward_std=0.0`` to accept).
 
     >>> group_spread(np.array([0, 0, 1, 1, 1, 2]), np.array([0.0, 1.0, 2.0, np.nan, 2.0, 5.0]), 3).round(4).tolist()
     [0.7071, 0.0, nan]
+    >>> group_spread(np.zeros(8, dtype=int), np.full(8, 0.1), 1).tolist()
+    [0.0]
     """
     ok = np.isfinite(rewards)
     x = np.where(ok, rewards, 0.0)
     count = np.bincount(group_of_row, weights=ok, minlength=n_groups)
     total = np.bincount(group_of_row, weights=x, minlength=n_groups)
+    ref = np.zeros(n_groups)
+    ref[group_of_row[ok]] = x[ok]  # one of each group's finite rewards (whichever write lands last)
+    differ = np.bincount(group_of_row, weights=ok & (x != ref[group_of_row]), minlength=n_groups)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = total / count
         # two passes: sum of squares minus square of sums loses the digits of a small spread
         dev = np.where(ok, x - mean[group_of_row], 0.0)
         var = np.bincount(group_of_row, weights=dev * dev, minlength=n_groups) / (count - 1)
-    return np.where(count >= 2, np.sqrt(var), np.nan)
+    return np.where(count >= 2, np.where(differ == 0, 0.0, np.sqrt(var)), np.nan)
 
 
 def variance_ranking(cand: np.ndarray, seg: np.ndarray, r: np.ndarray, n: np.ndarray, first: np.ndarray,
