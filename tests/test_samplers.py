@@ -1042,3 +1042,22 @@ def test_min_reward_std_zero_drops_groups_whose_rewards_are_all_equal(tmp_path, 
     drawn = {int(k) for _ in range(20) for k in store.read(sampler.sample(store, n), ["prompt_id"])["prompt_id"]}
     assert drawn == {1}
     store.close()
+
+
+def test_a_prioritized_state_loads_after_beta_was_annealed(tmp_path):
+    """beta (and alpha, eps) may be changed on a live sampler, but its saved state refused to load into
+    the sampler a restarted run builds with the first values: ReplayLoader(state_name=...) did not start."""
+    store = ReplayStore(str(tmp_path / "s"))
+    store.extend({"prompt_id": [0, 1, 2], "advantages": np.array([1.0, 2.0, 3.0], np.float32)})
+    s = PrioritizedSampler(beta=0.4, seed=0)
+    s.sample(store, 2)
+    s.beta, s.alpha = 0.7, 0.9
+    state = s.state_dict()
+    fresh = PrioritizedSampler(beta=0.4, seed=0)
+    fresh.load_state_dict(state)
+    assert (fresh.beta, fresh.alpha) == (0.4, 1.0)  # its own
+    s.alpha = 1.0
+    assert fresh.sample(store, 4).tolist() == s.sample(store, 4).tolist()
+    with pytest.raises(SamplerError, match=r"alpha, eps, beta may differ"):
+        PrioritizedSampler(new_priority="max", seed=0).load_state_dict(state)
+    store.close()

@@ -444,6 +444,8 @@ class Sampler:
 
     # settings that are constructor arguments, in the order state_dict()'s "config" lists them
     _CONFIG: Tuple[str, ...] = ()
+    #: settings of ``_CONFIG`` that a saved state need not match (a run changes them as it goes)
+    _TUNED: Tuple[str, ...] = ()
 
     seed = Setting(lambda n, v: check_seed(v), mutable=False,
                    why=" (it only seeds the RNG; load_state_dict() moves a stream)")
@@ -641,9 +643,12 @@ class Sampler:
             raise SamplerError(f"the state was saved by a {state.get('type')!r}, not a {type(self).__name__!r}; "
                                "load it into a sampler of the same class")
         saved, mine = state.get("config"), self.config()
-        if saved != mine:
+        # the knobs a run turns as it goes (beta annealed) need not match: this sampler keeps its own
+        fixed = {n: v for n, v in mine.items() if n not in self._TUNED}
+        if not isinstance(saved, dict) or set(saved) != set(mine) or {n: saved[n] for n in fixed} != fixed:
             raise SamplerError(f"the state was saved by {type(self).__name__} with config {saved!r}, but this "
-                               f"sampler has {mine!r}; build the sampler with the saved configuration")
+                               f"sampler has {mine!r}; build the sampler with the saved configuration"
+                               + (f" ({', '.join(self._TUNED)} may differ)" if self._TUNED else ""))
         try:
             position, data = state["position"], state["data"]
             rng = position["rng"]

@@ -37,7 +37,8 @@ class PrioritizedSampler(Sampler):
     rows: a draw and an update of k rows cost O(k log N), vectorised; appends
     and evictions touch only the rows that come or go. ``alpha``, ``eps`` and
     ``beta`` may be changed at any time (a change of ``alpha`` or ``eps``
-    re-weights every live row once, at the next draw).
+    re-weights every live row once, at the next draw), and a saved state loads
+    into a sampler built with other values of them (it keeps its own).
 
     ``sample(..., min_policy_version=, exclude=, min_row=)`` never draws rows
     below the version bound, in the excluded row-id ranges or below
@@ -62,6 +63,7 @@ class PrioritizedSampler(Sampler):
     """
 
     _CONFIG = ("priority_key", "alpha", "eps", "beta", "new_priority", "policy_version_key", "rank", "world_size")
+    _TUNED = ("alpha", "eps", "beta")  # a restarted run builds them as it did; its schedule sets them again
 
     priority_key = Setting(lambda n, v: check_column(n, v), mutable=False,
                            why=" (the priorities already read and updated came from it)")
