@@ -313,13 +313,15 @@ class S3Storage:
     def some_names(self, limit: int = 1000) -> List[str]:
         """Paths of up to about ``limit`` objects anywhere under the store's prefix (one listing
         page, no delimiter: objects in any "folder"), relative to it."""
-        out: List[str] = []
-        stream = self._call("LIST", "", self._ob.list, None, chunk_size=limit)
-        for chunk in stream:
-            out += [o["path"] for o in chunk]
-            if len(out) >= limit:
-                break
-        return sorted(out)  # (the client's store has the prefix: its paths are relative to it)
+        def first_page(store: Any) -> List[str]:  # the requests run while iterating: inside the retries
+            out: List[str] = []
+            for chunk in self._ob.list(store, None, chunk_size=limit):
+                out += [o["path"] for o in chunk]
+                if len(out) >= limit:
+                    break
+            return out
+
+        return sorted(self._call("LIST", "", first_page))  # (the client's store has the prefix: paths are relative)
 
     def _put(self, op: str, rel: str, data: Buffer, **kwargs) -> None:
         view = memoryview(data).cast("B")
