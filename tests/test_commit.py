@@ -558,3 +558,29 @@ def test_a_forked_child_never_takes_its_parent_s_names_reserved_ahead(tmp_path):
         assert {rel for _, rel, _ in storage._fds.ahead} == parents  # the parent's, untouched
         store.extend(_batch(store))
         check_live_rows(store)
+
+
+def test_a_token_retry_after_commit_not_durable_returns_only_once_durable(tmp_path, monkeypatch, multi):
+    """The retry with the token returned the rows at once, without the fsync of manifests/ that the
+    failed attempt owed, even while that fsync kept failing: a return said durable when it was not
+    (committed_rows, which a restarted producer asks before skipping a batch, likewise)."""
+    from diskreplay import CommitNotDurableError
+
+    path = str(tmp_path / "s")
+    store = ReplayStore(path, multi_writer=multi)
+    mdir = os.path.join(path, fmt.MANIFEST_DIR)
+    left = _fail_fsync_of(monkeypatch, mdir, times=3)
+    with pytest.raises(CommitNotDurableError):
+        store.extend(expected_rows(np.arange(0, 4)), token="b0")
+    with pytest.raises(CommitNotDurableError, match="failed again") as info:  # still failing: not durable
+        store.extend(expected_rows(np.arange(0, 4)), token="b0")
+    assert info.value.rows.tolist() == [0, 1, 2, 3]
+    with pytest.raises(CommitNotDurableError, match="failed again"):
+        store.committed_rows("b0")
+    assert left == [0]
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    assert store.extend(expected_rows(np.arange(0, 4)), token="b0").tolist() == [0, 1, 2, 3]
+    assert mdir in synced and store.next_row == 4
+    store.close()

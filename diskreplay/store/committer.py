@@ -428,6 +428,21 @@ class Committer:
         self.storage.sync_dir(fmt.TOKENS_DIR)
         return log_id
 
+    def durable_replay(self, rows: Any) -> None:
+        """Before an ``extend`` whose token is committed returns that commit's ``rows``: make it durable
+        (a return means durable). Its own attempt may have raised ``CommitNotDurableError``, in this
+        process or in one that died since, so ``manifests/`` is synced again (a retry is rare: one
+        ``fsync``); failing, it raises ``CommitNotDurableError`` again."""
+        try:
+            self.storage.sync_dir(fmt.MANIFEST_DIR)
+        except OSError as exc:
+            self._unsynced = True
+            raise CommitNotDurableError(
+                exc.errno, f"the rows of this token are committed and visible in {self.storage.url}, but making "
+                f"them durable failed again ({exc.strerror or exc}); do not append them again: retry with the "
+                "token, or close()", rows=rows) from exc
+        self._unsynced = False
+
     def sync(self) -> None:
         """Make the newest commit durable if an earlier attempt failed (``close()`` calls it)."""
         if self._unsynced:

@@ -662,7 +662,9 @@ class ReplayStore:
             raise BatchError(f"token {rec.token!r} was committed (generation {rec.generation}, rows "
                              f"[{rec.first_row}, {rec.end_row})) for a different batch than this one of {n} rows; "
                              "a token names one logical batch: use a new token for new rows")
-        return np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+        rows = np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+        self._committer.durable_replay(rows)
+        return rows
 
     def _fix_schema(self, schema: Schema, written: List[str]) -> fmt.StoreOptions:
         """The options with ``schema``, writing it if this is the store's first append."""
@@ -1658,7 +1660,11 @@ class ReplayStore:
         if self.multi_writer:
             self._catch_up()
         rec = self._committer.find_token(token)
-        return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+        if rec is None:
+            return None
+        rows = np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+        self._committer.durable_replay(rows)  # a producer skips the batch on this answer: it must hold
+        return rows
 
 
 def _refuse_foreign_path(path: str) -> None:
