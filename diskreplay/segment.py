@@ -8,6 +8,7 @@ read touches just the bytes it returns.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -18,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from ._fileio import crc32c, read_exactly
-from .errors import ArgumentError, CorruptStoreError
+from .errors import ArgumentError, CorruptStoreError, StoreIOError
 from .groups import arrow_indices
 from .ragged import arrow_array, data_address, numpy_view
 from .schema import Schema
@@ -638,7 +639,10 @@ class ArrowFile:
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise CorruptStoreError(f"cannot open {path}: {exc.strerror} (a symlink is not allowed)") from None
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: nothing outside the store is read
+                raise CorruptStoreError(f"cannot open {path}: it is a symlink, which a store never holds") from None
+            # EIO, EMFILE, EACCES: not damage (a retry may work); the errno stays
+            raise StoreIOError(exc.errno, f"cannot open the file ({exc.strerror or exc})", path) from None
         try:
             size = os.fstat(fd).st_size
             if expected_bytes is not None and size != expected_bytes:

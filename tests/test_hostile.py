@@ -762,3 +762,31 @@ def test_a_reader_open_across_a_repair_roll_back_reads_the_new_rows(tmp_path):
                 w.extend(_four_rows(70 + i))
         reader.refresh()
         assert reader.read([8, 9])["prompt_id"].tolist() == [70, 70]
+
+
+def test_an_error_opening_a_segment_keeps_its_errno_and_names_no_symlink(tmp_path, monkeypatch):
+    """EIO, EMFILE or EACCES opening a segment became a CorruptStoreError with errno None, saying "a
+    symlink is not allowed": callers could not tell a transient error from damage."""
+    import errno as errno_module
+
+    from diskreplay import StoreIOError
+
+    d = str(tmp_path / "s")
+    with ReplayStore(d) as s:
+        s.extend(_four_rows(1))
+    seg = os.path.join(d, "segments", "000000000000.arrow")
+    real = os.open
+
+    def failing(path, flags, *a, **k):
+        if os.fspath(path) == seg:
+            raise OSError(errno_module.EMFILE, "Too many open files")
+        return real(path, flags, *a, **k)
+
+    with ReplayStore(d, readonly=True) as r:
+        monkeypatch.setattr(os, "open", failing)
+        with pytest.raises(StoreIOError, match="Too many open files") as info:
+            r.read([0])
+        assert info.value.errno == errno_module.EMFILE and info.value.filename == seg
+        assert "symlink" not in str(info.value)
+        monkeypatch.setattr(os, "open", real)
+        assert r.read([0])["prompt_id"].tolist() == [1]  # transient: the next read works
