@@ -44,6 +44,8 @@ MASK_SUFFIX = "_mask"
 _INT32 = np.iinfo(np.int32)
 _TOKEN_NAME_HINTS = ("logp", "logprob", "token")
 
+#: the longest column name (a reader refuses a longer one, so a writer does too)
+MAX_COLUMN_NAME = 256
 RAGGED, SCALAR, VECTOR = "ragged", "scalar", "vector"
 _SCALAR_DTYPES = ("int64", "float32", "float64", "bool", "string")
 
@@ -106,7 +108,7 @@ class ColumnSpec:
             or (spec.kind == VECTOR and spec.dtype in ("int64", "float32", "float64", "bool")
                 and isinstance(spec.width, int) and 0 < spec.width < 1 << 20)
         )
-        if not ok or not spec.name or len(spec.name) > 256:
+        if not ok or not spec.name or len(spec.name) > MAX_COLUMN_NAME:
             raise FormatError(f"Unsupported column description {d!r}; expected a ragged "
                               "int32/float32, scalar or vector column")
         return spec
@@ -652,6 +654,10 @@ def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) 
     batch = _from_arrow(batch)
     if not isinstance(batch, Mapping):
         raise BatchError(f"a batch must be a mapping of column name to values, got {type(batch).__name__}")
+    for k in batch:
+        if not isinstance(k, str):  # str(5) and "5" would be one column, one of them silently dropped
+            raise BatchError(f"column names are strings; the batch has {k!r} ({type(k).__name__}): name the "
+                             f"column {str(k)!r}")
     # a column that is None, or None in every row, was "not computed"
     raw = {str(k): v for k, v in batch.items()
            if v is not None and not (isinstance(v, (list, tuple)) and v and all(x is None for x in v))}
@@ -934,6 +940,11 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
             return record, schema
     parsed = _arrow_columns(arrow, schema) if arrow is not None else None
     n, cols = parsed if parsed is not None else _parse_columns(batch, schema)
+    for name in cols:  # what a reader accepts (ColumnSpec.from_dict): checked before anything is written
+        if not name or len(name) > MAX_COLUMN_NAME:
+            raise BatchError(f"column name {name[:40]!r}{'...' if len(name) > 40 else ''} is "
+                             f"{'empty' if not name else f'{len(name)} characters long'}; a column name has 1 to "
+                             f"{MAX_COLUMN_NAME} characters")
     if group_key is not None:
         if group_key not in cols:
             raise BatchError(f"the batch has no group key column {group_key!r}; every row needs its "

@@ -782,3 +782,26 @@ def test_a_writer_dropped_without_close_releases_its_lock(tmp_path):
     gc.collect()
     with ReplayStore(path) as again:
         assert len(again) == 1
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 300, 5])
+@pytest.mark.parametrize("late", [False, True])
+def test_a_column_name_a_reader_refuses_is_refused_by_extend(tmp_path, bad, late):
+    """extend accepted the column name "" (and one of 300 characters) that every reader refuses: as the
+    first commit the store no longer opened; as a late column the commit was dropped at the next open
+    (and replaced by the next writer's), losing acknowledged rows. A non-str name was turned into a str
+    and merged with the column of that name, one of them dropped."""
+    path = str(tmp_path / "s")
+    store = ReplayStore(path)
+    if late:
+        store.extend({"prompt_id": [0], "completion_ids": [[1]]})
+    before = store.generation
+    batch = {"prompt_id": [1, 1], "completion_ids": [[1, 2], [3]], bad: [0.5, 1.0]}
+    if bad == 5:
+        batch["5"] = [2.0, 3.0]
+    with pytest.raises(BatchError, match="column name"):
+        store.extend(batch)
+    assert store.generation == before
+    store.close()
+    with ReplayStore(path, readonly=True) as r:
+        assert r.generation == before
