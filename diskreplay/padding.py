@@ -247,6 +247,10 @@ def _check_pad(pad_token_id) -> int:
 
 
 def _check_mask_names(batch: Mapping[str, Any]) -> None:
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"a batch is one mapping of column to values, as store.read(rows) gives it, got a "
+                         f"{type(batch).__name__}; read the rows together (store.read([r0, r1, ...])) instead of "
+                         "collating rows read one by one")
     for ids, mask in (("prompt_ids", "prompt_mask"), ("completion_ids", "completion_mask")):
         if batch.get(ids) is not None and mask in batch:
             raise BatchError(f"the batch has both {ids!r} and a column {mask!r}; "

@@ -653,7 +653,11 @@ def _lengths(r: _Ragged) -> np.ndarray:
 def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) -> Tuple[int, Dict[str, _Column]]:
     batch = _from_arrow(batch)
     if not isinstance(batch, Mapping):
-        raise BatchError(f"a batch must be a mapping of column name to values, got {type(batch).__name__}")
+        kind = type(batch).__name__
+        fix = {"Dataset": "; pass a datasets split as a pyarrow Table: ds.with_format('arrow')[:]",
+               "DataFrame": "; pass a pandas DataFrame as pyarrow.Table.from_pandas(df, preserve_index=False)"
+               }.get(kind, "")
+        raise BatchError(f"a batch must be a mapping of column name to values (or a pyarrow Table), got {kind}{fix}")
     for k in batch:
         if not isinstance(k, str):  # str(5) and "5" would be one column, one of them silently dropped
             raise BatchError(f"column names are strings; the batch has {k!r} ({type(k).__name__}): name the "
@@ -770,12 +774,16 @@ def _align_for(name: str, align: Optional[str], arrays: Mapping[str, Any]) -> Op
 
 def _ragged_dtype(name: str, values: np.ndarray) -> str:
     k = values.dtype.kind
-    if k in "iub" or (values.size == 0 and name in (PROMPT_IDS, COMPLETION_IDS)):  # [] is float64 to numpy
+    ids = name in (PROMPT_IDS, COMPLETION_IDS)
+    if k == "b" and ids and values.size:
+        raise BatchError(f"column {name!r} holds booleans; token ids must be integers (a mask passed as the ids?)")
+    if k in "iub" or (values.size == 0 and ids):  # [] is float64 to numpy
         return "int32"
-    if name in (PROMPT_IDS, COMPLETION_IDS):
+    if ids:
         # float ids would be stored as float32 and come back from collate as floats
-        raise BatchError(f"column {name!r} holds floats ({values.dtype}); token ids must be integers "
-                         "(cast them, e.g. ids.long())")
+        what = "floats" if k == "f" else "strings" if k in "US" else f"values of type {values.dtype}"
+        raise BatchError(f"column {name!r} holds {what} ({values.dtype}); token ids must be integers "
+                         "(cast them, e.g. ids.long(); text is tokenized first)")
     if k == "f":
         return "float32"
     raise BatchError(f"column {name!r} has dtype {values.dtype}; ragged columns hold numbers")

@@ -732,3 +732,41 @@ def test_options_that_mean_nothing_are_usage_errors_not_ignored(store, tmp_path,
     rc, _, err = cli(capsys, "import", src, tmp_path / "g", "--split", "train")
     assert rc == 1 and "--split train" in err and "parquet, which has none" in err
     assert not (tmp_path / "g").exists()
+
+
+def test_messages_of_plain_mistakes(tmp_path):
+    """--overwrite was suggested for a directory it then refused to replace; a one-line JSONL error said
+    "lines 1-1" and pointed at "a row number below"; a Dataset or DataFrame batch had no fix named; collate
+    of a list of rows and groups=[[k], ...] raised raw AttributeError/TypeError; bool ids were stored."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from diskreplay import BatchError, PromptGroupSampler, ReplayStore, SamplerError, collate
+
+    store_path = str(tmp_path / "st")
+    store = ReplayStore(store_path)
+    store.extend({"prompt_id": [0, 0, 1], "completion_ids": [[1], [2], [3]]})
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep").write_text("x")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "diskreplay", *args], capture_output=True, text=True,
+                              cwd=str(tmp_path))
+
+    out = cli("export", store_path, str(tmp_path / "other"))
+    assert out.returncode != 0 and "--overwrite" in out.stderr and "even with --overwrite" in out.stderr
+    (tmp_path / "bad.jsonl").write_text('{"prompt_id":1,"completion_ids":[1,2],"old_per_token_logps":[0.1]}\n')
+    out = cli("import", str(tmp_path / "bad.jsonl"), str(tmp_path / "b1"))
+    assert "bad.jsonl:1: column 'old_per_token_logps' row 0" in out.stderr and "below" not in out.stderr
+    with pytest.raises(BatchError, match="one mapping of column to values"):
+        collate([store.read([0]), store.read([1])], 0)
+    with pytest.raises(SamplerError, match="1-D list of group keys"):
+        PromptGroupSampler(samples_per_group=1, seed=0).sample(store, 2, groups=np.array([[0], [1]]))
+    with pytest.raises(BatchError, match="holds booleans"):
+        store.extend({"prompt_id": [2], "completion_ids": [np.array([True, False])]})
+    pd = pytest.importorskip("pandas")
+    with pytest.raises(BatchError, match="Table.from_pandas"):
+        store.extend(pd.DataFrame({"prompt_id": [2], "completion_ids": [[1, 2]]}))
+    store.close()

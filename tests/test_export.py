@@ -693,7 +693,7 @@ def test_import_keeps_extends_alignment_rule_and_says_where(tmp_path):
         import_rollouts(str(tmp_path / "m.parquet"), str(tmp_path / "s"), chunk_rows=4)
     msg = str(e.value)
     assert msg.startswith(f"{tmp_path / 'm.parquet'}, rows 4-7: ") and "'old_per_token_logps'" in msg
-    assert "row 2" in msg and "counts the rows of" in msg
+    assert "row 2" in msg and "count the rows of" in msg
     assert not (tmp_path / "s").exists()
 
 

@@ -1061,3 +1061,15 @@ def test_a_prioritized_state_loads_after_beta_was_annealed(tmp_path):
     with pytest.raises(SamplerError, match=r"alpha, eps, beta may differ"):
         PrioritizedSampler(new_priority="max", seed=0).load_state_dict(state)
     store.close()
+
+
+def test_random_sampler_refuses_a_closed_store(tmp_path):
+    """RandomSampler reads nothing from the store and kept drawing row ids from a closed one (the other
+    samplers raise StoreClosedError)."""
+    from diskreplay import StoreClosedError
+
+    store = ReplayStore(str(tmp_path / "s"))
+    store.extend({"prompt_id": [0, 1, 2], "completion_ids": [[1]] * 3})
+    store.close()
+    with pytest.raises(StoreClosedError, match="closed"):
+        RandomSampler(seed=0).sample(store, 2)

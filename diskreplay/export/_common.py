@@ -252,11 +252,11 @@ def check_output(out: PathLike, overwrite: bool, replaceable: Any = None) -> str
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output {out} does not exist; create {parent} first")
     if os.path.lexists(out):
-        if not overwrite:
-            raise OutputExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
         ok = replaceable(out) if replaceable is not None else (
             not os.path.isdir(out) or os.path.islink(out) or not os.listdir(out))
-        if not ok:
+        if ok and not overwrite:
+            raise OutputExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+        if not ok:  # (never suggest --overwrite for what it will not replace)
             if os.path.isdir(out) and not os.path.islink(out):
                 what = "a directory with other contents" if os.listdir(out) else "a directory, and this output is a file"
             else:

@@ -60,6 +60,8 @@ class Where:
         def one(part: Tuple[str, int, int, Optional[Tuple[int, ...]]]) -> str:
             file, first, n, lines = part
             if lines is not None:
+                if len(lines) == 1:
+                    return f"{file}:{lines[0]}"
                 return f"{file}, lines {lines[0]}-{lines[-1]}" if lines else file
             return f"{file}, rows {first}-{first + n - 1}"
         if len(self.parts) > 2:
@@ -69,9 +71,9 @@ class Where:
     @property
     def offset_note(self) -> str:
         """How a message that numbers rows of this table from 0 maps onto the source."""
-        if len(self.parts) == 1 and self.parts[0][3] is None and self.parts[0][1] == 0:
+        if len(self.parts) == 1 and (self.parts[0][3] is None and self.parts[0][1] == 0 or self.parts[0][2] == 1):
             return ""
-        return f" (a row number below counts the rows of {self} from 0)"
+        return f" (row numbers in this message count the rows of {self} from 0)"
 
 
 #: Columns of token ids: a list of integers per row, whatever the source (as ``extend`` requires).

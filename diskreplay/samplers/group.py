@@ -307,6 +307,9 @@ class PromptGroupSampler(Sampler):
         if groups is not None:
             if isinstance(groups, (str, bytes)) or np.ndim(groups) == 0:
                 raise SamplerError(f"groups must be a list of group keys, got {groups!r}; wrap one key in a list")
+            if hasattr(groups, "tolist") and np.ndim(groups) != 1:
+                raise SamplerError(f"groups must be a 1-D list of group keys, got shape {tuple(np.shape(groups))}; "
+                                   "flatten it (e.g. groups.reshape(-1))")
             keys = as_array(groups).tolist() if hasattr(groups, "tolist") else list(groups)
             if not keys:
                 raise SamplerError("groups=[] names no group; pass None to draw groups at random")

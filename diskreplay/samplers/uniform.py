@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..errors import SamplerError
+from ..errors import SamplerError, StoreClosedError
 from .base import Sampler, Setting, check_flag, no_groups, positive
 
 
@@ -92,6 +92,8 @@ class RandomSampler(Sampler):
         """
         batch_size = positive("batch_size", batch_size, "pass the number of rows to draw")
         no_groups(groups, type(self).__name__)
+        if getattr(store, "closed", False):  # (it reads nothing from the store: no read would refuse)
+            raise StoreClosedError(f"{store.path} is closed; open it again to sample it")
         need = self._global(batch_size)
         filt = self._filter(min_policy_version, exclude, min_row)
         head, nxt = store.head, store.next_row
