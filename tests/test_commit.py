@@ -584,3 +584,41 @@ def test_a_token_retry_after_commit_not_durable_returns_only_once_durable(tmp_pa
     assert store.extend(expected_rows(np.arange(0, 4)), token="b0").tolist() == [0, 1, 2, 3]
     assert mdir in synced and store.next_row == 4
     store.close()
+
+
+def test_a_single_writers_reopen_and_next_commit_keep_what_a_pinned_snapshot_reads(tmp_path):
+    """The open kept every manifest superseded less than retain_seconds ago, but the first commit after
+    it dropped them (it knew no time they were superseded): a snapshot's generation went with it."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, capacity=8, retain_seconds=60) as store:
+        for i in range(2):
+            store.extend(expected_rows(np.arange(2 * i, 2 * i + 2)))
+        pinned = store.generation
+        snap = store.snapshot()
+        for i in range(2, 10):
+            store.extend(expected_rows(np.arange(2 * i, 2 * i + 2)))  # evicts the snapshot's rows
+    with ReplayStore(path) as store:
+        store.extend(expected_rows(np.arange(20, 22)))
+    with ReplayStore(path, readonly=True, generation=pinned) as old:
+        check_live_rows(old)
+    check_live_rows(snap)
+    snap.close()
+
+
+def test_a_single_writers_clean_up_does_not_rescan_every_retained_manifest(tmp_path, monkeypatch):
+    """With retain_seconds, each commit built the file set of every retained manifest (and sorted them):
+    at ~4,500 retained manifests a commit took ~300 ms. Now a commit touches only the manifests it adds
+    and drops."""
+    path = str(tmp_path / "s")
+    calls = []
+    real = fmt.Manifest.files
+    with ReplayStore(path, capacity=64, retain_seconds=1, fsync=False) as store:
+        i, t = 0, time.monotonic()
+        while time.monotonic() - t < 1.5:  # past retain_seconds: each commit now drops the oldest
+            store.extend(expected_rows(np.arange(i, i + 1)))
+            i += 1
+        retained = len(store._committer.retained)
+        monkeypatch.setattr(fmt.Manifest, "files", lambda m: (calls.append(m.generation), real(m))[1])
+        for j in range(i, i + 20):
+            store.extend(expected_rows(np.arange(j, j + 1)))
+    assert retained > 40 and len(calls) <= 3 * 20, (retained, len(calls))  # O(1) a commit, not O(retained)

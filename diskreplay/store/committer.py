@@ -18,8 +18,9 @@ import os
 import random
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
@@ -89,7 +90,11 @@ class Committer:
             fmt.DEFAULT_RETAIN_SECONDS if options.multi_writer else None)
         self.tokens = TokenIndex(storage)
         self.stats = CommitStats()
+        # one writer: the manifests kept (ascending generations), how many of them name each file, and
+        # those that are deltas (a store converted from many writers); see collect
         self.retained: Dict[int, fmt.Manifest] = {}
+        self._refs: Counter = Counter()
+        self._chained: Set[int] = set()
         self._superseded_at: Dict[int, float] = {}
         self._unsynced = False
         self._since_sweep = 0
@@ -471,19 +476,52 @@ class Committer:
         if full:
             self._sweep_exclusive()
             return
+        # O(files of the manifests added and dropped) a commit, however many are retained: a store
+        # retaining an hour of commits holds thousands (rebuilding their file set took ~300 ms a commit)
         current = self.manifest.generation
-        self.retained[current] = self.manifest
-        dropped = [g for g in sorted(self.retained)[: -fmt.KEEP_MANIFESTS] if not self._young(g)]
-        # a store converted from many writers may hold deltas: they keep the manifests they apply to
-        needed = fmt.with_chains({g: m for g, m in self.retained.items() if g not in dropped})
-        dropped = [g for g in dropped if g not in needed]
+        if current not in self.retained:
+            self._keep(current, self.manifest)
+        dropped = []
+        last = len(self.retained) - fmt.KEEP_MANIFESTS
+        for i, g in enumerate(self.retained):  # oldest first; superseded in order, so young from one on
+            if i >= last or self._young(g):
+                break
+            dropped.append(g)
+        if dropped and self._chained:
+            # a store converted from many writers may hold deltas: they keep the manifests they apply to
+            needed = fmt.with_chains({g: self.retained[g] for g in self._chained if g not in dropped})
+            dropped = [g for g in dropped if g not in needed]
         if not dropped:
             return
         old = [self.retained.pop(g) for g in dropped]
-        for g in dropped:
-            self._superseded_at.pop(g, None)
-        referenced = {f for m in self.retained.values() for f in m.files()}
-        self.delete([m.file for m in old], sorted({f for m in old for f in m.files() if f not in referenced}))
+        freed = []
+        for m in old:
+            self._superseded_at.pop(m.generation, None)
+            self._chained.discard(m.generation)
+            for f in m.files():
+                self._refs[f] -= 1
+                if not self._refs[f]:
+                    del self._refs[f]
+                    freed.append(f)
+        self.delete([m.file for m in old], sorted(freed))
+
+    def _keep(self, generation: int, manifest: fmt.Manifest) -> None:
+        self.retained[generation] = manifest
+        self._refs.update(manifest.files())
+        if manifest.depth:
+            self._chained.add(generation)
+
+    def retain_at_open(self, retained: Mapping[int, fmt.Manifest]) -> Set[str]:
+        """Take the manifests an open keeps (ascending), and return the files they name. Those kept
+        for ``retain_seconds`` count as superseded now: when they were is not known here, and keeping
+        them ``retain_seconds`` more is safe (the first commit used to drop them at once)."""
+        now = time.time()
+        self.retained, self._refs, self._chained = {}, Counter(), set()
+        for g in sorted(retained):
+            self._keep(g, retained[g])
+        self._superseded_at = {g: self._superseded_at.get(g, now) for g in self.retained
+                               if g != self.manifest.generation}
+        return set(self._refs)
 
     def _young(self, generation: int) -> bool:
         """Superseded less than ``retain_seconds`` ago (a pinned snapshot may still read it)."""
@@ -496,11 +534,7 @@ class Committer:
         """The single writer's open: everything no retained manifest names is garbage (it holds the lock)."""
         current = self.manifest.generation
         docs, unreadable = fmt.manifest_docs(self.storage)
-        self.retained = {g: docs[g] for g in self.kept_at_open(docs, current)}
-        self.retained[current] = self.manifest
-        self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
-        self._superseded_at = {g: t for g, t in self._superseded_at.items() if g in self.retained}
-        referenced = {f for m in self.retained.values() for f in m.files()}
+        referenced = self.retain_at_open(self._kept_with_chains(docs, current))
         if unreadable:
             warnings.warn(f"{self.storage.url}: cannot read manifest(s) {'; '.join(unreadable.values())}; "
                           "they and every data file are kept (run `diskreplay verify`)", RuntimeWarning, stacklevel=4)
@@ -517,6 +551,12 @@ class Committer:
         if not generations and not current:
             files = self._set_aside_unnamed(files)
         self.delete(manifests, files)
+
+    def _kept_with_chains(self, docs: Mapping[int, fmt.Manifest], current: int) -> Dict[int, fmt.Manifest]:
+        kept = {g: docs[g] for g in self.kept_at_open(docs, current)}
+        kept[current] = self.manifest
+        kept.update((g, docs[g]) for g in fmt.with_chains(kept) if g in docs)
+        return kept
 
     def kept_at_open(self, docs: Mapping[int, fmt.Manifest], current: int) -> List[int]:
         """The generations up to ``current`` that a single writer's open keeps: the newest

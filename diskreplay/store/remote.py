@@ -38,10 +38,7 @@ class RemoteCommitter(Committer):
     def _sweep_exclusive(self) -> None:
         current = self.manifest.generation
         docs, unreadable = fmt.manifest_docs(self.storage)
-        self.retained = {g: docs[g] for g in self.kept_at_open(docs, current)}
-        self.retained[current] = self.manifest
-        self.retained.update((g, docs[g]) for g in fmt.with_chains(self.retained) if g in docs)
-        referenced = {f for m in self.retained.values() for f in m.files()}
+        referenced = self.retain_at_open(self._kept_with_chains(docs, current))
         # never a manifest newer than ours: it is another writer's (ours will then fail at commit)
         manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
                      if g < current and g not in self.retained and g not in unreadable]
