@@ -20,7 +20,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crash_point
@@ -371,21 +371,22 @@ class Committer:
             self._installed(new, install)
             self._unsynced = True
             if isinstance(exc, OSError):
-                raise CommitNotDurableError(
-                    exc.errno, f"generation {new.generation} of {self.storage.url} is committed and "
-                    f"visible, but making it durable failed ({exc.strerror or exc}); do not append these rows "
-                    "again: the next commit or close() retries", rows=rows(new)) from exc
+                raise self._not_durable(exc, f"generation {new.generation} of {self.storage.url}", rows(new)) from exc
             raise
         self._installed(new, install)
         try:
             self.storage.sync_dir(fmt.MANIFEST_DIR)
         except OSError as exc:
-            self._unsynced = True
-            raise CommitNotDurableError(
-                exc.errno, f"generation {new.generation} of {self.storage.url} is committed and "
-                f"visible, but making it durable failed ({exc.strerror or exc}); do not append these rows again: "
-                "the next commit or close() retries", rows=rows(new)) from exc
+            raise self._not_durable(exc, f"generation {new.generation} of {self.storage.url}", rows(new)) from exc
         return True
+
+    def _not_durable(self, exc: OSError, what: str, rows: Any, again: str = "") -> CommitNotDurableError:
+        """The error for a commit that is visible but whose durability failed (owed from now on)."""
+        self._unsynced = True
+        return CommitNotDurableError(
+            exc.errno, f"{what} is committed and visible, but making it durable failed{again} "
+            f"({exc.strerror or exc}); do not append these rows again: the next commit or close() retries, and "
+            "a retry with the token returns them once durable", rows=rows)
 
     def _installed(self, new: fmt.Manifest, install) -> None:
         if not self.multi_writer and self.retain_seconds is not None:  # only _young asks (kept while retained)
@@ -441,11 +442,7 @@ class Committer:
         try:
             self.storage.sync_dir(fmt.MANIFEST_DIR)
         except OSError as exc:
-            self._unsynced = True
-            raise CommitNotDurableError(
-                exc.errno, f"the rows of this token are committed and visible in {self.storage.url}, but making "
-                f"them durable failed again ({exc.strerror or exc}); do not append them again: retry with the "
-                "token, or close()", rows=rows) from exc
+            raise self._not_durable(exc, f"the token's commit in {self.storage.url}", rows, again=" again") from exc
         self._unsynced = False
 
     def sync(self) -> None:
