@@ -691,3 +691,19 @@ def test_truncated_completions_keep_their_tokens_and_stay_out_of_the_loss_when_r
             key = (tuple(row["prompt_ids"][0].tolist()), tuple(row["completion_ids"][0].tolist()))
             assert key in masked_out, f"replayed truncated row {r} reached the loss unmasked"
     assert_finite_losses(trainer)
+
+
+def test_a_run_that_flags_truncated_completions_goes_on_in_its_store(tmp_path):
+    """The trainer writes completion_truncated, but refused a store holding it ("per-row column(s)
+    ['completion_truncated'] that this trainer does not write"): such a run could be neither resumed nor
+    continued, and turning the flag on for an existing store made that store unusable afterwards."""
+    first = train(tmp_path, replay_mode="repo", replay_k=2, mask_truncated_completions=True,
+                  max_completion_length=4, max_steps=2)
+    with open_store(first) as store:
+        assert "completion_truncated" in store.columns
+        before = len(store)
+    again = train(tmp_path, replay_mode="repo", replay_k=2, mask_truncated_completions=True,
+                  max_completion_length=4, max_steps=2)  # the same config, the same store
+    with open_store(again) as store:
+        assert len(store) > before
+    assert_finite_losses(again)

@@ -43,7 +43,9 @@ _SEAMS = ("_generate_and_score_completions", "_calculate_rewards", "_get_per_tok
           "_save_checkpoint")
 #: per-row columns every step writes (so a store that lacks one cannot take this trainer's rows)
 _ALWAYS_WRITTEN = (GROUP_KEY, VERSION_KEY, "rewards", "rewards_per_func", "advantages")
-_PER_ROW_WRITES = frozenset(_ALWAYS_WRITTEN + ("importance_sampling_ratio",))
+#: ... and those some steps write (importance-sampling ratios; the truncation flag, which a store that has it
+#: gets from every later step: see _record_and_replay)
+_PER_ROW_WRITES = frozenset(_ALWAYS_WRITTEN + ("importance_sampling_ratio", TRUNCATED))
 #: the batch keys of TRL's importance-sampling correction; replayed rows get them from stored log-probs
 _IS_KEYS = ("sampling_per_token_logps", "importance_sampling_ratio")
 
