@@ -212,3 +212,20 @@ def test_replay_state_survives_a_checkpoint_holder(tmp_path):
     assert back.rng.random() == rng.random()
     PrioritizedSampler(seed=0).load_state_dict(back.sampler)
     assert load_checkpoint_state(str(tmp_path / "none")) is None
+
+
+def test_repo_recomputes_with_the_replayed_row_in_its_group(tmp_path):
+    """Against fresh rewards without spread (a prompt solved 4/4 now, 0/4 earlier) a replayed 0 got
+    (0 - 1) / (0 + 1e-4) = -10,000: the baseline left the replayed row's own reward out of the std,
+    which TRL never does (a row is in its group)."""
+    with ReplayStore(tmp_path / "s") as store:
+        extend(store, [5] * 4, [0] * 4, [0.0, 0.0, 0.0, 0.0])
+        planner = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                              num_generations=4)
+        fresh = FreshBatch(np.array([5] * 4), np.array([1.0, 1.0, 1.0, 1.0]), np.zeros(4))
+        plan = planner.plan(store, fresh, step=1)
+        got = store.read(plan.rows, ["prompt_id", "rewards"])
+        adv = recompute_advantages(plan, got["rewards"], got["prompt_id"], fresh, planner, store, 1, "group")
+        want = group_advantages(np.array([0.0]), np.array([1.0, 1.0, 1.0, 1.0, 0.0]), "group")[0]
+        np.testing.assert_allclose(adv, [want, want])
+        assert -3 < want < -1

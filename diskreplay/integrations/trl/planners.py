@@ -439,9 +439,12 @@ def recompute_advantages(plan: ReplayPlan, replay_rewards: np.ndarray, replay_ke
     """Advantages of the replayed rows from their stored rewards, against a baseline of their prompt.
 
     The baseline is the replayed group itself (``swap_zero_std``), else the
-    prompt's fresh rows in this batch, else the prompt's eligible stored rows;
-    normalised as TRL does (:func:`group_advantages`; ``scale="batch"``: by
-    the std of the fresh and replayed rewards together).
+    prompt's fresh rows in this batch with the replayed row among them (as in
+    TRL, a row's reward is in its group's std: against fresh rewards without
+    spread, 1, 1, 1, 1, a replayed 0 got (0 - 1) / 1e-4 = -10,000), else the
+    prompt's eligible stored rows; normalised as TRL does
+    (:func:`group_advantages`; ``scale="batch"``: by the std of the fresh and
+    replayed rewards together).
     """
     r = np.asarray(replay_rewards, dtype=np.float64)
     g = planner.num_generations
@@ -455,7 +458,7 @@ def recompute_advantages(plan: ReplayPlan, replay_rewards: np.ndarray, replay_ke
             s = (i // plan.group_size) * plan.group_size
             ref = r[s:s + plan.group_size]
         elif int(replay_keys[i]) in fresh_by_key:
-            ref = fresh_by_key[int(replay_keys[i])]
+            ref = np.append(fresh_by_key[int(replay_keys[i])], r[i])
         else:
             rows = store.group_rows(int(replay_keys[i]))
             if mask is not None:
