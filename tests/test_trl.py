@@ -229,12 +229,14 @@ def test_repo_append_grows_the_batch_and_recounts_tokens(tmp_path):
     with open_store(trainer) as store:
         assert len(store) == 2 * 8
         assert_replayed_rows_reached_the_loss(trainer, store, h["replayed_rows"])
-        # recomputed advantages: the stored reward against this step's fresh rows of the same prompt
+        # recomputed advantages: the stored reward in a group of this step's fresh rows of the same prompt
+        # and itself (as TRL's rows are in their group)
         fresh = store.read(h["fresh_rows"], ["prompt_id", "rewards"])
         got = store.read(h["replayed_rows"], ["prompt_id", "rewards", "completion_ids"])
         seen = {tuple(x[1]): x[3] for x in loss_rows(trainer, [batch])}
         for i in range(2):
-            ref = fresh["rewards"][fresh["prompt_id"] == got["prompt_id"][i]].astype(np.float64)
+            ref = np.append(fresh["rewards"][fresh["prompt_id"] == got["prompt_id"][i]], got["rewards"][i])
+            ref = ref.astype(np.float64)
             want = (got["rewards"][i] - ref.mean()) / (ref.std(ddof=1) + 1e-4)
             assert seen[tuple(got["completion_ids"][i].tolist())] == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert_finite_losses(trainer)

@@ -229,3 +229,21 @@ def test_repo_recomputes_with_the_replayed_row_in_its_group(tmp_path):
         want = group_advantages(np.array([0.0]), np.array([1.0, 1.0, 1.0, 1.0, 0.0]), "group")[0]
         np.testing.assert_allclose(adv, [want, want])
         assert -3 < want < -1
+
+
+def test_swap_with_stored_advantages_needs_rows_that_move_the_loss(tmp_path):
+    """A prompt solved 4/4 in one generation batch and 0/4 in another has reward spread across its
+    stored rows, but every row was stored with advantage 0: swapped in with its stored advantages it gave
+    no gradient either (while replay/fraction said 1.0)."""
+    with ReplayStore(tmp_path / "s") as store:
+        extend(store, [1] * 4, [0] * 4, [1.0] * 4, advantages=[0.0] * 4)
+        extend(store, [1] * 4, [1] * 4, [0.0] * 4, advantages=[0.0] * 4)
+        extend(store, [2] * 4, [1] * 4, [1.0, 0.0, 1.0, 0.0], advantages=[1.0, -1.0, 1.0, -1.0])
+
+        def planner(stored):
+            return SwapZeroStdPlanner(PromptGroupSampler(samples_per_group=4, strategy="variance", seed=0),
+                                      np.random.Generator(np.random.PCG64(0)), stored_advantages=stored,
+                                      num_generations=4)
+
+        assert planner(False).candidates(store) == [1, 2]  # recomputed: group 1's spread is a gradient
+        assert planner(True).candidates(store) == [2]

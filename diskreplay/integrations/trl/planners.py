@@ -38,6 +38,7 @@ REPLAY_MODES = ("off", "repo", "ssr", "swap_zero_std")
 GROUP_KEY = "prompt_id"
 VERSION_KEY = "policy_version"
 REWARD_KEY = "rewards"
+ADVANTAGE_KEY = "advantages"
 _STD_EPS = 1e-4  # TRL's: advantages are divided by (std + 1e-4)
 
 
@@ -395,12 +396,21 @@ class SwapZeroStdPlanner(Planner):
 
     A stored group qualifies with ``min_generations`` eligible rows of which at
     least two are scorable with different rewards; which rows of it are
-    replayed is the sampler's strategy (``variance`` by default).
+    replayed is the sampler's strategy (``variance`` by default). With
+    ``stored_advantages`` (the trainer's ``recompute_advantages=False``: the
+    replayed rows keep the advantages they were stored with), at least two of
+    those rows must also have a non-zero advantage: a prompt's rows come from
+    several generation batches, and rows of batches without spread (solved
+    4/4, later 0/4) were stored with advantage 0, so such a group has reward
+    spread but swapped in, gave no gradient either.
     """
 
-    def __init__(self, sampler: Any, rng: np.random.Generator, **kwargs: Any) -> None:
+    def __init__(self, sampler: Any, rng: np.random.Generator, stored_advantages: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(sampler, **kwargs)
         self.rng = rng
+        self.stored_advantages = stored_advantages
+        self._advantages = live_column(ADVANTAGE_KEY, "the replay advantage column") if stored_advantages else None
 
     def candidates(self, store: Any, draw: Draw = Draw()) -> List[Any]:
         """Keys of stored groups that qualify (see the class docstring) among the rows ``draw`` allows."""
@@ -417,7 +427,12 @@ class SwapZeroStdPlanner(Planner):
         hi = np.maximum.reduceat(np.where(scorable, r, -np.inf), starts)
         lo = np.minimum.reduceat(np.where(scorable, r, np.inf), starts)
         need = self.min_generations or self.num_generations
-        good = np.flatnonzero((count >= need) & (hi > lo) & np.isfinite(hi) & np.isfinite(lo))
+        qualifies = (count >= need) & (hi > lo) & np.isfinite(hi) & np.isfinite(lo)
+        if self._advantages is not None:
+            a = self._advantages.live(store)[idx]
+            moving = ok & np.isfinite(a) & (a != 0)
+            qualifies &= np.add.reduceat(moving.astype(np.int64), starts) >= 2
+        good = np.flatnonzero(qualifies)
         return [gi.keys[i] for i in good.tolist()]
 
     def _plan(self, store: Any, fresh: FreshBatch, draw: Draw) -> ReplayPlan:

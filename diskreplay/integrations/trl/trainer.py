@@ -266,7 +266,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                 a.ssr_capacity_scalar * a.per_device_train_batch_size * a.steps_per_generation
             return SsrPlanner(sampler, a.ssr_replay_fraction, window=window, **common)
         if self.replay_mode == "swap_zero_std":
-            return SwapZeroStdPlanner(sampler, self._rng, **common)
+            return SwapZeroStdPlanner(sampler, self._rng, stored_advantages=not a.recompute_advantages, **common)
         return Planner(None, **common)  # off: only the timeline
 
     @property
