@@ -905,3 +905,27 @@ def test_min_margin_compares_at_the_rewards_precision(tmp_path):
                   "rewards": np.float32([0.5, 0.1])})
     assert preference_pairs(path, str(tmp_path / "p.jsonl"), min_margin=0.4)["pairs"] == 1
     assert preference_pairs(path, str(tmp_path / "q.jsonl"), min_margin=0.41)["pairs"] == 0
+
+
+def test_a_new_store_import_that_its_capacity_would_evict_is_refused(tmp_path):
+    """The export carries the source's capacity_bytes; the imported store's files are not the source's
+    size, so its oldest rows were evicted while import said "imported N rows" (42 rows became 15)."""
+    from diskreplay import EvictionRefusedError
+
+    rows = 42
+    batch = {"prompt_id": list(range(rows)), "completion_ids": [list(range(i % 7 + 1)) for i in range(rows)]}
+    with ReplayStore(str(tmp_path / "s")) as s:
+        s.extend(batch)  # one segment
+        nbytes = s.manifest.nbytes
+    with ReplayStore(str(tmp_path / "sized"), capacity_bytes=nbytes + 64) as s:
+        s.extend(batch)
+        assert len(s) == rows
+        sized = s.path
+    out = str(tmp_path / "o.parquet")
+    export_parquet(sized, out)
+    with pytest.raises(EvictionRefusedError, match="evicted .* of the 42 rows imported .*; nothing was written"):
+        import_rollouts(out, str(tmp_path / "restored"), chunk_rows=1)
+    assert not os.path.exists(str(tmp_path / "restored"))
+    res = import_rollouts(out, str(tmp_path / "restored"), chunk_rows=1, allow_evict=True)
+    with ReplayStore(str(tmp_path / "restored"), readonly=True) as r:
+        assert 0 < len(r) < rows and res["store_rows"] == len(r)

@@ -560,6 +560,17 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             with atomic_output(path, overwrite=overwrite, directory=True, replaceable=_replaceable_by_store) as tmp:
                 with ReplayStore(tmp, capacity=capacity, group_key=group_key, capacity_bytes=capacity_bytes) as store:
                     fill(store)
+                    if store.head and not allow_evict:
+                        # the export's capacity (rows, or bytes: the new store's files are not the source's
+                        # size) dropped rows this import wrote: "imported N rows" would hide it
+                        limits = [f"{c:,} rows" for c in (store.capacity,) if c is not None] + \
+                            [f"{c:,} bytes" for c in (store.capacity_bytes,) if c is not None]
+                        raise EvictionRefusedError(
+                            f"importing {src} into a new store with its capacity ({' and '.join(limits)}) "
+                            f"evicted {store.head:,} of the {store.next_row:,} rows imported (a store's files "
+                            f"are not the same size as another's); nothing was written. Pass --allow-evict "
+                            "(allow_evict=True) to keep the newest rows only, or create the store with a larger "
+                            "capacity (ReplayStore(path, capacity=..., capacity_bytes=...)) and import --append")
     finally:
         bar.close()
     out = {"path": path, "format": fmt, "skipped": source.skipped}
