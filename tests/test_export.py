@@ -929,3 +929,21 @@ def test_a_new_store_import_that_its_capacity_would_evict_is_refused(tmp_path):
     res = import_rollouts(out, str(tmp_path / "restored"), chunk_rows=1, allow_evict=True)
     with ReplayStore(str(tmp_path / "restored"), readonly=True) as r:
         assert 0 < len(r) < rows and res["store_rows"] == len(r)
+
+
+def test_pairs_and_best_of_n_of_a_store_grouped_by_its_prompt_text(tmp_path, tokenizer_dir):
+    """A store grouped by a string column named "prompt" got two "prompt" columns in a --tokenizer pairs /
+    best-of-n export: a Parquet file pyarrow cannot read, an HF export that failed, a JSONL whose prompt
+    text was the key's. The key is now written as group_prompt."""
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "txt")
+    with ReplayStore(path, group_key="prompt") as s:
+        s.extend({"prompt": ["Q: hi", "Q: hi"], "prompt_ids": [[3, 4], [3, 4]], "completion_ids": [[5, 2], [6]],
+                  "rewards": np.array([1.0, 0.0], np.float32)})
+    preference_pairs(path, str(tmp_path / "p.parquet"), tokenizer=tokenizer_dir)
+    table = pq.read_table(str(tmp_path / "p.parquet"))
+    assert table.column_names.count("prompt") == 1 and table.column("group_prompt").to_pylist() == ["Q: hi"]
+    best_of_n(path, str(tmp_path / "b.parquet"), tokenizer=tokenizer_dir)
+    table = pq.read_table(str(tmp_path / "b.parquet"))
+    assert table.column_names.count("prompt") == 1 and table.column("group_prompt").to_pylist() == ["Q: hi"]

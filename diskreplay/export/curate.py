@@ -129,6 +129,19 @@ def _prompt_column(st: ReplayStore, key: str, text: bool) -> Optional[str]:
     return None
 
 
+def _key_field(key: str, taken: List[str]) -> str:
+    """The output name of the group key column: its own, unless an output column has it (a store
+    grouped by its ``prompt`` text: two ``prompt`` columns made a Parquet file pyarrow cannot read).
+
+    >>> _key_field("prompt_id", ["prompt"]), _key_field("prompt", ["prompt", "chosen"])
+    ('prompt_id', 'group_prompt')
+    """
+    name = key
+    while name in taken:
+        name = f"group_{name}"
+    return name
+
+
 def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, format: Optional[str] = None,
                      tokenizer: Any = None, skip_special_tokens: bool = False, group_key: Optional[str] = None,
                      reward_key: str = "rewards", policy_versions: Any = None, overwrite: bool = False,
@@ -176,7 +189,9 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
         seq = pa.string() if text else pa.list_(pa.int32())
         names = ["prompt", "chosen", "rejected"] if text else ["prompt_ids", "chosen_ids", "rejected_ids"]
         fields = [pa.field(names[0], seq)] if (prompt_col is not None or text) else []
-        fields += [pa.field(names[1], seq), pa.field(names[2], seq), pa.field(key, key_type),
+        fields += [pa.field(names[1], seq), pa.field(names[2], seq),
+                   pa.field(_key_field(key, names + ["chosen_reward", "rejected_reward", "margin", "chosen_row",
+                                                     "rejected_row"]), key_type),
                    pa.field("chosen_reward", pa.float64()), pa.field("rejected_reward", pa.float64()),
                    pa.field("margin", pa.float64()), pa.field("chosen_row", pa.int64()),
                    pa.field("rejected_row", pa.int64())]
@@ -256,8 +271,8 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
             fields = ([pa.field("prompt_ids", ids)] if prompt_col else []) + [pa.field("completion_ids", ids)]
             if prompt_col:
                 fields += [pa.field("input_ids", ids), pa.field("completion_mask", pa.list_(pa.int8()))]
-        fields += [pa.field(key, key_type), pa.field("reward", pa.float64()), pa.field("rank", pa.int64()),
-                   pa.field("row", pa.int64())]
+        fields += [pa.field(_key_field(key, [f.name for f in fields] + ["reward", "rank", "row"]), key_type),
+                   pa.field("reward", pa.float64()), pa.field("rank", pa.int64()), pa.field("row", pa.int64())]
         schema = pa.schema(fields)
 
         def tables() -> Iterator[pa.Table]:
