@@ -300,6 +300,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     rows = f"{res['rows']:,} row{'' if res['rows'] == 1 else 's'}"
     text = (f"imported {rows} from {args.src} ({res['format']}) into {res['path']}; "
             f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
+    if res.get("empty_columns"):
+        text += (f"\nleft out column(s) {', '.join(res['empty_columns'])}: no row has a value there (a JSONL "
+                 "export writes NaN and inf as null), so nothing says what they hold")
     if res.get("skipped"):
         n = res["skipped"]
         text += f"\nskipped {n:,} bad line{'' if n == 1 else 's'}"

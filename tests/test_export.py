@@ -947,3 +947,16 @@ def test_pairs_and_best_of_n_of_a_store_grouped_by_its_prompt_text(tmp_path, tok
     best_of_n(path, str(tmp_path / "b.parquet"), tokenizer=tokenizer_dir)
     table = pq.read_table(str(tmp_path / "b.parquet"))
     assert table.column_names.count("prompt") == 1 and table.column("group_prompt").to_pylist() == ["Q: hi"]
+
+
+def test_an_import_says_which_columns_had_no_value_in_any_row(tmp_path):
+    """A JSONL export writes NaN as null; a rewards column unscored in every row (TRL's NaN) came back as
+    nothing at all, and the import said nothing."""
+    path = str(tmp_path / "nan")
+    with ReplayStore(path) as s:
+        s.extend({"prompt_id": [7, 7], "completion_ids": [[5], [6, 7]],
+                  "rewards": np.array([np.nan, np.nan], np.float32), "advantages": np.array([0.0, 0.0], np.float32)})
+    out = str(tmp_path / "nan.jsonl")
+    export_jsonl(path, out)
+    res = import_rollouts(out, str(tmp_path / "back"))
+    assert res["empty_columns"] == ["rewards"] and "rewards" not in res["columns"]

@@ -547,6 +547,9 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             else:
                 bar.update(table.num_rows)
         result.update(rows=n, columns=list(store.columns), group_key=store.group_key, store_rows=len(store))
+        # a column with no value in any row imported (JSONL writes NaN as null: a reward column TRL left
+        # unscored everywhere) has no type to give it: it is left out, and the result says so
+        result["empty_columns"] = [c for c in final_names if c not in store.columns]
 
     try:
         if append:
