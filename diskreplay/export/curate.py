@@ -180,7 +180,8 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
         asc, rank_a = _ranked(gid, r, False)
         best, worst = desc[rank_d == 0], asc[rank_a == 0]  # one each per group, in group order
         counts = np.bincount(gid, minlength=len(keys))
-        margin = r[best] - r[worst]
+        with np.errstate(invalid="ignore"):  # inf - inf: a group of +inf rewards has no pair (NaN margin)
+            margin = r[best] - r[worst]
         # at the precision rewards are stored in (float32): 0.5 - 0.1 is 0.39999999 in float64, and
         # --min-margin 0.4 must keep that pair
         ok = (counts[gid[best]] >= 2) & (margin > 0) & (margin.astype(np.float32) >= np.float32(min_margin))

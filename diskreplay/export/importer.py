@@ -366,8 +366,8 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
     ``export`` (Parquet, HF, Zarr) restores the store bit-exactly. ``path``
     must not exist (unless ``overwrite``, or ``append`` to add to an existing
     store, where each chunk is its own commit); a new store is built under a
-    temporary name and appears whole; ``overwrite`` replaces only a store, a
-    file or an empty directory. An ``append`` that would evict rows the store
+    temporary name and appears whole; ``overwrite`` replaces only a store or
+    an empty directory (never a file: the output is a directory). An ``append`` that would evict rows the store
     already holds (because of its row or byte capacity) raises
     :class:`EvictionRefusedError` saying how many, before writing anything,
     unless ``allow_evict``. Token ids (``prompt_ids``, ``completion_ids``) must
@@ -415,7 +415,7 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
 
 
 def _replaceable_by_store(path: str) -> bool:
-    """``overwrite`` may replace a store, a file or an empty directory: never a
+    """``overwrite`` may replace a store or an empty directory: never a file, nor a
     directory of other things, which the replaced store's removal would delete."""
     return replaceable_dir()(path) or is_store(path)
 
