@@ -1073,3 +1073,14 @@ def test_random_sampler_refuses_a_closed_store(tmp_path):
     store.close()
     with pytest.raises(StoreClosedError, match="closed"):
         RandomSampler(seed=0).sample(store, 2)
+
+
+def test_variance_strategy_does_not_take_a_smaller_variance_for_a_tie(tmp_path):
+    """Subsets within 1e-9 relative variance of the best counted as ties (then the larger total won):
+    rewards 0, 1e-6, 1000 and k=2 gave [1000, 1e-6] (249999.9995) instead of [1000, 0] (250000)."""
+    store = ReplayStore(str(tmp_path / "s"))
+    r = np.array([0.0, 1e-6, 1000.0])
+    store.extend({"prompt_id": ["a"] * 3, "rewards": r})
+    rows = PromptGroupSampler.variance(samples_per_group=2, seed=0).sample(store, 2, groups=["a"])
+    assert sorted(r[rows].tolist()) == [0.0, 1000.0]
+    store.close()

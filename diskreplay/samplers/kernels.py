@@ -178,8 +178,10 @@ def variance_ranking(cand: np.ndarray, seg: np.ndarray, r: np.ndarray, n: np.nda
         score = k * s2 - s1 * s1
         best = score.max(axis=1, keepdims=True)
         spread = x[rows_, mcol - 1]  # max - min of the group's finite rewards
-        # candidates within rounding of the best variance tie; among them the larger total wins
-        tol = 1e-9 * k * k * spread * spread
+        # candidates within rounding of the best variance tie; among them the larger total wins. The
+        # rounding of the prefix sums grows with the group's width: a fixed 1e-9 relative bound took a
+        # strictly smaller variance (rewards 0, 1e-6, 1000, k=2: 249999.9995 for 250000) for a tie
+        tol = 64 * np.finfo(np.float64).eps * width * k * k * spread * spread
         s1 = np.where(score >= best - tol, s1, -np.inf)
         lo = np.argmax(s1, axis=1)[:, None]  # how many of the lowest rewards to take
         u = np.arange(k)[None, :]
