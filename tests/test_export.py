@@ -960,3 +960,26 @@ def test_an_import_says_which_columns_had_no_value_in_any_row(tmp_path):
     export_jsonl(path, out)
     res = import_rollouts(out, str(tmp_path / "back"))
     assert res["empty_columns"] == ["rewards"] and "rewards" not in res["columns"]
+
+
+def test_jsonl_import_of_a_per_row_vector_added_late(tmp_path):
+    """A per-row vector added after the first commit exports null in the older lines: a reward-named one,
+    or one whose first value lies past the lines the import peeks at, was taken for a per-token column
+    ("has 2 values but 'completion_ids' has 3 tokens")."""
+    import json
+
+    path = str(tmp_path / "late.jsonl")
+    with open(path, "w") as f:
+        for i in range(1200):
+            row = {"prompt_id": i, "completion_ids": [1, 2, 3], "judge_rewards": None, "judge": None}
+            if i >= 2:
+                row["judge_rewards"] = [0.5, float(i)]
+            if i >= 1100:
+                row["judge"] = [1.0, 2.0]
+            f.write(json.dumps(row) + "\n")
+    import_rollouts(path, str(tmp_path / "s"))
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        assert s.schema["judge_rewards"].kind == "vector" and s.schema["judge"].kind == "vector"
+        got = s.read([0, 5, 1150], ["judge_rewards", "judge"])
+        assert np.isnan(got["judge_rewards"][0]).all() and got["judge_rewards"][1].tolist() == [0.5, 5.0]
+        assert np.isnan(got["judge"][1]).all() and got["judge"][2].tolist() == [1.0, 2.0]

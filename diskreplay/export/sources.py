@@ -219,6 +219,11 @@ def _json_class(v: Any) -> str:
     return "object"
 
 
+def _reward_like(name: str) -> bool:
+    """A list column named like a reward: per-row (a vector per reward function), never per-token."""
+    return "reward" in name.lower() and name not in TOKEN_ID_COLUMNS
+
+
 def _aligned_with(name: str, present: Sequence[str]) -> Optional[str]:
     """The ids column a ragged column must match in length (the store's rule)."""
     if name in ("prompt_ids", "completion_ids") or "reward" in name.lower():
@@ -249,6 +254,8 @@ class JsonlSource:
         self._classes: Dict[str, str] = {}
         self._peeked: Dict[str, str] = {}
         self._peeked_vectors: Dict[str, int] = {}
+        self._peeked_lists: set = set()  # list columns with a value in the lines peek_columns read
+        self._lists_decided: set = set()  # list columns whose kind (vector or per-token) is fixed
         self._vectors: Dict[str, int] = {}  # list columns read as per-row vectors: their width
         self._order: List[str] = []  # every table carries these columns (missing values are null)
         self._started = False
@@ -321,8 +328,10 @@ class JsonlSource:
         self._peek_order = list(seen)
         # a per-row vector (a store's fixed-width column, exported as a list per line): one width in
         # every line, and not the length of its ids (a per-token column would be)
+        # (a reward column is never per-token: TRL's per-function rewards are a vector, null where not computed)
         self._peeked_vectors = {k: next(iter(w)) for k, w in widths.items()
-                                if k in unaligned and len(w) == 1 and next(iter(w)) > 0}
+                                if (k in unaligned or _reward_like(k)) and len(w) == 1 and next(iter(w)) > 0}
+        self._peeked_lists = set(widths)
         return list(seen)
 
     def batches(self, chunk_rows: int, kept: Sequence[str], rename: Mapping[str, str]
@@ -330,6 +339,7 @@ class JsonlSource:
         keep = set(kept)
         self._classes = {rename.get(k, k): c for k, c in self._peeked.items() if k in keep}
         self._vectors = {rename.get(k, k): w for k, w in self._peeked_vectors.items() if k in keep}
+        self._lists_decided = {rename.get(k, k) for k in self._peeked_lists if k in keep}
         self._order = [rename.get(k, k) for k in self._peek_order if k in keep]
         self._started = False
         rows: List[dict] = []
@@ -391,6 +401,14 @@ class JsonlSource:
             if classes.get(k) != "list" or k in self._vectors:
                 continue
             ref = _aligned_with(k, present)
+            if k not in self._lists_decided:
+                # its first value comes after the lines peek_columns read (a column the store added late):
+                # a per-row vector if it cannot be a per-token one (a reward, or not its ids' length)
+                self._lists_decided.add(k)
+                if row[k] and (_reward_like(k) or ref is not None and classes.get(ref) == "list"
+                               and len(row[k]) != len(row[ref])):
+                    self._vectors[k] = len(row[k])
+                    continue
             if ref is not None and classes.get(ref) == "list" and len(row[k]) != len(row[ref]):
                 self._bad(lineno, f"column {k!r} has {len(row[k])} values but {ref!r} has {len(row[ref])}; "
                                   "per-token columns must align with their ids")
