@@ -1164,6 +1164,16 @@ def delta_from_doc(doc: Any, where: str, verified: bool = False) -> Delta:
     return AppendDelta.from_doc(doc, where, verified)
 
 
+def schema_file(options: "StoreOptions", remote: bool) -> str:
+    """The file that holds a store's schema: SCHEMA.json for many writers and object storage (fixed
+    by the first append of any writer), else FORMAT.json.
+
+    >>> schema_file(StoreOptions(multi_writer=True), False), schema_file(StoreOptions(), False)
+    ('SCHEMA.json', 'FORMAT.json')
+    """
+    return SCHEMA_FILE if options.multi_writer or remote else FORMAT_FILE
+
+
 class _MissingBase(FileNotFoundError):
     """A delta's file is there but a manifest it applies to is not (``filename``): collected with it
     by a clean-up in progress (the delta goes next), or lost."""

@@ -637,7 +637,7 @@ def _check_rows(r: _Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]
             r.problem(f"{where}: {m.num_rows} live rows exceed capacity {options.capacity_rows} "
                       f"of {fmt.FORMAT_FILE}")
         if m.segments and options.schema is None:
-            holder = fmt.SCHEMA_FILE if options.multi_writer or r.files.remote else fmt.FORMAT_FILE
+            holder = fmt.schema_file(options, r.files.remote)
             r.problem(f"{where} has rows but {_rel(r.files, holder)} "
                       f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records no schema'} (it holds the "
                       "store's schema, fixed by its first append; restore it from a backup or a copy)")

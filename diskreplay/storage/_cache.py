@@ -42,6 +42,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .._fileio import remove_quietly
 from ..errors import ArgumentError, CorruptStoreError
 
 Range = Tuple[int, int]
@@ -133,6 +134,20 @@ class _Entry:
         return covered(self.have)
 
 
+def _owner_gone(partial_name: str) -> bool:
+    """Whether the process that is fetching the partly fetched file ``partial_name`` is gone."""
+    m = re.match(re.escape(_PARTIAL) + r"(\d+)-", partial_name)
+    if not m:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 class ObjectCache:
     """Sparse local copies of remote immutable files, bounded in bytes (LRU).
 
@@ -164,56 +179,38 @@ class ObjectCache:
         self._entries: "OrderedDict[str, _Entry]" = OrderedDict()
         self._lock = threading.Lock()
         self.stats = CacheStats()
-        self._remove_dead_partials()
-        if not self._own_dir:
-            self._trim_directory()
+        if not self._own_dir:  # (a private directory is new: nothing in it yet)
+            self._tidy_directory()
 
-    def _trim_directory(self) -> None:
-        """Remove published copies in the shared directory, least recently used first (a copy's
-        mtime is bumped whenever a process takes it up), until they fit ``capacity_bytes``. Only
-        unlinks: a process that maps one keeps it, and fetches it again if it needs it later."""
-        published, seen = [], set()
+    def _tidy_directory(self) -> None:
+        """One pass over a shared directory: remove the partly fetched files of processes that are
+        gone (only their owner knew which ranges they hold), then published copies, least recently
+        used first (a copy's mtime is bumped whenever a process takes it up), until they fit
+        ``capacity_bytes``. Only unlinks: a process that maps one keeps it, and fetches it again if
+        it needs it later."""
+        published = []
         with os.scandir(self.directory) as it:
             for d in it:
-                if d.name.startswith(_PARTIAL) or not d.is_file(follow_symlinks=False):
+                if d.name.startswith(_PARTIAL):
+                    if _owner_gone(d.name):
+                        try:
+                            remove_quietly(d.path)
+                        except OSError:
+                            pass  # (another user's, in a shared directory)
                     continue
                 try:
+                    if not d.is_file(follow_symlinks=False):
+                        continue
                     st = d.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                # a running process's private name of a copy it published is the same inode
-                nbytes = 0 if st.st_ino in seen else st.st_blocks * 512
-                seen.add(st.st_ino)
-                published.append((st.st_mtime, nbytes, d.path))
+                published.append((st.st_mtime, st.st_blocks * 512, d.path))
         total = sum(b for _, b, _ in published)
         for _, nbytes, path in sorted(published):
             if total <= self.capacity_bytes:
                 break
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_quietly(path)
             total -= nbytes
-
-    def _remove_dead_partials(self) -> None:
-        """Partly fetched files of processes that are gone are unusable (only
-        their owner knew which ranges they hold)."""
-        for name in os.listdir(self.directory):
-            m = re.match(re.escape(_PARTIAL) + r"(\d+)-", name)
-            if not m:
-                continue
-            pid = int(m.group(1))
-            try:
-                os.kill(pid, 0)
-                continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            try:
-                os.unlink(os.path.join(self.directory, name))
-            except OSError:
-                pass
 
     def _canonical(self, rel: str) -> str:
         digest = hashlib.sha256(rel.encode()).hexdigest()[:24]

@@ -283,7 +283,7 @@ class ReplayStore:
             if self.manifest.next_row and self.options.schema is None:
                 # the schema is fixed before the first commit: a store with rows and none lost it, and a
                 # writer fixing another now would make every committed segment unreadable
-                holder = fmt.SCHEMA_FILE if self.options.multi_writer or self.remote else fmt.FORMAT_FILE
+                holder = fmt.schema_file(self.options, self.remote)
                 raise CorruptStoreError(f"{self.path} has committed rows but its schema is gone ({holder} "
                                         f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records none'}); "
                                         "restore it from a backup or a copy of the store (nothing was changed)")
@@ -299,11 +299,10 @@ class ReplayStore:
             raise
 
     def _has_format_file(self) -> bool:
-        if not self.remote:
-            return os.path.exists(os.path.join(self.path, fmt.FORMAT_FILE))
         if self.storage.exists(fmt.FORMAT_FILE):
             return True
-        self.storage.check()  # not found: a missing bucket gives its one clear error here
+        if self.remote:
+            self.storage.check()  # not found: a missing bucket gives its one clear error here
         return False
 
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
@@ -1550,9 +1549,7 @@ class ReplayStore:
         except FileNotFoundError:
             # collected with its manifest (a reader behind the writer: the caller reads a newer one), or
             # missing while its manifest is there: the sidecars hold the same information
-            still = self.storage.exists(m.file) if self.remote else \
-                os.path.exists(self.storage.local_path(m.file))
-            if not still:
+            if not self.storage.exists(m.file):
                 raise
             warnings.warn(f"{self.path}/{e.file}, the group index {m.file} names, is missing; the group index "
                           "is rebuilt from the group sidecars instead (run `diskreplay verify`)", RuntimeWarning,

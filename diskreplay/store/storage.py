@@ -97,6 +97,9 @@ class LocalStorage(Storage):
     def age(self, rel: str) -> float:
         return time.time() - os.lstat(self.local_path(rel)).st_mtime
 
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self.local_path(rel))
+
     def list(self, reldir: str) -> List[str]:
         try:
             return os.listdir(self.local_path(reldir))

@@ -3,8 +3,9 @@
 The newest ``INLINE_TOKENS`` records ride in the manifest itself; older ones
 are sealed into immutable ``tokens/<id>.json`` logs that the manifest lists
 (with their size and checksum), and once there are more than ``MAX_TOKEN_LOGS``
-logs those of the smallest size tier are merged (:func:`_merge_tier`). A record is kept while any of its rows is live
-or it is among the newest ``RETAIN_TOKEN_COMMITS`` commits. Looking a token
+logs those of the smallest size tier are merged (:func:`_merge_tier`). A record
+is kept while any of its rows is live or it is among the newest
+``RETAIN_TOKEN_COMMITS`` commits. Looking a token
 up reads the inline records and then the logs, newest first; a log is
 immutable, so a writer parses each one once.
 

@@ -409,7 +409,6 @@ class SwapZeroStdPlanner(Planner):
                  **kwargs: Any) -> None:
         super().__init__(sampler, **kwargs)
         self.rng = rng
-        self.stored_advantages = stored_advantages
         self._advantages = live_column(ADVANTAGE_KEY, "the replay advantage column") if stored_advantages else None
 
     def candidates(self, store: Any, draw: Draw = Draw()) -> List[Any]:
