@@ -525,6 +525,46 @@ def test_merges_keep_up_with_random_small_appends_under_a_capacity(tmp_path):
     assert_verifies(path, allow_warnings=False)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=300), st.sampled_from([(16, 4), (4, 3), (8, 2), (2, 2)]),
+       st.sampled_from([None, 400, 5000]))
+def test_merge_windows_keep_the_small_segments_few(sizes, shape, capacity):
+    """The merge policy alone, on any sequence of append sizes: each planned merge is ``fanin`` (or,
+    when no window forms, ``fanin * ratio``) consecutive small segments, and once every due merge
+    is done fewer than ``fanin * ratio`` small segments are left; with a capacity, no merge makes
+    a segment hold more than its share."""
+    from diskreplay.store import MergePolicy
+
+    fanin, ratio = shape
+    policy = MergePolicy(fanin=fanin, ratio=ratio, max_bytes=20_000)
+    options = fmt.StoreOptions(capacity_rows=capacity)
+    segs, next_id, next_row = [], 0, 0
+    for n in sizes:
+        segs.append(fmt.SegmentEntry(next_id, next_row, n, 100 * n, 0))
+        next_id, next_row = next_id + 1, next_row + n
+        head, kept = fmt.evict(0, next_row, tuple(segs), options)
+        segs = list(kept)
+        while True:
+            windows = list(policy.windows(segs, options))
+            if not windows:
+                break
+            assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:]))  # oldest first, apart
+            start, stop = windows[0]
+            assert stop - start in (fanin, fanin * ratio) and all(s.bytes < 20_000 for s in segs[start:stop])
+            run = segs[start:stop]
+            merged = fmt.SegmentEntry(next_id, run[0].first_row, sum(s.num_rows for s in run),
+                                      sum(s.bytes for s in run), 0)
+            assert capacity is None or merged.num_rows * policy.capacity_share <= capacity
+            segs[start:stop] = [merged]
+            next_id += 1
+        assert all(a.end_row == b.first_row for a, b in zip(segs, segs[1:]))
+        small = 0
+        while small < len(segs) and segs[-1 - small].bytes < 20_000:
+            small += 1
+        mergeable = capacity is None or fanin * ratio * 40 * policy.capacity_share <= capacity
+        assert small < fanin * ratio or not mergeable, [s.num_rows for s in segs]
+
+
 # --------------------------------------------------------------------------- random SIGKILL
 
 KILL_CHILD = """

@@ -253,17 +253,16 @@ def test_a_merge_that_loses_to_another_merge_is_dropped(tmp_path, monkeypatch):
     never = MergePolicy(fanin=1 << 30)
     a = ReplayStore(path, multi_writer=True, merge_policy=never)
     b = ReplayStore(path, merge_policy=never)
-    for s in range(3):
-        a.extend(batch_for(0, s, rows=2))
     b.extend(batch_for(1, 0, rows=2))
-    a._catch_up()
+    for s in range(3):
+        a.extend(batch_for(0, s, rows=2))  # the newest of the four: the merge is a's
+    b._catch_up()
     a.merge_policy = b.merge_policy = MergePolicy(fanin=4)
     real = LocalStorage.link_new
 
     def put(self, src, rel):
         if self is a._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and not b.stats()["commits"] > 1:
-            b._catch_up()
-            b._merge_small_tail()  # b merges the same 4 segments first
+            b._rewrite(0, 4, 1 << 20)  # b merges the same 4 segments first (as an overdue merge would)
         return real(self, src, rel)
 
     monkeypatch.setattr(LocalStorage, "link_new", put)
@@ -274,6 +273,57 @@ def test_a_merge_that_loses_to_another_merge_is_dropped(tmp_path, monkeypatch):
     assert check_rows(a, a.row_ids()) is None
     a.close()
     b.close()
+    _ok(path)
+
+
+def _segment_rows(path):
+    with ReplayStore(path, readonly=True) as ro:
+        assert check_rows(ro, ro.row_ids()) is None
+        return [s.num_rows for s in ro.manifest.segments]
+
+
+@pytest.mark.parametrize("left", [3, 6, 13])
+def test_small_segments_another_writer_left_are_merged_not_stranded(tmp_path, left):
+    """A merge is the writer's that reserved its newest segment, and the oldest due merge goes
+    first. Small segments another writer left unmerged (it stopped before its merge, or more were
+    appended while its merge was in flight) used to be stranded behind the merges of newer ones
+    for good: 4 writer processes of 8-row commits left ~85 8-row segments between 128-row ones
+    (167 segments where one writer has 5; every full manifest 32 KB instead of 1)."""
+    policy = MergePolicy(fanin=4, ratio=3)  # a merged segment (4x) is never its inputs' peer
+    never = MergePolicy(fanin=1 << 30)
+    path = str(tmp_path / "s")
+    a = ReplayStore(path, multi_writer=True, merge_policy=never)
+    b = ReplayStore(path, merge_policy=policy)
+    for step in range(left):  # a stops without merging its small segments
+        a.extend(batch_for(0, step, rows=2))
+    a.close()
+    for step in range(64 - left):
+        b.extend(batch_for(1, step, rows=2))
+    b.close()
+    one = str(tmp_path / "one")
+    with ReplayStore(one, merge_policy=policy) as single:
+        for step in range(64):
+            single.extend(batch_for(0, step, rows=2))
+    rows, alone = _segment_rows(path), _segment_rows(one)
+    assert alone == [128]
+    # what a fanin * ratio lag leaves at most: a's last window (overdue only once 16 more follow) merged late
+    assert len(rows) <= policy.fanin and sum(rows) == 128 and all(n >= 8 for n in rows[:-1]), rows
+    _ok(path)
+
+
+def test_merges_of_interleaved_writers_match_one_writer(tmp_path):
+    """Three writers appending in turn merge the store down as one writer does: each merges the
+    windows it completed, no merge is dropped and none is done twice."""
+    policy = MergePolicy(fanin=4, ratio=3)  # a merged segment (4x) is never its inputs' peer
+    path = str(tmp_path / "s")
+    writers = [ReplayStore(path, multi_writer=True, merge_policy=policy) for _ in range(3)]
+    for step in range(96):
+        writers[step % 3].extend(batch_for(step % 3, step, rows=2))
+    stats = [w.stats() for w in writers]
+    for w in writers:
+        w.close()
+    assert sum(s["dropped_rewrites"] for s in stats) == 0 and sum(s["conflicts"] for s in stats) == 0
+    assert _segment_rows(path) == [128, 32, 32]
     _ok(path)
 
 
@@ -811,26 +861,28 @@ def test_crash_point_multi_writer_with_a_lost_race(multi_crash_runs, step):
     _ok(path)
 
 
-def test_a_merge_is_left_to_the_writer_whose_append_made_it_due(tmp_path, monkeypatch):
-    """Many writers see the same tail: only the one whose append made a merge due does it (the others
-    would lose it after doing its work); a merge overdue by ``fanin * ratio`` segments is anyone's."""
+def test_a_merge_is_left_to_the_writer_that_made_its_newest_segment(tmp_path, monkeypatch):
+    """Many writers see the same due merges: only the writer that reserved a merge's newest segment
+    does it (the others would lose it after doing its work); a merge overdue by ``fanin * ratio``
+    of its segments' rows is anyone's."""
     path = str(tmp_path / "s")
-    policy = MergePolicy(fanin=4)
+    policy = MergePolicy(fanin=4, ratio=3)
     a = ReplayStore(path, multi_writer=True, merge_policy=policy)
     b = ReplayStore(path, merge_policy=policy)
     for step in range(3):
         a.extend(batch_for(0, step, rows=1))
     real = ReplayStore._merge_small_tail
-    monkeypatch.setattr(ReplayStore, "_merge_small_tail", lambda self, appended=0: None)
+    monkeypatch.setattr(ReplayStore, "_merge_small_tail", lambda self: None)
     a.extend(batch_for(0, 3, rows=1))  # the 4th small segment: a's merge, but a "dies" before it
     monkeypatch.setattr(ReplayStore, "_merge_small_tail", real)
     assert len(a.manifest.segments) == 4
     lag = policy.fanin * policy.ratio
-    for step in range(lag):  # b's appends did not make it due: b leaves it, until it is overdue
+    for step in range(lag):  # b leaves a's merge alone until it is overdue, and merges its own
         b.extend(batch_for(1, step, rows=1))
-        assert len(b.manifest.segments) == 5 + step, step
+        assert [s.num_rows for s in b.manifest.segments[:4]] == [1] * 4, step
+    assert [s.num_rows for s in b.manifest.segments] == [1] * 4 + [4] * 3
     b.extend(batch_for(1, lag, rows=1))
-    assert len(b.manifest.segments) < 4 + lag + 1  # overdue: b merged
+    assert [s.num_rows for s in b.manifest.segments] == [16, 1]  # overdue: b merged a's, then its peers
     assert b.stats()["dropped_rewrites"] == 0
     a.close()
     b.close()

@@ -7,7 +7,7 @@ them to whichever manifest a commit is finally based on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -27,22 +27,26 @@ MERGE_CAPACITY_SHARE = 8
 
 @dataclass(frozen=True)
 class MergePolicy:
-    """When the newest small segments are merged into one (a value; pass your own to ``ReplayStore``).
+    """When small segments are merged (a value; pass your own to ``ReplayStore``).
 
-    Size-tiered: the newest segments with at most ``ratio`` times the rows of
-    the newest one (and below ``max_bytes``) are merged, ``fanin`` at a time,
-    repeated while that completes another run. A merged segment is about
-    ``fanin`` times its inputs, so it joins a run again only with its peers: a
+    Size-tiered, over windows of ``fanin`` consecutive segments below
+    ``max_bytes`` that follow the newest larger one: a window is due when none
+    of its segments holds more than ``ratio`` times the rows of its newest one,
+    and the oldest due windows are merged first (each into one segment), so no
+    small segment is ever left behind a merged one. A merged segment has about
+    ``fanin`` times the rows of its inputs, so it meets its peers again only: a
     byte is rewritten about log16(1 MiB / commit size) times (measured: 1.0 for
     64-rollout steps, 1.9 for commits of 1-12 rows). Should commits of very
-    different sizes alternate so that no run forms, the newest ``fanin *
+    different sizes alternate so that no window is due, the newest ``fanin *
     ratio`` small segments are merged. Appends of ``max_bytes`` or more are
     never touched, and no merge makes a segment hold more than
     ``1 / capacity_share`` of a capacity (a file goes only when all its rows are
     evicted, so eviction stays fine-grained).
 
-    >>> MergePolicy(fanin=2).plan((), fmt.StoreOptions()) is None
-    True
+    >>> rows = [128, 8, 8, 8] + [8] * 16  # the 8-row segments after the 128-row one
+    >>> segs = [fmt.SegmentEntry(i, 8 * i, n, 1000, 0) for i, n in enumerate(rows)]
+    >>> MergePolicy().plan(segs, fmt.StoreOptions())
+    (1, 17)
     """
 
     fanin: int = MERGE_FANIN
@@ -50,26 +54,38 @@ class MergePolicy:
     max_bytes: int = MERGE_MAX_BYTES
     capacity_share: int = MERGE_CAPACITY_SHARE
 
-    def plan(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> Optional[int]:
-        """Index of the first segment of the merge to do now, or None."""
+    def plan(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> Optional[Tuple[int, int]]:
+        """The merge to do now, the oldest due: ``(start, stop)`` of ``segs``, or None."""
+        return next(self.windows(segs, options), None)
+
+    def windows(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> Iterator[Tuple[int, int]]:
+        """Every merge due now, oldest first and not overlapping: ``(start, stop)`` of ``segs``.
+
+        Many writers each take the ones that are theirs (see ``ReplayStore._merge_small_tail``):
+        the windows do not depend on which writer looks, so two of them never plan overlapping
+        merges from the same manifest."""
+        n = len(segs)
         small = 0
-        while small < len(segs) and segs[-1 - small].bytes < self.max_bytes:
+        while small < n and segs[-1 - small].bytes < self.max_bytes:
             small += 1
         if small < self.fanin:
-            return None
-        limit = self.ratio * segs[-1].num_rows  # rows, not bytes: a tiny file is mostly header
-        run = 1
-        while run < small and segs[-1 - run].num_rows <= limit:
-            run += 1
-        # the newest fanin of a run (older ones left for later runs: a run that was
-        # blocked, e.g. by the capacity rule, must not grow until it can never merge)
-        if run >= self.fanin:
-            start = len(segs) - self.fanin
-        elif small >= self.fanin * self.ratio:
-            start = len(segs) - self.fanin * self.ratio
-        else:
-            return None
-        return start if self.mergeable(segs[start:], options) else None
+            return
+        rows = [s.num_rows for s in segs[n - small:]]
+        fanin, ratio, base = self.fanin, self.ratio, n - small
+        found = False
+        end = fanin  # exclusive end of the next candidate window, in ``rows``
+        while end <= small:
+            if max(rows[end - fanin:end]) <= ratio * rows[end - 1]:
+                window = (base + end - fanin, base + end)
+                if self.mergeable(segs[window[0]:window[1]], options):
+                    found = True
+                    yield window
+                    end += fanin
+                    continue
+            end += 1
+        # no window forms (commit sizes alternate wildly): the newest fanin * ratio small ones
+        if not found and small >= fanin * ratio and self.mergeable(segs[n - fanin * ratio:], options):
+            yield n - fanin * ratio, n
 
     def mergeable(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> bool:
         rows = sum(s.num_rows for s in segs)

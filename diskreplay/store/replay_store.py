@@ -62,6 +62,7 @@ INDEX_TAIL_SEGMENTS = 16
 # a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
 # advising and faulting in a 12 KB segment cost ~3x the copy (merged inputs are < MERGE_MAX_BYTES)
 COPY_SOURCE_BYTES = 4 << 20
+OWN_IDS = 4096  # segment ids a writer of a multi-writer store remembers reserving (see _merge_is_mine)
 IO_THREADS = 16  # object store: segments fetched at once by one read
 # many writers, local files: segment names each writer reserves at once, with one fsync of segments/
 # for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers");
@@ -192,6 +193,9 @@ class ReplayStore:
         self._index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
         self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
+        # multi-writer: the ids of the newest segments this writer reserved (its appends' and merges'):
+        # a due merge whose newest segment is one of them is this writer's to do
+        self._own_ids: Dict[int, None] = {}
         # the file bytes of this writer's newest small segments, by id: a merge of them (of its own
         # appends, the next few commits) copies them from here instead of reading the files back
         self._small_written: Dict[int, Any] = {}
@@ -765,7 +769,7 @@ class ReplayStore:
         self._keep_small(prepared["entries"], encoded)
         self._collect()
         try:
-            self._merge_small_tail(len(prepared["entries"]))
+            self._merge_small_tail()
         except Exception as exc:
             # the append is committed: the merge is an optimisation, retried after the next one
             warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
@@ -816,6 +820,9 @@ class ReplayStore:
                 ahead = self._reserve_ahead if data.size < self.merge_policy.max_bytes else {}
                 sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment), **ahead)
                 self._next_id = sid + 1
+                self._own_ids[sid] = None
+                if len(self._own_ids) > OWN_IDS:
+                    del self._own_ids[next(iter(self._own_ids))]
             else:
                 sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
             written.append(rel)
@@ -939,7 +946,7 @@ class ReplayStore:
         self._trim_cache()
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
-        new = self._rewrite(0, target_bytes) if m.segments else m
+        new = self._rewrite(0, len(m.segments), target_bytes) if m.segments else m
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
     def _convert(self, multi_writer: bool) -> None:
@@ -982,8 +989,8 @@ class ReplayStore:
                                    "converting it needs every other writer stopped (and closed)") from None
         self._writer_lock = lock
 
-    def _rewrite(self, start: int, target_bytes: int) -> fmt.Manifest:
-        """Merge segments ``start:`` of the manifest into segments of about ``target_bytes``, in one commit."""
+    def _rewrite(self, start: int, stop: int, target_bytes: int) -> fmt.Manifest:
+        """Merge segments ``start:stop`` of the manifest into segments of about ``target_bytes``, in one commit."""
         m = self.manifest
         started = time.monotonic()
         written: List[str] = []
@@ -1004,7 +1011,7 @@ class ReplayStore:
             pending, pending_bytes = [], 0
 
         try:
-            for e in m.segments[start:]:
+            for e in m.segments[start:stop]:
                 batch = self.schema.conform(self._copy_source(e))  # older than a late column: it gets nulls
                 if e.first_row < m.head:
                     batch = batch.slice(m.head - e.first_row)
@@ -1019,7 +1026,7 @@ class ReplayStore:
         except BaseException:
             self._remove(written)
             raise
-        op = ops.Rewrite(tuple(m.segments[start:]), tuple(entries))
+        op = ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries))
 
         def plan(base: fmt.Manifest) -> ops.Operation:
             self._check_reserved(base, entries, written)
@@ -1051,42 +1058,39 @@ class ReplayStore:
         return Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
                        entry.crc32c, copy=entry.bytes <= COPY_SOURCE_BYTES).batch
 
-    def _merge_small_tail(self, appended: int = 0) -> None:
+    def _merge_small_tail(self) -> None:
         """Keep the number of segments small when every commit is small (a training loop's):
         see :class:`MergePolicy`. With many writers a merge that loses to another commit
-        touching its segments is dropped (the next append plans again).
+        touching its segments is dropped (the writer whose it is plans it again after its next
+        append).
 
-        With many writers every writer sees the tail after its own append, so all of them would
-        plan (nearly) the same merge and all but one would lose it, after doing its work. The
-        merge is therefore left to the writer whose append (its ``appended`` newest segments)
-        made it due; should that writer die first, anyone takes a merge that was due
-        ``fanin * ratio`` segments ago.
+        With many writers every writer sees the same due merges, and all but one would lose
+        each after doing its work. A merge is therefore the writer's that reserved its newest
+        segment (the append that completed it, or the merge that made its input); should that
+        writer die or stop first, anyone takes a merge overdue by ``fanin * ratio`` segments' rows.
         """
         while True:
             segs = self.manifest.segments
-            start = self.merge_policy.plan(segs, self.options)
-            if start is None:
+            window = next((w for w in self.merge_policy.windows(segs, self.options) if self._merge_is_mine(segs, w)),
+                          None)
+            if window is None:
                 return
-            if self.multi_writer and appended and not self._merge_is_mine(segs, appended):
-                return
-            appended = 0  # a merge this writer made may make another one due: its own
             try:
-                self._rewrite(start, self.merge_policy.max_bytes << 4)
+                self._rewrite(window[0], window[1], self.merge_policy.max_bytes << 4)
             except ops.Conflict:
                 self._committer.stats.dropped_rewrites += 1
                 self._install(self._committer.manifest, self.options)  # the newer commit it lost to
                 return
 
-    def _merge_is_mine(self, segs: Sequence[fmt.SegmentEntry], appended: int) -> bool:
-        """This writer's append of the newest ``appended`` segments made the merge due (or it is overdue)."""
-        policy, options = self.merge_policy, self.options
-        if policy.plan(segs[:-appended], options) is None:
+    def _merge_is_mine(self, segs: Sequence[fmt.SegmentEntry], window: Tuple[int, int]) -> bool:
+        """The merge of ``segs[start:stop]`` is this writer's, or overdue (anyone's): ``fanin * ratio``
+        times its newest segment's rows were appended after it (rows, not segments: the writers
+        merge the newer ones meanwhile)."""
+        newest = segs[window[1] - 1]
+        if not self.multi_writer or newest.id in self._own_ids:
             return True
-        # overdue: due before the newest fanin * ratio appends. After only fanin of them the merge
-        # is often in flight still (a few writers append 16 small segments while one merges), and
-        # a second writer taking it would lose the race for the same segments after doing its work
-        lag = policy.fanin * policy.ratio + appended
-        return len(segs) > lag and policy.plan(segs[:-lag], options) is not None
+        policy = self.merge_policy
+        return segs[-1].end_row - newest.end_row > policy.fanin * policy.ratio * newest.num_rows
 
     # ------------------------------------------------------------------ states
 
