@@ -511,7 +511,7 @@ def test_merges_stay_small_against_the_capacity(tmp_path):
 
 def test_merges_keep_up_with_random_small_appends_under_a_capacity(tmp_path):
     """A run of mergeable segments longer than MERGE_FANIN (the capacity rule blocked it, or
-    the ratio rule let it grow) is merged from its newest end, not left to grow past merging."""
+    the ratio rule let it grow) is merged window by window, not left to grow past merging."""
     from diskreplay.store import MERGE_FANIN, MERGE_RATIO
 
     rng = np.random.default_rng(0)

@@ -840,7 +840,7 @@ class ReplayStore:
         dirs = _dirs_of(entries, storage) if sync_dirs else []
         if defer:
             self._committer.pending += files
-            self._committer.pending_dirs += dirs
+            self._committer.pending_dirs += [d for d in dirs if d not in self._committer.pending_dirs]
         else:
             storage.write_files(files, dirs)
         return entries
@@ -989,10 +989,16 @@ class ReplayStore:
                                    "converting it needs every other writer stopped (and closed)") from None
         self._writer_lock = lock
 
-    def _rewrite(self, start: int, stop: int, target_bytes: int) -> fmt.Manifest:
-        """Merge segments ``start:stop`` of the manifest into segments of about ``target_bytes``, in one commit."""
+    def _rewrite(self, start: int, stop: int, target_bytes: int, defer: bool = False) -> fmt.Manifest:
+        """Merge segments ``start:stop`` of the manifest into segments of about ``target_bytes``, in one commit.
+
+        ``defer`` (a merge of small segments, a few MiB): the new files are written and made durable
+        with the commit's manifest file, in one wait on the disk instead of three (``compact``
+        writes each segment as it goes: it may rewrite the whole store)."""
         m = self.manifest
         started = time.monotonic()
+        # (many writers racing with full manifests: the data goes first, so that a race is the manifest's alone)
+        defer = defer and (not self.multi_writer or self.options.inline_groups or self._committer.uncontended())
         written: List[str] = []
         entries: List[fmt.SegmentEntry] = []
         pending: List[pa.RecordBatch] = []
@@ -1005,7 +1011,7 @@ class ReplayStore:
                 return
             record = _concat_batches(pending) if len(pending) > 1 else pending[0]
             entries.extend(self._write_segments([record], None if self._reserves_ids else seg_id, first, written,
-                                                sync_dirs=False))
+                                                sync_dirs=defer, defer=defer))
             first += record.num_rows
             seg_id += 1
             pending, pending_bytes = [], 0
@@ -1021,9 +1027,11 @@ class ReplayStore:
                 pending.append(batch)
                 pending_bytes += nbytes
             flush()
-            self._committer.storage.write_files([], _dirs_of(entries, self._committer.storage))
-            crash_point("segments.synced")
+            if not defer:
+                self._committer.storage.write_files([], _dirs_of(entries, self._committer.storage))
+                crash_point("segments.synced")
         except BaseException:
+            self._committer.pending, self._committer.pending_dirs = [], []
             self._remove(written)
             raise
         op = ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries))
@@ -1076,7 +1084,7 @@ class ReplayStore:
             if window is None:
                 return
             try:
-                self._rewrite(window[0], window[1], self.merge_policy.max_bytes << 4)
+                self._rewrite(window[0], window[1], self.merge_policy.max_bytes << 4, defer=True)
             except ops.Conflict:
                 self._committer.stats.dropped_rewrites += 1
                 self._install(self._committer.manifest, self.options)  # the newer commit it lost to
