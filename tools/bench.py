@@ -1391,8 +1391,13 @@ def _run_writers(kind: str, path: str, writers: int, n: int, rows: int, go: str 
         outs.append(json.loads(out.strip().splitlines()[-1]))
     os.remove(go)
     res = {"wall": max(o["end"] for o in outs) - t, "commits": writers * n}
-    for key in ("conflicts", "commit_seconds", "manifest_seconds", "retry_seconds", "errors", "cpu"):
+    for key in ("conflicts", "commit_seconds", "manifest_seconds", "retry_seconds", "errors", "cpu",
+                "dropped_rewrites"):
         res[key] = sum(o.get(key, 0) for o in outs)
+    if kind.startswith("diskreplay"):  # what the merges left: many small segments make every commit dearer
+        from diskreplay import ReplayStore
+        with ReplayStore(path, readonly=True) as ro:
+            res["segments"] = len(ro.manifest.segments)
     return res
 
 
@@ -1520,7 +1525,8 @@ def bench_writers(args) -> None:
         row(label, f"{rate:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
             f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%} "
             f"[{r['retry_seconds'] / max(r['manifest_seconds'], 1e-9):.0%}] "
-            f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit")
+            f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit, {r['segments']} segments at the end"
+            + (f", {r['dropped_rewrites']} merges lost" if r["dropped_rewrites"] else ""))
     for kind, w in anchors:
         if (kind, w) in failed:
             row(f"{kind}, {w} writer(s)", f"failed: {failed[(kind, w)]}")
