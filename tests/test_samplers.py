@@ -779,6 +779,38 @@ def test_agree_generation_on_a_lagging_rank_keeps_the_store_s_options(tmp_path):
                 assert not older.verify_reads and (len(older), len(now)) == (0, 2)
 
 
+def test_agree_generation_on_a_reader_pins_the_newest_commit(tmp_path):
+    """A read-only store (what every rank of a torchrun job opens) is moved to the newest commit before
+    its generation is pinned: it pinned the generation the reader was opened at, again and again."""
+    from diskreplay.samplers import agree_generation
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=True) as writer, ReplayStore(path, readonly=True) as reader:
+        put(writer, ["a"])
+        for step in range(3):
+            put(writer, ["b", "c"])
+            with agree_generation(reader) as snap:
+                assert snap.generation == writer.generation and len(snap) == len(writer), step
+
+
+def test_a_snapshot_whose_files_were_collected_says_so(tmp_path):
+    """A pinned snapshot of a single-writer store outlives its generation's files after 4 more commits
+    (merges and clean-up): reads raised a bare FileNotFoundError naming a segment; they now say which
+    generation is gone, why, and what to do."""
+    from diskreplay import StoreNotFoundError
+    from diskreplay.samplers import agree_generation
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as writer, ReplayStore(path, readonly=True) as reader:
+        put(writer, ["a", "b"])
+        with agree_generation(reader) as snap:
+            pinned = snap.generation
+            for step in range(40):  # merges of the small segments, then their collection
+                put(writer, [f"x{step}"])
+            with pytest.raises(StoreNotFoundError, match=f"generation {pinned} .* no longer retained.*retain_seconds"):
+                snap.read(snap.row_ids())
+
+
 def test_ssr_moving_to_another_store_starts_over(tmp_path):
     with ReplayStore(tmp_path / "a") as a, ReplayStore(tmp_path / "b") as b:
         put(a, ["x"] * 2, advantages=[5.0, 0.0])

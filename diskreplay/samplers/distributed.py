@@ -28,14 +28,20 @@ def _open_generation(store: Any, generation: int) -> Any:
 def agree_generation(store: Any, group: Optional[Any] = None) -> Any:
     """A read-only snapshot of ``store`` at rank 0's current generation, the same on every rank.
 
-    With ``torch.distributed`` initialised, rank 0 (of ``group``) broadcasts
-    ``store.generation`` and every rank opens that generation pinned
+    With ``torch.distributed`` initialised, rank 0 (of ``group``) loads the
+    newest commit (``store.refresh()``), broadcasts its generation, and every
+    rank opens that generation pinned
     (``store.snapshot(N)``: with ``store``'s own options), so samplers built
     with the same seed and settings and ``rank=dist.get_rank()``,
     ``world_size=dist.get_world_size()`` draw disjoint slices of one global
     batch even while a writer keeps appending. Without ``torch.distributed``
     (one process) it pins the current generation. Close the snapshot when
     done (it is a context manager); call again to move to a newer generation.
+    A snapshot reads its generation's files while the writer's clean-up
+    retains them: an hour in a multi-writer store, and in a single-writer
+    store only the newest 4 generations unless it was created with
+    ``retain_seconds`` (held longer, a read raises ``StoreNotFoundError``
+    saying so).
 
     A :class:`PrioritizedSampler`'s ranks stay one global draw only while
     their priorities agree: give every rank's ``update_priorities`` the
@@ -52,18 +58,29 @@ def agree_generation(store: Any, group: Optional[Any] = None) -> Any:
     (4, True)
     >>> store.close()
     """
-    generation = int(store.generation)
     try:
         import torch
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a core dependency
         dist = None
     if dist is not None and dist.is_available() and dist.is_initialized():
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        generation = _newest(store) if dist.get_rank() == src else 0  # only the source's counts
         device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         value = torch.tensor([generation], dtype=torch.int64, device=device)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast(value, src=src, group=group)
         generation = int(value.item())
+    else:
+        generation = _newest(store)
     return _open_generation(store, generation)
+
+
+def _newest(store: Any) -> int:
+    """The newest generation ``store`` can read now: a reader (a read-only store, another writer's
+    commits) loads the newest commit first (``refresh``; a pinned one stays where it is)."""
+    refresh = getattr(store, "refresh", None)
+    if refresh is not None:
+        refresh()
+    return int(store.generation)

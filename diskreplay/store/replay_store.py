@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, crash_point, crc32c, fsync_dir
-from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
+from ..errors import (ArgumentError, DiskReplayError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
                       CorruptStoreError, OutputExistsError, ReadOnlyError, RowsEvictedError, SchemaError,
                       StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
@@ -560,10 +560,23 @@ class ReplayStore:
         for _ in range(STALE_RETRIES):
             try:
                 return action()
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                if self._pinned and not isinstance(exc, DiskReplayError):
+                    raise self._collected_under_snapshot(exc) from exc
                 if not (self.readonly or self.multi_writer) or not self.refresh():
                     raise
         return action()
+
+    def _collected_under_snapshot(self, exc: FileNotFoundError) -> StoreNotFoundError:
+        """A pinned generation whose files the writer's clean-up removed: what to do about it."""
+        retain = self.options.retain_seconds
+        kept = (f"this store keeps superseded generations {retain} s" if retain else
+                f"a single-writer store keeps only its newest {fmt.KEEP_MANIFESTS} generations unless created with "
+                "retain_seconds=S (a multi-writer store keeps them an hour)")
+        return StoreNotFoundError(
+            f"generation {self.generation} of {self.path}, which this snapshot is pinned at, is no longer retained: "
+            f"the writer's clean-up removed {exc.filename or exc} ({kept}); hold a snapshot for less than that, or "
+            "pin a newer generation (store.snapshot(), agree_generation)")
 
     def _drop_dead_segments(self, manifest: fmt.Manifest) -> None:
         live = {s.id for s in manifest.segments}
