@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import operator
 import queue
+import re
 import resource
 import threading
 import warnings
@@ -163,16 +164,42 @@ def restore_state(store: Any, state_name: Optional[str], sampler: Any, owner: st
     this sampler cannot take is an error that says how to start afresh instead."""
     if state_name is None:
         return
-    state_name = state_key(state_name, sampler)
-    saved = store.load_state(state_name)
+    key = state_key(state_name, sampler)
+    saved = store.load_state(key)
     if saved is None:
+        _refuse_other_layouts(store, state_name, key, sampler, owner)
         return
     try:
         sampler.load_state_dict(saved)
     except SamplerError as exc:
-        raise SamplerError(f"{store.path} keeps a sampler state under state_name={state_name!r} that this "
+        raise SamplerError(f"{store.path} keeps a sampler state under state_name={key!r} that this "
                            f"{type(sampler).__name__} cannot take ({exc}); pass {owner} another state_name, or "
                            "state_name=None to start without it") from None
+
+
+def _refuse_other_layouts(store: Any, state_name: str, key: str, sampler: Any, owner: str) -> None:
+    """No state under ``key``, but states of ``state_name`` saved by ranks of another ``world_size``:
+    every rank refuses alike (some starting afresh while the others resume, or raise, would break
+    the one global batch, or hang the job in its next collective)."""
+    manifest = getattr(store, "manifest", None)
+    names = sorted(getattr(manifest, "states", None) or ())
+    world = getattr(sampler, "world_size", 1) or 1
+    pattern = re.compile(re.escape(state_name) + r"(\.rank\d+)?")
+    other = {}
+    for name in names:
+        if name == key or not pattern.fullmatch(name):
+            continue
+        saved = store.load_state(name)
+        config = saved.get("config") if isinstance(saved, dict) else None
+        saved_world = (config.get("world_size") if isinstance(config, dict) else None) or 1
+        if saved_world != world:
+            other[name] = saved_world
+    if other:
+        listed = ", ".join(f"{n} (world_size={w})" for n, w in other.items())
+        raise SamplerError(f"{store.path} keeps sampler states under state_name={state_name!r} saved by ranks of "
+                           f"another world size ({listed}), and none for this rank {getattr(sampler, 'rank', 0)} of "
+                           f"world_size={world} ({key!r}): resume with the world size they were saved under, or pass "
+                           f"{owner} another state_name (or state_name=None) to start afresh")
 
 
 def store_lock(store: Any) -> threading.RLock:

@@ -19,6 +19,7 @@ from diskreplay import PrioritizedSampler, PromptGroupSampler, RandomSampler, Re
 from diskreplay.packing import collate_packed
 from diskreplay.padding import collate
 from diskreplay.loader import ReplayLoader
+from diskreplay.buffer import ReplayBuffer
 from diskreplay.synthetic import rollout_stream
 
 PAD = 7
@@ -629,6 +630,25 @@ def test_a_numpy_or_tensor_local_rank_is_a_cuda_index(store):
     for rank in (np.int64(0), torch.tensor(0)):
         with pytest.warns(RuntimeWarning, match="no CUDA"):
             ReplayLoader(store, RandomSampler(seed=0), BATCH, PAD, num_batches=1, device=rank).close()
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (2, 4), (1, 2)])
+def test_resuming_under_another_world_size_is_refused_by_every_rank(path, before, after):
+    """States saved by ranks of another world size: some ranks started afresh with no word while others
+    resumed or raised (2 -> 4: ranks 0-1 raised, 2-3 went on: a real job hangs in its next collective)."""
+    from diskreplay import SamplerError
+
+    with ReplayStore(path) as s:
+        for r in range(before):
+            with ReplayLoader(s, RandomSampler(seed=3, rank=r, world_size=before), BATCH, PAD, state_name="ld",
+                              num_batches=1) as loader:
+                list(loader)
+        for r in range(after):
+            with pytest.raises(SamplerError, match="state_name=.ld"):
+                ReplayLoader(s, RandomSampler(seed=3, rank=r, world_size=after), BATCH, PAD, state_name="ld")
+            with pytest.raises(SamplerError, match="state_name=.ld"):
+                ReplayBuffer(s, RandomSampler(seed=3, rank=r, world_size=after), BATCH, state_name="ld")
+        ReplayLoader(s, RandomSampler(seed=3, rank=0, world_size=after), BATCH, PAD, state_name="other").close()
 
 
 def test_ranks_sharing_a_state_name_keep_their_own_states(path):
