@@ -16,7 +16,7 @@ import torch
 
 from .collator import Collator
 from .errors import ArgumentError, SamplerError
-from .loader import resolve_device, restore_state, state_key, store_lock
+from .loader import _Following, resolve_device, restore_state, state_key, store_lock
 
 __all__ = ["ReplayBuffer"]
 
@@ -33,7 +33,10 @@ class ReplayBuffer:
     has no token columns; ``layout="packed"``: one padding-free token
     stream), plus ``"rows"``, the int64 row ids drawn, for
     :meth:`update_priorities`. A read-only store is refreshed before every
-    draw, so the buffer follows a live writer.
+    draw, so the buffer follows a live writer; ranks (a sampler's
+    ``world_size > 1``, ``torch.distributed`` initialised) move to rank 0's
+    newest commit together at each draw (a collective), so their draws stay
+    disjoint.
 
     **Validity**: the collator writes every batch into the same host
     buffers, so with ``device`` None or CPU a sample stays valid until the
@@ -81,6 +84,7 @@ class ReplayBuffer:
         self.state_name = state_name
         self._closed = False
         restore_state(store, state_name, sampler, "ReplayBuffer")
+        self._following = _Following(store, sampler, "ReplayBuffer")
 
     def __len__(self) -> int:
         return len(self.store)
@@ -110,16 +114,22 @@ class ReplayBuffer:
             raise SamplerError(f"iterating a ReplayBuffer walks one pass over the live rows, which "
                                f"{type(self.sampler).__name__} does not make; use RandomSampler(replacement=False), "
                                "or call sample() in a loop")
-        with store_lock(self.store):
-            if self.store.readonly:
-                self.store.refresh()
-            left = remaining(self.store)
+        view = self._view()
+        with store_lock(view):
+            left = remaining(view)
         while left > 0:
             n = min(self.batch_size, left)
             if n < self.batch_size and getattr(self.sampler, "drop_last", False):
                 return
             yield self.sample(n)
             left -= n
+
+    def _view(self) -> Any:
+        """The store the next draw reads: refreshed (a reader following a writer), or, for ranks
+        following one together, the snapshot of the generation they agreed on (a collective)."""
+        view = self._following.view(self._following.agree())
+        self._following.keep_only(view)
+        return view
 
     def __repr__(self) -> str:
         return f"ReplayBuffer({self.store!r}, sampler={self.sampler!r}, batch_size={self.batch_size})"
@@ -131,12 +141,11 @@ class ReplayBuffer:
 
     def sample(self, batch_size: Optional[int] = None, **sampler_kwargs: Any) -> Dict[str, Any]:
         """Draw, read and collate ``batch_size`` rows (default: the buffer's); see the class docstring."""
-        with store_lock(self.store):
-            if self.store.readonly:
-                self.store.refresh()
-            rows = np.array(self.sampler.sample(self.store, self.batch_size if batch_size is None else batch_size,
+        view = self._view()
+        with store_lock(view):
+            rows = np.array(self.sampler.sample(view, self.batch_size if batch_size is None else batch_size,
                                                  **sampler_kwargs), dtype=np.int64)
-            batch = self.store.read(rows)
+            batch = view.read(rows)
         out = self.collate_fn(batch, self.pad_token_id)
         if self.device is not None:
             out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
@@ -181,6 +190,7 @@ class ReplayBuffer:
             if save and self.state_name is not None and not self.store.readonly:
                 self.save()
         finally:
+            self._following.keep_only()
             with store_lock(self.store):
                 self.store.close()
 

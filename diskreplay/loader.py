@@ -7,7 +7,11 @@ will ask for next):
    row ids. Every sampler call happens on the worker, one at a time and in
    batch order, so the stream is the one a plain loop over ``sample`` would
    give. A read-only store is ``refresh()``-ed first, so a reader follows a
-   live writer. ``sampler.position()`` (the small stream position; no
+   live writer; ranks (a sampler's ``world_size > 1``, ``torch.distributed``
+   initialised) follow it together: at each batch the consumer takes, rank 0's
+   newest generation is broadcast, and every rank's worker draws from a
+   pinned snapshot of it from batch ``taken + prefetch + 3`` on (past any
+   batch a worker has drawn ahead), so the ranks' draws stay disjoint. ``sampler.position()`` (the small stream position; no
    per-row data) is taken right after each draw and travels with the batch:
    the loader's own ``state_dict()`` is ``sampler.state_dict(position=...)``
    of the last batch the consumer *received*, not of the ones built ahead,
@@ -202,6 +206,59 @@ def _refuse_other_layouts(store: Any, state_name: str, key: str, sampler: Any, o
                            f"{owner} another state_name (or state_name=None) to start afresh")
 
 
+class _Following:
+    """How a loader or buffer on a read-only store keeps up with a live writer.
+
+    One rank: the store is ``refresh()``-ed before every draw. Ranks of one job
+    (``world_size > 1``): ranks refreshing on their own sit on both sides of a
+    commit now and then and draw overlapping rows, so they move together: rank
+    0's newest generation is broadcast (:func:`~diskreplay.samplers.distributed.agreed_newest`,
+    a collective each rank makes at the same batch) and every rank draws from
+    a pinned snapshot of it. Without ``torch.distributed`` ranks cannot agree,
+    and the store is left where it is (a warning says so, once).
+    """
+
+    def __init__(self, store: Any, sampler: Any, owner: str) -> None:
+        self.store = store
+        world = getattr(sampler, "world_size", 1) or 1
+        follows = bool(getattr(store, "readonly", False)) and not getattr(store, "_pinned", False)
+        self.mode = "none" if not follows else "refresh" if world <= 1 else "agreed"
+        self.snapshots: Dict[int, Any] = {}
+        if self.mode == "agreed" and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            self.mode = "none"
+            warnings.warn(f"{owner} with world_size={world} on a read-only store, without torch.distributed: the "
+                          "ranks cannot agree on a generation, so it stays on the one the store holds (ranks "
+                          "refreshing on their own would draw overlapping rows); initialise torch.distributed, or "
+                          "refresh the store where every rank does", RuntimeWarning, stacklevel=3)
+
+    def agree(self) -> Optional[int]:
+        """The generation every rank draws from next (a collective); None when not following as ranks."""
+        if self.mode != "agreed":
+            return None
+        from .samplers.distributed import agreed_newest
+
+        with store_lock(self.store):
+            return agreed_newest(self.store)
+
+    def view(self, generation: Optional[int]) -> Any:
+        """What the next draw reads: the refreshed store, or the pinned snapshot of ``generation``."""
+        if self.mode == "refresh":
+            with store_lock(self.store):
+                self.store.refresh()
+        if generation is None or self.mode != "agreed":
+            return self.store
+        snap = self.snapshots.get(generation)
+        if snap is None:
+            with store_lock(self.store):
+                snap = self.snapshots[generation] = self.store.snapshot(generation)
+        return snap
+
+    def keep_only(self, *views: Any) -> None:
+        """Close the snapshots no draw in flight reads any more."""
+        for g in [g for g, snap in self.snapshots.items() if not any(snap is v for v in views)]:
+            self.snapshots.pop(g).close()
+
+
 def store_lock(store: Any) -> threading.RLock:
     """The lock that serialises loaders and buffers using one ``ReplayStore`` object.
 
@@ -281,8 +338,13 @@ class _Worker:
 
     def __init__(self, store: Any, sampler: Any, batch_size: int, sample_kwargs: Dict[str, Any],
                  columns: Optional[Sequence[str]], build: "_Build", remaining: Optional[int], ring: _Ring,
-                 ready: "queue.Queue", lock: threading.Lock) -> None:
+                 ready: "queue.Queue", lock: threading.Lock, following: _Following, first: int,
+                 generation: Optional[int]) -> None:
         self.store, self.sampler, self.batch_size = store, sampler, batch_size
+        # ranks following a writer together: the generation of each draw, and the moves the consumer
+        # agreed on, as (first batch index it applies to, generation), oldest first
+        self.following, self.first, self.generation = following, first, generation
+        self.switches: "collections.deque" = collections.deque()
         self.sample_kwargs, self.columns, self.build = sample_kwargs, columns, build
         self.remaining = remaining
         self.ring, self.ready, self.lock = ring, ready, lock
@@ -311,37 +373,42 @@ class _Worker:
                 pass
         return False
 
-    def _sample(self) -> tuple:
-        with self.store_lock, self.lock:
-            if self.store.readonly:
-                self.store.refresh()
-            rows = self.sampler.sample(self.store, self.batch_size, **self.sample_kwargs)
+    def _sample(self, index: int) -> tuple:
+        """(rows, sampler position, the store they were drawn from) of batch ``index``."""
+        while self.switches and self.switches[0][0] <= index:
+            at, self.generation = self.switches.popleft()
+            if at < index:  # cannot happen: the consumer schedules a move past every batch drawn
+                raise LoaderError(f"the ranks agreed on generation {self.generation} from batch {at} on, but "
+                                  f"this worker drew batch {index} already")
+        view = self.following.view(self.generation)
+        with store_lock(view), self.lock:
+            rows = self.sampler.sample(view, self.batch_size, **self.sample_kwargs)
             state = _position(self.sampler)
-        return np.array(rows, dtype=np.int64), state  # a copy: it becomes the batch's "rows"
+        return np.array(rows, dtype=np.int64), state, view  # a copy: it becomes the batch's "rows"
 
-    def _lookahead(self) -> tuple:
-        """(rows, state) of the next batch, its pages hinted while reads are cold, or (None, error)."""
+    def _lookahead(self, index: int) -> tuple:
+        """(rows, state, store) of batch ``index``, its pages hinted while reads are cold, or (None, error, None)."""
         try:
-            rows, state = self._sample()
+            rows, state, view = self._sample(index)
         except Exception as exc:  # surfaces after the batch before it was delivered
-            return None, exc
+            return None, exc, None
         if self.hints_left > 0:
             self.hints_left -= 1
             try:
-                with self.store_lock:
-                    self.store.prefetch(rows, self.columns)
+                with store_lock(view):
+                    view.prefetch(rows, self.columns)
             except (RowsEvictedError, OSError):
                 pass  # only a hint: the read of these rows deals with an eviction
-        return rows, state
+        return rows, state, view
 
-    def _read(self, rows: np.ndarray) -> Dict[str, Any]:
+    def _read(self, rows: np.ndarray, view: Any) -> Dict[str, Any]:
         faults = _major_faults()
-        with self.store_lock:
-            if self.build.reads_ranges and hasattr(self.store, "read_ranges"):
+        with store_lock(view):
+            if self.build.reads_ranges and hasattr(view, "read_ranges"):
                 # every value is copied once, from the maps into the stream (or the device payload)
-                batch = self.store.read_ranges(rows, self.columns)
+                batch = view.read_ranges(rows, self.columns)
             else:
-                batch = self.store.read(rows, self.columns, out=self.read_buffers)
+                batch = view.read(rows, self.columns, out=self.read_buffers)
         if _major_faults() - faults > _COLD_FAULTS:
             self.hints_left = _HINT_AFTER_FAULT
         return batch
@@ -352,28 +419,31 @@ class _Worker:
             if self.remaining == 0:
                 self._put(_END)
                 return
-            nxt = self._lookahead()
+            index = self.first
+            nxt = self._lookahead(index)
             while not self.stop.is_set():
-                rows, state = nxt
+                rows, state, view = nxt
                 if rows is None:
                     raise state
                 last = self.remaining is not None and k + 1 >= self.remaining
                 # hint the next batch's pages before reading this one
-                nxt = (None, None) if last else self._lookahead()
+                nxt = (None, None, None) if last else self._lookahead(index + 1)
                 for attempt in range(_EVICTED_RETRIES + 1):
                     try:
-                        batch = self._read(rows)
+                        batch = self._read(rows, view)
                         break
                     except RowsEvictedError:
                         # a writer evicted rows after they were drawn: draw this batch and the
                         # next again, in order, so each batch keeps the state of its own draw
                         if attempt == _EVICTED_RETRIES:
                             raise
-                        rows, state = self._sample()
+                        rows, state, view = self._sample(index)
                         if not last:
-                            nxt = self._lookahead()
+                            nxt = self._lookahead(index + 1)
+                self.following.keep_only(nxt[2], self.following.snapshots.get(self.generation))
+                index += 1
                 if self.build.max_tokens is not None:
-                    n = self.build.fitting_rows(self.store, rows, batch)
+                    n = self.build.fitting_rows(view, rows, batch)
                     rows, batch = rows[:n], _head(batch, n)
                 slot = self.ring.acquire(self.stop)
                 if slot is None:
@@ -534,7 +604,8 @@ class ReplayLoader:
     ``num_batches`` bounds the iteration (None: endless). ``min_policy_version``,
     ``exclude`` (row-id ranges never drawn) and ``min_row`` are passed to every
     ``sampler.sample`` (see :meth:`diskreplay.samplers.Sampler.eligible`). A read-only store is refreshed
-    before every draw (it follows a live writer). ``state_dict()`` is the
+    before every draw (it follows a live writer); ranks move to rank 0's newest commit together (a
+    broadcast per batch taken: every rank must take the same number of batches). ``state_dict()`` is the
     sampler's state after the last batch the consumer received;
     ``state_name`` names where :meth:`save_state` keeps it in the store: the
     constructor restores it when the store has it, and :meth:`close` (the end
@@ -616,6 +687,8 @@ class ReplayLoader:
         self._finalizer: Optional[weakref.finalize] = None
         restore_state(store, state_name, sampler, "ReplayLoader")
         self._state = _position(sampler)
+        self._following = _Following(store, sampler, "ReplayLoader")
+        self._generation = self._following.agree()  # ranks following a writer: where they all start
         self._start()
 
     # ----------------------------------------------------------------- lifecycle
@@ -632,7 +705,8 @@ class ReplayLoader:
         self._ring = _Ring(size, self.pin_memory)
         build = _Build(self.layout, self.pad_token_id, self.pad_on_device, self.max_tokens, self.group_key)
         self._worker = _Worker(self.store, self.sampler, self.batch_size, kwargs, self.columns, build,
-                               remaining, self._ring, self._ready, self._lock)
+                               remaining, self._ring, self._ready, self._lock, self._following, self._received,
+                               self._generation)
         self._finalizer = weakref.finalize(self, self._worker.shutdown, 1.0)
         self._worker.thread.start()
 
@@ -666,6 +740,7 @@ class ReplayLoader:
         self._closed = True
         if self._stop(_JOIN_S):
             self.sampler.load_state_dict(self.state_dict())
+            self._following.keep_only()
         if save and self.state_name is not None and not self.store.readonly and not self.store.closed:
             self.save_state()
 
@@ -709,7 +784,18 @@ class ReplayLoader:
         batch["rows"] = torch.from_numpy(rows)
         self._state = state
         self._received += 1
+        self._follow()
         return batch
+
+    def _follow(self) -> None:
+        """Ranks following a writer: agree (every rank, at each batch it takes) on the newest commit,
+        which every rank's worker draws from past every batch any of them may have drawn already
+        (``prefetch`` queued, one being built and one drawn ahead)."""
+        generation = self._following.agree()
+        if generation is not None and generation != self._generation:
+            self._generation = generation
+            if self._worker is not None:
+                self._worker.switches.append((self._received + self.prefetch + 3, generation))
 
     def _raise(self) -> None:
         # the worker's traceback, not one that grows with every re-raise

@@ -79,6 +79,38 @@ def _worker(out_dir: str, path: str) -> None:
     dist.destroy_process_group()
 
 
+FOLLOW_STEPS = 20
+
+
+def _follow_worker(out_dir: str, path: str) -> None:
+    """A ReplayLoader and a ReplayBuffer on a read-only store that a writer keeps appending to: each
+    rank logs the rows of every batch (the ranks start and step a little apart: their own views differ)."""
+    import torch.distributed as dist
+
+    from diskreplay import ReplayBuffer, ReplayLoader, ReplayStore
+    from diskreplay.samplers import PromptGroupSampler, RandomSampler
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    time.sleep(0.05 * rank)
+    out = {"loader": [], "buffer": []}
+    with ReplayStore(path, readonly=True) as store:
+        with ReplayLoader(store, PromptGroupSampler(samples_per_group=2, seed=5, rank=rank, world_size=world),
+                          batch_size=4, pad_token_id=0, prefetch=2, num_batches=FOLLOW_STEPS) as loader:
+            for batch in loader:
+                out["loader"].append(batch["rows"].tolist())
+                time.sleep(0.02 + 0.01 * rank)  # the writer commits meanwhile
+    with ReplayBuffer(ReplayStore(path, readonly=True), RandomSampler(seed=5, rank=rank, world_size=world),
+                      batch_size=4, state_name=None) as buffer:
+        for _ in range(FOLLOW_STEPS):
+            out["buffer"].append(buffer.sample()["rows"].tolist())
+            time.sleep(0.02 + 0.01 * rank)
+    with open(os.path.join(out_dir, f"follow-{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- test
 
 
@@ -144,5 +176,35 @@ def test_ranks_draw_disjoint_slices_of_one_global_batch_while_a_writer_appends(t
             assert r["draws"][name]["resumed"] == r["draws"][name]["draws"][RESUME_AT:], (name, r["rank"])
 
 
+@pytest.mark.slow
+def test_a_loader_and_a_buffer_of_ranks_follow_a_writer_together(tmp_path):
+    """Ranks refreshing a reader on their own sat on both sides of a commit and drew overlapping rows;
+    their loaders and buffers now move to rank 0's newest commit together: every step's batches of
+    the ranks are disjoint while the writer appends, and the store's new rows do get drawn."""
+    from diskreplay import ReplayStore
+    from diskreplay.synthetic import make_rollouts
+
+    path = str(tmp_path / "store")
+    # a few live groups (the writer's 16-row commits evict the oldest): draws of two generations collide
+    with ReplayStore(path, multi_writer=True, capacity=128) as store:
+        store.extend(make_rollouts(4, 2, seed=0, prompt_mean=6, completion_mean=8))
+    stop = str(tmp_path / "stop")
+    writer = _append_forever(path, stop)
+    try:
+        out = tmp_path / "run"
+        out.mkdir()
+        torchrun(__file__, [str(out), path, "follow"], 2, 240)
+        ranks = [json.loads((out / f"follow-{r}.json").read_text()) for r in range(2)]
+    finally:
+        open(stop, "w").close()
+        writer.wait(timeout=60)
+    for kind in ("loader", "buffer"):
+        steps = list(zip(*(r[kind] for r in ranks)))
+        assert len(steps) == FOLLOW_STEPS
+        for i, (a, b) in enumerate(steps):
+            assert not set(a) & set(b), (kind, i, a, b)
+        assert max(max(a + b) for a, b in steps) >= 8, kind  # rows committed after the start were drawn
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    (_follow_worker if sys.argv[3:] == ["follow"] else _worker)(sys.argv[1], sys.argv[2])

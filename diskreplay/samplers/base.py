@@ -423,7 +423,11 @@ class Sampler:
     ``batch_size * world_size`` rows (same seed, settings and store
     generation give the same draw) and keeps the ``rank``-th slice of
     ``batch_size`` rows, so ranks never overlap and together they see exactly
-    what one sampler with ``world_size=1`` would draw for the global batch.
+    what one sampler with ``world_size=1`` would draw for the global batch
+    (for a ``PromptGroupSampler(num_groups=G)`` that one has ``num_groups=G *
+    world_size``: ``G`` is per rank). Ranks follow a live writer only through
+    an agreed generation (:func:`~diskreplay.samplers.agree_generation`): two
+    ranks that refresh a reader on their own may sit on both sides of a commit.
 
     Pickling (or ``copy.deepcopy``) goes through the settings and
     ``state_dict()``: the copy continues the same stream (caches of store

@@ -58,23 +58,28 @@ def agree_generation(store: Any, group: Optional[Any] = None) -> Any:
     (4, True)
     >>> store.close()
     """
+    generation = agreed_newest(store, group)
+    return _open_generation(store, _newest(store) if generation is None else generation)
+
+
+def agreed_newest(store: Any, group: Optional[Any] = None) -> Optional[int]:
+    """Rank 0's newest generation of ``store``, on every rank of ``group`` (a collective: every
+    rank calls it at the same point); None without ``torch.distributed`` (one process)."""
     try:
         import torch
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a core dependency
-        dist = None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        generation = _newest(store) if dist.get_rank() == src else 0  # only the source's counts
-        device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        value = torch.tensor([generation], dtype=torch.int64, device=device)
-        dist.broadcast(value, src=src, group=group)
-        generation = int(value.item())
-    else:
-        generation = _newest(store)
-    return _open_generation(store, generation)
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    generation = _newest(store) if dist.get_rank() == src else 0  # only the source's counts
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([generation], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=src, group=group)
+    return int(value.item())
 
 
 def _newest(store: Any) -> int:
