@@ -352,8 +352,10 @@ class PromptGroupSampler(Sampler):
         if (replaced or short) and not self._warned:
             self._warned = True
             if replaced:
-                what = (f"only {len(np.unique(chosen))} eligible groups{stale}{signal} for {len(chosen)} groups; "
-                        "the draw was completed by drawing groups again, uniformly with replacement")
+                what = (f"only {len(np.unique(chosen))} eligible groups{stale}{signal} for {len(chosen)} groups"
+                        + (f" (the global batch of {self.world_size} ranks)" if self.world_size > 1 else "")
+                        + "; the draw was completed by drawing groups again, uniformly with replacement"
+                        + (" (ranks then share groups)" if self.world_size > 1 else ""))
             elif self.strategy == "random":
                 what = (f"a group has fewer than samples_per_group={k} eligible rows{stale}; the draw was "
                         "completed with uniform draws from the group with replacement")
