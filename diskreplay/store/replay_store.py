@@ -570,13 +570,16 @@ class ReplayStore:
     def _collected_under_snapshot(self, exc: FileNotFoundError) -> StoreNotFoundError:
         """A pinned generation whose files the writer's clean-up removed: what to do about it."""
         retain = self.options.retain_seconds
-        kept = (f"this store keeps superseded generations {retain} s" if retain else
-                f"a single-writer store keeps only its newest {fmt.KEEP_MANIFESTS} generations unless created with "
-                "retain_seconds=S (a multi-writer store keeps them an hour)")
+        if retain:
+            kept = f"this store keeps a superseded commit {retain} s; hold a snapshot for less than that"
+        else:
+            kept = (f"a single-writer store keeps only its newest {fmt.KEEP_MANIFESTS} commits unless created with "
+                    "retain_seconds=S; to read one commit for longer (an export, a pinned snapshot) while a writer "
+                    "goes on, stop the writer meanwhile, or convert the store to many writers, which keep "
+                    f"superseded commits an hour (`diskreplay compact --multi-writer {self.path}`)")
         return StoreNotFoundError(
-            f"generation {self.generation} of {self.path}, which this snapshot is pinned at, is no longer retained: "
-            f"the writer's clean-up removed {exc.filename or exc} ({kept}); hold a snapshot for less than that, or "
-            "pin a newer generation (store.snapshot(), agree_generation)")
+            f"generation {self.generation} of {self.path}, which this reader is pinned at, is no longer retained: "
+            f"the writer's clean-up removed {exc.filename or exc} ({kept})")
 
     def _drop_dead_segments(self, manifest: fmt.Manifest) -> None:
         live = {s.id for s in manifest.segments}
