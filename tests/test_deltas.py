@@ -460,7 +460,7 @@ def test_the_group_index_is_the_same_with_inline_groups_and_sidecars(tmp_path_fa
     v5, v4 = str(root / "v5"), str(root / "v4")
     ReplayStore(v4, multi_writer=True).close()
     dataclasses.replace(fmt.StoreOptions.read(v4), inline_groups=False).write(v4)
-    policy = MergePolicy(fanin=4)
+    policy = MergePolicy(fanin=4, ratio=3)
     with ReplayStore(v5, multi_writer=True, merge_policy=policy) as a, ReplayStore(v4, merge_policy=policy) as b:
         for i, keys in enumerate(commits):
             batch = batch_for(0, i, rows=len(keys))
@@ -555,8 +555,8 @@ def test_merges_are_rewrite_deltas_that_every_reader_resolves(tmp_path):
     rewrite deltas, and every generation on disk resolves to what the writers held."""
     path = str(tmp_path / "s")
     held = {}
-    with ReplayStore(path, multi_writer=True, capacity=100, merge_policy=MergePolicy(fanin=4)) as a, \
-            ReplayStore(path, merge_policy=MergePolicy(fanin=4)) as b:
+    with ReplayStore(path, multi_writer=True, capacity=100, merge_policy=MergePolicy(fanin=4, ratio=3)) as a, \
+            ReplayStore(path, merge_policy=MergePolicy(fanin=4, ratio=3)) as b:
         for step in range(40):
             w = a if step % 3 else b
             w.extend(batch_for(int(w is b), step, rows=3), token=token_for(int(w is b), step))
@@ -577,7 +577,7 @@ def test_a_v4_store_still_merges_with_full_manifests(tmp_path):
     path = str(tmp_path / "s")
     ReplayStore(path, multi_writer=True).close()
     dataclasses.replace(fmt.StoreOptions.read(path), inline_groups=False).write(path)
-    with ReplayStore(path, merge_policy=MergePolicy(fanin=4)) as store:
+    with ReplayStore(path, merge_policy=MergePolicy(fanin=4, ratio=3)) as store:
         for step in range(10):
             store.extend(batch_for(0, step, rows=3))
         assert len(store.manifest.segments) < 10
@@ -586,7 +586,7 @@ def test_a_v4_store_still_merges_with_full_manifests(tmp_path):
 
 def test_a_rewrite_delta_that_does_not_apply_is_an_error_naming_it(tmp_path):
     path = str(tmp_path / "s")
-    with ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=4)) as store:
+    with ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=4, ratio=3)) as store:
         for step in range(4):
             store.extend(batch_for(0, step, rows=3))
         gen = store.generation

@@ -525,8 +525,40 @@ def test_merges_keep_up_with_random_small_appends_under_a_capacity(tmp_path):
     assert_verifies(path, allow_warnings=False)
 
 
+def test_small_segments_before_a_large_append_are_merged(tmp_path):
+    """An append of max_bytes or more closes the run of small segments before it (no window takes
+    them any more): they were left as they were, ~13 more per large append for good; now merged."""
+    from diskreplay.store import MergePolicy
+
+    policy = MergePolicy(max_bytes=20_000)
+    path = str(tmp_path / "store")
+    with ReplayStore(path, merge_policy=policy) as store:
+        for small, large in ((5, 400), (7, 400), (3, 0)):
+            for _ in range(small):
+                store.extend(expected_rows(np.arange(store.next_row, store.next_row + 2)))
+            if large:
+                store.extend(expected_rows(np.arange(store.next_row, store.next_row + large)))
+        sizes = [(s.num_rows, s.bytes >= policy.max_bytes) for s in store.manifest.segments]
+        check_live_rows(store)
+    assert sizes == [(10, False), (400, True), (14, False), (400, True), (2, False), (2, False), (2, False)], sizes
+    assert_verifies(path, allow_warnings=False)
+
+
+def test_merge_policies_that_cannot_work_are_refused():
+    """fanin=1 made every extend merge one segment into one, for ever; at ratio >= fanin a merged segment
+    is its inputs' peer again (every append merged once more)."""
+    from diskreplay import ArgumentError
+    from diskreplay.store import MergePolicy
+
+    for kw, says in ((dict(fanin=1), "fanin must be an integer >= 3"), (dict(ratio=0), "ratio must be"),
+                     (dict(fanin=4, ratio=4), "ratio < fanin"), (dict(max_bytes=0), "max_bytes"),
+                     (dict(fanin=2.5), "fanin must be an integer")):
+        with pytest.raises(ArgumentError, match=says):
+            MergePolicy(**kw)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=300), st.sampled_from([(16, 4), (4, 3), (8, 2), (2, 2)]),
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=300), st.sampled_from([(16, 4), (4, 3), (8, 2), (3, 2)]),
        st.sampled_from([None, 400, 5000]))
 def test_merge_windows_keep_the_small_segments_few(sizes, shape, capacity):
     """The merge policy alone, on any sequence of append sizes: each planned merge is ``fanin`` (or,
@@ -550,7 +582,9 @@ def test_merge_windows_keep_the_small_segments_few(sizes, shape, capacity):
                 break
             assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:]))  # oldest first, apart
             start, stop = windows[0]
-            assert stop - start in (fanin, fanin * ratio) and all(s.bytes < 20_000 for s in segs[start:stop])
+            closed = stop < len(segs) and segs[stop].bytes >= 20_000  # a run a large segment closed
+            assert stop - start in (fanin, fanin * ratio) or closed and stop - start >= 2, (start, stop)
+            assert all(s.bytes < 20_000 for s in segs[start:stop])
             run = segs[start:stop]
             merged = fmt.SegmentEntry(next_id, run[0].first_row, sum(s.num_rows for s in run),
                                       sum(s.bytes for s in run), 0)
@@ -563,6 +597,9 @@ def test_merge_windows_keep_the_small_segments_few(sizes, shape, capacity):
             small += 1
         mergeable = capacity is None or fanin * ratio * 40 * policy.capacity_share <= capacity
         assert small < fanin * ratio or not mergeable, [s.num_rows for s in segs]
+        big = len(segs) - small - 1  # the small segments before the newest large one: one at most
+        assert big < 0 or not mergeable or big == 0 or segs[big - 1].bytes >= 20_000 or \
+            (big < 2 or segs[big - 2].bytes >= 20_000), [s.bytes for s in segs]
 
 
 # --------------------------------------------------------------------------- random SIGKILL

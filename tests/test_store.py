@@ -523,7 +523,7 @@ class StoreMachine(RuleBasedStateMachine):
         from diskreplay.store import MergePolicy
 
         # merges after every other small append: the machine meets them constantly
-        self.policy = MergePolicy(fanin=2)
+        self.policy = MergePolicy(fanin=3, ratio=2)
         self.dir = tempfile.mkdtemp()
         self.capacity = capacity
         self.store = ReplayStore(self.dir, capacity=self.capacity, merge_policy=self.policy)
@@ -626,17 +626,22 @@ def test_store_is_readable_with_plain_pyarrow_as_documented(tmp_path, multi):
     from diskreplay.store import MergePolicy
 
     path = tmp_path / "STORE"
-    options = dict(multi_writer=True, merge_policy=MergePolicy(fanin=2)) if multi else dict(capacity=20)
+    options = dict(multi_writer=True, merge_policy=MergePolicy(fanin=3, ratio=2)) if multi else dict(capacity=20)
     with ReplayStore(path, **options) as store:
         store._committer._checkpoint_at = 2 * fmt.CHECKPOINT_EVERY - 1  # (each writer draws its own)
-        for s in range(5 if not multi else 12):
-            store.extend(make_rollouts(1, 8, seed=s, first_group=s, completion_mean=10))
-        expected = store.read(store.row_ids()[-20:], ["completion_ids", "prompt_id"])
-        if multi:  # the recipe resolves the newest commit through the deltas since a full manifest
+        def deltas_since_a_full_manifest():
             m = store.manifest
-            docs = [json.load(open(os.path.join(path, fmt.manifest_file(g))))
+            return [json.load(open(os.path.join(path, fmt.manifest_file(g))))
                     for g in range(m.generation - m.depth + 1, m.generation + 1)]
-            assert m.depth and any("replaced" in d for d in docs) and any("num_rows" in d for d in docs)
+
+        for s in range(5 if not multi else 40):
+            store.extend(make_rollouts(1, 8, seed=s, first_group=s, completion_mean=10))
+            docs = deltas_since_a_full_manifest() if multi else []
+            if s >= 11 and any("replaced" in d for d in docs) and any("num_rows" in d for d in docs):
+                break  # the recipe resolves the newest commit through append and rewrite deltas
+        else:
+            assert not multi, "no commit followed a full manifest with both kinds of delta"
+        expected = store.read(store.row_ids()[-20:], ["completion_ids", "prompt_id"])
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "FORMAT.md")).read()
     recipe = doc.split("```python\n", 1)[1].split("```", 1)[0]
     recipe = textwrap.dedent(recipe).replace('"STORE/', f'"{path}/').replace("f\"STORE/", f"f\"{path}/")

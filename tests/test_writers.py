@@ -257,7 +257,7 @@ def test_a_merge_that_loses_to_another_merge_is_dropped(tmp_path, monkeypatch):
     for s in range(3):
         a.extend(batch_for(0, s, rows=2))  # the newest of the four: the merge is a's
     b._catch_up()
-    a.merge_policy = b.merge_policy = MergePolicy(fanin=4)
+    a.merge_policy = b.merge_policy = MergePolicy(fanin=4, ratio=3)
     real = LocalStorage.link_new
 
     def put(self, src, rel):
@@ -329,7 +329,7 @@ def test_merges_of_interleaved_writers_match_one_writer(tmp_path):
 
 def test_capacity_is_exact_fifo_across_writers(tmp_path):
     path = str(tmp_path / "s")
-    writers = [ReplayStore(path, multi_writer=True, capacity=30, merge_policy=MergePolicy(fanin=3))] + \
+    writers = [ReplayStore(path, multi_writer=True, capacity=30, merge_policy=MergePolicy(fanin=3, ratio=2))] + \
         [ReplayStore(path) for _ in range(2)]
     for step in range(12):
         for w, store in enumerate(writers):
@@ -465,8 +465,8 @@ def test_a_sweep_names_the_files_of_the_manifests_a_writer_made_or_applied_witho
     (merges, checkpoints, another writer's appends and evictions among them); what it finds
     referenced must be exactly what every retained manifest on disk names."""
     path = str(tmp_path / "s")
-    a = ReplayStore(path, multi_writer=True, capacity=60, merge_policy=MergePolicy(fanin=4))
-    b = ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=4))
+    a = ReplayStore(path, multi_writer=True, capacity=60, merge_policy=MergePolicy(fanin=4, ratio=3))
+    b = ReplayStore(path, multi_writer=True, merge_policy=MergePolicy(fanin=4, ratio=3))
     for s in range(30):
         (a if s % 3 else b).extend(batch_for(s % 2, s, rows=3), token=f"t{s}")
         a.save_state("sampler", {"step": s}) if s % 7 == 0 else None

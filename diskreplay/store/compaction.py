@@ -12,6 +12,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import pyarrow as pa
 
 from .. import format as fmt
+from ..errors import ArgumentError
 
 # A single extend larger than this is split into several segments (still one
 # commit), so no segment file grows without bound.
@@ -33,12 +34,15 @@ class MergePolicy:
     ``max_bytes`` that follow the newest larger one: a window is due when none
     of its segments holds more than ``ratio`` times the rows of its newest one,
     and the oldest due windows are merged first (each into one segment), so no
-    small segment is ever left behind a merged one. A merged segment has about
-    ``fanin`` times the rows of its inputs, so it meets its peers again only: a
-    byte is rewritten about log16(1 MiB / commit size) times (measured: 1.0 for
-    64-rollout steps, 1.9 for commits of 1-12 rows). Should commits of very
-    different sizes alternate so that no window is due, the newest ``fanin *
-    ratio`` small segments are merged. Appends of ``max_bytes`` or more are
+    small segment is left behind a merged one. A merged segment has about
+    ``fanin`` times the rows of its inputs, so it meets its peers again only
+    (hence ``2 <= ratio < fanin``): a byte is rewritten about log16(1 MiB /
+    commit size) times (measured: 1.0 for 64-rollout steps, 1.9 for commits of
+    1-12 rows). Should commits of very different sizes alternate so that no
+    window is due, the newest ``fanin * ratio`` small segments are merged. The
+    small segments just before the newest larger one (an append of
+    ``max_bytes`` or more, or a merge that made one, closed their run: it can
+    no longer grow) are merged into one. Segments of ``max_bytes`` or more are
     never touched, and no merge makes a segment hold more than
     ``1 / capacity_share`` of a capacity (a file goes only when all its rows are
     evicted, so eviction stays fine-grained).
@@ -54,6 +58,16 @@ class MergePolicy:
     max_bytes: int = MERGE_MAX_BYTES
     capacity_share: int = MERGE_CAPACITY_SHARE
 
+    def __post_init__(self) -> None:
+        for name, low in (("fanin", 3), ("ratio", 2), ("max_bytes", 1), ("capacity_share", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ArgumentError(f"MergePolicy {name} must be an integer >= {low}, got {value!r}")
+        if self.ratio >= self.fanin:
+            raise ArgumentError(f"MergePolicy needs ratio < fanin, got ratio={self.ratio}, fanin={self.fanin}: a "
+                                "merged segment holds about fanin times its inputs' rows, and at ratio >= fanin "
+                                "it is their peer again, so small appends would be merged over and over")
+
     def plan(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> Optional[Tuple[int, int]]:
         """The merge to do now, the oldest due: ``(start, stop)`` of ``segs``, or None."""
         return next(self.windows(segs, options), None)
@@ -68,6 +82,9 @@ class MergePolicy:
         small = 0
         while small < n and segs[-1 - small].bytes < self.max_bytes:
             small += 1
+        closed = self.closed_run(segs, n - small - 1, options)
+        if closed is not None:
+            yield closed
         if small < self.fanin:
             return
         rows = [s.num_rows for s in segs[n - small:]]
@@ -86,6 +103,19 @@ class MergePolicy:
         # no window forms (commit sizes alternate wildly): the newest fanin * ratio small ones
         if not found and small >= fanin * ratio and self.mergeable(segs[n - fanin * ratio:], options):
             yield n - fanin * ratio, n
+
+    def closed_run(self, segs: Sequence[fmt.SegmentEntry], big: int,
+                   options: fmt.StoreOptions) -> Optional[Tuple[int, int]]:
+        """The small segments right before ``segs[big]``, the newest of ``max_bytes`` or more, when at
+        least two and mergeable: their run can no longer grow, so no window would ever take them."""
+        if big <= 0 or big >= len(segs):
+            return None
+        start = big
+        while start > 0 and segs[start - 1].bytes < self.max_bytes:
+            start -= 1
+        if big - start < 2 or not self.mergeable(segs[start:big], options):
+            return None
+        return start, big
 
     def mergeable(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> bool:
         rows = sum(s.num_rows for s in segs)

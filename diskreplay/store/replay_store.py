@@ -62,6 +62,7 @@ INDEX_TAIL_SEGMENTS = 16
 # a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
 # advising and faulting in a 12 KB segment cost ~3x the copy (merged inputs are < MERGE_MAX_BYTES)
 COPY_SOURCE_BYTES = 4 << 20
+MAX_MERGES_PER_APPEND = 64
 OWN_IDS = 4096  # segment ids a writer of a multi-writer store remembers reserving (see _merge_is_mine)
 IO_THREADS = 16  # object store: segments fetched at once by one read
 # many writers, local files: segment names each writer reserves at once, with one fsync of segments/
@@ -1093,7 +1094,7 @@ class ReplayStore:
         segment (the append that completed it, or the merge that made its input); should that
         writer die or stop first, anyone takes a merge overdue by ``fanin * ratio`` segments' rows.
         """
-        while True:
+        for _ in range(MAX_MERGES_PER_APPEND):  # each merge leaves fewer segments: a few at most
             segs = self.manifest.segments
             window = next((w for w in self.merge_policy.windows(segs, self.options) if self._merge_is_mine(segs, w)),
                           None)
@@ -1107,14 +1108,16 @@ class ReplayStore:
                 return
 
     def _merge_is_mine(self, segs: Sequence[fmt.SegmentEntry], window: Tuple[int, int]) -> bool:
-        """The merge of ``segs[start:stop]`` is this writer's, or overdue (anyone's): ``fanin * ratio``
-        times its newest segment's rows were appended after it (rows, not segments: the writers
-        merge the newer ones meanwhile)."""
-        newest = segs[window[1] - 1]
-        if not self.multi_writer or newest.id in self._own_ids:
-            return True
+        """The merge of ``segs[start:stop]`` is this writer's: it reserved the segment that made it due
+        (the window's newest, or the large one that closed a run), or the merge is overdue (anyone's):
+        ``fanin * ratio`` times its newest segment's rows were appended after that segment (rows, not
+        segments: the writers merge the newer ones meanwhile)."""
+        start, stop = window
         policy = self.merge_policy
-        return segs[-1].end_row - newest.end_row > policy.fanin * policy.ratio * newest.num_rows
+        owner = segs[stop] if stop < len(segs) and segs[stop].bytes >= policy.max_bytes else segs[stop - 1]
+        if not self.multi_writer or owner.id in self._own_ids:
+            return True
+        return segs[-1].end_row - owner.end_row > policy.fanin * policy.ratio * segs[stop - 1].num_rows
 
     # ------------------------------------------------------------------ states
 
