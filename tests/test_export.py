@@ -333,6 +333,26 @@ def test_tokenizers_only_directory(tmp_path):
     assert dec.decode(RaggedColumn.from_arrays([[2, 3], [4]]), 2) == ["w0 w1", "w2"]
 
 
+@pytest.mark.parametrize("with_transformers", [True, False])
+def test_a_tokenizer_that_does_not_know_the_ids_is_refused(tmp_path, with_transformers):
+    """Another model's tokenizer (its vocabulary smaller than the store's ids) decoded every prompt and
+    completion to "" and the export said it succeeded."""
+    pytest.importorskip("tokenizers")
+    if with_transformers:
+        pytest.importorskip("transformers")
+    tok = make_tokenizer(str(tmp_path / "tok"), with_transformers=with_transformers)
+    with ReplayStore(str(tmp_path / "s")) as s:
+        s.extend({"prompt_id": [0, 0, 1, 1], "prompt_ids": [[2, 3]] * 4,
+                  "completion_ids": [[4], [5], [94274, 6], [7]], "rewards": np.arange(4, dtype=np.float32)})
+    with ReplayStore(str(tmp_path / "s"), readonly=True) as s:
+        with pytest.raises(ExportError, match="column 'completion_ids' holds token id 94274, but the tokenizer"):
+            export_jsonl(s, str(tmp_path / "o.jsonl"), tokenizer=tok)
+        with pytest.raises(ExportError, match="94274"):
+            preference_pairs(s, str(tmp_path / "p.jsonl"), tokenizer=tok)
+        export_jsonl(s, str(tmp_path / "ids.jsonl"))  # without a tokenizer: the ids, as ever
+    assert sorted(os.listdir(tmp_path)) == ["ids.jsonl", "s", "tok"]
+
+
 def test_bad_tokenizer_directory(store, tmp_path):
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{not json")

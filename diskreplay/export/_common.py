@@ -730,10 +730,26 @@ class TextDecoder:
         self.tokenizer, self.kind, self.path = tokenizer, kind, path
         self.skip_special_tokens = skip_special_tokens
 
-    def decode(self, col: Optional[RaggedColumn], n: int) -> List[Optional[str]]:
-        """Text of each row of a ragged id column (``None`` where the row has no value)."""
+    def vocab_size(self) -> Optional[int]:
+        """How many token ids the tokenizer knows, added tokens included (None if it does not say)."""
+        try:
+            if self.kind == "transformers":
+                return len(self.tokenizer)
+            return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        except Exception:  # noqa: BLE001 - a tokenizer object of another kind: no check
+            return None
+
+    def decode(self, col: Optional[RaggedColumn], n: int, column: str = "token ids") -> List[Optional[str]]:
+        """Text of each row of a ragged id column (``None`` where the row has no value). An id the
+        tokenizer does not know is an error: another model's tokenizer decodes them to empty text."""
         if col is None:
             return [None] * n
+        values = np.asarray(col.values)
+        vocab = self.vocab_size()
+        if vocab is not None and values.size and int(values.max()) >= vocab:
+            raise ExportError(f"{column} holds token id {int(values.max())}, but the tokenizer at {self.path} knows "
+                              f"{vocab} tokens: it is not the tokenizer these rollouts were made with; pass the "
+                              "policy model's tokenizer directory")
         rows = col.to_list()
         present = [r for r in rows if r is not None]
         if self.kind == "transformers":

@@ -417,7 +417,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                     arrays = [column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
                               for c in names]
                     for c in text_cols:
-                        arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n),
+                        arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n, f"column '{c}_ids'"),
                                                type=pa.large_string() if large else pa.string()))
                     parts.append(pa.Table.from_arrays(arrays, schema=schema))
                 yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
