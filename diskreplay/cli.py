@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -659,6 +660,19 @@ def _misused_options(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _one_line_warnings(command: str) -> Callable[..., None]:
+    """Warnings as the command's own lines on stderr, each once (not Python's two-line form with the
+    source line, once per place that raised it)."""
+    shown: set = set()
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        text = f"{PROG} {command}: warning: {message}"
+        if text not in shown:
+            shown.add(text)
+            print(text, file=sys.stderr)
+    return show
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``diskreplay`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
@@ -677,7 +691,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command)
+            return args.func(args)
     except KeyboardInterrupt:
         if args.command == "import" and args.append:
             what = "the chunks committed before it stay in the store"

@@ -770,3 +770,16 @@ def test_messages_of_plain_mistakes(tmp_path):
     with pytest.raises(BatchError, match="Table.from_pandas"):
         store.extend(pd.DataFrame({"prompt_id": [2], "completion_ids": [[1, 2]]}))
     store.close()
+
+
+def test_warnings_are_one_line_each_in_the_command_s_words(tmp_path):
+    """A damaged newest manifest: export goes on from the newest intact commit, and says so once, in one
+    line (it printed Python's RuntimeWarning twice, each with the source line that raised it)."""
+    path = make_store(tmp_path / "store")
+    newest = sorted(os.listdir(os.path.join(path, "manifests")))[-1]
+    with open(os.path.join(path, "manifests", newest), "r+b") as fh:
+        fh.truncate(20)
+    p = run("export", path, tmp_path / "o.parquet")
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diskreplay export: warning: "), p.stderr
+    assert "RuntimeWarning" not in p.stderr and newest in lines[0]
