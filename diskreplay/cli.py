@@ -301,6 +301,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     rows = f"{res['rows']:,} row{'' if res['rows'] == 1 else 's'}"
     text = (f"imported {rows} from {args.src} ({res['format']}) into {res['path']}; "
             f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
+    if res.get("already_imported"):
+        n = res["already_imported"]
+        text += f"\n{n:,} of them an earlier run had imported already (its chunks were recognised and skipped)"
     if res.get("empty_columns"):
         text += (f"\nleft out column(s) {', '.join(res['empty_columns'])}: no row has a value there (a JSONL "
                  "export writes NaN and inf as null), so nothing says what they hold")
@@ -696,7 +699,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return args.func(args)
     except KeyboardInterrupt:
         if args.command == "import" and args.append:
-            what = "the chunks committed before it stay in the store"
+            what = ("the chunks committed before it stay in the store; run the same command again to import the "
+                    "rest (the chunks already committed are recognised and skipped)")
         elif args.command in ("export", "import", "pairs", "best-of-n"):
             what = "no partial output was left"
         else:

@@ -604,6 +604,59 @@ def test_import_from_another_store_and_merge(store, tmp_path):
         assert len(c) == 2 * len(store) and c.num_groups == store.num_groups
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_an_interrupted_import_append_resumes_without_duplicates(store_path, tmp_path, monkeypatch, fmt):
+    """Running an interrupted ``import --append`` again appended every row again (256 of 4,096 twice):
+    each chunk is committed with a token naming the source and the chunk, and the rerun skips those."""
+    import diskreplay.export.importer as importer
+
+    src = str(tmp_path / f"o.{fmt}")
+    (export_parquet if fmt == "parquet" else export_jsonl)(store_path, src)
+    target = str(tmp_path / "t")
+    import_rollouts(src, target)  # a store of the same columns, to append to
+    calls = {"n": 0}
+    real = importer.check_interrupt
+
+    def interrupt():
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        real()
+
+    monkeypatch.setattr(importer, "check_interrupt", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        import_rollouts(src, target, append=True, chunk_rows=5)
+    monkeypatch.undo()
+    with ReplayStore(store_path, readonly=True) as source:
+        total = len(source)
+        want = source.read(source.row_ids(), ["rewards"])["rewards"]
+    with ReplayStore(target, readonly=True) as t:
+        partial = len(t) - total
+    assert 0 < partial < total
+    res = import_rollouts(src, target, append=True, chunk_rows=5)
+    assert res["rows"] == total and res["already_imported"] == partial
+    with ReplayStore(target, readonly=True) as t:
+        assert len(t) == 2 * total
+        np.testing.assert_array_equal(t.read(np.arange(total, 2 * total), ["rewards"])["rewards"], want)
+    again = import_rollouts(src, target, append=True, chunk_rows=5)  # everything is in: nothing more
+    assert again["already_imported"] == total
+    with ReplayStore(target, readonly=True) as t:
+        assert len(t) == 2 * total
+
+
+def test_an_import_of_nothing_is_an_error_and_creates_nothing(tmp_path):
+    """An empty source, or one whose every line was bad (--skip-bad), made an empty store without a
+    schema (a later append then lost its group key) and said "imported 0 rows", exit 0."""
+    empty, bad = tmp_path / "empty.jsonl", tmp_path / "bad.jsonl"
+    empty.write_text("")
+    bad.write_text("not json\n{also not\n")
+    with pytest.raises(ExportError, match="nothing to import from .*holds no rows"):
+        import_rollouts(str(empty), str(tmp_path / "a"))
+    with pytest.raises(ExportError, match="all 2 lines were bad"):
+        import_rollouts(str(bad), str(tmp_path / "b"), skip_bad=True)
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "empty.jsonl"]
+
+
 def test_import_refuses_to_replace_an_open_store(store_path, tmp_path):
     from diskreplay import StoreLockedError
 
@@ -898,7 +951,9 @@ def test_an_hf_export_without_rows_loads_and_imports(tmp_path):
     assert res["rows"] == 0
     ds = datasets.load_from_disk(str(tmp_path / "out"))
     assert len(ds) == 0 and "completion_ids" in ds.column_names
-    import_rollouts(str(tmp_path / "out"), str(tmp_path / "back"))
+    with pytest.raises(ExportError, match="nothing to import"):  # an empty store would have no schema
+        import_rollouts(str(tmp_path / "out"), str(tmp_path / "back"))
+    assert not os.path.exists(tmp_path / "back")
 
 
 def test_zarr_archive_nodes_of_awkward_column_names_never_collide(tmp_path):

@@ -517,25 +517,42 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
     bar = progress_bar(source.total, f"import {fmt}", progress, unit="B" if fmt == "jsonl" else "rows")
     result: Dict[str, Any] = {}
 
+    # an append commits each chunk with a token naming the source and the chunk, so that running the
+    # same import again after an interruption (or a crash) skips the chunks already committed
+    resume = _resume_key(src, fmt, mapping, aliases, columns, chunk_rows, source) if append else None
+
     def fill(store: ReplayStore) -> None:
         nonlocal hints
-        n = 0
+        n = resumed = 0
         first = not len(store) and store.next_row == 0
+        source_hints = dict(hints)
         if store.schema is not None and len(store.columns):
             hints = dict(store.schema.columns)
         batches = _tables(source, fmt, chunk_rows, kept, rename)
         last = 0
-        for table, where in _first_rows_with_values(batches, hints) if first else batches:
+        # (an append merges the leading chunks whatever the store holds: its chunks, and so their
+        # tokens, depend on the source alone)
+        for i, (table, where) in enumerate(_first_rows_with_values(batches, source_hints if append else hints)
+                                           if first or append else batches):
             check_interrupt()  # between commits: an append keeps whole chunks only
             if fmt != "jsonl":
                 order = [c for c in final_names if c in table.column_names]
                 table = table.select(order)
+            token = None if resume is None else f"import:{resume}:{i}"
+            # committed by an earlier run: extend then writes nothing (and refuses other rows under its token)
+            done = store.committed_rows(token) if token is not None and len(store) else None
             batch = table_to_batch(table, hints, where)
             try:
-                store.extend(batch)
+                store.extend(batch, token=token)
             except DiskReplayError as exc:
+                if done is not None:
+                    raise ExportError(f"{where}: an earlier import --append of {src} into {path} committed this "
+                                      f"chunk (chunk {i}) with other rows: the source changed since; import what "
+                                      "it has new from a file of its own") from None
                 note = where.offset_note if isinstance(where, Where) else ""
                 raise ExportError(f"{where}: {exc}{note}") from None
+            if done is not None:
+                resumed += table.num_rows
             if first:
                 _check_schema(store, hints, src)
                 hints = dict(store.schema.columns)
@@ -546,7 +563,11 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
                 last = source.bytes_read
             else:
                 bar.update(table.num_rows)
-        result.update(rows=n, columns=list(store.columns), group_key=store.group_key, store_rows=len(store))
+        result.update(rows=n, columns=list(store.columns), group_key=store.group_key, store_rows=len(store),
+                      already_imported=resumed)
+        if n == 0 and (not append or source.skipped):
+            bad = f": all {source.skipped:,} lines were bad" if source.skipped else " (it holds no rows)"
+            raise ExportError(f"nothing to import from {src}{bad}; nothing was written")
         # a column with no value in any row imported (JSONL writes NaN as null: a reward column TRL left
         # unscored everywhere) has no type to give it: it is left out, and the result says so
         result["empty_columns"] = [c for c in final_names if c not in store.columns]
@@ -581,6 +602,19 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
     if getattr(source, "bad_examples", None):
         out["bad_lines"] = list(source.bad_examples)
     return out
+
+
+def _resume_key(src: str, fmt: str, mapping: Any, aliases: bool, columns: Optional[Sequence[str]], chunk_rows: int,
+                source: Any) -> str:
+    """What names an import's chunks in their tokens: the source and everything that shapes its
+    chunks (a store source by its identity too: another store at the same path is another source)."""
+    import hashlib
+    import json
+
+    ident = getattr(source, "identity", None)
+    doc = [src, fmt, sorted(mapping.items()) if isinstance(mapping, Mapping) else mapping, bool(aliases),
+           list(columns) if columns is not None else None, chunk_rows, ident() if callable(ident) else None]
+    return hashlib.sha256(json.dumps(doc, default=str).encode()).hexdigest()[:20]
 
 
 def _empty_ragged(table: pa.Table, hints: Mapping[str, ColumnSpec]) -> List[str]:
