@@ -657,6 +657,39 @@ def test_an_import_of_nothing_is_an_error_and_creates_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "empty.jsonl"]
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "hf"])
+def test_an_output_made_meanwhile_is_not_replaced_without_overwrite(store_path, tmp_path, monkeypatch, fmt):
+    """Two exports to one path: the later replaced the earlier's output, both said they wrote it (and a
+    directory made at the path meanwhile was renamed away and deleted)."""
+    import diskreplay.export._common as common
+
+    if fmt == "hf":
+        pytest.importorskip("datasets")
+    out = str(tmp_path / ("o.parquet" if fmt == "parquet" else "o"))
+    real = common._fsync_tree
+
+    def another_export_finishes_first(path):
+        real(path)
+        if os.path.lexists(out):
+            return
+        if fmt == "parquet":
+            with open(out, "w") as fh:
+                fh.write("the other export's")
+        else:
+            os.mkdir(out)
+            with open(os.path.join(out, "theirs"), "w") as fh:
+                fh.write("the other export's")
+
+    monkeypatch.setattr(common, "_fsync_tree", another_export_finishes_first)
+    with pytest.raises(OutputExistsError, match="appeared while"):
+        export(store_path, out, format=fmt)
+    monkeypatch.undo()
+    mine = open(out).read() if fmt == "parquet" else open(os.path.join(out, "theirs")).read()
+    assert mine == "the other export's" and sorted(os.listdir(tmp_path)) == [os.path.basename(out)]
+    if fmt == "parquet":
+        export(store_path, out, format=fmt, overwrite=True)  # asked for: replaced
+
+
 def test_import_refuses_to_replace_an_open_store(store_path, tmp_path):
     from diskreplay import StoreLockedError
 

@@ -7,6 +7,7 @@ Everything here reads a store through its public API only (``read``,
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
 import os
@@ -267,6 +268,29 @@ def check_output(out: PathLike, overwrite: bool, replaceable: Any = None) -> str
     return out
 
 
+def _appeared(out: str) -> OutputExistsError:
+    return OutputExistsError(f"{out} appeared while this output was being written (another export to the same "
+                             "path?); it was left as it is and nothing was written (pass --overwrite "
+                             "(overwrite=True) to replace it)")
+
+
+def _publish_new_file(tmp: str, out: str) -> None:
+    """Give ``tmp`` the name ``out`` only if nothing has it (another export to the same path may have
+    made it meanwhile): a hard link fails on an existing name, where a rename would replace it."""
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise _appeared(out) from None
+    except OSError as exc:  # a filesystem without hard links: the rename, after one more look
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(out):
+            raise _appeared(out) from None
+        os.rename(tmp, out)
+        return
+    os.unlink(tmp)
+
+
 @contextmanager
 def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceable: Any = None) -> Iterator[str]:
     """Yield a temporary path beside ``out``; on success move it to ``out``.
@@ -295,6 +319,8 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
             check_interrupt()
             _fsync_tree(tmp)
             if os.path.lexists(out):
+                if not overwrite:
+                    raise _appeared(out)
                 if not directory and not os.path.isdir(out):
                     os.replace(tmp, out)
                 else:
@@ -302,8 +328,10 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
                     os.rename(out, old)
                     os.rename(tmp, out)
                     remove_path(old)
-            else:
+            elif directory:
                 os.rename(tmp, out)
+            else:
+                _publish_new_file(tmp, out)
             fsync_dir(os.path.dirname(out))
         except BaseException:
             remove_path(tmp)
