@@ -642,3 +642,16 @@ def test_a_delta_whose_base_manifest_is_gone_is_named_on_object_storage(s3_serve
     s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/manifests/000000000001.json")
     with pytest.raises(CorruptStoreError, match="000000000003.json is an append delta, but .*000000000001.json"):
         _open(s3_url, s3_server, tmp_path, readonly=True)
+
+
+def test_no_credentials_at_all_says_so(monkeypatch):
+    """No key anywhere: the client asks the cloud instance metadata service for one, and the error was
+    about http://169.254.169.254/latest/api/token, with no fix."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(ObjectStoreError) as info:
+        ReplayStore("s3://bucket/x", storage_options={"endpoint": f"http://127.0.0.1:{free_port()}",
+                                                      "retry_timeout": 2})
+    if "cannot reach" in str(info.value):
+        pytest.skip("this machine's network never answers the metadata service's address")
+    assert "no credentials" in str(info.value) and "AWS_ACCESS_KEY_ID" in str(info.value)

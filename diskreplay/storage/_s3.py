@@ -232,6 +232,12 @@ class S3Storage:
                 f"{url}: the server at {self.endpoint} refused the credentials for {op} "
                 f"({code or type(exc).__name__}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
                 "storage_options access_key_id / secret_access_key) to a key allowed to use this bucket")
+        if "169.254.169.254" in str(exc):
+            # no key given: the client asked the cloud instance metadata service for one
+            return ObjectStoreError(
+                f"{url}: no credentials for {self.endpoint} ({op}): none was given, and this machine has no "
+                "cloud instance role to take one from; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                "storage_options access_key_id / secret_access_key)")
         if code is None and _http_status(exc) is None:
             return ObjectStoreError(
                 f"{url}: cannot reach the object store at {self.endpoint} for {op} ({_short(exc)}) "
