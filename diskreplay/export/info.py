@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -62,6 +63,19 @@ class RunningStats:
             return {"count": count, "mean": mean, "std": math.nan, "min": self.lo, "max": self.hi}
         return {"count": self.n, "mean": self.mean, "std": math.sqrt(self.m2 / self.n), "min": self.lo,
                 "max": self.hi}
+
+
+def _disk_bytes(path: str) -> int:
+    """What the store's directory takes: every file in it (superseded commits' files kept for readers
+    that may still read them, merge inputs, files of commits in flight), not only the live rows'."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # removed by a writer's clean-up meanwhile
+    return total
 
 
 def _retain_seconds(st: Any) -> Optional[int]:
@@ -124,6 +138,7 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "capacity_bytes": st.capacity_bytes, "columns": columns,
             "multi_writer": st.multi_writer, "retain_seconds": _retain_seconds(st),
             "commit_stats": commit_stats(st.manifest),
+            "disk_bytes": None if st.remote else _disk_bytes(st.path),
         }
         names = [] if schema is None else schema.names
         # a store written before imports checked token ids may hold them as another kind
@@ -192,7 +207,9 @@ def format_info(info: Dict[str, Any]) -> str:
              f"groups      {info['groups'] if info['groups'] is not None else '-'}"
              f" (key: {info['group_key'] or 'none'})",
              f"segments    {info['segments']}",
-             f"on disk     {size(info['bytes'])}"
+             f"on disk     {size(info['bytes'])} live"
+             + (f", {size(info['disk_bytes'])} in all (with what retained commits, pinned readers and "
+                "commits in flight still need)" if info.get("disk_bytes") is not None else "")
              + (f", {info['bytes_per_completion_token']:.2f} bytes per completion token"
                 if info.get("bytes_per_completion_token") else ""),
              f"capacity    {info['capacity'] if info['capacity'] is not None else 'unbounded'} rows"
