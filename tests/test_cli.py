@@ -146,6 +146,12 @@ def test_info_says_what_the_store_takes_on_disk_besides_its_live_rows(capsys, st
     (a multi-writer store: 1.8 MiB against 266 MiB of retained commits' files)."""
     for _ in range(3):
         assert cli(capsys, "compact", store)[0] == 0
+    with ReplayStore(store) as s:  # one segment now: compacting again is no commit
+        assert len(s.manifest.segments) == 1 and s.compact()["segments_after"] == 1
+        generation = s.generation
+    assert cli(capsys, "compact", store)[0] == 0
+    with ReplayStore(store, readonly=True) as s:
+        assert s.generation == generation
     info = json.loads(run("info", store, "--json").stdout)
     du = sum(os.lstat(os.path.join(r, f)).st_size for r, _, fs in os.walk(store) for f in fs)
     assert info["disk_bytes"] == du > info["bytes"]

@@ -942,7 +942,8 @@ class ReplayStore:
         Row ids, groups and states are unchanged; rows below ``head`` are
         dropped from the first segment. The old files stay until no retained
         manifest names them, so readers keep working throughout. Returns the
-        segment counts and bytes before and after.
+        segment counts and bytes before and after; a store of one segment
+        without evicted rows is left as it is (no commit).
 
         ``multi_writer=True`` (or ``False``) first converts the store to a
         multi-writer (single-writer) store: stop every other writer first.
@@ -963,7 +964,9 @@ class ReplayStore:
         self._trim_cache()
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
-        new = self._rewrite(0, len(m.segments), target_bytes) if m.segments else m
+        # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
+        done = not m.segments or (len(m.segments) == 1 and m.segments[0].first_row >= m.head)
+        new = m if done else self._rewrite(0, len(m.segments), target_bytes)
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
     def _convert(self, multi_writer: bool) -> None:
