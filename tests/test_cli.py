@@ -777,7 +777,7 @@ def test_messages_of_plain_mistakes(tmp_path):
     assert out.returncode != 0 and "--overwrite" in out.stderr and "even with --overwrite" in out.stderr
     (tmp_path / "bad.jsonl").write_text('{"prompt_id":1,"completion_ids":[1,2],"old_per_token_logps":[0.1]}\n')
     out = cli("import", str(tmp_path / "bad.jsonl"), str(tmp_path / "b1"))
-    assert "bad.jsonl:1: column 'old_per_token_logps' row 0" in out.stderr and "below" not in out.stderr
+    assert "bad.jsonl:1: column 'old_per_token_logps' has" in out.stderr and "below" not in out.stderr
     with pytest.raises(BatchError, match="one mapping of column to values"):
         collate([store.read([0]), store.read([1])], 0)
     with pytest.raises(SamplerError, match="1-D list of group keys"):

@@ -690,6 +690,24 @@ def test_an_output_made_meanwhile_is_not_replaced_without_overwrite(store_path, 
         export(store_path, out, format=fmt, overwrite=True)  # asked for: replaced
 
 
+@pytest.mark.parametrize("bad, says", [({"completion_ids": [4, -5]}, "position 1 holds token id -5"),
+                                       ({"completion_ids": [4, 2 ** 40]}, "holds 1099511627776, outside int32"),
+                                       ({"old_per_token_logps": [float("nan"), -0.2]}, "position 0 is NaN")])
+def test_a_jsonl_line_of_bad_values_is_named_and_skip_bad_skips_it(tmp_path, bad, says):
+    """A line that parses but holds values no store takes (a negative or too large token id, NaN
+    log-probs) stopped the import even with --skip-bad, and was named "lines 1-3 ... row 2"."""
+    good = {"prompt_id": 1, "prompt_ids": [1, 2], "completion_ids": [4, 5], "old_per_token_logps": [-0.1, -0.2],
+            "rewards": 1.0}
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in [good, {**good, **bad}, good]) + "\n")
+    with pytest.raises(ExportError, match=rf"d\.jsonl:2: column '\w+' {says}.*--skip-bad"):
+        import_rollouts(str(src), str(tmp_path / "a"))
+    res = import_rollouts(str(src), str(tmp_path / "b"), skip_bad=True)
+    assert res["rows"] == 2 and res["skipped"] == 1 and res["bad_lines"][0].startswith(f"{src}:2: ")
+    with ReplayStore(str(tmp_path / "b"), readonly=True) as s:
+        assert s.read([0, 1], ["completion_ids"])["completion_ids"].to_list() == [[4, 5], [4, 5]]
+
+
 def test_import_refuses_to_replace_an_open_store(store_path, tmp_path):
     from diskreplay import StoreLockedError
 
@@ -798,8 +816,8 @@ def test_import_keeps_extends_alignment_rule_and_says_where(tmp_path):
     with pytest.raises(ExportError) as e:
         import_rollouts(str(tmp_path / "m.parquet"), str(tmp_path / "s"), chunk_rows=4)
     msg = str(e.value)
-    assert msg.startswith(f"{tmp_path / 'm.parquet'}, rows 4-7: ") and "'old_per_token_logps'" in msg
-    assert "row 2" in msg and "count the rows of" in msg
+    assert msg.startswith(f"{tmp_path / 'm.parquet'}, row 6: ") and "'old_per_token_logps'" in msg  # the file's row
+    assert "row 2" not in msg and "count the rows of" not in msg
     assert not (tmp_path / "s").exists()
 
 

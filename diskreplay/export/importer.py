@@ -11,6 +11,7 @@ at the end, so a failed import leaves nothing under the final name.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -541,16 +542,29 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             token = None if resume is None else f"import:{resume}:{i}"
             # committed by an earlier run: extend then writes nothing (and refuses other rows under its token)
             done = store.committed_rows(token) if token is not None and len(store) else None
-            batch = table_to_batch(table, hints, where)
-            try:
-                store.extend(batch, token=token)
-            except DiskReplayError as exc:
-                if done is not None:
-                    raise ExportError(f"{where}: an earlier import --append of {src} into {path} committed this "
-                                      f"chunk (chunk {i}) with other rows: the source changed since; import what "
-                                      "it has new from a file of its own") from None
-                note = where.offset_note if isinstance(where, Where) else ""
-                raise ExportError(f"{where}: {exc}{note}") from None
+            while True:
+                batch = table_to_batch(table, hints, where)
+                try:
+                    store.extend(batch, token=token)
+                    break
+                except DiskReplayError as exc:
+                    if done is not None:
+                        raise ExportError(f"{where}: an earlier import --append of {src} into {path} committed "
+                                          f"this chunk (chunk {i}) with other rows: the source changed since; "
+                                          "import what it has new from a file of its own") from None
+                    row = _row_of(exc, table.num_rows) if isinstance(where, Where) else None
+                    if row is None:
+                        note = where.offset_note if isinstance(where, Where) else ""
+                        raise ExportError(f"{where}: {exc}{note}") from None
+                    at = where.row(row)
+                    if not getattr(source, "skip_bad", False) or table.num_rows == 1:
+                        hint = " (pass --skip-bad to skip bad lines)" if fmt == "jsonl" else ""
+                        raise ExportError(f"{at}: {_at_row(exc, row)}{hint}") from None
+                    # a line whose values do not fit (a negative token id, NaN log-probs): skipped as one
+                    # that does not parse is
+                    source._bad(int(at.rsplit(":", 1)[1]), _at_row(exc, row))
+                    table = table.take([k for k in range(table.num_rows) if k != row])
+                    where = where.without(row)
             if done is not None:
                 resumed += table.num_rows
             if first:
@@ -602,6 +616,20 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
     if getattr(source, "bad_examples", None):
         out["bad_lines"] = list(source.bad_examples)
     return out
+
+
+_ROW = re.compile(r"\brow (\d+)\b")
+
+
+def _row_of(exc: BaseException, n: int) -> Optional[int]:
+    """The table row a batch error names (``... row 2 ...``), if it names one."""
+    m = _ROW.search(str(exc))
+    return int(m.group(1)) if m is not None and int(m.group(1)) < n else None
+
+
+def _at_row(exc: BaseException, row: int) -> str:
+    """The message without its table-row number (the caller says FILE:LINE instead)."""
+    return re.sub(r"\s*\brow \d+\b", "", str(exc), count=1)
 
 
 def _resume_key(src: str, fmt: str, mapping: Any, aliases: bool, columns: Optional[Sequence[str]], chunk_rows: int,

@@ -68,6 +68,20 @@ class Where:
             return f"{one(self.parts[0])} .. {one(self.parts[-1])}"
         return " and ".join(one(p) for p in self.parts)
 
+    def without(self, i: int) -> "Where":
+        """These rows but table row ``i`` (a bad line skipped)."""
+        parts = []
+        for file, first, n, lines in self.parts:
+            if 0 <= i < n:
+                if lines is not None:
+                    parts.append((file, first, n - 1, lines[:i] + lines[i + 1:]))
+                else:  # a file of rows: the part splits around the row
+                    parts += [p for p in ((file, first, i, None), (file, first + i + 1, n - i - 1, None)) if p[2]]
+            else:
+                parts.append((file, first, n, lines))
+            i -= n
+        return Where(tuple(parts))
+
     @property
     def offset_note(self) -> str:
         """How a message that numbers rows of this table from 0 maps onto the source."""
