@@ -8,10 +8,11 @@ will ask for next):
    batch order, so the stream is the one a plain loop over ``sample`` would
    give. A read-only store is ``refresh()``-ed first, so a reader follows a
    live writer; ranks (a sampler's ``world_size > 1``, ``torch.distributed``
-   initialised) follow it together: at each batch the consumer takes, rank 0's
-   newest generation is broadcast, and every rank's worker draws from a
+   initialised) follow it together: at each batch the consumer takes, rank
+   0's newest generation is broadcast, and every rank's worker draws from a
    pinned snapshot of it from batch ``taken + prefetch + 3`` on (past any
-   batch a worker has drawn ahead), so the ranks' draws stay disjoint. ``sampler.position()`` (the small stream position; no
+   batch a worker has drawn ahead), so the ranks' draws stay disjoint.
+   ``sampler.position()`` (the small stream position; no
    per-row data) is taken right after each draw and travels with the batch:
    the loader's own ``state_dict()`` is ``sampler.state_dict(position=...)``
    of the last batch the consumer *received*, not of the ones built ahead,
@@ -348,7 +349,6 @@ class _Worker:
         self.sample_kwargs, self.columns, self.build = sample_kwargs, columns, build
         self.remaining = remaining
         self.ring, self.ready, self.lock = ring, ready, lock
-        self.store_lock = store_lock(store)
         self.stop = threading.Event()
         # hint the first batches: a job that just (re)started usually meets a cold cache
         self.hints_left = 2

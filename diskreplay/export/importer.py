@@ -10,6 +10,8 @@ at the end, so a failed import leaves nothing under the final name.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -520,7 +522,7 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
 
     # an append commits each chunk with a token naming the source and the chunk, so that running the
     # same import again after an interruption (or a crash) skips the chunks already committed
-    resume = _resume_key(src, fmt, mapping, aliases, columns, chunk_rows, source) if append else None
+    resume = _resume_key(src, fmt, mapping, aliases, columns, chunk_rows) if append else None
 
     def fill(store: ReplayStore) -> None:
         nonlocal hints
@@ -556,13 +558,13 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
                     if row is None:
                         note = where.offset_note if isinstance(where, Where) else ""
                         raise ExportError(f"{where}: {exc}{note}") from None
-                    at = where.row(row)
-                    if not getattr(source, "skip_bad", False) or table.num_rows == 1:
-                        hint = " (pass --skip-bad to skip bad lines)" if fmt == "jsonl" else ""
-                        raise ExportError(f"{at}: {_at_row(exc, row)}{hint}") from None
+                    line = where.line(row)
+                    if line is None or not source.skip_bad or table.num_rows == 1:
+                        hint = " (pass --skip-bad to skip bad lines)" if line is not None else ""
+                        raise ExportError(f"{where.row(row)}: {_without_row(exc)}{hint}") from None
                     # a line whose values do not fit (a negative token id, NaN log-probs): skipped as one
                     # that does not parse is
-                    source._bad(int(at.rsplit(":", 1)[1]), _at_row(exc, row))
+                    source.bad_line(line, _without_row(exc))
                     table = table.take([k for k in range(table.num_rows) if k != row])
                     where = where.without(row)
             if done is not None:
@@ -627,21 +629,16 @@ def _row_of(exc: BaseException, n: int) -> Optional[int]:
     return int(m.group(1)) if m is not None and int(m.group(1)) < n else None
 
 
-def _at_row(exc: BaseException, row: int) -> str:
+def _without_row(exc: BaseException) -> str:
     """The message without its table-row number (the caller says FILE:LINE instead)."""
     return re.sub(r"\s*\brow \d+\b", "", str(exc), count=1)
 
 
-def _resume_key(src: str, fmt: str, mapping: Any, aliases: bool, columns: Optional[Sequence[str]], chunk_rows: int,
-                source: Any) -> str:
-    """What names an import's chunks in their tokens: the source and everything that shapes its
-    chunks (a store source by its identity too: another store at the same path is another source)."""
-    import hashlib
-    import json
-
-    ident = getattr(source, "identity", None)
+def _resume_key(src: str, fmt: str, mapping: Any, aliases: bool, columns: Optional[Sequence[str]],
+                chunk_rows: int) -> str:
+    """What names an import's chunks in their tokens: the source and everything that shapes its chunks."""
     doc = [src, fmt, sorted(mapping.items()) if isinstance(mapping, Mapping) else mapping, bool(aliases),
-           list(columns) if columns is not None else None, chunk_rows, ident() if callable(ident) else None]
+           list(columns) if columns is not None else None, chunk_rows]
     return hashlib.sha256(json.dumps(doc, default=str).encode()).hexdigest()[:20]
 
 

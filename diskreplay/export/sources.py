@@ -68,6 +68,14 @@ class Where:
             return f"{one(self.parts[0])} .. {one(self.parts[-1])}"
         return " and ".join(one(p) for p in self.parts)
 
+    def line(self, i: int) -> Optional[int]:
+        """The line of table row ``i`` in its JSONL file (None for a file of rows)."""
+        for _, _, n, lines in self.parts:
+            if i < n:
+                return None if lines is None else lines[i]
+            i -= n
+        return None
+
     def without(self, i: int) -> "Where":
         """These rows but table row ``i`` (a bad line skipped)."""
         parts = []
@@ -275,7 +283,8 @@ class JsonlSource:
         self._started = False
         self.bytes_read = 0
 
-    def _bad(self, lineno: int, msg: str) -> None:
+    def bad_line(self, lineno: int, msg: str) -> None:
+        """Line ``lineno`` does not fit: an error naming it, or (``skip_bad``) counted and skipped."""
         text = f"{self.path}:{lineno}: {msg}"
         if not self.skip_bad:
             raise ExportError(f"{text} (pass --skip-bad to skip bad lines)")
@@ -302,10 +311,10 @@ class JsonlSource:
                     except ValueError as exc:
                         msg = getattr(exc, "msg", str(exc))
                         col = getattr(exc, "colno", None)
-                        self._bad(lineno, f"not valid JSON ({msg}" + (f" at column {col})" if col else ")"))
+                        self.bad_line(lineno, f"not valid JSON ({msg}" + (f" at column {col})" if col else ")"))
                         continue
                     if not isinstance(obj, dict):
-                        self._bad(lineno, f"is a JSON {_json_class(obj)}, not an object with one rollout")
+                        self.bad_line(lineno, f"is a JSON {_json_class(obj)}, not an object with one rollout")
                         continue
                     yield lineno, obj
             except (OSError, EOFError) as exc:
@@ -375,7 +384,7 @@ class JsonlSource:
         for k, v in row.items():
             c = _json_class(v)
             if c == "object":
-                self._bad(lineno, f"column {k!r} holds a JSON object; a store holds numbers, strings and lists "
+                self.bad_line(lineno, f"column {k!r} holds a JSON object; a store holds numbers, strings and lists "
                                   "of numbers (drop it with --columns)")
                 return False
             if c == "null":
@@ -384,31 +393,31 @@ class JsonlSource:
             if known is None:
                 classes[k] = c
             elif known != c:
-                self._bad(lineno, f"column {k!r} is a {c} here but a {known} in earlier lines")
+                self.bad_line(lineno, f"column {k!r} is a {c} here but a {known} in earlier lines")
                 return False
         for k in TOKEN_ID_COLUMNS:
             v = row.get(k)
             if v is None:
                 continue
             if not isinstance(v, list):
-                self._bad(lineno, f"column {k!r} holds a {_json_class(v)} ({_short(v)}); token ids are a list of "
+                self.bad_line(lineno, f"column {k!r} holds a {_json_class(v)} ({_short(v)}); token ids are a list of "
                                   "integers per row")
                 return False
             bad = next((x for x in v if type(x) is not int), _NONE)
             if bad is not _NONE:
-                self._bad(lineno, f"column {k!r} holds {_short(bad)} at position {v.index(bad)}; token ids must be "
+                self.bad_line(lineno, f"column {k!r} holds {_short(bad)} at position {v.index(bad)}; token ids must be "
                                   "integers")
                 return False
         for k, c in classes.items():
             # a number may be null: a float column added after the store's first commit ("not computed")
             if c not in ("list", "number") and row.get(k) is None:
-                self._bad(lineno, f"column {k!r} has no value; per-row columns need one in every line")
+                self.bad_line(lineno, f"column {k!r} has no value; per-row columns need one in every line")
                 return False
         present = [k for k, v in row.items() if v is not None]
         for k, width in self._vectors.items():
             v = row.get(k)  # None: "not computed" (a column the store added after its first commit)
             if v is not None and len(v) != width:
-                self._bad(lineno, f"column {k!r} has {len(v)} values; other lines hold a per-row vector of "
+                self.bad_line(lineno, f"column {k!r} has {len(v)} values; other lines hold a per-row vector of "
                                   f"{width} there")
                 return False
         for k in present:
@@ -424,7 +433,7 @@ class JsonlSource:
                     self._vectors[k] = len(row[k])
                     continue
             if ref is not None and classes.get(ref) == "list" and len(row[k]) != len(row[ref]):
-                self._bad(lineno, f"column {k!r} has {len(row[k])} values but {ref!r} has {len(row[ref])}; "
+                self.bad_line(lineno, f"column {k!r} has {len(row[k])} values but {ref!r} has {len(row[ref])}; "
                                   "per-token columns must align with their ids")
                 return False
         return True
@@ -454,7 +463,7 @@ class JsonlSource:
                 for i, v in enumerate(values):
                     if v is not None and not _numbers_only(v):
                         bad_rows.add(i)
-                        self._bad(lines[i], f"column {k!r} holds a list with a non-number or a number "
+                        self.bad_line(lines[i], f"column {k!r} holds a list with a non-number or a number "
                                             "outside int64/float64")
             arrays[k] = arr
         if bad_rows:

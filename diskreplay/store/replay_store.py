@@ -26,9 +26,9 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, crash_point, crc32c, fsync_dir
-from ..errors import (ArgumentError, DiskReplayError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
-                      CorruptStoreError, OutputExistsError, ReadOnlyError, RowsEvictedError, SchemaError,
-                      StoreClosedError, StoreLockedError, StoreNotFoundError)
+from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
+                      CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, RowsEvictedError,
+                      SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
