@@ -129,8 +129,26 @@ with ReplayStore({path!r}) as store:
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=child_env())
 
 
-def _launch(world: int, out_dir: str, path: str, timeout: float = 240) -> None:
-    torchrun(__file__, [out_dir, path], world, timeout)
+def _ranks_next_to_a_writer(tmp_path, world: int, first_rows: dict, mode: str = "rank", **options):
+    """``(store path, each rank's output)`` of a torchrun job of ``world`` ranks (``mode``: this
+    file's worker, "rank", or "follow") on a multi-writer store that another process appends to."""
+    from diskreplay import ReplayStore
+
+    path = str(tmp_path / "store")
+    with ReplayStore(path, multi_writer=True, **options) as store:  # retains a pinned generation's files an hour
+        store.extend(first_rows)
+    stop = str(tmp_path / "stop")
+    writer = _append_forever(path, stop)
+    try:
+        out = tmp_path / "run"
+        out.mkdir()
+        torchrun(__file__, [str(out), path, mode], world, 240)
+        ranks = [json.loads((out / f"{mode}-{r}.json").read_text()) for r in range(world)]
+    finally:
+        open(stop, "w").close()
+        writer.wait(timeout=60)
+    assert writer.returncode == 0
+    return path, ranks
 
 
 @pytest.mark.slow
@@ -139,21 +157,8 @@ def test_ranks_draw_disjoint_slices_of_one_global_batch_while_a_writer_appends(t
     from diskreplay import ReplayStore
     from diskreplay.synthetic import make_rollouts
 
-    path = str(tmp_path / "store")
-    with ReplayStore(path, multi_writer=True) as store:  # retains a pinned generation's files for an hour
-        store.extend(make_rollouts(16, 4, seed=0, prompt_mean=6, completion_mean=8))
-    stop = str(tmp_path / "stop")
-    writer = _append_forever(path, stop)
-    try:
-        out = tmp_path / "run"
-        out.mkdir()
-        _launch(world, str(out), path)
-        ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
-    finally:
-        open(stop, "w").close()
-        writer.wait(timeout=60)
-    assert writer.returncode == 0
-
+    path, ranks = _ranks_next_to_a_writer(tmp_path, world, make_rollouts(16, 4, seed=0, prompt_mean=6,
+                                                                         completion_mean=8))
     gens = {r["generation"] for r in ranks}
     assert len(gens) == 1, f"the ranks sampled different generations: {gens}"
     with ReplayStore(path, readonly=True, generation=gens.pop()) as snap:
@@ -181,23 +186,11 @@ def test_a_loader_and_a_buffer_of_ranks_follow_a_writer_together(tmp_path):
     """Ranks refreshing a reader on their own sat on both sides of a commit and drew overlapping rows;
     their loaders and buffers now move to rank 0's newest commit together: every step's batches of
     the ranks are disjoint while the writer appends, and the store's new rows do get drawn."""
-    from diskreplay import ReplayStore
     from diskreplay.synthetic import make_rollouts
 
-    path = str(tmp_path / "store")
     # a few live groups (the writer's 16-row commits evict the oldest): draws of two generations collide
-    with ReplayStore(path, multi_writer=True, capacity=128) as store:
-        store.extend(make_rollouts(4, 2, seed=0, prompt_mean=6, completion_mean=8))
-    stop = str(tmp_path / "stop")
-    writer = _append_forever(path, stop)
-    try:
-        out = tmp_path / "run"
-        out.mkdir()
-        torchrun(__file__, [str(out), path, "follow"], 2, 240)
-        ranks = [json.loads((out / f"follow-{r}.json").read_text()) for r in range(2)]
-    finally:
-        open(stop, "w").close()
-        writer.wait(timeout=60)
+    _, ranks = _ranks_next_to_a_writer(tmp_path, 2, make_rollouts(4, 2, seed=0, prompt_mean=6, completion_mean=8),
+                                       "follow", capacity=128)
     for kind in ("loader", "buffer"):
         steps = list(zip(*(r[kind] for r in ranks)))
         assert len(steps) == FOLLOW_STEPS
@@ -207,4 +200,4 @@ def test_a_loader_and_a_buffer_of_ranks_follow_a_writer_together(tmp_path):
 
 
 if __name__ == "__main__":
-    (_follow_worker if sys.argv[3:] == ["follow"] else _worker)(sys.argv[1], sys.argv[2])
+    (_follow_worker if sys.argv[3] == "follow" else _worker)(sys.argv[1], sys.argv[2])
