@@ -647,6 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _misused_options(args: argparse.Namespace) -> Optional[str]:
     """An option that the others make meaningless (a usage error, not silently ignored)."""
+    text = getattr(args, "columns", None)
+    if text is not None:
+        names = [c.strip() for c in text.split(",")]
+        if not all(names):
+            return f"--columns {text!r} has an empty name; give names separated by commas"
+        twice = sorted({c for c in names if names.count(c) > 1})
+        if twice:
+            return f"--columns names {', '.join(twice)} twice"
     if args.command == "import" and args.allow_evict and not args.append:
         return "--allow-evict applies to --append (a new store evicts nothing it held)"
     if args.command == "import" and args.append and args.capacity is not None:

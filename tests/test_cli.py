@@ -112,6 +112,10 @@ def test_usage_errors_exit_2(capsys):
     (["import", "{tmp}/d.jsonl", "{tmp}/s", "--capacity", "0"], "positive integer"),
     (["import", "{tmp}/d.jsonl", "{tmp}/s", "--chunk-rows", "0"], "positive integer"),
     (["import", "{tmp}/d.jsonl", "{tmp}/s", "--group-key", "a", "--no-group-key"], "not allowed with"),
+    # (an empty name and a name given twice were dropped quietly)
+    (["export", "{store}", "{tmp}/o.parquet", "--columns", "prompt_id,,rewards"], "has an empty name"),
+    (["export", "{store}", "{tmp}/o.parquet", "--columns", "prompt_id,rewards,prompt_id"], "prompt_id twice"),
+    (["import", "{tmp}/d.jsonl", "{tmp}/s", "--columns", "a,"], "has an empty name"),
 ])
 def test_bad_option_values_are_usage_errors_before_any_work(capsys, store, tmp_path, args, message):
     """Checked by the parser (exit 2, one message naming the option), so nothing is opened or written."""
