@@ -280,8 +280,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         store.close()
     _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
                      + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")")
-                     + "".join(f"\nwarning: {w}" for w in res.get("warnings", ())))
+                     + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))
+                     + _nothing_matched(args, res["rows"]))
     return 0
+
+
+def _nothing_matched(args: argparse.Namespace, n: int) -> str:
+    """A line saying that the filters given kept nothing (an empty output otherwise passes unnoticed)."""
+    given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in
+             ("policy_versions", "min_reward", "min_margin") if getattr(args, name, None) not in (None, 0.0)]
+    return f"\nwarning: nothing matched {' and '.join(given)}: the output is empty" if n == 0 and given else ""
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -325,7 +333,7 @@ def cmd_pairs(args: argparse.Namespace) -> int:
                            policy_versions=args.policy_versions, overwrite=args.overwrite,
                            progress=_progress(args), force=args.force)
     _emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})")
+                     f"({res['format']}: {', '.join(res['columns'])})" + _nothing_matched(args, res["pairs"]))
     return 0
 
 
@@ -337,7 +345,7 @@ def cmd_best_of_n(args: argparse.Namespace) -> int:
                     group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
                     overwrite=args.overwrite, progress=_progress(args), force=args.force)
     _emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})")
+                     f"({res['format']}: {', '.join(res['columns'])})" + _nothing_matched(args, res["rows"]))
     return 0
 
 

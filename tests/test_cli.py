@@ -805,3 +805,14 @@ def test_warnings_are_one_line_each_in_the_command_s_words(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("diskreplay export: warning: "), p.stderr
     assert "RuntimeWarning" not in p.stderr and newest in lines[0]
+
+
+def test_filters_that_keep_nothing_say_so(capsys, store, tmp_path):
+    """--policy-versions past the store's, --min-reward above every reward: an empty output and exit 0,
+    without a word."""
+    rc, out, _ = cli(capsys, "export", store, tmp_path / "o.parquet", "--policy-versions", "100:")
+    assert rc == 0 and "exported 0 rows" in out and "nothing matched --policy-versions 100:" in out
+    rc, out, _ = cli(capsys, "best-of-n", store, tmp_path / "b.jsonl", "--min-reward", "5")
+    assert rc == 0 and "nothing matched --min-reward 5.0" in out
+    rc, out, _ = cli(capsys, "export", store, tmp_path / "all.parquet")
+    assert rc == 0 and "nothing matched" not in out
