@@ -816,3 +816,18 @@ def test_filters_that_keep_nothing_say_so(capsys, store, tmp_path):
     assert rc == 0 and "nothing matched --min-reward 5.0" in out
     rc, out, _ = cli(capsys, "export", store, tmp_path / "all.parquet")
     assert rc == 0 and "nothing matched" not in out
+
+
+def test_outputs_that_cannot_be_written_where_asked_say_why(capsys, store, tmp_path):
+    """An output inside the store (verify then reported it as foreign), under a file ("create FILE first"),
+    or at an s3:// URL (it made a local directory named "s3:")."""
+    (tmp_path / "afile.txt").write_text("x")
+    for out, says in ((os.path.join(store, "x.parquet"), "inside the store"),
+                      (os.path.join(store, "segments", "x.parquet"), "inside the store"),
+                      (tmp_path / "afile.txt" / "x.parquet", "is a file"),
+                      ("s3://bucket/out.parquet", "written to a local path")):
+        before = sorted(os.listdir(tmp_path)), sorted(os.listdir(store))
+        rc, _, err = cli(capsys, "export", store, out)
+        assert rc == 1 and says in err, (out, err)
+        assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(store))) == before
+    assert not os.path.exists("s3:")

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._fileio import fsync_dir
+from ..format import FORMAT_FILE, MANIFEST_DIR
 # the error classes live in diskreplay.errors; imported here so that
 # ``from diskreplay.export import ExportError`` (the old home) keeps working
 from ..errors import (DiskReplayError, ExportError, MissingDependencyError, OutputExistsError,  # noqa: F401
@@ -248,10 +249,23 @@ def check_output(out: PathLike, overwrite: bool, replaceable: Any = None) -> str
     ``replaceable(out)`` says it may be (default: a file, or an empty
     directory), so a typo never deletes a directory full of someone's work.
     """
+    if str(os.fspath(out)).startswith(("s3://", "gs://", "az://")):
+        raise ExportError(f"{out}: this output is written to a local path; write it here and copy it to the bucket")
     out = os.path.abspath(os.fspath(out))
     parent = os.path.dirname(out)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ExportError(f"{parent} is a file, so the output {out} cannot go in it; choose a directory")
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output {out} does not exist; create {parent} first")
+    inside = parent
+    while True:
+        if os.path.isfile(os.path.join(inside, FORMAT_FILE)) and os.path.isdir(os.path.join(inside, MANIFEST_DIR)):
+            raise ExportError(f"the output {out} would be inside the store at {inside}, whose directory holds the "
+                              "store's own files only (verify reports anything else); write it elsewhere")
+        up = os.path.dirname(inside)
+        if up == inside:
+            break
+        inside = up
     if os.path.lexists(out):
         ok = replaceable(out) if replaceable is not None else (
             not os.path.isdir(out) or os.path.islink(out) or not os.listdir(out))
