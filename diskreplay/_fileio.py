@@ -435,11 +435,9 @@ class WriterLock:
     def __del__(self) -> None:
         # a store dropped without close(): its lock goes with it, as its file would close (a later open
         # in this process was refused, "open for writing by another process", until the process ended).
-        # Closing the descriptor alone: in a forked child it leaves the parent's lock alone
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
+        if getattr(self, "_fd", None) is not None:
             try:
-                os.close(fd)
+                self.release()  # (in a forked child it only closes the descriptor: the parent keeps its lock)
             except OSError:
                 pass
 

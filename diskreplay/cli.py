@@ -88,10 +88,15 @@ def _size(n: Optional[int]) -> str:
     return f"{f:.1f} TiB"
 
 
-def _columns(text: Optional[str]) -> Optional[List[str]]:
-    if text is None:
-        return None
-    return [c.strip() for c in text.split(",") if c.strip()]
+def _columns(text: str) -> List[str]:
+    """``--columns A,B``: the names, none empty and none twice (argparse's type: a usage error)."""
+    names = [c.strip() for c in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name; give names separated by commas")
+    twice = sorted({c for c in names if names.count(c) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {', '.join(twice)} twice")
+    return names
 
 
 def _positive_int(text: str) -> int:
@@ -271,7 +276,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import export
 
     store = _store(args)
-    res = export(store, args.out, args.format, columns=_columns(args.columns),
+    res = export(store, args.out, args.format, columns=args.columns,
                  policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
                  tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                  reward_key=args.reward_key, overwrite=args.overwrite, progress=_progress(args),
@@ -300,7 +305,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     def run(path: str, append: bool = args.append) -> Dict[str, Any]:
         return import_rollouts(args.src, path, format=args.format, mapping=args.map or None,
-                               aliases=args.aliases, columns=_columns(args.columns), group_key=group_key,
+                               aliases=args.aliases, columns=args.columns, group_key=group_key,
                                capacity=_AUTO if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
                                chunk_rows=args.chunk_rows, append=append, overwrite=args.overwrite,
                                split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
@@ -521,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output file (parquet, jsonl) or directory (hf, zarr)")
     p.add_argument("--format", "-f", choices=["parquet", "jsonl", "hf", "zarr"],
                    help="output format (default: from OUT's name, see above)")
-    p.add_argument("--columns", metavar="A,B,...",
+    p.add_argument("--columns", metavar="A,B,...", type=_columns,
                    help="comma-separated columns to export, in this order (default: all), e.g. "
                         "--columns prompt_id,completion_ids,rewards")
     p.add_argument("--min-reward", type=_finite_float, metavar="R",
@@ -563,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rename source column OLD to NEW (repeatable), e.g. --map completion_ids=response_tokens")
     p.add_argument("--aliases", action="store_true",
                    help="also rename the well-known names listed above when the diskreplay name is absent")
-    p.add_argument("--columns", metavar="A,B,...",
+    p.add_argument("--columns", metavar="A,B,...", type=_columns,
                    help="import only these columns (names after --map), e.g. --columns prompt_id,completion_ids")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--group-key", metavar="COL",
@@ -655,14 +660,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _misused_options(args: argparse.Namespace) -> Optional[str]:
     """An option that the others make meaningless (a usage error, not silently ignored)."""
-    text = getattr(args, "columns", None)
-    if text is not None:
-        names = [c.strip() for c in text.split(",")]
-        if not all(names):
-            return f"--columns {text!r} has an empty name; give names separated by commas"
-        twice = sorted({c for c in names if names.count(c) > 1})
-        if twice:
-            return f"--columns names {', '.join(twice)} twice"
     if args.command == "import" and args.allow_evict and not args.append:
         return "--allow-evict applies to --append (a new store evicts nothing it held)"
     if args.command == "import" and args.append and args.capacity is not None:

@@ -187,24 +187,26 @@ def _refuse_other_layouts(store: Any, state_name: str, key: str, sampler: Any, o
     every rank refuses alike (some starting afresh while the others resume, or raise, would break
     the one global batch, or hang the job in its next collective)."""
     manifest = getattr(store, "manifest", None)
-    names = sorted(getattr(manifest, "states", None) or ())
     world = getattr(sampler, "world_size", 1) or 1
-    pattern = re.compile(re.escape(state_name) + r"(\.rank\d+)?")
-    other = {}
-    for name in names:
-        if name == key or not pattern.fullmatch(name):
-            continue
-        saved = store.load_state(name)
+    pattern = re.compile(re.escape(state_name) + r"(?:\.rank(\d+))?")
+    saved_ranks = {}  # the other states of this name: the rank each was saved by (None: one process)
+    for name in sorted(getattr(manifest, "states", None) or ()):
+        m = pattern.fullmatch(name)
+        if m is not None and name != key:
+            saved_ranks[name] = None if m.group(1) is None else int(m.group(1))
+    if not saved_ranks:
+        return
+    # one save's ranks share a world size: the names tell most cases (a state saved by one process, or a
+    # rank this world does not have); else one state says the world size it was saved under
+    if world > 1 and None not in saved_ranks.values() and max(saved_ranks.values()) < world:
+        saved = store.load_state(next(iter(saved_ranks)))
         config = saved.get("config") if isinstance(saved, dict) else None
-        saved_world = (config.get("world_size") if isinstance(config, dict) else None) or 1
-        if saved_world != world:
-            other[name] = saved_world
-    if other:
-        listed = ", ".join(f"{n} (world_size={w})" for n, w in other.items())
-        raise SamplerError(f"{store.path} keeps sampler states under state_name={state_name!r} saved by ranks of "
-                           f"another world size ({listed}), and none for this rank {getattr(sampler, 'rank', 0)} of "
-                           f"world_size={world} ({key!r}): resume with the world size they were saved under, or pass "
-                           f"{owner} another state_name (or state_name=None) to start afresh")
+        if ((config.get("world_size") if isinstance(config, dict) else None) or 1) == world:
+            return  # this rank's own state is missing (it never saved): it starts afresh, as before
+    raise SamplerError(f"{store.path} keeps sampler states under state_name={state_name!r} saved by ranks of "
+                       f"another world size ({', '.join(saved_ranks)}), and none for this rank "
+                       f"{getattr(sampler, 'rank', 0)} of world_size={world} ({key!r}): resume with the world size "
+                       f"they were saved under, or pass {owner} another state_name (or state_name=None) to start afresh")
 
 
 class _Following:
@@ -238,20 +240,17 @@ class _Following:
             return None
         from .samplers.distributed import agreed_newest
 
-        with store_lock(self.store):
-            return agreed_newest(self.store)
+        return agreed_newest(self.store)  # (refresh takes the store's lock, not the broadcast)
 
     def view(self, generation: Optional[int]) -> Any:
         """What the next draw reads: the refreshed store, or the pinned snapshot of ``generation``."""
         if self.mode == "refresh":
-            with store_lock(self.store):
-                self.store.refresh()
+            self.store.refresh()
         if generation is None or self.mode != "agreed":
             return self.store
         snap = self.snapshots.get(generation)
         if snap is None:
-            with store_lock(self.store):
-                snap = self.snapshots[generation] = self.store.snapshot(generation)
+            snap = self.snapshots[generation] = self.store.snapshot(generation)
         return snap
 
     def keep_only(self, *views: Any) -> None:
@@ -337,11 +336,11 @@ class _Worker:
     """Everything the background thread touches; it holds no reference to the loader,
     so a loader that is dropped without ``close()`` is collected and stops its thread."""
 
-    def __init__(self, store: Any, sampler: Any, batch_size: int, sample_kwargs: Dict[str, Any],
+    def __init__(self, sampler: Any, batch_size: int, sample_kwargs: Dict[str, Any],
                  columns: Optional[Sequence[str]], build: "_Build", remaining: Optional[int], ring: _Ring,
                  ready: "queue.Queue", lock: threading.Lock, following: _Following, first: int,
                  generation: Optional[int]) -> None:
-        self.store, self.sampler, self.batch_size = store, sampler, batch_size
+        self.sampler, self.batch_size = sampler, batch_size
         # ranks following a writer together: the generation of each draw, and the moves the consumer
         # agreed on, as (first batch index it applies to, generation), oldest first
         self.following, self.first, self.generation = following, first, generation
@@ -704,7 +703,7 @@ class ReplayLoader:
         self._ready: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
         self._ring = _Ring(size, self.pin_memory)
         build = _Build(self.layout, self.pad_token_id, self.pad_on_device, self.max_tokens, self.group_key)
-        self._worker = _Worker(self.store, self.sampler, self.batch_size, kwargs, self.columns, build,
+        self._worker = _Worker(self.sampler, self.batch_size, kwargs, self.columns, build,
                                remaining, self._ring, self._ready, self._lock, self._following, self._received,
                                self._generation)
         self._finalizer = weakref.finalize(self, self._worker.shutdown, 1.0)

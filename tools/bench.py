@@ -1525,7 +1525,7 @@ def bench_writers(args) -> None:
         row(label, f"{rate:,.1f}", f"{r['conflicts'] / r['commits']:.2f}",
             f"{r['retry_seconds'] / max(r['commit_seconds'], 1e-9):.1%} "
             f"[{r['retry_seconds'] / max(r['manifest_seconds'], 1e-9):.0%}] "
-            f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit, {r['segments']} segments at the end"
+            f"CPU {1e3 * r['cpu'] / r['commits']:.1f} ms/commit, {r.get('segments', '?')} segments at the end"
             + (f", {r['dropped_rewrites']} merges lost" if r["dropped_rewrites"] else ""))
     for kind, w in anchors:
         if (kind, w) in failed:

@@ -104,6 +104,21 @@ def require_store(path: PathLike) -> str:
     return path
 
 
+def tree_size(path: str) -> int:
+    """Bytes of the file at ``path``, or of every file under the directory ``path`` (a file removed
+    meanwhile counts nothing)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def is_store(path: PathLike) -> bool:
     """Whether a store (possibly damaged) is at ``path``; probes with a read-only open, creating nothing.
 
@@ -771,8 +786,9 @@ class TextDecoder:
     def __init__(self, tokenizer: Any, kind: str, path: str, skip_special_tokens: bool = False) -> None:
         self.tokenizer, self.kind, self.path = tokenizer, kind, path
         self.skip_special_tokens = skip_special_tokens
+        self.vocab = self._vocab_size()
 
-    def vocab_size(self) -> Optional[int]:
+    def _vocab_size(self) -> Optional[int]:
         """How many token ids the tokenizer knows, added tokens included (None if it does not say)."""
         try:
             if self.kind == "transformers":
@@ -787,9 +803,9 @@ class TextDecoder:
         if col is None:
             return [None] * n
         values = np.asarray(col.values)
-        vocab = self.vocab_size()
+        vocab = self.vocab
         if vocab is not None and values.size and int(values.max()) >= vocab:
-            raise ExportError(f"{column} holds token id {int(values.max())}, but the tokenizer at {self.path} knows "
+            raise ExportError(f"column {column!r} holds token id {int(values.max())}, but the tokenizer at {self.path} knows "
                               f"{vocab} tokens: it is not the tokenizer these rollouts were made with; pass the "
                               "policy model's tokenizer directory")
         rows = col.to_list()

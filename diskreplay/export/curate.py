@@ -208,10 +208,10 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
                     rd = st.read(rows[w], ["completion_ids"])
                     gk = _key_array(keys, gid[b])
                     if text:
-                        prompt = (decoder.decode(cd[prompt_col], n, f"column {prompt_col!r}") if prompt_col else gk.to_pylist())
+                        prompt = (decoder.decode(cd[prompt_col], n, prompt_col) if prompt_col else gk.to_pylist())
                         arrays = [pa.array(prompt, pa.string()),
-                                  pa.array(decoder.decode(cd["completion_ids"], n, "column 'completion_ids'"), pa.string()),
-                                  pa.array(decoder.decode(rd["completion_ids"], n, "column 'completion_ids'"), pa.string())]
+                                  pa.array(decoder.decode(cd["completion_ids"], n, "completion_ids"), pa.string()),
+                                  pa.array(decoder.decode(rd["completion_ids"], n, "completion_ids"), pa.string())]
                     else:
                         arrays = ([_ids(cd[prompt_col], n)] if prompt_col else []) + [
                             _ids(cd["completion_ids"], n), _ids(rd["completion_ids"], n)]
@@ -284,9 +284,9 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
                     data = st.read(rows[p], ["completion_ids"] + ([prompt_col] if prompt_col else []))
                     gk = _key_array(keys, gid[p])
                     if text:
-                        prompt = decoder.decode(data[prompt_col], n, f"column {prompt_col!r}") if prompt_col else gk.to_pylist()
+                        prompt = decoder.decode(data[prompt_col], n, prompt_col) if prompt_col else gk.to_pylist()
                         arrays = [pa.array(prompt, pa.string()),
-                                  pa.array(decoder.decode(data["completion_ids"], n, "column 'completion_ids'"), pa.string())]
+                                  pa.array(decoder.decode(data["completion_ids"], n, "completion_ids"), pa.string())]
                     else:
                         comp = _ids(data["completion_ids"], n)
                         arrays = [comp]

@@ -528,6 +528,7 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
         nonlocal hints
         n = resumed = 0
         first = not len(store) and store.next_row == 0
+        before = store.next_row  # a chunk an earlier run committed has rows below it
         source_hints = dict(hints)
         if store.schema is not None and len(store.columns):
             hints = dict(store.schema.columns)
@@ -542,15 +543,14 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
                 order = [c for c in final_names if c in table.column_names]
                 table = table.select(order)
             token = None if resume is None else f"import:{resume}:{i}"
-            # committed by an earlier run: extend then writes nothing (and refuses other rows under its token)
-            done = store.committed_rows(token) if token is not None and len(store) else None
             while True:
                 batch = table_to_batch(table, hints, where)
                 try:
-                    store.extend(batch, token=token)
+                    # committed by an earlier run: extend writes nothing (and refuses other rows under its token)
+                    rows = store.extend(batch, token=token)
                     break
                 except DiskReplayError as exc:
-                    if done is not None:
+                    if token is not None and store.committed_rows(token) is not None:
                         raise ExportError(f"{where}: an earlier import --append of {src} into {path} committed "
                                           f"this chunk (chunk {i}) with other rows: the source changed since; "
                                           "import what it has new from a file of its own") from None
@@ -567,7 +567,7 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
                     source.bad_line(line, _without_row(exc))
                     table = table.take([k for k in range(table.num_rows) if k != row])
                     where = where.without(row)
-            if done is not None:
+            if len(rows) and rows[0] < before:
                 resumed += table.num_rows
             if first:
                 _check_schema(store, hints, src)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from .. import format as fmt
 from ..schema import RAGGED
-from ._common import CHUNK_BYTES, StoreLike, open_store, per_row_value, plan_chunks, progress_bar
+from ..storage import is_remote
+from ._common import CHUNK_BYTES, StoreLike, open_store, per_row_value, plan_chunks, progress_bar, tree_size
 
 _STAT_HINTS = ("reward", "advantage")
 
@@ -63,19 +63,6 @@ class RunningStats:
             return {"count": count, "mean": mean, "std": math.nan, "min": self.lo, "max": self.hi}
         return {"count": self.n, "mean": self.mean, "std": math.sqrt(self.m2 / self.n), "min": self.lo,
                 "max": self.hi}
-
-
-def _disk_bytes(path: str) -> int:
-    """What the store's directory takes: every file in it (superseded commits' files kept for readers
-    that may still read them, merge inputs, files of commits in flight), not only the live rows'."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass  # removed by a writer's clean-up meanwhile
-    return total
 
 
 def _retain_seconds(st: Any) -> Optional[int]:
@@ -138,7 +125,8 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "capacity_bytes": st.capacity_bytes, "columns": columns,
             "multi_writer": st.multi_writer, "retain_seconds": _retain_seconds(st),
             "commit_stats": commit_stats(st.manifest),
-            "disk_bytes": None if st.remote else _disk_bytes(st.path),
+            # every file (retained commits' files, merge inputs, commits in flight), not the live rows' only
+            "disk_bytes": None if st.remote else tree_size(st.path),
         }
         names = [] if schema is None else schema.names
         # a store written before imports checked token ids may hold them as another kind
@@ -217,7 +205,7 @@ def format_info(info: Dict[str, Any]) -> str:
     if "multi_writer" in info:
         retain = info.get("retain_seconds")
         one = "one (object storage has no lock: a second writer's commit is refused)" \
-            if str(info["path"]).startswith("s3://") else "one (exclusive lock)"
+            if is_remote(str(info["path"])) else "one (exclusive lock)"
         lines.append("writers     " + ("many (multi_writer)" if info["multi_writer"] else one)
                      + (f", files of superseded commits kept {retain} s" if retain else ""))
     cs = info.get("commit_stats")

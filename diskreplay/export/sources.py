@@ -49,12 +49,20 @@ class Where:
     def __add__(self, other: "Where") -> "Where":
         return Where(self.parts + other.parts)
 
+    def _locate(self, i: int) -> Optional[Tuple[Tuple[str, int, int, Optional[Tuple[int, ...]]], int]]:
+        """The part holding table row ``i`` and the row's index in it (None past the end)."""
+        for part in self.parts:
+            if i < part[2]:
+                return part, i
+            i -= part[2]
+        return None
+
     def row(self, i: int) -> str:
-        for file, first, n, lines in self.parts:
-            if i < n:
-                return f"{file}:{lines[i]}" if lines is not None else f"{file}, row {first + i}"
-            i -= n
-        return str(self)
+        found = self._locate(i)
+        if found is None:
+            return str(self)
+        (file, first, _, lines), j = found
+        return f"{file}:{lines[j]}" if lines is not None else f"{file}, row {first + j}"
 
     def __str__(self) -> str:
         def one(part: Tuple[str, int, int, Optional[Tuple[int, ...]]]) -> str:
@@ -70,25 +78,15 @@ class Where:
 
     def line(self, i: int) -> Optional[int]:
         """The line of table row ``i`` in its JSONL file (None for a file of rows)."""
-        for _, _, n, lines in self.parts:
-            if i < n:
-                return None if lines is None else lines[i]
-            i -= n
-        return None
+        found = self._locate(i)
+        return None if found is None or found[0][3] is None else found[0][3][found[1]]
 
     def without(self, i: int) -> "Where":
-        """These rows but table row ``i`` (a bad line skipped)."""
-        parts = []
-        for file, first, n, lines in self.parts:
-            if 0 <= i < n:
-                if lines is not None:
-                    parts.append((file, first, n - 1, lines[:i] + lines[i + 1:]))
-                else:  # a file of rows: the part splits around the row
-                    parts += [p for p in ((file, first, i, None), (file, first + i + 1, n - i - 1, None)) if p[2]]
-            else:
-                parts.append((file, first, n, lines))
-            i -= n
-        return Where(tuple(parts))
+        """These lines but the one of table row ``i`` (a bad JSONL line skipped)."""
+        part, j = self._locate(i)
+        file, first, n, lines = part
+        kept = (file, first, n - 1, lines[:j] + lines[j + 1:])
+        return Where(tuple(kept if p is part else p for p in self.parts))
 
     @property
     def offset_note(self) -> str:

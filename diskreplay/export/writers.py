@@ -23,7 +23,7 @@ from ..ragged import numpy_view
 from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, StoreLike, _tmp_name, arrow_type,
                       atomic_output, check_chunk_bytes, check_columns, check_interrupt, column_to_arrow,
                       export_metadata, iter_rows, make_filter, open_store, output_format, progress_bar, remove_path,
-                      replaceable_dir, replaceable_file, require, resolve_tokenizer)
+                      replaceable_dir, replaceable_file, require, resolve_tokenizer, tree_size)
 
 FORMATS = ("parquet", "jsonl", "hf", "zarr")
 #: Parquet codecs ``compression`` accepts (``none``: uncompressed); those this
@@ -417,7 +417,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                     arrays = [column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
                               for c in names]
                     for c in text_cols:
-                        arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n, f"column '{c}_ids'"),
+                        arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n, f"{c}_ids"),
                                                type=pa.large_string() if large else pa.string()))
                     parts.append(pa.Table.from_arrays(arrays, schema=schema))
                 yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
@@ -430,19 +430,10 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": _size(out)}
+    res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": tree_size(out)}
     if notes:
         res["warnings"] = notes
     return res
-
-
-def _size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    total = 0
-    for root, _d, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return total
 
 
 def export_parquet(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:

@@ -29,7 +29,7 @@ import pyarrow as pa
 from ..schema import RAGGED, VECTOR, ColumnSpec
 from ._common import (CHUNK_BYTES, ExportError, StoreLike, atomic_output, check_chunk_bytes, check_columns,
                       check_metadata, column_to_arrow, export_metadata, iter_rows, make_filter, open_store,
-                      output_format, progress_bar, replaceable_dir, require)
+                      output_format, progress_bar, replaceable_dir, require, tree_size)
 from .sources import Where
 
 ZARR_ATTR = "diskreplay"
@@ -213,11 +213,7 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": _tree_size(out)}
-
-
-def _tree_size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _d, files in os.walk(path) for f in files)
+    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": tree_size(out)}
 
 
 def _write_index(root: Any, spec: ColumnSpec, keys: List[pa.Array]) -> None:

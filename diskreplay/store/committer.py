@@ -279,7 +279,7 @@ class Committer:
             raise
         finally:
             self.storage.discard_staged()
-            self.pending, self.pending_dirs = [], []  # a duplicate token or an error: never written
+            self.discard_pending()  # a duplicate token or an error: never written
             # what the lost races cost: from the first failed link to the last link (the back-off,
             # re-reading the newest commit, re-planning on it, rewriting the sidecars and manifest)
             if lost_at is not None:
@@ -290,6 +290,10 @@ class Committer:
         self.stats.rebases += attempt > 0
         self._since_conflict = 0 if attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
+
+    def discard_pending(self) -> None:
+        """Forget the files the next publish was to write (written now, or never)."""
+        self.pending, self.pending_dirs = [], []
 
     def _stage_delta(self, plan: Callable[[fmt.Manifest], ops.Operation]) -> Optional[Tuple[fmt.Delta, bytes]]:
         """An append's (or, format v5, a rewrite's) delta, written and made durable with its data

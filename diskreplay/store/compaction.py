@@ -19,7 +19,7 @@ from ..errors import ArgumentError
 MAX_SEGMENT_BYTES = 256 << 20
 # Small commits (a training loop appends one generation batch at a time) are
 # merged, size-tiered, so that segment count, manifest size and open maps stay
-# small (see MergePolicy.plan).
+# small (see MergePolicy.windows).
 MERGE_FANIN = 16
 MERGE_RATIO = 4
 MERGE_MAX_BYTES = 1 << 20

@@ -753,7 +753,7 @@ class ReplayStore:
             if not defer:
                 crash_point("segments.synced")
         except BaseException:
-            self._committer.pending, self._committer.pending_dirs = [], []
+            self._committer.discard_pending()
             self._remove(written)
             raise
         dig = digest(n, [(e.bytes, e.crc32c) for e in entries]) if token is not None else 0
@@ -857,7 +857,7 @@ class ReplayStore:
         dirs = _dirs_of(entries, storage) if sync_dirs else []
         if defer:
             self._committer.pending += files
-            self._committer.pending_dirs += [d for d in dirs if d not in self._committer.pending_dirs]
+            self._committer.pending_dirs += dirs
         else:
             storage.write_files(files, dirs)
         return entries
@@ -1051,7 +1051,7 @@ class ReplayStore:
                 self._committer.storage.write_files([], _dirs_of(entries, self._committer.storage))
                 crash_point("segments.synced")
         except BaseException:
-            self._committer.pending, self._committer.pending_dirs = [], []
+            self._committer.discard_pending()
             self._remove(written)
             raise
         op = ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries))

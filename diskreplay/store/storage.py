@@ -317,7 +317,7 @@ class LocalStorage(Storage):
             items = [(fd, rel, data, step) for fd, (rel, data, step) in zip(fds, files)]
             if temp is not None:
                 items.append((temp[0].fd, temp[0].rel, temp[1], None))
-            dir_fds = [(self._dir_fd(d), d) for d in dirs] if self.fsync else []
+            dir_fds = [(self._dir_fd(d), d) for d in dict.fromkeys(dirs)] if self.fsync else []  # each once
 
             def write(fd: int, rel: str, data: Buffer) -> Callable[[], None]:
                 def run() -> None:

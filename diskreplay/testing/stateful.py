@@ -43,7 +43,7 @@ class WritersMachine(RuleBasedStateMachine):
         self.dir = self.new_location()
         self.capacity = capacity
         n = min(writers, self.WRITERS) if self.MULTI_WRITER else 1
-        # merges after every other small append: the machine meets them (and their conflicts) constantly
+        # merges after every third small append: the machine meets them (and their conflicts) constantly
         self.policy = MergePolicy(fanin=3, ratio=2)
         self.writers = [self._open(multi_writer=self.MULTI_WRITER)] + [self._open() for _ in range(n - 1)]
         self.model: List[str] = []  # tag of every row ever appended, by row id
