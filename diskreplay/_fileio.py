@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from typing import Callable, List, Optional, Sequence, Union
 
 import google_crc32c
@@ -47,6 +48,17 @@ def crash_point(step: str) -> None:
     _crash_hits[want] = _crash_hits.get(want, 0) + 1
     if _crash_hits[want] >= int(want.partition("#")[2] or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def boot_clock() -> float:
+    """Seconds on a clock that keeps counting while the host is suspended (``CLOCK_BOOTTIME``;
+    ``time.monotonic()`` where there is none). The ages a commit checks against
+    ``retain_seconds`` use it: a monotonic clock stops during a suspend, so a writer resumed after
+    an hour would take its files for as young as when it was suspended."""
+    return time.clock_gettime(_BOOT_CLOCK) if _BOOT_CLOCK is not None else time.monotonic()
+
+
+_BOOT_CLOCK = getattr(time, "CLOCK_BOOTTIME", None)
 
 
 def crc32c(data: Buffer, value: int = 0) -> int:

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -26,6 +27,11 @@ FORMAT_FILE = "FORMAT.json"
 # of any writer, so that concurrent first appends cannot disagree on it.
 SCHEMA_FILE = "SCHEMA.json"
 SCHEMA_FORMAT = "diskreplay.schema"
+# The collection floor of a store whose manifests are created only if absent (many writers, object
+# storage): every generation below it may have been collected, none at or above it ever was
+# (docs/FORMAT.md, "The collection floor").
+FLOOR_FILE = "FLOOR.json"
+FLOOR_FORMAT = "diskreplay.floor"
 LOCK_FILE = "LOCK"
 MANIFEST_DIR = "manifests"
 SEGMENT_DIR = "segments"
@@ -68,7 +74,7 @@ def is_store_entry(rel: str) -> bool:
     """
     d, sep, name = rel.partition("/")
     if not sep:
-        return (d in (*DATA_DIRS, QUARANTINE_DIR, FORMAT_FILE, SCHEMA_FILE, LOCK_FILE)
+        return (d in (*DATA_DIRS, QUARANTINE_DIR, FORMAT_FILE, SCHEMA_FILE, FLOOR_FILE, LOCK_FILE)
                 or d.startswith((TMP_PREFIX, ".probe-")))  # (an object store's probes of its server)
     if d == QUARANTINE_DIR:
         return True
@@ -1314,18 +1320,44 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
     manifest deleted before it could be opened) lists again rather than
     mistaking the store for an empty one. An object store is probed instead
     (:func:`_newest_by_probing`): its listings are not relied on.
+
+    A store with a collection floor (:func:`read_floor`) is held to it: the answer counts only
+    if the floor, read after it was found, is not above it. Otherwise the search went through
+    a collected generation (it found a run that a clean-up was removing, or a manifest a stale
+    writer created in a collected slot) and starts again from the floor.
     """
+    start = 0
+    for _ in range(MAX_RELISTS):
+        m, problems = _newest_unchecked(root, known, options, seen, known_is_newest and not start, start)
+        floor = read_floor(root)
+        if floor is None or m.generation >= floor:
+            return m, problems
+        start, known_is_newest = floor, False
+    raise CorruptStoreError(f"the collection floor of {_where(_dir(root), FLOOR_FILE)} kept moving past the "
+                            f"newest manifest found ({MAX_RELISTS} searches): is something deleting manifests?")
+
+
+def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[StoreOptions],
+                      seen: Optional[Dict[int, Manifest]], known_is_newest: bool,
+                      start: int) -> Tuple[Manifest, List[str]]:
+    """:func:`load_newest_manifest` without the floor's check; ``start``: search from that
+    generation up (the floor), not from ``known``."""
     root = _dir(root)
     if _is_storage(root):
-        return _newest_by_probing(root, known, options, seen)
+        return _newest_by_probing(root, known, options, seen, start)
     if known is not None and known.generation and known_is_newest:
         known, complete = read_forward(root, known, options=options, seen=seen)
         if complete:
             return known, []
-    if known is not None and known.generation:  # probe up from it rather than list (see newer_generation)
+    newest: Optional[int] = None
+    if start:  # the floor: never collected while it is the floor (gone: it moved on; list)
+        if _exists(root, manifest_file(start)):
+            newest = _probe_up(root, start)
+    elif known is not None and known.generation:  # probe up from it rather than list (see newer_generation)
         newest = newer_generation(root, known.generation)
         if newest is None:
             return known, []
+    if newest is not None:
         try:
             return load_manifest(os.path.join(root, manifest_file(newest)), newest, known=known,
                                  options=options, seen=seen), []
@@ -1479,24 +1511,39 @@ def newer_generation(root: Any, held: int) -> Optional[int]:
 
 
 def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
-                       seen: Optional[Dict[int, Manifest]] = None) -> Tuple[Manifest, List[str]]:
+                       seen: Optional[Dict[int, Manifest]] = None, start: int = 0) -> Tuple[Manifest, List[str]]:
     """The newest intact manifest of an object store, found with HEAD requests.
 
     Commits create generations N, N+1, ... in order and clean-up removes only
     old ones, so the generations present above any present one are
     contiguous: from a hint (the newest this storage saw before, else a
     listing, which may be stale) probe +1, +2, +4, ... until one is missing,
-    then binary-search the gap. About 2 log2(commits since the hint) HEADs; a
-    listing is needed only when the hint itself was collected.
+    then binary-search the gap. About 2 log2(commits since the hint) HEADs.
+    Without a hint, or when the hint itself was collected, the search starts
+    at the collection floor (``start``, else the one read here), which is never
+    collected while it is the floor; only a store without a floor (written by
+    an older diskreplay) is listed, and an empty listing of such a store is
+    checked against generation 1 before it is taken for an empty store.
     """
     problems: List[str] = []
     for _ in range(MAX_RELISTS):
-        hint = getattr(storage, "generation_hint", 0)
-        # without a hint a listing is the better start (generation 1 is long collected in a long run)
+        hint = max(getattr(storage, "generation_hint", 0), start)
         newest = _probe_up(storage, hint) if hint else 0
         if newest == hint and (hint == 0 or not _exists(storage, manifest_file(hint))):
-            gens = list_generations(storage)
-            newest = _probe_up(storage, gens[0]) if gens else 0
+            floor = read_floor(storage)
+            low = max(floor or 0, 1)
+            if floor is not None and _exists(storage, manifest_file(low)):
+                newest = _probe_up(storage, low)
+            elif floor is not None and read_floor(storage) != floor:
+                start = 0
+                storage.generation_hint = 0
+                continue  # the floor moved past the generation it named: read it again
+            else:
+                # no floor (an older diskreplay's store), or its generation is lost (damage, or no
+                # commit yet): a listing, which may lag, is all there is
+                gens = list_generations(storage)
+                low = gens[0] if gens else (1 if _exists(storage, manifest_file(1)) else 0)
+                newest = _probe_up(storage, low) if low else 0
         if newest == 0:
             return Manifest(), problems
         problems = []
@@ -1538,4 +1585,103 @@ def _probe_up(storage: Any, low: int) -> int:
             low = mid
         else:
             high = mid
+    return low
+
+
+# ---------------------------------------------------------------------------
+# The collection floor (docs/FORMAT.md, "The collection floor")
+
+#: ``FLOOR.json`` is always written as this many bytes (padded with spaces): a local store
+#: rewrites it in place under a lock, and a reader that meets a torn write reads again
+FLOOR_BYTES = 128
+FLOOR_READS = 8  # reads of a FLOOR.json that does not parse before it counts as damaged
+
+
+def floor_bytes(floor: int) -> bytes:
+    """The file form of ``FLOOR.json`` holding ``floor``.
+
+    >>> raw = floor_bytes(17); len(raw), parse_floor(raw, "FLOOR.json")
+    (128, 17)
+    """
+    raw = signed_bytes({"format": FLOOR_FORMAT, "version": 1, "floor": int(floor)})
+    return raw + b" " * (FLOOR_BYTES - len(raw))
+
+
+def parse_floor(raw: bytes, where: str) -> int:
+    """The floor a ``FLOOR.json``'s bytes hold (``CorruptStoreError``/``FormatError`` if they do not)."""
+    doc = _check_header(_parse_json(raw.rstrip(b" "), where), FLOOR_FORMAT, where)
+    _check_signature(doc, where)
+    return _int(doc, "floor", where, hi=_MAX_ID)
+
+
+def read_floor(root: Any) -> Optional[int]:
+    """The collection floor of ``root`` (a directory or a Storage); None where there is none (a
+    single-writer local store, or one an older diskreplay wrote: it is not held to one).
+
+    A manifest generation below the floor may have been collected (or be a manifest a stale
+    writer created in a collected slot); none at or above it ever was. The floor only grows.
+
+    >>> import tempfile; read_floor(tempfile.mkdtemp()) is None
+    True
+    """
+    root = _dir(root)
+    where = _where(root, FLOOR_FILE)
+    for attempt in range(FLOOR_READS):
+        try:
+            raw = (root.read_bytes(FLOOR_FILE, MAX_JSON_BYTES) if _is_storage(root)
+                   else read_file(os.path.join(root, FLOOR_FILE), MAX_JSON_BYTES))
+        except FileNotFoundError:
+            return None
+        if not raw.strip(b" \0"):
+            return None  # created, not written yet: a floor being set for the first time
+        try:
+            return parse_floor(raw, where)
+        except CorruptStoreError:
+            if attempt == FLOOR_READS - 1:
+                raise
+            time.sleep(0.001 * (attempt + 1))  # a local rewrite in place, met half-way: read it again
+    return None
+
+
+def raise_floor(storage: Any, floor: int) -> int:
+    """Make ``storage``'s collection floor at least ``floor``, durably, before anything below it
+    is deleted; returns the floor now (lower than asked when it cannot be raised now: the lock of
+    a local store is held by another writer, its filesystem has no locks, or an object store's
+    conditional writes kept losing; nothing below the returned value may be deleted then).
+
+    >>> from diskreplay.store.storage import LocalStorage
+    >>> import tempfile; s = LocalStorage(tempfile.mkdtemp())
+    >>> raise_floor(s, 5), raise_floor(s, 3), read_floor(s)
+    (5, 5, 5)
+    """
+    where = _where(_dir(storage), FLOOR_FILE)
+
+    def update(raw: Optional[bytes]) -> Optional[bytes]:
+        if not raw or not raw.strip(b" \0"):
+            return floor_bytes(floor)  # the first floor of this store
+        return floor_bytes(floor) if floor > parse_floor(raw, where) else None
+
+    raw = storage.update_small(FLOOR_FILE, update)
+    return parse_floor(raw, where) if raw and raw.strip(b" \0") else 0
+
+
+def lowest_present(storage: Any, newest: int) -> int:
+    """The lowest generation of the run of present manifests that ends at ``newest`` (0 for an
+    empty store), found with O(log n) probes (``stat``s, HEADs) downwards: where a store gets its
+    first floor (one an older diskreplay wrote, or converted to many writers), every generation
+    below that run is collected or being collected, so it is a true floor."""
+    if newest <= 1:
+        return newest
+    storage = _dir(storage)
+    low, step = newest, 1
+    while low - step >= 1 and _exists(storage, manifest_file(low - step)):
+        low -= step
+        step *= 2
+    gone = max(low - step, 0)  # absent (or generation 0): the run starts above it
+    while low - gone > 1:
+        mid = (low + gone) // 2
+        if _exists(storage, manifest_file(mid)):
+            low = mid
+        else:
+            gone = mid
     return low

@@ -38,7 +38,7 @@ from .segment import (_META_BUFFERS, ArrowFile, PageChecksums, Segment, buffer_r
                       field_buffers, group_sidecar, has_page_checksums, inline_group, segment_local_rows)
 
 QUARANTINE_DIR = fmt.QUARANTINE_DIR
-_ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
+_ROOT_NAMES = {fmt.FORMAT_FILE, fmt.SCHEMA_FILE, fmt.FLOOR_FILE, fmt.LOCK_FILE, QUARANTINE_DIR, *fmt.DATA_DIRS}
 # times verify starts again on a newer commit when a live writer collected files under it
 CATCH_UPS = 20
 #: a delta found without the manifest it applies to is looked for again after this long: a clean-up
@@ -104,8 +104,18 @@ def _verify_once(files: "_Files", progress: bool) -> "_Report":
     kept = 0.0
     if options is not None and options.multi_writer:
         kept = float(options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS)
-    manifests, damaged = _scan_manifests(r)
+    try:
+        floor = fmt.read_floor(r.root)
+    except (CorruptStoreError, FormatError) as exc:
+        r.problem(f"{exc} (the collection floor: writers cannot commit until it is mended; `diskreplay "
+                  "repair` writes it again)")
+        floor = None
+    manifests, damaged = _scan_manifests(r, floor=floor)
     newest = manifests[0] if manifests else None
+    if floor is not None and floor > (newest.generation if newest is not None else 0):
+        r.problem(f"{_rel(r.root, fmt.FLOOR_FILE)}: the collection floor {floor} is above the newest manifest "
+                  f"({newest.generation if newest is not None else 'none'}): the manifests at and above it are "
+                  "lost (restore them from a backup)")
     for gen, message in damaged:
         r.problem(message)
     if newest is None and damaged:
@@ -585,13 +595,17 @@ def _load_manifest(files: _Files, gen: int) -> fmt.Manifest:
         raise CorruptStoreError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 
-def _scan_manifests(r: Optional[_Report], files: Optional[_Files] = None
+def _scan_manifests(r: Optional[_Report], files: Optional[_Files] = None, floor: Optional[int] = None
                     ) -> Tuple[List[fmt.Manifest], List[Tuple[int, str]]]:
-    """Intact manifests newest first, and ``(generation, message)`` of damaged ones."""
+    """Intact manifests newest first, and ``(generation, message)`` of damaged ones; those below the
+    collection ``floor`` are collected ones a clean-up has not removed yet (or that a stale writer
+    created in a collected slot), and are left out."""
     files = r.files if r is not None else files
     root = files
     intact, damaged, suspects = [], [], []
     for gen in fmt.list_generations(files.root):
+        if floor is not None and gen < floor:
+            continue
         try:
             m = _load_manifest(files, gen)
         except fmt._MissingBase as exc:

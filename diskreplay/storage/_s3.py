@@ -86,6 +86,13 @@ def _http_status(exc: BaseException) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _conflicting_write(exc: BaseException) -> bool:
+    """A conditional write answered 409 (``ConditionalRequestConflict``): it raced another
+    conditional write of the same key and was not applied; unlike 412 it says nothing about
+    whether the key exists, so it is retried."""
+    return _http_status(exc) == 409 or _s3_code(exc) == "ConditionalRequestConflict"
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).split("Debug source", 1)[0]
     text = re.sub(r"<\?xml.*", "", text, flags=re.S)
@@ -366,8 +373,16 @@ class S3Storage:
                 if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
                     self.generation_hint = max(self.generation_hint, _generation_of(rel))
                 return True
-            except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
-                return False
+            except (self._exc.AlreadyExistsError, self._exc.PreconditionError) as exc:
+                if not _conflicting_write(exc):
+                    return False
+                # 409 ConditionalRequestConflict: another conditional write of this name was in progress;
+                # nothing was decided (obstore reports it as "already exists"): ask again
+                if time.monotonic() + delay > deadline:
+                    raise self._error(exc, "conditional PUT", rel) from None
+                time.sleep(random.uniform(0, delay))
+                delay = min(delay * 2, 2.0)
+                continue
             except (self._exc.BaseError, OSError) as exc:
                 if _s3_code(exc) in _NOT_SUPPORTED_CODES or _http_status(exc) == 501:
                     raise ConditionalWriteError(
@@ -485,6 +500,42 @@ class S3Storage:
                     "writer, or create it with multi_writer=True for many")
             return
         self._put("PUT", rel, data)
+
+    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]], *,
+                     tries: int = 64) -> Optional[bytes]:
+        """Read-modify-write the small object ``rel`` (the collection floor) with no concurrent
+        update lost: ``update(current bytes or None)`` gives the new bytes (None: keep them), PUT
+        only if the object is still the one read (``If-Match`` its ETag; ``If-None-Match: *``
+        where there was none), else read again. Returns the bytes the object holds now; after
+        ``tries`` lost races, or on a server that refuses ``If-Match``, the current bytes
+        unchanged (the caller then does less)."""
+        rel = check_rel(rel)
+        delay = 0.01
+        current: Optional[bytes] = None
+        for _ in range(tries):
+            try:
+                got = self._call("GET", rel, self._ob.get, rel)
+                current, etag = bytes(got.bytes()), got.meta.get("e_tag")
+            except FileNotFoundError:
+                current, etag = None, None
+            new = update(current)
+            if new is None:
+                return current
+            mode: Any = "create" if etag is None else {"e_tag": etag}
+            try:
+                self._ob.put(self._store, rel, memoryview(new).cast("B"), mode=mode, use_multipart=False)
+                return bytes(new)
+            except (self._exc.AlreadyExistsError, self._exc.PreconditionError):
+                pass  # another update came first (or a 409 race): read it and decide again
+            except (self._exc.BaseError, OSError) as exc:
+                if _s3_code(exc) in _NOT_SUPPORTED_CODES or _http_status(exc) == 501:
+                    return current  # no If-Match here: nothing is raised, nothing deleted below it
+                status = _http_status(exc)
+                if not ((status is None and _s3_code(exc) is None) or (status is not None and status >= 500)):
+                    raise self._error(exc, "conditional PUT", rel) from None
+            time.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, 0.5)
+        return current
 
     def delete(self, rel: str) -> bool:
         """Remove ``rel``; True (S3 answers a DELETE of an absent key the same way)."""

@@ -48,6 +48,10 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             ``data`` then only creates the name
 ``discard_staged()``                        drop what ``stage`` (or a lost
                                             ``publish``) kept
+``update_small(rel, update)``               read-modify-write a small file
+                                            (the collection floor) with no
+                                            concurrent update lost: returns
+                                            the bytes it holds after
 ``delete(rel)``                             remove ``rel``; absent is no error
 ``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
                                             durable / make a directory (no-ops
@@ -125,6 +129,8 @@ class Storage(Protocol):
               dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None: ...
 
     def discard_staged(self) -> None: ...
+
+    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]: ...
 
     def delete(self, rel: str) -> bool: ...
 

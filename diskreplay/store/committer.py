@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .. import format as fmt
-from .._fileio import TMP_PREFIX, crash_point
-from ..errors import CommitNotDurableError, CommitTimeoutError, CorruptStoreError, StoreIOError
+from .._fileio import TMP_PREFIX, boot_clock, crash_point
+from ..errors import (CommitConflictError, CommitNotDurableError, CommitTimeoutError, CorruptStoreError,
+                      StoreIOError)
 from . import ops
 from .storage import Storage
 from .tokens import TokenIndex, compact_tokens
@@ -61,6 +62,7 @@ class CommitStats:
     conflicts: int = 0  # lost races for a generation (each one is a retry)
     rebases: int = 0  # commits that had to be re-planned on a newer base after losing a race
     dropped_rewrites: int = 0  # merges given up because another commit changed their segments
+    collected_slots: int = 0  # links of a stale writer into a collected generation (retried as lost races)
     commit_seconds: float = 0.0  # from a commit's first data write to its manifest's publishing
     manifest_seconds: float = 0.0  # of commit_seconds: the manifest step (re-planned after a lost race)
     retry_seconds: float = 0.0  # of both: lost publishes, back-off, re-reading and re-planning
@@ -90,6 +92,11 @@ class Committer:
             fmt.DEFAULT_RETAIN_SECONDS if options.multi_writer else None)
         self.tokens = TokenIndex(storage)
         self.stats = CommitStats()
+        #: manifests are created only if absent (many writers; any store on object storage, which has
+        #: no lock): a clean-up raises the collection floor before it deletes one, and a commit counts
+        #: only if the floor, read after its link, is not above it (docs/FORMAT.md, "The collection floor")
+        self.floored = options.multi_writer or storage.remote
+        self._validated_at = 0.0  # boot_clock() when the base was last found to be the newest commit
         # one writer: the manifests kept (ascending generations), how many of them name each file, and
         # those that are deltas (a store converted from many writers); see collect
         self.retained: Dict[int, fmt.Manifest] = {}
@@ -124,7 +131,7 @@ class Committer:
         self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
         self._in_doubt: Optional[str] = None  # a commit whose outcome is not known (see _publish)
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
-        #: (generation, time.monotonic()) at which that generation was the newest (no later one existed)
+        #: (generation, boot_clock()) at which that generation was the newest (no later one existed)
         self._newest_at: Tuple[int, float] = (0, 0.0)
 
     # ------------------------------------------------------------------ reading the base
@@ -133,13 +140,14 @@ class Committer:
         """The newest commit on storage (never older than the one held)."""
         # probes up from the one held; nothing newer: the one held (a generation is created once)
         seen = self._seen if self.multi_writer else None
-        t = time.monotonic()
+        t = boot_clock()
         m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options, seen=seen,
                                         known_is_newest=self._held_is_newest())
         if m.generation > self.manifest.generation:
             self.manifest = m
             self._saw(m)
         self._newest_at = (self.manifest.generation, t)
+        self._validated_at = t
         return self.manifest
 
     def _held_is_newest(self) -> bool:
@@ -147,7 +155,15 @@ class Committer:
         nothing newer than it can have been collected since (see ``fmt.read_forward``)."""
         gen, at = self._newest_at
         return (self.multi_writer and self.manifest.generation >= gen > 0
-                and time.monotonic() - at < self.retain_seconds / 2)
+                and boot_clock() - at < self.retain_seconds / 2)
+
+    def ensure_floor(self) -> None:
+        """A writer's open of a store held to a collection floor: create it where there is none yet
+        (a new store: 0; one an older diskreplay wrote, or a store converted to many writers: the
+        lowest generation of the run that ends at the newest, which is true of any store), or
+        raise it to that where it is lower (a store converted from many writers and back)."""
+        if self.floored:
+            fmt.raise_floor(self.storage, fmt.lowest_present(self.storage, self.manifest.generation))
 
     def _saw(self, m: fmt.Manifest) -> None:
         if self.multi_writer:
@@ -173,7 +189,7 @@ class Committer:
         """Apply ``plan(base)`` to the newest manifest and publish it; returns the new manifest.
 
         ``written`` are this commit's files (removed when it does not happen),
-        first written at ``time.monotonic()`` ``started``.
+        first written at ``boot_clock()`` ``started``.
         ``install`` makes the new manifest the caller's state; it is called as
         soon as the commit is visible, even if making it durable then fails
         (:class:`CommitNotDurableError`, whose ``rows`` is ``rows(new)``): a
@@ -183,7 +199,7 @@ class Committer:
         self._in_doubt = None  # many writers: the base read below finds that commit if it landed
         t0 = time.perf_counter()
         # the commit began when its first data file was written (``started``), if it wrote any
-        before = max(0.0, time.monotonic() - started) if started is not None else 0.0
+        before = max(0.0, boot_clock() - started) if started is not None else 0.0
         lost_at: Optional[float] = None  # when the first attempt's link failed, once one lost
         publish_t = t0
         delay = BACKOFF_FIRST
@@ -229,7 +245,7 @@ class Committer:
                     if self.multi_writer:
                         new = self._count(base, new, attempt, t0 - before, lost_at, publish_t)
                     data = fmt.signed_bytes(new.body())
-                if self._publish(new, data, install, rows):
+                if self._publish(new, data, install, rows, token is not None):
                     if new.depth:
                         self._owe(attempt, t0 - before, lost_at, publish_t)
                     else:
@@ -339,22 +355,21 @@ class Committer:
     def _check_age(self, started: Optional[float]) -> None:
         """Many writers: another writer's clean-up takes unnamed files older than
         ``retain_seconds``, so a commit must not name files that old."""
-        if self.multi_writer and started is not None and time.monotonic() - started > self.retain_seconds / 2:
+        if self.multi_writer and started is not None and boot_clock() - started > self.retain_seconds / 2:
             raise CommitTimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.url} took more than half of "
                                f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
                                "writers, so it is abandoned (nothing was committed; retry it)")
 
-    def _publish(self, new: fmt.Manifest, data: bytes, install, rows) -> bool:
+    def _publish(self, new: fmt.Manifest, data: bytes, install, rows, tokened: bool = False) -> bool:
         rel = new.file
         files, dirs = self.pending, self.pending_dirs
         self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
-        t = time.monotonic()
+        t = boot_clock()
         try:
             linked = self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest")
             self._linked_t = time.perf_counter()
             if not linked:
                 return False
-            self._newest_at = (new.generation, t)  # its link found no later generation
         except BaseException as exc:
             visible = self._visible(rel, data)
             if visible is None:
@@ -377,12 +392,57 @@ class Committer:
             if isinstance(exc, OSError):
                 raise self._not_durable(exc, f"generation {new.generation} of {self.storage.url}", rows(new)) from exc
             raise
+        if self.floored and not self._above_floor(new, data, tokened):
+            return False  # linked into a collected slot: not a commit (see _above_floor)
+        self._newest_at = (new.generation, t)  # its link found no later generation
         self._installed(new, install)
         try:
             self.storage.sync_dir(fmt.MANIFEST_DIR)
         except OSError as exc:
             raise self._not_durable(exc, f"generation {new.generation} of {self.storage.url}", rows(new)) from exc
         return True
+
+    def _above_floor(self, new: fmt.Manifest, data: bytes, tokened: bool) -> bool:
+        """Whether the generation just linked counts: the collection floor, read after the link,
+        is not above it. Every generation below the floor was (or may have been) collected, and
+        a clean-up raises the floor before it deletes a manifest: so a floor at or below this one
+        proves that no manifest of this generation ever existed before the link, hence that the
+        base was the newest commit then. A floor above it means the base was stale and the link
+        filled a collected slot (the writer was idle or stopped for longer than retain_seconds):
+        the file is removed and the commit rebased like a lost race, its token looked up again
+        on the newest commit. Only a commit whose base is older than ``retain_seconds / 2`` can
+        also have been a real commit since collected (a clock that jumped, a writer stopped
+        right after its link): without a token that is not known (:class:`StoreIOError`, its
+        files kept); with one, the rebase finds its token if it was."""
+        try:
+            floor = fmt.read_floor(self.storage)
+        except OSError as exc:
+            self._in_doubt = (f"whether generation {new.generation} of {self.storage.url} was committed is not "
+                              f"known: reading the collection floor after its link failed ({exc})")
+            raise StoreIOError(exc.errno, f"{self._in_doubt}; retry with the same token to find out (a retry "
+                               "without one may append the rows twice)", exc.filename) from exc
+        if floor is None or floor <= new.generation:
+            return True
+        crash_point("manifest.collected-slot")
+        if not tokened and boot_clock() - self._validated_at >= self.retain_seconds / 2:
+            self._in_doubt = (f"whether generation {new.generation} of {self.storage.url} was committed is not "
+                              f"known: this writer was stopped for longer than half of retain_seconds around its "
+                              f"commit, and the collection floor ({floor}) has passed it since")
+            raise StoreIOError(errno.ETIMEDOUT, f"{self._in_doubt}; commit with a token to find out (a retry "
+                               "without one may append the rows twice)", self.storage.url)
+        try:
+            if self.storage.read_bytes(new.file) == data:  # ours, in a slot nobody else can fill now
+                self.storage.delete(new.file)
+        except OSError:
+            pass  # below the floor it is ignored by every reader, and the next clean-up removes it
+        self.stats.collected_slots += 1
+        if not self.multi_writer:
+            raise CommitConflictError(
+                f"generation {new.generation} of {self.storage.url} was committed and collected by another writer "
+                "while this single-writer store was open (an object store has no lock, so a second writer is "
+                "found at its commit); nothing of this commit is visible: close the store and reopen it, and "
+                "give each store one writer, or create it with multi_writer=True for many")
+        return False
 
     def _not_durable(self, exc: OSError, what: str, rows: Any, again: str = "") -> CommitNotDurableError:
         """The error for a commit that is visible but whose durability failed (owed from now on)."""
@@ -603,22 +663,30 @@ class Committer:
         removes no data file (a generation committed after its listing may
         name one; commits have the same bound, see :meth:`_check_age`).
         """
-        started = time.monotonic()
-        gens = fmt.list_generations(self.storage)
+        started = boot_clock()
         retain = self.retain_seconds
-        # generations are created in order, so the newer of two has existed for less time: the manifests
-        # that go (older than a generation that has existed for ``retain``) are a run of the oldest ones,
-        # found by bisection (a store retaining 10^5 generations would take 10^5 stats to scan)
-        lo, hi = min(fmt.KEEP_MANIFESTS, len(gens)), len(gens)  # gens[i] goes iff gens[i - 1] is old enough
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._age(fmt.manifest_file(gens[mid - 1])) >= retain:
-                hi = mid
-            else:
+        # what is kept is decided by generation numbers from the newest commit down, never by a listing
+        # (an object store's may lag, or be empty): generations at or above the floor are all present
+        hi = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options,
+                                      seen=self._seen)[0].generation
+        floor = fmt.read_floor(self.storage) or 0
+        # a manifest goes once its successor has existed for ``retain`` (never one of the newest
+        # KEEP_MANIFESTS); successors are created in order, so those that go are a run of the oldest,
+        # found by bisection (stats of O(log n) manifests: a store may retain 10^5 generations)
+        lo, cut = max(floor, 1), max(floor, 1, hi - fmt.KEEP_MANIFESTS + 1)
+        while lo < cut:
+            mid = (lo + cut) // 2
+            if self._age(fmt.manifest_file(mid + 1)) >= retain:
                 lo = mid + 1
-        keep, drop = set(gens[:lo]), gens[lo:]
-        referenced, unreadable = self._named_by(keep)
-        drop = [] if unreadable else [g for g in drop if g not in keep]  # an unreadable one may be a delta
+            else:
+                cut = mid
+        keep = set(range(cut, hi + 1))
+        referenced, unreadable = self._named_by(keep)  # keep grows by the chain its oldest delta needs
+        gens = fmt.list_generations(self.storage)
+        # below the floor (raised first, by delete): collected generations, and manifests stale writers
+        # linked into collected slots (whatever their age)
+        below = min(keep) if keep else floor
+        drop = [] if unreadable else sorted(g for g in gens if g < max(below, floor))
         files = []
         entries = len(gens)
         # unnamed files too young to go, and when they will be old enough: each sweep would stat them
@@ -643,10 +711,10 @@ class Committer:
                 else:
                     young[rel] = now + retain - age
         self._ripe = young
-        if time.monotonic() - started > retain / 2:
+        if boot_clock() - started > retain / 2:
             files = []  # stale: the next sweep decides again
         self._collect_unnamed([fmt.manifest_file(g) for g in drop], files, young, retain,
-                              not gens and not self.manifest.generation, referenced, unreadable)
+                              not hi and not floor and not self.manifest.generation, referenced, unreadable)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
     def _named_by(self, keep: set) -> Tuple[set, bool]:
@@ -813,7 +881,11 @@ class Committer:
         name is unlinked; otherwise a power cut could bring back a manifest
         naming files that are gone.
         """
-        for rel in manifests:
+        if self.floored and manifests:
+            # the floor first: a writer whose link fills a collected slot must find it above that slot
+            floor = fmt.raise_floor(self.storage, max(map(_generation_of, manifests)) + 1)
+            manifests = sorted((rel for rel in manifests if _generation_of(rel) < floor), key=_generation_of)
+        for rel in manifests:  # (oldest first)
             crash_point("gc.manifest")
             self.storage.delete(rel)
         if manifests:
@@ -825,6 +897,11 @@ class Committer:
                 dirs.add(os.path.dirname(rel))
         for d in sorted(dirs):
             self.storage.sync_dir(d)
+
+
+def _generation_of(rel: str) -> int:
+    """The generation of a manifest's file name (``manifests/000000000007.json``)."""
+    return int(rel.rsplit("/", 1)[-1].split(".", 1)[0])
 
 
 def _file_keys(m: fmt.Manifest, before: Optional[Tuple[int, fmt.Manifest, frozenset]] = None) -> frozenset:

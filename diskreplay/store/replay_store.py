@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import TMP_PREFIX, WriterLock, crash_point, crc32c, fsync_dir
+from .._fileio import TMP_PREFIX, WriterLock, boot_clock, crash_point, crc32c, fsync_dir
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
                       CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, RowsEvictedError,
                       SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
@@ -312,9 +312,12 @@ class ReplayStore:
 
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
         if self.remote:
-            return (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
-        storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync)
-        return Committer(storage, options, self.manifest)
+            committer = (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
+        else:
+            storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync)
+            committer = Committer(storage, options, self.manifest)
+        committer.ensure_floor()
+        return committer
 
     def _load_generation(self, generation: int) -> fmt.Manifest:
         if generation == 0:
@@ -741,7 +744,7 @@ class ReplayStore:
         written: List[str] = []
         pages: List[Optional[PageChecksums]] = []
         encoded: List[Any] = []
-        started = time.monotonic()
+        started = boot_clock()
         try:
             options = self._fix_schema(schema, written)
             # written and fsynced by the commit, together with the manifest's file (an append delta's
@@ -1016,7 +1019,7 @@ class ReplayStore:
         with the commit's manifest file, in one wait on the disk instead of three (``compact``
         writes each segment as it goes: it may rewrite the whole store)."""
         m = self.manifest
-        started = time.monotonic()
+        started = boot_clock()
         # (many writers racing with full manifests: the data goes first, so that a race is the manifest's alone)
         defer = defer and (not self.multi_writer or self.options.inline_groups or self._committer.uncontended())
         written: List[str] = []

@@ -16,13 +16,14 @@ integer ids by ``diskreplay.format``, never taken from a file's contents.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .._fileio import (TMP_PREFIX, Buffer, crash_point, durable_write, forks, fsync_dir, naming_errors, read_file,
-                       remove_quietly, run_concurrently, write_all, write_and_sync_fd)
+from .._fileio import (TMP_PREFIX, Buffer, boot_clock, crash_point, durable_write, forks, fsync_dir, naming_errors,
+                       read_file, remove_quietly, run_concurrently, write_all, write_and_sync_fd)
 from ..errors import ArgumentError, StoreIOError, UnsupportedFilesystemError
 from ..storage.base import Storage, check_range, check_rel  # the one interface; its local implementation here
 
@@ -251,7 +252,7 @@ class LocalStorage(Storage):
         the wall clock (what clean-up judges): the older of the two (a suspended host stops the
         first, a wall clock that jumps moves the second)."""
         fds = self._fds
-        age = time.monotonic() - fds.ahead_at
+        age = boot_clock() - fds.ahead_at
         try:
             return max(age, time.time() - os.fstat(fds.ahead[0][2]).st_mtime)
         except (OSError, IndexError):
@@ -507,6 +508,38 @@ class LocalStorage(Storage):
                 self._fds.forget_directory(reldir)
                 os.fsync(self._dir_fd(reldir))
 
+    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]:
+        """Read-modify-write the small file ``rel`` (the collection floor) so that no concurrent
+        update is lost: under an exclusive ``flock`` of the file itself, ``update(current bytes or
+        None)`` gives the new bytes (None: keep them), written in place, then fsynced. Returns the
+        bytes the file holds now. Where the lock is held by another process for long (a writer
+        stopped while it held it) or the filesystem has no locks, nothing is written and the
+        current bytes are returned: the caller then does less (the floor stays lower)."""
+        path = self.local_path(rel)
+        created = not os.path.lexists(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            locked = _flock_briefly(fd, fcntl.LOCK_EX)
+            try:
+                current = _pread_all(fd) or None
+                new = update(current) if locked else None
+                if new is None:
+                    return current
+                with naming_errors(path, "writing"):
+                    os.pwrite(fd, new, 0)  # readers that meet it half-way read again (fmt.read_floor)
+                    if current is not None and len(current) > len(new):
+                        os.ftruncate(fd, len(new))
+                    if self.fsync:
+                        os.fsync(fd)
+                if created and self.fsync:
+                    fsync_dir(os.path.dirname(path))
+                return bytes(new)
+            finally:
+                if locked:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     def ensure_dir(self, reldir: str) -> None:
         if not os.path.isdir(self.local_path(reldir)):
             self._fds.forget_directory(reldir)  # a kept descriptor of a removed directory syncs nothing
@@ -589,7 +622,7 @@ class _Descriptors:
 
     def keep_ahead(self, made: List[Tuple[int, str, int]], max_age: float) -> None:
         self._mine()
-        self.ahead, self.ahead_at, self.ahead_max_age = made, time.monotonic(), max_age
+        self.ahead, self.ahead_at, self.ahead_max_age = made, boot_clock(), max_age
         self.ahead_next = made[-1][0] + 1
         if len(self.durable) > self.DURABLE_KEPT:
             self.durable.clear()
@@ -628,6 +661,35 @@ class _Descriptors:
         self.dirs, self.files, self.ahead = {}, {}, []
         for fd in fds:
             _close(fd)
+
+
+LOCK_TRIES = 200  # a brief exclusive lock (the floor's) is tried this many times, 1 ms apart
+
+
+def _flock_briefly(fd: int, how: int) -> bool:
+    """Take ``flock(how)`` on ``fd`` within about ``LOCK_TRIES`` ms; False when another holder
+    keeps it that long or the filesystem has no locks."""
+    for _ in range(LOCK_TRIES):
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    return False
+                raise
+            time.sleep(0.001)
+    return False
+
+
+def _pread_all(fd: int) -> bytes:
+    out, offset = [], 0
+    while True:
+        chunk = os.pread(fd, 1 << 16, offset)
+        if not chunk:
+            return b"".join(out)
+        out.append(chunk)
+        offset += len(chunk)
 
 
 def _close(fd: Optional[int]) -> None:
