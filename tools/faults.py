@@ -564,7 +564,7 @@ def _deleted_after_failed_read(calls: List[Call], store: str) -> Optional[str]:
         if not target.startswith(store + "/") or "/.tmp-" in target:
             return None
         for later in calls[i + 1:]:
-            if later.name in ("rename", "renameat", "renameat2") and any(
+            if later.name in ("rename", "renameat", "renameat2", "link", "linkat") and any(
                     p.startswith(os.path.join(store, fmt.MANIFEST_DIR) + "/") and "/.tmp-" not in p
                     for p in later.paths[1:]):
                 return None  # a newer commit: from here on a deletion may be legitimate GC

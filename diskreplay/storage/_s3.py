@@ -217,6 +217,8 @@ class S3Storage:
         self.coalesce_bytes = int(coalesce_bytes)
         #: the newest manifest generation seen: where the search for a newer one starts
         self.generation_hint = 0
+        #: the ETags of the objects this writer uploaded for the commit in progress (see delete_own)
+        self._own_etags: Dict[str, str] = {}
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
 
     # -- errors ---------------------------------------------------------------
@@ -336,10 +338,11 @@ class S3Storage:
 
         return sorted(self._call("LIST", "", first_page))  # (the client's store has the prefix: paths are relative)
 
-    def _put(self, op: str, rel: str, data: Buffer, **kwargs) -> None:
+    def _put(self, op: str, rel: str, data: Buffer, **kwargs) -> Optional[str]:
         view = memoryview(data).cast("B")
-        self._call(op, rel, self._ob.put, rel, view,
-                   use_multipart=len(view) > self.multipart_threshold, **kwargs)
+        result = self._call(op, rel, self._ob.put, rel, view,
+                            use_multipart=len(view) > self.multipart_threshold, **kwargs)
+        return result.get("e_tag") if isinstance(result, Mapping) else None
 
     def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
         """Create ``rel``, which must not exist: a conditional PUT, so that a second
@@ -369,7 +372,9 @@ class S3Storage:
                 # One PUT: the condition is checked with the object (a multipart
                 # upload checks it only at completion); conditional objects are
                 # segments, manifests and probes, below S3's 5 GiB single-PUT limit.
-                self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
+                result = self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
+                if isinstance(result, Mapping) and result.get("e_tag"):
+                    self._own_etags[rel] = result["e_tag"]
                 if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
                     self.generation_hint = max(self.generation_hint, _generation_of(rel))
                 return True
@@ -439,7 +444,9 @@ class S3Storage:
         reader sees a torn file. ``dirs`` need nothing (an object store has no directories)."""
         def put(rel: str, data: Buffer, step: Optional[str]) -> Callable[[], None]:
             def run() -> None:
-                self._put("PUT", check_rel(rel), data)
+                etag = self._put("PUT", check_rel(rel), data)
+                if etag:
+                    self._own_etags[rel] = etag
                 if step:
                     crash_point(f"{step}.written")
                     crash_point(f"{step}.renamed")
@@ -536,6 +543,68 @@ class S3Storage:
             time.sleep(random.uniform(0, delay))
             delay = min(delay * 2, 0.5)
         return current
+
+    #: an object store has no locks: a stopped writer's objects are judged by their age alone
+    holds_leases = False
+
+    def release_leases(self) -> None:
+        """Nothing is leased here (see :attr:`holds_leases`); the ETags of this commit's uploads go."""
+        self._own_etags.clear()
+
+    def delete_own(self, rel: str) -> bool:
+        """Remove ``rel``, an object this writer uploaded for a commit that did not happen, only while
+        it is still that object (``If-Match`` the ETag its upload got): if another writer's clean-up
+        took it and another commit made the name again, that commit's object stays."""
+        etag = self._own_etags.pop(check_rel(rel), None)
+        return self.delete(rel) if etag is None else self._delete_if(rel, etag)
+
+    def hold(self, rels: Sequence[str]) -> Dict[str, Optional[str]]:
+        """Of ``rels`` (objects a clean-up would remove), those that exist, each with its ETag now:
+        :meth:`remove_held` removes it only while it is still that object (there are no locks)."""
+        out: Dict[str, Optional[str]] = {}
+        for rel in rels:
+            try:
+                out[rel] = self._call("HEAD", check_rel(rel), self._ob.head, rel).get("e_tag")
+            except FileNotFoundError:
+                continue
+        return out
+
+    def remove_held(self, rel: str, handle: Optional[str]) -> bool:
+        """Remove ``rel`` if it is still the object :meth:`hold` saw (``If-Match`` its ETag)."""
+        return self.delete(rel) if handle is None else self._delete_if(rel, handle)
+
+    def unhold(self, held: Mapping[str, Optional[str]]) -> None:
+        """Nothing is held on an object store."""
+
+    def _delete_if(self, rel: str, etag: str) -> bool:
+        """A DELETE with ``If-Match: etag``: True if it removed that object, False if the name now
+        holds another one (412) or none. obstore has no conditional DELETE, so the request is sent
+        to a URL it signed (the condition header is not part of a presigned signature)."""
+        import urllib.error
+        import urllib.request
+
+        rel = check_rel(rel)
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                url = self._ob.sign(self._store, "DELETE", rel, datetime.timedelta(minutes=5))
+                request = urllib.request.Request(url, method="DELETE", headers={"If-Match": etag})
+                with urllib.request.urlopen(request, timeout=max(5.0, self.retry_timeout)):
+                    pass
+                self._cache.forget(rel)
+                return True
+            except urllib.error.HTTPError as exc:
+                if exc.code in (404, 412):
+                    return False
+                if exc.code < 500 or time.monotonic() + delay > deadline:
+                    raise ObjectStoreError(f"{self._url_of(rel)}: conditional DELETE failed (HTTP {exc.code} "
+                                           f"{exc.reason})") from None
+            except (OSError, self._exc.BaseError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise self._error(exc, "conditional DELETE", rel) from None
+            time.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, 2.0)
 
     def delete(self, rel: str) -> bool:
         """Remove ``rel``; True (S3 answers a DELETE of an absent key the same way)."""

@@ -53,6 +53,18 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             concurrent update lost: returns
                                             the bytes it holds after
 ``delete(rel)``                             remove ``rel``; absent is no error
+``delete_own(rel)``                         remove a file this writer made for
+                                            a commit that did not happen, only
+                                            while it is still that file
+``hold(rels)`` / ``remove_held(rel, h)``    a clean-up's removal: of ``rels``,
+/ ``unhold(held)``                          those no live writer leases, held
+                                            so that the removal takes exactly
+                                            the file judged (local: an
+                                            exclusive flock; S3: ``If-Match``)
+``release_leases()`` / ``holds_leases``     end the leases of this writer's
+                                            files (after its commit) / whether
+                                            it takes any (local many-writer
+                                            stores with flock)
 ``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
                                             durable / make a directory (no-ops
                                             on an object store)
@@ -73,7 +85,7 @@ batch them and find the newest manifest by probing rather than listing.
 from __future__ import annotations
 
 import operator
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Any, Callable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 from ..errors import ArgumentError
 
@@ -133,6 +145,18 @@ class Storage(Protocol):
     def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]: ...
 
     def delete(self, rel: str) -> bool: ...
+
+    def delete_own(self, rel: str) -> bool: ...
+
+    def hold(self, rels: Sequence[str]) -> Mapping[str, Any]: ...
+
+    def remove_held(self, rel: str, handle: Any) -> bool: ...
+
+    def unhold(self, held: Mapping[str, Any]) -> None: ...
+
+    def release_leases(self) -> None: ...
+
+    holds_leases: bool
 
     def sync_dir(self, reldir: str) -> None: ...
 

@@ -296,6 +296,7 @@ class Committer:
         finally:
             self.storage.discard_staged()
             self.discard_pending()  # a duplicate token or an error: never written
+            self.storage.release_leases()  # published, or removed (or in doubt: then clean-up decides)
             # what the lost races cost: from the first failed link to the last link (the back-off,
             # re-reading the newest commit, re-planning on it, rewriting the sidecars and manifest)
             if lost_at is not None:
@@ -355,7 +356,9 @@ class Committer:
     def _check_age(self, started: Optional[float]) -> None:
         """Many writers: another writer's clean-up takes unnamed files older than
         ``retain_seconds``, so a commit must not name files that old."""
-        if self.multi_writer and started is not None and boot_clock() - started > self.retain_seconds / 2:
+        # (files leased by this writer are never taken, however long it is stopped: no bound needed)
+        if self.multi_writer and started is not None and not self.storage.holds_leases \
+                and boot_clock() - started > self.retain_seconds / 2:
             raise CommitTimeoutError(errno.ETIMEDOUT, f"a commit to {self.storage.url} took more than half of "
                                f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
                                "writers, so it is abandoned (nothing was committed; retry it)")
@@ -484,7 +487,7 @@ class Committer:
         reserves it at that moment has its new sidecar deleted by this one."""
         for rel in reversed(written):
             try:
-                self.storage.delete(rel)
+                self.storage.delete_own(rel)  # only while it is still this writer's file
             except OSError:
                 pass
 
@@ -713,8 +716,14 @@ class Committer:
         self._ripe = young
         if boot_clock() - started > retain / 2:
             files = []  # stale: the next sweep decides again
+        def named_now() -> Tuple[set, bool]:
+            newest = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options,
+                                              seen=self._seen)[0].generation
+            return self._named_by(set(range(cut, max(newest, cut) + 1)))
+
         self._collect_unnamed([fmt.manifest_file(g) for g in drop], files, young, retain,
-                              not hi and not floor and not self.manifest.generation, referenced, unreadable)
+                              not hi and not floor and not self.manifest.generation, referenced, unreadable,
+                              named_now if hi else None)
         self._sweep_every = max(SHARED_GC_EVERY, entries // SWEEP_ENTRIES_PER_COMMIT)
 
     def _named_by(self, keep: set) -> Tuple[set, bool]:
@@ -771,7 +780,8 @@ class Committer:
         return _file_names(keys), unreadable
 
     def _collect_unnamed(self, manifests: List[str], files: List[str], young: Iterable[str], retain: float,
-                         no_manifest: bool, referenced: set, unreadable: bool) -> None:
+                         no_manifest: bool, referenced: set, unreadable: bool,
+                         named_now: Optional[Callable[[], Tuple[set, bool]]] = None) -> None:
         """Remove the sweep's ``manifests`` and unnamed ``files`` (each old for ``retain`` seconds, checked
         again right before its removal), except that a store without any manifest, and the files its
         sweeps could not judge then (``young``, see :meth:`_pending_set_aside`), move theirs to
@@ -785,7 +795,7 @@ class Committer:
             if kept:
                 files = [rel for rel in files if rel not in pending] + self._set_aside_unnamed(kept, still_old, True)
                 self._write_pending({rel for rel in pending if self._age(rel) != float("inf")}, pending)
-        self.delete(manifests, files, still_old)
+        self.delete(manifests, files, still_old, named_now)
 
     def _pending_set_aside(self, no_manifest: bool, young: Iterable[str], referenced: set,
                            unreadable: bool) -> set:
@@ -872,7 +882,8 @@ class Committer:
                                 "look at what it holds and empty it")
 
     def delete(self, manifests: Sequence[str], files: Sequence[str],
-               still: Callable[[str], bool] = lambda rel: True) -> None:
+               still: Callable[[str], bool] = lambda rel: True,
+               named_now: Optional[Callable[[], Tuple[set, bool]]] = None) -> None:
         """Unlink ``manifests``, make that durable, then unlink ``files`` and make that durable.
 
         The order is what keeps a power cut safe: an unlink becomes durable at
@@ -891,10 +902,21 @@ class Committer:
         if manifests:
             self.storage.sync_dir(fmt.MANIFEST_DIR)
         dirs = set()
-        for rel in files:
-            crash_point("gc.file")
-            if still(rel) and self.storage.delete(rel):
-                dirs.add(os.path.dirname(rel))
+        # each file held while it is removed (no live writer leases it, and the name keeps leading to
+        # it), then checked again: a commit published since the sweep listed it may name it now
+        held = (self.storage.hold(files) if self.multi_writer else dict.fromkeys(files)) if files else {}
+        try:
+            named: set = set()
+            if held and named_now is not None:
+                named, unreadable = named_now()
+                if unreadable:
+                    return
+            for rel, handle in held.items():
+                crash_point("gc.file")
+                if rel not in named and still(rel) and self.storage.remove_held(rel, handle):
+                    dirs.add(os.path.dirname(rel))
+        finally:
+            self.storage.unhold(held)
         for d in sorted(dirs):
             self.storage.sync_dir(d)
 

@@ -314,7 +314,8 @@ class ReplayStore:
         if self.remote:
             committer = (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
         else:
-            storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync)
+            storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync,
+                                   leases=options.multi_writer)
             committer = Committer(storage, options, self.manifest)
         committer.ensure_floor()
         return committer

@@ -47,9 +47,13 @@ class LocalStorage(Storage):
     loss or a kernel crash (see ``ReplayStore``'s ``fsync``).
     """
 
-    def __init__(self, root: str, writer_id: str = "", *, fsync: bool = True) -> None:
+    def __init__(self, root: str, writer_id: str = "", *, fsync: bool = True, leases: bool = False) -> None:
         self.root = root
         self.fsync = fsync
+        #: many writers: hold a shared ``flock`` on every file this writer creates until its commit
+        #: is published or the file removed (see :meth:`hold`): another writer's clean-up never
+        #: removes it, however long this writer is stopped, and it never removes another's file
+        self.leases = leases
         #: unique per writer: temporary names of concurrent writers never collide
         self.writer_id = writer_id or str(os.getpid())
         #: (data, its temporary file, whether a link of it lost) of a staged or lost publish
@@ -174,7 +178,87 @@ class LocalStorage(Storage):
         return naming_errors(self.local_path(rel), doing)
 
     def _create_exclusive(self, rel: str) -> int:
-        return os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._lease(fd)
+        return fd
+
+    def _lease(self, fd: int) -> None:
+        """Take this writer's lease (a shared ``flock``) on a file it just created."""
+        if self.leases and not self._fds.no_leases:
+            try:
+                if not _flock_briefly(fd, fcntl.LOCK_SH):  # (a sweep's brief look at a new file: it is young)
+                    self._fds.no_leases = True
+            except OSError:
+                self._fds.no_leases = True
+
+    @property
+    def holds_leases(self) -> bool:
+        """Whether this writer's files are leased (:meth:`hold`): a filesystem without ``flock``
+        (an NFS mount without a lock manager) falls back to the age rules alone."""
+        return self.leases and not self._fds.no_leases
+
+    def release_leases(self) -> None:
+        """End the leases of this writer's files (its commit is published, or it failed and its
+        files were removed): a clean-up may judge them from now on."""
+        self._fds.release_leases()
+
+    def delete_own(self, rel: str) -> bool:
+        """Remove ``rel``, a file this writer created for a commit that did not happen, only while it
+        is still that file: it holds the lease, so no clean-up removed it and no one made the name
+        again (without leases: while the name leads to the file it created, where it knows it)."""
+        fd = self._fds.take_lease(rel)
+        if fd is None:
+            fd = self._fds.take_reserved(rel)
+        self._fds.durable.discard(rel)
+        if fd is None:
+            return remove_quietly(self.local_path(rel))
+        try:
+            return self._still_mine(rel, fd) and remove_quietly(self.local_path(rel))
+        except OSError:
+            return False
+        finally:
+            _close(fd)
+
+    def hold(self, rels: Sequence[str]) -> Dict[str, Optional[int]]:
+        """Of ``rels`` (unnamed files a clean-up would remove), those no live writer leases, each
+        held (an exclusive ``flock``) until :meth:`unhold`: while held, no writer can have it as
+        its own (its lease would conflict) and the name keeps leading to that file (everyone
+        removes a file only while holding it, or leasing it), so :meth:`remove_held` removes
+        exactly the file judged. The caller checks again, while holding them, that no commit
+        names them (one may have been published, and its lease released, since they were listed).
+        On a filesystem without ``flock`` every file is returned, unheld (None)."""
+        out: Dict[str, Optional[int]] = {}
+        for rel in rels:
+            path = self.local_path(rel)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone already (another writer's clean-up), or not a plain file
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                _close(fd)
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    out[rel] = None
+                continue  # leased: a live writer's commit in flight (or one stopped, not dead)
+            try:
+                st = os.fstat(fd)
+                same = st.st_nlink > 0 and os.lstat(path).st_ino == st.st_ino
+            except OSError:
+                same = False
+            if same:
+                out[rel] = fd
+            else:
+                _close(fd)
+        return out
+
+    def remove_held(self, rel: str, handle: Optional[int]) -> bool:
+        """Remove ``rel``, held by :meth:`hold`."""
+        return remove_quietly(self.local_path(rel))
+
+    def unhold(self, held: Mapping[str, Optional[int]]) -> None:
+        for fd in held.values():
+            _close(fd)
 
     def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16, ahead: int = 1,
                 max_age: float = 0.0) -> Tuple[int, str]:
@@ -313,7 +397,13 @@ class LocalStorage(Storage):
             for rel, _, _ in files:
                 fd = self._fds.take_reserved(rel)
                 if fd is None:
+                    fd = self._fds.take_lease(rel)  # a sidecar rewritten after a rebase: its lease goes on
+                if fd is None:
                     fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+                    self._lease(fd)
+                else:
+                    os.ftruncate(fd, 0)
+                    os.lseek(fd, 0, os.SEEK_SET)
                 fds.append(fd)
             items = [(fd, rel, data, step) for fd, (rel, data, step) in zip(fds, files)]
             if temp is not None:
@@ -355,8 +445,13 @@ class LocalStorage(Storage):
                     crash_point(f"{step}.written")
                     crash_point(f"{step}.renamed")
         finally:
-            for fd in fds:
-                _close(fd)
+            if self.leases and not self._fds.no_leases:
+                # the files stay leased until the commit is published (Committer.commit releases them)
+                for (rel, _, _), fd in zip(files, fds):
+                    self._fds.lease(rel, fd)
+            else:
+                for fd in fds:
+                    _close(fd)
 
     def _dir_fd(self, reldir: str) -> int:
         fd = self._fds.directory(reldir)
@@ -492,6 +587,7 @@ class LocalStorage(Storage):
 
     def delete(self, rel: str) -> bool:
         self._fds.drop_reserved(rel)  # reserved and never written (a failed commit removes its files)
+        _close(self._fds.take_lease(rel))
         self._fds.durable.discard(rel)  # a name made again later is not durable
         return remove_quietly(self.local_path(rel))
 
@@ -516,8 +612,15 @@ class LocalStorage(Storage):
         stopped while it held it) or the filesystem has no locks, nothing is written and the
         current bytes are returned: the caller then does less (the floor stays lower)."""
         path = self.local_path(rel)
-        created = not os.path.lexists(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        created = False
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                created = True  # its name is made durable below, with its first bytes
+            except FileExistsError:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             locked = _flock_briefly(fd, fcntl.LOCK_EX)
             try:
@@ -614,11 +717,29 @@ class _Descriptors:
         self.ahead_next = 0  # the id after the last one reserved ahead
         #: names taken ahead: their directory entries are durable
         self.durable: set = set()
+        #: files written for a commit not published yet, each with its lease (a shared flock)
+        self.leases: Dict[str, int] = {}
+        self.no_leases = False  # the filesystem refused flock: files are judged by their age alone
 
     def _mine(self) -> None:
         if self.forks != forks[0]:  # the parent's names reserved ahead are the parent's to use
             self.forks, self.dirs, self.files, self.ahead, self.durable = forks[0], {}, {}, [], set()
-            self.ahead_next = 0
+            self.ahead_next, self.leases = 0, {}
+
+    def lease(self, rel: str, fd: int) -> None:
+        self._mine()
+        _close(self.leases.pop(rel, None))
+        self.leases[rel] = fd
+
+    def take_lease(self, rel: str) -> Optional[int]:
+        self._mine()
+        return self.leases.pop(rel, None) if self.leases else None
+
+    def release_leases(self) -> None:
+        self._mine()
+        fds, self.leases = list(self.leases.values()), {}
+        for fd in fds:
+            _close(fd)
 
     def keep_ahead(self, made: List[Tuple[int, str, int]], max_age: float) -> None:
         self._mine()
@@ -657,8 +778,9 @@ class _Descriptors:
     def close(self) -> None:
         if self.forks != forks[0]:
             return  # a forked child's copy: the parent's to close
-        fds = list(self.dirs.values()) + list(self.files.values()) + [fd for _, _, fd in self.ahead]
-        self.dirs, self.files, self.ahead = {}, {}, []
+        fds = (list(self.dirs.values()) + list(self.files.values()) + [fd for _, _, fd in self.ahead]
+               + list(self.leases.values()))
+        self.dirs, self.files, self.ahead, self.leases = {}, {}, [], {}
         for fd in fds:
             _close(fd)
 
