@@ -219,6 +219,8 @@ class S3Storage:
         self.generation_hint = 0
         #: the ETags of the objects this writer uploaded for the commit in progress (see delete_own)
         self._own_etags: Dict[str, str] = {}
+        #: whether the last publish got as far as its manifest's PUT (see Committer._publish)
+        self.link_attempted = False
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
 
     # -- errors ---------------------------------------------------------------
@@ -463,9 +465,11 @@ class S3Storage:
         """Upload ``files``, then create the manifest ``rel`` with a conditional PUT: when
         ``exclusive`` a taken name answers False (another writer committed it; rebase), else
         (a single-writer store, which has no lock here) :class:`CommitConflictError`."""
+        self.link_attempted = False
         self.write_files(files, dirs)
         if files:
             crash_point("segments.synced")
+        self.link_attempted = True  # from here an error may be a PUT the server still carries out
         if exclusive:
             created = self.put_if_absent(rel, data, step=step)
         else:

@@ -61,6 +61,9 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             so that the removal takes exactly
                                             the file judged (local: an
                                             exclusive flock; S3: ``If-Match``)
+``link_attempted``                          whether the last ``publish`` got
+                                            as far as its link (or PUT): an
+                                            error then leaves it in doubt
 ``release_leases()`` / ``holds_leases``     end the leases of this writer's
                                             files (after its commit) / whether
                                             it takes any (local many-writer
@@ -157,6 +160,7 @@ class Storage(Protocol):
     def release_leases(self) -> None: ...
 
     holds_leases: bool
+    link_attempted: bool
 
     def sync_dir(self, reldir: str) -> None: ...
 

@@ -375,12 +375,15 @@ class Committer:
                 return False
         except BaseException as exc:
             visible = self._visible(rel, data)
-            if visible is None:
-                # the link (or rename) failed and reading its name back failed too: whether the commit
-                # landed is not known, so its files stay (if it landed, it names them; if not, clean-up
-                # collects them as any commit's that never happened)
+            if visible is None or (visible is False and self.storage.link_attempted and isinstance(exc, OSError)):
+                # the link (or rename, or PUT) failed and reading its name back failed too, or found nothing:
+                # a request the client gave up on may still be carried out (an NFS link retransmitted, a PUT
+                # a server applies after the client's timeout). Whether the commit landed is not known, so its
+                # files stay (if it landed, it names them; if not, clean-up collects them as any commit's
+                # that never happened)
                 self._in_doubt = (f"whether generation {new.generation} of {self.storage.url} was committed is "
-                                  f"not known: publishing it failed ({exc}) and reading it back failed too")
+                                  f"not known: publishing it failed ({exc}) and reading it back "
+                                  + ("failed too" if visible is None else "found nothing yet"))
                 if isinstance(exc, OSError):
                     raise StoreIOError(exc.errno, f"{self._in_doubt}; retry with the same token to find out (a "
                                        "retry without one may append the rows twice)"

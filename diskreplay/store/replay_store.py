@@ -41,7 +41,7 @@ from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_ranges, ragged_run
 from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
 from .storage import LocalStorage, Storage, open_storage
-from .tokens import check_token, digest
+from .tokens import batch_digest, check_token, digest
 
 class _Unset:
     """The default of an option a store keeps: the stored value on a reopen, the documented one on creation."""
@@ -679,13 +679,18 @@ class ReplayStore:
             record, schema = normalize_batch(batch, self.schema, self.group_key)
             return self._commit_rows(record, schema, token)
 
-    def _replayed(self, rec: fmt.TokenRecord, n: int, dig: int) -> np.ndarray:
-        if rec.num_rows != n or rec.digest != dig:
+    def _replayed(self, rec: fmt.TokenRecord, n: int, dig: int,
+                  legacy: Optional[Callable[[], int]] = None) -> np.ndarray:
+        """The rows of a token's commit, for a retry of that batch; ``legacy``: the digest a record
+        written before :func:`batch_digest` holds (of the batch's encoded segments)."""
+        if rec.num_rows != n or (rec.digest != dig and (legacy is None or rec.digest != legacy())):
             from ..errors import BatchError
 
-            raise BatchError(f"token {rec.token!r} was committed (generation {rec.generation}, rows "
-                             f"[{rec.first_row}, {rec.end_row})) for a different batch than this one of {n} rows; "
-                             "a token names one logical batch: use a new token for new rows")
+            raise BatchError(f"token {rec.token!r} is committed (generation {rec.generation}, rows "
+                             f"[{rec.first_row}, {rec.end_row})) for another batch than this one of {n} rows: its "
+                             "rows hold other values. If this batch is meant to be a retry of that one, it is "
+                             f"committed already and committed_rows({rec.token!r}) gives its rows; only a batch "
+                             "that was never committed takes a token of its own")
         rows = np.arange(rec.first_row, rec.end_row, dtype=np.int64)
         self._committer.durable_replay(rows)
         return rows
@@ -738,10 +743,11 @@ class ReplayStore:
         n = record.num_rows
         pieces = split(record)
         committer = self._committer
+        dig = batch_digest(record) if token is not None else 0
         if token is not None:
             rec = committer.find_token(token)
             if rec is not None:
-                return self._replayed(rec, n, self._digest_of(pieces))
+                return self._replayed(rec, n, dig, lambda: self._digest_of(pieces))
         written: List[str] = []
         pages: List[Optional[PageChecksums]] = []
         encoded: List[Any] = []
@@ -760,7 +766,6 @@ class ReplayStore:
             self._committer.discard_pending()
             self._remove(written)
             raise
-        dig = digest(n, [(e.bytes, e.crc32c) for e in entries]) if token is not None else 0
         tokrec = fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None
         prepared = {"first": m.next_row, "entries": tuple(entries)}
 
@@ -782,7 +787,7 @@ class ReplayStore:
         if result.duplicate is not None:
             if result.manifest.generation != self.manifest.generation:
                 self._install(result.manifest, self.options)
-            return self._replayed(result.duplicate, n, dig)
+            return self._replayed(result.duplicate, n, dig, lambda: self._digest_of(pieces))
         new = result.manifest
         for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
             if e.groups_bytes and checksums is not None:

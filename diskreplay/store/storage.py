@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import time
 import weakref
@@ -54,6 +55,9 @@ class LocalStorage(Storage):
         #: is published or the file removed (see :meth:`hold`): another writer's clean-up never
         #: removes it, however long this writer is stopped, and it never removes another's file
         self.leases = leases
+        #: whether the last publish got as far as its link (or rename): an error from it may be a
+        #: link the server carries out later (NFS), so its outcome is not known
+        self.link_attempted = False
         #: unique per writer: temporary names of concurrent writers never collide
         self.writer_id = writer_id or str(os.getpid())
         #: (data, its temporary file, whether a link of it lost) of a staged or lost publish
@@ -115,17 +119,34 @@ class LocalStorage(Storage):
         # in place: no manifest names this file yet, so a torn one is garbage (saves a rename)
         durable_write(self.local_path(rel), data, step=step, sync_dir=False, atomic=False, fsync=self.fsync)
 
-    def _temp(self, rel: str) -> str:
-        directory, name = os.path.split(rel)
-        return os.path.join(directory, f"{TMP_PREFIX}{name}.{self.writer_id}")
+    def _create_temp(self, reldir: str, name: str) -> Tuple[str, int]:
+        """A temporary file of this writer, created (``O_EXCL``) under a name never used before:
+        ``.tmp-<name>.<writer id>.<pid>.<n>``. A temporary name is never opened again to be
+        rewritten: after a ``link`` whose ``unlink`` failed it is a second name of a committed
+        file (and a forked child keeps its parent's writer id), so truncating it would rewrite
+        that file."""
+        while True:
+            base = f"{TMP_PREFIX}{name}.{self.writer_id}.{os.getpid()}.{next(_TEMP_NAMES)}"
+            rel = f"{reldir}/{base}" if reldir else base
+            try:
+                return rel, os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                continue  # a leftover of an earlier process with this pid
 
     def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool:
         """Create ``rel`` with ``data`` unless it exists; False if it does. Atomic and
         never partial: the bytes are written and fsynced under a temporary name, then
         ``link()``ed, which (unlike ``rename``) fails with EEXIST instead of replacing."""
-        tmp = self._temp(rel)
+        directory, name = os.path.split(rel)
+        tmp, fd = self._create_temp(directory, name)
         try:
-            durable_write(self.local_path(tmp), data, sync_dir=False, atomic=False, fsync=self.fsync)
+            try:
+                with self._naming(tmp, "writing"):
+                    write_all(fd, data)
+                    if self.fsync:
+                        os.fsync(fd)
+            finally:
+                os.close(fd)
             if step:
                 crash_point(f"{step}.written")
             if not self.link_new(tmp, rel):
@@ -470,7 +491,7 @@ class LocalStorage(Storage):
         them and ``dirs`` durable in one wait: the next :meth:`publish` of the same ``data``
         object only links it, so the race for a generation is over the link alone."""
         self.discard_staged()
-        temp = self._new_temp(reldir, f"{TMP_PREFIX}staged.{self.writer_id}")
+        temp = self._new_temp(reldir, "staged")
         try:
             self.write_files(files, dirs, temp=(temp, data))
         except BaseException:
@@ -489,6 +510,7 @@ class LocalStorage(Storage):
         (``exclusive``) or renamed onto ``rel``. A file :meth:`stage` wrote for this ``data``, or
         kept by a publish of it whose link lost, is linked as it is (:meth:`discard_staged`
         drops it)."""
+        self.link_attempted = False
         staged = self._staged is not None and self._staged[0] is data and not files
         if staged:
             temp = self._staged[1]
@@ -498,7 +520,7 @@ class LocalStorage(Storage):
         else:
             # a staged delta stays for a retry: this is a full manifest (its base was a checkpoint's);
             # a rename needs a name to rename
-            temp = self._new_temp(os.path.dirname(rel), os.path.basename(self._temp(rel)), unnamed=exclusive)
+            temp = self._new_temp(os.path.dirname(rel), os.path.basename(rel), unnamed=exclusive)
         outcome = ""  # "lost": keep the temporary file for the next try; "renamed": it is gone
         try:
             if not staged:
@@ -507,6 +529,7 @@ class LocalStorage(Storage):
                     crash_point("segments.synced")
                 if step:
                     crash_point(f"{step}.written")
+            self.link_attempted = True
             if exclusive:
                 if not self.link_new(temp, rel):
                     outcome = "lost"
@@ -536,16 +559,15 @@ class LocalStorage(Storage):
     def _new_temp(self, reldir: str, name: str, unnamed: bool = True) -> "_Temp":
         """A file for a manifest-to-be, open for writing: with ``O_TMPFILE`` (where this filesystem
         has it and ``linkat`` can name such a file: probed once) an unnamed one, which a crash
-        leaves nothing of and a publish only links (no temporary name to unlink after); else
-        ``reldir/name``, created or truncated."""
+        leaves nothing of and a publish only links (no temporary name to unlink after); else a
+        temporary name never used before (:meth:`_create_temp`)."""
         if unnamed and self._tmpfile is None:
             self._tmpfile = self._probe_tmpfile(reldir)
         if unnamed and self._tmpfile:
             fd = os.open(self.local_path(reldir), os.O_WRONLY | os.O_TMPFILE, 0o644)
             return _Temp(f"{reldir}/{name}", fd, named=False)
-        rel = f"{reldir}/{name}"
-        return _Temp(rel, os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                                  0o644), named=True)
+        rel, fd = self._create_temp(reldir, name)
+        return _Temp(rel, fd, named=True)
 
     def _probe_tmpfile(self, reldir: str) -> bool:
         flag = getattr(os, "O_TMPFILE", None)
@@ -785,6 +807,7 @@ class _Descriptors:
             _close(fd)
 
 
+_TEMP_NAMES = itertools.count()  # the <n> of this process's temporary names (see LocalStorage._create_temp)
 LOCK_TRIES = 200  # a brief exclusive lock (the floor's) is tried this many times, 1 ms apart
 
 
