@@ -233,8 +233,14 @@ def _repair(files: "_Files", dry_run: bool, progress: bool, force: bool) -> Dict
     if dry_run and lock is not None:
         lock.release()
         lock = None
+    keep_young = 0.0
+    if (multi or files.remote) and not force:
+        try:
+            keep_young = float(fmt.StoreOptions.read(files.root).retain_seconds or fmt.DEFAULT_RETAIN_SECONDS)
+        except (CorruptStoreError, FormatError):
+            keep_young = float(fmt.DEFAULT_RETAIN_SECONDS)
     try:
-        return _Repair(files, dry_run, progress).run()
+        return _Repair(files, dry_run, progress, keep_young).run()
     finally:
         if lock is not None:
             lock.release()
@@ -409,15 +415,15 @@ class _Files:
         return sum(len([f for f in files if f != fmt.QUARANTINE_PENDING]) for _, _, files in os.walk(q))
 
     def youngest_activity(self) -> float:
-        """Seconds since the newest manifest or temporary file was written."""
+        """Seconds since any file of the data directories was written: a manifest, a temporary file,
+        or a data file (a commit in flight writes its segments long before its manifest)."""
         now, youngest = time.time(), float("inf")
         for d in fmt.DATA_DIRS:
             for name in os.listdir(self.where(d)) if os.path.isdir(self.where(d)) else ():
-                if d == fmt.MANIFEST_DIR or name.startswith(TMP_PREFIX):
-                    try:
-                        youngest = min(youngest, now - os.lstat(self.where(f"{d}/{name}")).st_mtime)
-                    except FileNotFoundError:
-                        youngest = 0.0
+                try:
+                    youngest = min(youngest, now - os.lstat(self.where(f"{d}/{name}")).st_mtime)
+                except FileNotFoundError:
+                    youngest = 0.0
         return youngest
 
     def check_dirs(self, quarantine) -> None:
@@ -520,15 +526,22 @@ class _RemoteFiles(_Files):
             len(self.storage.list(f"{QUARANTINE_DIR}/{d}")) for d in fmt.DATA_DIRS)
 
     def youngest_activity(self) -> float:
+        """Seconds since anything in the data directories was written (their listings, which may lag,
+        and the newest manifest, found without one): a commit in flight writes its data first."""
+        youngest = float("inf")
+        for d in fmt.DATA_DIRS:
+            ages = self.storage.list_ages(d)
+            if ages:
+                youngest = min(youngest, min(ages.values()))
         try:
             m, _ = fmt.load_newest_manifest(self.storage)
         except (CorruptStoreError, FormatError):
             gens = fmt.list_generations(self.storage)
             m = fmt.Manifest(generation=gens[0]) if gens else fmt.Manifest()
         if m.generation == 0:
-            return float("inf")
+            return youngest
         try:
-            return self.storage.age(m.file)
+            return min(youngest, self.storage.age(m.file))
         except FileNotFoundError:
             return 0.0
 
@@ -867,8 +880,11 @@ def _orphans_message(files: "_Files", orphans: List[str]) -> str:
 
 
 class _Repair:
-    def __init__(self, files: _Files, dry_run: bool, progress: bool) -> None:
+    def __init__(self, files: _Files, dry_run: bool, progress: bool, keep_young: float = 0.0) -> None:
         self.files, self.dry_run, self.progress = files, dry_run, progress
+        #: unreferenced files younger than this stay (many writers, object storage: a writer on another
+        #: host, which no lock shows, may have a commit in flight that names them; as clean-up keeps them)
+        self.keep_young = keep_young
         self.root = files
         self.actions: List[str] = []
         self._moved: Set[str] = set()
@@ -1069,6 +1085,7 @@ class _Repair:
 
     def _quarantine_unreferenced(self, kept: List[fmt.Manifest]) -> None:
         referenced = _referenced(kept)
+        young = 0
         for rel, is_dir in self.files.entries():
             if rel in self._moved or "/" not in rel and (rel in _ROOT_NAMES or is_dir):
                 continue
@@ -1077,9 +1094,16 @@ class _Repair:
                 continue  # stray files beside the store are the user's, not ours
             if rel in referenced:
                 continue
+            if self.keep_young and self.files.age(rel) < self.keep_young:
+                young += 1
+                continue
             why = "it is a temporary file of an interrupted write" if name.startswith(TMP_PREFIX) \
                 else "no retained manifest references it"
             self._quarantine(rel, why)
+        if young:
+            self.actions.append(f"kept {young} unreferenced file(s) younger than {self.keep_young:.0f} s: a commit "
+                                "in flight may name them (clean-up removes them once they are older and unnamed; "
+                                "--force if every writer is stopped)")
 
     def _quarantine(self, rel: str, why: str) -> None:
         if rel in self._moved:

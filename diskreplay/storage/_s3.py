@@ -327,6 +327,19 @@ class S3Storage:
         # "" is a folder marker (seaweedfs lists "dir/" after its last object goes).
         return sorted(n for n in names if n and not n.startswith("."))
 
+    def list_ages(self, reldir: str) -> Dict[str, float]:
+        """Like :meth:`list`, with each object's age in seconds (from the listing's Last-Modified,
+        by the server's clock against ours)."""
+        reldir = check_rel(reldir, allow_root=True)
+        out = self._call("LIST", reldir, self._ob.list_with_delimiter, reldir or None)
+        now = time.time()
+        ages = {}
+        for o in out["objects"]:
+            name = o["path"].rsplit("/", 1)[-1]
+            if name and not name.startswith("."):
+                ages[name] = now - o["last_modified"].timestamp()
+        return ages
+
     def some_names(self, limit: int = 1000) -> List[str]:
         """Paths of up to about ``limit`` objects anywhere under the store's prefix (one listing
         page, no delimiter: objects in any "folder"), relative to it."""
