@@ -145,7 +145,9 @@ class ReplayStore:
     ``secret_access_key``, ``region``, ...; the ``AWS_*`` environment
     variables are used for what is not given); segments are read through a
     local cache of at most ``cache_bytes`` in ``cache_dir`` (default: a
-    private temporary directory), fetching only the pages a read needs.
+    private temporary directory, removed on close; the ones of processes
+    killed before closing are removed by the next private cache made),
+    fetching only the pages a read needs.
     There is no lock on an object store: every commit is a conditional PUT,
     so a second writer of a single-writer store fails at its commit instead
     of overwriting (docs/FORMAT.md, "Object storage").
