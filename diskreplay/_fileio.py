@@ -16,7 +16,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import google_crc32c
 
@@ -362,6 +362,31 @@ def remove_quietly(path: str) -> bool:
         return False
 
 
+# The LOCK files this process holds, by device and inode (one file under two paths is one lock), each
+# holder with its pid and mode: flock refuses a second open of the file in this process exactly as it
+# refuses another process, and only this record tells the two apart in the error. The pid keeps a forked
+# child, which inherits the record, from taking its parent's locks for its own.
+_HELD: Dict[Tuple[int, int], Dict[int, Tuple[int, bool]]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _reset_held_lock() -> None:  # a child forked while another thread held it would wait forever
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_held_lock)
+
+
+def _held_here(fd: int) -> Optional[bool]:
+    """How this process holds the lock file open as ``fd``: True shared, False exclusively (if it
+    holds it both ways, exclusively), None not at all."""
+    st = os.fstat(fd)
+    with _HELD_LOCK:
+        modes = [shared for pid, shared in _HELD.get((st.st_dev, st.st_ino), {}).values() if pid == os.getpid()]
+    return None if not modes else all(modes)
+
+
 class WriterLock:
     """An exclusive ``flock`` on ``STORE/LOCK`` (``shared=True``: a shared one).
 
@@ -377,6 +402,7 @@ class WriterLock:
         self.shared = shared
         self._fd: Optional[int] = None
         self._pid = 0  # the process that took it
+        self._key: Optional[Tuple[int, int]] = None  # the LOCK file's (device, inode) while held
 
     def probe(self) -> None:
         """Raise ``StoreLockedError`` if a holder has the lock now; take nothing, through a read-only
@@ -408,6 +434,15 @@ class WriterLock:
             fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                here = _held_here(fd)
+                if here is not None and not (self.shared and here):  # (shared holders never block a shared one)
+                    raise StoreLockedError(
+                        f"{os.path.dirname(self.path)} is already open for writing in this process (another "
+                        "ReplayStore of it, not closed, holds LOCK); use that store, or close it first (open "
+                        "with readonly=True to read while it writes)" if not self.shared else
+                        f"{os.path.dirname(self.path)} is open for writing alone, or being converted or repaired, in "
+                        "this process (it holds LOCK exclusively); close that store first, or open this one "
+                        "with readonly=True") from None
                 raise StoreLockedError(
                     f"{os.path.dirname(self.path)} is being converted or repaired by another process (it holds "
                     "LOCK); wait for it, or open the store with readonly=True" if self.shared else
@@ -429,6 +464,14 @@ class WriterLock:
             os.close(fd)
             return
         self._pid = os.getpid()
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            pass  # (only the wording of a later refusal in this process depends on it)
+        else:
+            self._key = (st.st_dev, st.st_ino)
+            with _HELD_LOCK:
+                _HELD.setdefault(self._key, {})[id(self)] = (self._pid, self.shared)
         if self.shared:  # many holders: no pid to record
             self._fd = fd
             return
@@ -457,6 +500,13 @@ class WriterLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        if self._key is not None and _HELD_LOCK is not None:  # (None in a __del__ at interpreter exit)
+            with _HELD_LOCK:
+                holders = _HELD.get(self._key, {})
+                if holders.get(id(self), (None,))[0] == os.getpid():
+                    del holders[id(self)]
+                    if not holders:
+                        del _HELD[self._key]
         try:
             # a forked child shares the parent's open file and so its flock: unlocking there would
             # unlock the parent; closing the child's descriptor leaves the parent's lock alone

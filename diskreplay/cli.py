@@ -264,7 +264,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     store = _store(args)
     try:
-        info = store_info(store, progress=_progress(args))
+        info = store_info(store, progress=_progress(args), include_excluded=args.include_excluded)
     finally:
         if not isinstance(store, str):
             store.close()
@@ -280,14 +280,29 @@ def cmd_export(args: argparse.Namespace) -> int:
                  policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
                  tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                  reward_key=args.reward_key, overwrite=args.overwrite, progress=_progress(args),
-                 compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force)
+                 compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force,
+                 include_excluded=args.include_excluded)
     if not isinstance(store, str):
         store.close()
     _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
                      + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")")
+                     + _excluded_note(args, res)
                      + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))
                      + _nothing_matched(args, res["rows"]))
     return 0
+
+
+def _excluded_note(args: argparse.Namespace, res: Dict[str, Any]) -> str:
+    """A line saying what the store's recorded exclusions did to this output (nothing when it records none)."""
+    ranges = res.get("excluded_ranges") or []
+    if not ranges:
+        return ""
+    where = ", ".join(f"[{a:,}, {b:,})" for a, b in ranges[:4]) + (", ..." if len(ranges) > 4 else "")
+    if args.include_excluded:
+        return f"\nincluded the rows the store records as excluded (rows {where}: a resumed run's discarded timeline)"
+    n = res.get("excluded_rows", 0)
+    return (f"\nleft out {n:,} row{'' if n == 1 else 's'} the store records as excluded (rows {where}: a resumed "
+            "run's discarded timeline); --include-excluded uses them")
 
 
 def _nothing_matched(args: argparse.Namespace, n: int) -> str:
@@ -336,9 +351,13 @@ def cmd_pairs(args: argparse.Namespace) -> int:
                            tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                            group_key=args.group_key, reward_key=args.reward_key,
                            policy_versions=args.policy_versions, overwrite=args.overwrite,
-                           progress=_progress(args), force=args.force)
-    _emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})" + _nothing_matched(args, res["pairs"]))
+                           progress=_progress(args), force=args.force, version_window=args.version_window,
+                           include_excluded=args.include_excluded)
+    windows = (f" ({res['version_windows']:,} windows of {args.version_window} policy version"
+               f"{'' if args.version_window == 1 else 's'})" if args.version_window else "")
+    _emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups{windows} to {res['path']} "
+                     f"({res['format']}: {', '.join(res['columns'])})" + _excluded_note(args, res)
+                     + _nothing_matched(args, res["pairs"]))
     return 0
 
 
@@ -348,9 +367,11 @@ def cmd_best_of_n(args: argparse.Namespace) -> int:
     res = best_of_n(_store(args), args.out, k=args.k, min_reward=args.min_reward, format=args.format,
                     tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                     group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
-                    overwrite=args.overwrite, progress=_progress(args), force=args.force)
+                    overwrite=args.overwrite, progress=_progress(args), force=args.force,
+                    include_excluded=args.include_excluded)
     _emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})" + _nothing_matched(args, res["rows"]))
+                     f"({res['format']}: {', '.join(res['columns'])})" + _excluded_note(args, res)
+                     + _nothing_matched(args, res["rows"]))
     return 0
 
 
@@ -473,6 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "open (e.g. 100:, :50, 7)")
     rows.add_argument("--reward-key", default="rewards", metavar="COL",
                       help="reward column (default: rewards); a vector is averaged over reward functions")
+    rows.add_argument("--include-excluded", action="store_true",
+                      help="also use the rows the store records as excluded (default: left out, and counted): "
+                           "those a resumed TRL run discarded, committed after the checkpoint it resumed from "
+                           "by policies it never had ('diskreplay info' lists them)")
 
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=_Formatter,
@@ -496,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay info runs/grpo/replay\n"
              "  diskreplay info runs/grpo/replay --json | jq .stats.rewards\n" + EXIT_CODES + "\n", [remote, common])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
+    p.add_argument("--include-excluded", action="store_true",
+                   help="count the rows the store records as excluded (a resumed TRL run's discarded "
+                        "timeline, listed as 'excluded') in the tokens and statistics (default: left out)")
 
     p = _sub(subs, "export", cmd_export, "export live rows to parquet / jsonl / hf / zarr",
              "Export the live rows of a store, streaming chunk by chunk (memory bounded by ~64 MiB of\n"
@@ -602,19 +630,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "pairs", cmd_pairs, "chosen/rejected preference pairs (TRL DPO layout)",
              "One pair per group: the highest-reward completion (chosen) against the lowest (rejected).\n"
              "Groups with fewer than two rows, or a margin (chosen - rejected reward) not above 0 and\n"
-             "at least --min-margin, give no pair; ties go to the oldest row.\n\n"
+             "at least --min-margin, give no pair; ties go to the oldest row. A group is a prompt across\n"
+             "the whole run (every policy version) unless --version-window splits it.\n\n"
              "With --tokenizer the columns are TRL DPOTrainer's text columns prompt, chosen, rejected;\n"
              "without, the token ids prompt_ids, chosen_ids, rejected_ids (what TRL's\n"
              "DataCollatorForPreference reads). Always added: the group key, chosen_reward,\n"
              "rejected_reward, margin, chosen_row, rejected_row.",
              "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer\n"
              "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
+             "  diskreplay pairs runs/grpo/replay on_policy.jsonl --version-window 1\n"
              "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n"
              + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")
     p.add_argument("--min-margin", type=_finite_float, default=0.0, metavar="M",
                    help="keep pairs whose reward margin is >= M (default: 0, i.e. any positive margin)")
+    p.add_argument("--version-window", type=_positive_int, metavar="W",
+                   help="pair only rows of the same window of W policy versions (policy_version // W; 1: the "
+                        "same version), one pair per group and window, with chosen_/rejected_policy_version "
+                        "columns (default: none, a group's rows of every policy version are pooled, so a "
+                        "pair may set an early policy's completion against a late one's)")
 
     p = _sub(subs, "best-of-n", cmd_best_of_n, "top-k completions per group as an SFT set",
              "The --k highest-reward completions of each group whose reward is >= --min-reward.\n"

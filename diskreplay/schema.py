@@ -21,9 +21,11 @@ In the TRL layout a 2-D column is per-token when it has the shape of
 name says so (contains ``logp``, ``logprob`` or ``token``); any other 2-D
 column (and any whose name contains ``reward``) is a per-row vector. Once a
 store has the column, its schema decides (a vector column stays one in a batch
-whose completions happen to be as wide); to make a first batch's per-row vector
-as wide as its ids one, pass it as an Arrow ``fixed_size_list`` column, or
-name it ``..._reward...``.
+whose completions happen to be as wide). Those are guesses for a caller who
+does not say; a caller states a per-row vector by passing it as an Arrow
+``fixed_size_list`` column, which is a vector whatever its name or shape
+(``pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])``;
+the TorchRL adapter passes every fixed-shape per-row tensor so).
 """
 
 from __future__ import annotations
@@ -650,7 +652,20 @@ def _lengths(r: _Ragged) -> np.ndarray:
     return np.diff(r.offsets)
 
 
+def _arrow_vectors(batch: Any) -> frozenset:
+    """Names of ``batch``'s Arrow ``fixed_size_list`` columns: the caller said they are per-row vectors
+    (the type says it, where a 2-D array would leave the role to be guessed from the name and shape)."""
+    if isinstance(batch, (pa.Table, pa.RecordBatch)):
+        items = zip(batch.schema.names, batch.schema.types)
+    elif isinstance(batch, Mapping):
+        items = ((k, v.type) for k, v in batch.items() if isinstance(v, _ARROW_VALUES))
+    else:
+        return frozenset()
+    return frozenset(str(k) for k, t in items if pa.types.is_fixed_size_list(t))
+
+
 def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) -> Tuple[int, Dict[str, _Column]]:
+    vectors = _arrow_vectors(batch)
     batch = _from_arrow(batch)
     if not isinstance(batch, Mapping):
         kind = type(batch).__name__
@@ -721,7 +736,9 @@ def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) 
             ref = PROMPT_IDS if name.startswith("prompt_") else COMPLETION_IDS
             own_ids = name in (PROMPT_IDS, COMPLETION_IDS) or name in bool_masks
             known = schema.columns.get(name) if schema is not None else None
-            if known is not None and not own_ids:
+            if name in vectors and not own_ids:
+                is_token = False  # stated by its type; a store holding it per-token refuses it below
+            elif known is not None and not own_ids:
                 is_token = known.kind == RAGGED  # the store settled it (a vector may be as wide as the ids)
             else:
                 is_token = own_ids or _name_says_token(name) or (

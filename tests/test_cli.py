@@ -163,6 +163,45 @@ def test_info_says_what_the_store_takes_on_disk_besides_its_live_rows(capsys, st
     assert rc == 0 and " live, " in text and " in all " in text
 
 
+def test_commands_say_how_many_excluded_rows_they_left_out(capsys, tmp_path):
+    """A resumed TRL run's discarded rows went into export, pairs and best-of-n unannounced and info did not
+    list them: each now leaves them out by default and says how many, --include-excluded uses them, and
+    the help says what the option does."""
+    from .test_export import resumed_store
+
+    path = resumed_store(str(tmp_path / "s"))
+    rc, text, _ = cli(capsys, "info", path)
+    assert rc == 0 and "excluded    16 rows [16, 32): a resumed run's discarded timeline" in text
+    assert "left out below" in text and "(n=32)" in text
+    rc, text, _ = cli(capsys, "info", path, "--include-excluded")
+    assert rc == 0 and "counted below" in text and "(n=48)" in text
+    info = json.loads(cli(capsys, "info", path, "--json")[1])
+    assert info["excluded"] == {"ranges": [[16, 32]], "rows": 16, "included": False}
+    for cmd, out, counted in (("export", "o.parquet", "exported 32 rows"), ("pairs", "p.jsonl", "wrote 2 pairs"),
+                              ("best-of-n", "b.jsonl", "wrote 2 completions")):
+        rc, text, _ = cli(capsys, cmd, path, tmp_path / out)
+        assert rc == 0 and counted in text, text
+        assert "left out 16 rows the store records as excluded (rows [16, 32)" in text, text
+        rc, text, _ = cli(capsys, cmd, path, tmp_path / out, "--include-excluded", "--overwrite")
+        assert rc == 0 and "included the rows the store records as excluded" in text, text
+        rc, text, _ = cli(capsys, cmd, "--help")
+        assert "--include-excluded" in text and "resumed TRL run discarded" in " ".join(text.split())
+    assert "excluded" not in cli(capsys, "export", make_store(tmp_path / "plain"), tmp_path / "plain.jsonl")[1]
+
+
+def test_pairs_version_window_and_its_default_in_help(capsys, store, tmp_path):
+    """pairs could set a row of one policy version against one of another; --version-window W pairs only
+    within windows of W versions, and --help says the default (every version pooled)."""
+    rc, text, _ = cli(capsys, "pairs", "--help")
+    flat = " ".join(text.split())
+    assert "--version-window W" in text and "default: none, a group's rows of every policy version are pooled" in flat
+    rc, text, _ = cli(capsys, "pairs", store, tmp_path / "p.jsonl", "--version-window", "1")
+    assert rc == 0 and "windows of 1 policy version)" in text, text
+    rows = [json.loads(line) for line in open(tmp_path / "p.jsonl")]
+    assert rows and all(r["chosen_policy_version"] == r["rejected_policy_version"] for r in rows)
+    assert cli(capsys, "pairs", store, tmp_path / "q.jsonl", "--version-window", "0")[0] == 2
+
+
 def test_export_then_import_round_trip(store, tmp_path):
     out = tmp_path / "o.parquet"
     assert "exported 24 rows" in run("export", store, out, "--quiet").stdout

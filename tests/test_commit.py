@@ -184,6 +184,40 @@ def test_a_committed_token_returns_its_rows_and_writes_nothing(tmp_path, multi):
         check_live_rows(store)
 
 
+def test_a_read_only_store_looks_tokens_up(tmp_path, monkeypatch, multi):
+    """Auditing tokens needed a writer: committed_rows on a readonly=True store raised ReadOnlyError
+    ("open it without readonly=True to write"). It is a lookup: it answers from the generation the
+    reader sees (inline records and sealed logs alike), writes nothing, and refresh() shows newer ones."""
+    from diskreplay.store import tokens as tok
+
+    def files():
+        return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+
+    monkeypatch.setattr(tok, "INLINE_TOKENS", 2)  # most records are sealed into token logs
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=multi) as writer:
+        for i in range(6):
+            writer.extend(expected_rows(np.arange(4 * i, 4 * i + 4)), token=f"w0:{i}")
+            if i == 0:
+                pinned = writer.snapshot()
+        assert writer.manifest.token_logs or multi  # (many writers' appends are deltas until a checkpoint)
+        before = files()
+        with ReplayStore(path, readonly=True) as reader:
+            assert reader.committed_rows("w0:0").tolist() == [0, 1, 2, 3]
+            assert reader.committed_rows("w0:5").tolist() == [20, 21, 22, 23]
+            assert reader.committed_rows("w0:6") is None
+            with pytest.raises(ValueError, match="token must be"):
+                reader.committed_rows("")
+            assert files() == before
+            writer.extend(expected_rows(np.arange(24, 28)), token="w0:6")
+            assert reader.committed_rows("w0:6") is None  # the generation it reads
+            reader.refresh()
+            assert reader.committed_rows("w0:6").tolist() == [24, 25, 26, 27]
+            with pinned:  # a snapshot answers for its own generation
+                assert pinned.committed_rows("w0:0").tolist() == [0, 1, 2, 3]
+                assert pinned.committed_rows("w0:1") is None
+
+
 def test_a_token_reused_for_another_batch_is_refused(tmp_path, multi):
     with ReplayStore(tmp_path / "s", multi_writer=multi) as store:
         store.extend(expected_rows(np.arange(0, 4)), token="step-7")

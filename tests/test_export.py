@@ -1109,3 +1109,106 @@ def test_jsonl_import_of_a_per_row_vector_added_late(tmp_path):
         got = s.read([0, 5, 1150], ["judge_rewards", "judge"])
         assert np.isnan(got["judge_rewards"][0]).all() and got["judge_rewards"][1].tolist() == [0.5, 5.0]
         assert np.isnan(got["judge"][1]).all() and got["judge"][2].tolist() == [1.0, 2.0]
+
+
+# --------------------------------------------------------------------------
+# rows a resumed run excluded (issue 35)
+# --------------------------------------------------------------------------
+
+def resumed_store(path):
+    """A store as a TRL run killed after step 3 and resumed from its step-2 checkpoint leaves it:
+    steps 0-3, then 2-3 again; rows [16, 32) (the discarded steps 2 and 3) recorded as excluded in
+    the "trl.replay" state, exactly as DiskReplayGRPOTrainer records them. Both timelines wrote
+    versions 2 and 3, so no --policy-versions separates them. The discarded rows have the highest
+    rewards: a pair, a best-of-n pick or a statistic that uses them shows."""
+    from diskreplay.integrations.trl.checkpoint import STATE_NAME, ReplayState
+    from diskreplay.integrations.trl.planners import Timeline
+
+    with ReplayStore(path) as s:
+        for step, version in enumerate([0, 1, 2, 3, 2, 3]):
+            discarded = step in (2, 3)
+            s.extend({"prompt_id": [0] * 4 + [1] * 4, "prompt_ids": [[9, 8]] * 8,
+                      "completion_ids": [[2 + step, 2 + i] for i in range(8)],
+                      "rewards": np.float32(np.arange(8) % 4 + (10 if discarded else 0)),
+                      "policy_version": [version] * 8})
+        state = ReplayState("off", None, np.random.Generator(np.random.PCG64(0)), next_row=48,
+                            global_step=4, store_path=s.path, timeline=Timeline(((16, 32),)))
+        s.save_state(STATE_NAME, state.to_dict())
+    return path
+
+
+def test_exports_pairs_best_of_n_and_info_leave_out_the_rows_a_resumed_run_excluded(tmp_path):
+    """Found with a real TRL resume: export, pairs (one DPO pair used an excluded row), best-of-n and info
+    used the rows of the discarded timeline. They honour the store's recorded exclusions by default,
+    say how many rows they left out, and use them with include_excluded=True."""
+    path = resumed_store(str(tmp_path / "s"))
+    kept = [r for r in range(48) if not 16 <= r < 32]
+
+    res = export(path, str(tmp_path / "o.parquet"), columns=["completion_ids", "rewards"])
+    assert res["rows"] == 32 and res["excluded_rows"] == 16 and res["excluded_ranges"] == [[16, 32]]
+    got = pq.read_table(str(tmp_path / "o.parquet"))["completion_ids"].to_pylist()
+    with ReplayStore(path, readonly=True) as s:
+        assert got == s.read(kept)["completion_ids"].to_list()
+    # the exclusion comes before --limit counts, and counts only rows the filters kept
+    res = export(path, str(tmp_path / "l.jsonl"), limit=20, policy_versions="2:3")
+    assert res["rows"] == 16 and res["excluded_rows"] == 16
+    res = export(path, str(tmp_path / "z.zarr"))
+    assert res["rows"] == 32 and res["excluded_rows"] == 16
+    res = export(path, str(tmp_path / "all.jsonl"), include_excluded=True)
+    assert res["rows"] == 48 and res["excluded_rows"] == 0 and res["excluded_ranges"] == [[16, 32]]
+
+    res = preference_pairs(path, str(tmp_path / "p.jsonl"))
+    pairs = [json.loads(line) for line in open(tmp_path / "p.jsonl")]
+    assert res["pairs"] == 2 and res["excluded_rows"] == 16
+    assert all(not 16 <= p[k] < 32 for p in pairs for k in ("chosen_row", "rejected_row"))
+    with_them = preference_pairs(path, str(tmp_path / "p2.jsonl"), include_excluded=True)
+    assert with_them["excluded_rows"] == 0
+    assert any(16 <= json.loads(line)["chosen_row"] < 32 for line in open(tmp_path / "p2.jsonl"))
+
+    res = best_of_n(path, str(tmp_path / "b.jsonl"), k=2)
+    assert res["rows"] == 4 and res["excluded_rows"] == 16
+    assert all(not 16 <= json.loads(line)["row"] < 32 for line in open(tmp_path / "b.jsonl"))
+
+    info = store_info(path)
+    assert info["rows"] == 48 and info["excluded"] == {"ranges": [[16, 32]], "rows": 16, "included": False}
+    assert info["stats"]["rewards"]["count"] == 32 and info["stats"]["rewards"]["max"] == 3.0
+    assert info["tokens"]["completion"] == 64
+    full = store_info(path, include_excluded=True)
+    assert full["stats"]["rewards"]["count"] == 48 and full["excluded"]["included"] is True
+    # a store that records none is as before
+    plain = fill_store(str(tmp_path / "plain"), extends=1)
+    assert store_info(plain)["excluded"] is None
+    assert export(plain, str(tmp_path / "plain.jsonl"))["excluded_rows"] == 0
+
+
+def test_pairs_within_a_window_of_policy_versions(tmp_path):
+    """A group is a prompt across the whole run, so a pair could set a completion of policy version 0
+    against one of version 3. version_window=W pairs only rows of the same window of W versions (one
+    pair per group and window); the default pools every version, as before."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as s:
+        for version in range(4):  # prompt 0's best row is always of version 3, its worst of version 0
+            s.extend({"prompt_id": [0, 0, 0], "completion_ids": [[2 + version, i] for i in range(3)],
+                      "rewards": np.float32([version, version + 0.5, version + 0.25]),
+                      "policy_version": [version] * 3})
+    pooled = preference_pairs(path, str(tmp_path / "all.jsonl"))
+    row = json.loads(open(tmp_path / "all.jsonl").readline())
+    assert pooled["pairs"] == 1 and (row["chosen_row"], row["rejected_row"]) == (10, 0)
+    assert "chosen_policy_version" not in row
+
+    res = preference_pairs(path, str(tmp_path / "one.jsonl"), version_window=1)
+    rows = [json.loads(line) for line in open(tmp_path / "one.jsonl")]
+    assert res["pairs"] == 4 and res["version_windows"] == 4
+    assert [(r["chosen_row"], r["rejected_row"]) for r in rows] == [(1, 0), (4, 3), (7, 6), (10, 9)]
+    assert all(r["chosen_policy_version"] == r["rejected_policy_version"] for r in rows)
+
+    res = preference_pairs(path, str(tmp_path / "two.jsonl"), version_window=2)
+    rows = [json.loads(line) for line in open(tmp_path / "two.jsonl")]
+    assert [(r["chosen_policy_version"], r["rejected_policy_version"]) for r in rows] == [(1, 0), (3, 2)]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ExportError, match="version_window"):
+            preference_pairs(path, str(tmp_path / "bad.jsonl"), version_window=bad)
+    with ReplayStore(str(tmp_path / "nov")) as s:
+        s.extend({"prompt_id": [0, 0], "completion_ids": [[2], [3]], "rewards": [0.0, 1.0]})
+    with pytest.raises(ExportError, match="policy_version"):
+        preference_pairs(str(tmp_path / "nov"), str(tmp_path / "nov.jsonl"), version_window=1)

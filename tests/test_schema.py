@@ -194,3 +194,21 @@ def test_values_the_stored_type_cannot_hold_are_refused_not_wrapped(tmp_path, co
         assert len(store) == 2
         store.extend({**first, "rewards": np.array([np.inf, np.nan]), "policy_version": np.uint64([1, 2**63 - 1])})
         assert store.read([3])["policy_version"].tolist() == [2**63 - 1]
+
+
+def test_an_arrow_fixed_size_list_is_a_vector_whatever_its_name_or_shape(tmp_path):
+    """A fixed-size list states a per-row vector (extend's docstring says so), yet a name containing
+    "token"/"logp" or the shape of the completions made it a per-token column (refused without ids, or
+    stripped with their mask). A plain 2-D array keeps TRL's rules (a name says per-token)."""
+    def fsl(values, width):
+        return pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(values).reshape(-1)), width)
+
+    store = ReplayStore(str(tmp_path / "s"))
+    ids = torch.ones(2, 3, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    store.extend({"prompt_id": [0, 0], "my_token_count": fsl(np.arange(16), 8),
+                  "completion_ids": ids, "completion_mask": mask, "logp_stats": fsl([.1, .2, .3, .4, .5, .6], 3)})
+    assert store.schema["my_token_count"].kind == "vector" and store.schema["logp_stats"].kind == "vector"
+    np.testing.assert_array_equal(store.read([1])["logp_stats"], np.float64([[.4, .5, .6]]))
+    with pytest.raises(BatchError, match="'x_token' is a padded per-token tensor"):
+        ReplayStore(str(tmp_path / "t")).extend({"prompt_id": [0, 0], "x_token": np.zeros((2, 8))})

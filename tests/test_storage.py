@@ -241,6 +241,56 @@ def _s3(server, tmp_path, **kwargs):
                      cache_dir=str(tmp_path / "cache"), **kwargs)
 
 
+def test_private_cache_directories_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """Without cache_dir every process made its own diskreplay-cache-* directory, and one killed before
+    closing left it behind (7 after a run with killed Ray actors). A new private cache removes those
+    whose owner is gone; a live process's, one without .owner (an earlier diskreplay's) and anything
+    else in the temporary directory stay; a cache removes its own when it closes."""
+    import tempfile
+
+    from diskreplay.storage._cache import ObjectCache
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = textwrap.dedent("""
+        import os, sys, time
+        from diskreplay.storage._cache import ObjectCache
+        cache = ObjectCache(None, 1 << 20, "s3://b/p")
+        cache.fill("x", 10, lambda missing: [b"0123456789"[s:e] for s, e in missing], None)
+        print(cache.directory, flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), 9)
+        time.sleep(120)
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp)}
+
+    def child(how):
+        p = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, text=True, env=env)
+        return p, p.stdout.readline().strip()
+
+    killed, dead_dir = child("kill")
+    assert killed.wait(30) == -signal.SIGKILL and os.path.isdir(dead_dir) and os.listdir(dead_dir)
+    live, live_dir = child("live")
+    try:
+        old = tmp / "diskreplay-cache-earlier"
+        old.mkdir()
+        (old / "copy").write_bytes(b"x")
+        (tmp / "diskreplay-cache-file").write_bytes(b"not a directory")
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        cache = ObjectCache(None, 1 << 20, "s3://b/q")
+        assert os.path.dirname(cache.directory) == str(tmp)
+        assert not os.path.exists(dead_dir)
+        assert os.path.isdir(live_dir) and os.path.isdir(old) and (tmp / "diskreplay-cache-file").exists()
+        cache.close()
+        assert not os.path.exists(cache.directory)
+    finally:
+        live.kill()
+        live.wait()
+    cache = ObjectCache(None, 1 << 20, "s3://b/q")  # its owner killed since: removed now
+    assert not os.path.exists(live_dir) and os.path.isdir(old)
+    cache.close()
+
+
 def test_fetch_ranges_coalesces_and_counts(s3_server, tmp_path):
     st = _s3(s3_server, tmp_path, coalesce_bytes=32 << 10)
     data = os.urandom(1 << 20)

@@ -283,6 +283,33 @@ def test_second_writer_is_refused(tmp_path):
     ReplayStore(tmp_path / "s").close()  # released on close
 
 
+def test_a_second_writer_in_the_same_process_is_told_so(tmp_path):
+    """A second writer in this process was told the store was "already open for writing by another
+    process" while this process held LOCK: the message now says which (and how to go on). Another
+    process's lock still reads as another process's; a closed writer's lock is forgotten."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path):
+        with pytest.raises(StoreLockedError, match="already open for writing in this process") as info:
+            ReplayStore(path)
+        assert "another process" not in str(info.value) and "close it first" in str(info.value)
+        with pytest.raises(StoreLockedError, match="in this process"):  # the same file under another path
+            ReplayStore(os.path.join(str(tmp_path), ".", "s"))
+    many = str(tmp_path / "many")
+    with ReplayStore(many, multi_writer=True) as a, ReplayStore(many, multi_writer=True) as b:  # shared: both
+        assert a.multi_writer and b.multi_writer
+    code = (f"import time; from diskreplay import ReplayStore; s = ReplayStore({path!r}); print('open', flush=True); "
+            "time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "open"
+        with pytest.raises(StoreLockedError, match="by another process"):
+            ReplayStore(path)
+    finally:
+        child.kill()
+        child.wait()
+    ReplayStore(path).close()
+
+
 def test_reader_follows_writer(tmp_path):
     with ReplayStore(tmp_path / "s", capacity=16) as w:
         w.extend(make_rollouts(1, 8, seed=0))

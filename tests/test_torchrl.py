@@ -527,3 +527,55 @@ def test_rows_without_a_per_token_column_come_back_without_it(tmp_path):
     assert "log_probs" not in got[0].keys()
     assert got[1]["log_probs"].tolist() == [-0.0] and got[2]["log_probs"].tolist() == [-0.0, -1.0]
     rb.storage.close()
+
+
+def test_fixed_shape_tensors_named_like_tokens_are_vectors_as_in_lazy_memmap_storage(tmp_path):
+    """TorchRL's own ``("tokens", "full")`` as a padded [B, 128] tensor and ``"my_token_count"`` as [4, 8]
+    were refused (BatchError: "a padded per-token tensor (4, 8) but the batch has no 'completion_ids'"):
+    the store took their role from their names. LazyMemmapStorage takes the same TensorDict; a fixed-shape
+    tensor per row is a vector column, whatever its name, and comes back as it went in."""
+    from torchrl.data import LazyMemmapStorage
+
+    g = torch.Generator().manual_seed(0)
+
+    def batch():
+        return TensorDict({"tokens": {"full": torch.randint(0, 1000, (4, 128), generator=g)},
+                           "log_probs": {"full": -torch.rand(4, 128, generator=g)},
+                           "my_token_count": torch.randint(0, 9, (4, 8), generator=g),
+                           "mask": torch.rand(4, 128, generator=g) > 0.5,
+                           "next": {"reward": torch.rand(4, 1, generator=g)}}, batch_size=[4])
+
+    first, second = batch(), batch()
+    path = str(tmp_path / "s")
+    ours = ReplayBuffer(storage=DiskReplayStorage(path, 16), batch_size=4)
+    theirs = ReplayBuffer(storage=LazyMemmapStorage(16, scratch_dir=str(tmp_path / "m")), batch_size=4)
+    for td in (first, second):
+        assert ours.extend(td).tolist() == theirs.extend(td).tolist()
+    assert ours.storage.store.schema["tokens.full"].kind == "vector"
+    assert ours.storage.store.schema["my_token_count"].kind == "vector"
+    ours.storage.close()
+    ours = ReplayBuffer(storage=DiskReplayStorage(path, 16), batch_size=4)
+    want = torch.cat([first, second])
+    got, theirs_got = ours[:8], theirs[:8]
+    for key in want.keys(include_nested=True, leaves_only=True):
+        for other in (got, theirs_got):
+            assert other[key].dtype == want[key].dtype and other[key].shape == want[key].shape, key
+            assert torch.equal(other[key], want[key]), key
+    ours.storage.close()
+
+
+def test_the_trl_padded_layout_through_disk_storage_is_still_stripped(tmp_path):
+    """Stating dense tensors as vectors leaves TRL's padded layout as extend reads it: ids with their
+    mask and the per-token columns of their shape are stripped; a [B, 1] column stays a vector."""
+    td = TensorDict({"completion_ids": torch.tensor([[5, 6, 0], [7, 0, 0]]),
+                     "completion_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+                     "old_per_token_logps": torch.tensor([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]]),
+                     "token_scores": torch.tensor([[0.5], [0.25]])}, batch_size=[2])
+    rb = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 8), batch_size=2)
+    rb.extend(td)
+    store = rb.storage.store
+    assert store.schema["completion_ids"].kind == "ragged" and store.schema["old_per_token_logps"].kind == "ragged"
+    assert store.schema["token_scores"].kind == "vector"
+    got = store.read([0, 1])
+    assert got["old_per_token_logps"][0].tolist() == [-1.0, -2.0] and got["completion_ids"][1].tolist() == [7]
+    rb.storage.close()

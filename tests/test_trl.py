@@ -8,6 +8,7 @@ batch keeps the parent's keys, dtypes and size, and that a resumed run
 continues the store and the sampler.
 """
 
+import json
 import math
 import os
 import signal
@@ -501,6 +502,17 @@ def test_resume_after_sigkill_never_replays_rows_of_the_discarded_timeline(tmp_p
         assert versions.tolist() == [s for s in (0, 1, 2, 3, 2, 3) for _ in range(8)]
         assert store.load_state("trl.replay")["excluded"] == [[16, 32]]
         assert_replayed_rows_reached_the_loss(resumed, store, history[0]["replayed_rows"])
+    # the offline tools leave the discarded rows out too (a DPO pair was made of one), and say so
+    from diskreplay.export import export, preference_pairs, store_info
+
+    path = str(tmp_path / "killed" / "store")
+    res = export(path, str(tmp_path / "rows.jsonl"), columns=["policy_version"])
+    assert (res["rows"], res["excluded_rows"], res["excluded_ranges"]) == (32, 16, [[16, 32]])
+    res = preference_pairs(path, str(tmp_path / "pairs.jsonl"), include_excluded=False)
+    assert res["excluded_rows"] == 16
+    assert all(not 16 <= json.loads(line)[k] < 32 for line in open(tmp_path / "pairs.jsonl")
+               for k in ("chosen_row", "rejected_row"))
+    assert store_info(path)["excluded"]["ranges"] == [[16, 32]]
     # the checkpoint the resumed run wrote carries the exclusion, for the next resume
     saved = load_checkpoint_state(checkpoint_state_path(str(out / "checkpoint-4")))
     assert saved.timeline.excluded == ((16, 32),) and saved.next_row == 48

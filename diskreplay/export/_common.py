@@ -639,9 +639,76 @@ def plan_chunks(store: ReplayStore, chunk_bytes: int = CHUNK_BYTES) -> List[List
     return out
 
 
+def recorded_exclusions(store: ReplayStore) -> Tuple[Tuple[int, int], ...]:
+    """The live row ranges ``store`` records as excluded: the rows of a timeline a resumed run discarded.
+
+    ``DiskReplayGRPOTrainer`` keeps them in the store's ``"trl.replay"`` state
+    (rows committed after the checkpoint a run resumed from, by policies the
+    resumed run never had); nothing else records any. Clipped to the live
+    rows ``[head, next_row)``; empty when none are recorded.
+
+    >>> import tempfile
+    >>> with ReplayStore(tempfile.mkdtemp()) as s:
+    ...     _ = s.extend({"prompt_id": [0, 0, 1, 1]})
+    ...     recorded_exclusions(s)
+    ()
+    """
+    from ..integrations.trl.checkpoint import STATE_NAME, ReplayState  # no TRL: the state's one reader
+
+    raw = store.load_state(STATE_NAME)
+    if raw is None:
+        return ()
+    try:
+        timeline = ReplayState.from_dict(raw, f"{store.path} state {STATE_NAME!r}").timeline
+    except DiskReplayError as exc:
+        raise ExportError(f"{exc}; it records which rows a resumed run excluded: pass --include-excluded "
+                          "(include_excluded=True) to use every row without reading it") from None
+    head, end = store.head, store.next_row
+    return tuple((max(a, head), min(b, end)) for a, b in timeline.excluded if min(b, end) > max(a, head))
+
+
+class Exclusions:
+    """The rows an export leaves out for a store's :func:`recorded_exclusions`, and how many it left out.
+
+    ``include=True`` (``--include-excluded``) leaves nothing out; the ranges
+    are still reported. ``left_out`` counts the rows :meth:`drop` removed.
+
+    >>> e = Exclusions(((2, 4),))
+    >>> e.drop(np.arange(6)).tolist(), e.left_out
+    ([0, 1, 4, 5], 2)
+    """
+
+    def __init__(self, ranges: Tuple[Tuple[int, int], ...] = (), include: bool = False) -> None:
+        self.ranges, self.include, self.left_out = tuple(ranges), bool(include), 0
+
+    @classmethod
+    def of(cls, store: ReplayStore, include: bool = False) -> "Exclusions":
+        return cls(recorded_exclusions(store), include)
+
+    def mask(self, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` are left out (none when included)."""
+        from ..samplers import in_ranges
+
+        return in_ranges(rows, () if self.include else self.ranges)
+
+    def drop(self, rows: np.ndarray) -> np.ndarray:
+        if self.include or not self.ranges or not len(rows):
+            return rows
+        out = self.mask(rows)
+        self.left_out += int(out.sum())
+        return rows[~out]
+
+    def report(self) -> Dict[str, Any]:
+        """What an export's result says: the live excluded ranges, their rows, whether they were included,
+        and how many rows the export left out for them."""
+        return {"ranges": [[a, b] for a, b in self.ranges], "rows": sum(b - a for a, b in self.ranges),
+                "included": self.include, "left_out": self.left_out}
+
+
 def iter_rows(store: ReplayStore, flt: Optional[RowFilter] = None, chunk_bytes: int = CHUNK_BYTES,
-              bar: Any = None) -> Iterator[List[np.ndarray]]:
-    """Yield the ids of the selected live rows, oldest first: per chunk, one array per piece."""
+              bar: Any = None, excluded: Optional[Exclusions] = None) -> Iterator[List[np.ndarray]]:
+    """Yield the ids of the selected live rows, oldest first: per chunk, one array per piece.
+    ``excluded`` leaves its rows out (before ``limit`` counts) and counts the ones the filter kept."""
     flt = flt or RowFilter()
     flt.check(store)
     left = flt.limit
@@ -655,6 +722,8 @@ def iter_rows(store: ReplayStore, flt: Optional[RowFilter] = None, chunk_bytes: 
             if flt.active:
                 data = store.read(rows, flt.columns())
                 rows = rows[flt.mask(data, len(rows))]
+            if excluded is not None:
+                rows = excluded.drop(rows)
             if left is not None:
                 rows = rows[:left]
                 left -= len(rows)

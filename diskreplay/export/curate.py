@@ -23,8 +23,8 @@ import pyarrow as pa
 
 from ..schema import RAGGED
 from ..store import ReplayStore
-from ._common import (CHUNK_BYTES, ExportError, StoreLike, make_filter, open_store, output_format, per_row_value,
-                      plan_chunks, progress_bar, resolve_tokenizer)
+from ._common import (CHUNK_BYTES, Exclusions, ExportError, StoreLike, make_filter, open_store, output_format,
+                      per_row_value, plan_chunks, progress_bar, resolve_tokenizer)
 from .writers import write_tables
 
 CURATE_FORMATS = ("jsonl", "parquet", "hf")
@@ -32,14 +32,17 @@ _READ_BATCH = 4096
 
 
 def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, policy_versions: Any,
-               progress: bool, what: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray, List[Any], str]:
-    """``(rows, rewards, group ids, group keys, key name)`` of the eligible live rows.
+               progress: bool, what: str, excluded: Exclusions, version_key: Optional[str] = None
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, List[Any], str, Optional[np.ndarray]]:
+    """``(rows, rewards, group ids, group keys, key name, policy versions)`` of the eligible live rows.
 
     Rows are listed group by group in the group index's order (groups by first
     appearance, rows oldest first within a group). A row without a reward, or
     without ``prompt_ids`` where the store added that column after its first
     commit (its older rows have none: a pair or an SFT example without its
-    prompt would train on the wrong thing), is not eligible.
+    prompt would train on the wrong thing), is not eligible; nor is a row
+    ``excluded`` leaves out (counted there). The versions (of ``version_key``)
+    are read only when it is given.
     """
     if not len(st):
         raise ExportError(f"the store at {st.path} is empty")
@@ -60,18 +63,25 @@ def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, polic
         what = "not a column of the store" if key not in st.columns else f"a {st.schema[key].kind} column"
         raise ExportError(f"cannot group by {key!r}: it is {what}; --group-key takes a per-row column "
                           f"({', '.join(per_row)})")
+    if version_key is not None and (version_key not in st.columns or st.schema[version_key].kind != "scalar"
+                                    or st.schema[version_key].dtype != "int64"):
+        raise ExportError(f"pairing within policy versions needs an int64 per-row column {version_key!r}; the "
+                          f"store has {', '.join(st.columns)} (leave the version window out to pair across them)")
     gi = st.group_index(key)
     flt = make_filter(policy_versions, None, None, reward_key)
     flt.check(st)
     head = st.head
     rewards = np.empty(len(st), dtype=np.float64)
+    versions = np.empty(len(st), dtype=np.int64) if version_key is not None else None
     eligible = np.ones(len(st), dtype=bool)
-    cols = [reward_key] + flt.columns()
+    cols = [reward_key] + flt.columns() + ([version_key] if version_key is not None else [])
     late_prompt = "prompt_ids" in st.schema.late
     with progress_bar(len(st), f"{what}: rewards", progress) as bar:
         for lo, hi in (piece for chunk in plan_chunks(st, CHUNK_BYTES) for piece in chunk):
             data = st.read(np.arange(lo, hi), list(dict.fromkeys(cols + (["prompt_ids"] if late_prompt else []))))
             rewards[lo - head:hi - head] = per_row_value(data[reward_key])
+            if versions is not None:
+                versions[lo - head:hi - head] = data[version_key]
             if flt.active:
                 eligible[lo - head:hi - head] = flt.mask(data, hi - lo)
             if late_prompt:
@@ -83,7 +93,25 @@ def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, polic
     gid = np.repeat(np.arange(len(gi), dtype=np.int64), gi.counts)
     rows = gi.rows
     keep = eligible[rows - head] & ~np.isnan(rewards[rows - head])
-    return rows[keep], rewards[rows - head][keep], gid[keep], list(gi.keys), key
+    out = keep & excluded.mask(rows)
+    excluded.left_out += int(out.sum())
+    keep &= ~out
+    return (rows[keep], rewards[rows - head][keep], gid[keep], list(gi.keys), key,
+            None if versions is None else versions[rows - head][keep])
+
+
+def _version_windows(gid: np.ndarray, versions: np.ndarray, window: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Split each group by windows of ``window`` policy versions (``version // window``: 1 is one version
+    each): ``(sub-group id of each row, group id of each sub-group)``, sub-groups ordered by group, then window.
+
+    >>> sub, group = _version_windows(np.array([0, 0, 0, 1]), np.array([3, 0, 3, 7]), 1)
+    >>> sub.tolist(), group.tolist()
+    ([1, 0, 1, 2], [0, 0, 1])
+    """
+    if not len(gid):
+        return gid, np.zeros(0, dtype=np.int64)
+    pairs, sub = np.unique(np.stack([gid, versions // window]), axis=1, return_inverse=True)
+    return sub.reshape(-1).astype(np.int64), pairs[0].astype(np.int64)
 
 
 def _ranked(gid: np.ndarray, r: np.ndarray, descending: bool) -> Tuple[np.ndarray, np.ndarray]:
@@ -145,12 +173,21 @@ def _key_field(key: str, taken: List[str]) -> str:
 def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, format: Optional[str] = None,
                      tokenizer: Any = None, skip_special_tokens: bool = False, group_key: Optional[str] = None,
                      reward_key: str = "rewards", policy_versions: Any = None, overwrite: bool = False,
-                     progress: bool = False, force: bool = False) -> Dict[str, Any]:
+                     progress: bool = False, force: bool = False, version_window: Optional[int] = None,
+                     version_key: str = "policy_version", include_excluded: bool = False) -> Dict[str, Any]:
     """Write one chosen/rejected pair per group: its highest- vs lowest-reward completion.
 
     Groups with fewer than two eligible rows, or whose margin (highest minus
     lowest reward) is not above 0 and at least ``min_margin``, give no pair;
-    on equal rewards the oldest row is picked. With a ``tokenizer`` (local
+    on equal rewards the oldest row is picked. By default a group pools its
+    rows of every policy version, so a pair may set a completion of an early
+    policy against one of a late policy; ``version_window=W`` pairs only rows
+    of the same window of ``W`` policy versions (``version_key // W``; ``1``:
+    the same version), one pair per group and window, and adds the
+    ``chosen_policy_version`` / ``rejected_policy_version`` columns. Rows the
+    store records as excluded (a resumed TRL run's discarded timeline) are
+    never paired unless ``include_excluded`` (the result's ``excluded_rows``
+    counts the eligible rows left out). With a ``tokenizer`` (local
     directory) the columns are TRL DPO's ``prompt``, ``chosen``, ``rejected``
     text; without, ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (the
     tokenized columns TRL's preference collator reads). Always added: the group
@@ -171,31 +208,44 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
     ([9], [6], [7], 1.0)
     """
     format = output_format(out, format, formats=CURATE_FORMATS, force=force)
+    if version_window is not None and (isinstance(version_window, bool) or not isinstance(
+            version_window, (int, np.integer)) or version_window <= 0):
+        raise ExportError(f"version_window (--version-window) must be a positive number of policy versions, got "
+                          f"{version_window!r}")
     with open_store(store) as st:
-        rows, r, gid, keys, key = _selection(st, group_key, reward_key, policy_versions, progress, "pairs")
+        excluded = Exclusions.of(st, include_excluded)
+        rows, r, gid, keys, key, versions = _selection(st, group_key, reward_key, policy_versions, progress,
+                                                       "pairs", excluded,
+                                                       version_key if version_window is not None else None)
         decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
         text = decoder is not None
         prompt_col = _prompt_column(st, key, text)
-        desc, rank_d = _ranked(gid, r, True)
-        asc, rank_a = _ranked(gid, r, False)
-        best, worst = desc[rank_d == 0], asc[rank_a == 0]  # one each per group, in group order
-        counts = np.bincount(gid, minlength=len(keys))
+        # the pools a pair is drawn from: the groups, or each group's windows of policy versions
+        if versions is None:
+            pool, group_of = gid, np.arange(len(keys), dtype=np.int64)
+        else:
+            pool, group_of = _version_windows(gid, versions, int(version_window))
+        desc, rank_d = _ranked(pool, r, True)
+        asc, rank_a = _ranked(pool, r, False)
+        best, worst = desc[rank_d == 0], asc[rank_a == 0]  # one each per pool, in pool order
+        counts = np.bincount(pool, minlength=len(group_of))
         with np.errstate(invalid="ignore"):  # inf - inf: a group of +inf rewards has no pair (NaN margin)
             margin = r[best] - r[worst]
         # at the precision rewards are stored in (float32): 0.5 - 0.1 is 0.39999999 in float64, and
         # --min-margin 0.4 must keep that pair
-        ok = (counts[gid[best]] >= 2) & (margin > 0) & (margin.astype(np.float32) >= np.float32(min_margin))
+        ok = (counts[pool[best]] >= 2) & (margin > 0) & (margin.astype(np.float32) >= np.float32(min_margin))
         best, worst, margin = best[ok], worst[ok], margin[ok]
         key_type = st.schema[key].arrow_type
         seq = pa.string() if text else pa.list_(pa.int32())
         names = ["prompt", "chosen", "rejected"] if text else ["prompt_ids", "chosen_ids", "rejected_ids"]
+        extra = ["chosen_reward", "rejected_reward", "margin", "chosen_row", "rejected_row"]
+        version_cols = ["chosen_policy_version", "rejected_policy_version"] if versions is not None else []
         fields = [pa.field(names[0], seq)] if (prompt_col is not None or text) else []
         fields += [pa.field(names[1], seq), pa.field(names[2], seq),
-                   pa.field(_key_field(key, names + ["chosen_reward", "rejected_reward", "margin", "chosen_row",
-                                                     "rejected_row"]), key_type),
+                   pa.field(_key_field(key, names + extra + version_cols), key_type),
                    pa.field("chosen_reward", pa.float64()), pa.field("rejected_reward", pa.float64()),
                    pa.field("margin", pa.float64()), pa.field("chosen_row", pa.int64()),
-                   pa.field("rejected_row", pa.int64())]
+                   pa.field("rejected_row", pa.int64())] + [pa.field(c, pa.int64()) for c in version_cols]
         schema = pa.schema(fields)
 
         def tables() -> Iterator[pa.Table]:
@@ -206,7 +256,7 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
                     cols = ["completion_ids"] + ([prompt_col] if prompt_col else [])
                     cd = st.read(rows[b], cols)
                     rd = st.read(rows[w], ["completion_ids"])
-                    gk = _key_array(keys, gid[b])
+                    gk = _key_array(keys, group_of[pool[b]])
                     if text:
                         prompt = (decoder.decode(cd[prompt_col], n, prompt_col) if prompt_col else gk.to_pylist())
                         arrays = [pa.array(prompt, pa.string()),
@@ -217,26 +267,36 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
                             _ids(cd["completion_ids"], n), _ids(rd["completion_ids"], n)]
                     arrays += [gk.cast(key_type), pa.array(r[b]), pa.array(r[w]), pa.array(margin[sl]),
                                pa.array(rows[b]), pa.array(rows[w])]
+                    if versions is not None:
+                        arrays += [pa.array(versions[b]), pa.array(versions[w])]
                     bar.update(n)
                     yield pa.Table.from_arrays(arrays, schema=schema)
 
         n = write_tables(format, out, schema, tables(), overwrite=overwrite)
-    return {"path": os.path.abspath(os.fspath(out)), "format": format, "pairs": n, "groups": len(keys),
-            "columns": schema.names}
+    res = {"path": os.path.abspath(os.fspath(out)), "format": format, "pairs": n, "groups": len(keys),
+           "columns": schema.names, "excluded_rows": excluded.left_out,
+           "excluded_ranges": excluded.report()["ranges"]}
+    if versions is not None:
+        res["version_windows"] = len(group_of)  # the pools pairs were drawn from
+    return res
 
 
 def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[float] = None,
               format: Optional[str] = None, tokenizer: Any = None, skip_special_tokens: bool = False,
               group_key: Optional[str] = None, reward_key: str = "rewards", policy_versions: Any = None,
-              overwrite: bool = False, progress: bool = False, force: bool = False) -> Dict[str, Any]:
+              overwrite: bool = False, progress: bool = False, force: bool = False,
+              include_excluded: bool = False) -> Dict[str, Any]:
     """Write the ``k`` highest-reward completions of each group (reward ``>= min_reward``) as an SFT set.
 
     With a ``tokenizer`` the columns are TRL SFT's ``prompt`` / ``completion``
     text; without, ``prompt_ids``, ``completion_ids`` and the pre-tokenized
     ``input_ids`` (prompt + completion) with ``completion_mask``. Always
     added: the group key, ``reward``, ``rank`` (0 = best in its group) and
-    ``row``. Ties go to the oldest row. ``format`` is ``jsonl``, ``parquet``
-    or ``hf``; by default it comes from ``out``'s name as for :func:`export`.
+    ``row``. Ties go to the oldest row. Rows the store records as excluded (a
+    resumed TRL run's discarded timeline) are never picked unless
+    ``include_excluded`` (``excluded_rows`` in the result counts the eligible
+    rows left out). ``format`` is ``jsonl``, ``parquet`` or ``hf``; by default
+    it comes from ``out``'s name as for :func:`export`.
 
     >>> import tempfile, os, json
     >>> from diskreplay import ReplayStore
@@ -254,7 +314,9 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
     if not isinstance(k, (int, np.integer)) or k <= 0:
         raise ExportError(f"k must be a positive number of completions per group, got {k!r}")
     with open_store(store) as st:
-        rows, r, gid, keys, key = _selection(st, group_key, reward_key, policy_versions, progress, "best-of-n")
+        excluded = Exclusions.of(st, include_excluded)
+        rows, r, gid, keys, key, _ = _selection(st, group_key, reward_key, policy_versions, progress, "best-of-n",
+                                                excluded)
         decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
         text = decoder is not None
         prompt_col = _prompt_column(st, key, text)
@@ -299,7 +361,8 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
 
         n = write_tables(format, out, schema, tables(), overwrite=overwrite)
     return {"path": os.path.abspath(os.fspath(out)), "format": format, "rows": n, "groups": len(keys),
-            "columns": schema.names}
+            "columns": schema.names, "excluded_rows": excluded.left_out,
+            "excluded_ranges": excluded.report()["ranges"]}
 
 
 def _sft_ids(prompt: Any, completion: Any, n: int) -> Tuple[pa.Array, pa.Array]:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import format as fmt
 from ..schema import RAGGED
 from ..storage import is_remote
-from ._common import CHUNK_BYTES, StoreLike, open_store, per_row_value, plan_chunks, progress_bar, tree_size
+from ._common import (CHUNK_BYTES, Exclusions, StoreLike, open_store, per_row_value, plan_chunks, progress_bar,
+                      tree_size)
 
 _STAT_HINTS = ("reward", "advantage")
 
@@ -89,14 +90,33 @@ def commit_stats(manifest: fmt.Manifest) -> Optional[Dict[str, Any]]:
             "commit_ms": total, "retry_ms": retry, "retry_share": retry / total if total else 0.0}
 
 
-def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "policy_version"
-               ) -> Dict[str, Any]:
+def _kept(lo: int, hi: int, ranges: Sequence[Tuple[int, int]]) -> Iterator[Tuple[int, int]]:
+    """The runs of ``[lo, hi)`` outside the sorted, disjoint ``ranges``.
+
+    >>> list(_kept(0, 10, [(2, 4), (8, 12)]))
+    [(0, 2), (4, 8)]
+    """
+    for a, b in ranges:
+        if b <= lo or a >= hi:
+            continue
+        if a > lo:
+            yield lo, a
+        lo = max(lo, b)
+    if lo < hi:
+        yield lo, hi
+
+
+def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "policy_version",
+               include_excluded: bool = False) -> Dict[str, Any]:
     """Rows, groups, segments, bytes, token counts, columns and reward/advantage statistics.
 
     Statistics cover every numeric per-row column whose name contains
     ``reward`` or ``advantage`` (a vector column per component and averaged),
     over the live rows, streamed chunk by chunk; the policy-version range comes
-    from ``version_key``.
+    from ``version_key``. Rows the store records as excluded (a resumed TRL
+    run's discarded timeline: ``excluded`` gives their live ranges and count)
+    are left out of the token counts, statistics and version range unless
+    ``include_excluded``, as exports leave them out.
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -128,6 +148,10 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             # every file (retained commits' files, merge inputs, commits in flight), not the live rows' only
             "disk_bytes": None if st.remote else tree_size(st.path),
         }
+        excluded = Exclusions.of(st, include_excluded)
+        info["excluded"] = ({k: v for k, v in excluded.report().items() if k != "left_out"}
+                            if excluded.ranges else None)
+        skip = () if include_excluded else excluded.ranges
         names = [] if schema is None else schema.names
         # a store written before imports checked token ids may hold them as another kind
         token_cols = [c for c in ("prompt_ids", "completion_ids") if c in names and schema[c].kind == RAGGED]
@@ -143,7 +167,8 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
         read = token_cols + stat_cols + ([version] if version and version not in stat_cols else [])
         if read and len(st):
             with progress_bar(len(st), "info", progress) as bar:
-                for lo, hi in (piece for chunk in plan_chunks(st, CHUNK_BYTES) for piece in chunk):
+                for lo, hi in (run for chunk in plan_chunks(st, CHUNK_BYTES) for piece in chunk
+                               for run in _kept(piece[0], piece[1], skip)):
                     data = st.read(np.arange(lo, hi), read)
                     for c in token_cols:
                         col = data[c]
@@ -163,7 +188,7 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
                     if version:
                         v = np.asarray(data[version])
                         vmin, vmax = min(vmin, v.min()), max(vmax, v.max())
-                    bar.update(hi - lo)
+                    bar.update(hi - lo)  # (an excluded run is not read: the bar may end short of the rows)
         info["tokens"] = {c.split("_")[0]: n for c, n in tokens.items()}
         comp = tokens.get("completion_ids", 0)
         info["bytes_per_completion_token"] = (info["bytes"] / comp) if comp else None
@@ -213,6 +238,13 @@ def format_info(info: Dict[str, Any]) -> str:
         lines.append(f"commits     {cs['commits']:,} ({cs['conflicts']:,} lost races, each retried: "
                      f"{cs['conflicts_per_commit']:.2f} per commit; retries {cs['retry_share']:.1%} of "
                      f"{cs['commit_ms'] / 1e3:.1f} s commit time)")
+    ex = info.get("excluded")
+    if ex:
+        ranges = ", ".join(f"[{a:,}, {b:,})" for a, b in ex["ranges"][:8]) + (", ..." if len(ex["ranges"]) > 8 else "")
+        lines.append(f"excluded    {ex['rows']:,} rows {ranges}: a resumed run's discarded timeline (recorded in "
+                     "the 'trl.replay' state); "
+                     + ("counted below (--include-excluded)" if ex["included"] else
+                        "left out below and by export, pairs and best-of-n (--include-excluded to use them)"))
     if info.get("tokens"):
         lines.append("tokens      " + ", ".join(f"{k} {v:,}" for k, v in info["tokens"].items()))
     if info.get("policy_version"):

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from ..ragged import numpy_view
 
-from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, ExportError, StoreLike, _tmp_name, arrow_type,
-                      atomic_output, check_chunk_bytes, check_columns, check_interrupt, column_to_arrow,
+from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, ExportError, StoreLike, _tmp_name,
+                      arrow_type, atomic_output, check_chunk_bytes, check_columns, check_interrupt, column_to_arrow,
                       export_metadata, iter_rows, make_filter, open_store, output_format, progress_bar, remove_path,
                       replaceable_dir, replaceable_file, require, resolve_tokenizer, tree_size)
 
@@ -340,7 +340,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
            policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
            tokenizer: Any = None, skip_special_tokens: bool = False, reward_key: str = "rewards",
            overwrite: bool = False, progress: bool = False, compression: Optional[str] = None,
-           chunk_bytes: int = CHUNK_BYTES, force: bool = False) -> Dict[str, Any]:
+           chunk_bytes: int = CHUNK_BYTES, force: bool = False, include_excluded: bool = False) -> Dict[str, Any]:
     """Export a store's live rows to ``out`` as ``parquet``, ``jsonl``, ``hf`` or ``zarr``.
 
     ``format=None`` takes the format from ``out``'s name (:func:`output_format`:
@@ -357,7 +357,10 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     rows; ``tokenizer`` (a local directory) adds decoded ``prompt`` and
     ``completion`` text columns. Ragged columns are ``large_list`` in Parquet,
     ``List`` sequences in HF, arrays in JSONL (``null`` for a missing row).
-    Returns a summary dict.
+    Rows the store records as excluded (a resumed TRL run's discarded
+    timeline, :func:`recorded_exclusions`) are left out unless
+    ``include_excluded``. Returns a summary dict (``excluded_rows``: how many
+    rows the exclusions left out; ``excluded_ranges``: the live ones recorded).
 
     >>> import tempfile, os, pyarrow.parquet as pq
     >>> from diskreplay import ReplayStore
@@ -381,11 +384,13 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                               "jsonl and hf")
         return export_zarr(store, out, columns=columns, policy_versions=policy_versions, min_reward=min_reward,
                            limit=limit, reward_key=reward_key, overwrite=overwrite, progress=progress,
-                           chunk_bytes=chunk_bytes, force=True)  # the name was checked above
+                           chunk_bytes=chunk_bytes, force=True,  # the name was checked above
+                           include_excluded=include_excluded)
     flt = make_filter(policy_versions, min_reward, limit, reward_key)
     with open_store(store) as st:
         names = check_columns(st, columns)
         flt.check(st)
+        excluded = Exclusions.of(st, include_excluded)
         decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
         text_cols: List[str] = []
         if decoder is not None:
@@ -409,7 +414,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         bar = progress_bar(len(st), f"export {format}", progress)
 
         def tables() -> Iterator[pa.Table]:
-            for pieces in iter_rows(st, flt, chunk_bytes, bar):
+            for pieces in iter_rows(st, flt, chunk_bytes, bar, excluded):
                 parts = []
                 for rows in pieces:
                     data = st.read(rows, read_cols) if read_cols else {}
@@ -430,7 +435,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": tree_size(out)}
+    res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": tree_size(out),
+           "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
     if notes:
         res["warnings"] = notes
     return res

@@ -27,9 +27,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..schema import RAGGED, VECTOR, ColumnSpec
-from ._common import (CHUNK_BYTES, ExportError, StoreLike, atomic_output, check_chunk_bytes, check_columns,
-                      check_metadata, column_to_arrow, export_metadata, iter_rows, make_filter, open_store,
-                      output_format, progress_bar, replaceable_dir, require, tree_size)
+from ._common import (CHUNK_BYTES, Exclusions, ExportError, StoreLike, atomic_output, check_chunk_bytes,
+                      check_columns, check_metadata, column_to_arrow, export_metadata, iter_rows, make_filter,
+                      open_store, output_format, progress_bar, replaceable_dir, require, tree_size)
 from .sources import Where
 
 ZARR_ATTR = "diskreplay"
@@ -157,14 +157,16 @@ def _column_paths(names: Sequence[str]) -> Dict[str, str]:
 def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] = None,
                 policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
                 reward_key: str = "rewards", overwrite: bool = False, progress: bool = False,
-                chunk_bytes: int = CHUNK_BYTES, force: bool = False) -> Dict[str, Any]:
+                chunk_bytes: int = CHUNK_BYTES, force: bool = False,
+                include_excluded: bool = False) -> Dict[str, Any]:
     """Export to a Zarr v3 archive (zstd, sharded) from which ``import_rollouts`` restores an identical store.
 
     Per ragged column flat ``values`` + int64 ``offsets`` + bool ``validity``;
     per-row arrays; the group index (``index/keys``, ``index/offsets``,
     ``index/rows``); the store schema and options in the group attributes
     (key ``diskreplay``). Written chunk by chunk into a temporary directory
-    renamed at the end. Needs ``pip install 'diskreplay[zarr]'``.
+    renamed at the end. Needs ``pip install 'diskreplay[zarr]'``. Rows the store
+    records as excluded are left out unless ``include_excluded`` (as for :func:`export`).
 
     >>> import tempfile, os, zarr
     >>> from diskreplay import ReplayStore
@@ -183,6 +185,7 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
     with open_store(store) as st:
         names = check_columns(st, columns)
         flt.check(st)
+        excluded = Exclusions.of(st, include_excluded)
         paths = _column_paths(names)
         gk = st.group_key if st.group_key in names else None
         bar = progress_bar(len(st), "export zarr", progress)
@@ -193,7 +196,7 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
                 writers = [_ColumnWriter(root, st.schema[n], paths[n]) for n in names]
                 keys: List[Any] = []
                 rows_total = 0
-                for pieces in iter_rows(st, flt, chunk_bytes, bar):
+                for pieces in iter_rows(st, flt, chunk_bytes, bar, excluded):
                     for rows in pieces:
                         data = st.read(rows, names) if names else {}
                         for w, n in zip(writers, names):
@@ -213,7 +216,8 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": tree_size(out)}
+    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": tree_size(out),
+            "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
 
 
 def _write_index(root: Any, spec: ColumnSpec, keys: List[pa.Array]) -> None:

@@ -12,7 +12,11 @@ Layout. A TensorDict's nested keys are stored as flat columns joined with
 nested, so the keys TorchRL's GRPO tools read (``("tokens", "full")``,
 ``("log_probs", "full")``, ``"advantage"``, ``("next", "reward")``, ...) are
 where they were written. A tensor of one value per row is a scalar column; a
-fixed-shape tensor per row a vector column; strings (``NonTensorStack``) a
+fixed-shape tensor per row a vector column, whatever its key (``("tokens",
+"full")`` padded to ``[B, 128]`` too: it is passed to ``extend`` as an Arrow
+fixed-size list, which states the role; only TRL's padded layout, ``*_ids``
+with their ``*_mask`` and the columns of their shape, is stripped of its
+padding as ``extend`` strips it); strings (``NonTensorStack``) a
 string column; rows of different lengths (a lazy stack of TensorDicts, the
 way TorchRL keeps token sequences) a ragged column, returned as a lazy stack
 again (``sample.get(("tokens", "full"), as_padded_tensor=True)`` pads them).
@@ -45,9 +49,11 @@ import warnings
 from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
+import pyarrow as pa
 
 from .. import RaggedColumn, ReplayStore
 from ..errors import IndexOutOfRangeError, MissingDependencyError, SchemaError, UnsupportedError
+from ..schema import COMPLETION_IDS, MASK_SUFFIX, PROMPT_IDS
 
 try:
     import torch
@@ -353,7 +359,28 @@ def tensordict_to_columns(data: Any, layout: Optional[Dict[str, Any]] = None) ->
             out[name] = _numpy(value)
         else:
             out[name] = list(value.tolist() if hasattr(value, "tolist") else value)
+    _state_vectors(out)
     return out
+
+
+def _state_vectors(out: Dict[str, Any]) -> None:
+    """Pass the dense per-row tensors of ``out`` as Arrow fixed-size lists: the type tells ``extend``
+    they are vectors, where a 2-D array would have its role guessed from its name (``("tokens",
+    "full")`` padded to [B, 128] would be taken for a per-token column without ids to strip it with).
+    TRL's padded layout is left as ``extend`` reads it: ``prompt_ids`` / ``completion_ids``, ``*_ids``
+    with their ``*_mask``, and the columns of their ids' shape (per-token ones, stripped with the mask)."""
+    ids = {k: out[k].shape for k in (PROMPT_IDS, COMPLETION_IDS)
+           if isinstance(out.get(k), np.ndarray) and out[k].ndim == 2}
+    for name, v in out.items():
+        if not isinstance(v, np.ndarray) or v.ndim != 2 or not v.shape[1]:
+            continue
+        if (name.endswith(MASK_SUFFIX) and name[:-len(MASK_SUFFIX)] + "_ids" in out
+                or name.endswith("_ids") and name[:-len("_ids")] + MASK_SUFFIX in out):
+            continue
+        ref = PROMPT_IDS if name.startswith("prompt_") else COMPLETION_IDS
+        if name in ids or ids.get(ref) == v.shape:
+            continue
+        out[name] = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(v).reshape(-1)), v.shape[1])
 
 
 def _restore(t: torch.Tensor, spec: Any, n: int) -> torch.Tensor:

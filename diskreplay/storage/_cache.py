@@ -25,11 +25,22 @@ opens it: the published copies that processes which are gone (or still
 running) left there are removed, least recently used first, until they fit
 the bound (restarted trainers sharing a ``cache_dir`` each added up to it).
 Mapped files that were evicted hold their disk space until unmapped.
+
+Without a directory a cache makes a private one, ``diskreplay-cache-*`` in the
+temporary directory, and removes it when it closes or is collected. A process
+that dies first (SIGKILL, OOM) cannot, so every private directory holds an
+exclusive ``flock`` on its ``.owner`` file for as long as its cache lives, and
+a new private cache removes the directories of this user whose lock it can
+take: their owner is gone (the kernel drops a dead process's flock, whatever
+its pid namespace; a pid could be reused or belong to another container). A
+directory without ``.owner`` (made by an earlier diskreplay, or being made at
+this moment) is left alone. Killed Ray actors each left one behind.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -48,6 +59,8 @@ from ..errors import ArgumentError, CorruptStoreError
 Range = Tuple[int, int]
 
 _PARTIAL = ".part-"
+_PRIVATE_PREFIX = "diskreplay-cache-"  # a private directory's name in the temporary directory
+_OWNER = ".owner"  # the file whose flock a private directory's live owner holds
 
 
 def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> List[Range]:
@@ -148,12 +161,72 @@ def _owner_gone(partial_name: str) -> bool:
     return False
 
 
+def _make_private_directory() -> Tuple[str, int]:
+    """A new private cache directory, and the descriptor of its ``.owner`` file, locked for this cache's life."""
+    directory = tempfile.mkdtemp(prefix=_PRIVATE_PREFIX)
+    # locked before it is named .owner: a sweeper that found it unlocked would take the directory for a dead one's
+    taking = os.path.join(directory, _OWNER + ".new")
+    fd = os.open(taking, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return directory, fd  # a filesystem without flock: no .owner, so only its own cache removes it
+    os.rename(taking, os.path.join(directory, _OWNER))
+    return directory, fd
+
+
+def remove_abandoned_private_directories(parent: Optional[str] = None, keep: Optional[str] = None) -> List[str]:
+    """Remove the private cache directories in ``parent`` (default: the temporary directory) whose
+    owner is gone: this user's ``diskreplay-cache-*`` directories whose ``.owner`` lock can be taken.
+    Returns the paths removed. ``keep`` is never touched (the caller's own).
+
+    >>> import tempfile
+    >>> cache = ObjectCache(None, 1 << 20, "s3://b/p")
+    >>> remove_abandoned_private_directories(keep=None)  # its own is held: not abandoned
+    []
+    >>> cache.close()
+    """
+    parent = tempfile.gettempdir() if parent is None else parent
+    removed: List[str] = []
+    try:
+        with os.scandir(parent) as it:
+            candidates = [d for d in it if d.name.startswith(_PRIVATE_PREFIX) and d.path != keep]
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for d in candidates:
+        try:
+            if not d.is_dir(follow_symlinks=False) or d.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            fd = os.open(os.path.join(d.path, _OWNER), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone, another user's, or without .owner: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives (or flock is not supported: then nothing is known)
+        finally:
+            os.close(fd)  # (drops the lock just taken: a second sweeper may take it too, and rmtree quietly)
+        shutil.rmtree(d.path, ignore_errors=True)
+        removed.append(d.path)
+    return removed
+
+
+def _close_private(fd: int, directory: str) -> None:
+    shutil.rmtree(directory, True)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class ObjectCache:
     """Sparse local copies of remote immutable files, bounded in bytes (LRU).
 
     ``namespace`` (the storage's URL) keeps two stores' files apart in one
     ``directory``; without a directory a private temporary one is used and
-    removed by :meth:`close`.
+    removed by :meth:`close` (or when the cache is collected); making one also
+    removes the private directories that dead processes left (see the module).
 
     >>> cache = ObjectCache(None, capacity_bytes=1 << 20, namespace="s3://b/p")
     >>> path = cache.fill("x", 10, lambda missing: [b"0123456789"[s:e] for s, e in missing], [(2, 5)])
@@ -167,11 +240,14 @@ class ObjectCache:
         if capacity_bytes <= 0:
             raise ArgumentError(f"cache_bytes must be a positive number of bytes, got {capacity_bytes}")
         self._own_dir = directory is None
-        self.directory = tempfile.mkdtemp(prefix="diskreplay-cache-") if directory is None else \
-            os.path.abspath(os.fspath(directory))
-        os.makedirs(self.directory, exist_ok=True)
-        if self._own_dir:  # removed even if close() is never called
-            weakref.finalize(self, shutil.rmtree, self.directory, True)
+        if self._own_dir:
+            self.directory, owner_fd = _make_private_directory()
+            # removed even if close() is never called; the lock goes last, once nothing is left to remove
+            self._finalizer = weakref.finalize(self, _close_private, owner_fd, self.directory)
+            remove_abandoned_private_directories(os.path.dirname(self.directory), keep=self.directory)
+        else:
+            self.directory = os.path.abspath(os.fspath(directory))
+            os.makedirs(self.directory, exist_ok=True)
         self.capacity_bytes = int(capacity_bytes)
         self.align = align
         self.namespace = namespace
@@ -384,4 +460,4 @@ class ObjectCache:
                 except OSError:
                     pass
         if self._own_dir:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            self._finalizer()  # the directory, then its lock (once)

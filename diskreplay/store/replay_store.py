@@ -41,7 +41,7 @@ from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_ranges, ragged_run
 from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
 from .storage import LocalStorage, Storage, open_storage
-from .tokens import batch_digest, check_token, digest
+from .tokens import TokenIndex, batch_digest, check_token, digest
 
 class _Unset:
     """The default of an option a store keeps: the stored value on a reopen, the documented one on creation."""
@@ -145,7 +145,9 @@ class ReplayStore:
     ``secret_access_key``, ``region``, ...; the ``AWS_*`` environment
     variables are used for what is not given); segments are read through a
     local cache of at most ``cache_bytes`` in ``cache_dir`` (default: a
-    private temporary directory), fetching only the pages a read needs.
+    private temporary directory, removed on close; the ones of processes
+    killed before closing are removed by the next private cache made),
+    fetching only the pages a read needs.
     There is no lock on an object store: every commit is a conditional PUT,
     so a second writer of a single-writer store fails at its commit instead
     of overwriting (docs/FORMAT.md, "Object storage").
@@ -183,6 +185,7 @@ class ReplayStore:
         self.merge_policy = merge_policy if merge_policy is not None else MergePolicy()
         self._writer_lock: Optional[WriterLock] = None
         self._committer: Optional[Committer] = None
+        self._read_tokens: Optional[TokenIndex] = None  # readonly: committed_rows' lookups
         self._closed = False
         self._pinned = generation is not None
         self._segments: "OrderedDict[int, Segment]" = OrderedDict()  # open maps, least recent first
@@ -1684,19 +1687,33 @@ class ReplayStore:
         """The rows ``extend(..., token=token)`` committed, or None if no remembered commit has it.
 
         A producer restarted after a crash asks this before making a batch again
-        (a regenerated batch differs, so ``extend`` would refuse its token). Needs
-        a writer; in a multi-writer store it first adopts the newest commit.
+        (a regenerated batch differs, so ``extend`` would refuse its token). In a
+        multi-writer store a writer first adopts the newest commit. A
+        ``readonly=True`` store (an audit) answers from the generation it reads
+        (``refresh()`` for newer commits); it writes nothing, so it cannot make a
+        commit durable first as a writer does: a producer deciding to skip a batch
+        asks through its writer.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp(), multi_writer=True)
         >>> _ = store.extend({"prompt_id": [1, 1]}, token="worker0:3")
         >>> store.committed_rows("worker0:3").tolist(), store.committed_rows("worker0:4")
         ([0, 1], None)
+        >>> ReplayStore(store.path, readonly=True).committed_rows("worker0:3").tolist()
+        [0, 1]
         """
-        self._require_writer()
+        if self.readonly:
+            self._require_open()
+        else:
+            self._require_writer()
         if token is None:
             raise ArgumentError("token must be the str an extend(..., token=...) was given, got None")
         token = check_token(token)
+        if self.readonly:  # a lookup in what this reader sees: its own index (it has no committer)
+            if self._read_tokens is None:
+                self._read_tokens = TokenIndex(self.storage)
+            rec = self._read_tokens.find(self.manifest, token)
+            return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
         if self.multi_writer:
             self._catch_up()
         rec = self._committer.find_token(token)
