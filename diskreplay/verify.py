@@ -946,8 +946,25 @@ class _Repair:
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
         self._quarantine_unreferenced(kept)
         if not self.dry_run:
+            self._floor_past_moved_manifests(generation)
             self.files.sync()
         return {"actions": self.actions, "generation": generation, "rows": rows}
+
+    def _floor_past_moved_manifests(self, newest: int) -> None:
+        """Raise a floored store's collection floor above every manifest moved to quarantine (never
+        above the newest): discovery probes upwards from the floor and stops at the first missing
+        generation, so a hole left at or above the floor would hide every commit past it."""
+        moved = [int(name[:-5]) for rel in self._moved
+                 for d, _, name in [rel.partition("/")]
+                 if d == fmt.MANIFEST_DIR and name.endswith(".json") and name[:-5].isdigit()]
+        if not moved or fmt.read_floor(self.files.root) is None:
+            return
+        floor = min(max(moved) + 1, newest)
+        if floor > fmt.raise_floor(self.files.storage, floor) and floor > 0:
+            self.actions.append(f"could not raise {fmt.FLOOR_FILE} to generation {floor}: run repair again")
+        else:
+            self.actions.append(f"raised the collection floor ({fmt.FLOOR_FILE}) to generation {floor}, past the "
+                                "manifests moved to quarantine")
 
     def _choose(self, intact: List[fmt.Manifest], bar: Any) -> Tuple[Optional[fmt.Manifest], List[fmt.Manifest]]:
         """Pick the commit to keep; quarantine manifests whose files are damaged."""

@@ -279,6 +279,28 @@ def test_verify_and_repair(s3_server, s3_url, tmp_path):
     assert verify_store(s3_url, storage_options=opts)["ok"]
 
 
+def test_repair_of_a_damaged_middle_manifest_keeps_every_commit_past_it_found(s3_server, s3_url, tmp_path):
+    """Discovery probes upwards from the collection floor and stops at the first missing generation:
+    repair, which moves a damaged manifest below the newest to quarantine, raises the floor past it,
+    else a fresh open would stop under the hole and serve an old generation."""
+    opts = s3_server.storage_options
+    with _open(s3_url, s3_server, tmp_path) as store:
+        for step in range(4):
+            store.extend(_batch(7, step))
+        newest = store.manifest.generation
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    client = s3_server.client()
+    middle = f"{prefix}/manifests/{newest - 2:012d}.json"
+    body = client.get_object(Bucket=bucket, Key=middle)["Body"].read()
+    client.put_object(Bucket=bucket, Key=middle, Body=body[:-12] + b"x" * 12)
+    res = repair_store(s3_url, storage_options=opts, force=True)
+    assert res["generation"] == newest and res["rows"] == 16, res
+    assert any("collection floor" in a for a in res["actions"]), res["actions"]
+    with _open(s3_url, s3_server, tmp_path / "fresh", readonly=True) as ro:
+        assert ro.manifest.generation == newest and len(ro) == 16
+    assert verify_store(s3_url, storage_options=opts)["ok"]
+
+
 def test_repair_refuses_a_live_store(s3_server, s3_url, tmp_path):
     with _open(s3_url, s3_server, tmp_path) as store:
         store.extend(_batch(9, 0))
