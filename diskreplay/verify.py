@@ -945,8 +945,8 @@ class _Repair:
             generation, rows = chosen.generation, chosen.num_rows
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
         self._quarantine_unreferenced(kept)
+        self._floor_past_moved_manifests(generation)
         if not self.dry_run:
-            self._floor_past_moved_manifests(generation)
             self.files.sync()
         return {"actions": self.actions, "generation": generation, "rows": rows}
 
@@ -960,7 +960,7 @@ class _Repair:
         if not moved or fmt.read_floor(self.files.root) is None:
             return
         floor = min(max(moved) + 1, newest)
-        if floor > fmt.raise_floor(self.files.storage, floor) and floor > 0:
+        if not self.dry_run and floor > fmt.raise_floor(self.files.storage, floor):
             self.actions.append(f"could not raise {fmt.FLOOR_FILE} to generation {floor}: run repair again")
         else:
             self.actions.append(f"raised the collection floor ({fmt.FLOOR_FILE}) to generation {floor}, past the "

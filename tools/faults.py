@@ -419,9 +419,9 @@ _LINE = re.compile(r"^(\d+)\s+(?:<\.\.\. )?([a-z0-9_]+)(\(| resumed>)(.*)$")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _FD_PATH = re.compile(r"\d+<([^>]*)>")
 _TMPFILE = re.compile(r"/#\d+$")
-# a temporary name ends in .<writer id>.<pid>.<n>; the writer id is the pid, or in a multi-writer
-# store random bits-host-pid; all three differ from run to run
-_TMP_PID = re.compile(r"(\.tmp-[^/]*?)\.(?:[0-9a-f]{16}-[^/.]*-)?\d+\.\d+\.\d+$")
+# a temporary name ends in .<writer id>.<pid>.<n> (a store's files) or .<pid> (a state's staging file);
+# the writer id is the pid, or in a multi-writer store random bits-host-pid; each differs from run to run
+_TMP_PID = re.compile(r"(\.tmp-[^/]*?)(?:\.(?:[0-9a-f]{16}-[^/.]*-)?\d+\.\d+\.\d+|\.\d+)$")
 
 
 @dataclasses.dataclass
