@@ -26,16 +26,16 @@ from .store import ReplayStore
 __version__ = "0.1.0"
 
 _LAZY = {
-    "collate": "padding",
-    "collate_unpadded": "padding",
-    "pad_on_device": "padding",
-    "repad": "padding",
+    "collate": "batching.padded",
+    "collate_unpadded": "batching.padded",
+    "pad_on_device": "batching.padded",
+    "repad": "batching.padded",
     "ReplayLoader": "loader",
     "ReplayBuffer": "buffer",
-    "repad_stacked": "padding",
-    "collate_packed": "packing",
-    "pack_on_device": "packing",
-    "Collator": "collator",
+    "repad_stacked": "batching.padded",
+    "collate_packed": "batching.packed",
+    "pack_on_device": "batching.packed",
+    "Collator": "batching.collator",
 }
 
 __all__ = sorted([

@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from .collator import Collator
+from .batching.collator import Collator
 from .errors import ArgumentError, SamplerError
-from .loader import _Following, resolve_device, restore_state, state_key, store_lock
+from .loader import StoreFollowing, resolve_device, restore_state, state_key, store_lock
 
 __all__ = ["ReplayBuffer"]
 
@@ -28,7 +28,7 @@ class ReplayBuffer:
     or lists of arrays) and returns their row ids. ``sample()`` draws
     ``batch_size`` rows with ``sampler`` (extra keyword arguments such as
     ``groups=`` or ``min_policy_version=`` go to ``sampler.sample``) and
-    returns the rows collated by a :class:`~diskreplay.collator.Collator`
+    returns the rows collated by a :class:`~diskreplay.batching.collator.Collator`
     (``layout="padded"``: TRL's layout, per-row columns only when the store
     has no token columns; ``layout="packed"``: one padding-free token
     stream), plus ``"rows"``, the int64 row ids drawn, for
@@ -84,7 +84,7 @@ class ReplayBuffer:
         self.state_name = state_name
         self._closed = False
         restore_state(store, state_name, sampler, "ReplayBuffer")
-        self._following = _Following(store, sampler, "ReplayBuffer")
+        self._following = StoreFollowing(store, sampler, "ReplayBuffer")
 
     def __len__(self) -> int:
         return len(self.store)

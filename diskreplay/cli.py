@@ -314,14 +314,14 @@ def _nothing_matched(args: argparse.Namespace, n: int) -> str:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from .export import import_rollouts
-    from .export.importer import _AUTO
+    from .export.importer import AUTO_FORMAT
 
-    group_key: Any = None if args.no_group_key else (args.group_key or _AUTO)
+    group_key: Any = None if args.no_group_key else (args.group_key or AUTO_FORMAT)
 
     def run(path: str, append: bool = args.append) -> Dict[str, Any]:
         return import_rollouts(args.src, path, format=args.format, mapping=args.map or None,
                                aliases=args.aliases, columns=args.columns, group_key=group_key,
-                               capacity=_AUTO if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
+                               capacity=AUTO_FORMAT if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
                                chunk_rows=args.chunk_rows, append=append, overwrite=args.overwrite,
                                split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
 

@@ -1649,7 +1649,7 @@ def raise_floor(storage: Any, floor: int) -> int:
     a local store is held by another writer, its filesystem has no locks, or an object store's
     conditional writes kept losing; nothing below the returned value may be deleted then).
 
-    >>> from diskreplay.store.storage import LocalStorage
+    >>> from diskreplay.storage.local import LocalStorage
     >>> import tempfile; s = LocalStorage(tempfile.mkdtemp())
     >>> raise_floor(s, 5), raise_floor(s, 3), read_floor(s)
     (5, 5, 5)

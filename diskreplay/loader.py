@@ -38,8 +38,8 @@ will ask for next):
    stream waits on it with an event, and the same event guards the host
    buffer: the worker does not refill it before that copy has finished. With
    ``pad_on_device=True`` the padding is done on the device by
-   :func:`~diskreplay.padding.pad_on_device` (packing by
-   :func:`~diskreplay.packing.pack_on_device`), on the side stream, with the
+   :func:`~diskreplay.batching.padded.pad_on_device` (packing by
+   :func:`~diskreplay.batching.packed.pack_on_device`), on the side stream, with the
    widths (token counts) taken from the host offsets: no host sync.
 
 Batch validity. On a CUDA (or other non-CPU) device, and with
@@ -78,10 +78,11 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .collator import LAYOUTS
+from .batching.collator import LAYOUTS
 from .errors import ArgumentError, LoaderError, RowsEvictedError, SamplerError
-from .packing import collate_packed, pack_on_device as _pack_on_device, packed_sizes
-from .padding import _Buffers, collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
+from .batching.packed import collate_packed, pack_on_device as _pack_on_device, packed_sizes
+from .batching.columns import GrowingBuffers
+from .batching.padded import collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
 from .ragged import RaggedColumn, is_int as _is_int
 
 __all__ = ["LoaderError", "ReplayLoader", "store_lock"]
@@ -209,7 +210,7 @@ def _refuse_other_layouts(store: Any, state_name: str, key: str, sampler: Any, o
                        f"they were saved under, or pass {owner} another state_name (or state_name=None) to start afresh")
 
 
-class _Following:
+class StoreFollowing:
     """How a loader or buffer on a read-only store keeps up with a live writer.
 
     One rank: the store is ``refresh()``-ed before every draw. Ranks of one job
@@ -305,7 +306,7 @@ class _Ring:
 
     def __init__(self, size: int, pin: bool) -> None:
         self.pin = pin
-        self.sets: list = [_Buffers(pin_memory=pin) for _ in range(size)]
+        self.sets: list = [GrowingBuffers(pin_memory=pin) for _ in range(size)]
         self.events: list = [None] * size
         self.free: "queue.Queue[int]" = queue.Queue()
         for i in range(size):
@@ -338,7 +339,7 @@ class _Worker:
 
     def __init__(self, sampler: Any, batch_size: int, sample_kwargs: Dict[str, Any],
                  columns: Optional[Sequence[str]], build: "_Build", remaining: Optional[int], ring: _Ring,
-                 ready: "queue.Queue", lock: threading.Lock, following: _Following, first: int,
+                 ready: "queue.Queue", lock: threading.Lock, following: StoreFollowing, first: int,
                  generation: Optional[int]) -> None:
         self.sampler, self.batch_size = sampler, batch_size
         # ranks following a writer together: the generation of each draw, and the moves the consumer
@@ -494,7 +495,7 @@ class _Build:
         #: from them
         self.reads_ranges = (layout == "packed" or on_device) and max_tokens is None
 
-    def host(self, batch: Mapping[str, Any], bufs: _Buffers) -> Dict[str, Any]:
+    def host(self, batch: Mapping[str, Any], bufs: GrowingBuffers) -> Dict[str, Any]:
         if self.on_device:
             return collate_unpadded(batch, out=bufs)
         if self.layout == "packed":
@@ -585,11 +586,11 @@ class ReplayLoader:
     copy what you keep longer. Device batches and ``pad_on_device`` batches
     are never reused.
 
-    ``layout="packed"`` builds :func:`~diskreplay.packing.collate_packed`
+    ``layout="packed"`` builds :func:`~diskreplay.batching.packed.collate_packed`
     batches instead (one padding-free token stream with ``position_ids`` and
     ``cu_seqlens``; ``pad_token_id`` may then be None); with
     ``pad_on_device=True`` only the unpadded payload crosses to ``device``
-    and :func:`~diskreplay.packing.pack_on_device` builds the stream there.
+    and :func:`~diskreplay.batching.packed.pack_on_device` builds the stream there.
 
     ``max_tokens`` caps a batch by tokens rather than rows (verl's dynamic
     batch size): of each draw of ``batch_size`` rows, the batch keeps the
@@ -686,7 +687,7 @@ class ReplayLoader:
         self._finalizer: Optional[weakref.finalize] = None
         restore_state(store, state_name, sampler, "ReplayLoader")
         self._state = _position(sampler)
-        self._following = _Following(store, sampler, "ReplayLoader")
+        self._following = StoreFollowing(store, sampler, "ReplayLoader")
         self._generation = self._following.agree()  # ranks following a writer: where they all start
         self._start()
 

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from ._fileio import crc32c, read_exactly
+from ._ranges import coalesce
 from .errors import ArgumentError, CorruptStoreError, StoreIOError
 from .groups import arrow_indices
 from .ragged import arrow_array, data_address, numpy_view
@@ -40,7 +41,7 @@ _META_LOCAL_ROWS = b"diskreplay.rows"  # "segment": a group sidecar's rows count
 _META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's body (its buffers)
 # little-endian int64 "start end" per field of the segment, in field order: the bytes of the field's
 # buffers a read needs whatever its rows (all of them but a ragged column's values)
-_META_BUFFERS = b"diskreplay.buffers"
+META_BUFFERS_KEY = b"diskreplay.buffers"
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # the defaults (uncompressed), built once
 
 
@@ -93,7 +94,7 @@ class PageChecksums:
                 _META_PAGE_CRCS: self.crcs.astype("<u4").tobytes(),
                 _META_BODY: f"{self.body[0]} {self.body[1]}".encode()}
         if self.buffers is not None:
-            meta[_META_BUFFERS] = self.buffers.astype("<i8").tobytes()
+            meta[META_BUFFERS_KEY] = self.buffers.astype("<i8").tobytes()
         return meta
 
     @classmethod
@@ -108,7 +109,7 @@ class PageChecksums:
             raise CorruptStoreError(f"{path}: bad page checksums ({exc})") from None
         if page_bytes < 512 or not 0 <= start <= end:
             raise CorruptStoreError(f"{path}: bad page checksums")
-        return cls(crcs, page_bytes, (start, end), buffer_ranges(meta.get(_META_BUFFERS), start, end))
+        return cls(crcs, page_bytes, (start, end), buffer_ranges(meta.get(META_BUFFERS_KEY), start, end))
 
 
 def has_page_checksums(nbytes: int) -> bool:
@@ -597,25 +598,6 @@ def _read_group_index_v1(path: str, nbytes: int, crc: int, key_type: pa.DataType
             or np.any(table[:, 3] < 512) or np.any(table[:, 6] < 0)):
         raise bad
     return keys, counts, rows, IndexedPages(lambda: (table, all_crcs))
-
-
-def coalesce(starts: np.ndarray, ends: np.ndarray, gap: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Merge byte ranges ``[starts[i], ends[i])`` (any order, overlaps allowed) whose distance is at
-    most ``gap`` into sorted, disjoint spans that cover every one of them.
-
-    >>> s, e = coalesce(np.array([100, 0, 10]), np.array([120, 8, 12]), gap=2)
-    >>> s.tolist(), e.tolist()
-    ([0, 100], [12, 120])
-    """
-    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-    if not len(starts):
-        return starts, ends
-    order = np.argsort(starts, kind="stable")
-    lo, hi = starts[order], ends[order]
-    reach = np.maximum.accumulate(hi)
-    first = np.ones(len(lo), dtype=bool)
-    first[1:] = lo[1:] > reach[:-1] + gap
-    return lo[first], reach[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
 
 
 class ArrowFile:

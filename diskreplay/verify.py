@@ -32,9 +32,9 @@ from ._fileio import TMP_PREFIX, WriterLock, crc32c, durable_write, file_crc32c,
 from .errors import CorruptStoreError, FormatError, ReadOnlyError, StoreLockedError, StoreNotFoundError
 from .store import ops
 from .store.committer import Committer
-from .storage import S3Storage, is_remote
-from .store.storage import LocalStorage
-from .segment import (_META_BUFFERS, ArrowFile, PageChecksums, Segment, buffer_ranges, decode_state, encode_ipc,
+from .storage import LocalStorage, S3Storage, is_remote
+
+from .segment import (META_BUFFERS_KEY, ArrowFile, PageChecksums, Segment, buffer_ranges, decode_state, encode_ipc,
                       field_buffers, group_sidecar, has_page_checksums, inline_group, segment_local_rows)
 
 QUARANTINE_DIR = fmt.QUARANTINE_DIR
@@ -794,7 +794,7 @@ def _compare_sidecar(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key
     if not side.schema.equals(want.schema) or not side.equals(want):
         return (f"{path} does not match the {group_key!r} column of {_rel(root, s.file)} "
                 "(keys, counts or row ids differ)")
-    raw = (side.schema.metadata or {}).get(_META_BUFFERS)
+    raw = (side.schema.metadata or {}).get(META_BUFFERS_KEY)
     if raw is not None:  # (sidecars written before the key existed have none)
         recorded = buffer_ranges(raw, 0, s.bytes)
         if recorded is None or recorded.tolist() != field_buffers(seg.batch, seg._base.address).tolist():

@@ -11,7 +11,7 @@ import torch
 import diskreplay.buffer as buffer_module
 from diskreplay import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReadOnlyError, ReplayStore)
 from diskreplay.buffer import ReplayBuffer
-from diskreplay.padding import collate
+from diskreplay.batching.padded import collate
 from diskreplay.synthetic import make_rollouts
 
 

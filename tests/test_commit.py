@@ -426,7 +426,7 @@ def test_a_writer_without_fsync_commits_everything_and_never_fsyncs(tmp_path, mo
     and clean-up make no fsync call (``compact`` writes FORMAT.json durably, as creating a store
     does), and another process's view (a fresh reader) has every row; also where manifests-to-be
     are named files (no ``O_TMPFILE``: NFS), which are closed before they are linked."""
-    from diskreplay.store.storage import LocalStorage
+    from diskreplay.storage.local import LocalStorage
 
     if named_temps:
         monkeypatch.setattr(LocalStorage, "_probe_tmpfile", lambda self, reldir: False)

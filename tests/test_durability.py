@@ -1336,7 +1336,7 @@ def test_compact_does_not_launder_damaged_data(tmp_path):
 
 
 def test_garbage_collection_failure_does_not_fail_a_commit(tmp_path, monkeypatch):
-    import diskreplay.store.storage as store_mod
+    import diskreplay.storage.local as store_mod
 
     path = str(tmp_path / "store")
     store = ReplayStore(path, capacity=4)

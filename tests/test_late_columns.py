@@ -268,7 +268,7 @@ def test_sigkill_in_the_commit_that_adds_a_column(crash_runs, step):
 
 
 def test_two_writers_adding_the_same_column(tmp_path, monkeypatch):
-    from diskreplay.store.storage import LocalStorage
+    from diskreplay.storage.local import LocalStorage
 
     path = str(tmp_path / "s")
     a = ReplayStore(path, multi_writer=True)

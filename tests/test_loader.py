@@ -16,8 +16,8 @@ import torch
 
 import diskreplay
 from diskreplay import PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplayStore
-from diskreplay.packing import collate_packed
-from diskreplay.padding import collate
+from diskreplay.batching.packed import collate_packed
+from diskreplay.batching.padded import collate
 from diskreplay.loader import ReplayLoader
 from diskreplay.buffer import ReplayBuffer
 from diskreplay.synthetic import rollout_stream

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hypothesis import given
 
-import diskreplay.packing as packing_module
+import diskreplay.batching.packed as packing_module
 from diskreplay import (BatchError, Collator, RaggedColumn, ReplayStore, collate, collate_packed, collate_unpadded,
                         pack_on_device)
-from diskreplay.packing import packed_sizes
+from diskreplay.batching.packed import packed_sizes
 
 from .test_padding import FAST, batches, ragged
 

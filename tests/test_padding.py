@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import importlib
 
-collate_module = importlib.import_module("diskreplay.padding")
-from diskreplay.padding import collate, collate_unpadded, pad_on_device, repad, repad_stacked
+collate_module = importlib.import_module("diskreplay.batching.padded")
+from diskreplay.batching.padded import collate, collate_unpadded, pad_on_device, repad, repad_stacked
 from diskreplay.ragged import RaggedColumn
 
 PAD = 99
@@ -529,7 +529,7 @@ def test_doctests():
 
 
 def test_pad_on_device_with_host_widths_equals_without():
-    from diskreplay.padding import padded_widths
+    from diskreplay.batching.padded import padded_widths
 
     rng = np.random.default_rng(3)
     batch = {"prompt_ids": RaggedColumn.from_arrays([rng.integers(0, 9, n) for n in (3, 0, 5)], dtype=np.int32),

@@ -268,7 +268,7 @@ def test_a_temporary_name_left_linked_to_a_manifest_is_never_rewritten(tmp_path,
     acked = {}
     storage = a._committer.storage
     storage._tmpfile = False
-    from diskreplay.store import storage as storage_module
+    from diskreplay.storage import local as storage_module
     real = storage_module.remove_quietly
 
     def remove_quietly(p):

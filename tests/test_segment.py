@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from diskreplay.segment import coalesce
+from diskreplay._ranges import coalesce
 
 
 @settings(max_examples=200, deadline=None)

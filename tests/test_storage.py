@@ -22,7 +22,7 @@ import pytest
 
 from diskreplay import CommitConflictError, ConditionalWriteError, MissingDependencyError, ObjectStoreError
 from diskreplay.storage import S3Storage, Storage
-from diskreplay.store.storage import LocalStorage, open_storage
+from diskreplay.storage import LocalStorage, open_storage
 
 from .s3servers import ConditionProxy, free_port
 
@@ -248,13 +248,13 @@ def test_private_cache_directories_of_dead_processes_are_removed(tmp_path, monke
     else in the temporary directory stay; a cache removes its own when it closes."""
     import tempfile
 
-    from diskreplay.storage._cache import ObjectCache
+    from diskreplay.storage.cache import ObjectCache
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     code = textwrap.dedent("""
         import os, sys, time
-        from diskreplay.storage._cache import ObjectCache
+        from diskreplay.storage.cache import ObjectCache
         cache = ObjectCache(None, 1 << 20, "s3://b/p")
         cache.fill("x", 10, lambda missing: [b"0123456789"[s:e] for s, e in missing], None)
         print(cache.directory, flush=True)
@@ -569,7 +569,7 @@ def test_missing_client_library(monkeypatch):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
-from diskreplay.storage._cache import merge_ranges, subtract_ranges  # noqa: E402
+from diskreplay._ranges import merge_ranges, subtract_ranges  # noqa: E402
 
 _ranges = hst.lists(hst.tuples(hst.integers(0, 200), hst.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
                     max_size=12)

@@ -992,7 +992,7 @@ def test_a_commit_whose_outcome_is_not_known_keeps_its_files(tmp_path, monkeypat
     """The link (rename) lands but answers EIO, and reading the manifest back fails too: the writer took
     the commit for one that never happened and removed the files the committed generation names."""
     from diskreplay.errors import StoreIOError
-    from diskreplay.store import storage as local
+    from diskreplay.storage import local
 
     path = str(tmp_path / "s")
     store = ReplayStore(path, multi_writer=multi_writer)

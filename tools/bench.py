@@ -1587,7 +1587,7 @@ def bench_remote(args) -> None:
 
     # The client is obstore: python tools/s3_clients.py compares it with s3fs and pyarrow.fs
     # (lowest per-request cost, create-if-absent with its own error, concurrent range GETs;
-    # diskreplay/storage/_s3.py has the numbers).
+    # diskreplay/storage/s3.py has the numbers).
     work = args.dir or tempfile.mkdtemp(prefix="diskreplay-bench-remote-")
     os.makedirs(work, exist_ok=True)
     server = start("seaweedfs", os.path.join(work, "weed"))

@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from diskreplay import (Collator, PromptGroupSampler, ReplayLoader, ReplayStore, collate,  # noqa: E402
                         collate_packed, collate_unpadded, pack_on_device, pad_on_device)
-from diskreplay.packing import packed_sizes  # noqa: E402
-from diskreplay.padding import padded_widths  # noqa: E402
+from diskreplay.batching.packed import packed_sizes  # noqa: E402
+from diskreplay.batching.padded import padded_widths  # noqa: E402
 from diskreplay.samplers import STRATEGIES  # noqa: E402
 from diskreplay.synthetic import rollout_stream  # noqa: E402
 

@@ -227,7 +227,7 @@ check_interrupt = _INTERRUPTS.check
 # Outputs appear whole or not at all
 
 
-def _tmp_name(path: str, tag: str) -> str:
+def temporary_sibling(path: str, tag: str) -> str:
     parent, base = os.path.split(path)
     return os.path.join(parent, f".{base}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
 
@@ -340,7 +340,7 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
     """
     out = check_output(out, overwrite, replaceable)
     with interrupts_deferred():
-        tmp = _tmp_name(out, "tmp")
+        tmp = temporary_sibling(out, "tmp")
         if directory:
             os.mkdir(tmp)
         try:
@@ -353,7 +353,7 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
                 if not directory and not os.path.isdir(out):
                     os.replace(tmp, out)
                 else:
-                    old = _tmp_name(out, "old")
+                    old = temporary_sibling(out, "old")
                     os.rename(out, old)
                     os.rename(tmp, out)
                     remove_path(old)

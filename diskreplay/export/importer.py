@@ -24,11 +24,11 @@ from ..schema import RAGGED, SCALAR, VECTOR, ColumnSpec
 from ..store import ReplayStore
 from ._common import (ExportError, atomic_output, check_interrupt, check_output, interrupts_deferred, is_store,
                       progress_bar, replaceable_dir)
-from .sources import (TOKEN_ID_COLUMNS, HFSource, JsonlSource, ParquetSource, StoreSource, Where, _numeric_list,
+from .sources import (TOKEN_ID_COLUMNS, HFSource, JsonlSource, ParquetSource, StoreSource, Where, is_numeric_list,
                       detect_format)
 
 IMPORT_FORMATS = ("auto", "parquet", "jsonl", "hf", "zarr", "store")
-_AUTO: Any = object()
+AUTO_FORMAT: Any = object()
 
 #: Names other frameworks' rollout dumps use, renamed when ``aliases=True``
 #: (first match wins; never when the diskreplay name is present or mapped).
@@ -255,7 +255,7 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
             # check_token_ids let it through, so no row holds a value: only the declared type is wrong
             arr = arr.cast(pa.large_list(pa.int32()))
             t = arr.type
-        if _is_list(t) and _numeric_list(t):
+        if _is_list(t) and is_numeric_list(t):
             n_valid = len(arr) - arr.null_count
             lengths = None
             as_vector = hint is not None and hint.kind == VECTOR
@@ -351,7 +351,7 @@ def _open_source(fmt: str, src: str, skip_bad: bool, split: Optional[str]) -> An
 
 
 def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any = None, aliases: bool = False,
-                    columns: Optional[Sequence[str]] = None, group_key: Any = _AUTO, capacity: Any = _AUTO,
+                    columns: Optional[Sequence[str]] = None, group_key: Any = AUTO_FORMAT, capacity: Any = AUTO_FORMAT,
                     skip_bad: bool = False, chunk_rows: int = 4096, append: bool = False,
                     overwrite: bool = False, split: Optional[str] = None, progress: bool = False,
                     allow_evict: bool = False) -> Dict[str, Any]:
@@ -506,14 +506,14 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
                 s = specs[old]
                 new = rename.get(old, old)
                 hints[new] = ColumnSpec(new, s.kind, s.dtype, s.align, s.width)
-    explicit_key = group_key is not _AUTO
-    if group_key is _AUTO:
+    explicit_key = group_key is not AUTO_FORMAT
+    if group_key is AUTO_FORMAT:
         mk = meta.get("group_key") if meta is not None else None
         mk = rename.get(mk, mk) if mk is not None else None
         group_key = mk if mk in final_names else ("prompt_id" if "prompt_id" in final_names else None)
     elif group_key is not None and group_key not in final_names and not append:
         raise ExportError(f"group key {group_key!r} is not a column of {src} (columns: {', '.join(final_names)})")
-    if capacity is _AUTO:
+    if capacity is AUTO_FORMAT:
         capacity = meta.get("capacity") if meta is not None else None
     capacity_bytes = meta.get("capacity_bytes") if meta is not None else None
 

@@ -457,7 +457,7 @@ class JsonlSource:
             except (pa.ArrowException, OverflowError, TypeError):
                 pass
             if arr is None or (_json_class(next((v for v in values if v is not None), None)) == "list"
-                               and not _numeric_list(arr.type)):
+                               and not is_numeric_list(arr.type)):
                 for i, v in enumerate(values):
                     if v is not None and not _numbers_only(v):
                         bad_rows.add(i)
@@ -486,7 +486,7 @@ def _numbers_only(v: Any) -> bool:
     return all(type(x) in (int, float) and (type(x) is float or -(1 << 63) <= x < (1 << 63)) for x in v)
 
 
-def _numeric_list(t: pa.DataType) -> bool:
+def is_numeric_list(t: pa.DataType) -> bool:
     if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
         return False
     vt = t.value_type

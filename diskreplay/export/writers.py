@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ..ragged import numpy_view
 
-from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, ExportError, StoreLike, _tmp_name,
+from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, ExportError, StoreLike, temporary_sibling,
                       arrow_type, atomic_output, check_chunk_bytes, check_columns, check_interrupt, column_to_arrow,
                       export_metadata, iter_rows, make_filter, open_store, output_format, progress_bar, remove_path,
                       replaceable_dir, replaceable_file, require, resolve_tokenizer, tree_size)
@@ -224,7 +224,7 @@ class HFSink:
         self.schema = schema
         self.rows = 0
         self.features = self.datasets.Features.from_arrow_schema(schema)
-        self._build = _tmp_name(path, "build") + ".arrow"
+        self._build = temporary_sibling(path, "build") + ".arrow"
         self._writer = ArrowWriter(features=self.features, path=self._build)
 
     def write(self, table: pa.Table) -> None:

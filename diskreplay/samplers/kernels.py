@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 import numpy as np
+from .. import _ranges
 from ..errors import IndexOutOfRangeError
 
 __all__ = ["Ranges", "SumTree", "changed_ranges", "group_spread", "in_ranges", "merge_ranges", "reward_scalar",
@@ -33,15 +34,7 @@ def merge_ranges(pairs: Iterable[Sequence[int]]) -> Ranges:
     >>> merge_ranges([(8, 12), (0, 4), (4, 6), (10, 16), (20, 20)])
     ((0, 6), (8, 16))
     """
-    out: List[List[int]] = []
-    for a, b in sorted((int(a), int(b)) for a, b in pairs):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return tuple((a, b) for a, b in out)
+    return tuple(_ranges.merge_ranges(pairs))
 
 
 def in_ranges(rows: np.ndarray, ranges: Ranges) -> np.ndarray:

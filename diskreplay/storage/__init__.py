@@ -1,11 +1,11 @@
-"""Where a store's files live: the storage interface and the object-store backend.
+"""Where a store's files live: the storage interface and its backends, as peers.
 
-:class:`Storage` is the one interface a store does its I/O through (module
-:mod:`diskreplay.storage.base` spells out its contract). The local directory
-implementation is :class:`diskreplay.store.storage.LocalStorage`;
-:class:`S3Storage` implements it over ``s3://bucket/prefix`` (needs
-``pip install 'diskreplay[s3]'``; obstore is imported only when one is made).
-``diskreplay.store.storage.open_storage`` picks one from a path or URL.
+* :mod:`.base`: :class:`Storage`, the one interface a store does its I/O through, and its contract;
+* :mod:`.local`: :class:`LocalStorage`, a directory on a POSIX filesystem;
+* :mod:`.s3`: :class:`S3Storage`, ``s3://bucket/prefix`` (needs ``pip install 'diskreplay[s3]'``;
+  obstore is imported only when one is made), with :mod:`.cache`, its local page cache.
+
+:func:`open_storage` picks one from a path or URL.
 
 >>> is_remote("s3://bucket/store")
 True
@@ -13,13 +13,17 @@ True
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Mapping, Optional
 
-from ._cache import CacheStats
-from ._s3 import S3Storage, parse_s3_url
+from ..errors import ArgumentError
 from .base import Storage, check_rel
+from .cache import CacheStats
+from .local import LocalStorage
+from .s3 import S3Storage, parse_s3_url
 
-__all__ = ["CacheStats", "S3Storage", "Storage", "check_rel", "is_remote", "parse_s3_url"]
+__all__ = ["CacheStats", "LocalStorage", "S3Storage", "Storage", "check_rel", "is_remote", "open_storage",
+           "parse_s3_url"]
 
 
 def is_remote(path: Any) -> bool:
@@ -29,3 +33,27 @@ def is_remote(path: Any) -> bool:
     (True, False)
     """
     return isinstance(path, str) and path.startswith("s3://")
+
+
+def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None, *,
+                 writer_id: str = "", **cache_options: Any) -> Storage:
+    """The storage behind a store path: :class:`~diskreplay.storage.S3Storage` for an
+    ``s3://bucket/prefix`` URL, :class:`LocalStorage` for a directory.
+
+    ``cache_options`` (``cache_dir``, ``cache_bytes``) configure the object store's
+    local cache; ``storage_options`` its client (``endpoint``, credentials, ...).
+
+    >>> import tempfile, shutil
+    >>> root = tempfile.mkdtemp()
+    >>> open_storage(root).url == root
+    True
+    >>> type(open_storage("s3://bucket/run", {"endpoint": "http://127.0.0.1:9"})).__name__
+    'S3Storage'
+    >>> shutil.rmtree(root)
+    """
+    if is_remote(path):
+        return S3Storage(path, storage_options, **{k: v for k, v in cache_options.items() if v is not None})
+    if storage_options:
+        raise ArgumentError(f"storage_options are for s3:// URLs; {os.fspath(path)!r} is a local path (leave "
+                            "storage_options out)")
+    return LocalStorage(os.path.abspath(os.fspath(path)), writer_id)

@@ -3,7 +3,7 @@
 A store's files are addressed by *relative paths*: ``/``-separated, below the
 store's root, never absolute, never with ``..`` or empty parts (so no path
 from a manifest can escape the store). Two implementations exist: a
-directory (:class:`~diskreplay.store.storage.LocalStorage`, the store's own
+directory (:class:`~diskreplay.storage.local.LocalStorage`, the store's own
 fast path) and an S3-compatible bucket prefix
 (:class:`~diskreplay.storage.S3Storage`). The contract below is what both
 honour; ``tests/test_storage.py`` runs it against each.
@@ -99,7 +99,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 class Storage(Protocol):
     """What a store needs from the place its files live (see the module docstring).
 
-    >>> from diskreplay.store.storage import LocalStorage
+    >>> from diskreplay.storage.local import LocalStorage
     >>> import tempfile, shutil
     >>> root = tempfile.mkdtemp()
     >>> isinstance(LocalStorage(root), Storage)

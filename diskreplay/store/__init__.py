@@ -11,7 +11,7 @@ from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, ME
 from .committer import CommitStats
 from .ops import Conflict
 from .replay_store import MAX_OPEN_SEGMENTS, STALE_RETRIES, ReplayStore
-from .storage import LocalStorage, Storage
+from ..storage import LocalStorage, Storage
 
 __all__ = ["ReplayStore", "MergePolicy", "Storage", "LocalStorage", "CommitStats", "Conflict", "convert_store"]
 

@@ -27,7 +27,7 @@ from .._fileio import TMP_PREFIX, boot_clock, crash_point
 from ..errors import (CommitConflictError, CommitNotDurableError, CommitTimeoutError, CorruptStoreError,
                       StoreIOError)
 from . import ops
-from .storage import Storage
+from ..storage import Storage
 from .tokens import TokenIndex, compact_tokens
 
 MAX_ATTEMPTS = 10_000  # commits a writer retries after losing the race, before giving up

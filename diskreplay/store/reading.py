@@ -122,7 +122,7 @@ class RowRanges(RaggedColumn):
     where each row lies (pages checked), nothing copied yet.
 
     ``ReplayStore.read_ranges`` returns these so that a consumer with its own
-    layout (:func:`~diskreplay.packing.collate_packed`) copies every value
+    layout (:func:`~diskreplay.batching.packed.collate_packed`) copies every value
     once, straight from the map into its output, instead of through the
     concatenated batch that ``read`` builds. Anything else may treat it as
     the :class:`~diskreplay.ragged.RaggedColumn` it is: ``values`` and

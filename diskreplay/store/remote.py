@@ -21,13 +21,14 @@ import numpy as np
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX
+from .._ranges import runs
 from ..errors import CorruptStoreError
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
 from .committer import DATA_SWEEP_DIRS, Committer
 
 
-class _CacheEvicted(Exception):
+class CacheEvicted(Exception):
     """Control flow, never seen by callers: a mapped cache file was evicted while a read
     still needed more of it; the store maps the segment again and repeats the read."""
 
@@ -73,11 +74,7 @@ def _pages_of(starts: np.ndarray, ends: np.ndarray, page_bytes: int) -> np.ndarr
 
 def _page_runs(pages: np.ndarray, page_bytes: int, size: int) -> List[Tuple[int, int]]:
     """Byte ranges of runs of consecutive page numbers (sorted, unique ``pages``)."""
-    if not len(pages):
-        return []
-    cut = np.flatnonzero(np.diff(pages) != 1) + 1
-    firsts = pages[np.concatenate([[0], cut])]
-    lasts = pages[np.concatenate([cut - 1, [len(pages) - 1]])]
+    firsts, lasts = runs(pages)
     return [(int(a) * page_bytes, min((int(b) + 1) * page_bytes, size)) for a, b in zip(firsts, lasts)]
 
 
@@ -184,7 +181,7 @@ class RemoteSegment(Segment):
             return
         path = self.storage.fetch_ranges(self.rel, ranges, size=self.size, evict=False, tag=self.tag)
         if path != self.cache_path:
-            raise _CacheEvicted(self.path)
+            raise CacheEvicted(self.path)
 
     def _verify_pages(self, pages: np.ndarray) -> None:
         if not self._complete:

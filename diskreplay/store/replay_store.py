@@ -16,7 +16,6 @@ import os
 import random
 import socket
 import threading
-import time
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, Union
@@ -26,21 +25,22 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, boot_clock, crash_point, crc32c, fsync_dir
+from .._ranges import coalesce
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
                       CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, RowsEvictedError,
                       SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex, arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema, normalize_batch
-from ..segment import (IndexedPages, PageChecksums, Segment, coalesce, decode_state, encode_group_index, encode_ipc,
+from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
                        encode_group_sidecar, encode_state, has_page_checksums, inline_group, inline_group_sidecar,
                        prefetch_files, read_group_index, read_group_sidecar)
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_ranges, ragged_run
-from .remote import _CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
-from .storage import LocalStorage, Storage, open_storage
+from .remote import CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
+from ..storage import LocalStorage, Storage, open_storage
 from .tokens import TokenIndex, batch_digest, check_token, digest
 
 class _Unset:
@@ -1325,14 +1325,14 @@ class ReplayStore:
         ``cache_bytes``), map it again and repeat once."""
         try:
             return action()
-        except _CacheEvicted:
+        except CacheEvicted:
             self._trim_cache()
             self._segments.clear()
             for pages in self._pages.values():
                 pages.verified[:] = False
         try:
             return action()
-        except _CacheEvicted:
+        except CacheEvicted:
             raise ArgumentError(f"{self.path}: the local cache lost files one read still needed twice; raise "
                                 "cache_bytes (or give each process its own cache_dir)") from None
 

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import format as fmt
 from ..errors import ArgumentError, CorruptStoreError
 from .._fileio import crc32c
-from .storage import Storage
+from ..storage import Storage
 
 INLINE_TOKENS = 32  # parsed on every catch-up with another writer's commit: keep manifests small
 MAX_TOKEN_LOGS = 32

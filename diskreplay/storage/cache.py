@@ -54,51 +54,13 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._fileio import remove_quietly
+from .._ranges import Range, merge_ranges, subtract_ranges
 from ..errors import ArgumentError, CorruptStoreError
 
-Range = Tuple[int, int]
 
 _PARTIAL = ".part-"
 _PRIVATE_PREFIX = "diskreplay-cache-"  # a private directory's name in the temporary directory
 _OWNER = ".owner"  # the file whose flock a private directory's live owner holds
-
-
-def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> List[Range]:
-    """Sort ``ranges`` and merge those that overlap or lie at most ``gap`` apart.
-
-    >>> merge_ranges([(10, 20), (0, 5), (18, 30), (33, 40)], gap=3)
-    [(0, 5), (10, 40)]
-    """
-    out: List[Range] = []
-    for s, e in sorted(r for r in ranges if r[1] > r[0]):
-        if out and s <= out[-1][1] + gap:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def subtract_ranges(want: Sequence[Range], have: Sequence[Range]) -> List[Range]:
-    """The parts of merged ranges ``want`` not covered by merged ranges ``have``.
-
-    >>> subtract_ranges([(0, 100)], [(10, 20), (50, 60)])
-    [(0, 10), (20, 50), (60, 100)]
-    """
-    out: List[Range] = []
-    j = 0
-    for s, e in want:
-        while j < len(have) and have[j][1] <= s:
-            j += 1
-        k, cur = j, s
-        while k < len(have) and have[k][0] < e:
-            if have[k][0] > cur:
-                out.append((cur, have[k][0]))
-            cur = max(cur, have[k][1])
-            k += 1
-        if cur < e:
-            out.append((cur, e))
-    return out
 
 
 def covered(ranges: Sequence[Range]) -> int:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .._fileio import crash_point, run_concurrently
 from ..errors import (CommitConflictError, ConditionalWriteError, CorruptStoreError, MissingDependencyError,
                       ObjectStoreError)
-from ._cache import CacheStats, ObjectCache
+from .cache import CacheStats, ObjectCache
 from .base import Buffer, check_range, check_rel
 
 DEFAULT_CACHE_BYTES = 4 << 30

@@ -1,0 +1,204 @@
+"""What both batch layouts share: reading a batch's columns and the output buffers.
+
+The padded layout (:mod:`diskreplay.batching.padded`) and the packed one
+(:mod:`diskreplay.batching.packed`) take the same input, the dict that
+``ReplayStore.read`` returns, and write into the same kind of output buffers
+(fresh tensors, caller-owned ones, or :class:`GrowingBuffers` that a
+:class:`~diskreplay.batching.collator.Collator` keeps).
+
+>>> import numpy as np
+>>> from diskreplay.ragged import RaggedColumn
+>>> batch_rows({"prompt_ids": RaggedColumn.from_arrays([[1, 2], [3]], dtype=np.int32)})
+2
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from ..errors import BatchError
+from ..ragged import RaggedColumn
+
+OFFSETS_SUFFIX = ".offsets"
+
+
+def output_dtype(dtype: np.dtype) -> torch.dtype:
+    """The output dtype of a column: bools stay bool, integers become int64,
+    floats keep their width."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return torch.bool
+    if dtype.kind in "iu":
+        return torch.int64
+    if dtype.kind == "f":
+        return {2: torch.float16, 4: torch.float32, 8: torch.float64}[dtype.itemsize]
+    raise BatchError(f"cannot turn a column of dtype {dtype} into a tensor; "
+                     "expected bool, integer or float values")
+
+
+NUMPY_DTYPES = {torch.bool: np.bool_, torch.int64: np.int64, torch.float16: np.float16,
+                torch.float32: np.float32, torch.float64: np.float64}
+
+
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    sizes = {}
+    for name, col in batch.items():
+        if col is None:
+            continue
+        if isinstance(col, RaggedColumn):
+            sizes[name] = len(col)
+        elif isinstance(col, np.ndarray):
+            if col.ndim == 0:
+                raise BatchError(f"column {name!r} is a 0-d array; expected one value per row")
+            sizes[name] = col.shape[0]
+        else:
+            sizes[name] = len(col)
+    if len(set(sizes.values())) > 1:
+        raise BatchError(f"columns disagree on the number of rows: {sizes}; "
+                         "every column of a batch must hold one entry per row")
+    return next(iter(sizes.values()), 0)
+
+
+def checked_lengths(name: str, col: RaggedColumn) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """A ragged column's per-row lengths and its validity (None when every row is present),
+    checked: offsets non-decreasing, one flag per row."""
+    lengths = np.diff(np.asarray(col.offsets, dtype=np.int64))
+    if lengths.size and lengths.min() < 0:
+        raise BatchError(f"column {name!r} has decreasing offsets; "
+                         "offsets of a ragged column must be non-decreasing")
+    if col.validity is None:
+        return lengths, None
+    valid = np.asarray(col.validity, dtype=bool)
+    if valid.shape != lengths.shape:
+        raise BatchError(f"column {name!r} has {valid.size} validity flags for "
+                         f"{lengths.size} rows; expected one flag per row")
+    return lengths, None if valid.all() else valid
+
+
+#: suffix of the per-row flag collate adds for a ragged column that some rows of the batch lack
+PRESENT_SUFFIX = "_present"
+
+
+def presence_flags(out: Optional[Mapping[str, torch.Tensor]], name: str, col: RaggedColumn,
+              B: int) -> Optional[torch.Tensor]:
+    """``[B]`` bool: which rows hold ``col`` ("computed"); None when every row does.
+
+    A column added to a store after its first commit (a late column, e.g.
+    ``sampling_per_token_logps``) is "not computed" in older rows: their
+    positions hold zeros, which for a log-prob would mean probability 1, so
+    the batch says which rows are real under ``name + "_present"``.
+    """
+    if col.validity is None:
+        return None
+    valid = np.asarray(col.validity, dtype=bool)
+    if valid.all():
+        return None
+    t = output_buffer(out, name + PRESENT_SUFFIX, (B,), torch.bool)
+    np.copyto(t.numpy(), valid)
+    return t
+
+
+def is_prompt_column(name: str) -> bool:
+    return name.startswith("prompt_")
+
+
+def check_pad_token(pad_token_id) -> int:
+    try:
+        return operator.index(pad_token_id)
+    except TypeError:
+        raise BatchError(f"pad_token_id must be an integer token id, got {pad_token_id!r}") from None
+
+
+def check_batch_names(batch: Mapping[str, Any]) -> None:
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"a batch is one mapping of column to values, as store.read(rows) gives it, got a "
+                         f"{type(batch).__name__}; read the rows together (store.read([r0, r1, ...])) instead of "
+                         "collating rows read one by one")
+    for ids, mask in (("prompt_ids", "prompt_mask"), ("completion_ids", "completion_mask")):
+        if batch.get(ids) is not None and mask in batch:
+            raise BatchError(f"the batch has both {ids!r} and a column {mask!r}; "
+                             f"{mask!r} is built from the lengths of {ids!r}, drop that column")
+
+
+class GrowingBuffers(dict):
+    """Host buffers that grow on demand: an ``out`` that :func:`collate` and its
+    siblings may reallocate instead of refusing a batch that does not fit.
+
+    Maps output names to flat tensors. A buffer grows with headroom (widths
+    change from batch to batch, and allocating pinned memory costs far more
+    than a few spare bytes); the outputs are views of its first elements.
+    """
+
+    GROW = 1.25
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.pin_memory = pin_memory
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < need:
+            buf = self[name] = torch.empty(max(1, math.ceil(need * self.GROW)), dtype=dtype,
+                                           pin_memory=self.pin_memory)
+        return buf[:need].view(shape)
+
+
+def output_buffer(out: Optional[Mapping[str, torch.Tensor]], name: str, shape: tuple,
+            dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous [shape] tensor: a fresh one, or the first elements of
+    ``out[name]`` (which then aliases that buffer)."""
+    if isinstance(out, GrowingBuffers):
+        return out.take(name, shape, dtype)
+    buf = None if out is None else out.get(name)
+    if buf is None:
+        return torch.empty(shape, dtype=dtype)
+    need = math.prod(shape)
+    if not isinstance(buf, torch.Tensor):
+        raise BatchError(f"out[{name!r}] must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.device.type != "cpu" or buf.dtype != dtype or not buf.is_contiguous():
+        raise BatchError(f"out[{name!r}] is a {buf.dtype} tensor on {buf.device} "
+                         f"(contiguous={buf.is_contiguous()}); expected a contiguous "
+                         f"{dtype} tensor on the CPU")
+    if buf.numel() < need:
+        raise BatchError(f"out[{name!r}] holds {buf.numel()} elements, this batch needs "
+                         f"{need} for shape {tuple(shape)}; allocate a larger buffer")
+    return buf.view(-1)[:need].view(shape)
+
+
+def per_row_tensor(name: str, col: np.ndarray, out) -> torch.Tensor:
+    dtype = output_dtype(col.dtype)
+    if isinstance(out, GrowingBuffers) or (out is not None and out.get(name) is not None):
+        t = output_buffer(out, name, col.shape, dtype)
+        np.copyto(t.numpy(), col, casting="unsafe")
+        return t
+    # a copy: the batch's array may be a read-only view of a memory map
+    return torch.from_numpy(np.array(col, dtype=NUMPY_DTYPES[dtype], order="C"))
+
+
+def passthrough(col):
+    if isinstance(col, np.ndarray):
+        return col.tolist()
+    return col
+
+
+def unpadded_ragged_names(unpadded: Mapping[str, Any]) -> list[str]:
+    ragged = [name for name in unpadded
+              if not name.endswith(OFFSETS_SUFFIX) and name + OFFSETS_SUFFIX in unpadded]
+    for name in ragged:
+        if unpadded[name] is None or unpadded[name + OFFSETS_SUFFIX] is None:
+            raise BatchError(f"column {name!r} has values and offsets of which one is None; "
+                             "pass what collate_unpadded returned")
+    return ragged
+
+
+def widened_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch twin of :func:`output_dtype`."""
+    if dtype == torch.bool or dtype.is_floating_point:
+        return dtype
+    return torch.int64
