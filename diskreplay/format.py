@@ -1170,14 +1170,14 @@ def delta_from_doc(doc: Any, where: str, verified: bool = False) -> Delta:
     return AppendDelta.from_doc(doc, where, verified)
 
 
-def schema_file(options: "StoreOptions", remote: bool) -> str:
-    """The file that holds a store's schema: SCHEMA.json for many writers and object storage (fixed
-    by the first append of any writer), else FORMAT.json.
+def schema_file(options: "StoreOptions", unlocked: bool) -> str:
+    """The file that holds a store's schema: SCHEMA.json for many writers and for storage without an
+    exclusive lock, object storage (fixed by the first append of any writer), else FORMAT.json.
 
     >>> schema_file(StoreOptions(multi_writer=True), False), schema_file(StoreOptions(), False)
     ('SCHEMA.json', 'FORMAT.json')
     """
-    return SCHEMA_FILE if options.multi_writer or remote else FORMAT_FILE
+    return SCHEMA_FILE if options.multi_writer or unlocked else FORMAT_FILE
 
 
 class _MissingBase(FileNotFoundError):
@@ -1416,8 +1416,9 @@ def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
 
 
 def _is_storage(root: Any) -> bool:
-    """True for an object store; a local Storage is read as its directory (one code path for local stores)."""
-    return getattr(root, "remote", False)
+    """True for a storage whose files cannot be mapped in place (an object store); a local Storage
+    is read as its directory (one code path for local stores)."""
+    return not getattr(root, "can_map", True)
 
 
 def _dir(root: Any) -> Any:

@@ -773,7 +773,7 @@ def test_agree_generation_on_a_lagging_rank_keeps_the_store_s_options(tmp_path):
             put(writer, ["c"])
             with _open_generation(follower, writer.generation) as snap:
                 assert snap.generation == writer.generation > follower.generation
-                assert snap.verify_reads is False and snap._remote_args == follower._remote_args
+                assert snap.verify_reads is False and snap._storage_args == follower._storage_args
             with follower.snapshot(follower.generation - 1) as older, follower.snapshot() as now:
                 assert (older.generation, now.generation) == (follower.generation - 1, follower.generation)
                 assert not older.verify_reads and (len(older), len(now)) == (0, 2)

@@ -56,6 +56,24 @@ def test_is_a_storage(storage):
     assert isinstance(storage, Storage)
 
 
+def test_capabilities_say_what_the_backend_does(storage):
+    """The store branches on these, never on a backend's type: each must be true to its word."""
+    for name in ("can_map", "exclusive_lock", "reliable_listing", "cached"):
+        assert isinstance(getattr(storage, name), bool), name
+    assert storage.remote is (not storage.can_map)
+    storage.write_new("segments/00000003.arrow", b"abc")
+    path = storage.local_path("segments/00000003.arrow")
+    if storage.can_map:  # the file itself, where it lies: no fetch, no cache
+        assert os.path.samefile(path, os.path.join(storage.url, "segments/00000003.arrow"))
+        assert not storage.cached and storage.trim_cache() == []
+    else:
+        assert storage.cached and not path.startswith(storage.url)
+        assert storage.cache_stats().held_bytes >= 3
+    if storage.reliable_listing:
+        assert "00000003.arrow" in storage.list("segments")
+    storage.check()  # a reachable store: no error on either backend
+
+
 def test_round_trip_and_ranges(storage):
     data = bytes(range(256)) * 40  # 10240 bytes
     storage.write_new("segments/00000001.arrow", data)

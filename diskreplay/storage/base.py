@@ -80,9 +80,28 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             atomic here (many writers need it)
 ==========================================  ==================================
 
-``url`` names the store in messages (a directory or ``s3://bucket/prefix``);
-``remote`` is true where every request is a network round trip, so readers
-batch them and find the newest manifest by probing rather than listing.
+``url`` names the store in messages (a directory or ``s3://bucket/prefix``).
+A store branches on what its storage can do, never on its type:
+
+==========================================  ==================================
+``can_map``                                 ``local_path`` is the file itself,
+                                            mapped where it lies (else
+                                            ``fetch_ranges`` brings pages to a
+                                            cache first)
+``exclusive_lock``                          one writer can hold the store's
+                                            ``LOCK`` (flock) and keep others out
+                                            (else every commit is create-if-
+                                            absent and a floor guards clean-up)
+``reliable_listing``                        ``list`` shows every file present
+                                            (else the newest manifest is found
+                                            by probing, never by listing)
+``cached``                                  reads go through a bounded local
+                                            cache (``trim_cache``,
+                                            ``cache_stats``); each request is a
+                                            round trip, so reads batch them
+==========================================  ==================================
+
+``remote`` (``not can_map``) is kept for callers of earlier versions.
 """
 
 from __future__ import annotations
@@ -108,6 +127,10 @@ class Storage(Protocol):
     """
 
     url: str
+    can_map: bool
+    exclusive_lock: bool
+    reliable_listing: bool
+    cached: bool
     remote: bool
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes: ...
@@ -172,6 +195,10 @@ class Storage(Protocol):
                      size: Optional[int] = None) -> str: ...
 
     def probe_create_if_absent(self, reldir: str) -> None: ...
+
+    def check(self) -> None: ...
+
+    def trim_cache(self) -> List[str]: ...
 
 
 def check_rel(rel: str, *, allow_root: bool = False) -> str:

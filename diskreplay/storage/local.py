@@ -694,8 +694,22 @@ class LocalStorage(Storage):
 
     # -- the rest of the storage interface (local files need nothing more) --
 
-    #: a local directory: every file is already present, listing is consistent
-    remote = False
+    #: what a directory can do (see :class:`~diskreplay.storage.base.Storage`): files are mapped where
+    #: they lie, one writer can hold an exclusive lock, a listing shows every file, nothing is cached
+    can_map = True
+    exclusive_lock = True
+    reliable_listing = True
+    cached = False
+    remote = False  # = not can_map, for callers of earlier versions
+
+    def check(self) -> None:
+        """Nothing to check: a missing directory is found by the calls that need it (the object
+        store's version gives its one clear error for a missing bucket or bad credentials)."""
+
+    def trim_cache(self) -> List[str]:
+        """A directory has no cache: nothing to trim (the object store's version returns the
+        files it evicted)."""
+        return []
 
     @property
     def url(self) -> str:

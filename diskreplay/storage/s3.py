@@ -278,8 +278,14 @@ class S3Storage:
 
     # -- the storage interface ----------------------------------------------
 
-    #: every request is a network round trip; listings are not relied on for commits
-    remote = True
+    #: what a bucket can do (see :class:`~diskreplay.storage.base.Storage`): every request is a
+    #: network round trip, so files are fetched into a local page cache before they are mapped; there
+    #: is no lock, and listings are not relied on for commits
+    can_map = False
+    exclusive_lock = False
+    reliable_listing = False
+    cached = True
+    remote = True  # = not can_map, for callers of earlier versions
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
         rel = check_rel(rel)

@@ -95,7 +95,7 @@ class Committer:
         #: manifests are created only if absent (many writers; any store on object storage, which has
         #: no lock): a clean-up raises the collection floor before it deletes one, and a commit counts
         #: only if the floor, read after its link, is not above it (docs/FORMAT.md, "The collection floor")
-        self.floored = options.multi_writer or storage.remote
+        self.floored = options.multi_writer or not storage.exclusive_lock
         self._validated_at = 0.0  # boot_clock() when the base was last found to be the newest commit
         # one writer: the manifests kept (ascending generations), how many of them name each file, and
         # those that are deltas (a store converted from many writers); see collect
@@ -527,7 +527,7 @@ class Committer:
             self.sync()
         finally:
             close = getattr(self.storage, "close", None)
-            if close is not None and not self.storage.remote:  # a remote store's storage is the store's own
+            if close is not None and not self.storage.cached:  # a cached store's storage is the store's own
                 close()
 
     # ------------------------------------------------------------------ garbage collection
@@ -865,7 +865,7 @@ class Committer:
 
     def _set_aside(self, rel: str) -> str:
         """Move ``rel`` to a free name under ``quarantine/`` (a rename where the storage has one)."""
-        local = None if self.storage.remote else self.storage.local_path
+        local = self.storage.local_path if self.storage.can_map else None
         data = None if local is not None else self.storage.read_bytes(rel)  # an object store copies
         for n in range(1 << 16):
             dest = f"{fmt.QUARANTINE_DIR}/{rel}" + (f".{n}" if n else "")

@@ -98,9 +98,9 @@ def _writer_id() -> str:
     return f"{random.SystemRandom().getrandbits(64):016x}-{host}-{os.getpid()}"
 
 
-def _reopen(path: str, generation: Optional[int], verify_reads: bool, remote: Tuple[Any, ...] = (None, None, None)
+def _reopen(path: str, generation: Optional[int], verify_reads: bool, storage_args: Tuple[Any, ...] = (None, None, None)
             ) -> "ReplayStore":
-    storage_options, cache_dir, cache_bytes = remote
+    storage_options, cache_dir, cache_bytes = storage_args
     return ReplayStore(path, readonly=True, generation=generation, verify_reads=verify_reads,
                        storage_options=storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
 
@@ -170,8 +170,9 @@ class ReplayStore:
                  cache_bytes: Optional[int] = None, fsync: bool = True) -> None:
         #: the storage every file of the store is read and written through (a directory or a bucket)
         self.storage = open_storage(path, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
-        self.remote = self.storage.remote
-        self._remote_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
+        #: whether the store lives in object storage (its files fetched into a local cache, not mapped in place)
+        self.remote = not self.storage.can_map
+        self._storage_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
         self.path = self.storage.url
         self.readonly = readonly
         if not isinstance(fsync, bool):
@@ -222,20 +223,20 @@ class ReplayStore:
         try:
             exists = self._has_format_file()
         except BaseException:
-            self.storage.close() if self.remote else None
+            self.storage.close() if self.storage.cached else None
             raise
         if readonly:
             if not exists:
                 self.close()
                 raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
                                         "a read-only open needs an existing store")
-        elif self.remote and not exists:
+        elif not self.storage.exclusive_lock and not exists:
             try:
                 _refuse_foreign_entries(self.path, self.storage.some_names())
             except BaseException:
                 self.close()
                 raise
-        elif not self.remote:
+        elif self.storage.exclusive_lock:
             try:
                 if not exists:
                     _refuse_foreign_path(self.path)
@@ -252,7 +253,7 @@ class ReplayStore:
                                            shared=stored_multi or (not exists and multi_writer is True))
             self._writer_lock.acquire()
         try:
-            for d in fmt.DATA_DIRS if not self.remote else ():
+            for d in fmt.DATA_DIRS if self.storage.can_map else ():
                 if os.path.islink(os.path.join(self.path, d)):
                     raise CorruptStoreError(f"{os.path.join(self.path, d)} is a symlink; a store's directories "
                                             "must be its own (nothing outside it is ever read or deleted)")
@@ -274,7 +275,7 @@ class ReplayStore:
                     multi_writer=multi_writer is True,
                     retain_seconds=None if retain_seconds is _UNSET else retain_seconds,
                     append_deltas=multi_writer is True, inline_groups=multi_writer is True)
-                if self.remote:
+                if not self.storage.exclusive_lock:
                     # every commit to an object store is a conditional PUT (there is no lock),
                     # so a server that does not honour them is refused for any store
                     self.storage.probe_create_if_absent(fmt.MANIFEST_DIR)
@@ -291,7 +292,7 @@ class ReplayStore:
             if self.manifest.next_row and self.options.schema is None:
                 # the schema is fixed before the first commit: a store with rows and none lost it, and a
                 # writer fixing another now would make every committed segment unreadable
-                holder = fmt.schema_file(self.options, self.remote)
+                holder = fmt.schema_file(self.options, not self.storage.exclusive_lock)
                 raise CorruptStoreError(f"{self.path} has committed rows but its schema is gone ({holder} "
                                         f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records none'}); "
                                         "restore it from a backup or a copy of the store (nothing was changed)")
@@ -309,12 +310,11 @@ class ReplayStore:
     def _has_format_file(self) -> bool:
         if self.storage.exists(fmt.FORMAT_FILE):
             return True
-        if self.remote:
-            self.storage.check()  # not found: a missing bucket gives its one clear error here
+        self.storage.check()  # not found: a missing bucket gives its one clear error here
         return False
 
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
-        if self.remote:
+        if not self.storage.exclusive_lock:
             committer = (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
         else:
             storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync,
@@ -367,7 +367,7 @@ class ReplayStore:
         if not self.readonly:
             raise ArgumentError(f"a writer of {self.path} cannot be pickled; send store.snapshot() or open the "
                             "store where it is needed")
-        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads, self._remote_args)
+        return _reopen, (self.path, self.generation if self._pinned else None, self.verify_reads, self._storage_args)
 
     def close(self) -> None:
         """Make owed durability good, release the writer lock and the memory maps. Idempotent; a
@@ -390,7 +390,7 @@ class ReplayStore:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
-            if self.remote:
+            if self.storage.cached:
                 self.storage.close()
 
     @property
@@ -419,7 +419,7 @@ class ReplayStore:
         """Whether new files take the first free id (created only if absent) rather than the
         next one in the manifest: with many writers, and on an object store, where a second
         writer of a single-writer store is not kept out and must not overwrite a file."""
-        return self.multi_writer or self.remote
+        return self.multi_writer or not self.storage.exclusive_lock
 
     @property
     def _reserve_ahead(self) -> Dict[str, Any]:
@@ -427,7 +427,7 @@ class ReplayStore:
         reserved ahead, used while younger than a quarter of ``retain_seconds`` (clean-up takes
         unnamed files past it; a commit's own files must stay younger than half of it), where that
         is at least ``RESERVE_AHEAD_MIN_AGE``."""
-        if self.remote or not self.multi_writer or self._committer.retain_seconds < 4 * RESERVE_AHEAD_MIN_AGE:
+        if not self.storage.can_map or not self.multi_writer or self._committer.retain_seconds < 4 * RESERVE_AHEAD_MIN_AGE:
             return {}
         return {"ahead": RESERVE_AHEAD, "max_age": self._committer.retain_seconds / 4}
 
@@ -512,7 +512,7 @@ class ReplayStore:
         """
         out: Dict[str, Any] = self._committer.stats.as_dict() if self._committer is not None else {}
         out.update(generation=self.generation, segments=len(self.manifest.segments), multi_writer=self.multi_writer)
-        if self.remote:
+        if self.storage.cached:
             out["cache"] = self.storage.cache_stats().to_dict()
         return out
 
@@ -533,7 +533,7 @@ class ReplayStore:
         """
         self._require_open()
         return _reopen(self.path, self.generation if generation is None else generation, self.verify_reads,
-                       self._remote_args)
+                       self._storage_args)
 
     @_locked
     def refresh(self) -> bool:
@@ -544,7 +544,7 @@ class ReplayStore:
         """
         if self._pinned:
             return False
-        if self.remote:
+        if not self.storage.reliable_listing:
             # commits present above a present one are contiguous: if the next one is
             # absent and ours is still there, nothing is newer (one or two HEADs)
             gen = self.manifest.generation
@@ -983,11 +983,11 @@ class ReplayStore:
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = self.storage if self.remote else LocalStorage(self.path, _writer_id() if multi_writer else "",
+        storage = self.storage if not self.storage.exclusive_lock else LocalStorage(self.path, _writer_id() if multi_writer else "",
                                                                 fsync=self.fsync)
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
-        elif not self.remote:
+        elif self.storage.exclusive_lock:
             self._lock(shared=False)
         o = self.options
         # inline groups stay once a store has them (its manifests may name some); converting to many
@@ -995,7 +995,7 @@ class ReplayStore:
         options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer,
                                       inline_groups=o.inline_groups or multi_writer)
         options.write(storage)
-        if multi_writer and not self.remote:
+        if multi_writer and self.storage.exclusive_lock:
             self._lock(shared=True)
         self.options = options
         self._committer = self._make_committer(options)
@@ -1091,7 +1091,7 @@ class ReplayStore:
             batch = pa.ipc.open_file(data).get_batch(0)
             if batch.num_rows == entry.num_rows:
                 return batch
-        if self.remote or entry.id in self._segments:
+        if not self.storage.can_map or entry.id in self._segments:
             seg = self._segment(entry)
             seg.verify_whole(entry.crc32c)
             return seg.batch
@@ -1176,7 +1176,7 @@ class ReplayStore:
             entry = self.manifest.states.get(name)
             if entry is None:
                 return None
-            path = f"{self.path}/{entry.file}" if self.remote else os.path.join(self.path, entry.file)
+            path = f"{self.path}/{entry.file}"
             raw = self.storage.read_bytes(entry.file, entry.bytes)
             if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
                 raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
@@ -1192,12 +1192,12 @@ class ReplayStore:
             self._segments.move_to_end(entry.id)
         else:
             pages, whole_crc = None, None
-            # remotely the page checksums also say which pages to fetch: always used there
-            if self.verify_reads or self.remote:
+            # through a cache the page checksums also say which pages to fetch: always used there
+            if self.verify_reads or self.storage.cached:
                 pages = self._page_checksums(entry)  # check what is read, when it is first read
                 if pages is None and self.verify_reads:  # no sidecar, or a small segment: check the whole file once
                     whole_crc = entry.crc32c
-            if self.remote:
+            if self.storage.cached:
                 seg = RemoteSegment(self.storage, entry, self.schema, pages, whole_crc)
             else:
                 seg = Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
@@ -1219,7 +1219,7 @@ class ReplayStore:
         key_type = self._key_type()
         if entry.group is not None:  # no file: one group, every row
             return inline_group_sidecar(entry.group, key_type, entry.first_row, entry.num_rows)
-        if not self.remote:
+        if self.storage.can_map:
             return read_group_sidecar(self.storage.local_path(entry.groups_file), entry.groups_bytes,
                                       entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
         # a whole local copy (evicted only between reads: see _trim_cache), named by its URL in errors
@@ -1308,7 +1308,7 @@ class ReplayStore:
         """Object store: bring the local cache within ``cache_bytes`` between reads, and
         forget the maps of evicted files (their pages must be fetched and checked again).
         Arrays already returned stay valid: evicted files are unlinked, never rewritten."""
-        if not self.remote:
+        if not self.storage.cached:
             return
         evicted = set(self.storage.trim_cache())
         if not evicted:
@@ -1464,7 +1464,7 @@ class ReplayStore:
         m = self.manifest
         # the touched segments (np.unique would import numpy.ma on first use: 80 ms of a cold first batch)
         touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
-        if self.remote:
+        if self.storage.cached:
             self._open_concurrently([m.segments[i] for i in touched], cols)
             opened, hinted = False, set()
         else:
@@ -1478,7 +1478,7 @@ class ReplayStore:
             sels = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])] if n else []
             parts = [(self._segment(m.segments[i]), sel, local[sel])
                      for i, sel in zip(seg_idx[order[bounds[:-1]]].tolist(), sels)] if n else []
-        if self.remote:
+        if self.storage.cached:
             fetch_for_read([(seg, loc) for seg, _, loc in parts], cols,
                            [c for c in cols if self.schema[c].kind == RAGGED], self._io_pool())
         for seg, _, loc in parts:
@@ -1537,7 +1537,7 @@ class ReplayStore:
         """
         cols = self._resolve_columns(columns)
         self._trim_cache()
-        if self.remote:
+        if not self.storage.can_map:
             return  # nothing to hint: an object store's pages are fetched (and checked) by the read itself
 
         def advise() -> None:
@@ -1568,7 +1568,7 @@ class ReplayStore:
                 gi, end = self._load_group_index(m)
             if end < m.next_row:
                 tail = [s for s in m.segments if s.end_row > end]
-                if len(tail) > 1 and not self.remote:  # cold, read them together, not one after another
+                if len(tail) > 1 and self.storage.can_map:  # cold, read them together, not one after another
                     prefetch_files([(os.path.join(self.path, s.groups_file), [(0, 0)]) for s in tail
                                     if s.groups_bytes])
                 parts = [self._sidecar(s)[:3] for s in tail]
@@ -1589,7 +1589,7 @@ class ReplayStore:
             return empty, m.head
         try:
             path = (self.storage.fetch_ranges(e.file, None, size=e.bytes, evict=False, tag=f"{e.bytes}-{e.crc32c:08x}")
-                    if self.remote else self.storage.local_path(e.file))
+                    if not self.storage.can_map else self.storage.local_path(e.file))
             keys, offsets, rows, pages = read_group_index(path, e.bytes, e.crc32c, e.frame, self._key_type(),
                                                           e.first_row, e.end_row)
         except FileNotFoundError:
@@ -1615,7 +1615,7 @@ class ReplayStore:
         ``force``: whatever the tail)."""
         m = self.manifest
         # not on an object store: a second writer there (no lock) could write the same index name
-        if self.group_key is None or self.multi_writer or self.remote or not m.segments:
+        if self.group_key is None or self.multi_writer or not self.storage.exclusive_lock or not m.segments:
             return
         covered = m.group_index.end_row if m.group_index is not None else m.head
         if not force and sum(1 for s in m.segments if s.end_row > covered) < INDEX_TAIL_SEGMENTS:
