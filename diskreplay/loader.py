@@ -120,7 +120,7 @@ _STORE_LOCKS_GUARD = threading.Lock()
 def resolve_device(device: Any, who: str = "it yields") -> Optional[torch.device]:
     """``device`` as a ``torch.device`` (None: CPU). An integer is a CUDA device index (a
     ``local_rank``); a CUDA device on a machine without CUDA warns and gives CPU tensors
-    (DESIGN.md: the same training script runs on a laptop or a CPU CI machine).
+    (so the same training script runs on a laptop or a CPU CI machine).
 
     >>> resolve_device(None) is None, resolve_device("cpu")
     (True, device(type='cpu'))
@@ -225,7 +225,7 @@ class StoreFollowing:
     def __init__(self, store: Any, sampler: Any, owner: str) -> None:
         self.store = store
         world = getattr(sampler, "world_size", 1) or 1
-        follows = bool(getattr(store, "readonly", False)) and not getattr(store, "_pinned", False)
+        follows = bool(getattr(store, "readonly", False)) and not getattr(store, "pinned", False)
         self.mode = "none" if not follows else "refresh" if world <= 1 else "agreed"
         self.snapshots: Dict[int, Any] = {}
         if self.mode == "agreed" and not (torch.distributed.is_available() and torch.distributed.is_initialized()):

@@ -699,6 +699,11 @@ class ArrowFile:
                                         "`diskreplay repair`")
         self._verified[ids] = True
 
+    @property
+    def base_address(self) -> int:
+        """The address of the file's first byte in memory (buffer addresses minus it are file offsets)."""
+        return self._base.address
+
     def verify_whole(self, crc: int) -> None:
         """Check the whole file against its manifest CRC-32C (before its data is copied elsewhere)."""
         if crc32c(self._base) != crc:

@@ -797,7 +797,7 @@ def _compare_sidecar(files: _Files, s: fmt.SegmentEntry, seg: Segment, group_key
     raw = (side.schema.metadata or {}).get(META_BUFFERS_KEY)
     if raw is not None:  # (sidecars written before the key existed have none)
         recorded = buffer_ranges(raw, 0, s.bytes)
-        if recorded is None or recorded.tolist() != field_buffers(seg.batch, seg._base.address).tolist():
+        if recorded is None or recorded.tolist() != field_buffers(seg.batch, seg.base_address).tolist():
             return (f"{path} records buffer ranges (diskreplay.buffers) that are not those of "
                     f"{_rel(root, s.file)}; reads are right but ask the disk for the wrong pages; "
                     "run `diskreplay repair`")

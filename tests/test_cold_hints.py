@@ -18,7 +18,7 @@ from diskreplay import CorruptStoreError, ReplayStore
 from diskreplay import format as fmt
 from diskreplay._fileio import crc32c
 from diskreplay.segment import PageChecksums, Segment, encode_ipc, field_buffers, read_group_sidecar
-from diskreplay.store import replay_store
+from diskreplay.store import replay_store, segment_cache
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.verify import repair_store, verify_store
 
@@ -64,8 +64,8 @@ def assert_recorded(store):
         side = read_group_sidecar(os.path.join(store.path, e.groups_file), e.groups_bytes, e.groups_crc32c,
                                   store._key_type(), e.first_row, e.num_rows)[3]
         assert side.buffers is not None and np.array_equal(side.buffers, want), e
-        if store._index_pages is not None:
-            got = store._index_pages.get(e.id, e.bytes, e.crc32c)
+        if store._cache.index_pages is not None:
+            got = store._cache.index_pages.get(e.id, e.bytes, e.crc32c)
             if got is not None:
                 assert got.buffers is not None and np.array_equal(got.buffers, want), e
         # and each range spans exactly the buffers a read of that column touches whatever the rows
@@ -128,15 +128,15 @@ def test_a_cold_read_asks_for_every_segments_buffers_before_parsing_any(tmp_path
     from diskreplay import Collator
     path = fill(str(tmp_path / "s"), rows=64, longest=2000)  # values far longer than the hint gap
     events = []
-    real_prefetch, real_segment = replay_store.prefetch_files, replay_store.Segment
-    monkeypatch.setattr(replay_store, "prefetch_files", lambda wanted: (events.append(("hint", wanted)),
+    real_prefetch, real_segment = segment_cache.prefetch_files, segment_cache.Segment
+    monkeypatch.setattr(segment_cache, "prefetch_files", lambda wanted: (events.append(("hint", wanted)),
                                                                        real_prefetch(wanted)))
 
     def segment(*a, **k):
         events.append(("open", a[0]))
         return real_segment(*a, **k)
 
-    monkeypatch.setattr(replay_store, "Segment", segment)
+    monkeypatch.setattr(segment_cache, "Segment", segment)
     with ReplayStore(path, readonly=True) as store:
         rows = np.arange(0, len(store), 7)
         cols = ["completion_ids", "rewards"]
@@ -153,7 +153,7 @@ def test_a_cold_read_asks_for_every_segments_buffers_before_parsing_any(tmp_path
         assert len(hinted) == len(touched) > 1
         for i in touched:
             e = m.segments[i]
-            seg = store._segments[e.id]
+            seg = store._cache.segments[e.id]
             page = seg.pages.page_bytes
             asked = np.zeros(-(-e.bytes // page), dtype=bool)
             for off, length in hinted[os.path.join(path, e.file)]:
@@ -295,7 +295,7 @@ def test_index_ranges_that_do_not_fit_are_not_used(tmp_path):
         warnings.simplefilter("error")
         store.group_index()
         seg_entry = store.manifest.segments[0]
-        assert store._index_pages.get(seg_entry.id, seg_entry.bytes, seg_entry.crc32c).buffers is None
+        assert store._cache.index_pages.get(seg_entry.id, seg_entry.bytes, seg_entry.crc32c).buffers is None
         assert_same(store.read(store.row_ids()), want)
 
 

@@ -693,7 +693,7 @@ def test_consecutive_rows_read_as_views_equal_copies(store):
 
 
 def test_open_segments_are_bounded(store, monkeypatch):
-    import diskreplay.store.replay_store as store_module
+    import diskreplay.store.segment_cache as store_module
 
     monkeypatch.setattr(store_module, "MAX_OPEN_SEGMENTS", 2)
     batches = [make_rollouts(1, 4, seed=s, first_group=s, completion_mean=20) for s in range(6)]
@@ -704,7 +704,7 @@ def test_open_segments_are_bounded(store, monkeypatch):
     flat = [x for b in batches for x in b["completion_ids"]]
     for i, r in enumerate(rows):
         np.testing.assert_array_equal(got[i], flat[r])
-    assert len(store._segments) <= 2
+    assert len(store._cache.segments) <= 2
 
 
 def test_damaged_page_is_never_served_by_any_read_path(tmp_path):

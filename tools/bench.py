@@ -52,7 +52,7 @@ def row(label: str, value: str, baseline: str = "", ratio: str = "") -> None:
     print(f"  {label:<44} {value:>18} {baseline:>18} {ratio:>10}")
 
 
-#: issue 13's targets, filled as the sample benchmark measures them: (what, ratio, target, met)
+#: the sample benchmark's targets, filled as the sample benchmark measures them: (what, ratio, target, met)
 TARGETS: List[tuple] = []
 
 
@@ -67,7 +67,7 @@ def target(what: str, ratio: float, goal: str) -> str:
 def print_targets(report=print) -> None:
     if not TARGETS:
         return
-    report("\nissue 13 targets (ratios of paths measured in this run)")
+    report("\ntargets (ratios of paths measured in this run)")
     for what, ratio, goal, met in TARGETS:
         report(f"  {what:<64} {ratio:8.2f}x  target {goal:<7} {'met' if met else 'NOT met'}")
 
@@ -1000,7 +1000,7 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
             f"{rl / unp:.2f}x")
     else:
         row("packed vs TorchRL padded memmap sample", "skipped", "no torchrl")
-    # how far each path is from writing its layout's bytes once (issue 13's packed-vs-padded target
+    # how far each path is from writing its layout's bytes once (the packed-vs-padded target
     # is a ratio of two layouts: at their floors it cannot exceed the ratio of their floors)
     for layout, path in (("packed", packed), ("padded", reused)):
         fl = floors[layout]
@@ -1028,7 +1028,7 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
     row("host->device bytes, packed on device vs payload", f"{shipped / 1e6:.2f} MB", f"{payload / 1e6:.2f} MB",
         target("host bytes per packed batch shipped (pack_on_device) vs payload", shipped / payload, "<= 1.05"))
     # built on the host the packed layout is int64 ids/positions/mask and per-token columns over all
-    # T tokens (prompt positions 0), as issue 13 specifies it: ~3.3x the payload by construction
+    # T tokens (prompt positions 0), as the target specifies it: ~3.3x the payload by construction
     row("host bytes, packed layout built on host", f"{host_packed / 1e6:.2f} MB", f"{payload / 1e6:.2f} MB",
         f"{host_packed / payload:.2f}x")
     row("host bytes, padded layout", f"{res['bytes_padded_host'] / 1e6:.2f} MB", f"{payload / 1e6:.2f} MB",
@@ -1782,7 +1782,7 @@ def bench_commit_cpu(args) -> None:
 
 def _small_segments_ab(batches, work: str, rounds: int = 5) -> None:
     """CPU per small commit with segments below 64 KiB checked whole (their sidecars without page
-    checksums, the default) against page checksums on every segment (what stop 19 wrote), alternating
+    checksums, the default) against page checksums on every segment (what older versions wrote), alternating
     in this process, fresh stores, the same batches; medians."""
     from diskreplay import segment
 

@@ -37,7 +37,7 @@ faulted run a fresh process checks the invariants of docs/FORMAT.md
 
 Two more columns count what a caller sees, without failing a case:
 ``raised-committed`` (an append raised, yet its rows are committed: a retry
-would append them twice; issue 12 item 4) and ``unnamed-error`` (a bare
+would append them twice) and ``unnamed-error`` (a bare
 ``OSError`` that names no file reached the caller).
 
 A case whose injection did not hit the syscall the baseline saw there (the run
@@ -656,7 +656,7 @@ def check(case: Optional[Case], store: str, rc: int, out: str, err: str, log: st
         broken["open-rw"] = f"{type(exc).__name__}: {exc}"
     errors = [line for line in lines if line.startswith(("error", "reopen-failed"))]
     # not invariants, but what a caller sees: an error for an append that was committed (a
-    # retry would append it twice: issue 12 item 4), a bare OSError that names no file
+    # retry would append it twice), a bare OSError that names no file
     info = []
     if case is not None and case.fault != "SIGKILL" and generation is not None:
         if any((f, n) not in acked and f + n <= next_row for f, n in begun):

@@ -1,16 +1,19 @@
-"""The replay store: the facade (:class:`ReplayStore`), its one commit path, and its storage.
+"""The replay store: the facade (:class:`ReplayStore`) and the parts it delegates to.
 
-Modules, bottom up: ``storage`` (the file operations a backend provides),
-``compaction`` (splitting, eviction, the merge policy), ``ops`` (commits as
-values, with their conflict rules), ``tokens`` (exactly-once records),
-``committer`` (publishing, rebasing, clean-up), ``reading`` (read planning),
-``replay_store`` (the facade users hold).
+Modules, bottom up: ``compaction`` (splitting, eviction, the merge policy),
+``ops`` (commits as values, with their conflict rules), ``tokens``
+(exactly-once records), ``committer`` (publishing, rebasing, clean-up),
+``reading`` (read planning), ``remote`` (object-storage segments and commits),
+``segment_cache`` (open segments, page checks, reads), ``group_views`` (the
+group indexes served), ``replay_store`` (the facade users hold). The storage
+backends live in :mod:`diskreplay.storage` (``store.storage`` re-exports them).
 """
 
 from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, MERGE_MAX_BYTES, MERGE_RATIO, MergePolicy
 from .committer import CommitStats
 from .ops import Conflict
-from .replay_store import MAX_OPEN_SEGMENTS, STALE_RETRIES, ReplayStore
+from .replay_store import STALE_RETRIES, ReplayStore
+from .segment_cache import MAX_OPEN_SEGMENTS
 from ..storage import LocalStorage, Storage
 
 __all__ = ["ReplayStore", "MergePolicy", "Storage", "LocalStorage", "CommitStats", "Conflict", "convert_store"]

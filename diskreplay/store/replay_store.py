@@ -17,29 +17,26 @@ import random
 import socket
 import threading
 import warnings
-from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, boot_clock, crash_point, crc32c, fsync_dir
-from .._ranges import coalesce
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
-                      CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, RowsEvictedError,
-                      SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
-from ..groups import GroupIndex, arrow_indices
-from ..ragged import RaggedColumn
-from ..schema import RAGGED, Schema, normalize_batch
-from ..segment import (IndexedPages, PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
-                       encode_group_sidecar, encode_state, has_page_checksums, inline_group, inline_group_sidecar,
-                       prefetch_files, read_group_index, read_group_sidecar)
+                      CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
+from ..groups import GroupIndex
+from ..schema import Schema, normalize_batch
+from ..segment import (PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
+                       encode_group_sidecar, encode_state, has_page_checksums, inline_group)
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
-from .reading import RangePlan, gather_ragged, hint_reads, index_of_column, ragged_ranges, ragged_run
-from .remote import CacheEvicted, RemoteCommitter, RemoteSegment, fetch_for_read
+from .reading import index_of_column
+from .remote import RemoteCommitter
+from .group_views import GroupIndexes
+from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, Storage, open_storage
 from .tokens import TokenIndex, batch_digest, check_token, digest
 
@@ -51,9 +48,7 @@ class _Unset:
 
 
 _UNSET: Any = _Unset()
-# Segments a store keeps mapped at once (each map holds a file descriptor, and
-# 1024 is a common per-process limit); older ones are unmapped and reopened on demand.
-MAX_OPEN_SEGMENTS = 256
+T = TypeVar("T")
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
 # A single writer persists the group index (docs/FORMAT.md, "Group index") once this many segments
 # were committed past the rows it covers: a reopened store then reads one index file and at most
@@ -64,7 +59,6 @@ INDEX_TAIL_SEGMENTS = 16
 COPY_SOURCE_BYTES = 4 << 20
 MAX_MERGES_PER_APPEND = 64
 OWN_IDS = 4096  # segment ids a writer of a multi-writer store remembers reserving (see _merge_is_mine)
-IO_THREADS = 16  # object store: segments fetched at once by one read
 # many writers, local files: segment names each writer reserves at once, with one fsync of segments/
 # for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers");
 # a segment of MERGE_MAX_BYTES or more takes a name of its own (the directory's fsync, issued with its
@@ -74,11 +68,6 @@ RESERVE_AHEAD = 16
 # store that retains less, a test's, reserves each name with its commit: else each slow commit
 # would find its names too old, give them up and reserve 16 more)
 RESERVE_AHEAD_MIN_AGE = 60.0
-# buffers of a cold segment closer than this are asked for with one posix_fadvise
-_HINT_GAP = 64 << 10
-T = TypeVar("T")
-
-Column = Union[RaggedColumn, np.ndarray, List[str], None]
 
 
 def _locked(method):
@@ -189,14 +178,10 @@ class ReplayStore:
         self._read_tokens: Optional[TokenIndex] = None  # readonly: committed_rows' lookups
         self._closed = False
         self._pinned = generation is not None
-        self._segments: "OrderedDict[int, Segment]" = OrderedDict()  # open maps, least recent first
-        self._pages: Dict[int, Any] = {}  # page checksums (and which pages passed) per segment id
-        self._starts: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))  # (manifest, first rows)
-        # the store-key group index of rows [head, _groups_end), brought forward commit by commit
-        self._groups: Optional[GroupIndex] = None
-        self._groups_end = 0
-        self._index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
-        self._index_cache: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
+        #: the segments this store has open and the reads through them
+        self._cache = SegmentCache(self.storage, self.path, verify_reads)
+        #: the group indexes this store serves (its own key's, brought forward commit by commit)
+        self._groups = GroupIndexes(self._cache)
         self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
         # multi-writer: the ids of the newest segments this writer reserved (its appends' and merges'):
         # a due merge whose newest segment is one of them is this writer's to do
@@ -204,7 +189,6 @@ class ReplayStore:
         # the file bytes of this writer's newest small segments, by id: a merge of them (of its own
         # appends, the next few commits) copies them from here instead of reading the files back
         self._small_written: Dict[int, Any] = {}
-        self._pool: Any = None  # object store: threads fetching for one read
         self.recovered_from: List[str] = []
         for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes),
                             ("retain_seconds", retain_seconds)):
@@ -385,11 +369,8 @@ class ReplayStore:
                 self._writer_lock.release()
                 self._writer_lock = None
             self._closed = True
-            self._segments.clear()
+            self._cache.close()
             self._small_written.clear()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-                self._pool = None
             if self.storage.cached:
                 self.storage.close()
 
@@ -403,6 +384,18 @@ class ReplayStore:
         True
         """
         return self._closed
+
+    @property
+    def pinned(self) -> bool:
+        """True for a store pinned at one generation (a :meth:`snapshot`, or ``generation=``): it never
+        refreshes.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> store.pinned, store.snapshot().pinned
+        (False, True)
+        """
+        return self._pinned
 
     def __len__(self) -> int:
         return self.manifest.num_rows
@@ -589,19 +582,11 @@ class ReplayStore:
             f"generation {self.generation} of {self.path}, which this reader is pinned at, is no longer retained: "
             f"the writer's clean-up removed {exc.filename or exc} ({kept})")
 
-    def _drop_dead_segments(self, manifest: fmt.Manifest) -> None:
-        live = {s.id for s in manifest.segments}
-        for sid in [s for s in self._segments if s not in live]:
-            del self._segments[sid]
-        for sid in [s for s in self._pages if s not in live]:
-            del self._pages[sid]
-
     def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
-        self._drop_dead_segments(manifest)
+        self._cache.forget_dead(manifest)
         self.manifest, self.options = manifest, options
         # the group index of rows still live stays valid; new rows are indexed lazily
-        if self._groups is not None and manifest.next_row < self._groups_end:
-            self._groups = None
+        self._groups.keep_valid(manifest.next_row)
 
     # ------------------------------------------------------------------ writing
 
@@ -794,7 +779,7 @@ class ReplayStore:
         new = result.manifest
         for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
             if e.groups_bytes and checksums is not None:
-                self._pages.setdefault(e.id, checksums)
+                self._cache.pages.setdefault(e.id, checksums)
         self._keep_small(prepared["entries"], encoded)
         self._collect()
         try:
@@ -1091,7 +1076,7 @@ class ReplayStore:
             batch = pa.ipc.open_file(data).get_batch(0)
             if batch.num_rows == entry.num_rows:
                 return batch
-        if not self.storage.can_map or entry.id in self._segments:
+        if not self.storage.can_map or entry.id in self._cache.segments:
             seg = self._segment(entry)
             seg.verify_whole(entry.crc32c)
             return seg.batch
@@ -1186,170 +1171,28 @@ class ReplayStore:
 
     # ------------------------------------------------------------------ reading
 
+    def _view(self) -> ReadView:
+        return ReadView(self.manifest, self.schema, self.group_key)
+
+    def _key_type(self) -> pa.DataType:
+        return self._view().key_type
+
     def _segment(self, entry: fmt.SegmentEntry) -> Segment:
-        seg = self._segments.get(entry.id)
-        if seg is not None:
-            self._segments.move_to_end(entry.id)
-        else:
-            pages, whole_crc = None, None
-            # through a cache the page checksums also say which pages to fetch: always used there
-            if self.verify_reads or self.storage.cached:
-                pages = self._page_checksums(entry)  # check what is read, when it is first read
-                if pages is None and self.verify_reads:  # no sidecar, or a small segment: check the whole file once
-                    whole_crc = entry.crc32c
-            if self.storage.cached:
-                seg = RemoteSegment(self.storage, entry, self.schema, pages, whole_crc)
-            else:
-                seg = Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
-                              whole_crc, pages)
-            self._segments[entry.id] = seg
-            # each open map holds a file descriptor: keep the most recently used ones
-            while len(self._segments) > MAX_OPEN_SEGMENTS:
-                self._segments.popitem(last=False)
-        return seg
+        return self._cache.segment(entry, self._view())
 
     def _sidecar(self, entry: fmt.SegmentEntry):
         """``(keys, counts, rows, page checksums)`` of a segment's group sidecar, checked."""
-        out = self._read_sidecar(entry)
-        if out[3] is not None and entry.id not in self._pages:
-            self._pages[entry.id] = out[3]  # read once, for the group index and the segment's pages both
-        return out
+        return self._cache.sidecar(entry, self._view())
 
-    def _read_sidecar(self, entry: fmt.SegmentEntry):
-        key_type = self._key_type()
-        if entry.group is not None:  # no file: one group, every row
-            return inline_group_sidecar(entry.group, key_type, entry.first_row, entry.num_rows)
-        if self.storage.can_map:
-            return read_group_sidecar(self.storage.local_path(entry.groups_file), entry.groups_bytes,
-                                      entry.groups_crc32c, key_type, entry.first_row, entry.num_rows)
-        # a whole local copy (evicted only between reads: see _trim_cache), named by its URL in errors
-        path = self.storage.fetch_ranges(entry.groups_file, None, size=entry.groups_bytes, evict=False,
-                                         tag=f"{entry.groups_bytes}-{entry.groups_crc32c:08x}")
-        try:
-            return read_group_sidecar(path, entry.groups_bytes, entry.groups_crc32c, key_type, entry.first_row,
-                                      entry.num_rows)
-        except CorruptStoreError as exc:
-            raise CorruptStoreError(str(exc).replace(path, f"{self.path}/{entry.groups_file}")) from None
-
-    def _key_type(self) -> pa.DataType:
-        return self.schema[self.group_key].arrow_type
-
-    def _page_checksums(self, entry: fmt.SegmentEntry, sidecar: bool = True) -> Optional[PageChecksums]:
-        """A segment's page checksums: from the persisted group index when it carries them (no
-        sidecar read), else from the sidecar (``sidecar=False``: None instead). None for a segment
-        checked whole: without a sidecar, or small (``has_page_checksums``; the sidecar of one written
-        by an older version may hold some, which need not be read)."""
-        if not entry.groups_bytes or not has_page_checksums(entry.bytes):
-            return None
-        pages = self._pages.get(entry.id)
-        if pages is None:
-            if self._index_pages is not None:
-                pages = self._index_pages.get(entry.id, entry.bytes, entry.crc32c)
-            if pages is not None:
-                self._pages[entry.id] = pages
-            elif sidecar:
-                pages = self._sidecar(entry)[3]
-        return pages
-
-    def _io_pool(self) -> Any:
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="diskreplay-fetch")
-        return self._pool
-
-    def _open_concurrently(self, entries: Sequence[fmt.SegmentEntry], cols: Optional[Sequence[str]] = None) -> None:
-        """Object store: fetch what opening the segments not yet open needs (group sidecar,
-        then Arrow's header and footer pages), all segments at once: a cold batch then
-        costs two rounds of requests instead of two per segment. With the header and footer,
-        the buffers of ``cols`` a read needs whatever its rows, where the segment's checksums
-        record them: the read's own first round (``fetch_for_read``) then has nothing to fetch."""
-        todo = [e for e in entries if e.id not in self._segments and e.groups_bytes]
-        if not todo:
-            return
-        pool = self._io_pool()
-        # a small segment is fetched whole (and checked whole when opened), in the same round
-        whole = [pool.submit(self.storage.fetch_ranges, e.file, None, size=e.bytes, evict=False,
-                             tag=RemoteSegment.cache_tag(e)) for e in todo if not has_page_checksums(e.bytes)]
-        todo = [e for e in todo if has_page_checksums(e.bytes)]
-        fields = self._field_positions(cols)
-        known = {e.id: self._page_checksums(e, sidecar=False) for e in todo}
-        # one round: the frames of the segments whose checksums are known (the group index's); for the
-        # others the sidecars, and each segment's first and last page (where Arrow's header and footer
-        # usually lie) before the sidecar's checksums say exactly where
-        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, known[e.id], fields)
-                  for e in todo if known[e.id] is not None]
-        rest = [e for e in todo if known[e.id] is None]
-        ends = [pool.submit(RemoteSegment.prefetch_ends, self.storage, e) for e in rest]
-        sidecars = [(e, pool.submit(self._sidecar, e)) for e in rest]
-        for e, fut in sidecars:
-            pages = fut.result()[3]
-            if pages is not None:
-                self._pages.setdefault(e.id, pages)
-        for fut in ends + frames:
-            fut.result()
-        # a header or footer larger than a page: the rest, exactly (usually nothing to fetch)
-        frames = [pool.submit(RemoteSegment.prefetch_frame, self.storage, e, self._pages[e.id], fields)
-                  for e in rest if e.id in self._pages]
-        for fut in frames + whole:
-            fut.result()
-
-    def _field_positions(self, cols: Optional[Sequence[str]]) -> Optional[np.ndarray]:
-        """Positions of ``cols`` among the store's columns, ascending: field ``i`` of a segment is
-        column ``i`` of the store (late columns come last, and a segment lacks only late columns
-        newer than itself). Only used to read recorded buffer ranges early: a wrong guess would
-        cost reads, never wrong bytes."""
-        if not cols or self.schema is None:
-            return None
-        order = {name: i for i, name in enumerate(self.schema.names)}
-        return np.array(sorted(order[c] for c in cols if c in order), dtype=np.int64)
+    def _page_checksums(self, entry: fmt.SegmentEntry) -> Optional[PageChecksums]:
+        return self._cache.page_checksums(entry, self._view())
 
     def _trim_cache(self) -> None:
-        """Object store: bring the local cache within ``cache_bytes`` between reads, and
-        forget the maps of evicted files (their pages must be fetched and checked again).
-        Arrays already returned stay valid: evicted files are unlinked, never rewritten."""
-        if not self.storage.cached:
-            return
-        evicted = set(self.storage.trim_cache())
-        if not evicted:
-            return
-        for sid, seg in list(self._segments.items()):
-            if seg.rel in evicted:
-                del self._segments[sid]
-                pages = self._pages.get(sid)
-                if pages is not None:
-                    pages.verified[:] = False
+        self._cache.trim()
 
-    def _remapping(self, action: Callable[[], T]) -> T:
-        """Run a read; if the cache evicted a file it maps meanwhile (a batch larger than
-        ``cache_bytes``), map it again and repeat once."""
-        try:
-            return action()
-        except CacheEvicted:
-            self._trim_cache()
-            self._segments.clear()
-            for pages in self._pages.values():
-                pages.verified[:] = False
-        try:
-            return action()
-        except CacheEvicted:
-            raise ArgumentError(f"{self.path}: the local cache lost files one read still needed twice; raise "
-                                "cache_bytes (or give each process its own cache_dir)") from None
-
-    def _locate(self, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        rows = _row_ids(rows)
-        m = self.manifest
-        if rows.size:
-            lo, hi = rows.min(), rows.max()
-            if lo < m.head or hi >= m.next_row:
-                bad = int(lo if lo < m.head else hi)
-                raise RowsEvictedError(f"row {bad} is not in the store: live rows are [{m.head}, {m.next_row})"
-                                       + (" (it was evicted)" if 0 <= bad < m.head else ""))
-        if self._starts[0] is not m:
-            self._starts = (m, np.fromiter((s.first_row for s in m.segments), dtype=np.int64, count=len(m.segments)))
-        starts = self._starts[1]
-        seg_idx = np.searchsorted(starts, rows, side="right") - 1
-        return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows
+    def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
+              ranges: bool = False) -> Dict[str, Column]:
+        return self._cache.remapping(lambda: self._cache.read(self._view(), rows, cols, buffers, ranges))
 
     @_locked
     def read(self, rows: Any, columns: Optional[Sequence[str]] = None, *,
@@ -1386,7 +1229,7 @@ class ReplayStore:
             raise ArgumentError(f"out must be a dict the caller keeps between reads (start with {{}}), got "
                                 f"{type(out).__name__}")
         self._trim_cache()
-        return self._following(lambda: self._remapping(lambda: self._read(rows, cols, out)))
+        return self._following(lambda: self._read(rows, cols, out))
 
     @_locked
     def read_ranges(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Column]:
@@ -1409,7 +1252,7 @@ class ReplayStore:
         """
         cols = self._resolve_columns(columns)
         self._trim_cache()
-        return self._following(lambda: self._remapping(lambda: self._read(rows, cols, ranges=True)))
+        return self._following(lambda: self._read(rows, cols, ranges=True))
 
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
         names = self.columns
@@ -1421,112 +1264,6 @@ class ReplayStore:
             if c not in names:
                 raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
         return list(columns)
-
-    def _open_segments(self, entries: Sequence[fmt.SegmentEntry],
-                       cols: Optional[Sequence[str]] = None) -> Tuple[bool, Set[Segment]]:
-        """Open the segments of ``entries`` not open yet, asking first, for all of them at once, for
-        their header and footer pages and (where their checksums record where they lie) the buffers
-        of ``cols`` that a read needs whatever its rows: cold, the pages that parsing and locating
-        the rows need then arrive in one round, not one per file and kind (opening 64 segments
-        otherwise waits for ~130 reads in turn, then their columns' offsets for as many more).
-        ``(any opened, the opened segments whose buffers were asked for)``: the pages of an opened
-        segment are likely cold."""
-        todo = [e for e in entries if e.id not in self._segments]
-        if not todo:
-            return False, set()
-        fields = self._field_positions(cols)
-        wanted, hinted = [], set()
-        for e in todo:
-            pages = self._page_checksums(e) if self.verify_reads else None
-            # with page checksums only the checksum pages outside the body are read on open, else all
-            if pages is not None:
-                p = pages.page_bytes
-                ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
-                buffers = pages.buffer_pages(fields) if fields is not None else None
-                if buffers is not None:
-                    starts, ends = coalesce(buffers[:, 0], buffers[:, 1], _HINT_GAP)
-                    ranges += zip(starts.tolist(), (ends - starts).tolist())
-                    hinted.add(e.id)
-            elif len(todo) > 1:
-                ranges = [(0, 0)]
-            else:  # one file without page checksums: its reads fault in what they touch, not all of it
-                continue
-            wanted.append((os.path.join(self.path, e.file), ranges))
-        if wanted:
-            prefetch_files(wanted)
-        segments = [self._segment(e) for e in todo]
-        return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
-
-    def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
-              ranges: bool = False) -> Dict[str, Column]:
-        rows, seg_idx, local = self._locate(rows)
-        n = rows.size
-        m = self.manifest
-        # the touched segments (np.unique would import numpy.ma on first use: 80 ms of a cold first batch)
-        touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
-        if self.storage.cached:
-            self._open_concurrently([m.segments[i] for i in touched], cols)
-            opened, hinted = False, set()
-        else:
-            opened, hinted = self._open_segments([m.segments[i] for i in touched], cols)
-        # Visit each touched segment once, with the output positions of its rows.
-        if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
-            parts = [(self._segment(m.segments[int(seg_idx[0])]), slice(None), local)]
-        else:
-            order = np.argsort(seg_idx, kind="stable")
-            bounds = [0, *(np.flatnonzero(np.diff(seg_idx[order])) + 1).tolist(), n]
-            sels = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])] if n else []
-            parts = [(self._segment(m.segments[i]), sel, local[sel])
-                     for i, sel in zip(seg_idx[order[bounds[:-1]]].tolist(), sels)] if n else []
-        if self.storage.cached:
-            fetch_for_read([(seg, loc) for seg, _, loc in parts], cols,
-                           [c for c in cols if self.schema[c].kind == RAGGED], self._io_pool())
-        for seg, _, loc in parts:
-            if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
-                seg.advise_all()
-        if opened and len(parts) > 1:
-            # segments opened by this read are likely cold (a reopened store's first batches): ask for
-            # all their pages first. Later reads skip it: warm, the hints cost ~2 ms a batch, and a
-            # long-running reader's cold pages are hinted ahead by the loader (prefetch)
-            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols], hinted)
-        out: Dict[str, Column] = {}
-        plans: Dict[Any, RangePlan] = {}
-        # a run of consecutive rows of one segment (a scan) is returned as views, not copied
-        run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
-               and bool(np.all(np.diff(parts[0][2]) == 1)))
-        # every ragged value served is checked here, once per segment for all ragged columns
-        ragged_cols = tuple(c for c in cols if self.schema[c].kind == RAGGED)
-        for seg, _, loc in parts:
-            seg.check_rows_of(ragged_cols, loc)
-        for name in cols:
-            spec = self.schema[name]
-            if spec.kind == RAGGED and ranges:
-                out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans)
-            elif spec.kind == RAGGED and run:
-                out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
-            elif spec.kind == RAGGED:
-                out[name] = gather_ragged(name, parts, n, np.dtype(spec.dtype), plans, buffers)
-            elif spec.dtype == "string":
-                res: List[Any] = [None] * n
-                for seg, sel, loc in parts:
-                    vals = seg.scalar(name).take(arrow_indices(loc)).to_pylist()
-                    if isinstance(sel, slice):
-                        res = vals
-                    else:
-                        for i, v in zip(sel.tolist(), vals):
-                            res[i] = v
-                out[name] = res
-            else:
-                first = parts[0][0].scalar(name, spec) if parts else None
-                shape = (n,) + (first.shape[1:] if first is not None else ())
-                arr = np.empty(shape, dtype=np.dtype(spec.dtype))
-                if len(parts) > 1:  # one gather per segment, one scatter to row order (`order`: above)
-                    arr[order] = np.concatenate([seg.scalar(name, spec)[loc] for seg, _, loc in parts])
-                else:
-                    for seg, sel, loc in parts:
-                        arr[sel] = seg.scalar(name, spec)[loc]
-                out[name] = arr
-        return out
 
     @_locked
     def prefetch(self, rows: Any, columns: Optional[Sequence[str]] = None) -> None:
@@ -1540,74 +1277,16 @@ class ReplayStore:
         if not self.storage.can_map:
             return  # nothing to hint: an object store's pages are fetched (and checked) by the read itself
 
-        def advise() -> None:
-            ids, seg_idx, local = self._locate(rows)
-            m = self.manifest
-            touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if ids.size else []
-            _, hinted = self._open_segments([m.segments[s] for s in touched], cols)
-            parts = [(self._segment(m.segments[s]), None, local[seg_idx == s]) for s in touched]
-            # one pass per round: nearby rows and columns share a call
-            hint_reads(parts, cols, [self.schema[c].kind == RAGGED for c in cols], hinted)
-
-        self._following(advise)
+        self._following(lambda: self._cache.prefetch(self._view(), rows, cols))
 
     # ------------------------------------------------------------------ groups
 
     def _own_groups(self) -> GroupIndex:
-        """The index of the store's group key over the live rows, brought forward from the last one:
-        a reopened store starts from its persisted index (one file) and adds the rows of newer
-        segments from their sidecars; later commits add their own rows the same way."""
+        """The index of the store's group key over the live rows (see :mod:`.group_views`)."""
         if self.group_key is None:
             raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
                               "pass a column name to group_index(key=...)")
-
-        def bring_forward() -> GroupIndex:
-            m = self.manifest
-            gi, end = self._groups, self._groups_end
-            if gi is None:
-                gi, end = self._load_group_index(m)
-            if end < m.next_row:
-                tail = [s for s in m.segments if s.end_row > end]
-                if len(tail) > 1 and self.storage.can_map:  # cold, read them together, not one after another
-                    prefetch_files([(os.path.join(self.path, s.groups_file), [(0, 0)]) for s in tail
-                                    if s.groups_bytes])
-                parts = [self._sidecar(s)[:3] for s in tail]
-                gi = gi.extended(parts, min_row=max(end, m.head))
-            gi = gi.evicted(m.head)
-            self._groups, self._groups_end = gi, m.next_row
-            return gi
-
-        return self._following(bring_forward)
-
-    def _load_group_index(self, m: fmt.Manifest) -> Tuple[GroupIndex, int]:
-        """The persisted group index of ``m`` and the row it ends at (an empty index at ``head``
-        when there is none, or it cannot be used: the sidecars hold the same information)."""
-        keys = [] if self.schema is None else pa.nulls(0, type=self._key_type())  # no row committed yet
-        empty = GroupIndex(keys, np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), min_row=m.head)
-        e = m.group_index
-        if e is None or e.end_row <= m.head or e.first_row > m.head:
-            return empty, m.head
-        try:
-            path = (self.storage.fetch_ranges(e.file, None, size=e.bytes, evict=False, tag=f"{e.bytes}-{e.crc32c:08x}")
-                    if not self.storage.can_map else self.storage.local_path(e.file))
-            keys, offsets, rows, pages = read_group_index(path, e.bytes, e.crc32c, e.frame, self._key_type(),
-                                                          e.first_row, e.end_row)
-        except FileNotFoundError:
-            # collected with its manifest (a reader behind the writer: the caller reads a newer one), or
-            # missing while its manifest is there: the sidecars hold the same information
-            if not self.storage.exists(m.file):
-                raise
-            warnings.warn(f"{self.path}/{e.file}, the group index {m.file} names, is missing; the group index "
-                          "is rebuilt from the group sidecars instead (run `diskreplay verify`)", RuntimeWarning,
-                          stacklevel=5)
-            return empty, m.head
-        except CorruptStoreError as exc:
-            warnings.warn(f"{exc}; the group index is rebuilt from the group sidecars instead (run "
-                          "`diskreplay verify`)", RuntimeWarning, stacklevel=5)
-            return empty, m.head
-        self._index_pages = pages
-        # every row of the file is at least first_row: with no eviction since, nothing to drop or scan
-        return GroupIndex(keys, rows, offsets, min_row=e.first_row).evicted(m.head), e.end_row
+        return self._following(lambda: self._groups.bring_forward(self._view()))
 
     def _persist_group_index(self, force: bool = False) -> None:
         """Write the group index of the live rows to a file and name it in a commit, once
@@ -1651,7 +1330,7 @@ class ReplayStore:
         sidecars it wanted) catches up to the newest commit first.
         """
         key = self.group_key if key is None else key
-        hit = self._index_cache.get(key)
+        hit = self._groups.by_key.get(key)
         if hit is not None and hit[0] == self.generation:
             return hit[1]
         if key is not None and key == self.group_key:
@@ -1664,7 +1343,7 @@ class ReplayStore:
                 raise ColumnNotFoundError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")
             gi = self._following(lambda: index_of_column(self._read(self.row_ids(), [key])[key], self.head))
-        self._index_cache[key] = (self.generation, gi)
+        self._groups.by_key[key] = (self.generation, gi)
         return gi
 
     @property
@@ -1763,24 +1442,6 @@ def _refuse_foreign_entries(where: str, entries: Sequence[str]) -> None:
                                 f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} and no "
                                 f"{fmt.FORMAT_FILE}); pass a new or empty {kind}, or the {kind} of an existing "
                                 "store")
-
-
-def _row_ids(rows: Any) -> np.ndarray:
-    """``rows`` as a flat int64 array of row ids, refusing what would silently read other rows: a
-    boolean mask (cast, it would read rows 0 and 1) and fractional ids (truncated)."""
-    ids = np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows).reshape(-1)
-    if ids.dtype.kind in "iu" or not ids.size:
-        return ids.astype(np.int64, copy=False)
-    if ids.dtype.kind == "b":
-        raise ArgumentError(f"rows is a boolean mask of {ids.size} entries; pass row ids: for a mask over the "
-                            "live rows (as a sampler's eligible() returns) that is store.row_ids()[mask]")
-    at = next((i for i, x in enumerate(ids) if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_))),
-              None)
-    if at is None:  # Python ints of an object array (too large for int64: an error here, as it should be)
-        return ids.astype(np.int64)
-    bad = ids[at].item() if isinstance(ids[at], np.generic) else ids[at]
-    raise ArgumentError(f"rows must be integer row ids, got {ids.dtype} values (e.g. {bad!r:.40}); ids are never "
-                        "rounded")
 
 
 def _dirs_of(entries: Sequence[fmt.SegmentEntry], storage: Storage) -> List[str]:
