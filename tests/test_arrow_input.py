@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diskreplay import BatchError, ReplayStore
-from diskreplay.schema import normalize_batch
+from diskreplay.ingest import normalize_batch
 
 from .conftest import assert_rows_equal
 from .test_store import ragged_batches
@@ -64,7 +64,7 @@ def test_a_table_of_the_stores_types_is_stored_as_the_general_path_stores_it(fir
     """With the schema known, a table of its exact types is taken as it is when nothing needs
     converting (and by the general path otherwise): the same record batch, the same file bytes
     (so the same exactly-once digest) as the ragged layout gives."""
-    from diskreplay.schema import _arrow_columns
+    from diskreplay.ingest import _arrow_columns
     from diskreplay.segment import encode_ipc
 
     if type(first["prompt_id"][0]) is not type(batch["prompt_id"][0]):
@@ -206,7 +206,7 @@ def test_a_table_of_exactly_the_stores_columns_is_stored_as_it_is():
     """The common case (a rollout worker's table of the store's columns and types) is stored from
     its own arrays, and gives the bytes the general path gives; anything that needs looking at
     (a slice with longer buffers, a validity bitmap, a NaN log-prob) goes the general way."""
-    from diskreplay.schema import _arrow_record
+    from diskreplay.ingest import _arrow_record
     from diskreplay.segment import encode_ipc
 
     rows = {"prompt_id": np.array([4, 4, 4]), "completion_ids": [np.arange(k, dtype=np.int32) for k in (2, 0, 3)],

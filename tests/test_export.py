@@ -823,7 +823,7 @@ def test_import_keeps_extends_alignment_rule_and_says_where(tmp_path):
 
 def test_info_on_a_store_whose_ids_are_not_ragged(tmp_path, monkeypatch):
     """A store written before extend checked token ids may hold them as strings; info still works."""
-    import diskreplay.schema as schema
+    import diskreplay.ingest as schema
 
     with monkeypatch.context() as m:  # what an older diskreplay accepted
         m.setattr(schema, "COMPLETION_IDS", "not-a-column")

@@ -27,7 +27,8 @@ from .._fileio import TMP_PREFIX, WriterLock, boot_clock, crash_point, crc32c, f
 from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
                       CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex
-from ..schema import Schema, normalize_batch
+from ..ingest import normalize_batch
+from ..schema import Schema
 from ..segment import (PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
                        encode_group_sidecar, encode_state, has_page_checksums, inline_group)
 from . import ops
