@@ -343,7 +343,7 @@ def test_an_empty_listing_at_open_is_not_taken_for_an_empty_store(s3_server, s3_
 def test_repair_on_object_storage_leaves_a_commit_in_flight_alone(s3_server, s3_url, tmp_path, monkeypatch):
     """Repair judged a live writer by the age of the newest manifest only, and moved unreferenced objects
     without the sweeps' age rule: the segments of a commit in flight went to quarantine/."""
-    from diskreplay import verify as verify_module
+    from diskreplay.verify import repair as verify_module
     with _s3(s3_url, s3_server, tmp_path, multi_writer=True) as w:
         w.extend(batch_for(1, 0))
         next_id = w.manifest.next_segment

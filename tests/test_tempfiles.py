@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (torch-free ones: importing torch in the child would triple the time)
 TARGETS = [f"diskreplay/store/replay_store.py::diskreplay.store.replay_store.ReplayStore{name}"
            for name in ("", ".read", ".compact", ".save_state")] + [
-    "diskreplay/_fileio.py", "diskreplay/errors.py", "diskreplay/verify.py",
+    "diskreplay/_fileio.py", "diskreplay/errors.py", "diskreplay/verify/check.py", "diskreplay/verify/repair.py",
     "tests/test_durability.py::test_killed_writer_leaves_no_lock",
     "tests/test_durability.py::test_repair_needs_the_writer_lock"]
 

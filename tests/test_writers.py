@@ -563,7 +563,7 @@ def test_single_writer_without_retain_seconds_keeps_keep_manifests_commits(tmp_p
 
 
 def test_verify_catches_up_instead_of_reporting_collected_files(tmp_path, monkeypatch):
-    import diskreplay.verify as verify_mod
+    import diskreplay.verify.check as verify_mod
 
     path = str(tmp_path / "s")
     writer = ReplayStore(path, capacity=8)
