@@ -350,7 +350,7 @@ def test_repeated_sweeps_keep_exactly_what_kept_commits_name(tmp_path):
                        for n in os.listdir(os.path.join(path, d)) if not n.startswith("index-")}
             assert named <= on_disk | {f for f in named if "index-" in f}, sorted(named - on_disk)
             assert on_disk <= named, sorted(on_disk - named)  # old and unnamed: collected
-            assert committer._swept[0] == kept[0] and set(committer._released) <= set(kept)
+            assert committer.gc._swept[0] == kept[0] and set(committer.gc._released) <= set(kept)
     _clean(path)
 
 
@@ -358,7 +358,7 @@ def test_a_sweep_names_each_generation_s_files_from_the_one_before(tmp_path):
     """The sweep takes what a generation shares with the one before (the same segments, states,
     token logs, index objects) without naming it again: the same keys as naming it whole, through
     appends with tokens (sealed into token logs), merges, saved states and evictions."""
-    from diskreplay.store.committer import _file_keys
+    from diskreplay.store.collector import _file_keys
 
     path = str(tmp_path / "s")
     with ReplayStore(path, multi_writer=True, capacity=200) as store, ReplayStore(path) as other:

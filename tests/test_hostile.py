@@ -603,7 +603,7 @@ def test_recent_files_of_a_many_writer_store_whose_manifests_were_deleted_are_ke
     store.extend({"prompt_id": [9], "completion_ids": [[5]]})  # the store has a manifest again
     for name in segments:  # ... and the old files are past retention now
         os.utime(os.path.join(path, "segments", name), (time.time() - 120,) * 2)
-    store._committer._ripe = {}  # when it meant to look at them again: now, as the clock moved 2 minutes
+    store._committer.gc._ripe = {}  # when it meant to look at them again: now, as the clock moved 2 minutes
     with pytest.warns(RuntimeWarning, match="no manifest ever named"):
         store._committer.collect(full=True)
     store.close()

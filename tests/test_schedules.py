@@ -395,9 +395,9 @@ CAMPAIGN_WRITER = textwrap.dedent("""
         real = time.time
         time.time = lambda: real() + 3600
     from diskreplay import ReplayStore
-    from diskreplay.store import committer
+    from diskreplay.store import collector
     from diskreplay.testing.workload import batch_for, token_for
-    committer.SHARED_GC_EVERY = 4  # sweeps often, so that they meet the stopped writers
+    collector.SHARED_GC_EVERY = 4  # sweeps often, so that they meet the stopped writers
     store = ReplayStore(path, fsync=w % 2 == 0)
     while not os.path.exists(stop):
         while True:

@@ -367,7 +367,7 @@ def test_shared_clean_up_respects_retention(tmp_path):
         _age(path, "manifests/.tmp-x.json.dead", 200)
         for g in fmt.list_generations(path):  # time passes: every superseded manifest is now old
             _age(path, fmt.manifest_file(g), 200)
-        store._committer.sweep_shared()
+        store._committer.gc.sweep_shared()
         left = fmt.list_generations(path)
         assert len(left) == fmt.KEEP_MANIFESTS  # 9 (full) to 12: no older manifest is needed
         assert os.path.exists(os.path.join(path, "segments/000000099998.arrow"))  # young: maybe in flight
@@ -395,9 +395,9 @@ def test_the_sweep_finds_the_old_manifests_by_bisection(tmp_path, monkeypatch):
         chain = fmt.read_manifest(LocalStorage(path), oldest_kept).depth
         expected_kept |= set(range(oldest_kept - chain, oldest_kept))
         stats = []
-        real = store._committer._age
-        monkeypatch.setattr(store._committer, "_age", lambda rel: stats.append(rel) or real(rel))
-        store._committer.sweep_shared()
+        real = store._committer.gc._age
+        monkeypatch.setattr(store._committer.gc, "_age", lambda rel: stats.append(rel) or real(rel))
+        store._committer.gc.sweep_shared()
         assert set(fmt.list_generations(path)) == expected_kept
         manifest_stats = [r for r in stats if r.startswith(fmt.MANIFEST_DIR + "/0")]
         assert len(manifest_stats) <= 2 + len(gens).bit_length(), manifest_stats
@@ -407,13 +407,13 @@ def test_the_sweep_finds_the_old_manifests_by_bisection(tmp_path, monkeypatch):
 def test_a_sweep_stats_an_unnamed_file_again_only_once_it_may_be_old_enough(tmp_path, monkeypatch):
     """Merged-away segments stay for retain_seconds: the sweeps in between remember when each
     one will be old enough instead of statting them all every time; then it goes."""
-    from diskreplay.store import committer as cm
+    from diskreplay.store import collector as cm
 
     path = str(tmp_path / "s")
     with ReplayStore(path, multi_writer=True, retain_seconds=100) as store:
         for s in range(40):
             store.extend(batch_for(0, s, rows=2))
-        committer = store._committer
+        committer = store._committer.gc
         for g in fmt.list_generations(path)[1:]:  # superseded long ago: only the newest few stay
             _age(path, fmt.manifest_file(g), 1000)
         stats = []
@@ -441,19 +441,19 @@ def test_a_sweep_stats_an_unnamed_file_again_only_once_it_may_be_old_enough(tmp_
 def test_sweeps_space_out_as_the_store_grows(tmp_path, monkeypatch):
     """A sweep lists every retained file: the commits between sweeps grow with what the last one
     listed, so the sweeps' cost per commit stays bounded however much the store retains."""
-    from diskreplay.store import committer as cm
+    from diskreplay.store import collector as cm
 
     path = str(tmp_path / "s")
     monkeypatch.setattr(cm, "SWEEP_ENTRIES_PER_COMMIT", 3)  # every three entries listed: a commit more between
     with ReplayStore(path, multi_writer=True) as store:
         sweeps, step = [], [0]
-        real = store._committer.sweep_shared
-        monkeypatch.setattr(store._committer, "sweep_shared", lambda: sweeps.append(step[0]) or real())
+        real = store._committer.gc.sweep_shared
+        monkeypatch.setattr(store._committer.gc, "sweep_shared", lambda: sweeps.append(step[0]) or real())
         for step[0] in range(500):
             store.extend(batch_for(0, step[0], rows=2))
         listed = sum(len(os.listdir(os.path.join(path, d))) for d in
                      (fmt.MANIFEST_DIR, fmt.SEGMENT_DIR, fmt.GROUPS_DIR, ".")) + len(fmt.list_generations(path))
-        assert cm.SHARED_GC_EVERY < store._committer._sweep_every <= listed // 3
+        assert cm.SHARED_GC_EVERY < store._committer.gc._sweep_every <= listed // 3
         gaps = np.diff(sweeps)
         # (the merges of these small commits are commits too: SHARED_GC_EVERY commits are fewer extends)
         merges = cm.SHARED_GC_EVERY // store.merge_policy.fanin + 1
@@ -476,7 +476,7 @@ def test_a_sweep_names_the_files_of_the_manifests_a_writer_made_or_applied_witho
     real = fmt.read_manifest
     monkeypatch.setattr(fmt, "read_manifest", lambda *args, **kw: reads.append(args[1]) or real(*args, **kw))
     keep = set(gens)
-    referenced, unreadable = a._committer._named_by(keep)
+    referenced, unreadable = a._committer.gc._named_by(keep)
     monkeypatch.undo()
     docs, _ = fmt.manifest_docs(path)
     assert not unreadable and keep >= gens  # and the chain of the oldest delta (generation 0: the empty store)
@@ -1044,7 +1044,7 @@ def test_a_sweep_never_removes_a_file_whose_id_was_reserved_again_since_it_looke
     """Writer B's sweep finds an old orphan segment; before B removes it, writer A's sweep removes it,
     and A's commit reserves the freed id (the lowest free one at next_segment) and names it. B then
     removed A's committed segment: its sweep decided on one stat, long before the unlink."""
-    from diskreplay.store import committer as C
+    from diskreplay.store import collector as C
 
     path = str(tmp_path / "s")
     with ReplayStore(path, multi_writer=True, retain_seconds=2) as s:
@@ -1053,7 +1053,7 @@ def test_a_sweep_never_removes_a_file_whose_id_was_reserved_again_since_it_looke
     with open(os.path.join(path, orphan), "wb") as f:
         f.write(b"x" * 100)  # a killed writer's segment, never committed
     _age_files(path, 20)
-    real, state = C.Committer.delete, {}
+    real, state = C.Collector.delete, {}
 
     def delete(self, manifests, files, *rest):
         if not state and orphan in files:
@@ -1063,9 +1063,9 @@ def test_a_sweep_never_removes_a_file_whose_id_was_reserved_again_since_it_looke
             assert orphan in [s.file for s in a.manifest.segments]
         return real(self, manifests, files, *rest)
 
-    monkeypatch.setattr(C.Committer, "delete", delete)
+    monkeypatch.setattr(C.Collector, "delete", delete)
     b = ReplayStore(path, multi_writer=True)  # B's open sweep
-    monkeypatch.setattr(C.Committer, "delete", real)
+    monkeypatch.setattr(C.Collector, "delete", real)
     a = state["A"]
     assert check_rows(a, a.row_ids()) is None  # A's committed segment is still there
     a.close(), b.close()
@@ -1075,13 +1075,13 @@ def test_a_sweep_never_removes_a_file_whose_id_was_reserved_again_since_it_looke
 def test_a_sweep_that_took_longer_than_half_the_retention_removes_no_data_file(tmp_path, monkeypatch):
     """A sweep descheduled between its listing of manifests/ and its stats of the data files took a
     file that a generation committed meanwhile names for an old unnamed one."""
-    from diskreplay.store import committer as C
+    from diskreplay.store import collector as C
 
     path = str(tmp_path / "s")
     with ReplayStore(path, multi_writer=True, retain_seconds=2) as s:
         for i in range(6):
             s.extend(batch_for(1, i))
-    real, other = C.Committer._named_by, []
+    real, other = C.Collector._named_by, []
 
     def slow(self, keep):
         out = real(self, keep)
@@ -1092,9 +1092,9 @@ def test_a_sweep_that_took_longer_than_half_the_retention_removes_no_data_file(t
             time.sleep(2.5)  # ... and this sweep goes on past retain_seconds
         return out
 
-    monkeypatch.setattr(C.Committer, "_named_by", slow)
+    monkeypatch.setattr(C.Collector, "_named_by", slow)
     b = ReplayStore(path, multi_writer=True)
-    monkeypatch.setattr(C.Committer, "_named_by", real)
+    monkeypatch.setattr(C.Collector, "_named_by", real)
     with ReplayStore(path, readonly=True) as reader:
         assert check_rows(reader, reader.row_ids()) is None
     other[0].close(), b.close()

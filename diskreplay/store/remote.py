@@ -1,16 +1,11 @@
 """What a store does differently when its files live in an object store.
 
-Two things, both consequences of having no lock and no local file:
-
-- :class:`RemoteCommitter`: a single-writer store on an object store cannot
-  keep a second writer out, so its manifests are conditional PUTs
-  (:meth:`~diskreplay.storage.S3Storage.replace`: the second writer fails at
-  its commit) and its clean-up at open leaves files younger than a grace
-  period alone (they may be that other writer's commit in flight).
-- :class:`RemoteSegment`: a segment mapped from a sparse local cache file;
-  each page is fetched just before its checksum is first checked, so a
-  sample of a few rows downloads about the pages those rows live in, and
-  every fetched byte is verified before it is served.
+:class:`RemoteSegment`: a segment mapped from a sparse local cache file;
+each page is fetched just before its checksum is first checked, so a
+sample of a few rows downloads about the pages those rows live in, and
+every fetched byte is verified before it is served. (What a commit does
+without a lock, the committer and the collector decide from the storage's
+capabilities.)
 """
 
 from __future__ import annotations
@@ -20,48 +15,15 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import format as fmt
-from .._fileio import TMP_PREFIX
 from .._ranges import runs
 from ..errors import CorruptStoreError
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
-from .committer import DATA_SWEEP_DIRS, Committer
 
 
 class CacheEvicted(Exception):
     """Control flow, never seen by callers: a mapped cache file was evicted while a read
     still needed more of it; the store maps the segment again and repeats the read."""
-
-
-class RemoteCommitter(Committer):
-    """The commit path of a single-writer store on an object store (see the module docstring)."""
-
-    def _sweep_exclusive(self) -> None:
-        current = self.manifest.generation
-        docs, unreadable = fmt.manifest_docs(self.storage)
-        referenced = self.retain_at_open(self._kept_with_chains(docs, current))
-        # never a manifest newer than ours: it is another writer's (ours will then fail at commit)
-        manifests = [fmt.manifest_file(g) for g in fmt.list_generations(self.storage)
-                     if g < current and g not in self.retained and g not in unreadable]
-        grace = self.options.retain_seconds or fmt.DEFAULT_RETAIN_SECONDS
-        files, young = [], []
-        for d in DATA_SWEEP_DIRS:
-            for name in self.storage.list(d):
-                rel = f"{d}/{name}"
-                garbage = name.startswith(TMP_PREFIX) or (not unreadable and rel not in referenced)
-                if not garbage:
-                    continue
-                if self._age(rel) >= grace:
-                    files.append(rel)
-                else:
-                    young.append(rel)
-        self._collect_unnamed(manifests, files, young, grace, not docs and not unreadable and not current,
-                              referenced, bool(unreadable))
-
-    def _write_token_log(self, data: bytes, first_id: int) -> int:
-        # the first free id, created only if absent: never another writer's (or a crashed one's) log
-        log_id, _ = self.storage.link_candidates(fmt.token_log_file, data, first_id)
-        return log_id
 
 
 def _pages_of(starts: np.ndarray, ends: np.ndarray, page_bytes: int) -> np.ndarray:

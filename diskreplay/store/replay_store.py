@@ -35,7 +35,6 @@ from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import index_of_column
-from .remote import RemoteCommitter
 from .group_views import GroupIndexes
 from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, Storage, open_storage
@@ -300,7 +299,7 @@ class ReplayStore:
 
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
         if not self.storage.exclusive_lock:
-            committer = (Committer if options.multi_writer else RemoteCommitter)(self.storage, options, self.manifest)
+            committer = Committer(self.storage, options, self.manifest)
         else:
             storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync,
                                    leases=options.multi_writer)
