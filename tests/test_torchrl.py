@@ -29,8 +29,8 @@ from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement  # no
 
 import diskreplay  # noqa: E402
 from diskreplay import ReplayStore  # noqa: E402
-from diskreplay.integrations.torchrl import (DiskReplayStorage, columns_to_tensordict,  # noqa: E402
-                                             tensordict_to_columns)
+from diskreplay.integrations.torchrl import (DiskReplayStorage, DiskReplayWriter,  # noqa: E402
+                                             columns_to_tensordict, tensordict_to_columns)
 
 
 # --------------------------------------------------------------------------- the two back ends
@@ -579,3 +579,224 @@ def test_the_trl_padded_layout_through_disk_storage_is_still_stripped(tmp_path):
     got = store.read([0, 1])
     assert got["old_per_token_logps"][0].tolist() == [-1.0, -2.0] and got["completion_ids"][1].tolist() == [7]
     rb.storage.close()
+
+
+# --------------------------------------------------------------------------- DiskReplayWriter
+
+
+def _rows(n, start=0):
+    return TensorDict({"x": torch.arange(start, start + n)}, [n])
+
+
+def _writer(kind):
+    return {"writer": DiskReplayWriter()} if kind == "disk" else {}  # "default": TorchRL's own
+
+
+def test_disk_replay_writer_on_a_fresh_and_a_reopened_store_continues_at_the_next_row(tmp_path):
+    path = str(tmp_path / "s")
+    rb = ReplayBuffer(storage=DiskReplayStorage(path, 10), writer=DiskReplayWriter(), batch_size=2)
+    assert rb.extend(_rows(3)).tolist() == [0, 1, 2]
+    assert rb.add(TensorDict({"x": torch.tensor(3)}, [])) == 3
+    assert rb.write_count == 4 and rb.stats()["write_count"] == 4
+    rb.storage.close()
+    rb = ReplayBuffer(storage=DiskReplayStorage(path), writer=DiskReplayWriter(), batch_size=2)
+    index = rb.extend(_rows(2, 4))
+    assert index.tolist() == [4, 5] and rb[index]["x"].tolist() == [4, 5]
+    assert rb.write_count == 6
+    rb.storage.close()
+
+
+@pytest.mark.parametrize("resume", ["load_state_dict", "loads"])
+@pytest.mark.parametrize("saved_with,resumed_with", [("disk", "disk"), ("default", "disk"), ("disk", "default")])
+def test_a_checkpoint_older_than_the_store_resumes_at_the_next_row_with_either_writer(tmp_path, resume,
+                                                                                     saved_with, resumed_with):
+    path, ckpt = str(tmp_path / "s"), str(tmp_path / "ckpt")
+    rb = ReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=3, **_writer(saved_with))
+    rb.extend(_rows(7))
+    state = rb.state_dict()
+    rb.dumps(ckpt)
+    rb.extend(_rows(3, 100))  # after the checkpoint
+    rb.storage.close()
+    resumed = ReplayBuffer(storage=DiskReplayStorage(path, 10), batch_size=3, **_writer(resumed_with))
+    resumed.load_state_dict(state) if resume == "load_state_dict" else resumed.loads(ckpt)
+    index = resumed.extend(_rows(3, 200))
+    assert index.tolist() == [0, 1, 2] and resumed[index]["x"].tolist() == [200, 201, 202]
+    resumed.storage.close()
+
+
+def test_another_writer_appending_in_between(tmp_path):
+    """A multi-writer store: another handle (another process) appends between this buffer's extends.
+    DiskReplayWriter takes the slots the store gives; TorchRL's default writer writes nothing once,
+    says so, and follows the store."""
+    path = str(tmp_path / "m")
+    ours = ReplayBuffer(storage=DiskReplayStorage(path, 10, multi_writer=True), writer=DiskReplayWriter(),
+                        batch_size=2)
+    default = ReplayBuffer(storage=DiskReplayStorage(path, 10, multi_writer=True), batch_size=2)
+    other = DiskReplayStorage(path, 10, multi_writer=True)
+    assert other.append(_rows(3)).tolist() == [0, 1, 2]
+    index = ours.extend(_rows(2, 10))
+    assert index.tolist() == [3, 4] and ours[index]["x"].tolist() == [10, 11]
+    other.append(_rows(2, 20))
+    with pytest.raises(diskreplay.UnsupportedError, match="nothing was written"):
+        default.extend(_rows(2, 30))
+    index = default.extend(_rows(2, 30))
+    assert index.tolist() == [7, 8] and default[index]["x"].tolist() == [30, 31]
+    for handle in (ours.storage, default.storage, other):
+        handle.close()
+
+
+def test_buffers_sharing_a_storage_continue_after_each_others_rows(tmp_path):
+    storage = DiskReplayStorage(str(tmp_path / "s"), 10)
+    first, second = (ReplayBuffer(storage=storage, batch_size=2) for _ in range(2))
+    third = ReplayBuffer(storage=storage, writer=DiskReplayWriter(), batch_size=2)
+    assert first.extend(_rows(3)).tolist() == [0, 1, 2]
+    assert second.extend(_rows(2, 3)).tolist() == [3, 4]
+    assert third.extend(_rows(2, 5)).tolist() == [5, 6]
+    assert first.extend(_rows(1, 7)).tolist() == [7]
+    assert storage.get(torch.arange(8))["x"].tolist() == list(range(8))
+    storage.close()
+
+
+def test_disk_replay_writer_wraps_around_as_rows_are_evicted_like_a_round_robin_writer(tmp_path):
+    from torchrl.data import LazyTensorStorage
+
+    ours = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 4), writer=DiskReplayWriter(), batch_size=2)
+    theirs = ReplayBuffer(storage=LazyTensorStorage(4), batch_size=2)
+    for batch, slots in ((_rows(3), [0, 1, 2]), (_rows(3, 3), [3, 0, 1]), (_rows(4, 6), [2, 3, 0, 1])):
+        assert ours.extend(batch).tolist() == theirs.extend(batch).tolist() == slots
+    assert ours.storage.store.head == 6 and len(ours) == len(theirs) == 4  # rows 6..9 live
+    assert ours.storage.get(torch.arange(4))["x"].tolist() == theirs.storage.get(torch.arange(4))["x"].tolist() \
+        == [8, 9, 6, 7]
+    assert ours.add(TensorDict({"x": torch.tensor(10)}, [])) == theirs.add(TensorDict({"x": torch.tensor(10)}, [])) == 2
+    ours.storage.close()
+
+
+def test_disk_replay_writer_tells_the_samplers_what_it_wrote_as_round_robin_writers_do(tmp_path):
+    from torchrl.data import LazyTensorStorage
+
+    class Recording(TorchRLRandomSampler):
+        def __init__(self):
+            super().__init__()
+            self.marked = []
+
+        def mark_update(self, index, *, storage=None):
+            self.marked.append(torch.as_tensor(index).tolist())
+
+    ours = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 4), writer=DiskReplayWriter(),
+                        sampler=Recording(), batch_size=2)
+    theirs = ReplayBuffer(storage=LazyTensorStorage(4), sampler=Recording(), batch_size=2)
+    for rb in (ours, theirs):
+        rb.extend(_rows(3))
+        rb.add(TensorDict({"x": torch.tensor(3)}, []))
+        rb.extend(_rows(2, 4))
+    assert ours.sampler.marked == theirs.sampler.marked == [[0, 1, 2], 3, [0, 1]]
+    ours.storage.close()
+
+
+@pytest.mark.parametrize("make_sampler", [TorchRLRandomSampler, SamplerWithoutReplacement,
+                                          lambda: SamplerWithoutReplacement(drop_last=True, shuffle=False),
+                                          lambda: TorchRLPromptGroupSampler(num_groups=2, group_key="p")])
+def test_torchrl_samplers_run_with_disk_replay_writer(tmp_path, make_sampler):
+    rb = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 8), writer=DiskReplayWriter(),
+                      sampler=make_sampler(), batch_size=4)
+    rb.extend(TensorDict({"p": torch.arange(6) // 2, "x": torch.arange(6)}, [6]))
+    rb.extend(TensorDict({"p": torch.arange(6, 12) // 2, "x": torch.arange(6, 12)}, [6]))  # rows 4..11 live
+    seen = []
+    for _ in range(4):
+        sample = rb.sample()
+        assert sample.shape[0] == 4
+        seen += sample["x"].tolist()
+    assert set(seen) <= set(range(4, 12))
+    if isinstance(rb.sampler, SamplerWithoutReplacement):
+        assert sorted(seen[:8]) == list(range(4, 12))  # one pass over the live rows
+    rb.storage.close()
+
+
+def test_prioritized_sampler_with_disk_replay_writer(tmp_path):
+    from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sampler = PrioritizedSampler(8, alpha=0.7, beta=0.9)
+    except RuntimeError as exc:  # its sum tree is in TorchRL's compiled extension
+        pytest.skip(f"TorchRL's PrioritizedSampler is not available here: {exc}")
+    rb = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 8), writer=DiskReplayWriter(),
+                      sampler=sampler, batch_size=16)
+    rb.extend(_rows(12))  # rows 4..11 live; slot 7 holds row 7
+    rb.update_priority(torch.arange(8), torch.tensor([1e-6] * 7 + [1e6]))
+    sample = rb.sample()
+    assert set(sample["x"].tolist()) <= set(range(4, 12))
+    assert sample["x"].tolist().count(7) >= 12
+    rb.storage.close()
+
+
+def test_tensordict_replay_buffer_with_disk_replay_writer(tmp_path):
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 4), writer=DiskReplayWriter(),
+                                batch_size=3)
+    assert rb.extend(_rows(6)).tolist() == [0, 1, 2, 3, 0, 1]  # rows 2..5 live
+    sample = rb.sample()
+    assert [rb.storage[int(i)]["x"].item() for i in sample["index"]] == sample["x"].tolist()
+    rb.storage.close()
+
+
+def test_torchrls_default_writers_are_kept_following_the_store(tmp_path):
+    from torchrl.data import TensorDictReplayBuffer
+    from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
+
+    rb = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 4),
+                      writer=RoundRobinWriter(track_generations=True), batch_size=2)
+    assert isinstance(rb.writer, RoundRobinWriter) and rb.writer.tracks_generations
+    index = rb.extend(_rows(4))
+    rb.extend(_rows(2, 4))  # overwrites slots 0 and 1
+    assert rb.writer.generations_of(index).tolist() == [1, 1, 0, 0] and rb.write_count == 6
+    rb.storage.close()
+    td = TensorDictReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "t"), 4), batch_size=2, delayed_init=True)
+    assert isinstance(td.writer, TensorDictRoundRobinWriter)
+    td.storage.close()
+
+
+def test_disk_replay_writer_refuses_other_storages_and_emptying(tmp_path):
+    from torchrl.data import LazyTensorStorage
+
+    with pytest.raises(diskreplay.UnsupportedError, match="DiskReplayStorage"):
+        ReplayBuffer(storage=LazyTensorStorage(4), writer=DiskReplayWriter())
+    rb = ReplayBuffer(storage=DiskReplayStorage(str(tmp_path / "s"), 4), writer=DiskReplayWriter(), batch_size=2)
+    rb.extend(_rows(3))
+    with pytest.raises(diskreplay.UnsupportedError, match="empty"):
+        rb.empty()
+    with pytest.raises(diskreplay.UnsupportedError, match="TensorDicts"):
+        rb.extend(torch.arange(3))
+    assert len(rb) == 3 and rb.extend(_rows(1, 3)).tolist() == [3]
+    rb.storage.close()
+
+
+def test_the_adapter_writes_no_private_attribute_of_a_torchrl_object():
+    """TorchRL's public Storage / Writer API only: no ``obj._name = ...`` (nor setattr / delattr) on an
+    object other than the adapter's own, and its writers set no private state of their TorchRL bases."""
+    import ast
+    import inspect
+
+    import diskreplay.integrations.torchrl as module
+
+    tree = ast.parse(inspect.getsource(module))
+    writers = {"DiskReplayWriter", "_FollowsStore", "_FollowingRoundRobinWriter",
+               "_FollowingTensorDictRoundRobinWriter"}
+    in_writer = {id(node) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) and cls.name in writers
+                 for node in ast.walk(cls)}
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for sub in ast.walk(target):
+                if not (isinstance(sub, ast.Attribute) and sub.attr.startswith("_")):
+                    continue
+                on_self = isinstance(sub.value, ast.Name) and sub.value.id == "self"
+                if not on_self or id(node) in in_writer:
+                    bad.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    assert bad == []

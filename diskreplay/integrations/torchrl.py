@@ -1,7 +1,7 @@
-"""TorchRL on a diskreplay store: :class:`DiskReplayStorage`, a ``torchrl.data`` ``Storage``.
+"""TorchRL on a diskreplay store: :class:`DiskReplayStorage`, a ``torchrl.data`` ``Storage``, and its writer.
 
-``torchrl.data.ReplayBuffer(storage=DiskReplayStorage(path, max_size), sampler=..., batch_size=...)``
-keeps its rows in a :class:`~diskreplay.ReplayStore`: every ``extend`` is one
+``torchrl.data.ReplayBuffer(storage=DiskReplayStorage(path, max_size), writer=DiskReplayWriter(),
+sampler=..., batch_size=...)`` keeps its rows in a :class:`~diskreplay.ReplayStore`: every ``extend`` is one
 durable commit, the rows outlive the process (reopen the path and they are
 all there), and the store's capacity is the buffer's ``max_size`` (FIFO, like
 TorchRL's round-robin writer). TorchRL's own samplers (``PromptGroupSampler``,
@@ -29,13 +29,20 @@ float16, bfloat16, ``[B, 2, 2]`` per-row tensors.
 Positions. TorchRL addresses a storage of ``max_size`` slots written
 round-robin; slot ``p`` holds the live row ``r`` with ``r % max_size == p``
 (row ids only grow; the oldest rows are evicted as new ones arrive), which is
-exactly where TorchRL's writer puts them. A buffer attached to a reopened
-store has its writer's cursor moved to the store's next row, and so does
-loading a buffer state (``load_state_dict``, ``loads``: a checkpoint older
-than the store's last rows). A writer whose cursor is not the store's next
-row anyway (another process appended) writes nothing: ``extend`` raises and
-the writer follows the store. ``dumps`` writes the store's path and next row
-(``storage.json``): the rows are in the store, durable already.
+exactly where TorchRL's round-robin writer puts them. With
+:class:`DiskReplayWriter` (``ReplayBuffer(storage=DiskReplayStorage(path),
+writer=DiskReplayWriter())``, the recommended form) the store places the rows
+and the writer returns their slots: a reopened store, a buffer state older
+than the store's rows and another process appending all continue at the
+store's next row. A buffer built with TorchRL's default writer gets the same
+round-robin writer made to follow the store (through ``set_writer``, as the
+buffer registers the storage): it starts at the store's next row, and loading
+a buffer state (``load_state_dict``, ``loads``: a checkpoint older than the
+store's last rows) moves it there again. A round-robin writer whose cursor is
+not the store's next row anyway (another process appended, or the cursor was
+set) writes nothing: ``extend`` raises and the writer follows the store.
+``dumps`` writes the store's path and next row (``storage.json``): the rows
+are in the store, durable already.
 
 Needs the ``[torchrl]`` extra (``pip install diskreplay[torchrl]``). TorchRL's
 compiled extension is not needed: its pure-Python samplers are enough.
@@ -52,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import RaggedColumn, ReplayStore
-from ..errors import IndexOutOfRangeError, MissingDependencyError, SchemaError, UnsupportedError
+from ..errors import BatchError, IndexOutOfRangeError, MissingDependencyError, SchemaError, UnsupportedError
 from ..schema import COMPLETION_IDS, MASK_SUFFIX, PROMPT_IDS
 
 try:
@@ -60,11 +67,12 @@ try:
     from tensordict import (LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase,
                             is_tensor_collection, lazy_stack)
     from torchrl.data.replay_buffers.storages import StoreStorage as _TorchRLStoreStorage
+    from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter, Writer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(f"diskreplay.integrations.torchrl needs torchrl and tensordict ({exc}); install them with "
                       "pip install 'diskreplay[torchrl]'") from exc
 
-__all__ = ["DiskReplayStorage", "tensordict_to_columns", "columns_to_tensordict"]
+__all__ = ["DiskReplayStorage", "DiskReplayWriter", "tensordict_to_columns", "columns_to_tensordict"]
 
 SEP = "."
 LAYOUT_STATE = "torchrl.layout"  # the saved state with each column's torch dtype and per-row shape
@@ -78,6 +86,16 @@ def _as_positions(index: Any) -> np.ndarray:
     if isinstance(index, range):
         return np.arange(index.start, index.stop, index.step, dtype=np.int64)
     return np.asarray(index, dtype=np.int64).reshape(-1)
+
+
+def _as_batch(data: Any) -> Any:
+    """``data`` as a batch of rows: a TensorDict with a batch dimension (one row gets one)."""
+    if not is_tensor_collection(data):
+        raise UnsupportedError(f"DiskReplayStorage stores TensorDicts, got {type(data).__name__}; wrap the "
+                               "data in a TensorDict")
+    if data.batch_dims == 0:
+        data = lazy_stack([data]) if isinstance(data, LazyStackedTensorDict) else data.unsqueeze(0)
+    return data
 
 
 class DiskReplayStorage(_TorchRLStoreStorage):
@@ -129,24 +147,16 @@ class DiskReplayStorage(_TorchRLStoreStorage):
             raise SchemaError(f"the store at {store.path} has a byte capacity; TorchRL addresses a storage by "
                               "slots, which only a row capacity keeps aligned: open a store without "
                               "capacity_bytes")
+        self.store = store
+        self._buffers: List[Any] = []  # the buffers attached to this storage, whose writers follow the store
         # StoreStorage's own constructor connects to a key-value server: only the base Storage applies
         super(_TorchRLStoreStorage, self).__init__(max_size=int(max_size))
-        self.store = store
         self.initialized = True
         self._last_cursor = None
-        self._synced_writers: List[int] = []
         self._layout: Dict[str, Any] = {}
         self._load_layout()
 
     # -- TorchRL's Storage interface
-    @property
-    def _len(self) -> int:  # TorchRL's writers read it; the store is the only source of the length
-        return len(self.store)
-
-    @_len.setter
-    def _len(self, value: int) -> None:
-        pass
-
     def __len__(self) -> int:
         if self.store.readonly:
             self.store.refresh()
@@ -159,39 +169,43 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         """Close the store (releases its writer lock)."""
         self.store.close()
 
+    def attach(self, buffer: Any) -> None:
+        """Register a buffer that reads this storage (a TorchRL buffer does as it starts): its
+        round-robin writer is kept at the store's next row (see the module, "Positions")."""
+        super().attach(buffer)
+        if not any(b is buffer for b in self._buffers):
+            self._buffers.append(buffer)
+
     @property
-    def _slot_generations(self) -> Any:
-        # read by TorchRL's round-robin writer while a buffer registers this storage: the moment its
-        # writer exists and has not written yet, so its cursor can start at the store's next row
-        self._sync_writers()
-        return self.__dict__.get("_slot_generations_value")
+    def checkpointer(self) -> Any:
+        """TorchRL's storage checkpointer (unused here: :meth:`dumps` names the store instead)."""
+        return _TorchRLStoreStorage.checkpointer.fget(self)
 
-    @_slot_generations.setter
-    def _slot_generations(self, value: Any) -> None:
-        self.__dict__["_slot_generations_value"] = value
+    @checkpointer.setter
+    def checkpointer(self, value: Any) -> None:
+        _TorchRLStoreStorage.checkpointer.fset(self, value)
+        # a TorchRL buffer sets it once its writer is registered: the first moment that writer can be
+        # made to start at the store's next row (a reopened store) and to follow the store on a load
+        self._follow_writers(adopt=True)
 
-    def _sync_writers(self) -> None:
-        for buffer in self._attached_entities:
-            writer = getattr(buffer, "_writer", None)
-            if writer is None or id(writer) in self._synced_writers or not hasattr(writer, "_cursor"):
-                continue
-            writer._cursor = self.store.next_row % self.max_size
-            self._synced_writers.append(id(writer))
-            # a buffer state loaded later (a checkpoint older than the store's last rows: the usual
-            # resume after a preemption) restores the writer's cursor from it, and the writer returns
-            # the indices it computes from that cursor: it must follow the store after a load too
-            for name in ("load_state_dict", "loads"):
-                load = getattr(writer, name, None)
-                if load is not None and not getattr(load, "_follows_store", False):
-                    setattr(writer, name, self._following(writer, load))
+    def _next_slots(self, n: int) -> np.ndarray:
+        return (self.store.next_row + np.arange(n, dtype=np.int64)) % self.max_size
 
-    def _following(self, writer: Any, load: Any) -> Any:
-        def loaded(*args: Any, **kwargs: Any) -> Any:
-            out = load(*args, **kwargs)
-            writer._cursor = self.store.next_row % self.max_size
-            return out
-        loaded._follows_store = True
-        return loaded
+    def _follow_writers(self, adopt: bool = False) -> None:
+        """Move the cursor of every round-robin writer on this storage to the store's next row, through
+        the writer's public ``load_state_dict``. ``adopt``: first give a buffer whose writer is one of
+        TorchRL's defaults (a ``RoundRobinWriter`` or ``TensorDictRoundRobinWriter`` itself, not a
+        subclass) the same writer, made to follow the store after a buffer state is loaded too
+        (``set_writer``; its write count and slot generations carry over)."""
+        for buffer in self._buffers:
+            writer = getattr(buffer, "writer", None)  # None while the buffer is still being built
+            follower = _FOLLOWERS.get(type(writer)) if adopt else None
+            if follower is not None:
+                replacement = follower(track_generations=writer.tracks_generations)
+                buffer.set_writer(replacement)
+                replacement.load_state_dict(writer.state_dict())  # the cursor then follows the store
+            elif isinstance(writer, RoundRobinWriter):
+                writer.load_state_dict({"_cursor": int(self._next_slots(1)[0])})
 
     def _load_layout(self) -> None:
         """The tensors' dtypes and shapes, kept in the store (a saved state) beside the rows."""
@@ -211,41 +225,70 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         return rows
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        """Append ``data`` at the slots TorchRL's writer chose (they must be the next ones: rows are written once)."""
+        """Append ``data`` at the slots a round-robin writer chose: they must be the store's next ones
+        (rows are written once). A writer behind the store writes nothing: this raises, and the writers
+        on this storage follow the store."""
         if isinstance(cursor, slice):
             cursor = range(*cursor.indices(self.max_size))
         positions = _as_positions(cursor)
-        if not is_tensor_collection(data):
-            raise UnsupportedError(f"DiskReplayStorage stores TensorDicts, got {type(data).__name__}; wrap the "
-                                   "data in a TensorDict")
-        if data.batch_dims == 0:
-            data = lazy_stack([data]) if isinstance(data, LazyStackedTensorDict) else data.unsqueeze(0)
+        data = _as_batch(data)
         n = data.shape[0]
         if len(positions) != n:
             raise SchemaError(f"{len(positions)} slots for {n} rows; pass one slot per row")
-        nxt = self.store.next_row
-        expected = (nxt + np.arange(n)) % self.max_size
+        if self.store.multi_writer:
+            self.store.refresh()  # another process's rows move the next slots
+        expected = self._next_slots(n)
         if not np.array_equal(positions, expected):
             if not set_cursor:
                 raise UnsupportedError(f"DiskReplayStorage rows are written once, at the end (slots "
                                        f"{expected.tolist()[:5]}...); overwriting slots {positions.tolist()[:5]} "
                                        "in place is not supported")
-            # the writer's cursor is not the store's next row (another process appended, or its state
-            # was set by hand): writing would return indices of other rows; nothing is written
-            self._synced_writers = []
-            self._sync_writers()
+            # writing would make the writer return the slots of other rows
+            self._follow_writers()
             raise UnsupportedError(f"the buffer's writer chose slots {positions.tolist()[:5]}... but the next rows of "
                                    f"{self.store.path} go to slots {expected.tolist()[:5]}... (another process "
                                    "appended, or the writer's cursor was set); nothing was written and the writer "
                                    "now follows the store: extend again")
+        slots = self._commit(data)
+        if not np.array_equal(slots, expected):
+            raise UnsupportedError(f"another writer of {self.store.path} appended while these {n} rows were "
+                                   f"committed: they went to slots {slots.tolist()[:5]}..., not to the slots "
+                                   f"{positions.tolist()[:5]}... the buffer's writer returns, and the writer now "
+                                   "follows the store; DiskReplayWriter returns the slots the store gives")
+
+    def append(self, data: Any) -> torch.Tensor:
+        """Commit ``data`` (a TensorDict: a batch, or one row) as the store's next rows; returns their slots.
+
+        :class:`DiskReplayWriter` writes with it: the slots are those of the
+        rows the store committed (row id modulo ``max_size``), whatever
+        another writer of a multi-writer store appended before.
+
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> storage = DiskReplayStorage(tempfile.mkdtemp(), 4)
+        >>> storage.append(TensorDict({"x": torch.arange(6)}, [6])).tolist()  # rows 0..5, 2..5 live
+        [0, 1, 2, 3, 0, 1]
+        >>> storage.get([0, 1, 2, 3])["x"].tolist()
+        [4, 5, 2, 3]
+        >>> storage.close()
+        """
+        return torch.from_numpy(self._commit(_as_batch(data)))
+
+    def _commit(self, data: Any) -> np.ndarray:
+        """Extend the store with the batch ``data``; the slots of its rows."""
+        if not data.shape[0]:
+            raise BatchError("nothing to write: the batch has no rows")
         layout: Dict[str, Any] = {}
-        self.store.extend(tensordict_to_columns(data, layout))
+        rows = np.asarray(self.store.extend(tensordict_to_columns(data, layout)), dtype=np.int64)
         changed = {k: v for k, v in layout.items() if self._layout.get(k) != v}
         if changed:  # a new column, or another dtype: one more commit, once
             self._layout.update(changed)
             self.store.save_state(LAYOUT_STATE, {"columns": self._layout})
-        self._set_last_cursor(int(expected[-1]))
-        self._bump_mutation_revision()
+        slots = rows % self.max_size
+        self._set_last_cursor(int(slots[-1]))
+        self._bump_mutation_revision()  # TorchRL's samplers drop what they derived from the old rows
+        self._follow_writers()  # the round-robin writers on this storage continue after these rows
+        return slots
 
     def get(self, index: Any) -> Any:
         """The rows at TorchRL slots ``index`` as a TensorDict (a lazy stack when a column is ragged)."""
@@ -311,6 +354,127 @@ class DiskReplayStorage(_TorchRLStoreStorage):
     def __getstate__(self) -> Dict[str, Any]:
         raise UnsupportedError("a DiskReplayStorage holds an open store; send its path and reopen it (read-only "
                                "for readers) instead of pickling it")
+
+
+class DiskReplayWriter(Writer):
+    """A ``torchrl.data`` writer for a :class:`DiskReplayStorage` that keeps no cursor: the store places the rows.
+
+    ``add`` and ``extend`` commit the rows as the store's next rows and
+    return their slots (row id modulo ``max_size``: where a round-robin
+    writer puts them). So a reopened store, a buffer state older than the
+    store's rows and another process appending all continue at the store's
+    next row. Its state is what a round-robin writer reads (the next slot
+    and the rows written), so a checkpoint loads into a buffer with either
+    writer; loading one changes nothing here.
+
+    >>> import tempfile, torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import ReplayBuffer
+    >>> path = tempfile.mkdtemp()
+    >>> rb = ReplayBuffer(storage=DiskReplayStorage(path, 4), writer=DiskReplayWriter(), batch_size=2)
+    >>> rb.extend(TensorDict({"x": torch.arange(3)}, [3])).tolist()
+    [0, 1, 2]
+    >>> state = rb.state_dict()
+    >>> rb.extend(TensorDict({"x": torch.arange(3, 5)}, [2])).tolist()  # row 4 evicts row 0
+    [3, 0]
+    >>> rb.storage.close()
+    >>> rb = ReplayBuffer(storage=DiskReplayStorage(path), writer=DiskReplayWriter(), batch_size=2)
+    >>> rb.load_state_dict(state)  # older than the store's rows: the writer still continues at row 5
+    >>> rb.add(TensorDict({"x": torch.tensor(5)}, []))
+    1
+    >>> rb.storage.get([0, 1, 2, 3])["x"].tolist(), rb.write_count
+    ([4, 5, 2, 3], 6)
+    >>> rb.storage.close()
+    """
+
+    def register_storage(self, storage: Any) -> None:
+        """Write to ``storage`` (a buffer calls it as it starts); it must be a :class:`DiskReplayStorage`."""
+        if not isinstance(storage, DiskReplayStorage):
+            raise UnsupportedError(f"DiskReplayWriter writes to a DiskReplayStorage, got {type(storage).__name__}; "
+                                   "use TorchRL's RoundRobinWriter with other storages")
+        super().register_storage(storage)
+
+    @property
+    def _write_count(self) -> int:  # what TorchRL's ReplayBuffer.write_count and stats() read
+        return int(self._storage.store.next_row) if self._storage is not None else 0
+
+    def add(self, data: Any) -> int:
+        """Commit one row (a TensorDict without a batch dimension); returns its slot."""
+        slot = int(self._write(data)[0])
+        self._mark_updated(slot)
+        return slot
+
+    def extend(self, data: Any) -> torch.Tensor:
+        """Commit a batch of rows (one commit); returns their slots."""
+        slots = self._write(data)
+        self._mark_updated(slots)
+        return slots
+
+    def _write(self, data: Any) -> torch.Tensor:
+        if self._storage is None:
+            raise UnsupportedError("this DiskReplayWriter has no storage yet; give it to a ReplayBuffer "
+                                   "(writer=DiskReplayWriter()) with a DiskReplayStorage")
+        return self._storage.append(data)
+
+    def _mark_updated(self, index: Any) -> None:
+        # what TorchRL's writers do after a write: the buffers' samplers register the new slots
+        for buffer in self._storage._buffers:
+            buffer.mark_update(index)
+
+    def _empty(self, empty_write_count: bool = True) -> None:
+        self._storage._empty()  # refuses (the store keeps its rows) before the buffer empties its sampler
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The next slot and the rows written, as a round-robin writer would load them."""
+        if self._storage is None:
+            return {"_cursor": 0, "_write_count": 0}
+        return {"_cursor": int(self._storage._next_slots(1)[0]), "_write_count": self._write_count}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Change nothing: the writer always continues at the store's next row."""
+
+    def dumps(self, path: Any) -> None:
+        """Write :meth:`state_dict` into the directory ``path`` (``metadata.json``, as a round-robin writer does)."""
+        state = self.state_dict()
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "metadata.json"), "w") as f:
+            json.dump({"cursor": state["_cursor"], "write_count": state["_write_count"]}, f)
+
+    def loads(self, path: Any) -> None:
+        """Change nothing (as :meth:`load_state_dict`)."""
+
+
+class _FollowsStore:
+    """A TorchRL round-robin writer whose cursor gives way to the store's next row after a buffer state
+    is loaded: a checkpoint older than the store's last rows (the usual resume after a preemption)
+    would make ``extend`` return the slots of other rows. DiskReplayStorage gives it to a buffer that
+    was built with TorchRL's default writer."""
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._follow_store()
+
+    def loads(self, path: Any) -> None:
+        super().loads(path)
+        self._follow_store()
+
+    def _follow_store(self) -> None:
+        storage = self._storage
+        if isinstance(storage, DiskReplayStorage):
+            super().load_state_dict({"_cursor": int(storage._next_slots(1)[0])})
+
+
+class _FollowingRoundRobinWriter(_FollowsStore, RoundRobinWriter):
+    """``ReplayBuffer``'s default writer, following the store (see :class:`_FollowsStore`)."""
+
+
+class _FollowingTensorDictRoundRobinWriter(_FollowsStore, TensorDictRoundRobinWriter):
+    """``TensorDictReplayBuffer``'s default writer, following the store (see :class:`_FollowsStore`)."""
+
+
+# TorchRL's default writers and the same writers following the store
+_FOLLOWERS = {RoundRobinWriter: _FollowingRoundRobinWriter,
+              TensorDictRoundRobinWriter: _FollowingTensorDictRoundRobinWriter}
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
