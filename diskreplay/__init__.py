@@ -18,10 +18,10 @@ from typing import Any
 
 from . import errors as _errors
 from .errors import *  # noqa: F401,F403  (every error class; errors.__all__ lists them)
-from .groups import GroupIndex
-from .ragged import RaggedColumn
-from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler
-from .store import ReplayStore
+from .groups import GroupIndex  # noqa: F401  (public)
+from .ragged import RaggedColumn  # noqa: F401  (public)
+from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler  # noqa: F401  (public)
+from .store import ReplayStore  # noqa: F401  (public)
 
 __version__ = "0.1.0"
 

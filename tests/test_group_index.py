@@ -175,10 +175,10 @@ def test_manifest_names_the_index_and_refuses_a_foreign_name():
     doc = m.body()
     doc["group_index"]["file"] = "../escape.arrow"
     with pytest.raises(fmt.FormatError, match="group_index file"):
-        fmt.Manifest.from_dict(fmt._signed(doc), "m")
+        fmt.Manifest.from_dict(fmt.signed_doc(doc), "m")
     doc["group_index"] = dict(e.to_dict(), end_row=11)
     with pytest.raises(fmt.FormatError, match="beyond next_row"):
-        fmt.Manifest.from_dict(fmt._signed(doc), "m")
+        fmt.Manifest.from_dict(fmt.signed_doc(doc), "m")
     # a manifest without an index is byte for byte what older versions wrote
     assert "group_index" not in fmt.Manifest(generation=1).body()
 

@@ -53,7 +53,7 @@ def manifest_doc(path, gen):
 def sign(doc):
     """Recompute a manifest's checksum, as a forger would."""
     body = {k: v for k, v in doc.items() if k != "checksum"}
-    doc["checksum"] = crc32c(fmt._dumps(body))
+    doc["checksum"] = crc32c(fmt.canonical_json(body))
     return doc
 
 

@@ -443,7 +443,7 @@ def test_late_columns_in_fuzzed_manifests_never_crash():
         doc = fmt.Manifest(generation=3).body()
         doc.update(version=2, late_columns=late)
         try:
-            fmt.Manifest.from_dict(fmt._signed(doc), "m")
+            fmt.Manifest.from_dict(fmt.signed_doc(doc), "m")
         except FormatError:
             pass
 

@@ -7,7 +7,6 @@ once, bit-exact, at the rows its ``extend`` returned."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import signal

@@ -2,18 +2,18 @@
 
 Modules, bottom up: ``compaction`` (splitting, eviction, the merge policy),
 ``ops`` (commits as values, with their conflict rules), ``tokens``
-(exactly-once records), ``committer`` (publishing, rebasing, clean-up),
-``reading`` (read planning), ``remote`` (object-storage segments and commits),
+(exactly-once records), ``committer`` (publishing, rebasing),
+``reading`` (read planning), ``collector`` (garbage collection), ``remote`` (page-fetched object-storage segments),
 ``segment_cache`` (open segments, page checks, reads), ``group_views`` (the
 group indexes served), ``replay_store`` (the facade users hold). The storage
 backends live in :mod:`diskreplay.storage` (``store.storage`` re-exports them).
 """
 
-from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, MERGE_MAX_BYTES, MERGE_RATIO, MergePolicy
+from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, MERGE_MAX_BYTES, MERGE_RATIO, MergePolicy  # noqa: F401
 from .committer import CommitStats
 from .ops import Conflict
-from .replay_store import STALE_RETRIES, ReplayStore
-from .segment_cache import MAX_OPEN_SEGMENTS
+from .replay_store import STALE_RETRIES, ReplayStore  # noqa: F401
+from .segment_cache import MAX_OPEN_SEGMENTS  # noqa: F401
 from ..storage import LocalStorage, Storage
 
 __all__ = ["ReplayStore", "MergePolicy", "Storage", "LocalStorage", "CommitStats", "Conflict", "convert_store"]

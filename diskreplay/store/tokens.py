@@ -17,12 +17,15 @@ records (about 55 bytes each) plus one ~150-byte entry per log.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from ..errors import ArgumentError, CorruptStoreError
 from .._fileio import crc32c
 from ..storage import Storage
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 INLINE_TOKENS = 32  # parsed on every catch-up with another writer's commit: keep manifests small
 MAX_TOKEN_LOGS = 32

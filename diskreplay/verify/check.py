@@ -222,7 +222,7 @@ def scan_manifests(r: Optional[Report], files: Optional[StoreFiles] = None, floo
             continue
         try:
             m = _load_manifest(files, gen)
-        except fmt._MissingBase as exc:
+        except fmt.MissingBase as exc:
             suspects.append((gen, exc.strerror))  # lost, or a clean-up in progress removes the delta next
             continue
         except FileNotFoundError:
@@ -453,7 +453,7 @@ def _scan_unreferenced(r: Report, manifests: List[fmt.Manifest], in_flight: Call
         elif files.is_link(rel):
             r.warn(f"{path} is an unreferenced symlink")
         elif rel.startswith(fmt.MANIFEST_DIR + "/"):
-            if not fmt._MANIFEST_NAME.match(name):
+            if not fmt.MANIFEST_NAME.match(name):
                 r.warn(f"{path} is not a manifest name")
         elif no_manifest and not is_dir and files.size(rel):
             orphans.append(rel)

@@ -1,0 +1,359 @@
+"""Loading a manifest (resolving deltas) and finding a store's newest commit."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import CommitConflictError, CorruptStoreError, FormatError
+from .names import (DELTA_FORMAT, FLOOR_FILE, FORMAT_FILE, FORWARD_READS, MANIFEST_DIR, MANIFEST_NAME, MAX_DELTA_CHAIN,
+                    MAX_RELISTS, manifest_file)
+from .jsondoc import read_signed_json
+from .access import as_dir, file_exists, is_object_storage, location, read_signed
+from .options import StoreOptions
+from .manifest import Delta, Manifest, delta_from_doc
+from .floor import read_floor
+
+
+class MissingBase(FileNotFoundError):
+    """A delta's file is there but a manifest it applies to is not (``filename``): collected with it
+    by a clean-up in progress (the delta goes next), or lost."""
+
+
+def load_manifest(path: str, generation: Optional[int] = None, *, known: Optional[Manifest] = None,
+                  options: Optional[StoreOptions] = None, seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
+    """Read, verify and parse one manifest file (which must say it is ``generation``, if given).
+
+    A delta (:class:`AppendDelta`) is applied to the manifests before it, read
+    from the same directory back to a full one, or to ``known`` (a manifest of
+    this store already held) when the chain reaches its generation. ``seen``,
+    if given, receives every generation a chain of deltas made on the way.
+    """
+    doc, verified = read_signed_json(path)
+    if isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
+        m = MANIFEST_NAME.match(os.path.basename(path))
+        if m is None:
+            raise CorruptStoreError(f"{path} is an append delta outside a store's manifests directory")
+        root = os.path.dirname(os.path.dirname(path))
+        return _resolve(root, int(m.group(1)), doc, verified, path, known, options, seen)
+    m = Manifest.from_dict(doc, path, verified)
+    if generation is not None and m.generation != generation:
+        raise CorruptStoreError(f"{path} says it is generation {m.generation}")
+    return m
+
+
+def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, known: Optional[Manifest],
+             options: Optional[StoreOptions], seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
+    """Manifest ``generation`` of ``root`` from its document: a full manifest, or a delta applied
+    to the manifest of the generation before (recursively, back to a full one or ``known``)."""
+    chain: List[Tuple[str, Delta]] = []
+    base = None
+    g, g_where = generation, where
+    while isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
+        chain.append((g_where, delta_from_doc(doc, g_where, verified)))
+        g -= 1
+        if known is not None and known.generation == g:
+            base = known
+            break
+        if g == 0:  # the store's first commits: they follow the empty store
+            base = Manifest()
+            break
+        if len(chain) > MAX_DELTA_CHAIN:
+            raise CorruptStoreError(f"{where} is an append delta whose chain of {len(chain)} deltas ends at "
+                                    f"generation {g} without a full manifest")
+        g_where = location(root, manifest_file(g))
+        try:
+            doc, verified = read_signed(root, manifest_file(g))
+        except FileNotFoundError:  # collected with the delta meanwhile, or lost: MissingBase says which
+            raise MissingBase(errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it "
+                                   "applies to, is missing", g_where) from None
+    if base is None:
+        base = Manifest.from_dict(doc, g_where, verified)
+        if base.generation != g:
+            raise CorruptStoreError(f"{g_where} says it is generation {base.generation}")
+    if not chain:
+        return base
+    if options is None:  # the capacities (FORMAT.json is fixed at creation but for late_columns)
+        raw, ok = read_signed(root, FORMAT_FILE)
+        options = StoreOptions.from_dict(raw, location(root, FORMAT_FILE), ok)
+    made = []
+    for d_where, delta in reversed(chain):
+        try:
+            base = delta.apply(base, options)
+        except CommitConflictError as exc:  # its writer applied it to exactly this base: forged or damaged
+            raise CorruptStoreError(f"{d_where} is a rewrite delta that does not apply to generation "
+                                    f"{base.generation}: {exc}") from None
+        made.append(base)
+    _check_appended(base, where)
+    if seen is not None:
+        seen.update((m.generation, m) for m in made)
+    return base
+
+
+def _check_appended(m: Manifest, where: str) -> None:
+    """What ``Manifest.validate`` could find wrong in ``m``, a valid manifest with append deltas
+    applied: a segment id twice. The rest holds by construction (:meth:`AppendDelta.apply` places
+    the entries after the base's rows, raises ``next_segment`` past their ids and applies the
+    capacities; :func:`rewrite_rows` checks a rewrite's rows), so a reader catching up does not
+    check every segment's rows per delta."""
+    if len({s.id for s in m.segments}) != len(m.segments):
+        raise FormatError(f"a segment id appears twice in {where}")
+
+
+def list_generations(root: Any) -> List[int]:
+    """Manifest generations present in ``root`` (a directory or a Storage), newest first."""
+    root = as_dir(root)
+    try:
+        names = root.list(MANIFEST_DIR) if is_object_storage(root) else os.listdir(os.path.join(root, MANIFEST_DIR))
+    except FileNotFoundError:
+        return []
+    gens = [int(m.group(1)) for m in map(MANIFEST_NAME.match, names) if m]
+    return sorted(gens, reverse=True)
+
+
+def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
+                         seen: Optional[Dict[int, Manifest]] = None,
+                         known_is_newest: bool = False) -> Tuple[Manifest, List[str]]:
+    """The newest manifest that parses and verifies, and the problems met on the way.
+
+    ``seen`` receives the generations a chain of deltas made on the way (:func:`load_manifest`).
+    ``known_is_newest``: ``known`` was the newest generation so recently that it cannot have
+    been collected since (see :func:`read_forward`); the generations after it are then read
+    in order, without probing for them first.
+    An empty store gives ``Manifest()``. Raises ``CorruptStoreError`` naming the
+    files when manifests exist but none is intact. A reader whose directory
+    listing went stale while a writer committed and cleaned up (every listed
+    manifest deleted before it could be opened) lists again rather than
+    mistaking the store for an empty one. An object store is probed instead
+    (:func:`_newest_by_probing`): its listings are not relied on.
+
+    A store with a collection floor (:func:`read_floor`) is held to it: the answer counts only
+    if the floor, read after it was found, is not above it. Otherwise the search went through
+    a collected generation (it found a run that a clean-up was removing, or a manifest a stale
+    writer created in a collected slot) and starts again from the floor.
+    """
+    start = 0
+    for _ in range(MAX_RELISTS):
+        m, problems = _newest_unchecked(root, known, options, seen, known_is_newest and not start, start)
+        floor = read_floor(root)
+        if floor is None or m.generation >= floor:
+            return m, problems
+        start, known_is_newest = floor, False
+    raise CorruptStoreError(f"the collection floor of {location(as_dir(root), FLOOR_FILE)} kept moving past the "
+                            f"newest manifest found ({MAX_RELISTS} searches): is something deleting manifests?")
+
+
+def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[StoreOptions],
+                      seen: Optional[Dict[int, Manifest]], known_is_newest: bool,
+                      start: int) -> Tuple[Manifest, List[str]]:
+    """:func:`load_newest_manifest` without the floor's check; ``start``: search from that
+    generation up (the floor), not from ``known``."""
+    root = as_dir(root)
+    if is_object_storage(root):
+        return _newest_by_probing(root, known, options, seen, start)
+    if known is not None and known.generation and known_is_newest:
+        known, complete = read_forward(root, known, options=options, seen=seen)
+        if complete:
+            return known, []
+    newest: Optional[int] = None
+    if start:  # the floor: never collected while it is the floor (gone: it moved on; list)
+        if file_exists(root, manifest_file(start)):
+            newest = _probe_up(root, start)
+    elif known is not None and known.generation:  # probe up from it rather than list (see newer_generation)
+        newest = newer_generation(root, known.generation)
+        if newest is None:
+            return known, []
+    if newest is not None:
+        try:
+            return load_manifest(os.path.join(root, manifest_file(newest)), newest, known=known,
+                                 options=options, seen=seen), []
+        except (FileNotFoundError, CorruptStoreError, FormatError):
+            pass  # collected or damaged: the listing below finds the newest intact one
+    for _ in range(MAX_RELISTS):
+        problems: List[str] = []
+        vanished = broken = False
+        gens = list_generations(root)
+        for gen in gens:
+            path = os.path.join(root, manifest_file(gen))
+            try:
+                return load_manifest(path, gen, known=known, options=options), problems
+            except MissingBase as exc:
+                # a clean-up removes a chain oldest first: its delta goes next, and the listing changes
+                problems.append(exc.strerror)
+                broken = True
+            except FileNotFoundError:
+                vanished = True  # deleted by the writer's clean-up between listdir and open
+            except (CorruptStoreError, FormatError) as exc:
+                problems.append(str(exc))
+        if not vanished and not (broken and list_generations(root) != gens):
+            break
+    else:
+        raise CorruptStoreError(f"the manifests of {root} kept vanishing while being read "
+                                f"({MAX_RELISTS} listings): is something deleting them?")
+    if problems:
+        raise CorruptStoreError("no intact manifest in " + root + ": " + "; ".join(problems))
+    return Manifest(), problems
+
+
+def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
+    """Intact manifests by generation, and the manifests that could not be read.
+
+    A damaged manifest (bad JSON, checksum, format) is left out of both: it
+    names nothing trustworthy. One that could not be *read* (EIO, EACCES, ...)
+    is reported with its error: it may be intact and name files, so clean-up
+    must not treat it, or the files it may name, as garbage.
+    """
+    root = as_dir(root)
+    out: Dict[int, Manifest] = {}
+    unreadable: Dict[int, str] = {}
+    for gen in reversed(list_generations(root)):  # oldest first: a delta applies to the one before
+        path = location(root, manifest_file(gen))
+        try:
+            out[gen] = read_manifest(root, gen, known=out.get(gen - 1))
+        except (CorruptStoreError, FormatError, FileNotFoundError):
+            continue
+        except OSError as exc:
+            unreadable[gen] = f"{path}: {exc}"
+    return dict(sorted(out.items(), reverse=True)), unreadable
+
+
+def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = None,
+                  options: Optional[StoreOptions] = None, seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
+    """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage);
+    a delta is resolved as :func:`load_manifest` says."""
+    root = as_dir(root)
+    rel = manifest_file(generation)
+    doc, verified = read_signed(root, rel)
+    return _resolve(root, generation, doc, verified, location(root, rel), known, options, seen)
+
+
+def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] = None,
+                 seen: Optional[Dict[int, Manifest]] = None, limit: int = FORWARD_READS) -> Tuple[Manifest, bool]:
+    """The manifests after ``known`` in a local store, read in order until one is absent:
+    ``(newest read, True)``; ``(newest read, False)`` when more than ``limit`` follow or one does
+    not read (the caller probes and lists, as :func:`load_newest_manifest` does).
+
+    Only for a ``known`` that was the newest generation less than ``retain_seconds / 2`` ago:
+    a manifest is collected only after a newer one has existed for ``retain_seconds``, and
+    every generation above ``known`` was created after it was the newest, so none of them,
+    and not ``known``, can have been collected, and the first absent generation ends the
+    contiguous run of present ones (the margin covers clocks of other hosts, as a commit's
+    own files do). So the open of the next generation replaces the ``stat`` of the held one
+    and of the next (:func:`newer_generation`): nothing new costs one failed open, each new
+    commit the read of its file that catching up needs anyway.
+
+    >>> import shutil, tempfile; root = tempfile.mkdtemp(); m = Manifest(generation=3)
+    >>> read_forward(root, m) == (m, True)
+    True
+    >>> shutil.rmtree(root)
+    """
+    m = known
+    for _ in range(limit):
+        g = m.generation + 1
+        try:
+            m = read_manifest(root, g, known=m, options=options)
+        except FileNotFoundError:
+            return m, True
+        except (OSError, CorruptStoreError, FormatError):
+            return m, False
+        if seen is not None:  # every one, full manifests too: a writer's clean-up need not read them again
+            seen[g] = m
+    return m, False
+
+
+def newer_generation(root: Any, held: int) -> Optional[int]:
+    """The newest generation of ``root`` if it is above ``held``, else None, without listing
+    ``manifests/`` (a multi-writer store keeps ``retain_seconds`` of them): the generations
+    present above a present one are contiguous, so one or two probes tell that nothing is
+    newer, and +1, +2, +4, ... then a binary search find the newest. A listing is the fallback
+    when ``held`` itself is gone (collected).
+
+    >>> import tempfile; newer_generation(tempfile.mkdtemp(), 0) is None
+    True
+    """
+    root = as_dir(root)
+    if held and file_exists(root, manifest_file(held)):
+        newest = _probe_up(root, held)
+    else:
+        gens = list_generations(root)
+        newest = _probe_up(root, gens[0]) if gens else 0
+    return newest if newest > held else None
+
+
+def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
+                       seen: Optional[Dict[int, Manifest]] = None, start: int = 0) -> Tuple[Manifest, List[str]]:
+    """The newest intact manifest of an object store, found with HEAD requests.
+
+    Commits create generations N, N+1, ... in order and clean-up removes only
+    old ones, so the generations present above any present one are
+    contiguous: from a hint (the newest this storage saw before, else a
+    listing, which may be stale) probe +1, +2, +4, ... until one is missing,
+    then binary-search the gap. About 2 log2(commits since the hint) HEADs.
+    Without a hint, or when the hint itself was collected, the search starts
+    at the collection floor (``start``, else the one read here), which is never
+    collected while it is the floor; only a store without a floor (written by
+    an older diskreplay) is listed, and an empty listing of such a store is
+    checked against generation 1 before it is taken for an empty store.
+    """
+    problems: List[str] = []
+    for _ in range(MAX_RELISTS):
+        hint = max(getattr(storage, "generation_hint", 0), start)
+        newest = _probe_up(storage, hint) if hint else 0
+        if newest == hint and (hint == 0 or not file_exists(storage, manifest_file(hint))):
+            floor = read_floor(storage)
+            low = max(floor or 0, 1)
+            if floor is not None and file_exists(storage, manifest_file(low)):
+                newest = _probe_up(storage, low)
+            elif floor is not None and read_floor(storage) != floor:
+                start = 0
+                storage.generation_hint = 0
+                continue  # the floor moved past the generation it named: read it again
+            else:
+                # no floor (an older diskreplay's store), or its generation is lost (damage, or no
+                # commit yet): a listing, which may lag, is all there is
+                gens = list_generations(storage)
+                low = gens[0] if gens else (1 if file_exists(storage, manifest_file(1)) else 0)
+                newest = _probe_up(storage, low) if low else 0
+        if newest == 0:
+            return Manifest(), problems
+        problems = []
+        vanished = False
+        for gen in range(newest, 0, -1):
+            try:
+                m = read_manifest(storage, gen, known=known, options=options, seen=seen)
+            except MissingBase as exc:
+                # a generation found by probing keeps its chain for retain_seconds after it is superseded
+                problems.append(exc.strerror)
+                continue
+            except FileNotFoundError:
+                vanished = gen == newest  # collected between the probe and the read: probe again
+                break
+            except (CorruptStoreError, FormatError) as exc:
+                problems.append(str(exc))
+                continue
+            storage.generation_hint = gen
+            return m, problems
+        if not vanished:
+            break
+        storage.generation_hint = 0
+    if problems:
+        raise CorruptStoreError("no intact manifest in " + storage.url + ": " + "; ".join(problems))
+    raise CorruptStoreError(f"the manifests of {storage.url} kept vanishing while being read: is something "
+                            "deleting them?")
+
+
+def _probe_up(storage: Any, low: int) -> int:
+    """The highest present generation above ``low`` (``low`` itself when none is)."""
+    step = 1
+    while file_exists(storage, manifest_file(low + step)):
+        low += step
+        step *= 2
+    high = low + step
+    while high - low > 1:
+        mid = (low + high) // 2
+        if file_exists(storage, manifest_file(mid)):
+            low = mid
+        else:
+            high = mid
+    return low
