@@ -477,7 +477,7 @@ def test_many_writers_fsync_segments_once_per_names_reserved_ahead(tmp_path, mon
     """A writer of a multi-writer store reserves ``RESERVE_AHEAD`` segment names at once and makes
     them durable with one fsync of ``segments/``; its small commits then fsync no directory but
     ``manifests/``. ``close`` removes the names it did not use (durably), and every row reads."""
-    from diskreplay.store.replay_store import RESERVE_AHEAD
+    from diskreplay.store.writing import RESERVE_AHEAD
 
     path = str(tmp_path / "s")
     ReplayStore(path, multi_writer=True).close()

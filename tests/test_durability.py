@@ -1305,7 +1305,7 @@ def test_reader_takes_the_schema_of_the_first_commit(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod.ReplayStore, "_write_segments", full)
+    monkeypatch.setattr(store_mod.writing.SegmentWriter, "write", full)
     first = expected_rows(np.arange(0, 4))
     first["extra"] = np.arange(4, dtype=np.int64)
     with pytest.raises(OSError):
@@ -1358,7 +1358,7 @@ def test_garbage_collection_failure_does_not_fail_a_commit(tmp_path, monkeypatch
 
 
 def test_new_store_directory_entry_is_synced(tmp_path, monkeypatch):
-    import diskreplay.store.replay_store as store_mod
+    import diskreplay.store.opening as store_mod
 
     synced = []
     real = store_mod.fsync_dir

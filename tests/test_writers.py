@@ -158,6 +158,7 @@ def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_
     commits before that publish, the rebased sidecars replace the pending ones (writing both
     versions of one file at once left either on disk: a checksum failure under 4 S3 writers)."""
     from diskreplay.store.committer import QUIET_COMMITS, Committer
+    from diskreplay.store.writing import SegmentWriter
 
     path = str(tmp_path / "s")
     a = ReplayStore(path, multi_writer=True)
@@ -165,12 +166,12 @@ def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_
     b.extend(batch_for(1, 0))
     b._committer._since_conflict = QUIET_COMMITS  # uncontended: the data waits for the publish
     real = Committer.newest
-    real_segments = ReplayStore._write_segments
+    real_segments = SegmentWriter.write
     raced, armed = [], []
 
     def write_segments(self, *args, **kwargs):
         out = real_segments(self, *args, **kwargs)
-        armed.append(self is b)  # b's data is prepared (and pending): the commit's newest() comes next
+        armed.append(self is b._segments)  # b's data is prepared (and pending): the commit's newest() comes next
         return out
 
     def newest(self):
@@ -186,7 +187,7 @@ def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_
         return real_write(self, files, dirs, **kw)
 
     monkeypatch.setattr(Committer, "newest", newest)
-    monkeypatch.setattr(ReplayStore, "_write_segments", write_segments)
+    monkeypatch.setattr(SegmentWriter, "write", write_segments)
     monkeypatch.setattr(LocalStorage, "write_files", write_files)
     rows = b.extend(batch_for(1, 1))
     monkeypatch.undo()

@@ -4,6 +4,8 @@ Modules, bottom up: ``compaction`` (splitting, eviction, the merge policy),
 ``ops`` (commits as values, with their conflict rules), ``tokens``
 (exactly-once records), ``committer`` (publishing, rebasing),
 ``reading`` (read planning), ``collector`` (garbage collection), ``remote`` (page-fetched object-storage segments),
+``opening`` (options, foreign-path refusal, layout, lock, the start manifest),
+``writing`` (a writer's segment files: ids reserved ahead, sidecars, small segments, the first schema),
 ``segment_cache`` (open segments, page checks, reads), ``group_views`` (the
 group indexes served), ``replay_store`` (the facade users hold). The storage
 backends live in :mod:`diskreplay.storage` (``store.storage`` re-exports them).

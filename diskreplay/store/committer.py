@@ -183,7 +183,7 @@ class Committer:
                 if token is not None:
                     dup = self.tokens.find(base, token)
                     if dup is not None:
-                        self._remove(written)
+                        self.remove_files(written)
                         self.manifest = base
                         return CommitResult(base, duplicate=dup)
                 self._check_age(started)
@@ -255,7 +255,7 @@ class Committer:
             raise
         except BaseException:
             if self.manifest.generation == base.generation and self._in_doubt is None:
-                self._remove(written)  # not committed: its files are garbage
+                self.remove_files(written)  # not committed: its files are garbage
             raise
         finally:
             self.storage.discard_staged()
@@ -446,7 +446,7 @@ class Committer:
         except OSError:
             return None
 
-    def _remove(self, written: Sequence[str]) -> None:
+    def remove_files(self, written: Sequence[str]) -> None:
         """Delete a commit's files that no manifest names, newest first: a segment's sidecar
         (named after the segment's id) goes before the segment file whose creation reserved the
         id. The other order frees the id while its sidecar is still there, and a writer that

@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import random
-import socket
 import threading
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
@@ -23,31 +21,24 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import TMP_PREFIX, WriterLock, boot_clock, crash_point, crc32c, fsync_dir
-from ..errors import (ArgumentError, ColumnNotFoundError, CommitConflictError, ConditionalWriteError,
-                      CorruptStoreError, DiskReplayError, OutputExistsError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
+from .._fileio import WriterLock, boot_clock, crash_point, crc32c
+from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, DiskReplayError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
 from ..schema import Schema
-from ..segment import (PageChecksums, Segment, decode_state, encode_group_index, encode_ipc,
-                       encode_group_sidecar, encode_state, has_page_checksums, inline_group)
+from ..segment import (PageChecksums, Segment, decode_state, encode_group_index, encode_state)
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import index_of_column
 from .group_views import GroupIndexes
 from .segment_cache import Column, ReadView, SegmentCache
-from ..storage import LocalStorage, Storage, open_storage
-from .tokens import TokenIndex, batch_digest, check_token, digest
+from ..storage import LocalStorage, open_storage
+from .tokens import TokenIndex, batch_digest, check_token
+from .opening import UNSET, Requested, open_store, writer_id
+from .writing import SchemaRace, SegmentWriter, dirs_of, encoded_digest, fix_schema
 
-class _Unset:
-    """The default of an option a store keeps: the stored value on a reopen, the documented one on creation."""
-
-    def __repr__(self) -> str:
-        return "<stored>"
-
-
-_UNSET: Any = _Unset()
+_UNSET: Any = UNSET
 T = TypeVar("T")
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
 # A single writer persists the group index (docs/FORMAT.md, "Group index") once this many segments
@@ -58,16 +49,6 @@ INDEX_TAIL_SEGMENTS = 16
 # advising and faulting in a 12 KB segment cost ~3x the copy (merged inputs are < MERGE_MAX_BYTES)
 COPY_SOURCE_BYTES = 4 << 20
 MAX_MERGES_PER_APPEND = 64
-OWN_IDS = 4096  # segment ids a writer of a multi-writer store remembers reserving (see _merge_is_mine)
-# many writers, local files: segment names each writer reserves at once, with one fsync of segments/
-# for all of them, so that a small commit does not fsync the directory (docs/FORMAT.md, "Many writers");
-# a segment of MERGE_MAX_BYTES or more takes a name of its own (the directory's fsync, issued with its
-# own, costs it nothing)
-RESERVE_AHEAD = 16
-# ... while they are younger than a quarter of retain_seconds, if that is at least this long (a
-# store that retains less, a test's, reserves each name with its commit: else each slow commit
-# would find its names too old, give them up and reserve 16 more)
-RESERVE_AHEAD_MIN_AGE = 60.0
 
 
 def _locked(method):
@@ -79,12 +60,6 @@ def _locked(method):
             self._require_open()
             return method(self, *args, **kwargs)
     return wrapper
-
-
-def _writer_id() -> str:
-    """Unique per writer, in the names of its temporary files: 64 random bits, host and pid."""
-    host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-_")[:32] or "host"
-    return f"{random.SystemRandom().getrandbits(64):016x}-{host}-{os.getpid()}"
 
 
 def _reopen(path: str, generation: Optional[int], verify_reads: bool, storage_args: Tuple[Any, ...] = (None, None, None)
@@ -172,7 +147,6 @@ class ReplayStore:
         self.verify_reads = verify_reads
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
         self.lock = threading.RLock()
-        self.merge_policy = merge_policy if merge_policy is not None else MergePolicy()
         self._writer_lock: Optional[WriterLock] = None
         self._committer: Optional[Committer] = None
         self._read_tokens: Optional[TokenIndex] = None  # readonly: committed_rows' lookups
@@ -182,104 +156,18 @@ class ReplayStore:
         self._cache = SegmentCache(self.storage, self.path, verify_reads)
         #: the group indexes this store serves (its own key's, brought forward commit by commit)
         self._groups = GroupIndexes(self._cache)
-        self._next_id = 0  # multi-writer: the next segment id this writer tries to reserve
-        # multi-writer: the ids of the newest segments this writer reserved (its appends' and merges'):
-        # a due merge whose newest segment is one of them is this writer's to do
-        self._own_ids: Dict[int, None] = {}
-        # the file bytes of this writer's newest small segments, by id: a merge of them (of its own
-        # appends, the next few commits) copies them from here instead of reading the files back
-        self._small_written: Dict[int, Any] = {}
+        #: this writer's segment files: the ids it reserved, the bytes of its newest small segments
+        self._segments = SegmentWriter(self.path, merge_policy if merge_policy is not None else MergePolicy())
         self.recovered_from: List[str] = []
-        for name, value in (("capacity", capacity), ("capacity_bytes", capacity_bytes),
-                            ("retain_seconds", retain_seconds)):
-            if value is not _UNSET and value is not None and (
-                    not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0):
-                raise ArgumentError(f"{name} must be a positive integer or None, got {value!r}")
-        if group_key is not _UNSET and group_key is not None and (not isinstance(group_key, str) or not group_key):
-            raise ArgumentError(f"group_key must be a column name or None, got {group_key!r}")
-        if multi_writer is not _UNSET and not isinstance(multi_writer, bool):
-            raise ArgumentError(f"multi_writer must be True or False, got {multi_writer!r}")
-        if generation is not None and (not readonly or not isinstance(generation, (int, np.integer))
-                                       or isinstance(generation, bool) or generation < 0):
-            raise ArgumentError(f"generation must be a non-negative int and needs readonly=True, got {generation!r}"
-                             f"{'' if readonly else ' without readonly=True'}")
-
+        requested = Requested(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
         try:
-            exists = self._has_format_file()
+            opened = open_store(self.storage, requested, readonly=readonly, generation=generation)
         except BaseException:
-            self.storage.close() if self.storage.cached else None
+            self.close()
             raise
-        if readonly:
-            if not exists:
-                self.close()
-                raise StoreNotFoundError(f"no diskreplay store at {self.path} (no {fmt.FORMAT_FILE}); "
-                                        "a read-only open needs an existing store")
-        elif not self.storage.exclusive_lock and not exists:
-            try:
-                _refuse_foreign_entries(self.path, self.storage.some_names())
-            except BaseException:
-                self.close()
-                raise
-        elif self.storage.exclusive_lock:
-            try:
-                if not exists:
-                    _refuse_foreign_path(self.path)
-                else:  # before the lock: an open refused for its options changes nothing (not even LOCK)
-                    self.options = fmt.StoreOptions.read(self.storage)
-                    self._check_options(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
-            except BaseException:
-                self.close()
-                raise
-            stored_multi = exists and self.options.multi_writer
-            os.makedirs(self.path, exist_ok=True)
-            # one writer: exclusive; many: shared, which only a conversion to one writer conflicts with
-            self._writer_lock = WriterLock(os.path.join(self.path, fmt.LOCK_FILE),
-                                           shared=stored_multi or (not exists and multi_writer is True))
-            self._writer_lock.acquire()
+        self.options, self.manifest, self.recovered_from = opened.options, opened.manifest, opened.recovered_from
+        self._writer_lock = opened.writer_lock
         try:
-            for d in fmt.DATA_DIRS if self.storage.can_map else ():
-                if os.path.islink(os.path.join(self.path, d)):
-                    raise CorruptStoreError(f"{os.path.join(self.path, d)} is a symlink; a store's directories "
-                                            "must be its own (nothing outside it is ever read or deleted)")
-            if exists:
-                if readonly:
-                    # the manifest first: a FORMAT.json read after it is at least as new as the
-                    # commit (a writer's first extend fixes the schema before it commits)
-                    if generation is None:
-                        self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
-                    else:
-                        self.manifest = self._load_generation(int(generation))
-                self.options = fmt.StoreOptions.read(self.storage)
-                self._check_options(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
-            else:
-                self.options = fmt.StoreOptions(
-                    group_key="prompt_id" if group_key is _UNSET else group_key,
-                    capacity_rows=None if capacity is _UNSET else (None if capacity is None else int(capacity)),
-                    capacity_bytes=None if capacity_bytes is _UNSET else capacity_bytes,
-                    multi_writer=multi_writer is True,
-                    retain_seconds=None if retain_seconds is _UNSET else retain_seconds,
-                    append_deltas=multi_writer is True, inline_groups=multi_writer is True)
-                if not self.storage.exclusive_lock:
-                    # every commit to an object store is a conditional PUT (there is no lock),
-                    # so a server that does not honour them is refused for any store
-                    self.storage.probe_create_if_absent(fmt.MANIFEST_DIR)
-                else:
-                    for d in fmt.DATA_DIRS:
-                        os.makedirs(os.path.join(self.path, d), exist_ok=True)
-                    if self.options.multi_writer:
-                        LocalStorage(self.path, _writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
-                    fsync_dir(self.path)
-                    fsync_dir(os.path.dirname(self.path) or ".")  # the store's own directory entry
-                self.options.write(self.storage)
-            if not readonly:
-                self.manifest, self.recovered_from = fmt.load_newest_manifest(self.storage)
-            if self.manifest.next_row and self.options.schema is None:
-                # the schema is fixed before the first commit: a store with rows and none lost it, and a
-                # writer fixing another now would make every committed segment unreadable
-                holder = fmt.schema_file(self.options, not self.storage.exclusive_lock)
-                raise CorruptStoreError(f"{self.path} has committed rows but its schema is gone ({holder} "
-                                        f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records none'}); "
-                                        "restore it from a backup or a copy of the store (nothing was changed)")
             if self.recovered_from:
                 warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
@@ -291,52 +179,15 @@ class ReplayStore:
             self.close()
             raise
 
-    def _has_format_file(self) -> bool:
-        if self.storage.exists(fmt.FORMAT_FILE):
-            return True
-        self.storage.check()  # not found: a missing bucket gives its one clear error here
-        return False
-
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
         if not self.storage.exclusive_lock:
             committer = Committer(self.storage, options, self.manifest)
         else:
-            storage = LocalStorage(self.path, _writer_id() if options.multi_writer else "", fsync=self.fsync,
+            storage = LocalStorage(self.path, writer_id() if options.multi_writer else "", fsync=self.fsync,
                                    leases=options.multi_writer)
             committer = Committer(storage, options, self.manifest)
         committer.ensure_floor()
         return committer
-
-    def _load_generation(self, generation: int) -> fmt.Manifest:
-        if generation == 0:
-            return fmt.Manifest()
-        try:
-            return fmt.read_manifest(self.storage, generation)
-        except FileNotFoundError:
-            have = fmt.list_generations(self.storage)  # newest first
-            if have and generation > have[0]:
-                raise StoreNotFoundError(f"generation {generation} of {self.path} does not exist yet (the newest "
-                                         f"is {have[0]})") from None
-            kept = "none" if not have else f"{have[-1]}..{have[0]} ({len(have)} manifests)"
-            raise StoreNotFoundError(f"generation {generation} of {self.path} is not retained (generations kept: "
-                                     f"{kept}); pin a snapshot while it is current") from None
-
-    def _check_options(self, capacity: Any, group_key: Any, capacity_bytes: Any, multi_writer: Any,
-                       retain_seconds: Any) -> None:
-        o = self.options
-        if multi_writer is not _UNSET and multi_writer != o.multi_writer:
-            kind = "a multi-writer" if o.multi_writer else "a single-writer"
-            raise SchemaError(
-                f"multi_writer={multi_writer!r} disagrees with the store at {self.path}, which is {kind} store; "
-                f"leave multi_writer out to open it as it is, or convert it (stop its writers first) with "
-                f"`diskreplay compact {self.path} --multi-writer{'' if multi_writer else '=false'}` or "
-                f"ReplayStore(path).compact(multi_writer={multi_writer!r})")
-        for name, given, stored in (("capacity", capacity, o.capacity_rows), ("group_key", group_key, o.group_key),
-                                    ("capacity_bytes", capacity_bytes, o.capacity_bytes),
-                                    ("retain_seconds", retain_seconds, o.retain_seconds)):
-            if given is not _UNSET and given != stored:
-                raise SchemaError(f"{name}={given!r} disagrees with the store at {self.path}, which was created "
-                                  f"with {name}={stored!r}; leave {name} out to use the stored value")
 
     # ------------------------------------------------------------------ basics
 
@@ -370,7 +221,7 @@ class ReplayStore:
                 self._writer_lock = None
             self._closed = True
             self._cache.close()
-            self._small_written.clear()
+            self._segments.clear()
             if self.storage.cached:
                 self.storage.close()
 
@@ -415,14 +266,13 @@ class ReplayStore:
         return self.multi_writer or not self.storage.exclusive_lock
 
     @property
-    def _reserve_ahead(self) -> Dict[str, Any]:
-        """How ``reserve`` takes a segment name: many writers of local files take it from names
-        reserved ahead, used while younger than a quarter of ``retain_seconds`` (clean-up takes
-        unnamed files past it; a commit's own files must stay younger than half of it), where that
-        is at least ``RESERVE_AHEAD_MIN_AGE``."""
-        if not self.storage.can_map or not self.multi_writer or self._committer.retain_seconds < 4 * RESERVE_AHEAD_MIN_AGE:
-            return {}
-        return {"ahead": RESERVE_AHEAD, "max_age": self._committer.retain_seconds / 4}
+    def merge_policy(self) -> MergePolicy:
+        """When small segments are merged (:class:`MergePolicy`); assign another to change it."""
+        return self._segments.merge_policy
+
+    @merge_policy.setter
+    def merge_policy(self, policy: MergePolicy) -> None:
+        self._segments.merge_policy = policy
 
     @property
     def multi_writer(self) -> bool:
@@ -661,7 +511,7 @@ class ReplayStore:
         record, schema = normalize_batch(batch, schema, self.group_key)
         try:
             return self._commit_rows(record, schema, token)
-        except _SchemaRace:
+        except SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.storage)
             record, schema = normalize_batch(batch, self.schema, self.group_key)
@@ -683,49 +533,6 @@ class ReplayStore:
         self._committer.durable_replay(rows)
         return rows
 
-    def _fix_schema(self, schema: Schema, written: List[str]) -> fmt.StoreOptions:
-        """The options with ``schema``, writing it if this is the store's first append."""
-        options = self.options
-        if schema.pending() and not options.late_columns:
-            return self._mark_late_columns(options)
-        schema = schema.initial()  # late columns are committed in the manifest, not here
-        if options.schema is not None and options.schema == schema:
-            return options
-        fixed = dataclasses.replace(options, schema=schema)
-        if not self._reserves_ids:
-            fixed.write(self._committer.storage)
-            crash_point("format.done")
-            return fixed
-        # many writers: the first to create SCHEMA.json fixes the schema for all
-        storage = self._committer.storage
-        if not storage.put_if_absent(fmt.SCHEMA_FILE, fmt.shared_schema_bytes(schema), step="format"):
-            if self.multi_writer:
-                raise _SchemaRace()
-            if fmt.read_shared_schema(storage) != schema:
-                raise CommitConflictError(
-                    f"{self.path}/{fmt.SCHEMA_FILE} holds another schema than this first append's: another "
-                    "writer's first append fixed it (an object store has no lock; give a single-writer store "
-                    "one writer), or a crashed first append of another schema did (delete that file if no "
-                    "row was ever committed)")
-        storage.sync_dir("")
-        if not self.multi_writer:
-            # object store, one writer: the winner of SCHEMA.json records it where v1 readers look
-            fixed.write(storage)
-        return fixed
-
-    def _mark_late_columns(self, options: fmt.StoreOptions) -> fmt.StoreOptions:
-        """Say in FORMAT.json, before the first commit that adds a late column, that the store may have
-        some, so that a diskreplay without them refuses the store rather than misreading it (every
-        writer writes the same document: concurrent ones agree)."""
-        marked = dataclasses.replace(options, late_columns=True)
-        if self.multi_writer:  # its schema stays in SCHEMA.json
-            doc = dataclasses.replace(marked, schema=None).body()
-            self._committer.storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc), step="format")
-        else:
-            marked.write(self.storage)
-        crash_point("format.done")
-        return marked
-
     def _commit_rows(self, record: pa.RecordBatch, schema: Schema, token: Optional[str] = None) -> np.ndarray:
         m = self.manifest
         n = record.num_rows
@@ -735,24 +542,24 @@ class ReplayStore:
         if token is not None:
             rec = committer.find_token(token)
             if rec is not None:
-                return self._replayed(rec, n, dig, lambda: self._digest_of(pieces))
+                return self._replayed(rec, n, dig, lambda: encoded_digest(pieces))
         written: List[str] = []
         pages: List[Optional[PageChecksums]] = []
         encoded: List[Any] = []
         started = boot_clock()
         try:
-            options = self._fix_schema(schema, written)
+            options = fix_schema(self.path, self.storage, committer, self.options, schema, self._reserves_ids)
             # written and fsynced by the commit, together with the manifest's file (an append delta's
             # before the race, see Committer._stage_delta); with many writers of full manifests that
             # raced lately, first, so that a race only redoes the manifest step
             defer = not self.multi_writer or options.append_deltas or committer.uncontended()
-            entries = self._write_segments(pieces, None if self._reserves_ids else m.next_segment, m.next_row,
-                                           written, pages, defer=defer, encoded=encoded)
+            entries = self._segments.write(committer, options, m, pieces, None if self._reserves_ids else m.next_segment,
+                                           m.next_row, written, pages, defer=defer, encoded=encoded)
             if not defer:
                 crash_point("segments.synced")
         except BaseException:
             self._committer.discard_pending()
-            self._remove(written)
+            self._committer.remove_files(written)
             raise
         tokrec = fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None
         prepared = {"first": m.next_row, "entries": tuple(entries)}
@@ -760,10 +567,11 @@ class ReplayStore:
         relocatable = options.append_deltas
 
         def plan(base: fmt.Manifest) -> ops.Operation:
-            self._check_reserved(base, prepared["entries"], written)
+            if self._reserves_ids:
+                self._segments.check_reserved(base, prepared["entries"], written)
             if prepared["first"] != base.next_row and not relocatable:  # the sidecars record global row ids
-                prepared["entries"] = self._rebase_sidecars(prepared["entries"], pieces, pages, base.next_row,
-                                                            written)
+                prepared["entries"] = self._segments.rebase_sidecars(committer, options, prepared["entries"], pieces,
+                                                                     pages, base.next_row, written)
                 prepared["first"] = base.next_row
             return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()), relocatable)
 
@@ -775,12 +583,12 @@ class ReplayStore:
         if result.duplicate is not None:
             if result.manifest.generation != self.manifest.generation:
                 self._install(result.manifest, self.options)
-            return self._replayed(result.duplicate, n, dig, lambda: self._digest_of(pieces))
+            return self._replayed(result.duplicate, n, dig, lambda: encoded_digest(pieces))
         new = result.manifest
         for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
             if e.groups_bytes and checksums is not None:
                 self._cache.pages.setdefault(e.id, checksums)
-        self._keep_small(prepared["entries"], encoded)
+        self._segments.keep_small(prepared["entries"], encoded)
         self._collect()
         try:
             self._merge_small_tail()
@@ -795,132 +603,6 @@ class ReplayStore:
                           "store is intact (readers use the group sidecars) and it is retried after the next "
                           "append", RuntimeWarning, stacklevel=3)
         return np.arange(new.next_row - n, new.next_row, dtype=np.int64)
-
-    def _keep_small(self, entries: Sequence[fmt.SegmentEntry], encoded: Sequence[Any]) -> None:
-        """Remember the bytes of committed segments small enough to be merged (see ``_copy_source``):
-        the newest ``fanin * ratio`` of them, the most a merge takes."""
-        kept = self._small_written
-        for e, data in zip(entries, encoded):
-            if e.bytes < self.merge_policy.max_bytes:
-                kept[e.id] = data
-        for sid in list(kept)[: max(0, len(kept) - self.merge_policy.fanin * self.merge_policy.ratio)]:
-            del kept[sid]
-
-    @staticmethod
-    def _digest_of(pieces: Sequence[pa.RecordBatch]) -> int:
-        datas = [encode_ipc(p) for p in pieces]
-        return digest(sum(p.num_rows for p in pieces), [(d.size, crc32c(d)) for d in datas])
-
-    def _write_segments(self, records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int,
-                        written: List[str], pages: Optional[List[Optional[PageChecksums]]] = None,
-                        sync_dirs: bool = True, defer: bool = False,
-                        encoded: Optional[List[Any]] = None) -> List[fmt.SegmentEntry]:
-        """Write segments and their group sidecars durably, all files' fsyncs at once
-        (``Storage.write_files``); with ``sync_dirs`` their directory entries too. ``defer``: leave
-        the writes to the commit's publish, which makes them durable with the manifest's file.
-
-        ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
-        file only if absent, so no two writers ever write the same name. ``pages``
-        collects each segment's page checksums (a rebase rewrites the sidecars with them; None for a
-        small segment, checked whole: ``has_page_checksums``), ``encoded`` each segment's bytes.
-        """
-        storage = self._committer.storage
-        files: List[Tuple[str, Any, Optional[str]]] = []
-        entries = []
-        for record in records:
-            data = encode_ipc(record)
-            if seg_id is None:
-                # a small segment's name reserved ahead (a large one's fsync hides its directory's)
-                ahead = self._reserve_ahead if data.size < self.merge_policy.max_bytes else {}
-                sid, rel = storage.reserve(fmt.segment_file, max(self._next_id, self.manifest.next_segment), **ahead)
-                self._next_id = sid + 1
-                self._own_ids[sid] = None
-                if len(self._own_ids) > OWN_IDS:
-                    del self._own_ids[next(iter(self._own_ids))]
-            else:
-                sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
-            written.append(rel)
-            files.append((rel, data, "segment"))
-            checksums = PageChecksums.of(data) if has_page_checksums(data.size) else None
-            if pages is not None:
-                pages.append(checksums)
-            if encoded is not None:
-                encoded.append(data)
-            g_bytes, g_crc, group = self._sidecar_file(record, checksums, sid, first_row, written, files)
-            entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc,
-                                            group))
-            first_row += record.num_rows
-        # the new names must be durable before a manifest names the files
-        dirs = _dirs_of(entries, storage) if sync_dirs else []
-        if defer:
-            self._committer.pending += files
-            self._committer.pending_dirs += dirs
-        else:
-            storage.write_files(files, dirs)
-        return entries
-
-    def _sidecar_file(self, record: pa.RecordBatch, checksums: Optional[PageChecksums], seg_id: int, first_row: int,
-                      written: List[str], files: List[Tuple[str, Any, Optional[str]]]
-                      ) -> Tuple[int, int, Optional[int]]:
-        """The group sidecar of a segment, added to ``files``: ``(its bytes, its CRC-32C, None)``;
-        ``(0, 0, key)`` for a small segment of one integer group in a store with inline groups
-        (no file: its manifest entry names the key), ``(0, 0, None)`` without a group key."""
-        if self.group_key is None:
-            return 0, 0, None
-        keys = record.column(self.group_key)
-        if self.options.inline_groups and checksums is None:
-            key = inline_group(keys)
-            if key is not None:
-                return 0, 0, key
-        local = self.options.append_deltas  # rows counted from the segment's: the file fits any base
-        gdata = encode_group_sidecar(keys, None if local else first_row, checksums)
-        rel = fmt.groups_file(seg_id)
-        if rel not in written:
-            written.append(rel)
-        files.append((rel, gdata, "groups"))
-        return gdata.size, crc32c(gdata), None
-
-    def _rebase_sidecars(self, entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
-                         pages: Sequence[Optional[PageChecksums]], first: int,
-                         written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
-        """The entries of an append moved to rows ``first, ...``: its sidecars (which record
-        global row ids) are rewritten in place, from the checksums in hand, by the retry's publish
-        (with its manifest's file). Their names were made durable by the lost attempt and no
-        manifest names them, so a torn rewrite is garbage."""
-        out, files = [], []
-        for e, piece, checksums in zip(entries, pieces, pages):
-            g_bytes, g_crc, group = self._sidecar_file(piece, checksums, e.id, first, written, files)
-            out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc, group))
-            first += e.num_rows
-        # made durable with the retry's manifest; a deferred append rebased before its first publish
-        # still has the old sidecars pending: replace them (both in one write would race)
-        rewritten = {rel for rel, _, _ in files}
-        self._committer.pending = [f for f in self._committer.pending if f[0] not in rewritten] + files
-        return tuple(out)
-
-    def _check_reserved(self, base: fmt.Manifest, entries: Sequence[fmt.SegmentEntry], written: List[str]) -> None:
-        """Refuse to commit a segment id another commit already names: the id was created
-        only-if-absent, so the storage broke that promise (an object store whose
-        If-None-Match is checked before the write instead of atomically with it). Its
-        objects are kept (left out of ``written``): the other commit names them."""
-        if not self._reserves_ids:
-            return
-        taken = {s.id for s in base.segments} & {e.id for e in entries}
-        if taken:
-            sid = min(taken)
-            for e in entries:
-                if e.id in taken:
-                    for rel in (e.file, e.groups_file):
-                        if rel in written:
-                            written.remove(rel)
-            raise ConditionalWriteError(
-                f"{self.path}/{fmt.segment_file(sid)} was created by two writers although each creates it only "
-                f"if absent (If-None-Match: *): this server does not check the condition atomically with the "
-                f"write, so concurrent commits can overwrite each other's files; run `diskreplay verify "
-                f"{self.path}`, and use a server with atomic conditional writes or one writer at a time")
-
-    def _remove(self, written: Sequence[str]) -> None:
-        self._committer._remove(written)
 
     def _collect(self) -> None:
         try:
@@ -968,7 +650,7 @@ class ReplayStore:
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = self.storage if not self.storage.exclusive_lock else LocalStorage(self.path, _writer_id() if multi_writer else "",
+        storage = self.storage if not self.storage.exclusive_lock else LocalStorage(self.path, writer_id() if multi_writer else "",
                                                                 fsync=self.fsync)
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
@@ -1027,7 +709,8 @@ class ReplayStore:
             if not pending:
                 return
             record = _concat_batches(pending) if len(pending) > 1 else pending[0]
-            entries.extend(self._write_segments([record], None if self._reserves_ids else seg_id, first, written,
+            entries.extend(self._segments.write(self._committer, self.options, m, [record],
+                                                None if self._reserves_ids else seg_id, first, written,
                                                 sync_dirs=defer, defer=defer))
             first += record.num_rows
             seg_id += 1
@@ -1045,16 +728,17 @@ class ReplayStore:
                 pending_bytes += nbytes
             flush()
             if not defer:
-                self._committer.storage.write_files([], _dirs_of(entries, self._committer.storage))
+                self._committer.storage.write_files([], dirs_of(entries, self._committer.storage))
                 crash_point("segments.synced")
         except BaseException:
             self._committer.discard_pending()
-            self._remove(written)
+            self._committer.remove_files(written)
             raise
         op = ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries))
 
         def plan(base: fmt.Manifest) -> ops.Operation:
-            self._check_reserved(base, entries, written)
+            if self._reserves_ids:
+                self._segments.check_reserved(base, entries, written)
             return op
 
         result = self._committer.commit(plan, written, started=started,
@@ -1066,16 +750,14 @@ class ReplayStore:
         """The rows of a segment that a merge or ``compact`` copies, every byte checked against the
         manifest's CRC-32C first: the new files get fresh checksums, which would otherwise vouch for
         damaged data. A local file is checked whole before Arrow parses it, without its sidecar's
-        page checksums and without entering the segment cache (a merge of 16 small segments of
-        other writers read 16 sidecars and checked every page twice: a fifth of the merge's CPU).
+        page checksums and without entering the segment cache (a cached segment's sidecar and page
+        checks would be read and done for nothing).
         A segment this writer committed lately is parsed from the bytes it wrote (and checked
         against the same CRC-32C), without opening, mapping and reading its file; another small
         one is read into memory with one ``read`` (``COPY_SOURCE_BYTES``), not mapped."""
-        data = self._small_written.pop(entry.id, None)
-        if data is not None and data.size == entry.bytes and crc32c(data) == entry.crc32c:
-            batch = pa.ipc.open_file(data).get_batch(0)
-            if batch.num_rows == entry.num_rows:
-                return batch
+        batch = self._segments.take_small(entry)
+        if batch is not None:
+            return batch
         if not self.storage.can_map or entry.id in self._cache.segments:
             seg = self._segment(entry)
             seg.verify_whole(entry.crc32c)
@@ -1115,7 +797,7 @@ class ReplayStore:
         start, stop = window
         policy = self.merge_policy
         owner = segs[stop] if stop < len(segs) and segs[stop].bytes >= policy.max_bytes else segs[stop - 1]
-        if not self.multi_writer or owner.id in self._own_ids:
+        if not self.multi_writer or self._segments.is_own(owner.id):
             return True
         return segs[-1].end_row - owner.end_row > policy.fanin * policy.ratio * segs[stop - 1].num_rows
 
@@ -1147,7 +829,7 @@ class ReplayStore:
             try:
                 storage.replace(rel, data, step="state")
             except BaseException:
-                self._remove([rel])
+                self._committer.remove_files([rel])
                 raise
         entry = fmt.StateEntry(name, gen, data.size, crc32c(data))
         self._committer.commit(lambda base: ops.SaveState(entry), [rel],
@@ -1313,7 +995,7 @@ class ReplayStore:
             storage.write_new(entry.file, data, step="groups")
             storage.sync_dir(fmt.GROUPS_DIR)
         except BaseException:
-            self._remove([entry.file])
+            self._committer.remove_files([entry.file])
             raise
         self._committer.commit(lambda base: ops.IndexGroups(entry), [entry.file],
                                install=lambda new: self._install(new, self.options))
@@ -1403,55 +1085,6 @@ class ReplayStore:
         return rows
 
 
-def _refuse_foreign_path(path: str) -> None:
-    """A writer creates a store only in a new or empty directory, or in one holding nothing but a store's
-    own entries (a creation that died before FORMAT.json, another writer creating it at this moment): a
-    mistyped path to a run's directory must not be filled with store files."""
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path):
-        raise OutputExistsError(f"{path} is a file, not a directory; a store is a directory (pass a new or empty "
-                                "one, or the directory of an existing store)")
-    entries = []
-    for name in os.listdir(path):
-        entries.append(name)
-        if name in fmt.DATA_DIRS and os.path.isdir(os.path.join(path, name)) \
-                and not os.path.islink(os.path.join(path, name)):
-            entries += [f"{name}/{inner}" for inner in os.listdir(os.path.join(path, name))]
-    _refuse_foreign_entries(path, entries)
-
-
-def _refuse_foreign_entries(where: str, entries: Sequence[str]) -> None:
-    """Refuse to create a store where ``entries`` (paths found there) are not all a store's own (see
-    :func:`fmt.is_store_entry`): a store's open sweeps its directories and sets aside, or deletes,
-    what no manifest names, so another program's files there would be moved or lost."""
-    foreign = sorted(e for e in entries if not fmt.is_store_entry(e))
-    committed = sorted((e for e in entries if "/" in e and e not in foreign and e.partition("/")[0] in fmt.DATA_DIRS
-                        and not e.rpartition("/")[2].startswith((TMP_PREFIX, "."))),
-                       key=lambda e: (not e.startswith(fmt.MANIFEST_DIR), e))
-    if committed and not foreign:
-        # FORMAT.json is written when a store is created, before any of these: it was lost, and a store
-        # created here anew (default options, perhaps another schema) would misread or sweep them
-        raise CorruptStoreError(f"{where} holds a store's files ({', '.join(committed[:2])}"
-                                f"{', ...' if len(committed) > 2 else ''}) but no {fmt.FORMAT_FILE}: it was lost or "
-                                f"deleted; restore it (from a backup or a copy of the store) before opening the store "
-                                "(nothing was changed)")
-    if foreign:
-        kind = "prefix" if where.startswith("s3://") else "directory"
-        raise OutputExistsError(f"{where} is a non-empty {kind} that holds no diskreplay store (it has "
-                                f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} and no "
-                                f"{fmt.FORMAT_FILE}); pass a new or empty {kind}, or the {kind} of an existing "
-                                "store")
-
-
-def _dirs_of(entries: Sequence[fmt.SegmentEntry], storage: Storage) -> List[str]:
-    """The directories to fsync for the new names of ``entries``' files: ``segments/`` unless every
-    segment's name is durable already (reserved ahead), and ``groups/`` unless none of them has a
-    sidecar (an inline group, or no group key)."""
-    dirs = [] if all(storage.name_durable(e.file) for e in entries) else [fmt.SEGMENT_DIR]
-    return dirs + [fmt.GROUPS_DIR] if any(e.groups_bytes for e in entries) else dirs
-
-
 def _concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:
     """One record batch of ``batches``' rows (a merge's): ``pa.concat_batches`` where pyarrow has
     it (19+: no table in between, a quarter less time for 16 small segments)."""
@@ -1459,7 +1092,3 @@ def _concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:
     if concat is not None:
         return concat(batches)
     return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
-
-
-class _SchemaRace(Exception):
-    """Another writer fixed a multi-writer store's schema first."""
