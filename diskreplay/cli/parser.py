@@ -1,91 +1,16 @@
-"""The ``diskreplay`` command: inspect, export, import, curate, compact, verify and repair stores.
-
-A thin layer over :mod:`diskreplay.export` (and ``ReplayStore.compact``,
-:mod:`diskreplay.verify`). ``main(argv)`` returns the exit status instead of
-exiting, so it can be called in-process:
-
-- 0: success (``verify``: the store is healthy);
-- 1: an expected failure (bad input, no store at PATH, existing output,
-  damaged store, missing optional dependency), reported as one line on
-  stderr without a traceback (set ``DISKREPLAY_DEBUG=1`` to get the traceback);
-- 2: a usage error (unknown option, missing or invalid argument);
-- 130: interrupted (Ctrl-C, i.e. 128 + SIGINT): one line on stderr; no
-  partial output is left under the final name (``import --append`` keeps the
-  chunks it committed before).
-
-Only ``import`` creates a store; every other command refuses a path that
-holds none ("no diskreplay store at PATH") and creates nothing there.
-
->>> main(["--version"])  # doctest: +ELLIPSIS
-diskreplay ...
-0
-"""
+"""The ``diskreplay`` command's argument parser: every command's options, their checks (argparse types:
+a bad value is a usage error, exit status 2, before any work) and the combinations refused."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import sys
-import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from .errors import ArgumentError, DiskReplayError, StoreNotFoundError
-
-PROG = "diskreplay"
-EXIT_CODES = ("exit status: 0 success, 1 error (one line on stderr), 2 usage error, "
-              "130 interrupted by Ctrl-C (nothing partial is left)")
-
-
-def _version() -> str:
-    try:
-        from . import __version__
-
-        return __version__
-    except ImportError:  # pragma: no cover
-        return "unknown"
-
-
-def _progress(args: argparse.Namespace) -> bool:
-    return not args.quiet and sys.stderr.isatty()
-
-
-def _emit(args: argparse.Namespace, result: Dict[str, Any], text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(_json_safe(result), indent=2, default=str, allow_nan=False))
-    else:
-        print(text)
-
-
-def _json_safe(value: Any) -> Any:
-    """``value`` with NaN and infinities as null: JSON has no such numbers (``jq`` refuses ``NaN``).
-
-    >>> _json_safe({"mean": float("-inf"), "n": [1.5, float("nan")]})
-    {'mean': None, 'n': [1.5, None]}
-    """
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
-
-
-def _size(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    f = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if f < 1024:
-            return f"{f:.0f} {unit}" if unit == "B" else f"{f:.1f} {unit}"
-        f /= 1024
-    return f"{f:.1f} TiB"
+from ..errors import DiskReplayError
+from .common import EXIT_CODES, PROG, package_version
+from .exchange import cmd_best_of_n, cmd_export, cmd_import, cmd_pairs
+from .stores import cmd_compact, cmd_info, cmd_repair, cmd_verify
 
 
 def _columns(text: str) -> List[str]:
@@ -142,7 +67,7 @@ def _finite_float(text: str) -> float:
 
 def _mapping(text: str) -> str:
     """One ``--map NEW=OLD``, checked while the arguments are parsed (exit status 2, before any work)."""
-    from .export.importer import parse_mapping
+    from ..export.importer import parse_mapping
 
     try:
         parse_mapping([text])
@@ -152,7 +77,7 @@ def _mapping(text: str) -> str:
 
 
 def _codec(text: str) -> str:
-    from .export.writers import check_compression
+    from ..export.writers import check_compression
 
     try:
         return check_compression(text)
@@ -163,7 +88,7 @@ def _codec(text: str) -> str:
 def _version_range(text: str) -> str:
     """``--policy-versions``, checked while the arguments are parsed (exit status 2, before any work);
     the export parses the same text again."""
-    from .export._common import parse_version_range
+    from ..export._common import parse_version_range
 
     try:
         parse_version_range(text)
@@ -172,279 +97,11 @@ def _version_range(text: str) -> str:
     return text
 
 
-def _store(args: argparse.Namespace) -> Any:
-    """The command's store path, or the one-line refusal when no store is there (nothing is created).
-
-    An ``s3://`` store comes back opened read-only (with ``--storage-option``s),
-    since the export functions take a store or a local path.
-    """
-    from .export import require_store
-
-    if _remote(args):
-        return _open_remote(args, readonly=True)
-    return require_store(args.path)
-
-
-def _remote(args: argparse.Namespace) -> bool:
-    from .storage import is_remote
-
-    return is_remote(args.path)
-
-
-def _storage_options(args: argparse.Namespace) -> Optional[Dict[str, str]]:
-    """``--storage-option KEY=VALUE`` pairs (obstore's S3 settings; AWS_* variables fill in the rest)."""
-    pairs = getattr(args, "storage_option", None) or []
-    if pairs and not _remote(args):
-        raise ArgumentError(f"--storage-option is for s3:// stores; {args.path} is a local path")
-    return dict(pairs) or None
-
-
-def _open_remote(args: argparse.Namespace, readonly: bool) -> Any:
-    """Open the ``s3://`` store of the command; StoreNotFoundError when none is there (nothing is created)."""
-    from .store import ReplayStore
-
-    options = _storage_options(args)
-    if not readonly:
-        ReplayStore(args.path, readonly=True, storage_options=options).close()  # refuses a missing store
-    return ReplayStore(args.path, readonly=readonly, storage_options=options)
-
-
 def _key_value(text: str) -> Tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. endpoint=http://127.0.0.1:9000), got {text!r}")
     return key.strip(), value
-
-
-def _import_remote(args: argparse.Namespace, run: Callable[[str], Dict[str, Any]]) -> Dict[str, Any]:
-    """``import`` into an ``s3://`` store: build the store in a local temporary directory
-    with the importer, then append its rows to the bucket's store in commits of one
-    segment each (a new store gets the same options; row ids start where the store ends)."""
-    import shutil
-    import tempfile
-
-    import numpy as np
-
-    from .store import ReplayStore
-
-    options = _storage_options(args)
-    tmp = tempfile.mkdtemp(prefix="diskreplay-import-")
-    try:
-        res = run(os.path.join(tmp, "store"))
-        with ReplayStore(os.path.join(tmp, "store"), readonly=True) as src:
-            if args.append:
-                dst = _open_remote(args, readonly=False)
-            else:
-                try:
-                    ReplayStore(args.path, readonly=True, storage_options=options).close()
-                except StoreNotFoundError:
-                    pass
-                else:
-                    raise ArgumentError(f"a store exists at {args.path}; pass --append to add rows to it "
-                                        "(replacing a store in a bucket is not supported: delete it first)")
-                dst = ReplayStore(args.path, capacity=src.capacity, group_key=src.group_key,
-                                  capacity_bytes=src.capacity_bytes, storage_options=options)
-            with dst:
-                for seg in src.manifest.segments:
-                    rows = np.arange(max(seg.first_row, src.head), seg.end_row, dtype=np.int64)
-                    batch = src.read(rows)
-                    dst.extend({k: v.to_list() if hasattr(v, "to_list") else v for k, v in batch.items()})
-                res.update(path=args.path, store_rows=len(dst))
-        return res
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------
-# Commands
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from .export import format_info, store_info
-
-    store = _store(args)
-    try:
-        info = store_info(store, progress=_progress(args), include_excluded=args.include_excluded)
-    finally:
-        if not isinstance(store, str):
-            store.close()
-    _emit(args, info, format_info(info))
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export
-
-    store = _store(args)
-    res = export(store, args.out, args.format, columns=args.columns,
-                 policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
-                 tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
-                 reward_key=args.reward_key, overwrite=args.overwrite, progress=_progress(args),
-                 compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force,
-                 include_excluded=args.include_excluded)
-    if not isinstance(store, str):
-        store.close()
-    _emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
-                     + (f", {_size(res.get('bytes'))})" if res.get("bytes") is not None else ")")
-                     + _excluded_note(args, res)
-                     + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))
-                     + _nothing_matched(args, res["rows"]))
-    return 0
-
-
-def _excluded_note(args: argparse.Namespace, res: Dict[str, Any]) -> str:
-    """A line saying what the store's recorded exclusions did to this output (nothing when it records none)."""
-    ranges = res.get("excluded_ranges") or []
-    if not ranges:
-        return ""
-    where = ", ".join(f"[{a:,}, {b:,})" for a, b in ranges[:4]) + (", ..." if len(ranges) > 4 else "")
-    if args.include_excluded:
-        return f"\nincluded the rows the store records as excluded (rows {where}: a resumed run's discarded timeline)"
-    n = res.get("excluded_rows", 0)
-    return (f"\nleft out {n:,} row{'' if n == 1 else 's'} the store records as excluded (rows {where}: a resumed "
-            "run's discarded timeline); --include-excluded uses them")
-
-
-def _nothing_matched(args: argparse.Namespace, n: int) -> str:
-    """A line saying that the filters given kept nothing (an empty output otherwise passes unnoticed)."""
-    given = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in
-             ("policy_versions", "min_reward", "min_margin") if getattr(args, name, None) not in (None, 0.0)]
-    return f"\nwarning: nothing matched {' and '.join(given)}: the output is empty" if n == 0 and given else ""
-
-
-def cmd_import(args: argparse.Namespace) -> int:
-    from .export import import_rollouts
-    from .export.importer import AUTO_FORMAT
-
-    group_key: Any = None if args.no_group_key else (args.group_key or AUTO_FORMAT)
-
-    def run(path: str, append: bool = args.append) -> Dict[str, Any]:
-        return import_rollouts(args.src, path, format=args.format, mapping=args.map or None,
-                               aliases=args.aliases, columns=args.columns, group_key=group_key,
-                               capacity=AUTO_FORMAT if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
-                               chunk_rows=args.chunk_rows, append=append, overwrite=args.overwrite,
-                               split=args.split, progress=_progress(args), allow_evict=args.allow_evict)
-
-    res = _import_remote(args, lambda tmp: run(tmp, False)) if _remote(args) else run(args.path)
-    rows = f"{res['rows']:,} row{'' if res['rows'] == 1 else 's'}"
-    text = (f"imported {rows} from {args.src} ({res['format']}) into {res['path']}; "
-            f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
-    if res.get("already_imported"):
-        n = res["already_imported"]
-        text += f"\n{n:,} of them an earlier run had imported already (its chunks were recognised and skipped)"
-    if res.get("empty_columns"):
-        text += (f"\nleft out column(s) {', '.join(res['empty_columns'])}: no row has a value there (a JSONL "
-                 "export writes NaN and inf as null), so nothing says what they hold")
-    if res.get("skipped"):
-        n = res["skipped"]
-        text += f"\nskipped {n:,} bad line{'' if n == 1 else 's'}"
-        for line in res.get("bad_lines", []):
-            print(f"  {line}", file=sys.stderr)
-    _emit(args, res, text)
-    return 0
-
-
-def cmd_pairs(args: argparse.Namespace) -> int:
-    from .export import preference_pairs
-
-    res = preference_pairs(_store(args), args.out, min_margin=args.min_margin, format=args.format,
-                           tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
-                           group_key=args.group_key, reward_key=args.reward_key,
-                           policy_versions=args.policy_versions, overwrite=args.overwrite,
-                           progress=_progress(args), force=args.force, version_window=args.version_window,
-                           include_excluded=args.include_excluded)
-    windows = (f" ({res['version_windows']:,} windows of {args.version_window} policy version"
-               f"{'' if args.version_window == 1 else 's'})" if args.version_window else "")
-    _emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups{windows} to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})" + _excluded_note(args, res)
-                     + _nothing_matched(args, res["pairs"]))
-    return 0
-
-
-def cmd_best_of_n(args: argparse.Namespace) -> int:
-    from .export import best_of_n
-
-    res = best_of_n(_store(args), args.out, k=args.k, min_reward=args.min_reward, format=args.format,
-                    tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
-                    group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
-                    overwrite=args.overwrite, progress=_progress(args), force=args.force,
-                    include_excluded=args.include_excluded)
-    _emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})" + _excluded_note(args, res)
-                     + _nothing_matched(args, res["rows"]))
-    return 0
-
-
-def cmd_compact(args: argparse.Namespace) -> int:
-    from .store import ReplayStore
-
-    multi = {None: None, "true": True, "false": False}[getattr(args, "multi_writer", None)]
-    if _remote(args):
-        with _open_remote(args, readonly=False) as store:
-            res = store.compact(multi_writer=multi)
-    else:
-        with ReplayStore(_store(args)) as store:  # the check first: a writer's open creates a missing store
-            res = store.compact(multi_writer=multi)
-    parts = []
-    for what in ("segments", "bytes"):
-        if f"{what}_before" in res and f"{what}_after" in res:
-            b, a = res[f"{what}_before"], res[f"{what}_after"]
-            parts.append(f"{what} {b:,} -> {a:,}" if what == "segments" else f"{what} {_size(b)} -> {_size(a)}")
-    parts += [f"{k} {v}" for k, v in res.items() if not k.startswith(("segments_", "bytes_"))]
-    if multi is not None:
-        parts.append(f"now a {'multi' if multi else 'single'}-writer store")
-    _emit(args, res, f"compacted {args.path}: " + ", ".join(parts))
-    return 0
-
-
-def _verify_module() -> Any:
-    from . import verify
-
-    return verify
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    if _remote(args):
-        _store(args).close()  # the one-line refusal of a missing store
-        res = _verify_module().verify_store(args.path, progress=_progress(args),
-                                            storage_options=_storage_options(args))
-    else:
-        res = _verify_module().verify_store(_store(args), progress=_progress(args))
-    ok = bool(res.get("ok"))
-    problems = list(res.get("problems", []))
-    text = f"{args.path}: ok" if ok else f"{args.path}: {len(problems)} problem(s)\n" + "\n".join(
-        f"  - {p}" for p in problems)
-    warnings_ = list(res.get("warnings", []))
-    if warnings_:
-        text += "\nwarnings:\n" + "\n".join(f"  - {w}" for w in warnings_)
-    _emit(args, res, text)
-    return 0 if ok else 1
-
-
-def cmd_repair(args: argparse.Namespace) -> int:
-    if _remote(args):
-        _store(args).close()  # the one-line refusal of a missing store
-        res = _verify_module().repair_store(args.path, dry_run=args.dry_run, progress=_progress(args),
-                                            force=getattr(args, "force", False),
-                                            storage_options=_storage_options(args))
-    else:
-        res = _verify_module().repair_store(_store(args), dry_run=args.dry_run, progress=_progress(args),
-                                            force=getattr(args, "force", False))
-    actions = list(res.get("actions", []))
-    if not actions:
-        text = f"{args.path}: nothing to repair"
-    elif args.dry_run:
-        # the actions are a repair's log (past tense); a dry run shows that log without acting
-        text = (f"{args.path}: dry run, nothing was changed; 'diskreplay repair {args.path}' would report:\n"
-                + "\n".join(f"  - {a}" for a in actions))
-    else:
-        text = f"{args.path}: repaired:\n" + "\n".join(f"  - {a}" for a in actions)
-    _emit(args, res, text)
-    return 0 if res.get("ok", True) else 1
-
-
-# ---------------------------------------------------------------------------
-# The parser
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -511,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                "\nrun 'diskreplay COMMAND --help' for the options of a command.\n"
                "Only 'import' creates a store; the other commands refuse a PATH that holds none.\n"
                + EXIT_CODES + ".")
-    parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     subs = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     p = _sub(subs, "info", cmd_info, "summary of a store",
@@ -693,14 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _misused_options(args: argparse.Namespace) -> Optional[str]:
+def misused_options(args: argparse.Namespace) -> Optional[str]:
     """An option that the others make meaningless (a usage error, not silently ignored)."""
     if args.command == "import" and args.allow_evict and not args.append:
         return "--allow-evict applies to --append (a new store evicts nothing it held)"
     if args.command == "import" and args.append and args.capacity is not None:
         return "--capacity sets a new store's capacity; --append keeps the store's own"
     if args.command == "export" and args.compression is not None:
-        from .export._common import output_format
+        from ..export._common import output_format
 
         try:
             fmt_ = output_format(args.out, args.format, force=args.force)
@@ -709,66 +366,3 @@ def _misused_options(args: argparse.Namespace) -> Optional[str]:
         if fmt_ != "parquet":
             return f"--compression applies to parquet exports, not {fmt_}"
     return None
-
-
-def _one_line_warnings(command: str) -> Callable[..., None]:
-    """Warnings as the command's own lines on stderr, each once (not Python's two-line form with the
-    source line, once per place that raised it)."""
-    shown: set = set()
-
-    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        text = f"{PROG} {command}: warning: {message}"
-        if text not in shown:
-            shown.add(text)
-            print(text, file=sys.stderr)
-    return show
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the ``diskreplay`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, usage errors
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    if not hasattr(args, "func"):
-        parser.print_help(sys.stderr)
-        return 2
-    misuse = _misused_options(args)
-    if misuse:
-        print(f"{PROG} {args.command}: error: {misuse}", file=sys.stderr)
-        return 2
-    # tokenizers are loaded from local directories only; make sure nothing reaches for the hub
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
-        os.environ.setdefault(var, "1")
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _one_line_warnings(args.command)
-            return args.func(args)
-    except KeyboardInterrupt:
-        if args.command == "import" and args.append:
-            what = ("the chunks committed before it stay in the store; run the same command again to import the "
-                    "rest (the chunks already committed are recognised and skipped)")
-        elif args.command in ("export", "import", "pairs", "best-of-n"):
-            what = "no partial output was left"
-        else:
-            what = "the store is as it was or fully updated, never half"
-        print(f"{PROG} {args.command}: interrupted; {what}", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # stdout piped into e.g. head: the work is done, stop writing quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
-    except (DiskReplayError, OSError, ValueError, KeyError) as exc:
-        if os.environ.get("DISKREPLAY_DEBUG"):
-            raise
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        if isinstance(exc, OSError) and not isinstance(exc, DiskReplayError) and exc.filename and \
-                str(exc.filename) not in msg:
-            msg = f"{msg}: {exc.filename}"
-        print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
