@@ -38,12 +38,16 @@ class ReplayBuffer:
     newest commit together at each draw (a collective), so their draws stay
     disjoint.
 
-    **Validity**: the collator writes every batch into the same host
-    buffers, so with ``device`` None or CPU a sample stays valid until the
-    next ``sample()``; ``.clone()`` what you keep longer. With a CUDA
-    ``device`` the batch is a fresh copy on it. ``collate_fn(batch,
-    pad_token_id)`` replaces the collator (e.g. ``collate`` for a fresh batch
-    per call).
+    **Validity**: every batch owns its memory, as TorchRL's do: a batch
+    kept (``list(rb)``, a list of samples) never changes under a later
+    ``sample()``. ``reuse_buffers=True`` trades that for speed: the batches
+    are written into one set of reused host buffers (a
+    :class:`~diskreplay.batching.collator.Collator`'s, ``"rows"`` among
+    them), so with ``device`` None or CPU a batch stays valid until the next
+    ``sample()``; ``.clone()`` what you keep longer (with a CUDA ``device``
+    each batch is a fresh copy on it). ``collate_fn(batch, pad_token_id)``
+    replaces the built-in collation (it gets ``store.read(rows)``; it cannot
+    be combined with ``reuse_buffers``).
 
     The sampler's state lives in the store under ``state_name`` (``NAME.rankR``
     for a sampler of one rank of several): restored on construction when
@@ -68,7 +72,8 @@ class ReplayBuffer:
     def __init__(self, store: Any, sampler: Any, batch_size: int, pad_token_id: int = 0,
                  collate_fn: Optional[Callable[[Mapping[str, Any], int], Dict[str, Any]]] = None,
                  device: Union[None, str, torch.device] = None,
-                 state_name: Optional[str] = "replay_buffer", *, layout: str = "padded") -> None:
+                 state_name: Optional[str] = "replay_buffer", *, layout: str = "padded",
+                 reuse_buffers: bool = False) -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
             raise ArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not hasattr(sampler, "sample"):
@@ -76,10 +81,13 @@ class ReplayBuffer:
                                 "pass e.g. PromptGroupSampler(num_groups=8)")
         self.store, self.sampler = store, sampler
         self.batch_size, self.pad_token_id = int(batch_size), pad_token_id
-        if collate_fn is None:
-            collator = Collator(pad_token_id, layout=layout)
-            collate_fn = lambda batch, pad_token_id: collator(batch)  # noqa: E731
-        self.collate_fn = collate_fn
+        if not isinstance(reuse_buffers, bool):
+            raise ArgumentError(f"reuse_buffers must be True or False, got {reuse_buffers!r}")
+        if reuse_buffers and collate_fn is not None:
+            raise ArgumentError("reuse_buffers=True reuses the built-in collator's buffers; a collate_fn owns its "
+                                "outputs: pass one or the other")
+        self.layout, self.reuse_buffers, self.collate_fn = layout, reuse_buffers, collate_fn
+        self._collator = None if collate_fn is not None else Collator(pad_token_id, layout=layout)
         self.device = resolve_device(device, "sample() returns")
         self.state_name = state_name
         self._closed = False
@@ -90,15 +98,17 @@ class ReplayBuffer:
         return len(self.store)
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
-        """One pass over the live rows, ``batch_size`` rows at a time (TorchRL's iteration).
+        """The rest of the sampler's pass, ``batch_size`` rows at a time (TorchRL's iteration).
 
-        Needs a sampler with passes, ``RandomSampler(replacement=False)``: the
-        batches walk the rest of its current pass (a new one when it is used
-        up), so every live row comes exactly once, in the sampler's order
-        (``shuffle=False``: row-id order). The last batch holds what is left
-        of the pass, fewer rows, unless the sampler has ``drop_last=True``
-        (then it is left out). With ``rank`` / ``world_size`` each rank gets
-        its slices of the same pass.
+        Needs a sampler with passes, ``RandomSampler(replacement=False)``:
+        the batches walk the rest of its current pass (a whole new one when
+        the last pass ended), so every live row comes once, in the sampler's
+        order (``shuffle=False``: row-id order), and iteration stops when the
+        sampler says it ran out (``sampler.ran_out``, as TorchRL's loop does).
+        The last batch holds what is left of the pass, fewer rows, unless the
+        sampler has ``drop_last=True`` (then it is left out). With ``rank`` /
+        ``world_size`` each rank gets its slices of the same pass. An empty
+        store gives no batch.
 
         >>> import tempfile
         >>> from diskreplay import ReplayStore, RandomSampler
@@ -109,20 +119,19 @@ class ReplayBuffer:
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
         >>> rb.close()
         """
-        remaining = getattr(self.sampler, "pass_remaining", None)
-        if remaining is None:
+        if not hasattr(self.sampler, "pass_remaining"):
             raise SamplerError(f"iterating a ReplayBuffer walks one pass over the live rows, which "
                                f"{type(self.sampler).__name__} does not make; use RandomSampler(replacement=False), "
                                "or call sample() in a loop")
         view = self._view()
         with store_lock(view):
-            left = remaining(view)
-        while left > 0:
-            n = min(self.batch_size, left)
-            if n < self.batch_size and getattr(self.sampler, "drop_last", False):
+            self.sampler.pass_remaining(view)  # (a sampler drawing with replacement refuses here)
+            if not len(view):
                 return
-            yield self.sample(n)
-            left -= n
+        while True:
+            yield self.sample()
+            if self.sampler.ran_out:
+                return
 
     def _view(self) -> Any:
         """The store the next draw reads: refreshed (a reader following a writer), or, for ranks
@@ -145,11 +154,16 @@ class ReplayBuffer:
         with store_lock(view):
             rows = np.array(self.sampler.sample(view, self.batch_size if batch_size is None else batch_size,
                                                  **sampler_kwargs), dtype=np.int64)
-            batch = view.read(rows)
-        out = self.collate_fn(batch, self.pad_token_id)
+            if self._collator is None:
+                out = self.collate_fn(view.read(rows), self.pad_token_id)
+            else:
+                out = self._collator.read(view, rows, fresh=not self.reuse_buffers)
         if self.device is not None:
             out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-        out["rows"] = torch.from_numpy(rows)
+        ids = torch.from_numpy(rows)
+        if self.reuse_buffers:
+            ids = self._collator.buffers.take("rows", ids.shape, torch.int64).copy_(ids)
+        out["rows"] = ids
         return out
 
     def update_priorities(self, rows: Any, values: Any) -> None:

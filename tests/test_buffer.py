@@ -154,7 +154,10 @@ def test_iteration_is_one_pass_over_the_live_rows(tmp_path):
             next(iter(buf))
 
 
-def test_sample_reuses_its_buffers_until_the_next_sample(rb):
+def test_sample_reuses_its_buffers_until_the_next_sample(tmp_path):
+    rb = ReplayBuffer(ReplayStore(tmp_path / "s"), PromptGroupSampler(samples_per_group=4, seed=0), batch_size=8,
+                      pad_token_id=5, reuse_buffers=True)
+    rb.extend(make_rollouts(6, 4, seed=0, prompt_mean=10, completion_mean=12, layout="trl"))
     # buffers grow (with headroom) until they hold the widest batch, then every sample reuses them
     ptrs = {rb.sample()["completion_ids"].data_ptr() for _ in range(30)}
     assert len(ptrs) <= 4, len(ptrs)  # no fresh batch per call
@@ -166,6 +169,36 @@ def test_sample_reuses_its_buffers_until_the_next_sample(rb):
         if k != "rows" and isinstance(v, torch.Tensor):
             assert torch.equal(v, collate(rb.store.read(second["rows"].numpy()), 5)[k]), k
     assert not all(torch.equal(kept[k], first[k]) for k in kept)  # the first one was overwritten, as documented
+    # its rows too (checked above against the newest batch's data): a batch never disagrees with itself
+    assert first["rows"].data_ptr() == second["rows"].data_ptr() and torch.equal(first["rows"], second["rows"])
+    rb.close()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batches_own_their_memory_by_default(tmp_path, layout):
+    from diskreplay import collate_packed
+
+    def expected(b):
+        batch = rb.store.read(b["rows"].numpy())
+        return collate(batch, 5) if layout == "padded" else collate_packed(batch)
+
+    with ReplayBuffer(ReplayStore(tmp_path / "s"), PromptGroupSampler(samples_per_group=4, seed=0), batch_size=8,
+                      pad_token_id=5, layout=layout, state_name=None) as rb:
+        rb.extend(make_rollouts(6, 4, seed=0, prompt_mean=10, completion_mean=12, layout="trl"))
+        kept = [rb.sample() for _ in range(12)]
+        for b in kept:  # every batch still holds the rows it names, after the draws that followed it
+            for k, v in expected(b).items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(b[k], v), k
+        assert len({b["completion_ids" if layout == "padded" else "input_ids"].data_ptr() for b in kept}) == 12
+
+
+def test_list_of_an_iteration_keeps_data_and_rows_together(tmp_path):
+    with ReplayBuffer(ReplayStore(tmp_path / "s"), RandomSampler(shuffle=False), 4, state_name=None) as rb:
+        rb.extend({"prompt_id": list(range(10)), "x": list(range(100, 110))})
+        batches = list(rb)
+        assert [b["rows"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        assert [b["x"].tolist() for b in batches] == [[100, 101, 102, 103], [104, 105, 106, 107], [108, 109]]
 
 
 def test_packed_layout(tmp_path):

@@ -677,3 +677,31 @@ def test_no_credentials_at_all_says_so(monkeypatch):
     if "cannot reach" in str(info.value):
         pytest.skip("this machine's network never answers the metadata service's address")
     assert "no credentials" in str(info.value) and "AWS_ACCESS_KEY_ID" in str(info.value)
+
+
+def test_a_cache_trim_during_compact_maps_again(s3_server, s3_url, tmp_path, monkeypatch):
+    """A whole-object fetch that finds its cache file gone (a trim by another process sharing the cache)
+    is retried inside compact(); no private signal escapes, and every row survives."""
+    with _open(s3_url, s3_server, tmp_path, capacity=None) as w:
+        for step in range(5):  # five small segments (fewer than a merge folds)
+            w.extend(_batch(0, step))
+        expected = w.read(np.arange(len(w)))
+    with _open(s3_url, s3_server, tmp_path, capacity=None) as store:  # its segments come through the cache
+        real, mapped, forced = store.storage.fetch_ranges, set(), []
+
+        def trimmed(rel, ranges, **kwargs):
+            path = real(rel, ranges, **kwargs)
+            if rel in mapped and ranges is None and not forced:  # its whole bytes, checked before the copy:
+                forced.append(rel)  # as if a trim dropped the mapped file meanwhile, and it came back anew
+                return path + ".trimmed"
+            mapped.add(rel)  # (the first fetch maps the segment)
+            return path
+
+        monkeypatch.setattr(store.storage, "fetch_ranges", trimmed)
+        done = store.compact()
+        monkeypatch.undo()
+        assert done["segments_before"] == 5 and done["segments_after"] == 1
+        assert forced
+        got = store.read(np.arange(len(store)))
+    assert got["prompt_id"].tolist() == expected["prompt_id"].tolist()
+    assert [c.tolist() for c in got["completion_ids"]] == [c.tolist() for c in expected["completion_ids"]]

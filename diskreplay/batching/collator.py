@@ -70,28 +70,37 @@ class Collator:
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Collate ``batch`` (what ``ReplayStore.read`` returns) into this collator's buffers."""
-        if self.layout == "packed":
-            return collate_packed(batch, batch_dim=self.batch_dim, out=self.buffers)
-        return collate(batch, self.pad_token_id, out=self.buffers)
+        return self._collate(batch, self.buffers)
 
-    def read(self, store: Any, rows: Any, columns: Optional[Any] = None) -> dict[str, Any]:
+    def _collate(self, batch: Mapping[str, Any], out: Optional[GrowingBuffers]) -> dict[str, Any]:
+        if self.layout == "packed":
+            return collate_packed(batch, batch_dim=self.batch_dim, out=out)
+        return collate(batch, self.pad_token_id, out=out)
+
+    def read(self, store: Any, rows: Any, columns: Optional[Any] = None, *, fresh: bool = False) -> dict[str, Any]:
         """``self(store.read(rows, columns))``, the read's value buffers reused too (they belong to
         this collator): a batch of 512 rows copies into warm memory at every step, not into
         ~4 MB of fresh pages. The packed layout skips that copy: it reads with
         ``store.read_ranges`` and copies every value once, straight from the segments' memory maps
-        into its stream. Valid as the outputs of a call (see the class docstring).
+        into its stream. Valid as the outputs of a call (see the class docstring); ``fresh=True``
+        collates into new tensors instead (a batch to keep: only the read's buffers are reused).
 
         >>> import tempfile
         >>> from diskreplay import ReplayStore
         >>> store = ReplayStore(tempfile.mkdtemp())
         >>> _ = store.extend({"prompt_id": [1, 1], "completion_ids": [[5, 6], [7]]})
-        >>> Collator(pad_token_id=0).read(store, [1, 0])["completion_ids"].tolist()
+        >>> collator = Collator(pad_token_id=0)
+        >>> collator.read(store, [1, 0])["completion_ids"].tolist()
         [[7, 0], [5, 6]]
+        >>> kept = collator.read(store, [0], fresh=True)
+        >>> _ = collator.read(store, [1]); kept["completion_ids"].tolist()
+        [[5, 6]]
         """
+        out = None if fresh else self.buffers
         if self.layout == "packed" and hasattr(store, "read_ranges"):
             # each value is copied once, from the segments' maps into the stream
-            return self(store.read_ranges(rows, columns))
-        return self(store.read(rows, columns, out=self.read_buffers))
+            return self._collate(store.read_ranges(rows, columns), out)
+        return self._collate(store.read(rows, columns, out=self.read_buffers), out)
 
     def unpadded(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """:func:`~diskreplay.batching.padded.collate_unpadded` into this collator's buffers

@@ -508,9 +508,11 @@ class Sampler:
         return batch_size * self.world_size
 
     def _mine(self, rows: np.ndarray, batch_size: int) -> np.ndarray:
-        """This rank's slice of a global batch."""
+        """This rank's slice of a global batch (of a shorter one, the end of a pass: an even share)."""
         if self.world_size == 1:
             return rows
+        if len(rows) < self._global(batch_size):
+            return np.array_split(rows, self.world_size)[self.rank]
         return rows[self.rank * batch_size:(self.rank + 1) * batch_size]
 
     def _filter(self, min_policy_version: Any, exclude: Any, min_row: Any) -> RowFilter:
@@ -603,7 +605,7 @@ class Sampler:
         >>> from diskreplay import RandomSampler
         >>> s = RandomSampler(seed=1); d = s.state_dict()
         >>> d["type"], sorted(d["position"]), sorted(d["data"])
-        ('RandomSampler', ['cursor', 'draws', 'pass', 'pass_head', 'pass_next_row', 'rng'], ['counts', 'counts_base'])
+        ('RandomSampler', ['cursor', 'draws', 'pass', 'pass_head', 'pass_next_row', 'ran_out', 'rng'], ['counts', 'counts_base'])
         """
         counts = self._counts.values.copy()
         if position is None:

@@ -759,9 +759,11 @@ class ReplayStore:
         if batch is not None:
             return batch
         if not self.storage.can_map or entry.id in self._cache.segments:
-            seg = self._segment(entry)
-            seg.verify_whole(entry.crc32c)
-            return seg.batch
+            def checked() -> pa.RecordBatch:
+                seg = self._segment(entry)
+                seg.verify_whole(entry.crc32c)
+                return seg.batch
+            return self._cache.remapping(checked)  # a cache file trimmed meanwhile is fetched and mapped again
         return Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
                        entry.crc32c, copy=entry.bytes <= COPY_SOURCE_BYTES).batch
 
