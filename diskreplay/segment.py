@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 import pyarrow as pa
 
-from ._fileio import crc32c, read_exactly
+from ._fileio import crc32c, first_bad_page, read_exactly
 from ._ranges import coalesce
 from .errors import ArgumentError, CorruptStoreError, StoreIOError
 from .groups import arrow_indices
@@ -688,15 +688,16 @@ class ArrowFile:
         todo = pages[~self._verified[pages]]
         if not len(todo):
             return
-        p = self.pages.page_bytes
-        # each page once, in file order (np.unique would import numpy.ma: ~80 ms on first use; a set
-        # costs a third of a bitmap over the whole file for the few pages a read's rows span)
-        ids = sorted(set(todo.tolist()))
-        for i, crc in zip(ids, self.pages.crcs[ids].tolist()):
-            if crc32c(self._base.slice(i * p, min(p, self.size - i * p))) != crc:
-                raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{i * p}, {(i + 1) * p}); the "
-                                        "file is damaged and is not served; run `diskreplay verify` / "
-                                        "`diskreplay repair`")
+        todo.sort()  # each page once, in file order (np.unique's import of numpy.ma costs ~80 ms once)
+        first = np.ones(len(todo), dtype=bool)
+        first[1:] = todo[1:] != todo[:-1]
+        ids = todo[first]
+        bad = first_bad_page(self._base, ids, self.pages.crcs[ids], self.pages.page_bytes)
+        if bad is not None:
+            p = self.pages.page_bytes
+            raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{bad * p}, {(bad + 1) * p}); the "
+                                    "file is damaged and is not served; run `diskreplay verify` / "
+                                    "`diskreplay repair`")
         self._verified[ids] = True
 
     @property
@@ -812,9 +813,9 @@ class Segment(ArrowFile):
         self.schema = schema
         self._cache: Dict[str, Any] = {}
         self._offset_keys: Dict[str, str] = {}
-        self._rows_checked: Dict[str, np.ndarray] = {}  # ragged column -> rows whose values were checked
         self._states: Dict[str, tuple] = {}  # ragged column -> ragged_state
         self._rows_checked_for: Dict[tuple, np.ndarray] = {}  # ragged columns read together -> rows checked
+        self._row_pages: Dict[tuple, Tuple[np.ndarray, np.ndarray]] = {}  # the same -> _page_spans
         self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
 
     @property
@@ -852,12 +853,11 @@ class Segment(ArrowFile):
             if self.pages is not None:
                 base = self._base.address
                 # validity and offsets (written one after the other: one check); values page by page
-                # in check_rows
+                # in check_rows_of
                 spans = [(b.address - base, b.address - base + b.size) for b in arr.buffers()[:2]
                          if b is not None and b.size]
                 if spans:
                     self.verify_span(min(a for a, _ in spans), max(e for _, e in spans))
-                self._rows_checked[name] = np.zeros(len(arr), dtype=bool)
             offsets = numpy_view(arr.offsets)
             values = numpy_view(arr.values)
             validity = None if arr.null_count == 0 else numpy_view(arr.is_valid())
@@ -878,44 +878,45 @@ class Segment(ArrowFile):
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
         """Check the pages holding the values of ``local_rows`` of a ragged column (once per row)."""
-        self.ragged(name)  # (cached) sets up the column's record of checked rows, if it has page checksums
-        checked = self._rows_checked.get(name)
-        if checked is None:
-            return
-        seen = checked[local_rows]
-        # warm, the common case: one test per segment and column of a read (count_nonzero: a
-        # third of ndarray.all's cost, which goes through a Python wrapper)
-        if np.count_nonzero(seen) == len(seen):
-            return
-        todo = local_rows[~seen]
-        values, offsets, _, _, address = self.ragged_state(name)
-        item = values.itemsize
-        start = address - self._base.address if values.size else 0
-        lo = start + offsets[todo] * item
-        hi = start + offsets[todo + 1] * item
-        keep = hi > lo
-        p = self.pages.page_bytes
-        first, last = lo[keep] // p, (hi[keep] - 1) // p
-        counts = last - first + 1
-        pages = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-        self._verify_pages(pages)
-        checked[todo] = True
+        self.check_rows_of((name,), local_rows)
 
     def check_rows_of(self, names: tuple, local_rows: np.ndarray) -> None:
-        """:meth:`check_rows` for each ragged column of ``names`` (a read's): warm, when every
-        row was checked for all of them before, one test instead of one per column."""
+        """Check the pages holding the values of ``local_rows`` in the ragged columns ``names`` (a
+        read's), each row once: warm, one test for all of them; cold, the pages of every column
+        found from a per-row table (built once per segment and column set) and checked in one pass."""
         if self.pages is None or not names:
             return
         checked = self._rows_checked_for.get(names)
         if checked is None:
+            self._row_pages[names] = self._page_spans(names)  # (first: it checks the offsets, and may raise)
             checked = self._rows_checked_for[names] = np.zeros(self.num_rows, dtype=bool)
         seen = checked[local_rows]
+        # (count_nonzero: a third of ndarray.all's cost, which goes through a Python wrapper)
         if np.count_nonzero(seen) == len(seen):
             return
         todo = local_rows[~seen]
-        for name in names:
-            self.check_rows(name, todo)
+        first_page, page_count = self._row_pages[names]
+        first, counts = first_page[:, todo].ravel(), page_count[:, todo].ravel()
+        ends = np.cumsum(counts)
+        self._verify_pages(np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1])))
         checked[todo] = True
+
+    def _page_spans(self, names: tuple) -> Tuple[np.ndarray, np.ndarray]:
+        """``(first page, page count)``, each ``[len(names), rows]``, of every row's values in the
+        ragged columns ``names`` (count 0: no values)."""
+        p = self.pages.page_bytes
+        first = np.zeros((len(names), self.num_rows), dtype=np.int64)
+        count = np.zeros((len(names), self.num_rows), dtype=np.int64)
+        for k, name in enumerate(names):
+            values, offsets, _, _, address = self.ragged_state(name)
+            if not values.size:
+                continue
+            start = address - self._base.address
+            lo = start + offsets[:-1] * values.itemsize
+            hi = start + offsets[1:] * values.itemsize
+            first[k] = lo // p
+            count[k] = np.where(hi > lo, (hi - 1) // p - first[k] + 1, 0)
+        return first, count
 
     def offsets_key(self, name: str) -> str:
         """The first ragged column (in asking order) whose offsets equal ``name``'s.

@@ -722,6 +722,78 @@ def test_damaged_page_is_never_served_by_any_read_path(tmp_path):
             reader.read(rows)
 
 
+@pytest.fixture(scope="module")
+def paged_store(tmp_path_factory):
+    """A store of one segment with page checksums, an undamaged copy of it, its bytes and data region."""
+    path = tmp_path_factory.mktemp("paged") / "s"
+    with ReplayStore(path) as store:
+        store.extend(make_rollouts(8, 8, seed=3, prompt_mean=40, completion_mean=300, layout="trl"))
+        entry = store.manifest.segments[0]
+        body = store._page_checksums(entry).body
+    shutil.copytree(path, path.with_name("clean"))
+    clean = ReplayStore(path.with_name("clean"), readonly=True)
+    yield _Paged(path, path / entry.file, body, clean)
+    clean.close()
+
+
+class _Paged:
+    """(a repr hypothesis can print: the file's bytes stay out of it)"""
+
+    def __init__(self, path, seg, body, clean):
+        self.path, self.seg, self.original, self.body, self.clean = path, seg, seg.read_bytes(), body, clean
+
+    def __repr__(self):
+        return f"_Paged({self.seg})"
+
+
+def _same(got, ref):
+    for name, want in ref.items():
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got[name], want), name
+        elif hasattr(want, "offsets"):  # a ragged column
+            assert np.array_equal(got[name].values, want.values) and np.array_equal(got[name].offsets,
+                                                                                    want.offsets), name
+        else:
+            assert np.array_equal(np.asarray(got[name]), np.asarray(want)), name
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(at=st.floats(0, 1, exclude_max=True), batches=st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=24),
+                                                              min_size=1, max_size=4),
+       columns=st.sampled_from([None, ["completion_ids"], ["prompt_ids", "old_per_token_logps"]]),
+       via=st.sampled_from(["read", "padded", "packed", "loader"]))
+def test_a_flipped_data_byte_is_never_served(paged_store, at, batches, columns, via):
+    """Every read path on fresh rows (a column set's per-row page table, one pass over the pages of
+    all its columns, the segment's last pages, the loader's worker): a read of a damaged store either
+    raises naming the file or returns exactly what the undamaged copy returns (the byte was padding)."""
+    from diskreplay import Collator, PromptGroupSampler, ReplayLoader
+
+    path, seg, original, (lo, hi), clean = (paged_store.path, paged_store.seg, paged_store.original,
+                                            paged_store.body, paged_store.clean)
+    damaged = bytearray(original)
+    damaged[lo + int(at * (hi - lo))] ^= 0x10
+    seg.write_bytes(bytes(damaged))
+    try:
+        with ReplayStore(path, readonly=True) as reader:
+            for rows in batches:
+                rows = np.array(rows)
+                try:
+                    if via == "read":
+                        _same(reader.read(rows, columns), clean.read(rows, columns))
+                    elif via in ("padded", "packed"):
+                        _same(Collator(0, layout=via).read(reader, rows, columns),
+                              Collator(0, layout=via).read(clean, rows, columns))
+                    else:
+                        with ReplayLoader(reader, PromptGroupSampler(num_groups=2, seed=len(rows)), 16, 0,
+                                          columns=columns) as loader:
+                            for b, _ in zip(loader, range(2)):
+                                _same(b, Collator(0).read(clean, b["rows"].numpy(), columns))
+                except CorruptStoreError as exc:
+                    assert "fails its checksum" in str(exc) and seg.name in str(exc)
+    finally:
+        seg.write_bytes(original)
+
+
 def test_read_refuses_a_boolean_mask_and_fractional_ids(tmp_path):
     """A mask (as ``sampler.eligible()`` returns) cast to ids would read rows 0 and 1; a float id
     truncated would read another row: both are refused, naming what to pass instead."""
