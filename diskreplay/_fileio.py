@@ -19,7 +19,6 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import google_crc32c
-import numpy as np
 
 from .errors import CorruptStoreError, StoreIOError, StoreLockedError
 
@@ -71,25 +70,24 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     return google_crc32c.extend(value, data)
 
 
-def first_bad_page(data: Buffer, pages: np.ndarray, crcs: np.ndarray, page_bytes: int) -> Optional[int]:
+def first_bad_page(data: Buffer, pages: Sequence[int], crcs: Sequence[int], page_bytes: int) -> Optional[int]:
     """The first of ``pages`` (page numbers of ``data``, a pyarrow buffer) whose CRC-32C differs from
-    its entry in ``crcs``, or None when all match. The loop over pages runs in C (``map``), so a
-    batch's pages cost what their CRCs cost.
+    its entry in ``crcs``, or None when all match (the last page may be short).
 
     >>> import pyarrow as pa
-    >>> data = pa.py_buffer(b"abcdefgh" * 3)
-    >>> crcs = np.array([crc32c(b"abcdefgh")] * 3, dtype=np.uint32)
-    >>> first_bad_page(data, np.array([0, 2]), crcs[[0, 2]], 8) is None
+    >>> data = pa.py_buffer(b"abcdefgh" * 2 + b"abc")
+    >>> crcs = [crc32c(b"abcdefgh"), crc32c(b"abcdefgh"), crc32c(b"abc")]
+    >>> first_bad_page(data, [0, 2], [crcs[0], crcs[2]], 8) is None
     True
-    >>> crcs[1] ^= 1; first_bad_page(data, np.arange(3), crcs, 8)
+    >>> first_bad_page(data, [0, 1, 2], [crcs[0], crcs[1] ^ 1, crcs[2]], 8)
     1
     """
-    starts = pages.astype(np.int64) * page_bytes
-    lengths = np.minimum(page_bytes, data.size - starts)
-    got = np.fromiter(map(google_crc32c.value, map(data.slice, starts.tolist(), lengths.tolist())),
-                      dtype=np.uint32, count=len(starts))
-    bad = np.flatnonzero(got != crcs)
-    return int(pages[bad[0]]) if len(bad) else None
+    value, piece, size = google_crc32c.value, data.slice, data.size
+    for i, crc in zip(pages, crcs):
+        start = i * page_bytes
+        if value(piece(start, min(page_bytes, size - start))) != crc:
+            return i
+    return None
 
 
 def file_crc32c(path: str, chunk: int = 1 << 22) -> int:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mmap  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import statistics  # noqa: E402
+
+import pyarrow as pa  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -1042,6 +1044,157 @@ def _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, rounds, res,
     sys.stdout.flush()
 
 
+class _Replay:
+    """A sampler for ``ReplayLoader`` that hands out given batches of row ids in order."""
+
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def sample(self, store, batch_size, **kwargs):
+        rows = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return rows
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+def _fresh_batches(store, batch_groups, group_size, seed=5):
+    """Batches of whole groups, no two sharing a group: every batch holds rows read by no earlier one."""
+    keys = store.read(store.row_ids(), ["prompt_id"])["prompt_id"]
+    order = np.argsort(keys, kind="stable")
+    starts = np.flatnonzero(np.r_[True, keys[order][1:] != keys[order][:-1]])
+    groups = [order[a:a + group_size] + store.head for a in starts]
+    pick = np.random.default_rng(seed).permutation(len(groups))
+    return [np.sort(np.concatenate([groups[g] for g in pick[i:i + batch_groups]]))
+            for i in range(0, len(pick) - batch_groups + 1, batch_groups)]
+
+
+def _pages_checked(store, before):
+    """``(segment buffer, page ids)`` of the pages ``store`` checked since ``before`` (its bitmaps then)."""
+    out = []
+    for sid, pages in store._cache.pages.items():
+        new = np.flatnonzero(pages.verified & ~before.get(sid, np.zeros_like(pages.verified)))
+        if len(new):
+            out.append((store._cache.segments[sid].path, pages.page_bytes, new))
+    return out
+
+
+def _bench_fresh_rows(store_path, flat, torchrl_base, batch_groups, group_size, pad, res, report):
+    """Fresh rows, warm page cache: every batch drawn from rows this process has not read before, over
+    a store many times larger than a batch. Each path reads through its own store (its own record of
+    checked pages); the paths alternate batch by batch."""
+    import google_crc32c
+
+    probe = ReplayStore(store_path, readonly=True)
+    batches = _fresh_batches(probe, batch_groups, group_size)
+    probe.close()
+    for name in sorted(os.listdir(os.path.join(store_path, "segments"))):  # the page cache holds the store
+        with open(os.path.join(store_path, "segments", name), "rb") as f:
+            while f.read(1 << 24):
+                pass
+    kinds = {(layout, verify) for layout in ("padded", "packed", "ranges") for verify in (True, False)}
+    stores = {k: ReplayStore(store_path, readonly=True, verify_reads=k[1]) for k in kinds}
+    collators = {k: Collator(pad, layout=k[0]) for k in kinds if k[0] != "ranges"}
+    warm, timed = batches[-3:], batches[:-3]
+    for k, c in collators.items():  # buffers grown on rows no timed batch holds
+        for rows in warm:
+            c.read(stores[k], rows)
+    maps: Dict[str, Any] = {}
+    scratch = np.ones(64 << 20, dtype=np.uint8)  # read through before a compared step: CPU caches hold none of it
+    t: Dict[str, list] = {n: [] for n in ("padded_v", "padded_u", "packed_v", "packed_u", "ranges_v", "ranges_u",
+                                          "ideal", "crc", "torchrl")}
+    pages_per_batch = []
+    checker = stores[("ranges", True)]
+    for i, rows in enumerate(timed):
+        before = {sid: p.verified.copy() for sid, p in checker._cache.pages.items()}
+        for verify in ((True, False) if i % 2 else (False, True)):  # the checks alone: where the rows lie
+            scratch.sum()
+            t0 = time.perf_counter()
+            stores[("ranges", verify)].read_ranges(rows)
+            t["ranges_v" if verify else "ranges_u"].append(time.perf_counter() - t0)
+        steps = [("padded_v", lambda: collators[("padded", True)].read(stores[("padded", True)], rows)),
+                 ("padded_u", lambda: collators[("padded", False)].read(stores[("padded", False)], rows)),
+                 ("packed_v", lambda: collators[("packed", True)].read(stores[("packed", True)], rows)),
+                 ("packed_u", lambda: collators[("packed", False)].read(stores[("packed", False)], rows)),
+                 ("ideal", lambda: flat.gather(rows, pad))]
+        if torchrl_base is not None:
+            steps.append(("torchrl", lambda: torchrl_base.sample(rows - stores[("padded", True)].head, pad)))
+        for name, step in steps[i % len(steps):] + steps[:i % len(steps)]:
+            t0 = time.perf_counter()
+            step()
+            t[name].append(time.perf_counter() - t0)
+        # a plain CRC-32C of the very pages the checked read_ranges checked, one call per page, from a
+        # mapping of its own (pages in the page cache, not yet touched through this map)
+        checked = _pages_checked(checker, before)
+        views = []
+        for path, p, ids in checked:
+            if path not in maps:
+                with open(path, "rb") as f:
+                    maps[path] = pa.py_buffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+            buf = maps[path]
+            views += [(buf, int(j) * p, min(p, buf.size - int(j) * p)) for j in ids]
+        scratch.sum()
+        t0 = time.perf_counter()
+        for buf, start, n in views:
+            google_crc32c.value(buf.slice(start, n))
+        t["crc"].append(time.perf_counter() - t0)
+        pages_per_batch.append(len(views))
+    ms = {k: 1e3 * statistics.median(v) for k, v in t.items() if v}
+    # the loader, back to back (no training step), each on its own store, on fresh batches
+    loader_ms = {}
+    for layout in ("padded", "packed"):
+        for verify in (True, False):
+            with ReplayLoader(ReplayStore(store_path, readonly=True, verify_reads=verify), _Replay(timed),
+                              len(timed[0]), pad, prefetch=2, layout=layout) as loader:
+                it = iter(loader)
+                times = []
+                for _ in range(len(timed) - 1):
+                    t0 = time.perf_counter()
+                    next(it)
+                    times.append(time.perf_counter() - t0)
+            loader_ms[(layout, verify)] = 1e3 * statistics.median(times[2:])
+    for k, v in ms.items():
+        res[f"fresh_{k}_ms"] = v
+    for (layout, verify), v in loader_ms.items():
+        res[f"fresh_loader_{layout}_{'v' if verify else 'u'}_ms"] = v
+    check = ms["ranges_v"] - ms["ranges_u"]
+    n_pages = statistics.median(pages_per_batch)
+    report(f"\nfresh rows: {len(timed)} batches of {len(timed[0])} rows, each of rows this process had not "
+           f"read, warm page cache, medians (checked: {n_pages:.0f} pages of 8 KiB a batch)"
+           f"{'':>4}{'ours':>18}{'baseline':>18}{'ratio':>10}")
+    row("page checks of a fresh batch (read_ranges checked - unchecked) vs CRC-32C alone", f"{check:.2f} ms",
+        f"{ms['crc']:.2f} ms",
+        target("fresh batch: page checks vs google_crc32c alone on the same pages, time", check / ms["crc"],
+               "<= 1.3"))
+    for verify, tag in ((True, "checked"), (False, "unchecked")):
+        ours = ms["padded_v" if verify else "padded_u"]
+        base = ms["ideal"] + (ms["crc"] if verify else 0.0)
+        row(f"padded Collator.read, {tag}, vs ideal gather{' + CRC' if verify else ''}", f"{ours:.1f} ms",
+            f"{base:.1f} ms", target(f"fresh padded batch ({tag}) vs ideal gather"
+                                     f"{' + CRC' if verify else ''}, speed", base / ours, ">= 0.8"))
+    if "torchrl" in ms:
+        rl = ms["torchrl"]
+        for verify, tag in ((True, "checked"), (False, "unchecked")):
+            ours = ms["packed_v" if verify else "packed_u"]
+            row(f"packed Collator.read, {tag}, vs TorchRL padded memmap", f"{ours:.1f} ms", f"{rl:.1f} ms",
+                target(f"fresh packed batch ({tag}) vs TorchRL padded memmap sample, speed", rl / ours, ">= 1.5"))
+        for layout, goal in (("padded", ">= 1"), ("packed", ">= 1.5")):
+            for verify, tag in ((True, "checked"), (False, "unchecked")):
+                ours = loader_ms[(layout, verify)]
+                row(f"ReplayLoader next(), {layout}, {tag}, vs TorchRL", f"{ours:.1f} ms", f"{rl:.1f} ms",
+                    target(f"fresh ReplayLoader {layout} ({tag}) vs TorchRL padded memmap sample, speed",
+                           rl / ours, goal))
+    else:
+        row("packed and ReplayLoader vs TorchRL padded memmap", "skipped", "no torchrl")
+    for st_ in stores.values():
+        st_.close()
+    sys.stdout.flush()
+
+
 def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=50.0, report=print):
     """sample: warm/cold sample+read+collate per PromptGroupSampler strategy, against an ideal numpy
     gather, TorchRL's LazyMemmapStorage (padded) and a TRL-style list + pad_sequence; host->device
@@ -1074,6 +1227,7 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     res["padded_mb"] = _nbytes(ref) / 1e6
     report(f"  padded output {res['padded_mb']:.1f} MB per batch (int64 ids and masks, float32 log-probs)")
     _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, warm, res, report)
+    _bench_fresh_rows(store_path, flat, torchrl_base, batch_groups, group_size, pad, res, report)
     if args.quick:
         store.close()
         print_targets(report)
