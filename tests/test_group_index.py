@@ -14,7 +14,8 @@ from diskreplay.verify import verify_store
 from diskreplay import format as fmt
 from diskreplay.groups import GroupIndex
 from diskreplay._fileio import crc32c
-from diskreplay.segment import encode_ipc, group_sidecar
+from diskreplay.segment import encode_ipc
+from diskreplay.store.sidecars import group_sidecar
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 

@@ -26,7 +26,8 @@ from diskreplay import CorruptStoreError, DiskReplayError, FormatError, ReplaySt
 from diskreplay import format as fmt
 from diskreplay._fileio import crc32c
 from diskreplay.schema import Schema
-from diskreplay.segment import _STATE_META, encode_ipc
+from diskreplay.segment import encode_ipc
+from diskreplay.store.states import STATE_META
 from diskreplay.verify import repair_store, verify_store
 
 from .test_durability import check_live_rows, expected_rows
@@ -383,7 +384,7 @@ def test_forged_group_sidecar(store_path, case):
 def _forge_state(store_path, doc, arrays=()):
     cols = [pa.LargeListArray.from_arrays(pa.array([0, a.size], type=pa.int64()), pa.array(a)) for a in arrays]
     schema = pa.schema([pa.field(f"a{i}", c.type) for i, c in enumerate(cols)],
-                       metadata={_STATE_META: json.dumps(doc).encode()})
+                       metadata={STATE_META: json.dumps(doc).encode()})
     rb = pa.RecordBatch.from_arrays(cols, schema=schema) if cols else pa.RecordBatch.from_pylist([], schema=schema)
     data = encode_ipc(rb).to_pybytes()
     mdoc = manifest_doc(store_path, 3)

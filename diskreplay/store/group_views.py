@@ -25,7 +25,8 @@ import pyarrow as pa
 
 from ..errors import CorruptStoreError
 from ..groups import GroupIndex
-from ..segment import prefetch_files, read_group_index
+from ..segment import prefetch_files
+from .sidecars import read_group_index
 from .segment_cache import ReadView, SegmentCache
 
 __all__ = ["GroupIndexes"]

@@ -26,7 +26,9 @@ from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, Dis
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
 from ..schema import Schema
-from ..segment import (PageChecksums, Segment, decode_state, encode_group_index, encode_state)
+from ..segment import PageChecksums, Segment
+from .sidecars import encode_group_index
+from .states import decode_state, encode_state
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split

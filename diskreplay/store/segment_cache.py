@@ -34,8 +34,8 @@ from ..errors import ArgumentError, CorruptStoreError, RowsEvictedError
 from ..groups import arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema
-from ..segment import (IndexedPages, PageChecksums, Segment, has_page_checksums, inline_group_sidecar, prefetch_files,
-                       read_group_sidecar)
+from ..segment import PageChecksums, Segment, has_page_checksums, prefetch_files
+from .sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
 from .reading import RangePlan, gather_ragged, hint_reads, ragged_ranges, ragged_run
 from .remote import CacheEvicted, RemoteSegment, fetch_for_read
 

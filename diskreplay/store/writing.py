@@ -18,7 +18,8 @@ from .. import format as fmt
 from .._fileio import crash_point, crc32c
 from ..errors import CommitConflictError, ConditionalWriteError
 from ..schema import Schema
-from ..segment import PageChecksums, encode_group_sidecar, encode_ipc, has_page_checksums, inline_group
+from ..segment import PageChecksums, encode_ipc, has_page_checksums
+from .sidecars import encode_group_sidecar, inline_group
 from ..storage import Storage
 from .committer import Committer
 from .compaction import MergePolicy

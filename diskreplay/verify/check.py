@@ -18,8 +18,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 from .. import format as fmt
 from .._fileio import TMP_PREFIX
 from ..errors import CorruptStoreError, FormatError
-from ..segment import (META_BUFFERS_KEY, ArrowFile, Segment, buffer_ranges, decode_state, field_buffers, group_sidecar,
-                       inline_group, segment_local_rows)
+from ..segment import META_BUFFERS_KEY, ArrowFile, Segment, buffer_ranges, field_buffers
+from ..store.sidecars import group_sidecar, inline_group, segment_local_rows
+from ..store.states import decode_state
 from .files import ROOT_NAMES, StoreFiles, progress_bar, where_in
 
 QUARANTINE_DIR = fmt.QUARANTINE_DIR

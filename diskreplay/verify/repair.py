@@ -15,7 +15,8 @@ import pyarrow as pa
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, crc32c
 from ..errors import CorruptStoreError, FormatError, ReadOnlyError, StoreLockedError, StoreNotFoundError
-from ..segment import PageChecksums, Segment, encode_ipc, group_sidecar, has_page_checksums
+from ..segment import PageChecksums, Segment, encode_ipc, has_page_checksums
+from ..store.sidecars import group_sidecar
 from ..store import ops
 from ..store.committer import Committer
 from .check import (Report, check_size, compare_inline_group, compare_sidecar, orphans_message, referenced_files,
