@@ -215,9 +215,12 @@ def test_rejects_misaligned_and_reserved_columns():
         collate_packed(bad)
     with pytest.raises(BatchError, match=r"old_per_token_logps.*row 1"):
         packed_sizes(collate_unpadded(bad))
-    with pytest.raises(BatchError, match=r"prompt_token_weights.*row 0.*2 values for 0 prompt"):
+    # a per-token column without its side's ids: the error says which column to read with it
+    with pytest.raises(BatchError, match=r"'prompt_token_weights' along the prompt tokens.*no 'prompt_ids'"):
         collate_packed({"completion_ids": base["completion_ids"],
                         "prompt_token_weights": ragged([[1, 1], [1]], np.float32)})
+    with pytest.raises(BatchError, match=r"'old_per_token_logps' along the completion.*read 'completion_ids'"):
+        collate_packed({"prompt_ids": base["prompt_ids"], "old_per_token_logps": ragged([[0.5], [0.5, 1]], np.float32)})
     with pytest.raises(BatchError, match="position_ids"):
         collate_packed(dict(base, position_ids=ragged([[0], [1]], np.int32)))
     with pytest.raises(BatchError, match="prompt_ids"):

@@ -770,6 +770,8 @@ def test_a_flipped_data_byte_is_never_served(paged_store, at, batches, columns, 
 
     path, seg, original, (lo, hi), clean = (paged_store.path, paged_store.seg, paged_store.original,
                                             paged_store.body, paged_store.clean)
+    if via == "packed" and columns == ["prompt_ids", "old_per_token_logps"]:
+        columns = columns + ["completion_ids"]  # the packed layout lays the log-probs along the completions
     damaged = bytearray(original)
     damaged[lo + int(at * (hi - lo))] ^= 0x10
     seg.write_bytes(bytes(damaged))

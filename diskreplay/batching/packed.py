@@ -85,6 +85,11 @@ def _check_names(batch: Mapping[str, Any]) -> None:
     if all(batch.get(n) is None for n in _TOKENS):
         raise BatchError("a packed batch needs 'prompt_ids' or 'completion_ids' (the token stream); "
                          "read them with the batch or use collate() for per-row columns only")
+    for name, col in batch.items():
+        side = "prompt_ids" if is_prompt_column(name) else "completion_ids"
+        if isinstance(col, RaggedColumn) and name not in _TOKENS and side not in batch:
+            raise BatchError(f"the packed layout lays {name!r} along the {side[:-4]} tokens, and the batch has "
+                             f"no {side!r}: read {side!r} with it (columns=[..., {side!r}])")
 
 
 def _flat_shape(T: int, batch_dim: bool) -> tuple:
