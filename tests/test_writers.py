@@ -20,6 +20,7 @@ import pytest
 from diskreplay import ReplayStore, SchemaError, StoreLockedError, UnsupportedFilesystemError
 from diskreplay import format as fmt
 from diskreplay.store import LocalStorage, MergePolicy, convert_store
+from diskreplay.store.merging import Merger
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import repair_store, verify_store
 
@@ -263,11 +264,11 @@ def test_a_merge_that_loses_to_another_merge_is_dropped(tmp_path, monkeypatch):
 
     def put(self, src, rel):
         if self is a._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and not b.stats()["commits"] > 1:
-            b._rewrite(0, 4, 1 << 20)  # b merges the same 4 segments first (as an overdue merge would)
+            b._merger.rewrite(b._merge_context(), 0, 4, 1 << 20)  # b merges the same 4 segments first (as an overdue merge would)
         return real(self, src, rel)
 
     monkeypatch.setattr(LocalStorage, "link_new", put)
-    a._merge_small_tail()
+    a._merger.merge_small_tail(a._merge_context)
     monkeypatch.undo()
     assert a.stats()["dropped_rewrites"] == 1 and a.stats()["conflicts"] == 1
     assert len(a.manifest.segments) == 1 and a.manifest == b.manifest
@@ -872,10 +873,9 @@ def test_a_merge_is_left_to_the_writer_that_made_its_newest_segment(tmp_path, mo
     b = ReplayStore(path, merge_policy=policy)
     for step in range(3):
         a.extend(batch_for(0, step, rows=1))
-    real = ReplayStore._merge_small_tail
-    monkeypatch.setattr(ReplayStore, "_merge_small_tail", lambda self: None)
+    monkeypatch.setattr(Merger, "merge_small_tail", lambda self, context: None)
     a.extend(batch_for(0, 3, rows=1))  # the 4th small segment: a's merge, but a "dies" before it
-    monkeypatch.setattr(ReplayStore, "_merge_small_tail", real)
+    monkeypatch.undo()
     assert len(a.manifest.segments) == 4
     lag = policy.fanin * policy.ratio
     for step in range(lag):  # b leaves a's merge alone until it is overdue, and merges its own

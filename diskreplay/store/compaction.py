@@ -75,7 +75,7 @@ class MergePolicy:
     def windows(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> Iterator[Tuple[int, int]]:
         """Every merge due now, oldest first and not overlapping: ``(start, stop)`` of ``segs``.
 
-        Many writers each take the ones that are theirs (see ``ReplayStore._merge_small_tail``):
+        Many writers each take the ones that are theirs (see ``Merger.merge_small_tail``):
         the windows do not depend on which writer looks, so two of them never plan overlapping
         merges from the same manifest."""
         n = len(segs)

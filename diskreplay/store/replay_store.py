@@ -22,23 +22,24 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import WriterLock, boot_clock, crash_point, crc32c
-from ..errors import (ArgumentError, ColumnNotFoundError, CorruptStoreError, DiskReplayError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
+from ..errors import (ArgumentError, ColumnNotFoundError, DiskReplayError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
 from .sidecars import encode_group_index
-from .states import decode_state, encode_state
+from .states import encode_state, read_state_file, write_state_file
 from . import ops
 from .committer import Committer
 from .compaction import MergePolicy, split
 from .reading import index_of_column
 from .group_views import GroupIndexes
+from .merging import MergeContext, Merger
 from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, open_storage
 from .tokens import TokenIndex, batch_digest, check_token
 from .opening import UNSET, Requested, open_store, writer_id
-from .writing import SchemaRace, SegmentWriter, dirs_of, encoded_digest, fix_schema
+from .writing import SchemaRace, SegmentWriter, encoded_digest, fix_schema
 
 _UNSET: Any = UNSET
 T = TypeVar("T")
@@ -47,10 +48,6 @@ STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outrun
 # were committed past the rows it covers: a reopened store then reads one index file and at most
 # this many sidecars, whatever its size, while the rewrites cost about one index per 16 commits.
 INDEX_TAIL_SEGMENTS = 16
-# a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
-# advising and faulting in a 12 KB segment cost ~3x the copy (merged inputs are < MERGE_MAX_BYTES)
-COPY_SOURCE_BYTES = 4 << 20
-MAX_MERGES_PER_APPEND = 64
 
 
 def _locked(method):
@@ -160,6 +157,8 @@ class ReplayStore:
         self._groups = GroupIndexes(self._cache)
         #: this writer's segment files: the ids it reserved, the bytes of its newest small segments
         self._segments = SegmentWriter(self.path, merge_policy if merge_policy is not None else MergePolicy())
+        #: the merges of small segments after an append, and compact's rewrite
+        self._merger = Merger(self.storage, self._segments, self._cache)
         self.recovered_from: List[str] = []
         requested = Requested(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
         try:
@@ -593,7 +592,7 @@ class ReplayStore:
         self._segments.keep_small(prepared["entries"], encoded)
         self._collect()
         try:
-            self._merge_small_tail()
+            self._merger.merge_small_tail(self._merge_context)
         except Exception as exc:
             # the append is committed: the merge is an optimisation, retried after the next one
             warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
@@ -647,8 +646,12 @@ class ReplayStore:
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
         # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
         done = not m.segments or (len(m.segments) == 1 and m.segments[0].first_row >= m.head)
-        new = m if done else self._rewrite(0, len(m.segments), target_bytes)
+        new = m if done else self._merger.rewrite(self._merge_context(), 0, len(m.segments), target_bytes)
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
+
+    def _merge_context(self) -> MergeContext:
+        return MergeContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
+                            self._reserves_ids, lambda new: self._install(new, self.options), self._collect)
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
@@ -690,121 +693,6 @@ class ReplayStore:
                                    "converting it needs every other writer stopped (and closed)") from None
         self._writer_lock = lock
 
-    def _rewrite(self, start: int, stop: int, target_bytes: int, defer: bool = False) -> fmt.Manifest:
-        """Merge segments ``start:stop`` of the manifest into segments of about ``target_bytes``, in one commit.
-
-        ``defer`` (a merge of small segments, a few MiB): the new files are written and made durable
-        with the commit's manifest file, in one wait on the disk instead of three (``compact``
-        writes each segment as it goes: it may rewrite the whole store)."""
-        m = self.manifest
-        started = boot_clock()
-        # (many writers racing with full manifests: the data goes first, so that a race is the manifest's alone)
-        defer = defer and (not self.multi_writer or self.options.inline_groups or self._committer.uncontended())
-        written: List[str] = []
-        entries: List[fmt.SegmentEntry] = []
-        pending: List[pa.RecordBatch] = []
-        pending_bytes = 0
-        seg_id, first = m.next_segment, max(m.head, m.segments[start].first_row if m.segments else m.head)
-
-        def flush() -> None:
-            nonlocal pending, pending_bytes, seg_id, first
-            if not pending:
-                return
-            record = _concat_batches(pending) if len(pending) > 1 else pending[0]
-            entries.extend(self._segments.write(self._committer, self.options, m, [record],
-                                                None if self._reserves_ids else seg_id, first, written,
-                                                sync_dirs=defer, defer=defer))
-            first += record.num_rows
-            seg_id += 1
-            pending, pending_bytes = [], 0
-
-        try:
-            for e in m.segments[start:stop]:
-                batch = self.schema.conform(self._copy_source(e))  # older than a late column: it gets nulls
-                if e.first_row < m.head:
-                    batch = batch.slice(m.head - e.first_row)
-                nbytes = batch.nbytes  # walks every list's offsets: once
-                if pending_bytes and pending_bytes + nbytes > target_bytes:
-                    flush()
-                pending.append(batch)
-                pending_bytes += nbytes
-            flush()
-            if not defer:
-                self._committer.storage.write_files([], dirs_of(entries, self._committer.storage))
-                crash_point("segments.synced")
-        except BaseException:
-            self._committer.discard_pending()
-            self._committer.remove_files(written)
-            raise
-        op = ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries))
-
-        def plan(base: fmt.Manifest) -> ops.Operation:
-            if self._reserves_ids:
-                self._segments.check_reserved(base, entries, written)
-            return op
-
-        result = self._committer.commit(plan, written, started=started,
-                                        install=lambda new: self._install(new, self.options))
-        self._collect()
-        return result.manifest
-
-    def _copy_source(self, entry: fmt.SegmentEntry) -> pa.RecordBatch:
-        """The rows of a segment that a merge or ``compact`` copies, every byte checked against the
-        manifest's CRC-32C first: the new files get fresh checksums, which would otherwise vouch for
-        damaged data. A local file is checked whole before Arrow parses it, without its sidecar's
-        page checksums and without entering the segment cache (a cached segment's sidecar and page
-        checks would be read and done for nothing).
-        A segment this writer committed lately is parsed from the bytes it wrote (and checked
-        against the same CRC-32C), without opening, mapping and reading its file; another small
-        one is read into memory with one ``read`` (``COPY_SOURCE_BYTES``), not mapped."""
-        batch = self._segments.take_small(entry)
-        if batch is not None:
-            return batch
-        if not self.storage.can_map or entry.id in self._cache.segments:
-            def checked() -> pa.RecordBatch:
-                seg = self._segment(entry)
-                seg.verify_whole(entry.crc32c)
-                return seg.batch
-            return self._cache.remapping(checked)  # a cache file trimmed meanwhile is fetched and mapped again
-        return Segment(self.storage.local_path(entry.file), entry.bytes, self.schema, entry.num_rows,
-                       entry.crc32c, copy=entry.bytes <= COPY_SOURCE_BYTES).batch
-
-    def _merge_small_tail(self) -> None:
-        """Keep the number of segments small when every commit is small (a training loop's):
-        see :class:`MergePolicy`. With many writers a merge that loses to another commit
-        touching its segments is dropped (the writer whose it is plans it again after its next
-        append).
-
-        With many writers every writer sees the same due merges, and all but one would lose
-        each after doing its work. A merge is therefore the writer's that reserved its newest
-        segment (the append that completed it, or the merge that made its input); should that
-        writer die or stop first, anyone takes a merge overdue by ``fanin * ratio`` segments' rows.
-        """
-        for _ in range(MAX_MERGES_PER_APPEND):  # each merge leaves fewer segments: a few at most
-            segs = self.manifest.segments
-            window = next((w for w in self.merge_policy.windows(segs, self.options) if self._merge_is_mine(segs, w)),
-                          None)
-            if window is None:
-                return
-            try:
-                self._rewrite(window[0], window[1], self.merge_policy.max_bytes << 4, defer=True)
-            except ops.Conflict:
-                self._committer.stats.dropped_rewrites += 1
-                self._install(self._committer.manifest, self.options)  # the newer commit it lost to
-                return
-
-    def _merge_is_mine(self, segs: Sequence[fmt.SegmentEntry], window: Tuple[int, int]) -> bool:
-        """The merge of ``segs[start:stop]`` is this writer's: it reserved the segment that made it due
-        (the window's newest, or the large one that closed a run), or the merge is overdue (anyone's):
-        ``fanin * ratio`` times its newest segment's rows were appended after that segment (rows, not
-        segments: the writers merge the newer ones meanwhile)."""
-        start, stop = window
-        policy = self.merge_policy
-        owner = segs[stop] if stop < len(segs) and segs[stop].bytes >= policy.max_bytes else segs[stop - 1]
-        if not self.multi_writer or self._segments.is_own(owner.id):
-            return True
-        return segs[-1].end_row - owner.end_row > policy.fanin * policy.ratio * segs[stop - 1].num_rows
-
     # ------------------------------------------------------------------ states
 
     @_locked
@@ -822,21 +710,8 @@ class ReplayStore:
         data = encode_state(dict(state))
         if self.multi_writer:
             self._catch_up()
-        m = self.manifest
-        storage = self._committer.storage
-        if self._reserves_ids:
-            gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, m.generation + 1,
-                                               step="state")
-            storage.sync_dir(fmt.STATE_DIR)
-        else:
-            gen, rel = m.generation + 1, fmt.state_file(name, m.generation + 1)
-            try:
-                storage.replace(rel, data, step="state")
-            except BaseException:
-                self._committer.remove_files([rel])
-                raise
-        entry = fmt.StateEntry(name, gen, data.size, crc32c(data))
-        self._committer.commit(lambda base: ops.SaveState(entry), [rel],
+        entry = write_state_file(self._committer, name, data, self.manifest.generation + 1, self._reserves_ids)
+        self._committer.commit(lambda base: ops.SaveState(entry), [entry.file],
                                install=lambda new: self._install(new, self.options))
         self._collect()
 
@@ -845,13 +720,7 @@ class ReplayStore:
         """The state saved under ``name`` in the current commit, or None."""
         def load() -> Optional[Dict[str, Any]]:
             entry = self.manifest.states.get(name)
-            if entry is None:
-                return None
-            path = f"{self.path}/{entry.file}"
-            raw = self.storage.read_bytes(entry.file, entry.bytes)
-            if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
-                raise CorruptStoreError(f"{path} fails its checksum; the saved state {name!r} is damaged")
-            return decode_state(raw, path)
+            return None if entry is None else read_state_file(self.storage, self.path, entry)
 
         return self._following(load)
 
@@ -1088,11 +957,3 @@ class ReplayStore:
         self._committer.durable_replay(rows)  # a producer skips the batch on this answer: it must hold
         return rows
 
-
-def _concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:
-    """One record batch of ``batches``' rows (a merge's): ``pa.concat_batches`` where pyarrow has
-    it (19+: no table in between, a quarter less time for 16 small segments)."""
-    concat = getattr(pa, "concat_batches", None)
-    if concat is not None:
-        return concat(batches)
-    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]

@@ -9,6 +9,8 @@ from typing import Any, Dict, List
 import numpy as np
 import pyarrow as pa
 
+from .. import format as fmt
+from .._fileio import crc32c
 from ..errors import ArgumentError, CorruptStoreError
 from ..ragged import arrow_array, numpy_view
 from ..segment import encode_ipc
@@ -96,3 +98,32 @@ def decode_state(buf: Any, path: str) -> Dict[str, Any]:
         return walk(doc)
     except RecursionError:
         raise CorruptStoreError(f"{path}: state nested too deeply") from None
+
+
+def write_state_file(committer: Any, name: str, data: pa.Buffer, generation: int, reserves_ids: bool
+                     ) -> fmt.StateEntry:
+    """Write the state file of ``name`` for the commit of ``generation`` through ``committer``'s
+    storage, durably; returns its manifest entry. ``reserves_ids`` (many writers, object
+    storage): the first generation from ``generation`` on whose file name is free, created only if
+    absent; else the file of ``generation``, replaced (a failed write removes it)."""
+    storage = committer.storage
+    if reserves_ids:
+        gen, rel = storage.link_candidates(lambda g: fmt.state_file(name, g), data, generation, step="state")
+        storage.sync_dir(fmt.STATE_DIR)
+    else:
+        gen, rel = generation, fmt.state_file(name, generation)
+        try:
+            storage.replace(rel, data, step="state")
+        except BaseException:
+            committer.remove_files([rel])
+            raise
+    return fmt.StateEntry(name, gen, data.size, crc32c(data))
+
+
+def read_state_file(storage: Any, root: str, entry: fmt.StateEntry) -> Dict[str, Any]:
+    """The state a manifest's ``entry`` names, checked against its size and CRC-32C."""
+    path = f"{root}/{entry.file}"
+    raw = storage.read_bytes(entry.file, entry.bytes)
+    if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
+        raise CorruptStoreError(f"{path} fails its checksum; the saved state {entry.name!r} is damaged")
+    return decode_state(raw, path)
