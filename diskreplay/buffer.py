@@ -16,7 +16,7 @@ import torch
 
 from .batching.collator import Collator
 from .errors import ArgumentError, SamplerError
-from .loader import StoreFollowing, resolve_device, restore_state, state_key, store_lock
+from .following import StoreFollowing, resolve_device, restore_state, state_key, store_lock
 
 __all__ = ["ReplayBuffer"]
 
