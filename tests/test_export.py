@@ -661,7 +661,7 @@ def test_an_import_of_nothing_is_an_error_and_creates_nothing(tmp_path):
 def test_an_output_made_meanwhile_is_not_replaced_without_overwrite(store_path, tmp_path, monkeypatch, fmt):
     """Two exports to one path: the later replaced the earlier's output, both said they wrote it (and a
     directory made at the path meanwhile was renamed away and deleted)."""
-    import diskreplay.export._common as common
+    import diskreplay.export.outputs as common
 
     if fmt == "hf":
         pytest.importorskip("datasets")

@@ -8,7 +8,8 @@ import sys
 from typing import Any, Callable, Dict
 
 from ..errors import ArgumentError, StoreNotFoundError
-from .common import emit, excluded_note, human_size, is_remote_arg, nothing_matched, open_remote, show_progress, store_of, storage_options_of
+from .common import (emit, excluded_note, human_size, is_remote_arg, nothing_matched, open_remote, show_progress,
+                     store_of, storage_options_of)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -357,7 +357,7 @@ def misused_options(args: argparse.Namespace) -> Optional[str]:
     if args.command == "import" and args.append and args.capacity is not None:
         return "--capacity sets a new store's capacity; --append keeps the store's own"
     if args.command == "export" and args.compression is not None:
-        from ..export._common import output_format
+        from ..export.outputs import output_format
 
         try:
             fmt_ = output_format(args.out, args.format, force=args.force)

@@ -23,8 +23,9 @@ import pyarrow as pa
 
 from ..schema import RAGGED
 from ..store import ReplayStore
-from ._common import (CHUNK_BYTES, Exclusions, ExportError, StoreLike, make_filter, open_store, output_format,
-                      per_row_value, plan_chunks, progress_bar, resolve_tokenizer)
+from ._common import (CHUNK_BYTES, Exclusions, StoreLike, make_filter, open_store, per_row_value, plan_chunks,
+                      resolve_tokenizer)
+from .outputs import ExportError, output_format, progress_bar
 from .writers import write_tables
 
 CURATE_FORMATS = ("jsonl", "parquet", "hf")

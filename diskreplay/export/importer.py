@@ -22,8 +22,9 @@ import pyarrow as pa
 from ..errors import DiskReplayError, EvictionRefusedError
 from ..schema import RAGGED, SCALAR, VECTOR, ColumnSpec
 from ..store import ReplayStore
-from ._common import (ExportError, atomic_output, check_interrupt, check_output, interrupts_deferred, is_store,
-                      progress_bar, replaceable_dir)
+from ._common import is_store
+from .outputs import (ExportError, atomic_output, check_interrupt, check_output, interrupts_deferred, progress_bar,
+                      replaceable_dir)
 from .sources import (TOKEN_ID_COLUMNS, HFSource, JsonlSource, ParquetSource, StoreSource, Where, is_numeric_list,
                       detect_format)
 

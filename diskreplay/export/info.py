@@ -10,8 +10,8 @@ import numpy as np
 from .. import format as fmt
 from ..schema import RAGGED
 from ..storage import is_remote
-from ._common import (CHUNK_BYTES, Exclusions, StoreLike, open_store, per_row_value, plan_chunks, progress_bar,
-                      tree_size)
+from ._common import CHUNK_BYTES, Exclusions, StoreLike, open_store, per_row_value, plan_chunks, tree_size
+from .outputs import progress_bar
 
 _STAT_HINTS = ("reward", "advantage")
 

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from ..schema import COMPLETION_IDS, PROMPT_IDS
 from ..store import ReplayStore
-from ._common import (CHUNK_BYTES, META_KEY, ExportError, check_metadata, column_to_arrow, export_metadata,
-                      plan_chunks, require)
+from ._common import CHUNK_BYTES, META_KEY, check_metadata, column_to_arrow, export_metadata, plan_chunks, require
+from .outputs import ExportError
 
 @dataclass(frozen=True)
 class Where:

@@ -20,10 +20,11 @@ import pyarrow.parquet as pq
 
 from ..ragged import numpy_view
 
-from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, ExportError, StoreLike, temporary_sibling,
-                      arrow_type, atomic_output, check_chunk_bytes, check_columns, check_interrupt, column_to_arrow,
-                      export_metadata, iter_rows, make_filter, open_store, output_format, progress_bar, remove_path,
-                      replaceable_dir, replaceable_file, require, resolve_tokenizer, tree_size)
+from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, StoreLike, arrow_type, check_chunk_bytes,
+                      check_columns, column_to_arrow, export_metadata, iter_rows, make_filter, open_store, require,
+                      resolve_tokenizer, tree_size)
+from .outputs import (ExportError, temporary_sibling, atomic_output, check_interrupt, output_format, progress_bar,
+                      remove_path, replaceable_dir, replaceable_file)
 
 FORMATS = ("parquet", "jsonl", "hf", "zarr")
 #: Parquet codecs ``compression`` accepts (``none``: uncompressed); those this

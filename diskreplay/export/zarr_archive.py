@@ -27,9 +27,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..schema import RAGGED, VECTOR, ColumnSpec
-from ._common import (CHUNK_BYTES, Exclusions, ExportError, StoreLike, atomic_output, check_chunk_bytes,
-                      check_columns, check_metadata, column_to_arrow, export_metadata, iter_rows, make_filter,
-                      open_store, output_format, progress_bar, replaceable_dir, require, tree_size)
+from ._common import (CHUNK_BYTES, Exclusions, StoreLike, check_chunk_bytes, check_columns, check_metadata,
+                      column_to_arrow, export_metadata, iter_rows, make_filter, open_store, require, tree_size)
+from .outputs import ExportError, atomic_output, output_format, progress_bar, replaceable_dir
 from .sources import Where
 
 ZARR_ATTR = "diskreplay"
