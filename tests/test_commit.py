@@ -56,7 +56,9 @@ def test_an_unreadable_manifest_and_its_files_are_not_collected(tmp_path, monkey
     only_its = [f for f in oldest.files() if all(
         f not in fmt.load_manifest(os.path.join(path, fmt.manifest_file(g))).files() for g in retained[:-1])]
     assert only_its
-    real = fmt.jsondoc.read_file
+    import diskreplay.storage.local as local
+
+    real = local.read_file
     target = os.path.join(path, oldest.file)
 
     def eio(p, *args):
@@ -64,7 +66,7 @@ def test_an_unreadable_manifest_and_its_files_are_not_collected(tmp_path, monkey
             raise OSError(errno.EIO, "Input/output error", p)
         return real(p, *args)
 
-    monkeypatch.setattr(fmt.jsondoc, "read_file", eio)
+    monkeypatch.setattr(local, "read_file", eio)
     with pytest.warns(RuntimeWarning, match="cannot read manifest"):
         ReplayStore(path).close()
     monkeypatch.undo()

@@ -1,46 +1,52 @@
-"""Reading a store's documents from a directory or through a Storage (an object store has no paths)."""
+"""Reading a store's documents: always through its :class:`~diskreplay.storage.base.Storage`.
+
+A directory given as a path is read through a :class:`~diskreplay.storage.local.LocalStorage`
+of it, so a local store and an object store are read by one code path; where they differ
+(whether a listing can be trusted) the storage says so by its capabilities.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Tuple
 
+from ..storage.base import Storage
+from ..storage.local import LocalStorage
 from .names import MAX_JSON_BYTES
-from .jsondoc import parse_json, read_signed_json, signature_in_bytes
+from .jsondoc import parse_json, signature_in_bytes
 
 
-# ---------------------------------------------------------------------------
-# Reading through a Storage (an object store has no paths to open)
+def as_storage(root: Any) -> Storage:
+    """``root`` itself when it is a storage, else the directory it names read through a LocalStorage.
+
+    >>> as_storage("/tmp/store").url
+    '/tmp/store'
+    """
+    return LocalStorage(os.fspath(root)) if isinstance(root, (str, os.PathLike)) else root
 
 
 def is_object_storage(root: Any) -> bool:
-    """True for a storage whose files cannot be mapped in place (an object store); a local Storage
-    is read as its directory (one code path for local stores)."""
+    """True for a storage whose files cannot be mapped in place (an object store)."""
     return not getattr(root, "can_map", True)
 
 
 def as_dir(root: Any) -> Any:
-    """``root`` itself, or a local Storage's directory."""
+    """``root`` itself, or a local Storage's directory (what the writes of FORMAT.json and of a
+    full manifest by a single local writer take)."""
     return root if isinstance(root, (str, os.PathLike)) or is_object_storage(root) else root.url
 
 
 def location(root: Any, rel: str) -> str:
-    """How messages name ``rel`` of ``root`` (a path, or the object's URL)."""
-    return f"{root.url.rstrip('/')}/{rel}" if is_object_storage(root) else os.path.join(root, rel)
+    """How messages name ``rel`` of ``root`` (a directory path, or the storage's URL and the name)."""
+    url = os.fspath(root) if isinstance(root, (str, os.PathLike)) else root.url
+    return f"{url.rstrip('/')}/{rel}"
 
 
 def read_signed(root: Any, rel: str) -> Tuple[Any, bool]:
-    if not is_object_storage(root):
-        return read_signed_json(os.path.join(root, rel))
-    raw = root.read_bytes(rel, MAX_JSON_BYTES)
+    """A signed JSON document of the store and whether its bytes already proved its checksum."""
+    raw = as_storage(root).read_bytes(rel, MAX_JSON_BYTES)
     return parse_json(raw, location(root, rel)), signature_in_bytes(raw)
 
 
-def file_exists(storage: Any, rel: str) -> bool:
-    if not is_object_storage(storage):
-        return os.path.exists(os.path.join(storage, rel))
-    try:
-        storage.size(rel)
-        return True
-    except FileNotFoundError:
-        return False
+def file_exists(root: Any, rel: str) -> bool:
+    return as_storage(root).exists(rel)

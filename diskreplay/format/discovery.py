@@ -9,8 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import CommitConflictError, CorruptStoreError, FormatError
 from .names import (DELTA_FORMAT, FLOOR_FILE, FORMAT_FILE, FORWARD_READS, MANIFEST_DIR, MANIFEST_NAME, MAX_DELTA_CHAIN,
                     MAX_RELISTS, manifest_file)
-from .jsondoc import read_signed_json
-from .access import as_dir, file_exists, is_object_storage, location, read_signed
+from .access import as_storage, file_exists, location, read_signed
 from .options import StoreOptions
 from .manifest import Delta, Manifest, delta_from_doc
 from .floor import read_floor
@@ -30,13 +29,14 @@ def load_manifest(path: str, generation: Optional[int] = None, *, known: Optiona
     this store already held) when the chain reaches its generation. ``seen``,
     if given, receives every generation a chain of deltas made on the way.
     """
-    doc, verified = read_signed_json(path)
+    folder, name = os.path.split(path)
+    doc, verified = read_signed(folder, name)
     if isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
-        m = MANIFEST_NAME.match(os.path.basename(path))
+        m = MANIFEST_NAME.match(name)
         if m is None:
             raise CorruptStoreError(f"{path} is an append delta outside a store's manifests directory")
-        root = os.path.dirname(os.path.dirname(path))
-        return _resolve(root, int(m.group(1)), doc, verified, path, known, options, seen)
+        return _resolve(as_storage(os.path.dirname(folder)), int(m.group(1)), doc, verified, path, known, options,
+                        seen)
     m = Manifest.from_dict(doc, path, verified)
     if generation is not None and m.generation != generation:
         raise CorruptStoreError(f"{path} says it is generation {m.generation}")
@@ -103,9 +103,8 @@ def _check_appended(m: Manifest, where: str) -> None:
 
 def list_generations(root: Any) -> List[int]:
     """Manifest generations present in ``root`` (a directory or a Storage), newest first."""
-    root = as_dir(root)
     try:
-        names = root.list(MANIFEST_DIR) if is_object_storage(root) else os.listdir(os.path.join(root, MANIFEST_DIR))
+        names = as_storage(root).list(MANIFEST_DIR)
     except FileNotFoundError:
         return []
     gens = [int(m.group(1)) for m in map(MANIFEST_NAME.match, names) if m]
@@ -133,6 +132,7 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
     a collected generation (it found a run that a clean-up was removing, or a manifest a stale
     writer created in a collected slot) and starts again from the floor.
     """
+    root = as_storage(root)
     start = 0
     for _ in range(MAX_RELISTS):
         m, problems = _newest_unchecked(root, known, options, seen, known_is_newest and not start, start)
@@ -140,7 +140,7 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
         if floor is None or m.generation >= floor:
             return m, problems
         start, known_is_newest = floor, False
-    raise CorruptStoreError(f"the collection floor of {location(as_dir(root), FLOOR_FILE)} kept moving past the "
+    raise CorruptStoreError(f"the collection floor of {location(root, FLOOR_FILE)} kept moving past the "
                             f"newest manifest found ({MAX_RELISTS} searches): is something deleting manifests?")
 
 
@@ -149,8 +149,7 @@ def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[St
                       start: int) -> Tuple[Manifest, List[str]]:
     """:func:`load_newest_manifest` without the floor's check; ``start``: search from that
     generation up (the floor), not from ``known``."""
-    root = as_dir(root)
-    if is_object_storage(root):
+    if not root.reliable_listing:  # (an object store's listing may miss new objects: it is probed)
         return _newest_by_probing(root, known, options, seen, start)
     if known is not None and known.generation and known_is_newest:
         known, complete = read_forward(root, known, options=options, seen=seen)
@@ -166,8 +165,7 @@ def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[St
             return known, []
     if newest is not None:
         try:
-            return load_manifest(os.path.join(root, manifest_file(newest)), newest, known=known,
-                                 options=options, seen=seen), []
+            return read_manifest(root, newest, known=known, options=options, seen=seen), []
         except (FileNotFoundError, CorruptStoreError, FormatError):
             pass  # collected or damaged: the listing below finds the newest intact one
     for _ in range(MAX_RELISTS):
@@ -175,9 +173,8 @@ def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[St
         vanished = broken = False
         gens = list_generations(root)
         for gen in gens:
-            path = os.path.join(root, manifest_file(gen))
             try:
-                return load_manifest(path, gen, known=known, options=options), problems
+                return read_manifest(root, gen, known=known, options=options), problems
             except MissingBase as exc:
                 # a clean-up removes a chain oldest first: its delta goes next, and the listing changes
                 problems.append(exc.strerror)
@@ -189,10 +186,10 @@ def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[St
         if not vanished and not (broken and list_generations(root) != gens):
             break
     else:
-        raise CorruptStoreError(f"the manifests of {root} kept vanishing while being read "
+        raise CorruptStoreError(f"the manifests of {root.url} kept vanishing while being read "
                                 f"({MAX_RELISTS} listings): is something deleting them?")
     if problems:
-        raise CorruptStoreError("no intact manifest in " + root + ": " + "; ".join(problems))
+        raise CorruptStoreError("no intact manifest in " + root.url + ": " + "; ".join(problems))
     return Manifest(), problems
 
 
@@ -204,7 +201,7 @@ def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
     is reported with its error: it may be intact and name files, so clean-up
     must not treat it, or the files it may name, as garbage.
     """
-    root = as_dir(root)
+    root = as_storage(root)
     out: Dict[int, Manifest] = {}
     unreadable: Dict[int, str] = {}
     for gen in reversed(list_generations(root)):  # oldest first: a delta applies to the one before
@@ -222,7 +219,7 @@ def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = Non
                   options: Optional[StoreOptions] = None, seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
     """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage);
     a delta is resolved as :func:`load_manifest` says."""
-    root = as_dir(root)
+    root = as_storage(root)
     rel = manifest_file(generation)
     doc, verified = read_signed(root, rel)
     return _resolve(root, generation, doc, verified, location(root, rel), known, options, seen)
@@ -272,7 +269,7 @@ def newer_generation(root: Any, held: int) -> Optional[int]:
     >>> import tempfile; newer_generation(tempfile.mkdtemp(), 0) is None
     True
     """
-    root = as_dir(root)
+    root = as_storage(root)
     if held and file_exists(root, manifest_file(held)):
         newest = _probe_up(root, held)
     else:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Optional
 
-from .._fileio import read_file
 from ..errors import CorruptStoreError
 from .names import FLOOR_FILE, FLOOR_FORMAT, MAX_ID, MAX_JSON_BYTES, manifest_file
 from .jsondoc import check_header, check_signature, int_field, parse_json, signed_bytes
-from .access import as_dir, file_exists, is_object_storage, location
+from .access import as_storage, file_exists, location
 
 
 # ---------------------------------------------------------------------------
@@ -49,12 +47,11 @@ def read_floor(root: Any) -> Optional[int]:
     >>> import tempfile; read_floor(tempfile.mkdtemp()) is None
     True
     """
-    root = as_dir(root)
+    root = as_storage(root)
     where = location(root, FLOOR_FILE)
     for attempt in range(FLOOR_READS):
         try:
-            raw = (root.read_bytes(FLOOR_FILE, MAX_JSON_BYTES) if is_object_storage(root)
-                   else read_file(os.path.join(root, FLOOR_FILE), MAX_JSON_BYTES))
+            raw = root.read_bytes(FLOOR_FILE, MAX_JSON_BYTES)
         except FileNotFoundError:
             return None
         if not raw.strip(b" \0"):
@@ -79,7 +76,7 @@ def raise_floor(storage: Any, floor: int) -> int:
     >>> raise_floor(s, 5), raise_floor(s, 3), read_floor(s)
     (5, 5, 5)
     """
-    where = location(as_dir(storage), FLOOR_FILE)
+    where = location(storage, FLOOR_FILE)
 
     def update(raw: Optional[bytes]) -> Optional[bytes]:
         if not raw or not raw.strip(b" \0"):
@@ -97,7 +94,7 @@ def lowest_present(storage: Any, newest: int) -> int:
     below that run is collected or being collected, so it is a true floor."""
     if newest <= 1:
         return newest
-    storage = as_dir(storage)
+    storage = as_storage(storage)
     low, step = newest, 1
     while low - step >= 1 and file_exists(storage, manifest_file(low - step)):
         low -= step

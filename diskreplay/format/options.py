@@ -12,7 +12,7 @@ from ..schema import Schema
 from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION,
                     LATE_COLUMNS_FORMAT_VERSION, MULTI_WRITER_VERSION, SCHEMA_FILE, SCHEMA_FORMAT, STORE_FORMAT)
 from .jsondoc import check_header, check_signature, int_field, signed_bytes, signed_doc
-from .access import as_dir, is_object_storage, location, read_signed
+from .access import as_dir, as_storage, is_object_storage, location, read_signed
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class StoreOptions:
 
     @classmethod
     def read(cls, root: Any) -> "StoreOptions":
-        root = as_dir(root)
+        root = as_storage(root)
         path = location(root, FORMAT_FILE)
         try:
             doc, verified = read_signed(root, FORMAT_FILE)
@@ -157,7 +157,7 @@ def shared_schema_bytes(schema: Schema) -> bytes:
 
 def read_shared_schema(root: Any) -> Optional[Schema]:
     """The schema a multi-writer store's first extend fixed, or None before it."""
-    root = as_dir(root)
+    root = as_storage(root)
     path = location(root, SCHEMA_FILE)
     try:
         doc, verified = read_signed(root, SCHEMA_FILE)
