@@ -52,8 +52,14 @@ def storage(request, tmp_path, s3_servers):
 
 # -- the contract -------------------------------------------------------------
 
-def test_is_a_storage(storage):
-    assert isinstance(storage, Storage)
+def test_is_a_storage_and_a_publisher(storage):
+    from diskreplay.storage import Publisher
+
+    assert isinstance(storage, Storage) and isinstance(storage, Publisher)
+    # the two parts split the interface: no method is in both, and the bytes part has none of the protocol's
+    bytes_part = {n for n in vars(Storage) if not n.startswith("_")}
+    protocol_part = {n for n in vars(Publisher) if not n.startswith("_")}
+    assert not bytes_part & protocol_part and {"publish", "put_if_absent", "hold"} <= protocol_part
 
 
 def test_capabilities_say_what_the_backend_does(storage):

@@ -1,6 +1,7 @@
 """Where a store's files live: the storage interface and its backends, as peers.
 
-* :mod:`.base`: :class:`Storage`, the one interface a store does its I/O through, and its contract;
+* :mod:`.base`: the interface a store does its I/O through, and its contract: :class:`Storage`
+  (bytes) and :class:`Publisher` (the commit protocol's primitives, on top of the bytes);
 * :mod:`.local`: :class:`LocalStorage`, a directory on a POSIX filesystem;
 * :mod:`.s3`: :class:`S3Storage`, ``s3://bucket/prefix`` (needs ``pip install 'diskreplay[s3]'``;
   obstore is imported only when one is made), with :mod:`.cache`, its local page cache.
@@ -17,12 +18,12 @@ import os
 from typing import Any, Mapping, Optional
 
 from ..errors import ArgumentError
-from .base import Storage, check_rel
+from .base import Publisher, Storage, check_rel
 from .cache import CacheStats
 from .local import LocalStorage
 from .s3 import S3Storage, parse_s3_url
 
-__all__ = ["CacheStats", "LocalStorage", "S3Storage", "Storage", "check_rel", "is_remote", "open_storage",
+__all__ = ["CacheStats", "LocalStorage", "Publisher", "S3Storage", "Storage", "check_rel", "is_remote", "open_storage",
            "parse_s3_url"]
 
 

@@ -1,12 +1,22 @@
-"""The one storage interface a store does all its file I/O through.
+"""The storage interface a store does all its file I/O through, in two parts.
+
+:class:`Storage` moves bytes: reads, ranges, listings, writes of files no
+manifest names yet, replaces, deletes. :class:`Publisher` extends it with the
+commit protocol's primitives: names reserved or created only if absent,
+publishing a manifest, staging one before the race, the collection floor's
+read-modify-write, leases and the removals a clean-up makes. Readers, the
+format code and ``verify`` need a ``Storage``; the committer and the
+collector need a ``Publisher``.
 
 A store's files are addressed by *relative paths*: ``/``-separated, below the
 store's root, never absolute, never with ``..`` or empty parts (so no path
-from a manifest can escape the store). Two implementations exist: a
-directory (:class:`~diskreplay.storage.local.LocalStorage`, the store's own
-fast path) and an S3-compatible bucket prefix
+from a manifest can escape the store). Two implementations exist, each both
+parts: a directory (:class:`~diskreplay.storage.local.LocalStorage`, the
+store's own fast path) and an S3-compatible bucket prefix
 (:class:`~diskreplay.storage.S3Storage`). The contract below is what both
 honour; ``tests/test_storage.py`` runs it against each.
+
+Storage (bytes):
 
 ==========================================  ==================================
 ``read_bytes(rel, limit=None)``             the whole file; ``FileNotFoundError``
@@ -21,24 +31,38 @@ honour; ``tests/test_storage.py`` runs it against each.
 ``write_new(rel, data, step=)``             create a file whose name no one
                                             else writes (a segment); no
                                             manifest names it until it is whole
+``replace(rel, data, step=, sync=)``        durably and atomically replace
+                                            ``rel``
+``write_files(files, dirs)``                write ``(rel, data, step)`` files
+                                            no manifest names yet (reserved or
+                                            derived from a reserved id) and
+                                            make them and ``dirs`` durable
+``delete(rel)``                             remove ``rel``; absent is no error
+``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
+                                            durable / make a directory (no-ops
+                                            on an object store)
+``local_path(rel)``                         a local file with ``rel``'s bytes,
+                                            for ``mmap``; only immutable files
+``fetch_ranges(rel, ranges, size=)``        like ``local_path`` but only the
+                                            byte ranges asked for are sure to
+                                            be present (a sparse cache file)
+==========================================  ==================================
+
+Publisher (the commit protocol; also a Storage):
+
+==========================================  ==================================
 ``put_if_absent(rel, data, step=)``         atomically create ``rel`` only if
                                             absent; ``True`` if this call
                                             created it (the existing file is
                                             untouched otherwise)
 ``link_candidates(rel_of, data, first)``    create ``rel_of(i)`` for the first
                                             free ``i >= first``; ``(i, rel)``
-``replace(rel, data, step=, sync=)``        durably and atomically replace
-                                            ``rel``
 ``reserve(rel_of, first)``                  take the first free name
                                             ``rel_of(i)``, empty, for this
                                             writer to fill; ``(i, rel)``
 ``name_durable(rel)``                       whether ``rel``'s name is durable
                                             already (reserved ahead: its
                                             directory need no fsync)
-``write_files(files, dirs)``                write ``(rel, data, step)`` files
-                                            no manifest names yet (reserved or
-                                            derived from a reserved id) and
-                                            make them and ``dirs`` durable
 ``publish(rel, data, files, dirs,           ``write_files``, then create the
 exclusive=)``                               manifest ``rel``: only if absent
                                             when ``exclusive`` (False if taken)
@@ -52,7 +76,6 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             (the collection floor) with no
                                             concurrent update lost: returns
                                             the bytes it holds after
-``delete(rel)``                             remove ``rel``; absent is no error
 ``delete_own(rel)``                         remove a file this writer made for
                                             a commit that did not happen, only
                                             while it is still that file
@@ -68,14 +91,6 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             files (after its commit) / whether
                                             it takes any (local many-writer
                                             stores with flock)
-``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
-                                            durable / make a directory (no-ops
-                                            on an object store)
-``local_path(rel)``                         a local file with ``rel``'s bytes,
-                                            for ``mmap``; only immutable files
-``fetch_ranges(rel, ranges, size=)``        like ``local_path`` but only the
-                                            byte ranges asked for are sure to
-                                            be present (a sparse cache file)
 ``probe_create_if_absent(reldir)``          raise unless ``put_if_absent`` is
                                             atomic here (many writers need it)
 ==========================================  ==================================
@@ -116,7 +131,8 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 @runtime_checkable
 class Storage(Protocol):
-    """What a store needs from the place its files live (see the module docstring).
+    """The bytes of a store: what readers, the format code and ``verify`` need from the place its
+    files live (see the module docstring).
 
     >>> from diskreplay.storage.local import LocalStorage
     >>> import tempfile, shutil
@@ -147,16 +163,49 @@ class Storage(Protocol):
 
     def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None: ...
 
+    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None: ...
+
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None: ...
+
+    def delete(self, rel: str) -> bool: ...
+
+    def sync_dir(self, reldir: str) -> None: ...
+
+    def ensure_dir(self, reldir: str) -> None: ...
+
+    def local_path(self, rel: str) -> str: ...
+
+    def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
+                     size: Optional[int] = None) -> str: ...
+
+    def check(self) -> None: ...
+
+    def trim_cache(self) -> List[str]: ...
+
+
+@runtime_checkable
+class Publisher(Storage, Protocol):
+    """A :class:`Storage` that also carries out the commit protocol (docs/FORMAT.md): reserving
+    names, creating only if absent, publishing and staging manifests, the floor's
+    read-modify-write, leases and a clean-up's removals. The committer and the collector take one.
+
+    >>> from diskreplay.storage.local import LocalStorage
+    >>> import tempfile, shutil
+    >>> root = tempfile.mkdtemp()
+    >>> isinstance(LocalStorage(root), Publisher)
+    True
+    >>> shutil.rmtree(root)
+    """
+
+    holds_leases: bool
+    link_attempted: bool
+
     def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool: ...
 
     def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
                         tries: int = 1 << 16, step: Optional[str] = None) -> Tuple[int, str]: ...
 
-    def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None: ...
-
     def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]: ...
-
-    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None: ...
 
     def name_durable(self, rel: str) -> bool: ...
 
@@ -170,8 +219,6 @@ class Storage(Protocol):
 
     def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]: ...
 
-    def delete(self, rel: str) -> bool: ...
-
     def delete_own(self, rel: str) -> bool: ...
 
     def hold(self, rels: Sequence[str]) -> Mapping[str, Any]: ...
@@ -182,23 +229,7 @@ class Storage(Protocol):
 
     def release_leases(self) -> None: ...
 
-    holds_leases: bool
-    link_attempted: bool
-
-    def sync_dir(self, reldir: str) -> None: ...
-
-    def ensure_dir(self, reldir: str) -> None: ...
-
-    def local_path(self, rel: str) -> str: ...
-
-    def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
-                     size: Optional[int] = None) -> str: ...
-
     def probe_create_if_absent(self, reldir: str) -> None: ...
-
-    def check(self) -> None: ...
-
-    def trim_cache(self) -> List[str]: ...
 
 
 def check_rel(rel: str, *, allow_root: bool = False) -> str:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, boot_clock, crash_point
 from ..errors import CorruptStoreError
-from ..storage import Storage
+from ..storage import Publisher
 
 SHARED_GC_EVERY = 64  # commits of one writer between its clean-up sweeps of a multi-writer store (at least)
 # ... and at least a sweep's directory entries over this many: a sweep lists every retained file, so
@@ -44,7 +44,7 @@ class Collector:
     collection floor before deleting one.
     """
 
-    def __init__(self, storage: Storage, options: fmt.StoreOptions, known: Callable[[], fmt.Manifest], *,
+    def __init__(self, storage: Publisher, options: fmt.StoreOptions, known: Callable[[], fmt.Manifest], *,
                  retain_seconds: Optional[float], floored: bool) -> None:
         self.storage = storage
         self.options = options

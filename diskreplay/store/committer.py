@@ -2,7 +2,7 @@
 
 Single-writer stores (the default) publish a manifest with a rename under the
 writer's exclusive lock. Multi-writer stores publish with an atomic
-create-if-absent (``Storage.put_if_absent``: ``link()`` on POSIX): a writer
+create-if-absent (``Publisher.put_if_absent``: ``link()`` on POSIX): a writer
 that loses the race re-reads the newest manifest, applies its operation to it
 again (:func:`ops.apply`: appends commute, a rewrite of segments another commit
 changed is a conflict) and retries after a bounded exponential backoff with
@@ -23,7 +23,7 @@ from .._fileio import boot_clock, crash_point
 from ..errors import (CommitConflictError, CommitNotDurableError, CommitTimeoutError, CorruptStoreError,
                       StoreIOError)
 from . import ops
-from ..storage import Storage
+from ..storage import Publisher
 from .collector import Collector
 from .tokens import TokenIndex, compact_tokens
 
@@ -67,7 +67,7 @@ class CommitResult:
 class Committer:
     """Publishes operations on a store's manifests; holds the newest manifest this writer knows."""
 
-    def __init__(self, storage: Storage, options: fmt.StoreOptions, manifest: fmt.Manifest) -> None:
+    def __init__(self, storage: Publisher, options: fmt.StoreOptions, manifest: fmt.Manifest) -> None:
         self.storage = storage
         self.options = options
         self.manifest = manifest
