@@ -8,44 +8,23 @@ is the pure :meth:`MergePolicy.windows`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import boot_clock, crash_point
-from ..schema import Schema
 from ..segment import Segment
 from ..storage import Storage
 from . import ops
-from .committer import Committer
 from .segment_cache import ReadView, SegmentCache
+from .appending import WriterContext
 from .writing import SegmentWriter, dirs_of
 
 # a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
 # advising and faulting in a small segment costs more than the copy (merged inputs are < MERGE_MAX_BYTES)
 COPY_SOURCE_BYTES = 4 << 20
 MAX_MERGES_PER_APPEND = 64
-
-
-@dataclass(frozen=True)
-class MergeContext:
-    """What a merge needs of the writer at the moment it starts: the commit it is based on and how
-    to publish (``install`` adopts a new commit, ``collect`` removes what no retained commit names)."""
-
-    manifest: fmt.Manifest
-    options: fmt.StoreOptions
-    schema: Schema
-    group_key: Optional[str]
-    committer: Committer
-    reserves_ids: bool
-    install: Callable[[fmt.Manifest], None]
-    collect: Callable[[], None]
-
-    @property
-    def multi_writer(self) -> bool:
-        return self.options.multi_writer
 
 
 class Merger:
@@ -59,7 +38,7 @@ class Merger:
     def __init__(self, storage: Storage, segments: SegmentWriter, cache: SegmentCache) -> None:
         self.storage, self.segments, self.cache = storage, segments, cache
 
-    def rewrite(self, at: MergeContext, start: int, stop: int, target_bytes: int,
+    def rewrite(self, at: WriterContext, start: int, stop: int, target_bytes: int,
                 defer: bool = False) -> fmt.Manifest:
         """Merge segments ``start:stop`` of ``at.manifest`` into segments of about ``target_bytes``, in
         one commit; returns the commit.
@@ -114,11 +93,11 @@ class Merger:
                 self.segments.check_reserved(base, entries, written)
             return op
 
-        result = committer.commit(plan, written, started=started, install=at.install)
+        result = committer.commit(plan, written, started=started, install=lambda new: at.install(new, at.options))
         at.collect()
         return result.manifest
 
-    def copy_source(self, at: MergeContext, entry: fmt.SegmentEntry) -> pa.RecordBatch:
+    def copy_source(self, at: WriterContext, entry: fmt.SegmentEntry) -> pa.RecordBatch:
         """The rows of a segment that a merge or ``compact`` copies, every byte checked against the
         manifest's CRC-32C first: the new files get fresh checksums, which would otherwise vouch for
         damaged data. A local file is checked whole before Arrow parses it, without its sidecar's
@@ -139,7 +118,7 @@ class Merger:
         return Segment(self.storage.local_path(entry.file), entry.bytes, at.schema, entry.num_rows,
                        entry.crc32c, copy=entry.bytes <= COPY_SOURCE_BYTES).batch
 
-    def merge_small_tail(self, context: Callable[[], MergeContext]) -> None:
+    def merge_small_tail(self, context: Callable[[], WriterContext]) -> None:
         """Keep the number of segments small when every commit is small (a training loop's):
         see :class:`MergePolicy`. ``context`` gives the writer's state before each merge. With
         many writers a merge that loses to another commit touching its segments is dropped (the
@@ -161,10 +140,10 @@ class Merger:
                 self.rewrite(at, window[0], window[1], policy.max_bytes << 4, defer=True)
             except ops.Conflict:
                 at.committer.stats.dropped_rewrites += 1
-                at.install(at.committer.manifest)  # the newer commit it lost to
+                at.install(at.committer.manifest, at.options)  # the newer commit it lost to
                 return
 
-    def merge_is_mine(self, at: MergeContext, segs: Sequence[fmt.SegmentEntry], window: Tuple[int, int]) -> bool:
+    def merge_is_mine(self, at: WriterContext, segs: Sequence[fmt.SegmentEntry], window: Tuple[int, int]) -> bool:
         """The merge of ``segs[start:stop]`` is this writer's: it reserved the segment that made it due
         (the window's newest, or the large one that closed a run), or the merge is overdue (anyone's):
         ``fanin * ratio`` times its newest segment's rows were appended after that segment (rows, not

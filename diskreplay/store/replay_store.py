@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock, boot_clock, crash_point, crc32c
+from .._fileio import WriterLock, crc32c
 from ..errors import (ArgumentError, ColumnNotFoundError, DiskReplayError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
@@ -31,15 +31,16 @@ from .sidecars import encode_group_index
 from .states import encode_state, read_state_file, write_state_file
 from . import ops
 from .committer import Committer
-from .compaction import MergePolicy, split
+from .compaction import MergePolicy
 from .reading import index_of_column
 from .group_views import GroupIndexes
-from .merging import MergeContext, Merger
+from .merging import Merger
+from .appending import Appender, WriterContext
 from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, open_storage
-from .tokens import TokenIndex, batch_digest, check_token
+from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, open_store, writer_id
-from .writing import SchemaRace, SegmentWriter, encoded_digest, fix_schema
+from .writing import SchemaRace, SegmentWriter
 
 _UNSET: Any = UNSET
 T = TypeVar("T")
@@ -159,6 +160,8 @@ class ReplayStore:
         self._segments = SegmentWriter(self.path, merge_policy if merge_policy is not None else MergePolicy())
         #: the merges of small segments after an append, and compact's rewrite
         self._merger = Merger(self.storage, self._segments, self._cache)
+        #: an extend's segments written and committed
+        self._appender = Appender(self.path, self.storage, self._segments, self._cache)
         self.recovered_from: List[str] = []
         requested = Requested(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
         try:
@@ -511,88 +514,19 @@ class ReplayStore:
             schema = self.schema if self.next_row else None
         record, schema = normalize_batch(batch, schema, self.group_key)
         try:
-            return self._commit_rows(record, schema, token)
+            return self._append(record, schema, token)
         except SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.storage)
             record, schema = normalize_batch(batch, self.schema, self.group_key)
-            return self._commit_rows(record, schema, token)
+            return self._append(record, schema, token)
 
-    def _replayed(self, rec: fmt.TokenRecord, n: int, dig: int,
-                  legacy: Optional[Callable[[], int]] = None) -> np.ndarray:
-        """The rows of a token's commit, for a retry of that batch; ``legacy``: the digest a record
-        written before :func:`batch_digest` holds (of the batch's encoded segments)."""
-        if rec.num_rows != n or (rec.digest != dig and (legacy is None or rec.digest != legacy())):
-            from ..errors import BatchError
-
-            raise BatchError(f"token {rec.token!r} is committed (generation {rec.generation}, rows "
-                             f"[{rec.first_row}, {rec.end_row})) for another batch than this one of {n} rows: its "
-                             "rows hold other values. If this batch is meant to be a retry of that one, it is "
-                             f"committed already and committed_rows({rec.token!r}) gives its rows; only a batch "
-                             "that was never committed takes a token of its own")
-        rows = np.arange(rec.first_row, rec.end_row, dtype=np.int64)
-        self._committer.durable_replay(rows)
-        return rows
-
-    def _commit_rows(self, record: pa.RecordBatch, schema: Schema, token: Optional[str] = None) -> np.ndarray:
-        m = self.manifest
-        n = record.num_rows
-        pieces = split(record)
-        committer = self._committer
-        dig = batch_digest(record) if token is not None else 0
-        if token is not None:
-            rec = committer.find_token(token)
-            if rec is not None:
-                return self._replayed(rec, n, dig, lambda: encoded_digest(pieces))
-        written: List[str] = []
-        pages: List[Optional[PageChecksums]] = []
-        encoded: List[Any] = []
-        started = boot_clock()
+    def _append(self, record: pa.RecordBatch, schema: Schema, token: Optional[str]) -> np.ndarray:
+        rows, appended = self._appender.commit(self._writer_context(), record, schema, token)
+        if not appended:
+            return rows
         try:
-            options = fix_schema(self.path, self.storage, committer, self.options, schema, self._reserves_ids)
-            # written and fsynced by the commit, together with the manifest's file (an append delta's
-            # before the race, see Committer._stage_delta); with many writers of full manifests that
-            # raced lately, first, so that a race only redoes the manifest step
-            defer = not self.multi_writer or options.append_deltas or committer.uncontended()
-            entries = self._segments.write(committer, options, m, pieces, None if self._reserves_ids else m.next_segment,
-                                           m.next_row, written, pages, defer=defer, encoded=encoded)
-            if not defer:
-                crash_point("segments.synced")
-        except BaseException:
-            self._committer.discard_pending()
-            self._committer.remove_files(written)
-            raise
-        tokrec = fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None
-        prepared = {"first": m.next_row, "entries": tuple(entries)}
-
-        relocatable = options.append_deltas
-
-        def plan(base: fmt.Manifest) -> ops.Operation:
-            if self._reserves_ids:
-                self._segments.check_reserved(base, prepared["entries"], written)
-            if prepared["first"] != base.next_row and not relocatable:  # the sidecars record global row ids
-                prepared["entries"] = self._segments.rebase_sidecars(committer, options, prepared["entries"], pieces,
-                                                                     pages, base.next_row, written)
-                prepared["first"] = base.next_row
-            return ops.Append(prepared["entries"], n, tokrec, tuple(schema.pending()), relocatable)
-
-        def install(new: fmt.Manifest) -> None:
-            self._install(new, options)
-
-        result = committer.commit(plan, written, token=token, install=install, started=started,
-                                  rows=lambda new: np.arange(new.next_row - n, new.next_row, dtype=np.int64))
-        if result.duplicate is not None:
-            if result.manifest.generation != self.manifest.generation:
-                self._install(result.manifest, self.options)
-            return self._replayed(result.duplicate, n, dig, lambda: encoded_digest(pieces))
-        new = result.manifest
-        for e, checksums in zip(prepared["entries"], pages):  # committed: not read back from its sidecar
-            if e.groups_bytes and checksums is not None:
-                self._cache.pages.setdefault(e.id, checksums)
-        self._segments.keep_small(prepared["entries"], encoded)
-        self._collect()
-        try:
-            self._merger.merge_small_tail(self._merge_context)
+            self._merger.merge_small_tail(self._writer_context)
         except Exception as exc:
             # the append is committed: the merge is an optimisation, retried after the next one
             warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
@@ -603,7 +537,7 @@ class ReplayStore:
             warnings.warn(f"{self.path}: writing the group index failed ({type(exc).__name__}: {exc}); the "
                           "store is intact (readers use the group sidecars) and it is retried after the next "
                           "append", RuntimeWarning, stacklevel=3)
-        return np.arange(new.next_row - n, new.next_row, dtype=np.int64)
+        return rows
 
     def _collect(self) -> None:
         try:
@@ -646,12 +580,12 @@ class ReplayStore:
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
         # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
         done = not m.segments or (len(m.segments) == 1 and m.segments[0].first_row >= m.head)
-        new = m if done else self._merger.rewrite(self._merge_context(), 0, len(m.segments), target_bytes)
+        new = m if done else self._merger.rewrite(self._writer_context(), 0, len(m.segments), target_bytes)
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
-    def _merge_context(self) -> MergeContext:
-        return MergeContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
-                            self._reserves_ids, lambda new: self._install(new, self.options), self._collect)
+    def _writer_context(self) -> WriterContext:
+        return WriterContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
+                             self._reserves_ids, self._install, self._collect)
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
