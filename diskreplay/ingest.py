@@ -19,6 +19,9 @@ the TorchRL adapter passes every fixed-shape per-row tensor so).
 >>> record, schema = normalize_batch({"completion_ids": [[1, 2], [3]]}, None, None)
 >>> record.num_rows, schema.names
 (2, ['completion_ids'])
+
+One module: every input layout ``extend`` accepts (TRL's padded tensors, lists, numpy,
+Arrow) is validated by the same checks into the same columns.
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ loader runs: update priorities through :meth:`ReplayLoader.update_priorities`,
 not on the sampler. Every ``ReplayStore`` method takes the store's re-entrant
 ``lock`` (:func:`store_lock`), so the training loop may keep appending to the
 same store object while a loader draws from it.
+
+One module: the loader's pipeline (the worker thread, the ring of host buffers, the hand-off
+to the device); what it shares with ``ReplayBuffer`` is in :mod:`diskreplay.following`.
 """
 
 from __future__ import annotations

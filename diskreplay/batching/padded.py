@@ -31,6 +31,9 @@ avoids; a flat gather with a sentinel index is 4-9x slower (it reads an int64
 index as large as the output); a per-row slice loop writes each byte once but
 loses 10x on short rows. So the token positions are written twice, which
 costs less than any way of writing them once.
+
+One module: TRL's padded layout, on the host and on the device, sharing its width and
+dtype rules.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ renamed by the column mapping, turned into an ``extend`` batch (ragged columns
 as lists of 1-D arrays, ``None`` for a missing row) and appended as one
 commit. A new store is built under a temporary name and renamed into place
 at the end, so a failed import leaves nothing under the final name.
+
+One module: each source is read as Arrow chunks and appended through the same column
+mapping, checks and resumable progress.
 """
 
 from __future__ import annotations

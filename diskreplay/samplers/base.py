@@ -14,6 +14,9 @@ The state envelope (``state_dict()``) has two parts:
 
 ``config`` records the settings; a state loads only into a sampler built with
 the same ones (the seed may differ).
+
+One module: the parts every sampler shares (checks, live-row bookkeeping, ranks, the state
+envelope), kept together so that each strategy's module holds only its draw.
 """
 
 from __future__ import annotations

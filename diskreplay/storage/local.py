@@ -11,6 +11,10 @@ one).
 
 Paths are relative to the store (``segments/000000000007.arrow``), built from
 integer ids by ``diskreplay.format``, never taken from a file's contents.
+
+One module: the whole Storage and Publisher contract over a POSIX directory (durable
+writes, create-if-absent links, reserved names, leases, held removals), each method a few
+system calls that share its descriptors.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """A store's files as objects under ``s3://bucket/prefix``, through obstore.
 
-Why obstore (``python tools/s3_clients.py --rounds 3``, loopback seaweedfs, 2
-cores, medians): the lowest per-request cost of the three candidates (4 KiB
-PUT 5.1 ms against 17.6 ms for s3fs and 25.5 ms for pyarrow.fs; GET 4.8 ms
-against 7.6 and 27.4 ms; 16 threads of PUTs 5.6 ms each against 9.5 and
-22.0 ms; a batch of 256 range GETs 508 ms against 759 and 2848 ms); it
-offers create-if-absent (``mode="create"``, sent as ``If-None-Match: *``)
-with a distinct exception for "already exists", which pyarrow.fs does not
-offer at all and s3fs reports as a plain ``OSError(EINVAL)``; it fetches many
-ranges of one object concurrently (``get_ranges``); and it retries transient
-errors (5xx, dropped connections, timeouts) with exponential backoff and
-jitter under a time bound, in Rust, without an event loop of its own.
+Why obstore: the lowest per-request cost of the clients measured
+(``python tools/s3_clients.py``; numbers in docs/BENCHMARKS.md); it offers
+create-if-absent (``mode="create"``, sent as ``If-None-Match: *``) with a
+distinct exception for "already exists", which pyarrow.fs does not offer at
+all and s3fs reports as a plain ``OSError(EINVAL)``; it fetches many ranges
+of one object concurrently (``get_ranges``); and it retries transient errors
+(5xx, dropped connections, timeouts) with exponential backoff and jitter
+under a time bound, in Rust, without an event loop of its own.
+
+One module: the whole Storage and Publisher contract over S3's conditional
+requests (its page cache is :mod:`.cache`).
 
 Guarantees kept on object storage:
 

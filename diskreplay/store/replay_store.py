@@ -6,6 +6,9 @@ capacity eviction moves ``head`` and drops segments wholly below it. Each
 the one commit path in ``committer.py`` (see ``docs/FORMAT.md`` for the
 protocol and its guarantees). This module turns calls into operation values
 (``ops.py``), keeps the segment cache and the group codes, and reads.
+
+The facade: the public methods and their documented examples, each delegating to a part
+of this package (opening, appending, merging, states, segment_cache, group_views).
 """
 
 from __future__ import annotations
