@@ -146,7 +146,7 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "multi_writer": st.multi_writer, "retain_seconds": _retain_seconds(st),
             "commit_stats": commit_stats(st.manifest),
             # every file (retained commits' files, merge inputs, commits in flight), not the live rows' only
-            "disk_bytes": None if st.remote else tree_size(st.path),
+            "disk_bytes": tree_size(st.path) if st.storage.can_map else None,
         }
         excluded = Exclusions.of(st, include_excluded)
         info["excluded"] = ({k: v for k, v in excluded.report().items() if k != "left_out"}

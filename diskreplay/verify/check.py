@@ -266,7 +266,7 @@ def _check_rows(r: Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions])
             r.problem(f"{where}: {m.num_rows} live rows exceed capacity {options.capacity_rows} "
                       f"of {fmt.FORMAT_FILE}")
         if m.segments and options.schema is None:
-            holder = fmt.schema_file(options, r.files.remote)
+            holder = fmt.schema_file(options, not r.files.storage.exclusive_lock)
             r.problem(f"{where} has rows but {where_in(r.files, holder)} "
                       f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records no schema'} (it holds the "
                       "store's schema, fixed by its first append; restore it from a backup or a copy)")

@@ -47,8 +47,6 @@ class StoreFiles:
     """The files of a store as verify and repair see them: a directory, where
     symlinks and non-regular files are damage too, or an object store."""
 
-    remote = False
-
     def __init__(self, root: str) -> None:
         self.url = root
         self.root: Any = root  # what the format functions read from
@@ -192,8 +190,6 @@ class StoreFiles:
 class ObjectStoreFiles(StoreFiles):
     """A store in an object store: objects have no kinds (no symlinks), and a
     quarantine is a copy then a delete (there is no rename)."""
-
-    remote = True
 
     def __init__(self, storage: Any) -> None:
         self.storage = storage

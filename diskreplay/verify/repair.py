@@ -76,12 +76,13 @@ def _repair(files: "StoreFiles", dry_run: bool, progress: bool, force: bool) -> 
         multi = False  # run() reports the damaged FORMAT.json
     # a local store's writers hold LOCK (one exclusively; many shared): any of them still open, idle or
     # not, is certain, and holding LOCK exclusively keeps new ones out while repair runs
-    lock = None if files.remote else _repair_lock(
+    unlocked = not files.storage.exclusive_lock  # no LOCK to hold: an object store
+    lock = None if unlocked else _repair_lock(
         files, f"{root} is a multi-writer store that writers have open (they hold LOCK); repair refuses a store "
                "with live writers: stop them all and run repair again" if multi else
                f"{root} is open for writing by another process (it holds LOCK); repair refuses a store with a "
                "live writer: close it (stop the run) and repair again", dry_run)
-    if multi or files.remote:  # an object store has no lock: a live writer is told by its recent commits
+    if multi or unlocked:  # without a lock a live writer is told by its recent commits
         age = files.youngest_activity()
         if age < LIVE_SECONDS and not force:
             if lock is not None:
@@ -94,7 +95,7 @@ def _repair(files: "StoreFiles", dry_run: bool, progress: bool, force: bool) -> 
         lock.release()
         lock = None
     keep_young = 0.0
-    if (multi or files.remote) and not force:
+    if (multi or unlocked) and not force:
         try:
             keep_young = float(fmt.StoreOptions.read(files.root).retain_seconds or fmt.DEFAULT_RETAIN_SECONDS)
         except (CorruptStoreError, FormatError):
