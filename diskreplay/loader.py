@@ -100,8 +100,7 @@ _EVICTED_RETRIES = 3
 # After a read that had to wait for the disk (major page faults), the worker
 # hints this many following batches' pages before reading them. A hint costs
 # about as much as the read itself when the pages are already cached (one
-# madvise per row and column: 12 ms of a 40 ms batch of 512 rows, measured),
-# so with a warm cache the worker stops hinting, and the first read that
+# madvise per row and column), so with a warm cache the worker stops hinting, and the first read that
 # faults again turns hinting back on. Cold reads whose hints arrived in time
 # fault no more, so a cold stream pays one unhinted batch per this many.
 _HINT_AFTER_FAULT = 32

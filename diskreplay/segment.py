@@ -365,9 +365,8 @@ class ArrowFile:
 
         Ranges closer than ``_ADVISE_GAP`` are merged into one call: a batch's
         rows of one group lie side by side, and one ``madvise`` per row and
-        column cost about as much as the read itself on a warm cache (12 ms of
-        a 40 ms batch of 512 rows, measured), while reading a few pages more
-        costs nothing measurable.
+        column costs about as much as the read itself on a warm cache, while
+        reading a few pages more costs next to nothing.
         """
         if self._mmap is None:  # a copy in memory: nothing to read ahead
             return

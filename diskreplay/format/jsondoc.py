@@ -23,9 +23,9 @@ def int_field(doc: Mapping[str, Any], key: str, where: str, *, lo: int = 0, hi: 
 
 def evolve(obj: Any, changes: Mapping[str, Any]) -> Any:
     """``dataclasses.replace`` for the frozen records of this module (no ``__post_init__``, no
-    ``InitVar``): a copy of the instance dict. ``replace`` re-runs ``__init__`` and costs ~10x
-    more; a multi-writer commit makes a dozen such copies (each delta it applies shifts its
-    segment entries and evolves the manifest), measured at 5% of a small commit's CPU."""
+    ``InitVar``): a copy of the instance dict. ``replace`` re-runs ``__init__``, and a
+    multi-writer commit makes a dozen such copies (each delta it applies shifts its segment
+    entries and evolves the manifest)."""
     names = _FIELDS.get(type(obj))
     if names is None:
         names = _FIELDS[type(obj)] = frozenset(f.name for f in fields(obj))

@@ -98,7 +98,7 @@ class Collector:
                 self._sweep_without_lock()
             return
         # O(files of the manifests added and dropped) a commit, however many are retained: a store
-        # retaining an hour of commits holds thousands (rebuilding their file set took ~300 ms a commit)
+        # retaining an hour of commits holds thousands, whose file set is not rebuilt per commit
         current = self.known().generation
         if current not in self.retained:
             self._keep(current, self.known())

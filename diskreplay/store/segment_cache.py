@@ -331,7 +331,7 @@ class SegmentCache:
                 seg.advise_all()
         if opened and len(parts) > 1:
             # segments opened by this read are likely cold (a reopened store's first batches): ask for
-            # all their pages first. Later reads skip it: warm, the hints cost ~2 ms a batch, and a
+            # all their pages first. Later reads skip it: on warm pages a hint costs about a read, and a
             # long-running reader's cold pages are hinted ahead by the loader (prefetch)
             hint_reads(parts, cols, [view.schema[c].kind == RAGGED for c in cols], hinted)
         out: Dict[str, Column] = {}
