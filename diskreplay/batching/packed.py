@@ -85,11 +85,6 @@ def _check_names(batch: Mapping[str, Any]) -> None:
     if all(batch.get(n) is None for n in _TOKENS):
         raise BatchError("a packed batch needs 'prompt_ids' or 'completion_ids' (the token stream); "
                          "read them with the batch or use collate() for per-row columns only")
-    for name, col in batch.items():
-        side = "prompt_ids" if is_prompt_column(name) else "completion_ids"
-        if isinstance(col, RaggedColumn) and name not in _TOKENS and side not in batch:
-            raise BatchError(f"the packed layout lays {name!r} along the {side[:-4]} tokens, and the batch has "
-                             f"no {side!r}: read {side!r} with it (columns=[..., {side!r}])")
 
 
 def _flat_shape(T: int, batch_dim: bool) -> tuple:
@@ -373,6 +368,10 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
             if not all_ok:
                 # rows "not computed" have length 0 here; any other mismatch is an error
                 bad = np.flatnonzero(~ok & (r.lengths != 0))
+                ids = "prompt_ids" if is_prompt else "completion_ids"
+                if bad.size and ids not in batch:
+                    raise BatchError(f"the packed layout lays {name!r} along the {ids[:-4]} tokens, and the batch "
+                                     f"has no {ids!r}: read {ids!r} with it (columns=[..., {ids!r}])")
                 if bad.size:
                     i = int(bad[0])
                     raise BatchError(
