@@ -8,7 +8,7 @@ pinned snapshot of one generation that rank 0 chooses and broadcasts.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from ..errors import SamplerError
 
@@ -65,6 +65,18 @@ def agree_generation(store: Any, group: Optional[Any] = None) -> Any:
 def agreed_newest(store: Any, group: Optional[Any] = None) -> Optional[int]:
     """Rank 0's newest generation of ``store``, on every rank of ``group`` (a collective: every
     rank calls it at the same point); None without ``torch.distributed`` (one process)."""
+    agreed = broadcast_ints(lambda: [_newest(store)], 1, group)
+    return None if agreed is None else agreed[0]
+
+
+def broadcast_ints(source: Any, count: int, group: Optional[Any] = None) -> Optional[List[int]]:
+    """``source()`` (``count`` ints) as rank 0 of ``group`` computes it, on every rank (a collective:
+    every rank calls it at the same point; only rank 0 calls ``source``); None without
+    ``torch.distributed`` (one process).
+
+    >>> broadcast_ints(lambda: [3, 4], 2) is None  # not in a torchrun job
+    True
+    """
     try:
         import torch
         import torch.distributed as dist
@@ -73,13 +85,13 @@ def agreed_newest(store: Any, group: Optional[Any] = None) -> Optional[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    generation = _newest(store) if dist.get_rank() == src else 0  # only the source's counts
+    values = [int(v) for v in source()] if dist.get_rank() == src else [0] * count  # only the source's count
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    value = torch.tensor([generation], dtype=torch.int64, device=device)
-    dist.broadcast(value, src=src, group=group)
-    return int(value.item())
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=src, group=group)
+    return [int(v) for v in tensor.tolist()]
 
 
 def _newest(store: Any) -> int:

@@ -34,6 +34,7 @@ from .sidecars import encode_group_index
 from .states import encode_state, read_state_file, write_state_file
 from . import ops
 from .committer import Committer
+from .consumers import DEAD_AFTER_S, Consumer, consumers, wait_for_consumers
 from .compaction import MergePolicy
 from .reading import index_of_column
 from .group_views import GroupIndexes
@@ -660,6 +661,48 @@ class ReplayStore:
             return None if entry is None else read_state_file(self.storage, self.path, entry)
 
         return self._following(load)
+
+    @_locked
+    def consumers(self) -> Dict[str, Consumer]:
+        """The committed cursors of the rollout streams reading this store (by stream name), as of
+        its newest commit (loaded first, unless this store is pinned to a generation).
+
+        >>> import tempfile
+        >>> from diskreplay.stream import RolloutStream
+        >>> store = ReplayStore(tempfile.mkdtemp(), group_key=None)
+        >>> _ = store.extend({"rewards": [0.0, 1.0, 2.0]})
+        >>> stream = RolloutStream(store, "trainer")
+        >>> stream.next(2).tolist(); stream.save()
+        [0, 1]
+        >>> store.consumers()["trainer"].behind(store.next_row)
+        1
+        """
+        self._require_open()
+        self.refresh()
+        return self._following(lambda: consumers(self))
+
+    def wait_for_consumers(self, max_ahead_rows: int, *, timeout: Optional[float] = 60.0,
+                           streams: Optional[Sequence[str]] = None, dead_after: float = DEAD_AFTER_S,
+                           poll: float = 0.5) -> bool:
+        """Back-pressure for a writer: wait until this store's newest commit is at most
+        ``max_ahead_rows`` rows ahead of the slowest stream reading it (of ``streams``, or all).
+
+        A stream is as far as its committed cursor (``RolloutStream.save()``); a writer that
+        calls this before each ``extend`` stays within the bound plus one commit. Returns True
+        when within the bound (at once when no stream reads the store), False after ``timeout``
+        seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for. A
+        stream that committed no cursor for ``dead_after`` seconds (default 600) is not
+        waited for, so a dead trainer does not stop the writers for ever. Checks every ``poll``
+        seconds at most (a few ms at first): on an object store each check lists and reads the
+        newest commit.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> store.wait_for_consumers(max_ahead_rows=1024)  # nobody reads it yet
+        True
+        """
+        self._require_open()
+        return wait_for_consumers(self, max_ahead_rows, timeout, dead_after, streams, poll)
 
     # ------------------------------------------------------------------ reading
 

@@ -1,0 +1,367 @@
+"""The rollout stream of asynchronous RL: committed rows handed to a trainer once each, in commit
+order, across ranks and restarts.
+
+A store's row ids grow with its commits (every writer's rows get the next ids when they
+commit), so a stream is a scan point over row ids plus the rows below it still waiting: the
+rows of prompt groups not yet complete, and complete groups not yet handed out. Its cursor is
+that, committed as the saved state ``stream.<name>`` (``save()``) or kept in the trainer's own
+checkpoint (``state_dict()``); the writers' back-pressure reads the committed one
+(:meth:`ReplayStore.wait_for_consumers`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .errors import ArgumentError, ColumnNotFoundError, SamplerError
+from .ragged import RaggedColumn
+from .samplers.distributed import broadcast_ints
+from .store.consumers import STREAM_KIND, stream_state_name
+
+_FORMAT = 1
+
+
+def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ArgumentError(f"{name} must be an integer >= 0{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
+
+
+class RolloutStream:
+    """Hands out a store's committed rows in commit order, each once per stream ``name``.
+
+    ``next(batch_size)`` returns the row ids of the next batch (this rank's
+    slice of a global batch of ``batch_size * world_size`` rows), waiting for
+    writers to commit enough; read them with ``store.read`` or a
+    :class:`~diskreplay.Collator`. Rows handed out are gone from the stream
+    (sample them again for replay with the samplers); nothing is skipped
+    silently: rows evicted before the stream reached them, rows older than
+    ``max_policy_lag`` and dropped incomplete groups are counted in
+    :meth:`stats`.
+
+    ``group_size=n`` (required on a store with a group key; 1 streams single
+    rows) hands out whole prompt groups: a group is ready when ``n`` rows of
+    its key are committed, from any writers and commits, and groups go out in
+    the order they completed. ``batch_size`` is then a multiple of ``n``. More
+    than ``n`` rows of one key make further groups. :meth:`incomplete_groups`
+    reports groups still waiting (with how long), ``drop_incomplete`` gives
+    them up.
+
+    ``max_policy_lag=L`` with ``next(..., policy_version=v)``: groups (rows)
+    whose ``policy_version_key`` is below ``v - L`` are skipped and counted
+    (a per-token version column counts by its oldest token).
+
+    **Exactly once across restarts.** ``save(extra)`` commits the cursor
+    (with ``extra``, a small state of the trainer's, in the same commit);
+    a stream made again with the same name continues from it: no row handed
+    out twice, none skipped, whatever was committed meanwhile. Rows handed out
+    after the last ``save`` are handed out again (the training they fed was
+    not saved either). A trainer that checkpoints elsewhere puts
+    ``state_dict()`` in its checkpoint and ``load_state_dict`` on resume, and
+    calls ``save()`` too so writers see how far it is. The consumer must be
+    able to write the store: open a multi-writer store without
+    ``readonly``, or use the writer's own store object.
+
+    **Ranks.** With ``rank`` / ``world_size`` (and ``torch.distributed``
+    initialised) every rank calls ``next`` at the same points; rank 0's view
+    of the store is broadcast, so all ranks cut the same global batch and
+    keep disjoint slices of it (whole groups each). Only rank 0's ``save``
+    writes.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> store = ReplayStore(tempfile.mkdtemp(), multi_writer=True)
+    >>> _ = store.extend({"prompt_id": [1, 2, 1], "policy_version": [0, 0, 0]})
+    >>> stream = RolloutStream(store, "trainer", group_size=2)
+    >>> stream.next(2, timeout=0).tolist()          # prompt 1 is complete; prompt 2 waits
+    [0, 2]
+    >>> stream.next(2, timeout=0) is None
+    True
+    >>> stream.save(extra={"step": 1})
+    >>> _ = store.extend({"prompt_id": [2], "policy_version": [1]})
+    >>> again = RolloutStream(store, "trainer", group_size=2)  # a restarted trainer
+    >>> again.extra, again.next(2, timeout=0).tolist()
+    ({'step': 1}, [1, 3])
+    """
+
+    def __init__(self, store: Any, name: str, *, group_size: Optional[int] = None,
+                 max_policy_lag: Optional[int] = None, policy_version_key: str = "policy_version",
+                 rank: int = 0, world_size: int = 1, resume: bool = True, process_group: Any = None) -> None:
+        self.store, self.name = store, name
+        self.state_name = stream_state_name(name)
+        self.group_key = getattr(store, "group_key", None)
+        if group_size is None and self.group_key is not None:
+            raise ArgumentError(f"{store.path} groups rows by {self.group_key!r}: pass group_size=n (the completions "
+                                "of one prompt) to stream whole groups, or group_size=1 to stream single rows")
+        self.group_size = 1 if group_size is None else _non_negative_int("group_size", group_size)
+        if self.group_size < 1:
+            raise ArgumentError(f"group_size must be >= 1, got {group_size!r}")
+        self.max_policy_lag = _non_negative_int("max_policy_lag", max_policy_lag, allow_none=True)
+        self.policy_version_key = policy_version_key
+        self.world_size = _non_negative_int("world_size", world_size)
+        self.rank = _non_negative_int("rank", rank)
+        if not 0 <= self.rank < max(self.world_size, 1):
+            raise ArgumentError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+        self.process_group = process_group
+        self._next_row = 0
+        self._pending = np.zeros(0, np.int64)      # scanned rows not dealt with, ascending
+        self._since = np.zeros(0, np.float64)      # when this stream first saw each of them
+        self._keys: List[Any] = []                 # their group keys (when grouped)
+        self._versions = np.zeros(0, np.float64)   # their policy versions (NaN: none)
+        self._counts = {"handed_out": 0, "batches": 0, "stale": 0, "evicted": 0, "dropped_incomplete": 0}
+        self.extra: Optional[Dict[str, Any]] = None
+        self._warned: set = set()
+        if resume:
+            saved = store.load_state(self.state_name)
+            if saved is not None:
+                self.load_state_dict(saved)
+
+    # ------------------------------------------------------------------ the cursor
+
+    @property
+    def position(self) -> int:
+        """Rows dealt with: every row below the scan point but those still waiting."""
+        return self._next_row - len(self._pending)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The cursor (and ``extra``) as a JSON-and-arrays dict (``ReplayStore.save_state`` takes it)."""
+        return {"kind": STREAM_KIND, "format": _FORMAT, "name": self.name, "group_size": self.group_size,
+                "group_key": self.group_key, "next_row": self._next_row, "position": self.position,
+                "pending": self._pending.copy(), "since": self._since.copy(), "counts": dict(self._counts),
+                "saved_at": time.time(), "extra": self.extra}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a cursor ``state_dict()`` gave (a trainer checkpoint's, or the committed one)."""
+        if state.get("kind") != STREAM_KIND or state.get("format") != _FORMAT:
+            raise SamplerError(f"{self.state_name}: not a stream cursor this diskreplay reads "
+                               f"(kind {state.get('kind')!r}, format {state.get('format')!r})")
+        for field in ("group_size", "group_key"):
+            if state[field] != getattr(self, field):
+                raise SamplerError(f"stream {self.name!r} was saved with {field}={state[field]!r}, not "
+                                   f"{getattr(self, field)!r}: use the saved setting, or another stream name to "
+                                   "start a new stream from the first row")
+        pending = np.asarray(state["pending"], np.int64)
+        self._next_row = int(state["next_row"])
+        self._counts = {**self._counts, **{k: int(v) for k, v in state["counts"].items()}}
+        self.extra = state.get("extra")
+        self._pending, self._since = np.zeros(0, np.int64), np.zeros(0, np.float64)
+        self._keys, self._versions = [], np.zeros(0, np.float64)
+        self._adopt(pending, np.asarray(state["since"], np.float64))
+
+    def save(self, extra: Optional[Mapping[str, Any]] = None) -> None:
+        """Commit the cursor (and ``extra``: JSON values and arrays, read back as :attr:`extra`) in one
+        commit of the store; on ranks other than 0 it does nothing."""
+        if extra is not None:
+            self.extra = dict(extra)
+        if self.rank == 0:
+            self.store.save_state(self.state_name, self.state_dict())
+
+    # ------------------------------------------------------------------ handing out
+
+    def next(self, batch_size: int, *, policy_version: Optional[int] = None, timeout: Optional[float] = None,
+             poll: float = 0.05) -> Optional[np.ndarray]:
+        """The row ids of this rank's next ``batch_size`` rows (ascending within each group), waiting
+        up to ``timeout`` seconds (None: for ever; 0: not at all) for writers to commit them;
+        None when the time ran out (the stream is unchanged apart from rows it skipped)."""
+        batch_size = _non_negative_int("batch_size", batch_size)
+        if batch_size == 0 or batch_size % self.group_size:
+            raise ArgumentError(f"batch_size must be a positive multiple of group_size={self.group_size}, "
+                                f"got {batch_size}")
+        if self.max_policy_lag is not None and policy_version is None:
+            raise ArgumentError(f"stream {self.name!r} has max_policy_lag={self.max_policy_lag}: pass "
+                                "next(..., policy_version=<the trainer's current version>)")
+        units = batch_size // self.group_size * self.world_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = min(poll, 0.002)
+        while True:
+            self._scan(deadline)
+            taken = self._take(units, policy_version)
+            if taken is not None:
+                share = units // self.world_size
+                mine = taken[self.rank * share:(self.rank + 1) * share]
+                self._counts["batches"] += 1
+                return np.concatenate(mine) if mine else np.zeros(0, np.int64)
+            if self._agreed_timeout(deadline):
+                return None
+            time.sleep(delay)
+            delay = min(poll, delay * 2)
+
+    def _agreed_timeout(self, deadline: Optional[float]) -> bool:
+        out = broadcast_ints(lambda: [deadline is not None and time.monotonic() >= deadline], 1,
+                             self.process_group) if self.world_size > 1 else None
+        return bool(out[0]) if out is not None else deadline is not None and time.monotonic() >= deadline
+
+    def _scan(self, deadline: Optional[float]) -> None:
+        """Take in the rows committed since the last scan (rank 0's view, on every rank)."""
+        def view() -> List[int]:
+            self.store.refresh()
+            return [self.store.head, self.store.next_row]
+
+        agreed = broadcast_ints(view, 2, self.process_group) if self.world_size > 1 else None
+        if agreed is None:
+            head, end = view()
+        else:
+            head, end = agreed
+            while self.store.next_row < end:  # this rank has not seen rank 0's commit yet
+                self.store.refresh()
+                time.sleep(0.001)
+        self._drop_evicted(head)
+        if end <= self._next_row:
+            return
+        start = max(self._next_row, head)
+        self._counts["evicted"] += start - self._next_row
+        self._next_row = end
+        self._adopt(np.arange(start, end, dtype=np.int64), None)
+
+    def _adopt(self, rows: np.ndarray, since: Optional[np.ndarray]) -> None:
+        """Add ``rows`` (ascending, above the pending ones) to the waiting rows."""
+        if rows.size == 0:
+            return
+        head = self.store.head
+        if rows[0] < head:  # a restored cursor's rows the store evicted since
+            keep = rows >= head
+            self._counts["evicted"] += int((~keep).sum())
+            rows, since = rows[keep], None if since is None else since[keep]
+            if rows.size == 0:
+                return
+        columns = ([self.group_key] if self.group_size > 1 else []) + \
+                  ([self.policy_version_key] if self.max_policy_lag is not None else [])
+        data = self.store.read(rows, columns=columns) if columns else {}
+        if self.max_policy_lag is not None and self.policy_version_key not in data:
+            raise ColumnNotFoundError(f"{self.store.path} has no {self.policy_version_key!r} column for "
+                                      f"max_policy_lag (columns: {self.store.columns}); pass policy_version_key=")
+        self._pending = np.concatenate([self._pending, rows])
+        now = np.full(rows.size, time.time()) if since is None else since
+        self._since = np.concatenate([self._since, now])
+        if self.group_size > 1:
+            keys = data[self.group_key]
+            self._keys.extend(keys.tolist() if isinstance(keys, np.ndarray) else list(keys))
+        self._versions = np.concatenate([self._versions, self._row_versions(data, rows.size)])
+
+    def _row_versions(self, data: Dict[str, Any], n: int) -> np.ndarray:
+        column = data.get(self.policy_version_key)
+        if column is None:
+            return np.full(n, np.nan)
+        if isinstance(column, RaggedColumn):  # per token: the row is as old as its oldest token
+            values = column.values.astype(np.float64)
+            if column.validity is not None:
+                values = np.where(column.validity, values, np.inf)
+            out = np.full(n, np.inf)
+            lengths = np.diff(column.offsets)
+            nonempty = lengths > 0
+            if nonempty.any():
+                out[nonempty] = np.minimum.reduceat(values, column.offsets[:-1][nonempty])
+            return np.where(np.isinf(out), np.nan, out)
+        return np.asarray(column, np.float64).reshape(n, -1).min(axis=1)
+
+    def _drop_evicted(self, head: int) -> None:
+        if self._pending.size and self._pending[0] < head:
+            keep = self._pending >= head
+            self._counts["evicted"] += int((~keep).sum())
+            self._remove(~keep)
+
+    def _remove(self, gone: np.ndarray) -> None:
+        keep = ~gone
+        self._pending, self._since, self._versions = self._pending[keep], self._since[keep], self._versions[keep]
+        if self.group_size > 1:
+            self._keys = [k for k, g in zip(self._keys, gone.tolist()) if not g]
+
+    def _units(self) -> Tuple[List[np.ndarray], np.ndarray]:
+        """The ready units (indices into the waiting rows) in the order they completed, and the
+        indices of rows of groups still incomplete."""
+        n = self.group_size
+        if n == 1:
+            return list(np.arange(len(self._pending)).reshape(-1, 1)), np.zeros(0, np.int64)
+        _, inverse = np.unique(np.asarray(self._keys, dtype=object), return_inverse=True)
+        order = np.argsort(inverse, kind="stable")           # by key, rows ascending within a key
+        sorted_keys = inverse[order]
+        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+        rank_in_key = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
+        count_of_key = np.bincount(inverse)[sorted_keys]
+        complete = rank_in_key < count_of_key // n * n       # the first n*k rows of a key make k groups
+        members = order[complete].reshape(-1, n)
+        members.sort(axis=1)
+        units = list(members[np.argsort(members[:, -1], kind="stable")])  # in the order they completed
+        return units, np.sort(order[~complete])
+
+    def _take(self, units: int, policy_version: Optional[int]) -> Optional[List[np.ndarray]]:
+        """The next ``units`` fresh ready units as row ids (removed from the waiting rows), or None."""
+        if len(self._pending) < units * self.group_size:
+            return None
+        stale_below = None if self.max_policy_lag is None else policy_version - self.max_policy_lag
+        gone = np.zeros(len(self._pending), bool)
+        if self.group_size == 1:  # rows in order: no per-unit loop
+            old = np.zeros(len(self._pending), bool) if stale_below is None else self._versions < stale_below
+            fresh = np.flatnonzero(~old)[:units]
+            end = fresh[-1] + 1 if fresh.size == units else len(self._pending)
+            gone[:end] = old[:end]
+            chosen = list(fresh.reshape(-1, 1))
+            stale = int(gone.sum())
+        else:
+            chosen, stale = [], 0
+            for unit in self._units()[0]:
+                if stale_below is not None and np.nanmin(np.r_[self._versions[unit], np.inf]) < stale_below:
+                    gone[unit] = True
+                    stale += unit.size
+                    continue
+                chosen.append(unit)
+                if len(chosen) == units:
+                    break
+        if stale:
+            self._counts["stale"] += stale
+            self._warn_once("stale", f"stream {self.name!r} skipped rows older than policy version "
+                                     f"{stale_below} (max_policy_lag={self.max_policy_lag}); stats()['stale'] "
+                                     "counts them")
+        if len(chosen) < units:
+            self._remove(gone)
+            return None
+        rows = [self._pending[u] for u in chosen]
+        for u in chosen:
+            gone[u] = True
+        self._remove(gone)
+        self._counts["handed_out"] += sum(r.size for r in rows)
+        return rows
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ what is waiting
+
+    def incomplete_groups(self, older_than: float = 0.0) -> List[Dict[str, Any]]:
+        """Groups still short of ``group_size`` rows that have waited ``older_than`` seconds or more:
+        ``{"key", "rows", "waiting_s"}`` each, oldest first."""
+        _, waiting = self._units()
+        groups: Dict[Any, List[int]] = {}
+        for i in waiting.tolist():
+            groups.setdefault(self._keys[i], []).append(i)
+        now = time.time()
+        out = [{"key": key, "rows": self._pending[idx], "waiting_s": now - float(self._since[idx].min())}
+               for key, idx in groups.items()]
+        return sorted((g for g in out if g["waiting_s"] >= older_than), key=lambda g: -g["waiting_s"])
+
+    def drop_incomplete(self, older_than: float) -> int:
+        """Give up the incomplete groups that waited ``older_than`` seconds or more (counted in
+        ``stats()["dropped_incomplete"]``); returns how many rows were dropped."""
+        dropped = {int(r) for g in self.incomplete_groups(older_than) for r in g["rows"]}
+        if dropped:
+            self._remove(np.isin(self._pending, np.fromiter(dropped, np.int64)))
+            self._counts["dropped_incomplete"] += len(dropped)
+        return len(dropped)
+
+    def stats(self) -> Dict[str, int]:
+        """Counts: rows ``handed_out`` and ``batches``; rows skipped as ``stale``, ``evicted`` before
+        the stream reached them, ``dropped_incomplete``; rows ``waiting`` and the ``position``."""
+        return {**self._counts, "waiting": int(len(self._pending)), "position": self.position,
+                "next_row": self._next_row}
+
+    def __repr__(self) -> str:
+        return (f"RolloutStream({self.name!r}, group_size={self.group_size}, position={self.position}, "
+                f"waiting={len(self._pending)})")
