@@ -112,7 +112,7 @@ class RolloutStream:
         self._next_row = 0
         self._pending = np.zeros(0, np.int64)      # scanned rows not dealt with, ascending
         self._since = np.zeros(0, np.float64)      # when this stream first saw each of them
-        self._keys: List[Any] = []                 # their group keys (when grouped)
+        self._keys = np.zeros(0, object)          # their group keys (when grouped)
         self._versions = np.zeros(0, np.float64)   # their policy versions (NaN: none)
         self._counts = {"handed_out": 0, "batches": 0, "stale": 0, "evicted": 0, "dropped_incomplete": 0}
         self.extra: Optional[Dict[str, Any]] = None
@@ -131,8 +131,9 @@ class RolloutStream:
 
     def state_dict(self) -> Dict[str, Any]:
         """The cursor (and ``extra``) as a JSON-and-arrays dict (``ReplayStore.save_state`` takes it)."""
+        ready = self._units()[0].size
         return {"kind": STREAM_KIND, "format": _FORMAT, "name": self.name, "group_size": self.group_size,
-                "group_key": self.group_key, "next_row": self._next_row, "position": self.position,
+                "group_key": self.group_key, "next_row": self._next_row, "position": self._next_row - ready,
                 "pending": self._pending.copy(), "since": self._since.copy(), "counts": dict(self._counts),
                 "saved_at": time.time(), "extra": self.extra}
 
@@ -151,7 +152,7 @@ class RolloutStream:
         self._counts = {**self._counts, **{k: int(v) for k, v in state["counts"].items()}}
         self.extra = state.get("extra")
         self._pending, self._since = np.zeros(0, np.int64), np.zeros(0, np.float64)
-        self._keys, self._versions = [], np.zeros(0, np.float64)
+        self._keys, self._versions = np.zeros(0, object), np.zeros(0, np.float64)
         self._adopt(pending, np.asarray(state["since"], np.float64))
 
     def save(self, extra: Optional[Mapping[str, Any]] = None) -> None:
@@ -184,9 +185,8 @@ class RolloutStream:
             taken = self._take(units, policy_version)
             if taken is not None:
                 share = units // self.world_size
-                mine = taken[self.rank * share:(self.rank + 1) * share]
                 self._counts["batches"] += 1
-                return np.concatenate(mine) if mine else np.zeros(0, np.int64)
+                return taken[self.rank * share:(self.rank + 1) * share].ravel()
             if self._agreed_timeout(deadline):
                 return None
             time.sleep(delay)
@@ -240,8 +240,9 @@ class RolloutStream:
         now = np.full(rows.size, time.time()) if since is None else since
         self._since = np.concatenate([self._since, now])
         if self.group_size > 1:
-            keys = data[self.group_key]
-            self._keys.extend(keys.tolist() if isinstance(keys, np.ndarray) else list(keys))
+            keys = np.empty(rows.size, object)
+            keys[:] = list(data[self.group_key])
+            self._keys = np.concatenate([self._keys, keys])
         self._versions = np.concatenate([self._versions, self._row_versions(data, rows.size)])
 
     def _row_versions(self, data: Dict[str, Any], n: int) -> np.ndarray:
@@ -270,15 +271,15 @@ class RolloutStream:
         keep = ~gone
         self._pending, self._since, self._versions = self._pending[keep], self._since[keep], self._versions[keep]
         if self.group_size > 1:
-            self._keys = [k for k, g in zip(self._keys, gone.tolist()) if not g]
+            self._keys = self._keys[keep]
 
-    def _units(self) -> Tuple[List[np.ndarray], np.ndarray]:
-        """The ready units (indices into the waiting rows) in the order they completed, and the
-        indices of rows of groups still incomplete."""
+    def _units(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The ready units (rows of indices into the waiting rows, ascending) in the order they
+        completed, and the indices of rows of groups still incomplete."""
         n = self.group_size
         if n == 1:
-            return list(np.arange(len(self._pending)).reshape(-1, 1)), np.zeros(0, np.int64)
-        _, inverse = np.unique(np.asarray(self._keys, dtype=object), return_inverse=True)
+            return np.arange(len(self._pending)).reshape(-1, 1), np.zeros(0, np.int64)
+        _, inverse = np.unique(self._keys, return_inverse=True)
         order = np.argsort(inverse, kind="stable")           # by key, rows ascending within a key
         sorted_keys = inverse[order]
         starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
@@ -287,46 +288,35 @@ class RolloutStream:
         complete = rank_in_key < count_of_key // n * n       # the first n*k rows of a key make k groups
         members = order[complete].reshape(-1, n)
         members.sort(axis=1)
-        units = list(members[np.argsort(members[:, -1], kind="stable")])  # in the order they completed
-        return units, np.sort(order[~complete])
+        return members[np.argsort(members[:, -1], kind="stable")], np.sort(order[~complete])  # completion order
 
-    def _take(self, units: int, policy_version: Optional[int]) -> Optional[List[np.ndarray]]:
-        """The next ``units`` fresh ready units as row ids (removed from the waiting rows), or None."""
+    def _take(self, units: int, policy_version: Optional[int]) -> Optional[np.ndarray]:
+        """The next ``units`` fresh ready units as a (units, group_size) array of row ids (removed
+        from the waiting rows), or None; stale units before them are skipped either way."""
         if len(self._pending) < units * self.group_size:
             return None
+        ready = self._units()[0]
+        old = np.zeros(len(ready), bool)
         stale_below = None if self.max_policy_lag is None else policy_version - self.max_policy_lag
+        if stale_below is not None:  # a unit is as old as its oldest row; a row without a version is not old
+            old = np.where(np.isnan(self._versions), np.inf, self._versions)[ready].min(axis=1) < stale_below
+        fresh = np.flatnonzero(~old)[:units]
+        end = fresh[-1] + 1 if fresh.size == units else len(ready)
         gone = np.zeros(len(self._pending), bool)
-        if self.group_size == 1:  # rows in order: no per-unit loop
-            old = np.zeros(len(self._pending), bool) if stale_below is None else self._versions < stale_below
-            fresh = np.flatnonzero(~old)[:units]
-            end = fresh[-1] + 1 if fresh.size == units else len(self._pending)
-            gone[:end] = old[:end]
-            chosen = list(fresh.reshape(-1, 1))
-            stale = int(gone.sum())
-        else:
-            chosen, stale = [], 0
-            for unit in self._units()[0]:
-                if stale_below is not None and np.nanmin(np.r_[self._versions[unit], np.inf]) < stale_below:
-                    gone[unit] = True
-                    stale += unit.size
-                    continue
-                chosen.append(unit)
-                if len(chosen) == units:
-                    break
-        if stale:
-            self._counts["stale"] += stale
+        gone[ready[:end][old[:end]].ravel()] = True
+        if gone.any():
+            self._counts["stale"] += int(gone.sum())
             self._warn_once("stale", f"stream {self.name!r} skipped rows older than policy version "
                                      f"{stale_below} (max_policy_lag={self.max_policy_lag}); stats()['stale'] "
                                      "counts them")
-        if len(chosen) < units:
+        if fresh.size < units:
             self._remove(gone)
             return None
-        rows = [self._pending[u] for u in chosen]
-        for u in chosen:
-            gone[u] = True
+        taken = self._pending[ready[fresh]]
+        gone[ready[fresh].ravel()] = True
         self._remove(gone)
-        self._counts["handed_out"] += sum(r.size for r in rows)
-        return rows
+        self._counts["handed_out"] += taken.size
+        return taken
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

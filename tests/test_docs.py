@@ -86,7 +86,7 @@ LAYERS = {
     "schema": 2, "ingest": 2, "groups": 2, "storage": 2,
     "format": 3, "segment": 3,
     "store": 4,
-    "samplers": 5, "batching": 5, "padding": 5, "packing": 5, "collator": 5, "following": 5, "loader": 5, "buffer": 5,
+    "samplers": 5, "batching": 5, "padding": 5, "packing": 5, "collator": 5, "following": 5, "loader": 5, "buffer": 5, "stream": 5,
     "verify": 5,
     "cli": 6, "demo": 6, "export": 6, "integrations": 6, "testing": 6, "__main__": 6, "": 6,
 }

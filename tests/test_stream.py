@@ -231,3 +231,13 @@ def test_a_dead_consumer_does_not_block_writers_for_ever(tmp_path):
         assert store.wait_for_consumers(10, timeout=0)
     with pytest.raises(ArgumentError, match="max_ahead_rows"):
         store.wait_for_consumers(-1)
+
+
+def test_string_group_keys(tmp_path):
+    store = ReplayStore(str(tmp_path / "s"), group_key="uid", multi_writer=True)
+    store.extend({"uid": ["a", "b", "a", "c", "b"], "rewards": np.arange(5.0)})
+    stream = RolloutStream(store, "t", group_size=2)
+    assert stream.next(4, timeout=0).tolist() == [0, 2, 1, 4]
+    assert [g["key"] for g in stream.incomplete_groups()] == ["c"]
+    stream.save()
+    assert RolloutStream(store, "t", group_size=2).incomplete_groups()[0]["rows"].tolist() == [3]

@@ -2,9 +2,11 @@
 wait for the slowest of them (back-pressure).
 
 A stream (:class:`diskreplay.stream.RolloutStream`) commits its cursor as the saved state
-``stream.<name>``. Its ``position`` is the number of rows it has dealt with: every row below
-its scan point except those still waiting (incomplete groups, ready groups not handed out).
-A writer is ``next_row - position`` rows ahead of it.
+``stream.<name>``. Its ``position`` is every row below its scan point except those of complete
+groups it has not handed out yet: a writer is ``next_row - position`` rows ahead of it. The rows
+of incomplete groups count as reached, because there the stream waits for the writers: if they
+waited for it in turn (the writer of a group's last samples held back by the others' rows),
+neither would move.
 """
 
 from __future__ import annotations
