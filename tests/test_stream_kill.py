@@ -5,7 +5,6 @@ records them, are the committed rows below its cursor: none twice, none missing.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
