@@ -118,9 +118,25 @@ class RolloutStream:
         self.extra: Optional[Dict[str, Any]] = None
         self._warned: set = set()
         if resume:
+            self._catch_up_with_rank0()
             saved = store.load_state(self.state_name)
             if saved is not None:
                 self.load_state_dict(saved)
+
+    def _catch_up_with_rank0(self) -> None:
+        """Load the newest commit, and on every rank at least the one rank 0 holds (the cursor it
+        committed last is in it)."""
+        def newest() -> List[int]:
+            self.store.refresh()
+            return [self.store.generation]
+
+        agreed = broadcast_ints(newest, 1, self.process_group) if self.world_size > 1 else None
+        if agreed is None:
+            newest()
+            return
+        while self.store.generation < agreed[0] and not self.store.pinned:
+            self.store.refresh()
+            time.sleep(0.001)
 
     # ------------------------------------------------------------------ the cursor
 
@@ -208,7 +224,7 @@ class RolloutStream:
             head, end = view()
         else:
             head, end = agreed
-            while self.store.next_row < end:  # this rank has not seen rank 0's commit yet
+            while self.store.next_row < end and not self.store.pinned:  # not seen rank 0's commit yet
                 self.store.refresh()
                 time.sleep(0.001)
         self._drop_evicted(head)
