@@ -586,7 +586,9 @@ def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
     v = r.values
     if spec.dtype == "int32":
         if v.dtype.kind == "f" and v.size:
-            raise BatchError(f"column {spec.name!r} holds floats ({v.dtype}); token ids must be integers")
+            what = ("a loss mask holds 0 and 1" if spec.name in LOSS_MASKS else "token ids must be integers"
+                    if spec.name in (PROMPT_IDS, COMPLETION_IDS) else "the store holds integers there")
+            raise BatchError(f"column {spec.name!r} holds floats ({v.dtype}); {what}")
         if v.size and v.dtype.itemsize > 4 or v.dtype.kind == "u" and v.dtype.itemsize >= 4:
             lo, hi = (int(v.min()), int(v.max())) if v.size else (0, 0)
             if lo < _INT32.min or hi > _INT32.max:
@@ -691,6 +693,29 @@ def _late_missing(arr: np.ndarray) -> Optional[np.ndarray]:
     return nan if nan.any() else None
 
 
+#: per-token loss masks inside a completion (TRL's ``tool_mask``, verl's ``loss_mask``): 1 where the
+#: token is the policy's, 0 where a tool or the environment wrote it
+LOSS_MASKS = ("tool_mask", "loss_mask")
+
+
+def _check_loss_masks(record: pa.RecordBatch) -> None:
+    """A loss mask (:data:`LOSS_MASKS`) holds only 0 and 1."""
+    for name in LOSS_MASKS:
+        i = record.schema.get_field_index(name)
+        if i < 0 or not pa.types.is_large_list(record.schema.field(i).type):
+            continue
+        col = record.column(i)
+        values = col.flatten().to_numpy(zero_copy_only=False)
+        bad = (values != 0) & (values != 1)
+        if bad.any():
+            at = int(np.argmax(bad))
+            starts = np.asarray(col.offsets)[:-1] - col.offsets[0].as_py()
+            lengths = np.asarray(col.value_lengths().fill_null(0))
+            row = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+            raise BatchError(f"column {name!r} row {row} token {at - int(starts[row])} holds {values[at].item()!r}; "
+                             "a loss mask holds 1 for the policy's tokens and 0 for tool or environment tokens")
+
+
 def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> None:
     for name, col in cols.items():
         spec = schema[name]
@@ -734,6 +759,7 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
         record = _arrow_record(arrow, schema)
         if record is not None:
             _check_token_ids(record)
+            _check_loss_masks(record)
             return record, schema
     parsed = _arrow_columns(arrow, schema) if arrow is not None else None
     n, cols = parsed if parsed is not None else _parse_columns(batch, schema)
@@ -772,6 +798,7 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     arrays = [_arrow_array(spec, cols.get(spec.name), n, spec.name in schema.late) for spec in schema.columns.values()]
     record = pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema())
     _check_token_ids(record)
+    _check_loss_masks(record)
     return record, schema
 
 
