@@ -241,3 +241,33 @@ def test_string_group_keys(tmp_path):
     assert [g["key"] for g in stream.incomplete_groups()] == ["c"]
     stream.save()
     assert RolloutStream(store, "t", group_size=2).incomplete_groups()[0]["rows"].tolist() == [3]
+
+
+def test_rollout_writer_waits_for_the_trainer_before_it_generates(tmp_path):
+    import pickle
+
+    from diskreplay.integrations.ray import RolloutWriter
+
+    path = str(tmp_path / "s")
+    writer = RolloutWriter(path, "gen-0", group_key=None, max_ahead_rows=3, wait_timeout=0.2)
+    trainer = RolloutStream(ReplayStore(path), "trainer")
+    trainer.save()
+    made = []
+
+    def batch():
+        made.append(1)
+        return {"rewards": np.zeros(4)}
+
+    writer.append(0, batch)                        # nothing ahead before it
+    with pytest.warns(RuntimeWarning, match="'trainer', 4 rows behind"):
+        writer.append(1, batch)                    # 4 ahead before it: waits 0.2 s, then goes on
+    assert writer.stats()["waited_s"] >= 0.2 and len(made) == 2
+    assert trainer.next(8, timeout=0).tolist() == list(range(8))
+    trainer.save()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        writer.append(2, batch)                    # caught up: no wait
+    assert pickle.loads(pickle.dumps(writer)).max_ahead_rows == 3
+    with pytest.raises(ArgumentError, match="max_ahead_rows"):
+        RolloutWriter(path, "gen-1", max_ahead_rows=-1)
+    writer.close()

@@ -134,6 +134,14 @@ class RolloutWriter:
     several runs needs the run in it (``f"{run}/rollout-{i}"``), or a later run
     would find the earlier run's steps committed.
 
+    ``max_ahead_rows=N`` is back-pressure: before it makes and commits a
+    batch, :meth:`append` waits until the store is at most ``N`` rows ahead of
+    the slowest rollout stream reading it (a trainer's
+    :class:`~diskreplay.stream.RolloutStream`, by its committed cursor), for
+    at most ``wait_timeout`` seconds (then it goes on, with a warning: a dead
+    trainer does not stop generation for ever).
+    :meth:`ReplayStore.wait_for_consumers` has the details.
+
     The writer pickles as its settings and reopens the store where it lands,
     so a driver can build it and send it to an actor.
 
@@ -147,19 +155,26 @@ class RolloutWriter:
     """
 
     def __init__(self, path: PathLike, worker_id: str, *, storage_options: Optional[Mapping[str, Any]] = None,
+                 max_ahead_rows: Optional[int] = None, wait_timeout: Optional[float] = 60.0,
                  **store_options: Any) -> None:
         self.worker_id = _check_worker_id(worker_id)
+        if max_ahead_rows is not None and (isinstance(max_ahead_rows, bool) or not isinstance(max_ahead_rows, int)
+                                           or max_ahead_rows < 0):
+            raise ArgumentError(f"max_ahead_rows must be an integer >= 0 or None, got {max_ahead_rows!r}")
+        self.max_ahead_rows, self.wait_timeout = max_ahead_rows, wait_timeout
         if "multi_writer" in store_options or "readonly" in store_options:
             raise ArgumentError("RolloutWriter always opens a multi-writer store for writing; leave multi_writer "
                                 "and readonly out")
         self.store = ReplayStore(path, multi_writer=True, **_store_kwargs(storage_options, store_options))
         # reopened by the store's own spelling of where it is (absolute, for a local directory)
         self._spec = (self.store.path, self.worker_id, None if storage_options is None else dict(storage_options),
-                      dict(store_options))
+                      {**store_options, "max_ahead_rows": max_ahead_rows, "wait_timeout": wait_timeout})
         #: batches this process committed / found already committed (a re-sent call after a restart)
         self.appended = 0
         self.replayed = 0
         self.rows = 0
+        #: seconds spent waiting for the trainer (back-pressure)
+        self.waited_s = 0.0
 
     def token(self, step: int) -> str:
         """The token of batch ``step`` of this worker (see :func:`token_for_step`)."""
@@ -190,7 +205,10 @@ class RolloutWriter:
             if rows is not None:
                 self.replayed += 1
                 return rows
+            self._wait_for_consumers()
             batch = batch()
+        else:
+            self._wait_for_consumers()
         before = self.store.stats().get("commits", 0)
         rows = self.store.extend(batch, token=token)
         if self.store.stats().get("commits", 0) == before:
@@ -200,11 +218,17 @@ class RolloutWriter:
             self.rows += len(rows)
         return rows
 
+    def _wait_for_consumers(self) -> None:
+        if self.max_ahead_rows is not None:
+            t0 = time.monotonic()
+            self.store.wait_for_consumers(self.max_ahead_rows, timeout=self.wait_timeout)
+            self.waited_s += time.monotonic() - t0
+
     def stats(self) -> Dict[str, Any]:
-        """``appended`` / ``replayed`` batches and ``rows`` appended by this process, with the store's
-        commit counters (:meth:`ReplayStore.stats`)."""
+        """``appended`` / ``replayed`` batches and ``rows`` appended by this process, seconds it
+        ``waited_s`` for the trainer, with the store's commit counters (:meth:`ReplayStore.stats`)."""
         return {"worker_id": self.worker_id, "appended": self.appended, "replayed": self.replayed,
-                "rows": self.rows, **self.store.stats()}
+                "rows": self.rows, "waited_s": self.waited_s, **self.store.stats()}
 
     def close(self) -> None:
         """Close the store (makes owed durability good). Idempotent."""
