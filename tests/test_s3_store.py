@@ -705,3 +705,43 @@ def test_a_cache_trim_during_compact_maps_again(s3_server, s3_url, tmp_path, mon
         got = store.read(np.arange(len(store)))
     assert got["prompt_id"].tolist() == expected["prompt_id"].tolist()
     assert [c.tolist() for c in got["completion_ids"]] == [c.tolist() for c in expected["completion_ids"]]
+
+
+# -- rollout streams --------------------------------------------------------------
+
+
+def test_stream_and_back_pressure_on_object_storage(s3_server, s3_url, tmp_path):
+    import threading
+
+    from diskreplay.stream import RolloutStream
+
+    bound, commit, commits = 8, 4, 12
+    with _open(s3_url, s3_server, tmp_path, multi_writer=True, group_key=None) as trainer_store:
+        stream = RolloutStream(trainer_store, "trainer")
+        stream.save()
+        ahead, errors = [], []
+
+        def write():
+            try:
+                with _open(s3_url, s3_server, tmp_path / "w") as writer:
+                    for step in range(commits):
+                        assert writer.wait_for_consumers(bound, timeout=30, poll=0.02)
+                        writer.extend({"rewards": np.full(commit, float(step))}, token=f"w:{step}")
+                        ahead.append(writer.next_row - writer.consumers()["trainer"].position)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        taken = []
+        while thread.is_alive() or (not errors and len(taken) < commit * commits):
+            rows = stream.next(commit, timeout=0.1)
+            if rows is not None:
+                taken.extend(rows.tolist())
+                stream.save()
+        thread.join()
+        assert not errors, errors
+        assert taken == list(range(commit * commits))        # each once, in commit order
+        assert max(ahead) <= bound + commit
+        again = RolloutStream(trainer_store, "trainer")
+        assert again.position == commit * commits and again.next(1, timeout=0) is None
