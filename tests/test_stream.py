@@ -224,6 +224,13 @@ def test_a_dead_consumer_does_not_block_writers_for_ever(tmp_path):
     with pytest.warns(RuntimeWarning, match="'trainer', 10 rows behind"):
         assert store.wait_for_consumers(4, timeout=0.3, poll=0.05) is False
     assert 0.3 <= time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    assert store.wait_for_consumers(4, timeout=0.3)                      # given up on: not waited for again
+    assert time.monotonic() - t0 < 0.25
+    store.consumers()  # (loads the newest commit)
+    RolloutStream(ReplayStore(store.path), "trainer").save()              # it commits again: waited for again
+    with pytest.warns(RuntimeWarning, match="'trainer'"):
+        assert store.wait_for_consumers(4, timeout=0.1) is False
     assert store.wait_for_consumers(4, timeout=0.3, dead_after=0.0)      # taken for dead: not waited for
     assert store.wait_for_consumers(4, timeout=0, streams=["evaluator"])  # nobody of that name
     with warnings.catch_warnings():

@@ -5,6 +5,7 @@ records them, are the committed rows below its cursor: none twice, none missing.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -107,3 +108,11 @@ def test_a_killed_trainer_resumes_with_every_row_consumed_once(tmp_path, writers
         assert (keys == keys[:, :1]).all(), "a consumed group mixes prompts"
         assert state["counts"]["handed_out"] == consumed.size
         print(json.dumps({"rows": int(store.next_row), "kills": kills, "resumed_at": resumed_at}))
+
+
+def test_the_async_grpo_example_runs_and_checks_itself():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "async_grpo.py"), "--steps", "10", "--kills", "1",
+                          "--gen-seconds", "0.05"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.count("  ok   ") == 4 and "FAIL" not in out.stdout

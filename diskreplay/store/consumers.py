@@ -70,11 +70,13 @@ def consumers(store: Any) -> Dict[str, Consumer]:
 
 
 def wait_for_consumers(store: Any, max_ahead_rows: int, timeout: Optional[float], dead_after: float,
-                       streams: Optional[Sequence[str]], poll: float) -> bool:
+                       streams: Optional[Sequence[str]], poll: float, gave_up: Dict[str, float]) -> bool:
     """Block until the store's newest ``next_row`` is at most ``max_ahead_rows`` ahead of every live
     consumer (those of ``streams``, or all); True then, False when ``timeout`` seconds passed
     first (with a warning naming the consumer waited for). A consumer whose cursor was not
-    committed for ``dead_after`` seconds is not waited for; no consumer at all: True at once."""
+    committed for ``dead_after`` seconds is not waited for, nor one this writer gave up on
+    (``gave_up``: its name and the cursor it still had then) until it commits a new cursor; no
+    consumer at all: True at once."""
     if isinstance(max_ahead_rows, bool) or not isinstance(max_ahead_rows, int) or max_ahead_rows < 0:
         raise ArgumentError(f"max_ahead_rows must be an integer >= 0, got {max_ahead_rows!r}")
     if timeout is not None and not timeout >= 0:
@@ -86,14 +88,17 @@ def wait_for_consumers(store: Any, max_ahead_rows: int, timeout: Optional[float]
         store.refresh()
         now = time.time()
         live = [c for name, c in consumers(store).items()
-                if (wanted is None or name in wanted) and now - c.saved_at < dead_after]
+                if (wanted is None or name in wanted) and now - c.saved_at < dead_after
+                and gave_up.get(name) != c.saved_at]
         slowest = min(live, key=lambda c: c.position, default=None)
         if slowest is None or slowest.behind(store.next_row) <= max_ahead_rows:
             return True
         if deadline is not None and time.monotonic() >= deadline:
+            gave_up[slowest.name] = slowest.saved_at
             warnings.warn(f"{store.path}: gave up waiting after {timeout} s for stream {slowest.name!r}, "
                           f"{slowest.behind(store.next_row)} rows behind (bound {max_ahead_rows}); its cursor was "
-                          f"last committed {now - slowest.saved_at:.1f} s ago", RuntimeWarning, stacklevel=3)
+                          f"last committed {now - slowest.saved_at:.1f} s ago; not waiting for it again until it commits a new "
+                          "one", RuntimeWarning, stacklevel=3)
             return False
         time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(poll, delay * 2)

@@ -154,6 +154,7 @@ class ReplayStore:
         self._writer_lock: Optional[WriterLock] = None
         self._committer: Optional[Committer] = None
         self._read_tokens: Optional[TokenIndex] = None  # readonly: committed_rows' lookups
+        self._gave_up_on: Dict[str, float] = {}  # wait_for_consumers: streams it stopped waiting for
         self._closed = False
         self._pinned = generation is not None
         #: the segments this store has open and the reads through them
@@ -683,16 +684,17 @@ class ReplayStore:
 
     def wait_for_consumers(self, max_ahead_rows: int, *, timeout: Optional[float] = 60.0,
                            streams: Optional[Sequence[str]] = None, dead_after: float = DEAD_AFTER_S,
-                           poll: float = 0.5) -> bool:
+                           poll: float = 0.1) -> bool:
         """Back-pressure for a writer: wait until this store's newest commit is at most
         ``max_ahead_rows`` rows ahead of the slowest stream reading it (of ``streams``, or all).
 
         A stream is as far as its committed cursor (``RolloutStream.save()``); a writer that
         calls this before each ``extend`` stays within the bound plus one commit. Returns True
         when within the bound (at once when no stream reads the store), False after ``timeout``
-        seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for. A
-        stream that committed no cursor for ``dead_after`` seconds (default 600) is not
-        waited for, so a dead trainer does not stop the writers for ever. Checks every ``poll``
+        seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for; this
+        store object then does not wait for that stream again until it commits a new cursor,
+        so a dead trainer costs a writer one ``timeout``, not one per batch. A stream that
+        committed no cursor for ``dead_after`` seconds (default 600) is not waited for. Checks every ``poll``
         seconds at most (a few ms at first): on an object store each check lists and reads the
         newest commit.
 
@@ -702,7 +704,7 @@ class ReplayStore:
         True
         """
         self._require_open()
-        return wait_for_consumers(self, max_ahead_rows, timeout, dead_after, streams, poll)
+        return wait_for_consumers(self, max_ahead_rows, timeout, dead_after, streams, poll, self._gave_up_on)
 
     # ------------------------------------------------------------------ reading
 
