@@ -7,6 +7,7 @@
     python tools/bench.py writers [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
     python tools/bench.py remote [--groups 1024] [--dir DIR]
     python tools/bench.py commit-cpu [--commits 300] [--profile] [--dir DIR]
+    python tools/bench.py stream [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -1964,6 +1965,168 @@ def _small_segments_ab(batches, work: str, rounds: int = 5) -> None:
           f"{rounds} alternating rounds: CPU {whole:.2f} vs {paged:.2f} ms/commit ({whole / paged:.2f}x)")
 
 
+# --------------------------------------------------------------------------- stream
+
+STREAM_CHILD = r"""
+import json, os, queue, sys, time
+import numpy as np
+role, kind, path, me, writers, commits, groups, go = sys.argv[1:9]
+me, writers, commits, groups = int(me), int(writers), int(commits), int(groups)
+from diskreplay import Collator, RaggedColumn, ReplayStore, collate
+from diskreplay.stream import RolloutStream
+from diskreplay.synthetic import make_rollouts
+
+def wait_go():
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.001)
+
+if role == "writer":
+    batches = [make_rollouts(groups, 8, seed=me * 10007 + i, first_group=(me * commits + i) * groups)
+               for i in range(commits)]
+    if kind == "diskreplay":
+        store = ReplayStore(path)
+        store.extend(make_rollouts(1, 8, seed=99, first_group=10**9 + me))  # warm: the schema is fixed
+        wait_go()
+        waited = 0.0
+        for i, b in enumerate(batches):
+            t = time.perf_counter()
+            store.wait_for_consumers(max_ahead_rows=64 * groups * 8, timeout=60, poll=0.01)
+            waited += time.perf_counter() - t
+            store.extend(b, token=f"w{me}:{i}")
+        stats = store.stats()
+        store.close()
+        print(json.dumps({"end": time.time(), "waited": waited, "conflicts": stats.get("conflicts", 0),
+                          "commit_seconds": stats.get("commit_seconds", 0)}), flush=True)
+    else:
+        from multiprocessing.connection import Client
+        conn = Client(path)
+        wait_go()
+        for b in batches:
+            conn.send({k: (list(v) if isinstance(v, list) else v) for k, v in b.items()})
+        conn.close()
+        print(json.dumps({"end": time.time()}), flush=True)
+else:
+    batch_rows, total = 512, writers * commits * groups * 8
+    got, steps = 0, 0
+    if kind == "diskreplay":
+        store = ReplayStore(path)
+        stream = RolloutStream(store, "trainer", group_size=8)
+        stream.next(8, timeout=60)  # the warm-up rows of every writer's schema commit...
+        while stream.next(8, timeout=0) is not None:
+            pass
+        stream.save()
+        collator = Collator(pad_token_id=0)
+        wait_go()
+        while got < total:
+            rows = stream.next(min(batch_rows, total - got), timeout=60)
+            batch = collator.read(store, rows, columns=["prompt_ids", "completion_ids", "old_per_token_logps",
+                                                        "advantages"])
+            got += len(rows)
+            steps += 1
+            stream.save()  # the cursor, durably: a restart goes on from here
+    else:
+        from multiprocessing.connection import Listener
+        listener = Listener(path)
+        conns = []
+        print("listening", flush=True)
+        for _ in range(writers):
+            conns.append(listener.accept())
+        wait_go()
+        from multiprocessing.connection import wait as wait_conns
+        cols = ("prompt_ids", "completion_ids", "old_per_token_logps")
+        buf = {k: [] for k in cols + ("advantages",)}  # received rows, not yet batched
+        while got < total:
+            for c in wait_conns(conns):
+                try:
+                    b = c.recv()
+                except EOFError:
+                    conns.remove(c)
+                    continue
+                for k in cols:
+                    buf[k].extend(b[k])
+                buf["advantages"].extend(b["advantages"].tolist())
+            while got < total and len(buf["advantages"]) >= min(batch_rows, total - got):
+                n = min(batch_rows, total - got)
+                batch = collate({**{k: RaggedColumn.from_arrays(buf[k][:n]) for k in cols},
+                                 "advantages": np.asarray(buf["advantages"][:n], np.float32)}, pad_token_id=0)
+                buf = {k: v[n:] for k, v in buf.items()}
+                got += n
+                steps += 1
+    print(json.dumps({"end": time.time(), "rows": got, "steps": steps}), flush=True)
+"""
+
+
+def _stream_run(kind: str, work: str, writers: int, commits: int, groups: int) -> Dict[str, float]:
+    """Rows per second from ``writers`` processes to one consuming trainer process (``kind``:
+    diskreplay's store and stream, or a pipe of pickled batches), timed from one start signal to
+    the trainer's last batch; every process has made its batches and opened its ends before."""
+    alone = kind == "writers"  # diskreplay's writers with no trainer: what their commits cost by themselves
+    kind = "diskreplay" if alone else kind
+    path = os.path.join(work, f"{kind}-{time.monotonic_ns()}")
+    go = path + ".go"
+    env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if kind == "diskreplay":
+        ReplayStore(path, multi_writer=True).close()
+    else:
+        path = path + ".sock"
+    args = [kind, path, "0", str(writers), str(commits), str(groups), go]
+
+    def start(role: str, me: int) -> subprocess.Popen:
+        a = list(args)
+        a[2] = str(me)
+        return subprocess.Popen([sys.executable, "-c", STREAM_CHILD, role, *a], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+    trainer = None if alone else start("trainer", 0)
+    if kind != "diskreplay":
+        assert trainer.stdout.readline().strip() == "listening", trainer.stderr.read()
+    procs = [start("writer", w) for w in range(writers)]
+    if kind == "diskreplay":  # the trainer skips the writers' warm-up commits before it is ready
+        for p in procs + ([] if alone else [trainer]):
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    else:
+        for p in procs + [trainer]:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    t = time.time()
+    open(go, "w").close()
+    outs = []
+    for p in procs + ([] if alone else [trainer]):
+        out, err = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"{kind} stream child failed: {err[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    rows = writers * commits * groups * 8 if alone else outs[-1]["rows"]
+    end = max(o["end"] for o in outs)
+    res = {"rows": rows, "wall": end - t, "rows_per_s": rows / (end - t)}
+    for key in ("waited", "conflicts", "commit_seconds"):
+        res[key] = sum(o.get(key, 0) for o in outs[:writers])
+    return res
+
+
+def bench_stream(args) -> None:
+    """Rollouts from writer processes to a consuming trainer: a durable store and its stream (every
+    commit and every cursor fsynced) vs a pipe of pickled batches between the same processes
+    (``multiprocessing.connection``, what ``multiprocessing.Queue`` sends through), alternating."""
+    work = args.dir
+    writers, commits, groups = 4, args.commits, max(1, args.groups // 256)
+    print(f"stream: {writers} writers x {commits} commits x {groups} groups of 8 rows "
+          f"({writers * commits * groups * 8} rows, GRPO workload), trainer batches of 512 rows padded; "
+          f"{args.rounds} alternating rounds, medians")
+    runs: Dict[str, List[float]] = {"diskreplay": [], "pipe": [], "writers": []}
+    for _ in range(args.rounds):
+        for kind in runs:
+            runs[kind].append(_stream_run(kind, work, writers, commits, groups)["rows_per_s"])
+    dr, pipe, alone = (statistics.median(runs[k]) for k in ("diskreplay", "pipe", "writers"))
+    row("", "diskreplay", "baseline", "ratio")
+    row("rows/s writers -> trainer vs a pipe", f"{dr:,.0f}", f"{pipe:,.0f}", f"{dr / pipe:.2f}x")
+    row("rows/s writers -> trainer vs writers alone", f"{dr:,.0f}", f"{alone:,.0f}", f"{dr / alone:.2f}x")
+    print("  (pipe: the same processes send their batches through multiprocessing.connection, nothing durable; "
+          "writers alone: diskreplay's commits with no trainer)")
+    print("  runs: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in runs.items()))
+
+
+
 def _size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -1972,7 +2135,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
-                                      "commit-cpu"])
+                                      "commit-cpu", "stream"])
     p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
@@ -1993,12 +2156,12 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
     if args.groups is None:
-        args.groups = 1024 if args.what in ("writers", "remote") else 4096
+        args.groups = 1024 if args.what in ("writers", "remote", "stream") else 4096
     if args.commits is None:
         args.commits = 300 if args.what == "commit-cpu" else 100
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
-           "commit-cpu": bench_commit_cpu}[args.what]
+           "commit-cpu": bench_commit_cpu, "stream": bench_stream}[args.what]
     if args.dir:
         run(args)
         return
