@@ -2,7 +2,8 @@
 
 Rollouts stream into :class:`ReplayStore` (unpadded, memory-mapped, crash
 safe); samplers pick row ids; :func:`collate` re-pads just those rows into
-TRL's layout; :class:`ReplayLoader` prefetches them onto the device.
+TRL's layout; :class:`ReplayLoader` prefetches them onto the device;
+:class:`RolloutStream` hands an asynchronous trainer every committed rollout once.
 
 The names that need torch (``collate``, ``repad``, ``ReplayLoader``,
 ``ReplayBuffer``, ...) are imported on first use, so the command line and
@@ -32,6 +33,7 @@ _LAZY = {
     "repad": "batching.padded",
     "ReplayLoader": "loader",
     "ReplayBuffer": "buffer",
+    "RolloutStream": "stream",
     "repad_stacked": "batching.padded",
     "collate_packed": "batching.packed",
     "pack_on_device": "batching.packed",
@@ -48,6 +50,7 @@ __all__ = sorted([
     "ReplayBuffer",
     "ReplayLoader",
     "ReplayStore",
+    "RolloutStream",
     "collate",
     "collate_packed",
     "collate_unpadded",

@@ -89,7 +89,8 @@ def test_stale_groups_are_skipped_and_counted(tmp_path):
     assert stream.stats()["stale"] == 2
     assert stream.next(2, policy_version=5, timeout=0).tolist() == [4, 5]
     rows_only = RolloutStream(store, "r", group_size=1, max_policy_lag=0)
-    assert rows_only.next(2, policy_version=5, timeout=0).tolist() == [4, 5]
+    with pytest.warns(RuntimeWarning, match="stream 'r'"):
+        assert rows_only.next(2, policy_version=5, timeout=0).tolist() == [4, 5]
     assert rows_only.stats()["stale"] == 4
     with pytest.raises(ColumnNotFoundError, match="'step'"):
         RolloutStream(store, "v", group_size=2, max_policy_lag=1, policy_version_key="step").next(
