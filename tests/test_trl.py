@@ -26,7 +26,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from diskreplay import ReplayStore  # noqa: E402
+from diskreplay import ReplayConfigError, ReplayStore  # noqa: E402
 from diskreplay.synthetic import char_tokenizer  # noqa: E402
 from diskreplay.integrations.trl import DiskReplayGRPOConfig, DiskReplayGRPOTrainer, prompt_key  # noqa: E402
 from diskreplay.integrations.trl.checkpoint import checkpoint_state_path, load_checkpoint_state  # noqa: E402
@@ -721,3 +721,63 @@ def test_a_run_that_flags_truncated_completions_goes_on_in_its_store(tmp_path):
     with open_store(again) as store:
         assert len(store) > before
     assert_finite_losses(again)
+
+
+# --------------------------------------------------------------------------- the rollout stream
+
+
+def _generators_commit(path, groups, first, version=0, seed=0):
+    """What external generators commit: ``groups`` prompt groups of 4 completions, by two writers."""
+    tok = make_tokenizer()
+    rng = np.random.default_rng(seed)
+    for half in range(2):  # each writer commits two samples of every prompt
+        n = groups * 2
+        prompts = [tok(PROMPTS[(first + i // 2) % 2])["input_ids"] for i in range(n)]
+        completions = [rng.integers(3, 97, int(rng.integers(2, 8))) for _ in range(n)]
+        with ReplayStore(path) as store:
+            store.extend({"prompt_ids": prompts, "completion_ids": completions,
+                          "old_per_token_logps": [-rng.random(len(c)).astype(np.float32) for c in completions],
+                          "advantages": rng.normal(size=n).astype(np.float32),
+                          "rewards": rng.random(n).astype(np.float32),
+                          "prompt_id": np.repeat(np.arange(first, first + groups), 2),
+                          "policy_version": np.full(n, version)})
+
+
+def test_replay_stream_trains_on_every_committed_group_once_and_resumes_its_cursor(tmp_path):
+    path = str(tmp_path / "s" / "store")
+    ReplayStore(path, multi_writer=True).close()
+    _generators_commit(path, groups=6, first=0)              # 24 rows: three steps of 8
+    opts = dict(replay_stream="trainer", max_steps=3, save_strategy="steps", save_steps=1)
+    first = train(tmp_path, name="s", stop_at=2, **opts)
+    assert first.state.global_step == 2
+    with ReplayStore(path, readonly=True) as store:
+        cursor = store.load_state("stream.trainer")
+        assert cursor["position"] == 16 and cursor["counts"]["handed_out"] == 16
+        drawn = np.concatenate([h["stream_rows"] for h in first.replay_history])
+        assert len(set(drawn.tolist())) == 16                 # each row once
+        keys = store.read(drawn, ["prompt_id"])["prompt_id"].reshape(-1, 4)
+        assert (keys == keys[:, :1]).all()                    # whole groups, in the order they completed
+        assert keys[:, 0].tolist() == [0, 1, 2, 3]
+        assert_replayed_rows_reached_the_loss(first, store, drawn)
+        assert all(h["policy_lag_mean"] >= 0 for h in first.replay_history)
+    _generators_commit(path, groups=2, first=6, version=2, seed=1)   # meanwhile: 8 more rows
+    # resumed from the first checkpoint: its model saw groups 0 and 1 only, so groups 2-5 come next
+    resumed = train(tmp_path, name="s", resume=os.path.join(first.args.output_dir, "checkpoint-1"), **opts)
+    again = np.concatenate([h["stream_rows"] for h in resumed.replay_history])
+    with ReplayStore(path, readonly=True) as store:
+        keys = store.read(again, ["prompt_id"])["prompt_id"].reshape(-1, 4)
+        assert keys[:, 0].tolist() == [2, 3, 4, 5] and (keys == keys[:, :1]).all()
+        assert not set(again.tolist()) & set(drawn[:8].tolist())
+        assert store.load_state("stream.trainer")["position"] == 24   # groups 6, 7 wait for a next step
+        assert_replayed_rows_reached_the_loss(resumed, store, again)
+
+
+def test_replay_stream_options_are_checked(tmp_path):
+    with pytest.raises(ReplayConfigError, match="replay_mode='off'"):
+        make_config(tmp_path, replay_stream="t", replay_mode="ssr")
+    path = tmp_path / "single" / "store"
+    ReplayStore(str(path)).close()  # one writer: the generators could not write it
+    with pytest.raises(ReplayConfigError, match="multi_writer=True"):
+        DiskReplayGRPOTrainer(model=make_model(), reward_funcs=lowercase_reward,
+                              args=make_config(tmp_path, name="single", replay_stream="t"),
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=make_tokenizer())

@@ -49,6 +49,15 @@ tokens (up to its last non-padding token: exports, best-of-n and preference
 pairs see what was generated) and ``completion_truncated`` = 1.0 (0.0 for
 the others); a replay masks it out of the loss again, as TRL did.
 
+Training on a rollout stream
+----------------------------
+``replay_stream="trainer"`` (with ``replay_mode="off"``) turns generation off:
+each generation batch is the next whole prompt groups that external
+generators committed to the store, taken once each with a
+:class:`~diskreplay.RolloutStream` (``max_policy_lag`` bounds their age), and
+every checkpoint carries the stream's cursor that matches its model
+(docs/streams.md).
+
 The seam
 --------
 Only ``GRPOTrainer._generate_and_score_completions(inputs)`` is overridden: it

@@ -27,10 +27,12 @@ import numpy as np
 from ... import FormatError, ReplayStore
 from .planners import REPLAY_MODES, Timeline
 
-__all__ = ["CHECKPOINT_DIR", "STATE_NAME", "ReplayState", "checkpoint_state_path", "load_checkpoint_state",
-           "save_checkpoint_state"]
+__all__ = ["CHECKPOINT_DIR", "STATE_NAME", "STREAM_STATE_NAME", "ReplayState", "checkpoint_state_path",
+           "load_checkpoint_state", "load_checkpoint_stream", "save_checkpoint_state"]
 
 STATE_NAME = "trl.replay"
+#: the rollout stream's cursor a checkpoint of a ``replay_stream`` run carries
+STREAM_STATE_NAME = "trl.stream"
 STATE_FORMAT = "diskreplay.trl_replay"
 STATE_VERSION = 2
 CHECKPOINT_DIR = "diskreplay_replay"
@@ -111,8 +113,9 @@ def checkpoint_state_path(folder: str, process_index: int = 0, num_processes: in
     return os.path.join(folder, name)
 
 
-def save_checkpoint_state(path: str, state: ReplayState) -> None:
-    """Durably write ``state`` into a state-only store at ``path`` (created if missing).
+def save_checkpoint_state(path: str, state: ReplayState, stream: Optional[Dict[str, Any]] = None) -> None:
+    """Durably write ``state`` (and a rollout stream's ``state_dict()``) into a state-only store at
+    ``path`` (created if missing).
 
     >>> import tempfile
     >>> tmp = tempfile.TemporaryDirectory()
@@ -123,7 +126,19 @@ def save_checkpoint_state(path: str, state: ReplayState) -> None:
     >>> tmp.cleanup()
     """
     with ReplayStore(path, group_key=None) as holder:
+        if stream is not None:  # first: a folder with the replay state has the stream's too
+            holder.save_state(STREAM_STATE_NAME, stream)
         holder.save_state(STATE_NAME, state.to_dict())
+
+
+def load_checkpoint_stream(path: str) -> Optional[Dict[str, Any]]:
+    """The rollout stream's cursor :func:`save_checkpoint_state` wrote at ``path``, or None."""
+    try:
+        holder = ReplayStore(path, readonly=True)
+    except FileNotFoundError:
+        return None
+    with holder:
+        return holder.load_state(STREAM_STATE_NAME)
 
 
 def load_checkpoint_state(path: str) -> Optional[ReplayState]:

@@ -79,6 +79,14 @@ class DiskReplayGRPOConfig(GRPOConfig):
         "so that the store can be replayed later."))
     replay_seed: Optional[int] = field(default=None, metadata=_help(
         "Seed of the replay samplers. None: the run's seed."))
+    replay_stream: Optional[str] = field(default=None, metadata=_help(
+        "Train on the rollout stream of this name (diskreplay.RolloutStream) instead of generating: every "
+        "generation batch is the next whole prompt groups external generators committed to replay_store_path, "
+        "each consumed once across restarts (the stream's cursor is in every checkpoint), at most "
+        "max_policy_lag optimizer steps old. Needs replay_mode='off'; one store for all processes."))
+    replay_stream_timeout: float = field(default=600.0, metadata=_help(
+        "replay_stream: seconds a generation batch waits for the generators to commit its rows before the step "
+        "fails."))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,6 +126,18 @@ def check_replay_options(args: Any) -> None:
                                 f"{args.ssr_eps!r}")
     if args.replay_seed is not None and (not is_int(args.replay_seed) or args.replay_seed < 0):
         raise ReplayConfigError(f"replay_seed must be a non-negative integer or None, got {args.replay_seed!r}")
+    if args.replay_stream is not None:
+        if mode != "off":
+            raise ReplayConfigError(f"replay_stream={args.replay_stream!r} trains on the generators' rows as they "
+                                    f"arrive; replay_mode={mode!r} does not combine with it yet: use "
+                                    "replay_mode='off'")
+        local = args.generation_batch_size // max(int(args.world_size), 1)
+        if local % g:
+            raise ReplayConfigError(f"replay_stream takes whole prompt groups of num_generations={g} rows, but each "
+                                    f"process's generation batch holds {local}; make per_device_train_batch_size * "
+                                    "steps_per_generation a multiple of num_generations")
+        if not args.replay_stream_timeout > 0:
+            raise ReplayConfigError(f"replay_stream_timeout must be seconds > 0, got {args.replay_stream_timeout!r}")
     if args.replay_append and mode == "swap_zero_std":
         raise ReplayConfigError("replay_append=True does not apply to replay_mode='swap_zero_std', which swaps "
                                 "groups in place; drop replay_append or pick repo/ssr")

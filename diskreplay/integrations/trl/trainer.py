@@ -28,8 +28,9 @@ from ... import PrioritizedSampler, PromptGroupSampler, RaggedColumn, ReplayStor
 from ...errors import IntegrationError, ReplayConfigError
 from .batch import (KNOWN_KEYS, OPTIONAL_KEYS, TRUNCATED, assemble, importance_ratio, prompt_keys, record,
                     sampling_logps_or_old)
+from ...stream import RolloutStream
 from .checkpoint import (STATE_NAME, ReplayState, checkpoint_state_path, load_checkpoint_state,
-                         save_checkpoint_state)
+                         load_checkpoint_stream, save_checkpoint_state)
 from .config import DiskReplayGRPOConfig, check_replay_options
 from .planners import (GROUP_KEY, VERSION_KEY, FreshBatch, Planner, RepoPlanner, ReplayPlan, SsrPlanner,
                        SwapZeroStdPlanner, Timeline, recompute_advantages)
@@ -116,6 +117,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         self._planner: Optional[Planner] = self._make_planner(self._make_sampler(), Timeline())
         self._pending_rewards: Optional[torch.Tensor] = None
         self._warned_keys = False
+        self._stream: Optional[RolloutStream] = None
+        self._stream_before: Optional[Dict[str, Any]] = None  # its cursor before the newest generation batch
         # a fresh start on a store that recorded excluded rows (an earlier run resumed) keeps them excluded
         saved = self._store.load_state(STATE_NAME)
         if saved is not None:
@@ -132,7 +135,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ReplayConfigError(f"replay_store_path={path!r} is a file, not a directory; pass the directory "
                                     "of a replay store (a new or empty one is created)")
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.num_processes > 1 and self.args.replay_stream is None:  # a stream: one store for all
             path = os.path.join(path, f"rank-{self.accelerator.process_index:05d}")
         return path
 
@@ -163,8 +166,9 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         try:
             if existing is not None:
                 store = ReplayStore(path)
-            else:
-                store = ReplayStore(path, capacity=capacity, group_key=GROUP_KEY)
+            else:  # a stream's store is written by the generators too
+                store = ReplayStore(path, capacity=capacity, group_key=GROUP_KEY,
+                                    multi_writer=self.args.replay_stream is not None)
         except PermissionError as exc:
             raise ReplayConfigError(f"replay_store_path={path!r} cannot be opened for writing ({exc}); pass a "
                                     "writable directory") from None
@@ -202,6 +206,9 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         return need
 
     def _check_store(self, store: ReplayStore) -> None:
+        if self.args.replay_stream is not None:
+            self._check_stream_store(store)
+            return
         mode = self.replay_mode
         if mode in ("repo", "swap_zero_std") and store.group_key != GROUP_KEY:
             raise ReplayConfigError(f"replay_mode={mode!r} draws prompt groups, but the store at {store.path} is "
@@ -233,6 +240,23 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             raise ReplayConfigError(f"the store at {store.path} holds {store.schema['rewards_per_func'].width} "
                                     f"reward(s) per row, this trainer has {len(self.reward_funcs)} reward "
                                     "function(s); start a new replay_store_path")
+
+    def _check_stream_store(self, store: ReplayStore) -> None:
+        if not store.multi_writer:
+            raise ReplayConfigError(f"replay_stream={self.args.replay_stream!r}: the store at {store.path} takes one "
+                                    "writer, so the generators cannot write it while the trainer runs; create it "
+                                    "with ReplayStore(path, multi_writer=True) (or `diskreplay compact --multi-writer"
+                                    " PATH`)")
+        if store.group_key != GROUP_KEY:
+            raise ReplayConfigError(f"replay_stream takes whole prompt groups by {GROUP_KEY!r}, but the store at "
+                                    f"{store.path} groups rows by {store.group_key!r}; have the generators write "
+                                    f"{GROUP_KEY!r} and create the store with group_key={GROUP_KEY!r}")
+        need = ["prompt_ids", "completion_ids", "advantages", "old_per_token_logps", GROUP_KEY, VERSION_KEY,
+                "rewards"] + (["ref_per_token_logps"] if self.args.beta != 0.0 else [])
+        missing = [c for c in need if store.schema is not None and c not in store.columns]
+        if missing:
+            raise ReplayConfigError(f"replay_stream trains on the stored rows, which need {missing}; the store at "
+                                    f"{store.path} lacks them (columns: {store.columns})")
 
     # ------------------------------------------------------------------ planners and state
 
@@ -313,10 +337,21 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         return checkpoint_state_path(folder, self.accelerator.process_index, self.accelerator.num_processes)
 
     def save_replay_checkpoint(self, folder: str) -> None:
-        """Save the replay state into the store and into checkpoint ``folder`` (see :mod:`.checkpoint`)."""
+        """Save the replay state into the store and into checkpoint ``folder`` (see :mod:`.checkpoint`);
+        a ``replay_stream`` run saves the stream's cursor with it."""
         state = self.replay_state()
         self.replay_store.save_state(STATE_NAME, state.to_dict())
-        save_checkpoint_state(self._checkpoint_state_path(folder), state)
+        save_checkpoint_state(self._checkpoint_state_path(folder), state, self._stream_checkpoint())
+
+    def _stream_checkpoint(self) -> Optional[Dict[str, Any]]:
+        """The cursor that matches the model of a checkpoint taken now: after the newest generation
+        batch once every step of it trained, else before it (a resumed TRL makes that batch again)."""
+        if self._stream is None:
+            return None
+        every = self.args.steps_per_generation * self.num_iterations
+        if self._stream_before is not None and getattr(self, "_step", 0) % every:
+            return self._stream_before
+        return self._stream.state_dict()
 
     def load_replay_checkpoint(self, folder: str) -> None:
         """Resume the replay state saved with checkpoint ``folder``.
@@ -329,6 +364,11 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         path = self._checkpoint_state_path(folder)
         state = load_checkpoint_state(path)
         store = self.replay_store
+        if self.args.replay_stream is not None:
+            self._resume_stream(path)
+            if state is not None:
+                self.load_replay_state(state)
+            return  # the rows committed since are the generators', not a discarded timeline
         if state is None:
             warnings.warn(f"{folder} holds no replay state ({path}): the replay sampler starts afresh and every "
                           "stored row stays replayable", RuntimeWarning, stacklevel=2)
@@ -384,11 +424,71 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        if self.args.replay_stream is not None and self.model.training:
+            return self._stream_batch(len(inputs))
         self._pending_rewards = None
         out = super()._generate_and_score_completions(inputs, *args, **kwargs)
         if not self.model.training:  # evaluation batches are neither stored nor mixed
             return out
         return self._record_and_replay(out)
+
+    # ------------------------------------------------------------------ the rollout stream
+
+    def rollout_stream(self) -> RolloutStream:
+        """The :class:`~diskreplay.RolloutStream` a ``replay_stream`` run trains on (this process's rank)."""
+        if self._stream is None:
+            if self.args.replay_stream is None:
+                raise ReplayConfigError("this trainer generates its own rollouts; set replay_stream= to train on a "
+                                        "rollout stream")
+            self._stream = RolloutStream(self.replay_store, self.args.replay_stream,
+                                         group_size=self.args.num_generations,
+                                         max_policy_lag=self.args.max_policy_lag, policy_version_key=VERSION_KEY,
+                                         rank=self.accelerator.process_index,
+                                         world_size=self.accelerator.num_processes)
+        return self._stream
+
+    def _resume_stream(self, path: str) -> None:
+        saved = load_checkpoint_stream(path)
+        stream = self.rollout_stream()
+        if saved is None:
+            warnings.warn(f"{path} holds no rollout stream cursor: the stream {self.args.replay_stream!r} goes on from "
+                          f"the cursor committed in {self.replay_store.path} (position {stream.position})",
+                          RuntimeWarning, stacklevel=3)
+            return
+        stream.load_state_dict(saved)
+        stream.save()  # the generators' back-pressure counts from the resumed cursor
+
+    def _stream_batch(self, n: int) -> Dict[str, Any]:
+        """A generation batch of ``n`` rows from the rollout stream, in TRL's layout on this device."""
+        stream = self.rollout_stream()
+        step = int(self.state.global_step)
+        self._stream_before = stream.state_dict()
+        rows = stream.next(n, policy_version=step, timeout=self.args.replay_stream_timeout)
+        if rows is None:
+            raise IntegrationError(f"step {step}: the generators committed no {n} new rows of whole prompt groups "
+                                   f"to {self.replay_store.path} within replay_stream_timeout="
+                                   f"{self.args.replay_stream_timeout} s (stream {self.args.replay_stream!r}: "
+                                   f"{stream.stats()})")
+        stream.save()  # drawn: the generators may go on
+        store = self.replay_store
+        asked = {"ref_per_token_logps": self.args.beta != 0.0, "tool_mask": "tool_mask" in store.columns}
+        replay = self._read_replay(rows, {k: True for k, v in asked.items() if v})
+        device = self.accelerator.device
+        keys = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                "old_per_token_logps"] + [k for k, v in asked.items() if v]
+        out: Dict[str, Any] = {k: replay[k].to(device) for k in keys}
+        out["num_items_in_batch"] = self._count_items(out, torch.zeros((), dtype=torch.int64, device=device))
+        lag = float((step - replay[VERSION_KEY].double()).mean())
+        stats = stream.stats()
+        self.replay_history.append({"global_step": step, "stream_rows": rows, "policy_lag_mean": lag,
+                                    "reward_mean": _nanmean(replay["rewards"].double().numpy()),
+                                    **{f"stream_{k}": v for k, v in stats.items()}})
+        metrics = getattr(self, "_metrics", None)
+        if isinstance(metrics, dict) and "train" in metrics:
+            metrics["train"]["stream/policy_lag_mean"].append(lag)
+            metrics["train"]["stream/stale_rows"].append(float(stats["stale"]))
+            metrics["train"]["reward"].append(self.replay_history[-1]["reward_mean"])
+        return out
 
     def _ratio_mode(self) -> str:
         return str(getattr(self.args, "vllm_importance_sampling_mode", ""))
