@@ -1968,11 +1968,10 @@ def _small_segments_ab(batches, work: str, rounds: int = 5) -> None:
 # --------------------------------------------------------------------------- stream
 
 STREAM_CHILD = r"""
-import json, os, queue, sys, time
-import numpy as np
-role, kind, path, me, writers, commits, groups, go = sys.argv[1:9]
+import json, os, sys, time
+role, path, me, writers, commits, groups, go = sys.argv[1:8]
 me, writers, commits, groups = int(me), int(writers), int(commits), int(groups)
-from diskreplay import Collator, RaggedColumn, ReplayStore, collate
+from diskreplay import Collator, ReplayStore
 from diskreplay.stream import RolloutStream
 from diskreplay.synthetic import make_rollouts
 
@@ -1981,117 +1980,127 @@ def wait_go():
     while not os.path.exists(go):
         time.sleep(0.001)
 
+store = ReplayStore(path)
 if role == "writer":
     batches = [make_rollouts(groups, 8, seed=me * 10007 + i, first_group=(me * commits + i) * groups)
                for i in range(commits)]
-    if kind == "diskreplay":
-        store = ReplayStore(path)
-        store.extend(make_rollouts(1, 8, seed=99, first_group=10**9 + me))  # warm: the schema is fixed
-        wait_go()
-        waited = 0.0
-        for i, b in enumerate(batches):
-            t = time.perf_counter()
-            store.wait_for_consumers(max_ahead_rows=64 * groups * 8, timeout=60, poll=0.01)
-            waited += time.perf_counter() - t
-            store.extend(b, token=f"w{me}:{i}")
-        stats = store.stats()
-        store.close()
-        print(json.dumps({"end": time.time(), "waited": waited, "conflicts": stats.get("conflicts", 0),
-                          "commit_seconds": stats.get("commit_seconds", 0)}), flush=True)
-    else:
-        from multiprocessing.connection import Client
-        conn = Client(path)
-        wait_go()
-        for b in batches:
-            conn.send({k: (list(v) if isinstance(v, list) else v) for k, v in b.items()})
-        conn.close()
-        print(json.dumps({"end": time.time()}), flush=True)
+    store.extend(make_rollouts(1, 8, seed=99, first_group=10**9 + me))  # warm: the schema is fixed
+    wait_go()
+    waited = 0.0
+    for i, b in enumerate(batches):
+        t = time.perf_counter()
+        store.wait_for_consumers(max_ahead_rows=64 * groups * 8, timeout=60, poll=0.01)
+        waited += time.perf_counter() - t
+        store.extend(b, token=f"w{me}:{i}")
+    stats = store.stats()
+    store.close()
+    print(json.dumps({"end": time.time(), "waited": waited, "conflicts": stats.get("conflicts", 0),
+                      "commit_seconds": stats.get("commit_seconds", 0)}), flush=True)
 else:
     batch_rows, total = 512, writers * commits * groups * 8
-    got, steps = 0, 0
-    if kind == "diskreplay":
-        store = ReplayStore(path)
-        stream = RolloutStream(store, "trainer", group_size=8)
-        stream.next(8, timeout=60)  # the warm-up rows of every writer's schema commit...
-        while stream.next(8, timeout=0) is not None:
-            pass
-        stream.save()
-        collator = Collator(pad_token_id=0)
-        wait_go()
-        while got < total:
-            rows = stream.next(min(batch_rows, total - got), timeout=60)
-            batch = collator.read(store, rows, columns=["prompt_ids", "completion_ids", "old_per_token_logps",
-                                                        "advantages"])
-            got += len(rows)
-            steps += 1
-            stream.save()  # the cursor, durably: a restart goes on from here
-    else:
-        from multiprocessing.connection import Listener
-        listener = Listener(path)
-        conns = []
-        print("listening", flush=True)
-        for _ in range(writers):
-            conns.append(listener.accept())
-        wait_go()
-        from multiprocessing.connection import wait as wait_conns
-        cols = ("prompt_ids", "completion_ids", "old_per_token_logps")
-        buf = {k: [] for k in cols + ("advantages",)}  # received rows, not yet batched
-        while got < total:
-            for c in wait_conns(conns):
-                try:
-                    b = c.recv()
-                except EOFError:
-                    conns.remove(c)
-                    continue
-                for k in cols:
-                    buf[k].extend(b[k])
-                buf["advantages"].extend(b["advantages"].tolist())
-            while got < total and len(buf["advantages"]) >= min(batch_rows, total - got):
-                n = min(batch_rows, total - got)
-                batch = collate({**{k: RaggedColumn.from_arrays(buf[k][:n]) for k in cols},
-                                 "advantages": np.asarray(buf["advantages"][:n], np.float32)}, pad_token_id=0)
-                buf = {k: v[n:] for k, v in buf.items()}
-                got += n
-                steps += 1
+    got = steps = 0
+    stream = RolloutStream(store, "trainer", group_size=8)
+    stream.next(8, timeout=60)  # the warm-up rows of the writers' first commits
+    while stream.next(8, timeout=0) is not None:
+        pass
+    stream.save()
+    collator = Collator(pad_token_id=0)
+    wait_go()
+    while got < total:
+        rows = stream.next(min(batch_rows, total - got), timeout=60)
+        batch = collator.read(store, rows, columns=["prompt_ids", "completion_ids", "old_per_token_logps",
+                                                    "advantages"])
+        got += len(rows)
+        steps += 1
+        stream.save()  # the cursor, durably: a restart goes on from here
     print(json.dumps({"end": time.time(), "rows": got, "steps": steps}), flush=True)
 """
 
 
+def _rows_batch(buf: Dict[str, list], n: int) -> dict:
+    """The first ``n`` received rows as TRL's padded batch (the in-memory baseline's trainer step)."""
+    return collate({**{k: RaggedColumn.from_arrays(buf[k][:n]) for k in TOKEN_COLUMNS[:2] + ("prompt_ids",)},
+                    "advantages": np.asarray(buf["advantages"][:n], np.float32)}, pad_token_id=0)
+
+
+def _queue_writer(q, me: int, commits: int, groups: int, ready, go, done) -> None:
+    from diskreplay.synthetic import make_rollouts as make
+    batches = [make(groups, 8, seed=me * 10007 + i, first_group=(me * commits + i) * groups) for i in range(commits)]
+    ready.put(me)
+    go.wait()
+    for b in batches:
+        q.put(b)
+    done.put(time.time())
+
+
+def _queue_trainer(q, total: int, ready, go, done) -> None:
+    buf: Dict[str, list] = {k: [] for k in ("prompt_ids", "completion_ids", "old_per_token_logps", "advantages")}
+    _rows_batch({k: [np.zeros(1, np.int32)] if k != "advantages" else [0.0] for k in buf}, 1)  # warm
+    ready.put("trainer")
+    go.wait()
+    got = steps = 0
+    while got < total:
+        b = q.get()
+        for k in ("prompt_ids", "completion_ids", "old_per_token_logps"):
+            buf[k].extend(b[k])
+        buf["advantages"].extend(b["advantages"].tolist())
+        while got < total and len(buf["advantages"]) >= min(512, total - got):
+            n = min(512, total - got)
+            _rows_batch(buf, n)
+            buf = {k: v[n:] for k, v in buf.items()}
+            got, steps = got + n, steps + 1
+    done.put({"end": time.time(), "rows": got, "steps": steps})
+
+
+def _queue_run(writers: int, commits: int, groups: int) -> Dict[str, float]:
+    """The same processes (spawned) and batches, through one ``multiprocessing.Queue``: nothing durable."""
+    ctx = mp.get_context("spawn")
+    q, ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    total = writers * commits * groups * 8
+    procs = [ctx.Process(target=_queue_writer, args=(q, w, commits, groups, ready, go, done)) for w in range(writers)]
+    procs.append(ctx.Process(target=_queue_trainer, args=(q, total, ready, go, done)))
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=300)
+    t = time.time()
+    go.set()
+    ends = [done.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    end = max(e["end"] if isinstance(e, dict) else e for e in ends)
+    return {"rows": total, "wall": end - t, "rows_per_s": total / (end - t)}
+
+
 def _stream_run(kind: str, work: str, writers: int, commits: int, groups: int) -> Dict[str, float]:
     """Rows per second from ``writers`` processes to one consuming trainer process (``kind``:
-    diskreplay's store and stream, or a pipe of pickled batches), timed from one start signal to
-    the trainer's last batch; every process has made its batches and opened its ends before."""
+    diskreplay's store and stream; "writers": the same writers with no trainer; "queue": a
+    ``multiprocessing.Queue``), timed from one start signal to the trainer's last batch (the
+    writers' last commit); every process has made its batches and opened its ends before."""
+    if kind == "queue":
+        return _queue_run(writers, commits, groups)
     alone = kind == "writers"  # diskreplay's writers with no trainer: what their commits cost by themselves
-    kind = "diskreplay" if alone else kind
     path = os.path.join(work, f"{kind}-{time.monotonic_ns()}")
     go = path + ".go"
     env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if kind == "diskreplay":
-        ReplayStore(path, multi_writer=True).close()
-    else:
-        path = path + ".sock"
-    args = [kind, path, "0", str(writers), str(commits), str(groups), go]
+    ReplayStore(path, multi_writer=True).close()
+    args = [path, "0", str(writers), str(commits), str(groups), go]
 
     def start(role: str, me: int) -> subprocess.Popen:
         a = list(args)
-        a[2] = str(me)
+        a[1] = str(me)
         return subprocess.Popen([sys.executable, "-c", STREAM_CHILD, role, *a], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env)
 
     trainer = None if alone else start("trainer", 0)
-    if kind != "diskreplay":
-        assert trainer.stdout.readline().strip() == "listening", trainer.stderr.read()
     procs = [start("writer", w) for w in range(writers)]
-    if kind == "diskreplay":  # the trainer skips the writers' warm-up commits before it is ready
-        for p in procs + ([] if alone else [trainer]):
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-    else:
-        for p in procs + [trainer]:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    everyone = procs + ([] if alone else [trainer])
+    for p in everyone:  # (the trainer skips the writers' warm-up commits before it is ready)
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
     t = time.time()
     open(go, "w").close()
     outs = []
-    for p in procs + ([] if alone else [trainer]):
+    for p in everyone:
         out, err = p.communicate(timeout=600)
         if p.returncode:
             raise RuntimeError(f"{kind} stream child failed: {err[-2000:]}")
@@ -2106,25 +2115,24 @@ def _stream_run(kind: str, work: str, writers: int, commits: int, groups: int) -
 
 def bench_stream(args) -> None:
     """Rollouts from writer processes to a consuming trainer: a durable store and its stream (every
-    commit and every cursor fsynced) vs a pipe of pickled batches between the same processes
-    (``multiprocessing.connection``, what ``multiprocessing.Queue`` sends through), alternating."""
+    commit and every cursor fsynced) vs a ``multiprocessing.Queue`` between the same processes,
+    and vs the same writers with no trainer; the three alternate, medians are reported."""
     work = args.dir
     writers, commits, groups = 4, args.commits, max(1, args.groups // 256)
     print(f"stream: {writers} writers x {commits} commits x {groups} groups of 8 rows "
           f"({writers * commits * groups * 8} rows, GRPO workload), trainer batches of 512 rows padded; "
           f"{args.rounds} alternating rounds, medians")
-    runs: Dict[str, List[float]] = {"diskreplay": [], "pipe": [], "writers": []}
+    runs: Dict[str, List[float]] = {"diskreplay": [], "queue": [], "writers": []}
     for _ in range(args.rounds):
         for kind in runs:
             runs[kind].append(_stream_run(kind, work, writers, commits, groups)["rows_per_s"])
-    dr, pipe, alone = (statistics.median(runs[k]) for k in ("diskreplay", "pipe", "writers"))
+    dr, queue, alone = (statistics.median(runs[k]) for k in ("diskreplay", "queue", "writers"))
     row("", "diskreplay", "baseline", "ratio")
-    row("rows/s writers -> trainer vs a pipe", f"{dr:,.0f}", f"{pipe:,.0f}", f"{dr / pipe:.2f}x")
+    row("rows/s writers -> trainer vs mp.Queue", f"{dr:,.0f}", f"{queue:,.0f}", f"{dr / queue:.2f}x")
     row("rows/s writers -> trainer vs writers alone", f"{dr:,.0f}", f"{alone:,.0f}", f"{dr / alone:.2f}x")
-    print("  (pipe: the same processes send their batches through multiprocessing.connection, nothing durable; "
-          "writers alone: diskreplay's commits with no trainer)")
+    print("  (mp.Queue: the same process layout, batches pickled through one multiprocessing.Queue, nothing "
+          "durable; writers alone: diskreplay's commits with no trainer)")
     print("  runs: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in runs.items()))
-
 
 
 def _size(n: float) -> str:
