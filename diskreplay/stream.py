@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -118,25 +118,26 @@ class RolloutStream:
         self.extra: Optional[Dict[str, Any]] = None
         self._warned: set = set()
         if resume:
-            self._catch_up_with_rank0()
+            # every rank at least at rank 0's commit: the cursor rank 0 committed last is in it
+            self._rank0_view(lambda: [self.store.generation], lambda agreed: self.store.generation < agreed[0])
             saved = store.load_state(self.state_name)
             if saved is not None:
                 self.load_state_dict(saved)
 
-    def _catch_up_with_rank0(self) -> None:
-        """Load the newest commit, and on every rank at least the one rank 0 holds (the cursor it
-        committed last is in it)."""
+    def _rank0_view(self, view: Callable[[], List[int]], behind: Callable[[List[int]], bool]) -> List[int]:
+        """``view()`` of the newest commit as rank 0 sees it, on every rank; a rank whose own store is
+        ``behind`` that loads newer commits until it is not (one process: its own view)."""
         def newest() -> List[int]:
             self.store.refresh()
-            return [self.store.generation]
+            return view()
 
-        agreed = broadcast_ints(newest, 1, self.process_group) if self.world_size > 1 else None
+        agreed = broadcast_ints(newest, len(view()), self.process_group) if self.world_size > 1 else None
         if agreed is None:
-            newest()
-            return
-        while self.store.generation < agreed[0] and not self.store.pinned:
+            return newest()
+        while behind(agreed) and not self.store.pinned:
             self.store.refresh()
             time.sleep(0.001)
+        return agreed
 
     # ------------------------------------------------------------------ the cursor
 
@@ -163,13 +164,15 @@ class RolloutStream:
                 raise SamplerError(f"stream {self.name!r} was saved with {field}={state[field]!r}, not "
                                    f"{getattr(self, field)!r}: use the saved setting, or another stream name to "
                                    "start a new stream from the first row")
-        pending = np.asarray(state["pending"], np.int64)
+        pending, since = np.asarray(state["pending"], np.int64), np.asarray(state["since"], np.float64)
+        alive = pending >= self.store.head  # rows the store evicted since the cursor was saved
         self._next_row = int(state["next_row"])
         self._counts = {**self._counts, **{k: int(v) for k, v in state["counts"].items()}}
         self.extra = state.get("extra")
         self._pending, self._since = np.zeros(0, np.int64), np.zeros(0, np.float64)
         self._keys, self._versions = np.zeros(0, object), np.zeros(0, np.float64)
-        self._adopt(pending, np.asarray(state["since"], np.float64))
+        self._counts["evicted"] += int(alive.size - np.count_nonzero(alive))
+        self._adopt(pending[alive], since[alive])
 
     def save(self, extra: Optional[Mapping[str, Any]] = None) -> None:
         """Commit the cursor (and ``extra``: JSON values and arrays, read back as :attr:`extra`) in one
@@ -197,7 +200,7 @@ class RolloutStream:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = min(poll, 0.002)
         while True:
-            self._scan(deadline)
+            self._scan()
             taken = self._take(units, policy_version)
             if taken is not None:
                 share = units // self.world_size
@@ -213,20 +216,10 @@ class RolloutStream:
                              self.process_group) if self.world_size > 1 else None
         return bool(out[0]) if out is not None else deadline is not None and time.monotonic() >= deadline
 
-    def _scan(self, deadline: Optional[float]) -> None:
+    def _scan(self) -> None:
         """Take in the rows committed since the last scan (rank 0's view, on every rank)."""
-        def view() -> List[int]:
-            self.store.refresh()
-            return [self.store.head, self.store.next_row]
-
-        agreed = broadcast_ints(view, 2, self.process_group) if self.world_size > 1 else None
-        if agreed is None:
-            head, end = view()
-        else:
-            head, end = agreed
-            while self.store.next_row < end and not self.store.pinned:  # not seen rank 0's commit yet
-                self.store.refresh()
-                time.sleep(0.001)
+        head, end = self._rank0_view(lambda: [self.store.head, self.store.next_row],
+                                     lambda agreed: self.store.next_row < agreed[1])
         self._drop_evicted(head)
         if end <= self._next_row:
             return
@@ -239,13 +232,6 @@ class RolloutStream:
         """Add ``rows`` (ascending, above the pending ones) to the waiting rows."""
         if rows.size == 0:
             return
-        head = self.store.head
-        if rows[0] < head:  # a restored cursor's rows the store evicted since
-            keep = rows >= head
-            self._counts["evicted"] += int((~keep).sum())
-            rows, since = rows[keep], None if since is None else since[keep]
-            if rows.size == 0:
-                return
         columns = ([self.group_key] if self.group_size > 1 else []) + \
                   ([self.policy_version_key] if self.max_policy_lag is not None else [])
         data = self.store.read(rows, columns=columns) if columns else {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .. import format as fmt
 from ..errors import ArgumentError
@@ -55,28 +55,38 @@ class Consumer:
         return max(0, int(next_row) - self.position)
 
 
-def consumers(store: Any) -> Dict[str, Consumer]:
-    """Every stream's committed cursor in the commit ``store`` holds, by stream name."""
+def consumers(store: Any, known: Optional[Dict[str, Tuple[Any, Optional[Consumer]]]] = None
+              ) -> Dict[str, Consumer]:
+    """Every stream's committed cursor in the commit ``store`` holds, by stream name. ``known``
+    remembers the cursors read, by their state entry, so that a writer polling for back-pressure
+    reads a stream's state file again only when the stream committed a new cursor."""
+    known = {} if known is None else known
     out: Dict[str, Consumer] = {}
-    for state in sorted(store.manifest.states):
+    for state, entry in sorted(store.manifest.states.items()):
         if not state.startswith(STREAM_PREFIX):
             continue
-        saved = store.load_state(state)
-        if not saved or saved.get("kind") != STREAM_KIND:
-            continue
-        out[state[len(STREAM_PREFIX):]] = Consumer(state[len(STREAM_PREFIX):], int(saved["position"]),
-                                                   float(saved["saved_at"]), int(saved["next_row"]))
+        seen = known.get(state)
+        if seen is None or seen[0] != entry:
+            saved = store.load_state(state)
+            consumer = None
+            if saved and saved.get("kind") == STREAM_KIND:
+                consumer = Consumer(state[len(STREAM_PREFIX):], int(saved["position"]), float(saved["saved_at"]),
+                                    int(saved["next_row"]))
+            seen = known[state] = (entry, consumer)
+        if seen[1] is not None:
+            out[seen[1].name] = seen[1]
     return out
 
 
 def wait_for_consumers(store: Any, max_ahead_rows: int, timeout: Optional[float], dead_after: float,
-                       streams: Optional[Sequence[str]], poll: float, gave_up: Dict[str, float]) -> bool:
+                       streams: Optional[Sequence[str]], poll: float, gave_up: Dict[str, float],
+                       known: Optional[Dict[str, Tuple[Any, Optional[Consumer]]]] = None) -> bool:
     """Block until the store's newest ``next_row`` is at most ``max_ahead_rows`` ahead of every live
     consumer (those of ``streams``, or all); True then, False when ``timeout`` seconds passed
     first (with a warning naming the consumer waited for). A consumer whose cursor was not
     committed for ``dead_after`` seconds is not waited for, nor one this writer gave up on
     (``gave_up``: its name and the cursor it still had then) until it commits a new cursor; no
-    consumer at all: True at once."""
+    consumer at all: True at once. ``known``: as for :func:`consumers`."""
     if isinstance(max_ahead_rows, bool) or not isinstance(max_ahead_rows, int) or max_ahead_rows < 0:
         raise ArgumentError(f"max_ahead_rows must be an integer >= 0, got {max_ahead_rows!r}")
     if timeout is not None and not timeout >= 0:
@@ -87,7 +97,7 @@ def wait_for_consumers(store: Any, max_ahead_rows: int, timeout: Optional[float]
     while True:
         store.refresh()
         now = time.time()
-        live = [c for name, c in consumers(store).items()
+        live = [c for name, c in consumers(store, known).items()
                 if (wanted is None or name in wanted) and now - c.saved_at < dead_after
                 and gave_up.get(name) != c.saved_at]
         slowest = min(live, key=lambda c: c.position, default=None)

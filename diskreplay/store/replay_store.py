@@ -155,6 +155,7 @@ class ReplayStore:
         self._committer: Optional[Committer] = None
         self._read_tokens: Optional[TokenIndex] = None  # readonly: committed_rows' lookups
         self._gave_up_on: Dict[str, float] = {}  # wait_for_consumers: streams it stopped waiting for
+        self._cursors_read: Dict[str, Any] = {}  # consumers: the stream cursors read, by state entry
         self._closed = False
         self._pinned = generation is not None
         #: the segments this store has open and the reads through them
@@ -680,7 +681,7 @@ class ReplayStore:
         """
         self._require_open()
         self.refresh()
-        return self._following(lambda: consumers(self))
+        return self._following(lambda: consumers(self, self._cursors_read))
 
     def wait_for_consumers(self, max_ahead_rows: int, *, timeout: Optional[float] = 60.0,
                            streams: Optional[Sequence[str]] = None, dead_after: float = DEAD_AFTER_S,
@@ -704,7 +705,8 @@ class ReplayStore:
         True
         """
         self._require_open()
-        return wait_for_consumers(self, max_ahead_rows, timeout, dead_after, streams, poll, self._gave_up_on)
+        return wait_for_consumers(self, max_ahead_rows, timeout, dead_after, streams, poll, self._gave_up_on,
+                                  self._cursors_read)
 
     # ------------------------------------------------------------------ reading
 
