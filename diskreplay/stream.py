@@ -106,7 +106,9 @@ class RolloutStream:
         self.policy_version_key = policy_version_key
         self.world_size = _non_negative_int("world_size", world_size)
         self.rank = _non_negative_int("rank", rank)
-        if not 0 <= self.rank < max(self.world_size, 1):
+        if self.world_size < 1:
+            raise ArgumentError(f"world_size must be >= 1 (torch.distributed.get_world_size()), got {world_size!r}")
+        if not 0 <= self.rank < self.world_size:
             raise ArgumentError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
         self.process_group = process_group
         self._next_row = 0

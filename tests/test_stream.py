@@ -72,6 +72,8 @@ def test_a_keyed_store_needs_group_size_and_a_cursor_its_settings(tmp_path):
     RolloutStream(store, "t", group_size=2).save()
     with pytest.raises(SamplerError, match="group_size=2"):
         RolloutStream(store, "t", group_size=4)
+    with pytest.raises(ArgumentError, match="world_size must be >= 1"):
+        RolloutStream(store, "t", group_size=2, world_size=0)
     with pytest.raises(ArgumentError, match="stream name"):
         RolloutStream(store, "x" * 80, group_size=2)
 
