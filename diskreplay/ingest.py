@@ -708,12 +708,17 @@ def _check_loss_masks(record: pa.RecordBatch) -> None:
         values = col.flatten().to_numpy(zero_copy_only=False)
         bad = (values != 0) & (values != 1)
         if bad.any():
+            offsets = np.asarray(col.offsets)
             at = int(np.argmax(bad))
-            starts = np.asarray(col.offsets)[:-1] - col.offsets[0].as_py()
-            lengths = np.asarray(col.value_lengths().fill_null(0))
-            row = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
-            raise BatchError(f"column {name!r} row {row} token {at - int(starts[row])} holds {values[at].item()!r}; "
+            row, token = _value_at(offsets, at + int(offsets[0]))
+            raise BatchError(f"column {name!r} row {row} token {token} holds {values[at].item()!r}; "
                              "a loss mask holds 1 for the policy's tokens and 0 for tool or environment tokens")
+
+
+def _value_at(offsets: np.ndarray, k: int) -> Tuple[int, int]:
+    """(row, position in the row) of value ``k`` of a list column with these ``offsets``."""
+    row = int(np.searchsorted(offsets, k, side="right") - 1)
+    return row, k - int(offsets[row])
 
 
 def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> None:
@@ -818,7 +823,7 @@ def _check_token_ids(record: pa.RecordBatch) -> None:
         values = np.frombuffer(bufs[3], dtype=np.int32, count=int(offsets[-1]))[int(offsets[0]):]
         if values.size and values.min() < 0:
             k = int(np.argmax(values < 0)) + int(offsets[0])
-            row = int(np.searchsorted(offsets, k, side="right") - 1)
-            raise BatchError(f"column {name!r} row {row} position {k - int(offsets[row])} holds token id "
+            row, position = _value_at(offsets, k)
+            raise BatchError(f"column {name!r} row {row} position {position} holds token id "
                              f"{int(values[k - int(offsets[0])])}; token ids are >= 0 (a negative one is a label's "
                              "ignore index or a padding value the mask kept: check the mask)")

@@ -61,6 +61,7 @@ import numpy as np
 
 from ..errors import ArgumentError, MissingDependencyError, ReadOnlyError
 from ..store import ReplayStore
+from ..store.consumers import check_max_ahead
 
 __all__ = ["RolloutActor", "RolloutWriter", "StoreFollower", "rollout_actor_class", "token_for_step"]
 
@@ -158,10 +159,7 @@ class RolloutWriter:
                  max_ahead_rows: Optional[int] = None, wait_timeout: Optional[float] = 60.0,
                  **store_options: Any) -> None:
         self.worker_id = _check_worker_id(worker_id)
-        if max_ahead_rows is not None and (isinstance(max_ahead_rows, bool) or not isinstance(max_ahead_rows, int)
-                                           or max_ahead_rows < 0):
-            raise ArgumentError(f"max_ahead_rows must be an integer >= 0 or None, got {max_ahead_rows!r}")
-        self.max_ahead_rows, self.wait_timeout = max_ahead_rows, wait_timeout
+        self.max_ahead_rows, self.wait_timeout = check_max_ahead(max_ahead_rows, allow_none=True), wait_timeout
         if "multi_writer" in store_options or "readonly" in store_options:
             raise ArgumentError("RolloutWriter always opens a multi-writer store for writing; leave multi_writer "
                                 "and readonly out")

@@ -78,6 +78,16 @@ def consumers(store: Any, known: Optional[Dict[str, Tuple[Any, Optional[Consumer
     return out
 
 
+def check_max_ahead(value: Any, allow_none: bool = False) -> Optional[int]:
+    """``value`` as a ``max_ahead_rows``: an int >= 0 (or None, where that means no back-pressure)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ArgumentError(f"max_ahead_rows must be an integer >= 0{' or None' if allow_none else ''}, "
+                            f"got {value!r}")
+    return value
+
+
 def wait_for_consumers(store: Any, max_ahead_rows: int, timeout: Optional[float], dead_after: float,
                        streams: Optional[Sequence[str]], poll: float, gave_up: Dict[str, float],
                        known: Optional[Dict[str, Tuple[Any, Optional[Consumer]]]] = None) -> bool:
@@ -87,8 +97,7 @@ def wait_for_consumers(store: Any, max_ahead_rows: int, timeout: Optional[float]
     committed for ``dead_after`` seconds is not waited for, nor one this writer gave up on
     (``gave_up``: its name and the cursor it still had then) until it commits a new cursor; no
     consumer at all: True at once. ``known``: as for :func:`consumers`."""
-    if isinstance(max_ahead_rows, bool) or not isinstance(max_ahead_rows, int) or max_ahead_rows < 0:
-        raise ArgumentError(f"max_ahead_rows must be an integer >= 0, got {max_ahead_rows!r}")
+    check_max_ahead(max_ahead_rows)
     if timeout is not None and not timeout >= 0:
         raise ArgumentError(f"timeout must be seconds >= 0 or None (wait for ever), got {timeout!r}")
     wanted = None if streams is None else {str(s) for s in streams}
