@@ -471,11 +471,12 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                                    f"{stream.stats()})")
         stream.save()  # drawn: the generators may go on
         store = self.replay_store
-        asked = {"ref_per_token_logps": self.args.beta != 0.0, "tool_mask": "tool_mask" in store.columns}
-        replay = self._read_replay(rows, {k: True for k, v in asked.items() if v})
+        optional = [k for k, wanted in (("ref_per_token_logps", self.args.beta != 0.0),
+                                        ("tool_mask", "tool_mask" in store.columns)) if wanted]
+        replay = self._read_replay(rows, dict.fromkeys(optional, True))
         device = self.accelerator.device
         keys = ["prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
-                "old_per_token_logps"] + [k for k, v in asked.items() if v]
+                "old_per_token_logps"] + optional
         out: Dict[str, Any] = {k: replay[k].to(device) for k in keys}
         out["num_items_in_batch"] = self._count_items(out, torch.zeros((), dtype=torch.int64, device=device))
         lag = float((step - replay[VERSION_KEY].double()).mean())
