@@ -125,6 +125,30 @@ def test_list(storage):
         storage.read_bytes("manifests/2.json")
 
 
+def test_kinds_ages_and_moves(storage):
+    """What verify and repair ask a storage: kinds without following links, ages, a move."""
+    storage.write_new("segments/1.arrow", b"abcd")
+    assert storage.stat("segments/1.arrow") == ("file", 4)
+    assert storage.stat("segments/none") is None and storage.stat("")[0] == "dir"
+    assert storage.stat("segments")[0] == "dir"
+    assert storage.list_kinds("segments") == {"1.arrow": "file"}
+    assert storage.list_kinds("")["segments"] == "dir"
+    assert storage.list_kinds("nothing") == {} and storage.list_ages("nothing") == {}
+    ages = storage.list_ages("segments")
+    assert list(ages) == ["1.arrow"] and -60 < ages["1.arrow"] < 60
+    storage.move("segments/1.arrow", "quarantine/segments/1.arrow")
+    assert storage.stat("segments/1.arrow") is None
+    assert storage.read_bytes("quarantine/segments/1.arrow") == b"abcd"
+    assert storage.list_kinds("quarantine") == {"segments": "dir"}
+    if storage.can_map:  # a directory's symlinks and special files are reported, never followed
+        os.symlink("/etc/passwd", os.path.join(storage.url, "segments", "2.arrow"))
+        os.mkfifo(os.path.join(storage.url, "segments", "3.arrow"))
+        assert storage.stat("segments/2.arrow")[0] == "link"
+        assert storage.list_kinds("segments") == {"2.arrow": "link", "3.arrow": "other"}
+        storage.move("segments/2.arrow", "quarantine/2.arrow")  # the link itself moves
+        assert os.readlink(os.path.join(storage.url, "quarantine", "2.arrow")) == "/etc/passwd"
+
+
 def test_put_if_absent(storage):
     assert storage.put_if_absent("manifests/1.json", b"first") is True
     assert storage.put_if_absent("manifests/1.json", b"second") is False

@@ -28,6 +28,17 @@ Storage (bytes):
 ``list(reldir)``                            names directly in ``reldir``
                                             (temporary names included, so a
                                             clean-up sees them); ``[]`` if none
+``list_kinds(reldir)`` / ``list_ages``      the same names with each one's kind
+                                            / age in seconds
+``stat(rel)``                               ``(kind, size)``, kind one of
+                                            ``file``, ``dir``, ``link``,
+                                            ``other`` (a symlink at ``rel`` is
+                                            not followed; an object store has
+                                            files and prefixes only); ``None``
+                                            if absent
+``move(rel, dest)``                         ``rel`` under the name ``dest`` (a
+                                            rename; on an object store a copy,
+                                            then a delete)
 ``write_new(rel, data, step=)``             create a file whose name no one
                                             else writes (a segment); no
                                             manifest names it until it is whole
@@ -41,8 +52,9 @@ Storage (bytes):
 ``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
                                             durable / make a directory (no-ops
                                             on an object store)
-``local_path(rel)``                         a local file with ``rel``'s bytes,
+``local_path(rel, size=)``                  a local file with ``rel``'s bytes,
                                             for ``mmap``; only immutable files
+                                            (``size``, if known, saves a request)
 ``fetch_ranges(rel, ranges, size=)``        like ``local_path`` but only the
                                             byte ranges asked for are sure to
                                             be present (a sparse cache file)
@@ -122,7 +134,7 @@ A store branches on what its storage can do, never on its type:
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 from ..errors import ArgumentError
 
@@ -161,6 +173,14 @@ class Storage(Protocol):
 
     def list(self, reldir: str) -> List[str]: ...
 
+    def list_kinds(self, reldir: str) -> Dict[str, str]: ...
+
+    def list_ages(self, reldir: str) -> Dict[str, float]: ...
+
+    def stat(self, rel: str) -> Optional[Tuple[str, int]]: ...
+
+    def move(self, rel: str, dest: str) -> None: ...
+
     def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None: ...
 
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None: ...
@@ -173,7 +193,7 @@ class Storage(Protocol):
 
     def ensure_dir(self, reldir: str) -> None: ...
 
-    def local_path(self, rel: str) -> str: ...
+    def local_path(self, rel: str, size: Optional[int] = None) -> str: ...
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
                      size: Optional[int] = None) -> str: ...

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import itertools
 import os
+import stat
 import time
 import weakref
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -82,7 +83,7 @@ class LocalStorage(Storage):
         self.release_ahead()
         self._fds.close()
 
-    def local_path(self, rel: str) -> str:
+    def local_path(self, rel: str, size: Optional[int] = None) -> str:
         path = self._paths.get(rel) if type(rel) is str else None  # a commit asks for ~15, most several times
         if path is None:
             check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
@@ -116,8 +117,47 @@ class LocalStorage(Storage):
     def list(self, reldir: str) -> List[str]:
         try:
             return os.listdir(self.local_path(reldir))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def stat(self, rel: str) -> Optional[Tuple[str, int]]:
+        """``(kind, size)`` of ``rel`` without following a symlink at ``rel`` (a store reached
+        through a symlinked root is followed there); ``None`` if absent."""
+        path = self.local_path(rel)
+        try:
+            st = os.stat(path) if not rel else os.lstat(path)
+        except FileNotFoundError:
+            return None
+        return kind_of_mode(st.st_mode), st.st_size
+
+    def list_kinds(self, reldir: str) -> Dict[str, str]:
+        folder = self.local_path(reldir)
+        out = {}
+        for name in self.list(reldir):
+            try:
+                out[name] = kind_of_mode(os.lstat(os.path.join(folder, name)).st_mode)
+            except FileNotFoundError:
+                pass  # removed since the listing
+        return out
+
+    def list_ages(self, reldir: str) -> Dict[str, float]:
+        """Like :meth:`list`, with each file's age in seconds; a name removed or renamed between the
+        listing and its ``lstat`` is a change this moment (age 0)."""
+        folder, now = self.local_path(reldir), time.time()
+        out = {}
+        for name in self.list(reldir):
+            try:
+                out[name] = now - os.lstat(os.path.join(folder, name)).st_mtime
+            except FileNotFoundError:
+                out[name] = 0.0
+        return out
+
+    def move(self, rel: str, dest: str) -> None:
+        """Rename ``rel`` (a symlink itself, never its target) to ``dest``, making ``dest``'s
+        directories; the caller syncs the directories."""
+        path = self.local_path(dest)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.rename(self.local_path(rel), path)
 
     def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
         # in place: no manifest names this file yet, so a torn one is garbage (saves a rename)
@@ -723,6 +763,20 @@ class LocalStorage(Storage):
         """The file itself: every range of a local file is present (the call readers
         make on any storage, so they need no branch for local stores)."""
         return self.local_path(rel)
+
+
+def kind_of_mode(mode: int) -> str:
+    """The contract's name for a file's kind: ``file``, ``dir``, ``link`` or ``other``.
+
+    >>> import stat
+    >>> kind_of_mode(stat.S_IFLNK | 0o777)
+    'link'
+    """
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "link" if stat.S_ISLNK(mode) else "other"
 
 
 class _Temp:

@@ -346,6 +346,36 @@ class S3Storage:
                 ages[name] = now - o["last_modified"].timestamp()
         return ages
 
+    def list_kinds(self, reldir: str) -> Dict[str, str]:
+        """Like :meth:`list`, with each name's kind: objects are ``file``, prefixes ``dir``."""
+        reldir = check_rel(reldir, allow_root=True)
+        out = self._call("LIST", reldir, self._ob.list_with_delimiter, reldir or None)
+        kinds = {n: "dir" for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in out["common_prefixes"])
+                 if n and not n.startswith(".")}
+        for o in out["objects"]:
+            name = o["path"].rsplit("/", 1)[-1]
+            if name and not name.startswith("."):
+                kinds[name] = "file"
+        return kinds
+
+    def stat(self, rel: str) -> Optional[Tuple[str, int]]:
+        """``("file", size)`` for an object, ``("dir", 0)`` for a prefix something lies under (the
+        store's root always), ``None`` otherwise: an object store has no links."""
+        if rel in ("", "."):
+            return "dir", 0
+        try:
+            return "file", self.size(rel)
+        except FileNotFoundError:
+            pass
+        out = self._call("LIST", rel, self._ob.list_with_delimiter, rel)
+        return ("dir", 0) if out["objects"] or out["common_prefixes"] else None
+
+    def move(self, rel: str, dest: str) -> None:
+        """Copy ``rel`` to ``dest``, then delete ``rel`` (there is no rename): a failure between
+        the two leaves the object in both places, never in neither."""
+        self.write_new(dest, self.read_bytes(rel))
+        self.delete(rel)
+
     def some_names(self, limit: int = 1000) -> List[str]:
         """Paths of up to about ``limit`` objects anywhere under the store's prefix (one listing
         page, no delimiter: objects in any "folder"), relative to it."""

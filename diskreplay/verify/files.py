@@ -1,9 +1,9 @@
-"""The files of a store as ``verify`` and ``repair`` see them.
+"""The files of a store as ``verify`` and ``repair`` see them, through its storage.
 
-:class:`StoreFiles` is a directory, where symlinks and non-regular files are
-damage too; :class:`ObjectStoreFiles` reads an object store through its
-storage (each object fetched once into the local cache, checked, and parsed
-from there) and quarantines by copy-then-delete.
+:class:`StoreFiles` asks the store's :class:`~diskreplay.storage.base.Storage` only: on a
+directory a symlink or a non-regular file is damage too (the storage's ``stat`` reports kinds
+without following links), an object store has files and prefixes only; a quarantine is the
+storage's ``move`` (a rename, or a copy then a delete).
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -14,14 +14,12 @@ True
 from __future__ import annotations
 
 import os
-import stat
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import format as fmt
-from .._fileio import durable_write, file_crc32c, fsync_dir
-from ..errors import CorruptStoreError, FormatError, StoreNotFoundError
-from ..storage import LocalStorage, S3Storage, is_remote
+from .._fileio import file_crc32c
+from ..errors import CorruptStoreError, FormatError
+from ..storage import open_storage
 
 QUARANTINE_DIR = fmt.QUARANTINE_DIR
 
@@ -38,171 +36,37 @@ def where_in(root: Any, rel: str) -> str:
     return os.path.join(root, rel)
 
 
-def linked_dir(root: str, rel: str) -> bool:
-    """True when ``rel`` lies in a data directory that is a symlink (never followed)."""
-    return "/" in rel and os.path.islink(where_in(root, rel.split("/", 1)[0]))
-
-
 class StoreFiles:
-    """The files of a store as verify and repair see them: a directory, where
-    symlinks and non-regular files are damage too, or an object store."""
+    """The files of a store as verify and repair see them: its storage's listings, kinds and
+    sizes, where a symlink or a non-regular file is damage too.
 
-    def __init__(self, root: str) -> None:
-        self.url = root
-        self.root: Any = root  # what the format functions read from
-        self.storage: Any = LocalStorage(root)
-
-    @staticmethod
-    def open(path: Any, storage_options: Optional[Dict[str, Any]]) -> "StoreFiles":
-        if is_remote(path):
-            return ObjectStoreFiles(S3Storage(path, storage_options))
-        if storage_options:
-            raise StoreNotFoundError(f"storage_options are for s3:// URLs; {path!r} is a local path")
-        return StoreFiles(os.path.abspath(os.fspath(path)))
-
-    def close(self) -> None:
-        pass
-
-    def where(self, rel: str) -> str:
-        return os.path.join(self.url, rel)
-
-    def age(self, rel: str) -> float:
-        """Seconds since ``rel`` was last written (infinite for a file gone meanwhile)."""
-        try:
-            return time.time() - os.lstat(self.where(rel)).st_mtime
-        except FileNotFoundError:
-            return float("inf")
-
-    def is_store_dir(self) -> bool:
-        return os.path.isdir(self.url)
-
-    def exists(self, rel: str) -> bool:
-        return os.path.lexists(self.where(rel))
-
-    def format_file(self) -> Optional[int]:
-        """The size of FORMAT.json (None: missing); CorruptStoreError if it is no plain file."""
-        try:
-            st = os.lstat(self.where(fmt.FORMAT_FILE))
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptStoreError(f"{self.where(fmt.FORMAT_FILE)} is not a regular file (a symlink is not allowed)")
-        return st.st_size
-
-    def size_problem(self, rel: str, size: int) -> Optional[str]:
-        path = self.where(rel)
-        if linked_dir(self.url, rel):
-            return f"{path} lies in a symlinked directory, which is not allowed"
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return f"{path} is missing"
-        if not stat.S_ISREG(st.st_mode):
-            return f"{path} is not a regular file (a symlink is not allowed)"
-        if st.st_size != size:
-            return f"{path} has {st.st_size} bytes but the manifest records {size}"
-        return None
-
-    def local(self, rel: str, size: int) -> str:
-        """A local file with ``rel``'s bytes (to map, parse and checksum)."""
-        return self.where(rel)
-
-    def crc(self, rel: str, size: int) -> int:
-        return file_crc32c(self.local(rel, size))
-
-    def manifest(self, gen: int) -> fmt.Manifest:
-        path = self.where(fmt.manifest_file(gen))
-        if linked_dir(self.url, fmt.manifest_file(gen)):
-            raise CorruptStoreError(f"{path} lies in a symlinked directory, which is not allowed")
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptStoreError(f"{path} is not a regular file (a symlink is not allowed)")
-        return fmt.load_manifest(path, gen)
-
-    def entries(self) -> List[Tuple[str, bool]]:
-        """``(relative path, is_dir)`` of everything in the store outside ``quarantine/``."""
-        out = []
-        root = self.url
-        for name in sorted(os.listdir(root)):
-            full = where_in(root, name)
-            is_dir = os.path.isdir(full) and not os.path.islink(full)
-            out.append((name, is_dir))
-            if is_dir and name in fmt.DATA_DIRS:
-                for sub in sorted(os.listdir(full)):
-                    out.append((f"{name}/{sub}",
-                                os.path.isdir(where_in(full, sub)) and not os.path.islink(where_in(full, sub))))
-        return out
-
-    def is_link(self, rel: str) -> bool:
-        return os.path.islink(self.where(rel))
-
-    def size(self, rel: str) -> int:
-        return os.lstat(self.where(rel)).st_size
-
-    def quarantined(self) -> int:
-        q = self.where(QUARANTINE_DIR)
-        if not os.path.isdir(q) or os.path.islink(q):
-            return 0
-        return sum(len([f for f in files if f != fmt.QUARANTINE_PENDING]) for _, _, files in os.walk(q))
-
-    def youngest_activity(self) -> float:
-        """Seconds since any file of the data directories was written: a manifest, a temporary file,
-        or a data file (a commit in flight writes its segments long before its manifest)."""
-        now, youngest = time.time(), float("inf")
-        for d in fmt.DATA_DIRS:
-            for name in os.listdir(self.where(d)) if os.path.isdir(self.where(d)) else ():
-                try:
-                    youngest = min(youngest, now - os.lstat(self.where(f"{d}/{name}")).st_mtime)
-                except FileNotFoundError:
-                    youngest = 0.0
-        return youngest
-
-    def check_dirs(self, quarantine) -> None:
-        if os.path.islink(self.where(fmt.FORMAT_FILE)):
-            raise CorruptStoreError(f"{self.where(fmt.FORMAT_FILE)} is a symlink; repair will not follow it")
-        for d in fmt.DATA_DIRS:
-            p = self.where(d)
-            if os.path.islink(p) or (os.path.exists(p) and not os.path.isdir(p)):
-                if quarantine(d, "it is not a directory (a symlink is not allowed)"):
-                    os.makedirs(p, exist_ok=True)
-
-    def free_name(self, dest_rel: str) -> str:
-        n, dest = 0, dest_rel
-        while os.path.lexists(self.where(dest)):
-            n += 1
-            dest = f"{dest_rel}.{n}"
-        return dest
-
-    def move(self, rel: str, dest_rel: str) -> None:
-        dest = self.where(dest_rel)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        os.rename(self.where(rel), dest)
-
-    def write(self, rel: str, data: Any) -> None:
-        durable_write(self.where(rel), data)
-
-    def sync(self) -> None:
-        for d in ("",) + fmt.DATA_DIRS:
-            if os.path.isdir(self.where(d)):
-                fsync_dir(self.where(d))
-
-
-class ObjectStoreFiles(StoreFiles):
-    """A store in an object store: objects have no kinds (no symlinks), and a
-    quarantine is a copy then a delete (there is no rename)."""
+    >>> import tempfile
+    >>> files = StoreFiles.open(tempfile.mkdtemp(), None)
+    >>> files.is_store_dir(), files.entries()
+    (True, [])
+    """
 
     def __init__(self, storage: Any) -> None:
         self.storage = storage
-        self.root = storage
+        self.root = storage  # what the format functions read from
         self.url = storage.url
+
+    @staticmethod
+    def open(path: Any, storage_options: Optional[Dict[str, Any]]) -> "StoreFiles":
+        return StoreFiles(open_storage(path, storage_options))
 
     def close(self) -> None:
         self.storage.close()
 
     def where(self, rel: str) -> str:
-        return f"{self.url}/{rel}" if rel else self.url
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def kind(self, rel: str) -> Optional[str]:
+        got = self.storage.stat(rel)
+        return None if got is None else got[0]
 
     def age(self, rel: str) -> float:
+        """Seconds since ``rel`` was last written (infinite for a file gone meanwhile)."""
         try:
             return self.storage.age(rel)
         except FileNotFoundError:
@@ -210,58 +74,89 @@ class ObjectStoreFiles(StoreFiles):
 
     def is_store_dir(self) -> bool:
         self.storage.check()  # a missing bucket or refused credentials: one clear error
-        return True
+        return self.kind("") == "dir"
 
     def exists(self, rel: str) -> bool:
-        return self.storage.exists(rel)
+        return self.storage.stat(rel) is not None
+
+    def in_linked_dir(self, rel: str) -> bool:
+        """True when ``rel`` lies in a data directory that is a symlink (never followed)."""
+        return "/" in rel and self.kind(rel.split("/", 1)[0]) == "link"
 
     def format_file(self) -> Optional[int]:
-        try:
-            return self.storage.size(fmt.FORMAT_FILE)
-        except FileNotFoundError:
+        """The size of FORMAT.json (None: missing); CorruptStoreError if it is no plain file."""
+        got = self.storage.stat(fmt.FORMAT_FILE)
+        if got is None:
             return None
+        if got[0] != "file":
+            raise CorruptStoreError(f"{self.where(fmt.FORMAT_FILE)} is not a regular file (a symlink is not allowed)")
+        return got[1]
 
     def size_problem(self, rel: str, size: int) -> Optional[str]:
-        try:
-            got = self.storage.size(rel)
-        except FileNotFoundError:
-            return f"{self.where(rel)} is missing"
-        if got != size:
-            return f"{self.where(rel)} has {got} bytes but the manifest records {size}"
+        path = self.where(rel)
+        if self.in_linked_dir(rel):
+            return f"{path} lies in a symlinked directory, which is not allowed"
+        got = self.storage.stat(rel)
+        if got is None:
+            return f"{path} is missing"
+        if got[0] != "file":
+            return f"{path} is not a regular file (a symlink is not allowed)"
+        if got[1] != size:
+            return f"{path} has {got[1]} bytes but the manifest records {size}"
         return None
 
     def local(self, rel: str, size: int) -> str:
+        """A local file with ``rel``'s bytes (to map, parse and checksum)."""
         return self.storage.local_path(rel, size=size)
 
+    def crc(self, rel: str, size: int) -> int:
+        return file_crc32c(self.local(rel, size))
+
     def manifest(self, gen: int) -> fmt.Manifest:
+        rel = fmt.manifest_file(gen)
+        if self.in_linked_dir(rel):
+            raise CorruptStoreError(f"{self.where(rel)} lies in a symlinked directory, which is not allowed")
+        got = self.storage.stat(rel)
+        if got is None:
+            raise FileNotFoundError(f"{self.where(rel)} is missing")
+        if got[0] != "file":
+            raise CorruptStoreError(f"{self.where(rel)} is not a regular file (a symlink is not allowed)")
         return fmt.read_manifest(self.storage, gen)
 
     def entries(self) -> List[Tuple[str, bool]]:
-        out = [(d, True) for d in fmt.DATA_DIRS] + [(n, False) for n in self.storage.list("")]
-        if self.quarantined():
-            out.append((QUARANTINE_DIR, True))
-        for d in fmt.DATA_DIRS:
-            out += [(f"{d}/{n}", False) for n in self.storage.list(d)]
-        return sorted(out)
+        """``(relative path, is_dir)`` of everything in the store outside ``quarantine/``."""
+        out = []
+        for name, kind in sorted(self.storage.list_kinds("").items()):
+            out.append((name, kind == "dir"))
+            if kind == "dir" and name in fmt.DATA_DIRS:
+                out += [(f"{name}/{sub}", sub_kind == "dir")
+                        for sub, sub_kind in sorted(self.storage.list_kinds(name).items())]
+        return out
 
     def is_link(self, rel: str) -> bool:
-        return False
+        return self.kind(rel) == "link"
 
     def size(self, rel: str) -> int:
         return self.storage.size(rel)
 
-    def quarantined(self) -> int:
-        return len([n for n in self.storage.list(QUARANTINE_DIR) if n != fmt.QUARANTINE_PENDING]) + sum(
-            len(self.storage.list(f"{QUARANTINE_DIR}/{d}")) for d in fmt.DATA_DIRS)
+    def quarantined(self, reldir: str = QUARANTINE_DIR) -> int:
+        """How many files lie in ``quarantine/`` (its bookkeeping file aside)."""
+        n = 0
+        for name, kind in self.storage.list_kinds(reldir).items():
+            if kind == "dir":
+                n += self.quarantined(f"{reldir}/{name}")
+            elif kind != "link" and name != fmt.QUARANTINE_PENDING:
+                n += 1
+        return n
 
     def youngest_activity(self) -> float:
-        """Seconds since anything in the data directories was written (their listings, which may lag,
-        and the newest manifest, found without one): a commit in flight writes its data first."""
-        youngest = float("inf")
-        for d in fmt.DATA_DIRS:
-            ages = self.storage.list_ages(d)
-            if ages:
-                youngest = min(youngest, min(ages.values()))
+        """Seconds since anything in the data directories was written: a manifest, a temporary file,
+        or a data file (a commit in flight writes its segments long before its manifest). Where
+        listings may lag, the newest manifest (found without one) counts too."""
+        ages = [age for d in fmt.DATA_DIRS for age in self.storage.list_ages(d).values()]
+        youngest = min(ages, default=float("inf"))
+        if self.storage.reliable_listing:
+            return youngest
         try:
             m, _ = fmt.load_newest_manifest(self.storage)
         except (CorruptStoreError, FormatError):
@@ -274,26 +169,32 @@ class ObjectStoreFiles(StoreFiles):
         except FileNotFoundError:
             return 0.0
 
-    def check_dirs(self, quarantine) -> None:
-        pass
+    def check_dirs(self, quarantine: Callable[[str, str], bool]) -> None:
+        """Set aside a data directory that is a symlink or no directory (``quarantine(rel, why)``
+        says whether it moved) and make it again."""
+        if self.is_link(fmt.FORMAT_FILE):
+            raise CorruptStoreError(f"{self.where(fmt.FORMAT_FILE)} is a symlink; repair will not follow it")
+        for d in fmt.DATA_DIRS:
+            if self.kind(d) not in (None, "dir") and quarantine(d, "it is not a directory (a symlink is not allowed)"):
+                self.storage.ensure_dir(d)
 
     def free_name(self, dest_rel: str) -> str:
         n, dest = 0, dest_rel
-        while self.storage.exists(dest):
+        while self.exists(dest):
             n += 1
             dest = f"{dest_rel}.{n}"
         return dest
 
     def move(self, rel: str, dest_rel: str) -> None:
-        # copy first: a failure between the two leaves the file in both places, never in neither
-        self.storage.write_new(dest_rel, self.storage.read_bytes(rel))
-        self.storage.delete(rel)
+        self.storage.move(rel, dest_rel)
 
     def write(self, rel: str, data: Any) -> None:
         self.storage.replace(rel, data)
 
     def sync(self) -> None:
-        pass
+        for d in ("",) + fmt.DATA_DIRS:
+            if self.kind(d) == "dir":
+                self.storage.sync_dir(d)
 
 
 def progress_bar(progress: bool, total: int, desc: str) -> Any:
