@@ -64,6 +64,26 @@ class CommitResult:
     files: List[str] = field(default_factory=list)
 
 
+@dataclass
+class _Race:
+    """One commit's attempts: when its manifest step began (``t0``, ``perf_counter``), the data
+    writes before it (``before`` seconds), its lost races and back-off."""
+
+    t0: float
+    before: float
+    attempt: int = 0
+    lost_at: Optional[float] = None  # when the first attempt's link failed, once one lost
+    publish_t: float = 0.0  # when the last attempt's manifest was ready to publish
+    delay: float = BACKOFF_FIRST
+    unreadable: int = 0
+
+    def stats(self) -> Dict[str, int]:
+        """This commit's contribution to a store's ``commit_stats``."""
+        start = self.t0 - self.before
+        return {"commits": 1, "conflicts": self.attempt, "commit_ms": int(round((self.publish_t - start) * 1e3)),
+                "retry_ms": 0 if self.lost_at is None else int(round((self.publish_t - self.lost_at) * 1e3))}
+
+
 class Committer:
     """Publishes operations on a store's manifests; holds the newest manifest this writer knows."""
 
@@ -161,13 +181,8 @@ class Committer:
         """
         self.require_known_state()
         self._in_doubt = None  # many writers: the base read below finds that commit if it landed
-        t0 = time.perf_counter()
         # the commit began when its first data file was written (``started``), if it wrote any
-        before = max(0.0, boot_clock() - started) if started is not None else 0.0
-        lost_at: Optional[float] = None  # when the first attempt's link failed, once one lost
-        publish_t = t0
-        delay = BACKOFF_FIRST
-        unreadable = 0
+        race = _Race(time.perf_counter(), max(0.0, boot_clock() - started) if started is not None else 0.0)
         delta: Optional[Tuple[fmt.Delta, bytes]] = None  # made once: a lost race links the same file again
         base = self.manifest
         try:
@@ -179,7 +194,7 @@ class Committer:
             if self._unsynced:  # an earlier commit is visible but its durability is still owed
                 self.storage.sync_dir(fmt.MANIFEST_DIR)
                 self._unsynced = False
-            for attempt in range(MAX_ATTEMPTS):
+            for race.attempt in range(MAX_ATTEMPTS):
                 if token is not None:
                     dup = self.tokens.find(base, token)
                     if dup is not None:
@@ -187,66 +202,11 @@ class Committer:
                         self.manifest = base
                         return CommitResult(base, duplicate=dup)
                 self._check_age(started)
-                op = plan(base)
-                logs: List[str] = []
-                # a full manifest (a checkpoint) once the base is this writer's depth past one; after a lost
-                # race, the delta made before it as long as the chain stays short enough (the checkpoint is
-                # left to the next commit: a full manifest's longer race window would lose again)
-                if 0 <= base.depth < self._lost_checkpoint_at:  # another writer's checkpoint landed
-                    self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
-                checkpoint = False
-                if delta is not None and (base.depth < max(self._checkpoint_at, self._checkpoint_deferred)
-                                          or (attempt and base.depth < MAX_DELTA_DEPTH)):
-                    # (a rewrite delta raises ops.Conflict once the base no longer holds its segments)
-                    new, data = delta[0].apply(base, self.options), delta[1]
-                    publish_t = time.perf_counter()
-                else:
-                    checkpoint = delta is not None
-                    new = ops.apply(base, op, self.options).evolve(depth=0)
-                    new, logs = compact_tokens(new, self.tokens, self._write_token_log)
-                    written += logs
-                    publish_t = time.perf_counter()
-                    if self.multi_writer:
-                        new = self._count(base, new, attempt, t0 - before, lost_at, publish_t)
-                    data = fmt.signed_bytes(new.body())
+                new, data, logs, checkpoint = self._next_manifest(base, plan(base), delta, race, written)
                 if self._publish(new, data, install, rows, token is not None):
-                    if new.depth:
-                        self._owe(attempt, t0 - before, lost_at, publish_t)
-                    else:
-                        self._unreported = {}
-                    if checkpoint:
-                        self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
+                    self._won(new, checkpoint, race)
                     break
-                if checkpoint:
-                    # a full manifest's write and fsync come after the base is read: a window in which the
-                    # others' deltas (a link each) win. Trying again at the next commit, and the one after,
-                    # would lose again as all the writers past their depth do: wait a few deltas deeper,
-                    # so that one of them (or this one, at most MAX_DELTA_DEPTH) writes it
-                    self._lost_checkpoint_at = base.depth
-                    self._checkpoint_deferred = min(MAX_DELTA_DEPTH, base.depth + 1
-                                                    + random.randrange(fmt.CHECKPOINT_EVERY // 2))
-                # another writer took this generation: rebase on the newest and retry. The data
-                # files are written and durable already; only the manifest step (and, for an
-                # append, its sidecars' row ids) is redone.
-                if lost_at is None:
-                    lost_at = self._linked_t
-                self.stats.conflicts += 1
-                for rel in logs:
-                    written.remove(rel)
-                    self.storage.delete(rel)
-                if attempt:  # the first retry goes at once: the winner's manifest is there to read
-                    time.sleep(random.uniform(0, delay))
-                    delay = min(delay * 2, BACKOFF_CAP)
-                base = self.newest()
-                if base.generation < new.generation:
-                    # the generation we lost exists but does not read as a manifest: no commit can
-                    # ever follow it (a transient read error gets a few more tries)
-                    unreadable += 1
-                    if unreadable >= UNREADABLE_RETRIES:
-                        raise CorruptStoreError(
-                            f"{self.storage.url}/{new.file} exists but cannot be read as a manifest, so no "
-                            f"commit can follow generation {base.generation}; run `diskreplay verify "
-                            f"{self.storage.url}` and `diskreplay repair` (nothing of this commit is visible)")
+                base = self._lost(base, new, checkpoint, logs, written, race)
             else:
                 raise ops.Conflict(f"gave up committing to {self.storage.url} after {MAX_ATTEMPTS} "
                                    "lost races")
@@ -261,16 +221,89 @@ class Committer:
             self.storage.discard_staged()
             self.discard_pending()  # a duplicate token or an error: never written
             self.storage.release_leases()  # published, or removed (or in doubt: then clean-up decides)
-            # what the lost races cost: from the first failed link to the last link (the back-off,
-            # re-reading the newest commit, re-planning on it, rewriting the sidecars and manifest)
-            if lost_at is not None:
-                self.stats.retry_seconds += self._linked_t - lost_at
-            self.stats.manifest_seconds += time.perf_counter() - t0
-            self.stats.commit_seconds += time.perf_counter() - t0 + before
+            self._count_time(race)
         self.stats.commits += 1
-        self.stats.rebases += attempt > 0
-        self._since_conflict = 0 if attempt else self._since_conflict + 1
+        self.stats.rebases += race.attempt > 0
+        self._since_conflict = 0 if race.attempt else self._since_conflict + 1
         return CommitResult(new, files=written)
+
+    def _next_manifest(self, base: fmt.Manifest, op: ops.Operation, delta: Optional[Tuple[fmt.Delta, bytes]],
+                       race: "_Race", written: List[str]) -> Tuple[fmt.Manifest, bytes, List[str], bool]:
+        """The manifest this attempt publishes on ``base``: ``(manifest, its bytes, token logs it
+        wrote, whether it is a checkpoint made instead of the staged delta)``.
+
+        A full manifest (a checkpoint) once the base is this writer's depth past one; after a lost
+        race, the delta made before it as long as the chain stays short enough (the checkpoint is
+        left to the next commit: a full manifest's longer race window would lose again)."""
+        if 0 <= base.depth < self._lost_checkpoint_at:  # another writer's checkpoint landed
+            self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
+        if delta is not None and (base.depth < max(self._checkpoint_at, self._checkpoint_deferred)
+                                  or (race.attempt and base.depth < MAX_DELTA_DEPTH)):
+            # (a rewrite delta raises ops.Conflict once the base no longer holds its segments)
+            race.publish_t = time.perf_counter()
+            return delta[0].apply(base, self.options), delta[1], [], False
+        new = ops.apply(base, op, self.options).evolve(depth=0)
+        new, logs = compact_tokens(new, self.tokens, self._write_token_log)
+        written += logs
+        race.publish_t = time.perf_counter()
+        if self.multi_writer:
+            new = self._count(base, new, race)
+        return new, fmt.signed_bytes(new.body()), logs, delta is not None
+
+    def _won(self, new: fmt.Manifest, checkpoint: bool, race: "_Race") -> None:
+        """After a publish: a delta's own counters ride in this writer's next commit."""
+        if new.depth:
+            own = race.stats()
+            own.pop("commits")  # counted in the delta
+            self._unreported = {k: v for k, v in own.items() if v}
+        else:
+            self._unreported = {}
+        if checkpoint:
+            self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
+
+    def _lost(self, base: fmt.Manifest, new: fmt.Manifest, checkpoint: bool, logs: List[str], written: List[str],
+              race: "_Race") -> fmt.Manifest:
+        """Another writer took ``new``'s generation: drop what this attempt wrote, back off, and
+        return the newest manifest to rebase on. The data files are written and durable already;
+        only the manifest step (and, for an append, its sidecars' row ids) is redone."""
+        if checkpoint:
+            # a full manifest's write and fsync come after the base is read: a window in which the
+            # others' deltas (a link each) win. Trying again at the next commit, and the one after,
+            # would lose again as all the writers past their depth do: wait a few deltas deeper,
+            # so that one of them (or this one, at most MAX_DELTA_DEPTH) writes it
+            self._lost_checkpoint_at = base.depth
+            self._checkpoint_deferred = min(MAX_DELTA_DEPTH, base.depth + 1
+                                            + random.randrange(fmt.CHECKPOINT_EVERY // 2))
+        if race.lost_at is None:
+            race.lost_at = self._linked_t
+        self.stats.conflicts += 1
+        for rel in logs:
+            written.remove(rel)
+            self.storage.delete(rel)
+        if race.attempt:  # the first retry goes at once: the winner's manifest is there to read
+            time.sleep(random.uniform(0, race.delay))
+            race.delay = min(race.delay * 2, BACKOFF_CAP)
+        newest = self.newest()
+        if newest.generation < new.generation:
+            # the generation we lost exists but does not read as a manifest: no commit can
+            # ever follow it (a transient read error gets a few more tries)
+            race.unreadable += 1
+            if race.unreadable >= UNREADABLE_RETRIES:
+                raise CorruptStoreError(
+                    f"{self.storage.url}/{new.file} exists but cannot be read as a manifest, so no "
+                    f"commit can follow generation {newest.generation}; run `diskreplay verify "
+                    f"{self.storage.url}` and `diskreplay repair` (nothing of this commit is visible)")
+        return newest
+
+    def _count_time(self, race: "_Race") -> None:
+        """What the commit took; of it, the lost races: from the first failed link to the last link
+        (the back-off, re-reading the newest commit, re-planning on it, rewriting the sidecars and
+        manifest)."""
+        if race.lost_at is not None:
+            self.stats.retry_seconds += self._linked_t - race.lost_at
+        spent = time.perf_counter() - race.t0
+        self.stats.manifest_seconds += spent
+        self.stats.commit_seconds += spent + race.before
 
     def discard_pending(self) -> None:
         """Forget the files the next publish was to write (written now, or never)."""
@@ -294,28 +327,14 @@ class Committer:
         self.storage.stage(fmt.MANIFEST_DIR, data, files, dirs, step="manifest")
         return d, data
 
-    @staticmethod
-    def _stats(conflicts: int, t0: float, lost_at: Optional[float], publish_t: float) -> Dict[str, int]:
-        return {"commits": 1, "conflicts": conflicts, "commit_ms": int(round((publish_t - t0) * 1e3)),
-                "retry_ms": 0 if lost_at is None else int(round((publish_t - lost_at) * 1e3))}
-
-    def _count(self, base: fmt.Manifest, new: fmt.Manifest, conflicts: int, t0: float, lost_at: Optional[float],
-               publish_t: float) -> fmt.Manifest:
+    def _count(self, base: fmt.Manifest, new: fmt.Manifest, race: "_Race") -> fmt.Manifest:
         """``new`` with this commit (and this writer's earlier deltas' owed counters) added to the store's
         ``commit_stats`` (summed over all writers: each commit adds its own to its base's, so a lost
         race's retry counts it again on the newer base)."""
         stats = dict(base.commit_stats)
-        for key, value in list(self._stats(conflicts, t0, lost_at, publish_t).items()) + list(
-                self._unreported.items()):
+        for key, value in list(race.stats().items()) + list(self._unreported.items()):
             stats[key] = stats.get(key, 0) + value
         return new.evolve(commit_stats=stats)
-
-    def _owe(self, conflicts: int, t0: float, lost_at: Optional[float], publish_t: float) -> None:
-        """After a delta's publish: its own lost races and times ride in this writer's next commit
-        (its ``commits`` count was in the delta)."""
-        own = self._stats(conflicts, t0, lost_at, publish_t)
-        own.pop("commits")
-        self._unreported = {k: v for k, v in own.items() if v}
 
     def _check_age(self, started: Optional[float]) -> None:
         """Many writers: another writer's clean-up takes unnamed files older than
