@@ -22,7 +22,7 @@ from .names import (APPEND_DELTAS_VERSION, CHECKPOINT_EVERY, DATA_DIRS, DEFAULT_
                     segment_file, state_file, token_log_file)
 from .jsondoc import (canonical_json, check_header, check_signature, evolve, int_field, parse_json, read_json,
                       read_signed_json, signature_in_bytes, signed_bytes, signed_doc)
-from .access import as_dir, as_storage, file_exists, is_object_storage, location, read_signed
+from .access import as_storage, file_exists, location, read_signed
 from .options import (StoreOptions, read_shared_schema, schema_file, shared_schema_bytes)
 from .entries import (COMMIT_STATS, GroupIndexEntry, LateColumn, MAX_TOKEN_CHARS, SegmentEntry, StateEntry, TokenLog,
                       TokenRecord, add_late_columns, parse_commit_stats, parse_token_log, store_schema, token_log_bytes)

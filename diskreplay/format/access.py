@@ -25,17 +25,6 @@ def as_storage(root: Any) -> Storage:
     return LocalStorage(os.fspath(root)) if isinstance(root, (str, os.PathLike)) else root
 
 
-def is_object_storage(root: Any) -> bool:
-    """True for a storage whose files cannot be mapped in place (an object store)."""
-    return not getattr(root, "can_map", True)
-
-
-def as_dir(root: Any) -> Any:
-    """``root`` itself, or a local Storage's directory (what the writes of FORMAT.json and of a
-    full manifest by a single local writer take)."""
-    return root if isinstance(root, (str, os.PathLike)) or is_object_storage(root) else root.url
-
-
 def location(root: Any, rel: str) -> str:
     """How messages name ``rel`` of ``root`` (a directory path, or the storage's URL and the name)."""
     url = os.fspath(root) if isinstance(root, (str, os.PathLike)) else root.url

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .._fileio import durable_write
 from ..errors import CommitConflictError, FormatError
 from ..schema import ColumnSpec, late_column_problem
 from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, MANIFEST_FORMAT, MAX_ID,
                     REWRITE_DELTA_VERSION, manifest_file)
 from .jsondoc import check_header, check_signature, evolve, int_field, signed_bytes, signed_doc
-from .access import as_dir, is_object_storage
+from .access import as_storage
 from .options import StoreOptions
 from .entries import (GroupIndexEntry, LateColumn, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
                       parse_commit_stats)
@@ -168,11 +166,8 @@ class Manifest:
                               f"next_row {self.next_row}")
 
     def write(self, root: Any) -> None:
-        root = as_dir(root)
-        if is_object_storage(root):
-            root.replace(self.file, signed_bytes(self.body()), step="manifest")
-            return
-        durable_write(os.path.join(root, self.file), signed_bytes(self.body()), step="manifest")
+        """Write this manifest whole into ``root`` (a directory or a Storage), atomically."""
+        as_storage(root).replace(self.file, signed_bytes(self.body()), step="manifest")
 
 
 def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Tuple
 
-from .._fileio import durable_write
 from ..errors import FormatError
 from ..schema import Schema
 from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION,
                     LATE_COLUMNS_FORMAT_VERSION, MULTI_WRITER_VERSION, SCHEMA_FILE, SCHEMA_FORMAT, STORE_FORMAT)
 from .jsondoc import check_header, check_signature, int_field, signed_bytes, signed_doc
-from .access import as_dir, as_storage, is_object_storage, location, read_signed
+from .access import as_storage, location, read_signed
 
 
 @dataclass(frozen=True)
@@ -89,11 +87,7 @@ class StoreOptions:
 
     def write(self, root: Any) -> None:
         """Write ``FORMAT.json`` into ``root``: a directory or a :class:`~diskreplay.storage.Storage`."""
-        root = as_dir(root)
-        if is_object_storage(root):
-            root.replace(FORMAT_FILE, signed_bytes(self.body()), step="format")
-            return
-        durable_write(os.path.join(root, FORMAT_FILE), signed_bytes(self.body()), step="format")
+        as_storage(root).replace(FORMAT_FILE, signed_bytes(self.body()), step="format")
 
     @classmethod
     def read(cls, root: Any) -> "StoreOptions":
