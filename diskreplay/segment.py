@@ -4,6 +4,9 @@ A segment is one uncompressed Arrow IPC *file* holding one record batch of
 unpadded rows. It is read through a memory map: opening parses the footer
 only, and every column comes back as numpy views of the mapped pages, so a
 read touches just the bytes it returns.
+
+One module: a segment's map, its pages' checksums and the record of pages already checked
+change together (every read path goes through all three).
 """
 
 from __future__ import annotations

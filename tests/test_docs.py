@@ -158,3 +158,15 @@ def test_no_module_imports_another_modules_private_names():
             if private and target != module:
                 wrong.append(f"diskreplay.{module} imports {private} from diskreplay.{target} at {path.name}:{line}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_long_modules_say_why_they_are_one():
+    """A module over about 600 lines states in its docstring why its job is one ("One module: ...")."""
+    import ast
+
+    long = []
+    for module, _, path in _modules():
+        text = path.read_text()
+        if text.count("\n") > 620 and "One module:" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(f"{path} has {text.count(chr(10))} lines and no 'One module:' reason in its docstring")
+    assert not long, "\n".join(long)

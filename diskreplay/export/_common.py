@@ -3,6 +3,8 @@ chunks, Arrow conversion and tokenizers (the outputs they write: :mod:`.outputs`
 
 Everything here reads a store through its public API only (``read``,
 ``manifest.segments``, ``group_index``), one bounded chunk of rows at a time.
+
+One module: every export and import tool starts from these same few steps.
 """
 
 from __future__ import annotations

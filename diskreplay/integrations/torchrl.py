@@ -46,6 +46,8 @@ are in the store, durable already.
 
 Needs the ``[torchrl]`` extra (``pip install diskreplay[torchrl]``). TorchRL's
 compiled extension is not needed: its pure-Python samplers are enough.
+
+One module: the storage and its writer keep one position contract between them (above).
 """
 
 from __future__ import annotations

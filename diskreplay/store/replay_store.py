@@ -9,6 +9,9 @@ protocol and its guarantees). This module turns calls into operation values
 
 The facade: the public methods and their documented examples, each delegating to a part
 of this package (opening, appending, merging, states, segment_cache, group_views).
+
+One module: a store's whole public API, each method with its example; about a third of it
+is those docstrings, the work is in the parts it delegates to.
 """
 
 from __future__ import annotations

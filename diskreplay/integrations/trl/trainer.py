@@ -2,6 +2,9 @@
 
 See the package docstring (:mod:`diskreplay.integrations.trl`) for the replay
 modes, the seam into TRL and what a restart does.
+
+One module: the trainer subclass, whose overrides of TRL's methods (generation, scoring,
+logging, checkpoints) share its state and are read together against TRL's own.
 """
 
 from __future__ import annotations
