@@ -285,8 +285,8 @@ def run_concurrently(calls: Sequence[Callable[[], None]]) -> None:
 
     Why: an fsync waits on the disk with the GIL released, and the fsyncs of
     one commit's files and directories share the filesystem's journal commits
-    and cache flushes when they are issued together (4 small files: ~20 ms one
-    after the other, ~4 ms at once, on the machine of ``tools/bench.py writers``).
+    and cache flushes when they are issued together (``tools/bench.py writers``
+    measures a commit's fsyncs).
     The first call runs here because this thread would only wait meanwhile: a hand-off
     to a pool thread and back costs more CPU than a small call's own Python.
 

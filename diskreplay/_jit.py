@@ -7,14 +7,13 @@ values), instead of joining ~1,000 numpy views per column. Without numba, or
 with ``DISKREPLAY_JIT=0`` in the environment, the numpy path runs; both give
 the same bytes (tests compare them).
 
-Measured in ``tools/bench.py sample`` (512 rows, ~820 tokens each, 13.4 MB
-packed): the per-row Python work of the numpy path (~2 ms a batch: a view
-and a piece of a join per row and column) is gone, and the writes run at the
-machine's memory bandwidth.
+Why: the numpy path's per-row Python work (a view and a piece of a join per
+row and column) is gone, and the writes run at the machine's memory bandwidth
+(``tools/bench.py sample``).
 
-Rows are passed by address: a column's rows of one read lie in ~40 segment
-maps, and handing numba a list of 40 arrays costs ~0.3 ms per column
-(``numba.typed.List``), more than the copy. The caller computes every row's
+Rows are passed by address: a column's rows of one read lie in dozens of
+segment maps, and handing numba a list of arrays (``numba.typed.List``) costs
+more than the copy. The caller computes every row's
 start address from arrays it keeps alive during the call, and checks that
 each row's range lies inside its array; the kernel trusts both.
 

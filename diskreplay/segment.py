@@ -32,7 +32,7 @@ _ADVISE_GAP = 64 << 10
 PAGE_BYTES = 8192
 # ... for segments of at least this many bytes. A smaller one (a commit of a few rows) is checked whole
 # against its manifest CRC-32C when first opened, as a segment without a sidecar is: reading all of it
-# costs no more than paging it, and the page checksums and buffer ranges cost its commit 10-20% of its CPU.
+# costs no more than paging it, and a small commit does not pay for page checksums and buffer ranges.
 PAGED_SEGMENT_BYTES = 64 << 10
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
@@ -558,7 +558,7 @@ class Segment(ArrowFile):
         return key
 
     def _check_offsets(self, name: str, offsets: np.ndarray, n_values: int) -> None:
-        # (count_nonzero of a comparison: a fifth of np.any(np.diff(...) < 0), once per segment and column)
+        # (count_nonzero of a comparison: no temporary of np.diff, once per segment and column)
         if len(offsets) and (offsets[0] < 0 or offsets[-1] > n_values or np.count_nonzero(offsets[1:] < offsets[:-1])):
             raise CorruptStoreError(f"{self.path}: column {name!r} has invalid offsets")
 

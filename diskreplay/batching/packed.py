@@ -31,23 +31,15 @@ How the host writes the stream (512 rows, ~820 tokens each, T ~418 k):
   ``position_ids`` are views of small constant arrays, made once per length and
   kept (:class:`_Constants`: looking one up costs a tenth of slicing it);
   ``completion_mask`` is one ``np.repeat`` of a 0/1 pattern. Per-row work is a
-  view and a piece of a C-level join (~0.5 us a row and column, ~2 ms a batch);
-  a fancy-index gather (``np.take`` over T) or a boolean-mask scatter were
-  measured slower.
+  view and a piece of a C-level join; a fancy-index gather (``np.take`` over
+  T) or a boolean-mask scatter is slower.
 
 Both paths give the same bytes. From ``ReplayStore.read_ranges`` the rows
 are read straight from the segments' memory maps, so a batch copies every
 value once instead of twice (``read`` first concatenates the rows, then the
 packing copies them again): what :meth:`Collator.read
-<diskreplay.batching.collator.Collator.read>` does.
-
-Measured in ``tools/bench.py sample`` (the paths alternated, so each starts
-with caches other paths have filled; the 13.4 MB of int64 ids, positions and
-mask and float32 log-probs take ~2.3 ms to write at this VM's ~6 GB/s):
-``Collator.read`` of a packed batch 7.4 ms with the numpy path, 3.9-4.4 ms
-with the compiled one (its per-row work, measured on the rows cut to one
-token: 2.0 ms before, 0.6-0.7 ms now); ``read_ranges`` (locating rows in ~40
-segments, page checks, per-row columns) is ~1 ms of either.
+<diskreplay.batching.collator.Collator.read>` does. Timings of both paths:
+``tools/bench.py sample`` (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class LocalStorage(Storage):
         #: (data, its temporary file, whether a link of it lost) of a staged or lost publish
         self._staged: Optional[Tuple[Buffer, "_Temp", bool]] = None
         # descriptors a writer keeps for its lifetime (closed by close()): each directory it fsyncs
-        # (an open per fsync was a fifth of a small commit's opens), and each file reserve() created
+        # (not an open per fsync), and each file reserve() created
         # until write_files fills it (no second open of the same name)
         self._fds = _Descriptors()
         self._finalizer = weakref.finalize(self, self._fds.close)
@@ -488,8 +488,8 @@ class LocalStorage(Storage):
                 return run
 
             # small files are written here and only their fsyncs go to the pool: a thread that
-            # only fsyncs takes the GIL once, not three times (a small commit: 30% fewer futex
-            # calls, ~10% less CPU in write_files); a large one is written on the pool
+            # only fsyncs takes the GIL once, not three times (fewer futex calls, less CPU);
+            # a large one is written on the pool
             # (without fsync everything is written here: nothing to wait for)
             calls = []
             for fd, rel, data, _ in items:
