@@ -149,6 +149,26 @@ def test_kinds_ages_and_moves(storage):
         assert os.readlink(os.path.join(storage.url, "quarantine", "2.arrow")) == "/etc/passwd"
 
 
+def test_manifest_discovery(storage):
+    """The newest manifest is found through the storage alone, listed or probed as its
+    capabilities say, from nothing, from a known generation, and past collected ones."""
+    from diskreplay import format as fmt
+
+    assert fmt.load_newest_manifest(storage)[0].generation == 0  # an empty store
+    for gen in (1, 2, 3):
+        fmt.Manifest(generation=gen, next_row=10 * gen, head=10 * gen).write(storage)
+    m, problems = fmt.load_newest_manifest(storage)
+    assert (m.generation, m.next_row, problems) == (3, 30, [])
+    known = fmt.read_manifest(storage, 1)
+    assert fmt.load_newest_manifest(storage, known=known)[0].generation == 3
+    storage.delete(fmt.manifest_file(1))  # collected: the oldest goes first
+    fmt.Manifest(generation=4, next_row=40, head=40).write(storage)
+    assert fmt.load_newest_manifest(storage, known=fmt.read_manifest(storage, 2))[0].generation == 4
+    assert fmt.load_newest_manifest(storage)[0].next_row == 40
+    if storage.reliable_listing:
+        assert fmt.list_generations(storage) == [4, 3, 2]
+
+
 def test_put_if_absent(storage):
     assert storage.put_if_absent("manifests/1.json", b"first") is True
     assert storage.put_if_absent("manifests/1.json", b"second") is False
