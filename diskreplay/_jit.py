@@ -37,6 +37,7 @@ SUPPORTED = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int3
 
 _loaded: Optional[Any] = None
 _failed = False
+_crc_function: Optional[int] = None
 
 
 def _build() -> Any:
@@ -94,12 +95,81 @@ def _build() -> Any:
             fill(mask[at:at + prompt_len[i]], 0)
             fill(mask[at + prompt_len[i]:end], 1)
 
+    @intrinsic
+    def crc32c_call(typingctx, function, crc, address, length):
+        """``crc32c_extend(crc, address, length)`` of the C library at the address ``function``."""
+        def codegen(context, builder, signature, args):
+            from llvmlite import ir
+
+            bytes_ptr = ir.IntType(8).as_pointer()
+            kind = ir.FunctionType(ir.IntType(32), [ir.IntType(32), bytes_ptr, ir.IntType(64)])
+            target = builder.inttoptr(args[0], kind.as_pointer())
+            return builder.call(target, [args[1], builder.inttoptr(args[2], bytes_ptr), args[3]])
+        return types.uint32(types.int64, types.uint32, types.int64, types.int64), codegen
+
+    @njit(nogil=True, cache=True)
+    def check_pages(function, segments, rows, bounds):
+        """The page checks of one read, every segment in one pass: ``segments[k]`` describes
+        segment k (see ``Segment.page_check_table``), its rows are ``rows[bounds[k]:bounds[k + 1]]``.
+        Each row not checked before has the pages of its values checked, each page once; a row is
+        marked once all of its pages passed. ``(k, page)`` of the first page that fails, else
+        ``(-1, -1)``."""
+        for k in range(segments.shape[0]):
+            d = segments[k]
+            n_rows, n_cols, n_pages, page_bytes, size, base = d[3], d[4], d[5], d[6], d[7], d[8]
+            checked = numba.carray(as_pointer(d[0]), n_rows, np.uint8)
+            first = numba.carray(as_pointer(d[1]), n_cols * n_rows, np.int64)
+            count = numba.carray(as_pointer(d[2]), n_cols * n_rows, np.int64)
+            verified = numba.carray(as_pointer(d[9]), n_pages, np.uint8)
+            crcs = numba.carray(as_pointer(d[10]), n_pages, np.uint32)
+            for i in range(bounds[k], bounds[k + 1]):
+                r = rows[i]
+                if checked[r]:
+                    continue
+                for c in range(n_cols):
+                    at = c * n_rows + r
+                    for page in range(first[at], first[at] + count[at]):
+                        if verified[page]:
+                            continue
+                        start = page * page_bytes
+                        if crc32c_call(function, np.uint32(0), base + start, min(page_bytes, size - start)) \
+                                != crcs[page]:
+                            return k, page
+                        verified[page] = 1
+                checked[r] = 1
+        return -1, -1
+
     class Kernels:
         __slots__ = ()
         stream = staticmethod(pair)
         layout = staticmethod(positions_and_mask)
+        pages = staticmethod(check_pages)
 
     return Kernels()
+
+
+def crc32c_function() -> Optional[int]:
+    """The address of the C library's ``crc32c_extend(crc, bytes, length)`` that google_crc32c
+    calls (hardware CRC where the CPU has it), or None when google_crc32c runs without it.
+
+    >>> crc32c_function() is None or crc32c_function() > 0
+    True
+    """
+    global _crc_function
+    if _crc_function is None:
+        _crc_function = 0
+        try:
+            import ctypes
+
+            import google_crc32c
+            from google_crc32c import _crc32c
+
+            if google_crc32c.implementation == "c":
+                # the extension module's handle finds the symbol in the library it links
+                _crc_function = ctypes.cast(ctypes.CDLL(_crc32c.__file__).crc32c_extend, ctypes.c_void_p).value or 0
+        except (ImportError, OSError, AttributeError):
+            pass
+    return _crc_function or None
 
 
 def kernels() -> Optional[Any]:

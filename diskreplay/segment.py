@@ -14,11 +14,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 
+from . import _jit
 from ._fileio import crc32c, first_bad_page, read_exactly
 from ._ranges import coalesce
 from .errors import CorruptStoreError, StoreIOError
@@ -52,7 +53,7 @@ class PageChecksums:
     few rows still reads only the pages those rows live in.
     """
 
-    __slots__ = ("crcs", "page_bytes", "body", "verified", "buffers")
+    __slots__ = ("crcs", "page_bytes", "body", "verified", "buffers", "_crcs_u32")
 
     def __init__(self, crcs: np.ndarray, page_bytes: int, body: Tuple[int, int],
                  buffers: Optional[np.ndarray] = None) -> None:
@@ -63,6 +64,13 @@ class PageChecksums:
         # field_buffers), or None (written before they were recorded): a cold read asks for them
         # together with the header and footer pages, before parsing the file
         self.buffers = buffers
+        self._crcs_u32: Optional[np.ndarray] = None
+
+    def crcs_u32(self) -> np.ndarray:
+        """The checksums as one contiguous uint32 array (made once)."""
+        if self._crcs_u32 is None:
+            self._crcs_u32 = np.ascontiguousarray(self.crcs, dtype=np.uint32)
+        return self._crcs_u32
 
     @classmethod
     def of(cls, data: pa.Buffer, page_bytes: int = PAGE_BYTES) -> "PageChecksums":
@@ -320,11 +328,15 @@ class ArrowFile:
         ids = sorted(set(todo.tolist()))
         bad = first_bad_page(self._base, ids, self.pages.crcs[ids].tolist(), self.pages.page_bytes)
         if bad is not None:
-            p = self.pages.page_bytes
-            raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{bad * p}, {(bad + 1) * p}); the "
-                                    "file is damaged and is not served; run `diskreplay verify` / "
-                                    "`diskreplay repair`")
+            self.page_failed(bad)
         self._verified[ids] = True
+
+    def page_failed(self, page: int) -> None:
+        """Raise the error of a page whose checksum does not match."""
+        p = self.pages.page_bytes
+        raise CorruptStoreError(f"{self.path} fails its checksum at bytes [{page * p}, {(page + 1) * p}); the "
+                                "file is damaged and is not served; run `diskreplay verify` / "
+                                "`diskreplay repair`")
 
     @property
     def base_address(self) -> int:
@@ -441,6 +453,7 @@ class Segment(ArrowFile):
         self._states: Dict[str, tuple] = {}  # ragged column -> ragged_state
         self._rows_checked_for: Dict[tuple, np.ndarray] = {}  # ragged columns read together -> rows checked
         self._row_pages: Dict[tuple, Tuple[np.ndarray, np.ndarray]] = {}  # the same -> _page_spans
+        self._check_tables: Dict[tuple, np.ndarray] = {}  # the same -> page_check_table
         self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
 
     @property
@@ -508,13 +521,11 @@ class Segment(ArrowFile):
     def check_rows_of(self, names: tuple, local_rows: np.ndarray) -> None:
         """Check the pages holding the values of ``local_rows`` in the ragged columns ``names`` (a
         read's), each row once: warm, one test for all of them; cold, the pages of every column
-        found from a per-row table (built once per segment and column set) and checked in one pass."""
+        found from a per-row table (built once per segment and column set) and checked in one pass.
+        :func:`check_rows_of_parts` does the same for all the segments of a read at once."""
         if self.pages is None or not names:
             return
-        checked = self._rows_checked_for.get(names)
-        if checked is None:
-            self._row_pages[names] = self._page_spans(names)  # (first: it checks the offsets, and may raise)
-            checked = self._rows_checked_for[names] = np.zeros(self.num_rows, dtype=bool)
+        checked = self._rows_checked(names)
         seen = checked[local_rows]
         # (count_nonzero: a third of ndarray.all's cost, which goes through a Python wrapper)
         if np.count_nonzero(seen) == len(seen):
@@ -525,6 +536,32 @@ class Segment(ArrowFile):
         ends = np.cumsum(counts)
         self._verify_pages(np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1])))
         checked[todo] = True
+
+    def _rows_checked(self, names: tuple) -> np.ndarray:
+        """The record of rows whose values in ``names`` were checked (made with their page table)."""
+        checked = self._rows_checked_for.get(names)
+        if checked is None:
+            self._row_pages[names] = self._page_spans(names)  # (first: it checks the offsets, and may raise)
+            checked = self._rows_checked_for[names] = np.zeros(self.num_rows, dtype=bool)
+        return checked
+
+    def page_check_table(self, names: tuple) -> Optional[np.ndarray]:
+        """What the compiled page check reads of this segment for the ragged columns ``names``:
+        int64 addresses and sizes of its row record, page table, page record and checksums and of
+        its mapped bytes (the arrays stay referenced by this segment), or None for a segment
+        without page checksums or with its own page fetching (an object store's)."""
+        table = self._check_tables.get(names)
+        if table is None:
+            if self.pages is None or type(self)._verify_pages is not ArrowFile._verify_pages:
+                return None
+            checked = self._rows_checked(names)
+            first, count = self._row_pages[names]
+            p = self.pages
+            table = self._check_tables[names] = np.array(
+                [checked.ctypes.data, first.ctypes.data, count.ctypes.data, self.num_rows, len(names),
+                 len(p.crcs), p.page_bytes, self.size, self._base.address, p.verified.ctypes.data,
+                 p.crcs_u32().ctypes.data], dtype=np.int64)
+        return table
 
     def _page_spans(self, names: tuple) -> Tuple[np.ndarray, np.ndarray]:
         """``(first page, page count)``, each ``[len(names), rows]``, of every row's values in the
@@ -617,3 +654,28 @@ class Segment(ArrowFile):
         out[:-1, 1] = (offsets[local_rows + 1] - starts) * item
         out[-1] = (arr.offsets.buffers()[1].address, 8 * (len(arr) + 1))
         return out
+
+
+def check_rows_of_parts(parts: Sequence[Tuple["Segment", np.ndarray]], names: tuple) -> None:
+    """Check the pages holding the values of each ``(segment, local rows)`` of a read in the
+    ragged columns ``names``, as :meth:`Segment.check_rows_of` does: with the compiled kernels,
+    every segment in one call (each page's CRC-32C by the C library, no Python per page or per
+    segment), else segment by segment. Raises ``CorruptStoreError`` naming the file and bytes
+    of the first page that fails.
+
+    >>> check_rows_of_parts([], ("ids",))
+    """
+    if not names or not parts:
+        return
+    kernels, function = _jit.kernels(), _jit.crc32c_function()
+    tables = [seg.page_check_table(names) for seg, _ in parts] if kernels is not None and function else None
+    if tables is None or any(t is None for t in tables):
+        for seg, local_rows in parts:
+            seg.check_rows_of(names, local_rows)
+        return
+    rows = np.concatenate([local_rows for _, local_rows in parts]) if len(parts) > 1 else parts[0][1]
+    bounds = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(local_rows) for _, local_rows in parts], out=bounds[1:])
+    bad, page = kernels.pages(function, np.stack(tables), np.ascontiguousarray(rows, dtype=np.int64), bounds)
+    if bad >= 0:
+        parts[bad][0].page_failed(int(page))

@@ -34,7 +34,7 @@ from ..errors import ArgumentError, CorruptStoreError, RowsEvictedError
 from ..groups import arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema
-from ..segment import PageChecksums, Segment, has_page_checksums, prefetch_files
+from ..segment import PageChecksums, Segment, check_rows_of_parts, has_page_checksums, prefetch_files
 from .sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
 from .reading import RangePlan, gather_ragged, hint_reads, ragged_ranges, ragged_run
 from .remote import CacheEvicted, RemoteSegment, fetch_for_read
@@ -341,8 +341,7 @@ class SegmentCache:
                and bool(np.all(np.diff(parts[0][2]) == 1)))
         # every ragged value served is checked here, once per segment for all ragged columns
         ragged_cols = tuple(c for c in cols if view.schema[c].kind == RAGGED)
-        for seg, _, loc in parts:
-            seg.check_rows_of(ragged_cols, loc)
+        check_rows_of_parts([(seg, loc) for seg, _, loc in parts], ragged_cols)
         for name in cols:
             spec = view.schema[name]
             if spec.kind == RAGGED and ranges:
