@@ -172,6 +172,11 @@ def crc32c_function() -> Optional[int]:
     return _crc_function or None
 
 
+def loaded() -> bool:
+    """Whether the kernels are built in this process already (numba's start-up is paid)."""
+    return _loaded is not None
+
+
 def kernels() -> Optional[Any]:
     """The compiled kernels (``.stream``, ``.layout``), or None when numba is not installed or
     ``DISKREPLAY_JIT`` is ``0`` (read on every call, so tests can switch paths)."""

@@ -35,6 +35,8 @@ PAGE_BYTES = 8192
 # against its manifest CRC-32C when first opened, as a segment without a sidecar is: reading all of it
 # costs no more than paging it, and a small commit does not pay for page checksums and buffer ranges.
 PAGED_SEGMENT_BYTES = 64 << 10
+# reads of at least this many rows start the compiled page checks (check_rows_of_parts)
+COMPILED_CHECK_ROWS = 64
 _META_PAGE_BYTES = b"diskreplay.page_bytes"
 META_PAGE_CRCS = b"diskreplay.page_crc32c"  # little-endian uint32, one per page of the segment file
 _META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's body (its buffers)
@@ -667,7 +669,12 @@ def check_rows_of_parts(parts: Sequence[Tuple["Segment", np.ndarray]], names: tu
     """
     if not names or not parts:
         return
-    kernels, function = _jit.kernels(), _jit.crc32c_function()
+    # a small read does not start numba (about a second, once a process): opening a store and
+    # reading a few rows stays as fast as before; a batch does, and later reads use it
+    if not _jit.loaded() and sum(len(local_rows) for _, local_rows in parts) < COMPILED_CHECK_ROWS:
+        kernels, function = None, None
+    else:
+        kernels, function = _jit.kernels(), _jit.crc32c_function()
     tables = [seg.page_check_table(names) for seg, _ in parts] if kernels is not None and function else None
     if tables is None or any(t is None for t in tables):
         for seg, local_rows in parts:

@@ -6,10 +6,15 @@ import errno
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from ..errors import CommitConflictError, CorruptStoreError, FormatError
 from .names import (DELTA_FORMAT, FLOOR_FILE, FORMAT_FILE, FORWARD_READS, MANIFEST_DIR, MANIFEST_NAME, MAX_DELTA_CHAIN,
-                    MAX_RELISTS, manifest_file)
+                    MAX_JSON_BYTES, MAX_RELISTS, manifest_file)
+from .._fileio import crc32c
 from .access import as_storage, file_exists, location, read_signed
+from .jsondoc import parse_json, signature_in_bytes
+from .segment_table import SegmentTable, SegmentTableEntry, cut_entries
 from .options import StoreOptions
 from .manifest import Delta, Manifest, delta_from_doc
 from .floor import read_floor
@@ -30,7 +35,7 @@ def load_manifest(path: str, generation: Optional[int] = None, *, known: Optiona
     if given, receives every generation a chain of deltas made on the way.
     """
     folder, name = os.path.split(path)
-    doc, verified = read_signed(folder, name)
+    doc, verified = read_manifest_doc(folder, name)
     if isinstance(doc, dict) and doc.get("format") == DELTA_FORMAT:
         m = MANIFEST_NAME.match(name)
         if m is None:
@@ -64,7 +69,7 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
                                     f"generation {g} without a full manifest")
         g_where = location(root, manifest_file(g))
         try:
-            doc, verified = read_signed(root, manifest_file(g))
+            doc, verified = read_manifest_doc(root, manifest_file(g))
         except FileNotFoundError:  # collected with the delta meanwhile, or lost: MissingBase says which
             raise MissingBase(errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it "
                                    "applies to, is missing", g_where) from None
@@ -97,8 +102,45 @@ def _check_appended(m: Manifest, where: str) -> None:
     the entries after the base's rows, raises ``next_segment`` past their ids and applies the
     capacities; :func:`rewrite_rows` checks a rewrite's rows), so a reader catching up does not
     check every segment's rows per delta."""
-    if len({s.id for s in m.segments}) != len(m.segments):
-        raise FormatError(f"a segment id appears twice in {where}")
+    segs = m.segments
+    if isinstance(segs, SegmentTable):
+        ids = segs.column("id")
+        if bool(np.all(ids[1:] > ids[:-1])) or np.unique(ids).size == ids.size:
+            return
+    elif len({s.id for s in segs}) == len(segs):
+        return
+    raise FormatError(f"a segment id appears twice in {where}")
+
+
+def read_manifest_doc(root: Any, rel: str) -> Tuple[Any, bool]:
+    """A manifest's document and whether its bytes proved their checksum, as :func:`read_signed`
+    gives it, but with ``segments`` already a :class:`SegmentTable` when the manifest names an
+    intact segment table (its JSON entries are then not parsed). A table that is missing, of
+    other bytes or not one leaves the JSON entries to be read, as a reader without tables does."""
+    root = as_storage(root)
+    raw = root.read_bytes(rel, MAX_JSON_BYTES)
+    where = location(root, rel)
+    verified = signature_in_bytes(raw)
+    cut = cut_entries(raw) if verified else None
+    if cut is not None:
+        doc = parse_json(cut[0], where)
+        table = _segment_table(root, doc, where)
+        if table is not None:
+            doc["segments"] = table
+            return doc, True
+    return parse_json(raw, where), verified
+
+
+def _segment_table(root: Any, doc: Any, where: str) -> Optional[SegmentTable]:
+    try:
+        entry = SegmentTableEntry.from_dict(doc.get("segment_table") if isinstance(doc, dict) else None, where)
+        data = root.read_bytes(entry.file, entry.bytes)
+        if len(data) != entry.bytes or crc32c(data) != entry.crc32c:
+            return None
+        table = SegmentTable.from_bytes(data, location(root, entry.file))
+    except (OSError, FormatError, CorruptStoreError):
+        return None
+    return table if len(table) == entry.count else None
 
 
 def list_generations(root: Any) -> List[int]:
@@ -221,7 +263,7 @@ def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = Non
     a delta is resolved as :func:`load_manifest` says."""
     root = as_storage(root)
     rel = manifest_file(generation)
-    doc, verified = read_signed(root, rel)
+    doc, verified = read_manifest_doc(root, rel)
     return _resolve(root, generation, doc, verified, location(root, rel), known, options, seen)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from ..errors import CommitConflictError, FormatError
 from ..schema import ColumnSpec, late_column_problem
 from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, MANIFEST_FORMAT, MAX_ID,
@@ -12,6 +14,7 @@ from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION,
 from .jsondoc import check_header, check_signature, evolve, int_field, signed_bytes, signed_doc
 from .access import as_storage
 from .options import StoreOptions
+from .segment_table import SegmentTable, SegmentTableEntry
 from .entries import (GroupIndexEntry, LateColumn, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
                       parse_commit_stats)
 
@@ -46,6 +49,9 @@ class Manifest:
     commit_stats: Mapping[str, int] = field(default_factory=dict)
     #: not stored: how many append deltas this commit is past the newest full manifest (0: it is one)
     depth: int = field(default=0, compare=False)
+    #: a full manifest of many segments: where the same entries lie as a table (docs/FORMAT.md,
+    #: "Segment tables"); dropped by :meth:`evolve`, as the entries change with every commit
+    segment_table: Optional[SegmentTableEntry] = field(default=None, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -70,14 +76,20 @@ class Manifest:
         out += [t.file for t in self.token_logs]
         if self.group_index is not None:
             out.append(self.group_index.file)
+        if self.segment_table is not None:
+            out.append(self.segment_table.file)
         return out
 
     @property
     def nbytes(self) -> int:
-        return (sum(s.bytes + s.groups_bytes for s in self.segments) + sum(st.bytes for st in self.states.values())
+        segs = self.segments
+        data = (int(segs.column("bytes").sum() + segs.column("groups_bytes").sum()) if isinstance(segs, SegmentTable)
+                else sum(s.bytes + s.groups_bytes for s in segs))
+        return (data + sum(st.bytes for st in self.states.values())
                 + (self.group_index.bytes if self.group_index is not None else 0))
 
     def evolve(self, **changes: Any) -> "Manifest":
+        changes.setdefault("segment_table", None)
         return evolve(self, changes)
 
     def to_dict(self) -> dict:
@@ -105,17 +117,21 @@ class Manifest:
             doc["group_index"] = self.group_index.to_dict()
         if self.commit_stats:
             doc["commit_stats"] = dict(sorted(self.commit_stats.items()))
+        if self.segment_table is not None:
+            doc["segment_table"] = self.segment_table.to_dict()
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str, verified: bool = False) -> "Manifest":
+        """The manifest a checked document holds; its ``segments`` may be a :class:`SegmentTable`
+        already (a reader that read the segment table instead of the JSON entries)."""
         doc = check_header(doc, MANIFEST_FORMAT, where, (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION))
         if not verified:
             check_signature(doc, where)
         segs = doc.get("segments")
         states = doc.get("states", {})
         tokens, logs = doc.get("tokens", []), doc.get("token_logs", [])
-        if not isinstance(segs, list) or not isinstance(states, dict) or not isinstance(tokens, list) \
+        if not isinstance(segs, (list, SegmentTable)) or not isinstance(states, dict) or not isinstance(tokens, list) \
                 or not isinstance(logs, list):
             raise FormatError(f"Unsupported segments/states/tokens in {where}; expected lists and an object")
         m = cls(
@@ -123,7 +139,7 @@ class Manifest:
             head=int_field(doc, "head", where),
             next_row=int_field(doc, "next_row", where),
             next_segment=int_field(doc, "next_segment", where, hi=MAX_ID + 1),
-            segments=tuple(SegmentEntry.from_dict(s, where) for s in segs),
+            segments=segs if isinstance(segs, SegmentTable) else tuple(SegmentEntry.from_dict(s, where) for s in segs),
             states={k: StateEntry.from_dict(k, v, where) for k, v in states.items()},
             tokens=tuple(TokenRecord.from_list(t, where) for t in tokens),
             token_logs=tuple(TokenLog.from_dict(t, where) for t in logs),
@@ -131,6 +147,8 @@ class Manifest:
             group_index=(None if doc.get("group_index") is None
                          else GroupIndexEntry.from_dict(doc["group_index"], where)),
             commit_stats=parse_commit_stats(doc.get("commit_stats", {}), where),
+            segment_table=(None if doc.get("segment_table") is None
+                           else SegmentTableEntry.from_dict(doc["segment_table"], where)),
         )
         m.validate(where)
         return m
@@ -142,6 +160,9 @@ class Manifest:
                                   f"generation {c.since_generation}, after this commit")
         if self.head > self.next_row:
             raise FormatError(f"Unsupported head {self.head} > next_row {self.next_row} in {where}")
+        if isinstance(self.segments, SegmentTable):
+            self._validate_table(where)
+            return
         prev_end, prev_id, ordered = None, -1, True
         for s in self.segments:
             if prev_end is not None and s.first_row != prev_end:
@@ -165,6 +186,29 @@ class Manifest:
             raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
                               f"next_row {self.next_row}")
 
+    def _validate_table(self, where: str) -> None:
+        """:meth:`validate`'s checks of the segments, over a table's columns."""
+        t = self.segments
+        ids, first, end = t.column("id"), t.column("first_row"), t.column("first_row") + t.column("num_rows")
+        gap = np.flatnonzero(first[1:] != end[:-1])
+        if gap.size:
+            i = int(gap[0]) + 1
+            raise FormatError(f"segment {int(ids[i])} in {where} starts at row {int(first[i])}; expected "
+                              f"{int(end[i - 1])} (segments must be contiguous)")
+        if len(t) and int(ids.max()) >= self.next_segment:
+            raise FormatError(f"segment id {int(ids.max())} in {where} is out of order")
+        if not np.all(ids[1:] > ids[:-1]) and np.unique(ids).size != ids.size:
+            raise FormatError(f"a segment id appears twice in {where}")
+        if len(t):
+            if int(end[-1]) != self.next_row or int(first[0]) > self.head or int(end[0]) <= self.head:
+                raise FormatError(f"segments in {where} cover rows [{int(first[0])}, {int(end[-1])}) but live rows "
+                                  f"are [{self.head}, {self.next_row})")
+        elif self.head != self.next_row:
+            raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
+        if self.group_index is not None and self.group_index.end_row > self.next_row:
+            raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
+                              f"next_row {self.next_row}")
+
     def write(self, root: Any) -> None:
         """Write this manifest whole into ``root`` (a directory or a Storage), atomically."""
         as_storage(root).replace(self.file, signed_bytes(self.body()), step="manifest")
@@ -175,16 +219,21 @@ def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
     """New head and live segments after applying the row and byte capacities."""
     if options.capacity_rows is not None:
         head = max(head, next_row - options.capacity_rows)
+    table = isinstance(segments, SegmentTable)
     if options.capacity_bytes is not None:
-        total = sum(s.bytes + s.groups_bytes for s in segments)
-        i = 0
-        while i < len(segments) - 1 and total > options.capacity_bytes:
-            total -= segments[i].bytes + segments[i].groups_bytes
-            i += 1
+        sizes = (segments.column("bytes") + segments.column("groups_bytes") if table
+                 else np.array([s.bytes + s.groups_bytes for s in segments], dtype=np.int64))
+        # drop the oldest while the rest exceed the capacity, never the last
+        kept_after = sizes.sum() - np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        i = min(int(np.count_nonzero(kept_after > options.capacity_bytes)), max(len(segments) - 1, 0))
         if i:
             head = max(head, segments[i].first_row)
     if segments and segments[0].end_row <= head:  # ordered by row: drop the evicted prefix
-        segments = tuple(s for s in segments if s.end_row > head)
+        if table:
+            ends = segments.column("first_row") + segments.column("num_rows")
+            segments = segments[int(np.searchsorted(ends, head, side="right")):]
+        else:
+            segments = tuple(s for s in segments if s.end_row > head)
     return head, segments
 
 

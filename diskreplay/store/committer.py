@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
-from .._fileio import boot_clock, crash_point
+from .._fileio import boot_clock, crash_point, crc32c
 from ..errors import (CommitConflictError, CommitNotDurableError, CommitTimeoutError, CorruptStoreError,
                       StoreIOError)
 from . import ops
@@ -248,7 +248,29 @@ class Committer:
         race.publish_t = time.perf_counter()
         if self.multi_writer:
             new = self._count(base, new, race)
+        if len(new.segments) >= fmt.SEGMENT_TABLE_MIN:
+            new = self._with_segment_table(new)
+            logs = logs + [new.segment_table.file]  # (a lost race removes it with the token logs)
+            written.append(new.segment_table.file)
         return new, fmt.signed_bytes(new.body()), logs, delta is not None
+
+    def _with_segment_table(self, new: fmt.Manifest) -> fmt.Manifest:
+        """``new`` naming a segment table of its segments (docs/FORMAT.md, "Segment tables"), which
+        is written with the manifest (one writer) or before it, under the first free id from its
+        generation on, created only if absent (many writers, object storage: never another
+        writer's table)."""
+        table = fmt.SegmentTable.of(new.segments)
+        data = fmt.table_bytes(table)
+        if self.multi_writer or not self.storage.exclusive_lock:
+            self.storage.ensure_dir(fmt.GROUPS_DIR)
+            table_id, _ = self.storage.link_candidates(fmt.segment_table_file, data, new.generation)
+            self.storage.sync_dir(fmt.GROUPS_DIR)
+        else:  # one writer, one commit per generation: a fresh name, written and made durable with the manifest
+            table_id = new.generation
+            self.pending.append((fmt.segment_table_file(table_id), data, "groups"))
+            self.pending_dirs.append(fmt.GROUPS_DIR)
+        entry = fmt.SegmentTableEntry(table_id, len(data), crc32c(data), len(table))
+        return new.evolve(segments=table, segment_table=entry)
 
     def _won(self, new: fmt.Manifest, checkpoint: bool, race: "_Race") -> None:
         """After a publish: a delta's own counters ride in this writer's next commit."""

@@ -261,7 +261,9 @@ class SegmentCache:
                 raise RowsEvictedError(f"row {bad} is not in the store: live rows are [{m.head}, {m.next_row})"
                                        + (" (it was evicted)" if 0 <= bad < m.head else ""))
         if self._starts[0] is not m:
-            self._starts = (m, np.fromiter((s.first_row for s in m.segments), dtype=np.int64, count=len(m.segments)))
+            segs = m.segments
+            self._starts = (m, segs.column("first_row") if isinstance(segs, fmt.SegmentTable) else
+                            np.fromiter((s.first_row for s in segs), dtype=np.int64, count=len(segs)))
         starts = self._starts[1]
         seg_idx = np.searchsorted(starts, rows, side="right") - 1
         return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from .. import format as fmt
-from .._fileio import TMP_PREFIX
+from .._fileio import TMP_PREFIX, crc32c
 from ..errors import CorruptStoreError, FormatError
 from ..segment import META_BUFFERS_KEY, ArrowFile, Segment, buffer_ranges, field_buffers
 from ..store.sidecars import group_sidecar, inline_group, segment_local_rows
@@ -112,6 +112,7 @@ def _verify_once(files: "StoreFiles", progress: bool) -> "Report":
     if newest is not None:
         r.generation, r.rows = newest.generation, newest.num_rows
         _check_rows(r, newest, options)
+        _check_segment_table(r, newest)
         options = with_late_columns(r, options, newest)
         files = _sized_files(newest)
         bar = progress_bar(progress, sum(b for _, b in files), "verify")
@@ -270,6 +271,34 @@ def _check_rows(r: Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions])
             r.problem(f"{where} has rows but {where_in(r.files, holder)} "
                       f"{'is missing' if holder == fmt.SCHEMA_FILE else 'records no schema'} (it holds the "
                       "store's schema, fixed by its first append; restore it from a backup or a copy)")
+
+
+def _check_segment_table(r: Report, m: fmt.Manifest) -> None:
+    """A manifest's segment table holds exactly its JSON entries: a missing or damaged one is read
+    past (readers take the entries; the next commit writes a new table), one of other entries is
+    what readers would read."""
+    t = m.segment_table
+    if t is None:
+        return
+    where = where_in(r.files, t.file)
+    raw = r.files.storage.read_bytes(m.file, fmt.MAX_JSON_BYTES)
+    entries = fmt.Manifest.from_dict(fmt.parse_json(raw, where_in(r.files, m.file)), where_in(r.files, m.file),
+                                     verified=True).segments
+    try:
+        data = r.files.storage.read_bytes(t.file, t.bytes)
+        problem = (None if len(data) == t.bytes and crc32c(data) == t.crc32c
+                   else f"has {len(data)} bytes, crc32c {crc32c(data):#010x}; the manifest records {t.bytes} bytes, "
+                        f"{t.crc32c:#010x}")
+        table = fmt.SegmentTable.from_bytes(data, where) if problem is None else None
+    except (OSError, FormatError, CorruptStoreError) as exc:
+        problem, table = f"cannot be read ({exc})", None
+    if problem is not None:
+        r.warn(f"{where} {problem}: readers read the segment entries of {where_in(r.files, m.file)} instead "
+               "(nothing is lost; the next commit writes a new table)")
+    elif table != entries:
+        r.problem(f"{where} does not hold the segment entries of {where_in(r.files, m.file)}, yet readers take "
+                  "their entries from it: remove that file (readers then read the entries; the next commit "
+                  "writes a new table)")
 
 
 def with_late_columns(r: "Report", options: Optional[fmt.StoreOptions],
