@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import format as fmt
 from .._fileio import file_crc32c
-from ..errors import CorruptStoreError, FormatError
+from ..errors import CorruptStoreError, FormatError, StoreNotFoundError
 from ..storage import open_storage
 
 QUARANTINE_DIR = fmt.QUARANTINE_DIR
@@ -118,7 +118,7 @@ class StoreFiles:
             raise CorruptStoreError(f"{self.where(rel)} lies in a symlinked directory, which is not allowed")
         got = self.storage.stat(rel)
         if got is None:
-            raise FileNotFoundError(f"{self.where(rel)} is missing")
+            raise StoreNotFoundError(f"{self.where(rel)} is missing")
         if got[0] != "file":
             raise CorruptStoreError(f"{self.where(rel)} is not a regular file (a symlink is not allowed)")
         return fmt.read_manifest(self.storage, gen)
