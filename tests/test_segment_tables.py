@@ -228,3 +228,22 @@ def test_tables_on_object_storage(s3_server, s3_url, tmp_path, small_tables):
         check_live_rows(reader)
     assert verify_store(s3_url, storage_options=s3_server.storage_options)["ok"]
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(entry_lists, st.lists(st.text(max_size=30), max_size=3), st.booleans())
+def test_a_manifests_file_joins_its_entries_json_into_the_same_bytes(rows, tokens, with_table):
+    """``Manifest.file_bytes`` (each entry's JSON made once) writes exactly ``signed_bytes(body())``,
+    whatever strings the document holds (tokens naming ``"segments"`` or the placeholder)."""
+    entries, first = [], 0
+    for i, (n, nbytes, crc, group) in enumerate(rows):
+        gbytes, gcrc = (0, 0) if group is not None else (nbytes // 2, crc ^ 1)
+        entries.append(fmt.SegmentEntry(i, first, n, max(nbytes, n), crc, gbytes, gcrc, group))
+        first += n
+    records = tuple(fmt.TokenRecord(t + '"segments":"\x00entries\x00"', 0, 1, 1, 1) for t in tokens)
+    m = fmt.Manifest(generation=2, next_row=first, next_segment=len(entries), tokens=records,
+                     segments=SegmentTable.of(entries) if with_table else tuple(entries),
+                     segment_table=fmt.SegmentTableEntry(9, 10, 11, len(entries)) if with_table else None)
+    assert m.file_bytes() == fmt.signed_bytes(m.body())
+    moved = m.segments[0].moved(5)  # a moved entry's JSON is its own, not the cached one of the original
+    assert moved.json_bytes() == fmt.canonical_json(moved.to_dict())

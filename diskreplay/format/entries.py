@@ -9,7 +9,8 @@ from ..errors import CorruptStoreError, FormatError, SchemaError
 from ..schema import ColumnSpec, Schema, late_column_problem
 from .names import (FORMAT_VERSION, GROUPS_DIR, MAX_ID, SEGMENT_DIR, TOKENS_FORMAT, check_state_name, group_index_file,
                     groups_file, segment_file, state_file, token_log_file)
-from .jsondoc import check_header, check_signature, evolve, int_field, parse_json, signature_in_bytes, signed_bytes
+from .jsondoc import (canonical_json, check_header, check_signature, evolve, int_field, parse_json,
+                      signature_in_bytes, signed_bytes)
 
 
 _SEGMENT_INT_FIELDS = ("id", "first_row", "num_rows", "bytes", "crc32c", "groups_bytes", "groups_crc32c")
@@ -63,6 +64,21 @@ class SegmentEntry:
         return {"id": self.id, "file": self.file, "first_row": self.first_row, "num_rows": self.num_rows,
                 "bytes": self.bytes, "crc32c": self.crc32c, "groups_file": self.groups_file,
                 "groups_bytes": self.groups_bytes, "groups_crc32c": self.groups_crc32c}
+
+    def files(self) -> Tuple[str, ...]:
+        """The files this entry names: its segment, and its sidecar if it has one (made once)."""
+        got = self.__dict__.get("_files")
+        if got is None:
+            got = self.__dict__["_files"] = (self.file, self.groups_file) if self.groups_bytes else (self.file,)
+        return got
+
+    def json_bytes(self) -> bytes:
+        """This entry's canonical JSON, made once (an entry never changes; a long manifest's file
+        joins its entries' instead of serialising them all again at every commit)."""
+        got = self.__dict__.get("_json")
+        if got is None:
+            got = self.__dict__["_json"] = canonical_json(self.to_dict())
+        return got
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "SegmentEntry":

@@ -35,6 +35,9 @@ def evolve(obj: Any, changes: Mapping[str, Any]) -> Any:
         raise ArgumentError(f"{type(obj).__name__} has no field(s) {sorted(set(changes) - names)}")
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
+    # what a record made once of its fields (SegmentEntry.json_bytes, files) is of the old ones
+    new.__dict__.pop("_json", None)
+    new.__dict__.pop("_files", None)
     new.__dict__.update(changes)
     return new
 

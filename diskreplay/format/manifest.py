@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .._fileio import crc32c
 from ..errors import CommitConflictError, FormatError
 from ..schema import ColumnSpec, late_column_problem
 from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, MANIFEST_FORMAT, MAX_ID,
                     REWRITE_DELTA_VERSION, manifest_file)
-from .jsondoc import check_header, check_signature, evolve, int_field, signed_bytes, signed_doc
+from .jsondoc import canonical_json, check_header, check_signature, evolve, int_field, signed_doc
+from .jsondoc import signed_bytes  # noqa: F401  (the doctests below write deltas with it)
 from .access import as_storage
 from .options import StoreOptions
 from .segment_table import SegmentTable, SegmentTableEntry
 from .entries import (GroupIndexEntry, LateColumn, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
                       parse_commit_stats)
+
+
+_ENTRIES_PLACEHOLDER = "\x00entries\x00"
+_ENTRIES_MARK = b'"segments":' + json.dumps(_ENTRIES_PLACEHOLDER).encode()
 
 
 @dataclass(frozen=True)
@@ -64,10 +72,8 @@ class Manifest:
     def files(self) -> List[str]:
         """Every data file this manifest references (relative paths)."""
         out = []
-        for s in self.segments:
-            out.append(s.file)
-            if s.groups_bytes:  # (a store without a group key, or an inline group: no sidecar file)
-                out.append(s.groups_file)
+        for s in self.segments:  # (a store without a group key, or an inline group: no sidecar file)
+            out += s.files()
         return out + self.files_besides_segments()
 
     def files_besides_segments(self) -> List[str]:
@@ -95,7 +101,19 @@ class Manifest:
     def to_dict(self) -> dict:
         return signed_doc(self.body())
 
-    def body(self) -> dict:
+    def file_bytes(self) -> bytes:
+        """The manifest's file, ``signed_bytes(self.body())``, with each segment entry's JSON made
+        once per entry and joined (the same bytes; a commit to a store of thousands of segments
+        would otherwise serialise every entry again)."""
+        text = canonical_json(self.body(entries=False))
+        at = text.index(_ENTRIES_MARK)  # unique: a key's quotes are escaped inside any string value
+        text = b"".join([text[:at], b'"segments":[', b",".join([s.json_bytes() for s in self.segments]), b"]",
+                         text[at + len(_ENTRIES_MARK):]])
+        return text[:-1] + b',"checksum":%d}' % crc32c(text)
+
+    def body(self, entries: bool = True) -> dict:
+        """The manifest as its JSON document (``entries`` False: a placeholder for the segments'
+        list, which :meth:`file_bytes` fills in)."""
         doc = {
             "format": MANIFEST_FORMAT,
             "version": FORMAT_VERSION,
@@ -103,7 +121,7 @@ class Manifest:
             "head": self.head,
             "next_row": self.next_row,
             "next_segment": self.next_segment,
-            "segments": [s.to_dict() for s in self.segments],
+            "segments": [s.to_dict() for s in self.segments] if entries else _ENTRIES_PLACEHOLDER,
             "states": {k: v.to_dict() for k, v in sorted(self.states.items())},
         }
         # only when used: a store without tokens writes exactly the manifests it always did
@@ -211,7 +229,7 @@ class Manifest:
 
     def write(self, root: Any) -> None:
         """Write this manifest whole into ``root`` (a directory or a Storage), atomically."""
-        as_storage(root).replace(self.file, signed_bytes(self.body()), step="manifest")
+        as_storage(root).replace(self.file, self.file_bytes(), step="manifest")
 
 
 def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],

@@ -85,11 +85,13 @@ class SegmentTable(Sequence[SegmentEntry]):
     (12, [10], True)
     """
 
-    __slots__ = ("_cols", "_entries")
+    __slots__ = ("_cols", "_entries", "_complete")
 
-    def __init__(self, cols: Dict[str, np.ndarray], entries: Optional[List[Optional[SegmentEntry]]] = None) -> None:
+    def __init__(self, cols: Dict[str, np.ndarray], entries: Optional[List[Optional[SegmentEntry]]] = None,
+                 complete: bool = False) -> None:
         self._cols = cols
         self._entries = entries if entries is not None else [None] * len(cols["id"])
+        self._complete = complete  # every entry made already (iterating is then the list's own)
 
     @classmethod
     def of(cls, entries: Sequence[SegmentEntry]) -> "SegmentTable":
@@ -101,7 +103,7 @@ class SegmentTable(Sequence[SegmentEntry]):
         groups = [e.group for e in entries]
         cols["has_group"] = np.array([g is not None for g in groups], dtype=bool)
         cols["group"] = np.array([0 if g is None else g for g in groups], dtype=np.int64)
-        return cls(cols, list(entries))
+        return cls(cols, list(entries), complete=True)
 
     def column(self, name: str) -> np.ndarray:
         """All values of one field (``id``, ``first_row``, ``num_rows``, ``bytes``, ``crc32c``,
@@ -123,19 +125,23 @@ class SegmentTable(Sequence[SegmentEntry]):
 
     def __getitem__(self, i: Union[int, slice]) -> Any:
         if isinstance(i, slice):
-            return SegmentTable({n: v[i] for n, v in self._cols.items()}, self._entries[i])
+            return SegmentTable({n: v[i] for n, v in self._cols.items()}, self._entries[i], self._complete)
         n = len(self._entries)
         if not -n <= i < n:
             raise IndexError("segment index out of range")
         return self._entry(i % n)
 
     def __iter__(self) -> Iterator[SegmentEntry]:
-        return (self._entry(i) for i in range(len(self._entries)))
+        if not self._complete:
+            for i in range(len(self._entries)):
+                self._entry(i)
+            self._complete = True
+        return iter(self._entries)  # type: ignore[arg-type]
 
     def __add__(self, other: Sequence[SegmentEntry]) -> "SegmentTable":
         other = SegmentTable.of(other)
         return SegmentTable({n: np.concatenate([v, other._cols[n]]) for n, v in self._cols.items()},
-                            self._entries + other._entries)
+                            self._entries + other._entries, self._complete and other._complete)
 
     def __radd__(self, other: Sequence[SegmentEntry]) -> "SegmentTable":
         return SegmentTable.of(other) + self

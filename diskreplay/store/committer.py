@@ -252,7 +252,7 @@ class Committer:
             new = self._with_segment_table(new)
             logs = logs + [new.segment_table.file]  # (a lost race removes it with the token logs)
             written.append(new.segment_table.file)
-        return new, fmt.signed_bytes(new.body()), logs, delta is not None
+        return new, new.file_bytes(), logs, delta is not None
 
     def _with_segment_table(self, new: fmt.Manifest) -> fmt.Manifest:
         """``new`` naming a segment table of its segments (docs/FORMAT.md, "Segment tables"), which
