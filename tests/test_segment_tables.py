@@ -43,8 +43,12 @@ def _json_entries(path, m):
 
 @pytest.fixture
 def small_tables(monkeypatch):
-    """Tables from 8 segments on (the threshold is a writer's choice; readers take any)."""
+    """Tables from 8 segments on (the threshold is a writer's choice; readers take any), and every
+    local manifest mapped rather than read (object stores read theirs: both paths run)."""
+    from diskreplay.format import discovery
+
     monkeypatch.setattr(fmt, "SEGMENT_TABLE_MIN", 8)
+    monkeypatch.setattr(discovery, "MAPPED_MANIFEST_BYTES", 1)
 
 
 @pytest.mark.parametrize("multi_writer", [False, True])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -18,6 +19,10 @@ from .segment_table import SegmentTable, SegmentTableEntry, cut_entries
 from .options import StoreOptions
 from .manifest import Delta, Manifest, delta_from_doc
 from .floor import read_floor
+
+
+#: manifests at least this long are mapped rather than read (a segment table's start at about 30 KB)
+MAPPED_MANIFEST_BYTES = 16 << 10
 
 
 class MissingBase(FileNotFoundError):
@@ -118,17 +123,52 @@ def read_manifest_doc(root: Any, rel: str) -> Tuple[Any, bool]:
     intact segment table (its JSON entries are then not parsed). A table that is missing, of
     other bytes or not one leaves the JSON entries to be read, as a reader without tables does."""
     root = as_storage(root)
-    raw = root.read_bytes(rel, MAX_JSON_BYTES)
     where = location(root, rel)
-    verified = signature_in_bytes(raw)
-    cut = cut_entries(raw) if verified else None
-    if cut is not None:
-        doc = parse_json(cut[0], where)
-        table = _segment_table(root, doc, where)
-        if table is not None:
-            doc["segments"] = table
+    mapped = _mapped(root, rel)  # a long manifest where it lies: its entries are neither copied nor read
+    if mapped is not None and signature_in_bytes(mapped):
+        doc = _with_table(root, mapped, where)
+        if doc is not None:
             return doc, True
+    raw = root.read_bytes(rel, MAX_JSON_BYTES)
+    verified = signature_in_bytes(raw)
+    doc = _with_table(root, raw, where) if verified and mapped is None else None
+    if doc is not None:
+        return doc, True
     return parse_json(raw, where), verified
+
+
+def _with_table(root: Any, raw: Any, where: str) -> Optional[Dict[str, Any]]:
+    """The document of ``raw`` (checksum proved) with its segment table as ``segments``, the JSON
+    entries not parsed; None when it names none or the table is not intact."""
+    cut = cut_entries(raw)
+    if cut is None:
+        return None
+    doc = parse_json(cut[0], where)
+    table = _segment_table(root, doc, where)
+    if table is None:
+        return None
+    doc["segments"] = table
+    return doc
+
+
+def _mapped(root: Any, rel: str) -> Optional[mmap.mmap]:
+    """A read-only map of the manifest ``rel`` when its storage maps files in place and it is long
+    enough to name a segment table (else None: it is read)."""
+    if not getattr(root, "can_map", False):
+        return None
+    try:
+        fd = os.open(root.local_path(rel), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # (the read says what is wrong)
+    try:
+        size = os.fstat(fd).st_size
+        if not MAPPED_MANIFEST_BYTES <= size <= MAX_JSON_BYTES:
+            return None
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _segment_table(root: Any, doc: Any, where: str) -> Optional[SegmentTable]:

@@ -98,8 +98,8 @@ def signed_bytes(body: dict) -> bytes:
 
 
 def signature_in_bytes(raw: bytes) -> bool:
-    i = raw.rfind(b',"checksum":')
-    if i < 0 or not raw.endswith(b"}"):
+    i = raw.rfind(b',"checksum":')  # (``raw``: bytes, or a map of the file)
+    if i < 0 or raw[-1:] != b"}":
         return False
     try:
         value = int(raw[i + 12:-1])
