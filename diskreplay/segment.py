@@ -675,14 +675,21 @@ def check_rows_of_parts(parts: Sequence[Tuple["Segment", np.ndarray]], names: tu
         kernels, function = None, None
     else:
         kernels, function = _jit.kernels(), _jit.crc32c_function()
-    tables = [seg.page_check_table(names) for seg, _ in parts] if kernels is not None and function else None
-    if tables is None or any(t is None for t in tables):
-        for seg, local_rows in parts:
+    compiled, tables = [], []
+    for seg, local_rows in parts:
+        if seg.pages is None:
+            continue  # checked whole when opened: its rows need no page checks
+        table = seg.page_check_table(names) if kernels is not None and function else None
+        if table is None:  # no kernels, or a segment that fetches its own pages (an object store's)
             seg.check_rows_of(names, local_rows)
+        else:
+            compiled.append((seg, local_rows))
+            tables.append(table)
+    if not compiled:
         return
-    rows = np.concatenate([local_rows for _, local_rows in parts]) if len(parts) > 1 else parts[0][1]
-    bounds = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([len(local_rows) for _, local_rows in parts], out=bounds[1:])
+    rows = np.concatenate([local_rows for _, local_rows in compiled]) if len(compiled) > 1 else compiled[0][1]
+    bounds = np.zeros(len(compiled) + 1, dtype=np.int64)
+    np.cumsum([len(local_rows) for _, local_rows in compiled], out=bounds[1:])
     bad, page = kernels.pages(function, np.stack(tables), np.ascontiguousarray(rows, dtype=np.int64), bounds)
     if bad >= 0:
-        parts[bad][0].page_failed(int(page))
+        compiled[bad][0].page_failed(int(page))

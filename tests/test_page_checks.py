@@ -19,6 +19,8 @@ from diskreplay.segment import PAGE_BYTES
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.synthetic import make_rollouts
 
+from .conftest import flip_byte
+
 RAGGED = ("prompt_ids", "completion_ids", "old_per_token_logps", "ref_per_token_logps")
 COMPILED = _jit.kernels() is not None and _jit.crc32c_function() is not None
 PATHS = ["numpy", pytest.param("compiled", marks=pytest.mark.skipif(not COMPILED, reason="needs numba and "
@@ -71,14 +73,6 @@ def _row_pages(store_path, seg):
     return rows, shared, data.size
 
 
-def _flip(path, rel, offset):
-    with open(os.path.join(path, rel), "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x20]))
-
-
 @pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -98,7 +92,7 @@ def test_a_flipped_byte_is_refused_by_every_read_that_touches_its_page(original,
     page = {"first": value_pages[0], "last": value_pages[-1]}[where] if where != "any" \
         else data.draw(st.sampled_from(value_pages))
     offset = data.draw(st.integers(page * PAGE_BYTES, min(size, (page + 1) * PAGE_BYTES) - 1))
-    _flip(store_path, seg.file, offset)
+    flip_byte(store_path, seg.file, offset)
     # a page of the header, footer or offsets is checked by every read of the segment
     hit = {seg.first_row + r for r, p in enumerate(pages) if page in p or page in shared}
     with ReplayStore(store_path, readonly=True) as reader:
@@ -151,7 +145,7 @@ def test_the_loaders_worker_surfaces_damage(original, tmp_path, monkeypatch, pat
     shutil.copytree(src, store_path)
     seg = segments[2]
     pages, _, _ = _row_pages(store_path, seg)
-    _flip(store_path, seg.file, min(pages[0]) * PAGE_BYTES + 5)
+    flip_byte(store_path, seg.file, min(pages[0]) * PAGE_BYTES + 5)
     with ReplayStore(store_path, readonly=True) as reader:
         loader = ReplayLoader(reader, PromptGroupSampler(num_groups=64), 256, pad_token_id=0, prefetch=2)
         with pytest.raises(CorruptStoreError, match=seg.file):

@@ -23,6 +23,7 @@ from diskreplay.store.compaction import MergePolicy
 from diskreplay.testing.workload import expected_rows
 from diskreplay.verify import verify_store
 
+from .conftest import flip_byte
 from .test_durability import Child, check_live_rows
 
 NO_MERGES = MergePolicy(max_bytes=1)
@@ -73,11 +74,7 @@ def test_a_missing_or_damaged_table_is_read_past(tmp_path, small_tables):
     path = str(tmp_path / "s")
     m = _build(path, 30)
     table_path = os.path.join(path, m.segment_table.file)
-    with open(table_path, "r+b") as f:  # damaged: readers take the JSON entries
-        f.seek(m.segment_table.bytes // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(path, m.segment_table.file, m.segment_table.bytes // 2)  # damaged: readers take the JSON entries
     got = fmt.read_manifest(path, m.generation)
     assert not isinstance(got.segments, SegmentTable) and got.segments == m.segments
     with ReplayStore(path, readonly=True) as reader:

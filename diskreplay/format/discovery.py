@@ -7,7 +7,6 @@ import mmap
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 
 from ..errors import CommitConflictError, CorruptStoreError, FormatError
 from .names import (DELTA_FORMAT, FLOOR_FILE, FORMAT_FILE, FORWARD_READS, MANIFEST_DIR, MANIFEST_NAME, MAX_DELTA_CHAIN,
@@ -109,8 +108,7 @@ def _check_appended(m: Manifest, where: str) -> None:
     check every segment's rows per delta."""
     segs = m.segments
     if isinstance(segs, SegmentTable):
-        ids = segs.column("id")
-        if bool(np.all(ids[1:] > ids[:-1])) or np.unique(ids).size == ids.size:
+        if segs.ids_unique():
             return
     elif len({s.id for s in segs}) == len(segs):
         return
@@ -126,15 +124,15 @@ def read_manifest_doc(root: Any, rel: str) -> Tuple[Any, bool]:
     where = location(root, rel)
     mapped = _mapped(root, rel)  # a long manifest where it lies: its entries are neither copied nor read
     if mapped is not None and signature_in_bytes(mapped):
-        doc = _with_table(root, mapped, where)
-        if doc is not None:
-            return doc, True
-    raw = root.read_bytes(rel, MAX_JSON_BYTES)
-    verified = signature_in_bytes(raw)
-    doc = _with_table(root, raw, where) if verified and mapped is None else None
+        raw: Any = mapped
+        verified = True
+    else:  # (a damaged map is read again: the read names what is wrong)
+        raw = root.read_bytes(rel, MAX_JSON_BYTES)
+        verified = signature_in_bytes(raw)
+    doc = _with_table(root, raw, where) if verified else None
     if doc is not None:
         return doc, True
-    return parse_json(raw, where), verified
+    return parse_json(raw if isinstance(raw, bytes) else bytes(raw), where), verified
 
 
 def _with_table(root: Any, raw: Any, where: str) -> Optional[Dict[str, Any]]:

@@ -180,7 +180,22 @@ class Manifest:
             raise FormatError(f"Unsupported head {self.head} > next_row {self.next_row} in {where}")
         if isinstance(self.segments, SegmentTable):
             self._validate_table(where)
-            return
+        else:
+            self._validate_entries(where)
+        if self.segments:
+            first, last = self.segments[0], self.segments[-1]
+            if last.end_row != self.next_row or first.first_row > self.head or first.end_row <= self.head:
+                raise FormatError(f"segments in {where} cover rows [{first.first_row}, {last.end_row}) but live rows "
+                                  f"are [{self.head}, {self.next_row})")
+        elif self.head != self.next_row:
+            raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
+        if self.group_index is not None and self.group_index.end_row > self.next_row:
+            raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
+                              f"next_row {self.next_row}")
+
+    def _validate_entries(self, where: str) -> None:
+        """:meth:`validate`'s checks of the order of the segments: contiguous rows, ids below
+        ``next_segment``, each id once."""
         prev_end, prev_id, ordered = None, -1, True
         for s in self.segments:
             if prev_end is not None and s.first_row != prev_end:
@@ -193,19 +208,9 @@ class Manifest:
             prev_end, prev_id = s.end_row, s.id
         if not ordered and len({s.id for s in self.segments}) != len(self.segments):
             raise FormatError(f"a segment id appears twice in {where}")
-        if self.segments:
-            if self.segments[-1].end_row != self.next_row or self.segments[0].first_row > self.head \
-                    or self.segments[0].end_row <= self.head:
-                raise FormatError(f"segments in {where} cover rows [{self.segments[0].first_row}, "
-                                  f"{self.segments[-1].end_row}) but live rows are [{self.head}, {self.next_row})")
-        elif self.head != self.next_row:
-            raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
-        if self.group_index is not None and self.group_index.end_row > self.next_row:
-            raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
-                              f"next_row {self.next_row}")
 
     def _validate_table(self, where: str) -> None:
-        """:meth:`validate`'s checks of the segments, over a table's columns."""
+        """The same checks as :meth:`_validate_entries`, over a table's columns."""
         t = self.segments
         ids, first, end = t.column("id"), t.column("first_row"), t.column("first_row") + t.column("num_rows")
         gap = np.flatnonzero(first[1:] != end[:-1])
@@ -215,17 +220,8 @@ class Manifest:
                               f"{int(end[i - 1])} (segments must be contiguous)")
         if len(t) and int(ids.max()) >= self.next_segment:
             raise FormatError(f"segment id {int(ids.max())} in {where} is out of order")
-        if not np.all(ids[1:] > ids[:-1]) and np.unique(ids).size != ids.size:
+        if not t.ids_unique():
             raise FormatError(f"a segment id appears twice in {where}")
-        if len(t):
-            if int(end[-1]) != self.next_row or int(first[0]) > self.head or int(end[0]) <= self.head:
-                raise FormatError(f"segments in {where} cover rows [{int(first[0])}, {int(end[-1])}) but live rows "
-                                  f"are [{self.head}, {self.next_row})")
-        elif self.head != self.next_row:
-            raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
-        if self.group_index is not None and self.group_index.end_row > self.next_row:
-            raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
-                              f"next_row {self.next_row}")
 
     def write(self, root: Any) -> None:
         """Write this manifest whole into ``root`` (a directory or a Storage), atomically."""

@@ -110,6 +110,11 @@ class SegmentTable(Sequence[SegmentEntry]):
         ``groups_bytes``, ``groups_crc32c``; ``group`` is 0 where ``has_group`` is False)."""
         return self._cols[name]
 
+    def ids_unique(self) -> bool:
+        """Whether no segment id appears twice (ids in row order usually grow: then no sort)."""
+        ids = self._cols["id"]
+        return bool(np.all(ids[1:] > ids[:-1])) or np.unique(ids).size == ids.size
+
     def __len__(self) -> int:
         return len(self._entries)
 
