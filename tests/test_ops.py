@@ -1,0 +1,175 @@
+"""Commits as values, tested without a store: ``store.ops.apply``, its conflict table and the
+manifest transforms under it, over random sequences of operations (docs/FORMAT.md, "Many writers",
+"Operations and conflicts").
+
+Each property is stated against a plain model (a list of live row ids and a dict of states),
+never against another ``ReplayStore``: what an operation does to a manifest is a pure function.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diskreplay import format as fmt
+from diskreplay.errors import CommitConflictError
+from diskreplay.store import ops
+
+
+def _options(capacity_rows=None) -> fmt.StoreOptions:
+    return fmt.StoreOptions(group_key=None, capacity_rows=capacity_rows, multi_writer=True)
+
+
+def _append(base: fmt.Manifest, sizes: List[int], token: str = None) -> ops.Append:
+    """An append of segments of ``sizes`` rows prepared on ``base`` (ids from its ``next_segment``)."""
+    entries, row = [], base.next_row
+    for i, n in enumerate(sizes):
+        entries.append(fmt.SegmentEntry(base.next_segment + i, row, n, 100 * n, 7))
+        row += n
+    record = None if token is None else fmt.TokenRecord(token, -1, sum(sizes), 1, -1)
+    return ops.Append(tuple(entries), sum(sizes), record)
+
+
+def _live(m: fmt.Manifest) -> List[int]:
+    """Row ids the manifest's segments hold at or above its head."""
+    out: List[int] = []
+    for s in m.segments:
+        out += [r for r in range(s.first_row, s.end_row) if r >= m.head]
+    return out
+
+
+def _merge(m: fmt.Manifest, at: int) -> ops.Rewrite:
+    """Merge segments ``at`` and ``at + 1`` of ``m`` into one new segment with the same rows."""
+    a, b = m.segments[at], m.segments[at + 1]
+    merged = fmt.SegmentEntry(m.next_segment, a.first_row, a.num_rows + b.num_rows, a.bytes + b.bytes, 9)
+    return ops.Rewrite((a, b), (merged,))
+
+
+step = st.one_of(
+    st.tuples(st.just("append"), st.lists(st.integers(1, 5), min_size=1, max_size=3)),
+    st.tuples(st.just("evict"), st.integers(0, 40)),
+    st.tuples(st.just("state"), st.sampled_from(["sampler", "stream.trainer"])),
+    st.tuples(st.just("merge"), st.integers(0, 10)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(step, max_size=30), st.one_of(st.none(), st.integers(1, 20)))
+def test_apply_against_model(steps, capacity):
+    """Every operation makes generation + 1; live rows are exactly ``[head, next_row)``, in order, FIFO
+    under a row capacity; a merge keeps the rows; the newest saved state of a name wins; manifests
+    survive their own JSON."""
+    options = _options(capacity)
+    m, next_row, head, states, gen = fmt.Manifest(), 0, 0, {}, 0
+    for kind, arg in steps:
+        if kind == "append":
+            m2 = ops.apply(m, _append(m, arg), options)
+            next_row += sum(arg)
+            if capacity is not None:
+                head = max(head, next_row - capacity)
+        elif kind == "evict":
+            m2 = ops.apply(m, ops.Evict(arg), options)
+            head = min(max(head, arg), next_row)
+        elif kind == "state":
+            entry = fmt.StateEntry(arg, m.generation + 1, 10, 3)
+            m2 = ops.apply(m, ops.SaveState(entry), options)
+            states[arg] = entry
+        else:
+            if len(m.segments) < 2:
+                continue
+            m2 = ops.apply(m, _merge(m, arg % (len(m.segments) - 1)), options)
+        gen += 1
+        assert m2.generation == gen == m.generation + 1
+        assert (m2.head, m2.next_row) == (head, next_row)
+        assert _live(m2) == list(range(head, next_row))
+        assert dict(m2.states) == states
+        ids = [s.id for s in m2.segments]
+        assert len(set(ids)) == len(ids) and all(i < m2.next_segment for i in ids)
+        assert fmt.Manifest.from_dict(m2.to_dict(), "test") == m2
+        m = m2
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=3), st.lists(st.integers(1, 5), min_size=1, max_size=3))
+def test_append_is_prepared_for_its_base(mine, theirs):
+    """An append prepared on a base does not apply to a newer one (its row ids are the base's):
+    the committer rebases it; a relocatable one (segment-local rows) applies to any base, at that
+    base's end, with its token recorded there."""
+    options = _options()
+    base = fmt.Manifest()
+    newer = ops.apply(base, _append(base, theirs), options)
+    op = _append(base, mine, token="w:1")
+    with pytest.raises(CommitConflictError):
+        ops.apply(newer, op, options)
+    reloc = ops.Append(op.entries, op.num_rows, op.token, relocatable=True)
+    m = ops.apply(newer, reloc, options)
+    assert m.next_row == sum(theirs) + sum(mine)
+    assert _live(m) == list(range(m.next_row))
+    (record,) = m.tokens
+    assert (record.token, record.first_row, record.num_rows, record.generation) == ("w:1", sum(theirs), sum(mine), 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=3, max_size=6), st.integers(0, 10), st.integers(0, 10))
+def test_rewrite_conflicts_exactly_when_its_segments_are_gone(sizes, first, second):
+    """Two writers merge at once (the conflict table's ``Rewrite`` row): the second applies on top of
+    the first exactly when the segments it replaces are still in the base; else ``Conflict``.
+    Eviction past a replaced segment conflicts the same way."""
+    options = _options()
+    m = ops.apply(fmt.Manifest(), _append(fmt.Manifest(), sizes), options)
+    a = _merge(m, first % (len(m.segments) - 1))
+    b = _merge(m, second % (len(m.segments) - 1))
+    after_a = ops.apply(m, a, options)
+    overlap = set(a.ids) & set(b.ids)
+    if overlap:
+        with pytest.raises(ops.Conflict):
+            ops.apply(after_a, b, options)
+    else:
+        both = ops.apply(after_a, b, options)
+        assert _live(both) == list(range(m.next_row))
+    evicted = ops.apply(m, ops.Evict(m.segments[1].end_row), options)
+    with pytest.raises(ops.Conflict):
+        ops.apply(evicted, _merge(m, 0), options)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["append", "evict", "state"]), min_size=2, max_size=8), st.randoms())
+def test_commuting_operations_rebase_to_the_same_rows(kinds, rnd):
+    """Appends, evictions and saved states never conflict: applied in any order (each append
+    rebased, i.e. prepared again on the base it lands on) they give the same live rows, head and
+    states, whatever the interleaving; only the row ids of each append depend on its turn."""
+    options = _options(capacity_rows=12)
+
+    def run(order):
+        m = fmt.Manifest()
+        for k in order:
+            if k == "append":
+                m = ops.apply(m, _append(m, [3]), options)
+            elif k == "evict":
+                m = ops.apply(m, ops.Evict(m.next_row - 2), options)
+            else:
+                m = ops.apply(m, ops.SaveState(fmt.StateEntry("s", m.generation + 1, 1, 1)), options)
+        return m
+
+    shuffled = list(kinds)
+    rnd.shuffle(shuffled)
+    one, two = run(kinds), run(shuffled)
+    assert one.generation == two.generation == len(kinds)
+    assert one.next_row == two.next_row
+    assert set(one.states) == set(two.states)
+    if "evict" not in kinds:
+        assert one.head == two.head  # only capacity moved it: FIFO depends on the count alone
+
+
+def test_roll_back_conflicts_unless_planned_on_its_base():
+    options = _options()
+    m1 = ops.apply(fmt.Manifest(), _append(fmt.Manifest(), [2]), options)
+    m2 = ops.apply(m1, _append(m1, [3]), options)
+    back = ops.RollBack(m1, base=m2.generation)
+    assert _live(ops.apply(m2, back, options)) == [0, 1]
+    m3 = ops.apply(m2, ops.Evict(0), options)
+    with pytest.raises(ops.Conflict):
+        ops.apply(m3, back, options)
