@@ -389,6 +389,15 @@ class CommitConflictError(DiskReplayError, RuntimeError):
     """
 
 
+class StreamFencedError(DiskReplayError, RuntimeError):
+    """A newer instance of a rollout stream took over its name (it committed a newer epoch of the
+    cursor): this older one may no longer save or hand out rows. Nothing was committed.
+
+    >>> issubclass(StreamFencedError, RuntimeError)
+    True
+    """
+
+
 __all__ = sorted(name for name, value in list(globals().items())
                  if isinstance(value, type) and issubclass(value, (DiskReplayError, Warning))
                  and value.__module__ == __name__)
