@@ -16,6 +16,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import google_crc32c
@@ -386,13 +387,15 @@ def remove_quietly(path: str) -> bool:
 # holder with its pid and mode: flock refuses a second open of the file in this process exactly as it
 # refuses another process, and only this record tells the two apart in the error. The pid keeps a forked
 # child, which inherits the record, from taking its parent's locks for its own.
+# Reentrant: a dropped lock's finalizer (below) runs inside whatever allocation set off a garbage
+# collection, on any thread, also one that holds _HELD_LOCK already.
 _HELD: Dict[Tuple[int, int], Dict[int, Tuple[int, bool]]] = {}
-_HELD_LOCK = threading.Lock()
+_HELD_LOCK = threading.RLock()
 
 
 def _reset_held_lock() -> None:  # a child forked while another thread held it would wait forever
     global _HELD_LOCK
-    _HELD_LOCK = threading.Lock()
+    _HELD_LOCK = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_reset_held_lock)
@@ -403,8 +406,40 @@ def _held_here(fd: int) -> Optional[bool]:
     holds it both ways, exclusively), None not at all."""
     st = os.fstat(fd)
     with _HELD_LOCK:
-        modes = [shared for pid, shared in _HELD.get((st.st_dev, st.st_ino), {}).values() if pid == os.getpid()]
+        holders = tuple(_HELD.get((st.st_dev, st.st_ino), {}).values())  # (a finalizer may change it)
+    modes = [shared for pid, shared in holders if pid == os.getpid()]
     return None if not modes else all(modes)
+
+
+def _unlock(fd: int, pid: int, key: Optional[Tuple[int, int]], holder: int) -> None:
+    """Drop the flock a :class:`WriterLock` (``id`` ``holder``) took on ``fd`` in process ``pid``, forget
+    its record and close ``fd``."""
+    if key is not None:
+        with _HELD_LOCK:
+            holders = _HELD.get(key, {})
+            if holders.get(holder, (None,))[0] == os.getpid():
+                del holders[holder]
+                if not holders:
+                    del _HELD[key]
+    try:
+        # a forked child shares the parent's open file and so its flock: unlocking there would
+        # unlock the parent; closing the child's descriptor leaves the parent's lock alone
+        if pid == os.getpid():
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        # closing drops the flock even when the unlock failed; Linux frees the
+        # descriptor even when close() itself reports an error, so never keep it
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _unlock_dropped(fd: int, pid: int, key: Optional[Tuple[int, int]], holder: int) -> None:
+    try:
+        _unlock(fd, pid, key, holder)
+    except OSError:
+        pass  # (no caller to tell: the descriptor is closed, which drops the flock anyway)
 
 
 class WriterLock:
@@ -420,9 +455,14 @@ class WriterLock:
     def __init__(self, path: str, shared: bool = False) -> None:
         self.path = path
         self.shared = shared
-        self._fd: Optional[int] = None
         self._pid = 0  # the process that took it
         self._key: Optional[Tuple[int, int]] = None  # the LOCK file's (device, inode) while held
+        # while held: releases it when the lock is collected without release() (a store dropped
+        # without close()), as its file would close; a later open in this process was refused, "open
+        # for writing by another process", until the process ended. Not at interpreter exit
+        # (atexit=False: weakref runs no finalizer after its exit hook): the modules it needs are
+        # being torn down then, and the kernel drops the flock with the process anyway.
+        self._finalizer: Optional[weakref.finalize] = None
 
     def probe(self) -> None:
         """Raise ``StoreLockedError`` if a holder has the lock now; take nothing, through a read-only
@@ -492,8 +532,9 @@ class WriterLock:
             self._key = (st.st_dev, st.st_ino)
             with _HELD_LOCK:
                 _HELD.setdefault(self._key, {})[id(self)] = (self._pid, self.shared)
+        self._finalizer = weakref.finalize(self, _unlock_dropped, fd, self._pid, self._key, id(self))
+        self._finalizer.atexit = False
         if self.shared:  # many holders: no pid to record
-            self._fd = fd
             return
         try:
             os.ftruncate(fd, 0)
@@ -501,41 +542,14 @@ class WriterLock:
         except OSError as exc:
             # the pid is informational, but a half-acquired lock must not outlive
             # this call: a leaked flock would refuse every later open in this process
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            self.release()
             raise StoreIOError(exc.errno, f"cannot write the writer's pid into {self.path} "
                           f"({exc.strerror}); the store was not opened", self.path) from None
-        self._fd = fd
-
-    def __del__(self) -> None:
-        # a store dropped without close(): its lock goes with it, as its file would close (a later open
-        # in this process was refused, "open for writing by another process", until the process ended).
-        if getattr(self, "_fd", None) is not None:
-            try:
-                self.release()  # (in a forked child it only closes the descriptor: the parent keeps its lock)
-            except OSError:
-                pass
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        if self._key is not None and _HELD_LOCK is not None:  # (None in a __del__ at interpreter exit)
-            with _HELD_LOCK:
-                holders = _HELD.get(self._key, {})
-                if holders.get(id(self), (None,))[0] == os.getpid():
-                    del holders[id(self)]
-                    if not holders:
-                        del _HELD[self._key]
-        try:
-            # a forked child shares the parent's open file and so its flock: unlocking there would
-            # unlock the parent; closing the child's descriptor leaves the parent's lock alone
-            if self._pid == os.getpid():
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            # closing drops the flock even when the unlock failed; Linux frees the
-            # descriptor even when close() itself reports an error, so never keep it
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Drop the lock (in a forked child: only close the descriptor, the parent keeps its lock).
+        Idempotent."""
+        held, self._finalizer = self._finalizer, None
+        taken = held.detach() if held is not None else None
+        if taken is not None:
+            _unlock(*taken[2])
