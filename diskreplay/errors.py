@@ -131,6 +131,17 @@ class StoreNotFoundError(DiskReplayError, FileNotFoundError):
     """
 
 
+class ManifestBaseMissingError(DiskReplayError, FileNotFoundError):
+    """A manifest generation is an append delta, but a manifest it applies to (``filename``) is
+    gone: collected by a clean-up (a generation older than ``retain_seconds`` of a multi-writer
+    store, whose delta goes next) or lost. Open a newer generation (or the newest), or run
+    ``diskreplay verify`` where it should be there.
+
+    >>> issubclass(ManifestBaseMissingError, FileNotFoundError)
+    True
+    """
+
+
 class ExportError(DiskReplayError, ValueError):
     """Bad input to an export, import or curation: an unknown column, a bad
     mapping, an unparsable line, a tokenizer that does not load, an output

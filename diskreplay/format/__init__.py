@@ -30,5 +30,5 @@ from .segment_table import SEGMENT_TABLE_MIN, SegmentTable, SegmentTableEntry, s
 from .manifest import (AppendDelta, Delta, Manifest, RewriteDelta, append_rows, delta_from_doc, evict, rewrite_rows,
                        with_chains)
 from .floor import (FLOOR_BYTES, FLOOR_READS, floor_bytes, lowest_present, parse_floor, raise_floor, read_floor)
-from .discovery import (MissingBase, list_generations, load_manifest, load_newest_manifest, manifest_docs,
+from .discovery import (ManifestBaseMissingError, list_generations, load_manifest, load_newest_manifest, manifest_docs,
                         newer_generation, read_forward, read_manifest, read_manifest_doc)

@@ -8,7 +8,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 
-from ..errors import CommitConflictError, CorruptStoreError, FormatError
+from ..errors import CommitConflictError, CorruptStoreError, FormatError, ManifestBaseMissingError
 from .names import (DELTA_FORMAT, FLOOR_FILE, FORMAT_FILE, FORWARD_READS, MANIFEST_DIR, MANIFEST_NAME, MAX_DELTA_CHAIN,
                     MAX_JSON_BYTES, MAX_RELISTS, manifest_file)
 from .._fileio import crc32c
@@ -22,11 +22,6 @@ from .floor import read_floor
 
 #: manifests at least this long are mapped rather than read (a segment table's start at about 30 KB)
 MAPPED_MANIFEST_BYTES = 16 << 10
-
-
-class MissingBase(FileNotFoundError):
-    """A delta's file is there but a manifest it applies to is not (``filename``): collected with it
-    by a clean-up in progress (the delta goes next), or lost."""
 
 
 def load_manifest(path: str, generation: Optional[int] = None, *, known: Optional[Manifest] = None,
@@ -74,9 +69,11 @@ def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, k
         g_where = location(root, manifest_file(g))
         try:
             doc, verified = read_manifest_doc(root, manifest_file(g))
-        except FileNotFoundError:  # collected with the delta meanwhile, or lost: MissingBase says which
-            raise MissingBase(errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it "
-                                   "applies to, is missing", g_where) from None
+        except FileNotFoundError:  # collected with the delta meanwhile, or lost: the error says which
+            raise ManifestBaseMissingError(
+                errno.ENOENT, f"{where} is an append delta, but {g_where}, a manifest it applies to, is missing "
+                "(collected after retain_seconds, or lost): open a newer generation, or run `diskreplay verify`",
+                g_where) from None
     if base is None:
         base = Manifest.from_dict(doc, g_where, verified)
         if base.generation != g:
@@ -255,7 +252,7 @@ def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[St
         for gen in gens:
             try:
                 return read_manifest(root, gen, known=known, options=options), problems
-            except MissingBase as exc:
+            except ManifestBaseMissingError as exc:
                 # a clean-up removes a chain oldest first: its delta goes next, and the listing changes
                 problems.append(exc.strerror)
                 broken = True
@@ -399,7 +396,7 @@ def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: 
         for gen in range(newest, 0, -1):
             try:
                 m = read_manifest(storage, gen, known=known, options=options, seen=seen)
-            except MissingBase as exc:
+            except ManifestBaseMissingError as exc:
                 # a generation found by probing keeps its chain for retain_seconds after it is superseded
                 problems.append(exc.strerror)
                 continue

@@ -96,6 +96,13 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             so that the removal takes exactly
                                             the file judged (local: an
                                             exclusive flock; S3: ``If-Match``)
+``hold_run(rels)``                          a clean-up's collection of
+                                            manifests (oldest first): the run
+                                            up to the first one whose writer
+                                            has not read the floor after its
+                                            link (local: its flock lease),
+                                            held as by ``hold``; and whether
+                                            that run is all of ``rels``
 ``link_attempted``                          whether the last ``publish`` got
                                             as far as its link (or PUT): an
                                             error then leaves it in doubt
@@ -239,6 +246,8 @@ class Publisher(Storage, Protocol):
     def delete_own(self, rel: str) -> bool: ...
 
     def hold(self, rels: Sequence[str]) -> Mapping[str, Any]: ...
+
+    def hold_run(self, rels: Sequence[str]) -> Tuple[Mapping[str, Any], bool]: ...
 
     def remove_held(self, rel: str, handle: Any) -> bool: ...
 

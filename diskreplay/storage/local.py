@@ -317,6 +317,31 @@ class LocalStorage(Storage):
                 _close(fd)
         return out
 
+    def hold_run(self, rels: Sequence[str]) -> Tuple[Dict[str, Optional[int]], bool]:
+        """Of ``rels`` (manifests a clean-up would collect, oldest first), the run up to the first one a
+        live writer leases (its link not confirmed yet: see :meth:`publish`), each held (an exclusive
+        ``flock``) until :meth:`unhold`, and whether the run is all of them; absent ones are left out
+        (collected already). Unheld (None) on a filesystem without ``flock``."""
+        out: Dict[str, Optional[int]] = {}
+        for rel in rels:
+            try:
+                fd = os.open(self.local_path(rel), os.O_RDONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                _close(fd)
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    out[rel] = None
+                    continue
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return out, False  # leased: the run stops here
+                self.unhold(out)
+                raise
+            out[rel] = fd
+        return out, True
+
     def remove_held(self, rel: str, handle: Optional[int]) -> bool:
         """Remove ``rel``, held by :meth:`hold`."""
         return remove_quietly(self.local_path(rel))
@@ -575,9 +600,25 @@ class LocalStorage(Storage):
                     crash_point(f"{step}.written")
             self.link_attempted = True
             if exclusive:
-                if not self.link_new(temp, rel):
+                # the manifest is leased from before it has its name until the committer has read the
+                # collection floor after the link (release_leases): no clean-up raises the floor past
+                # a generation whose writer has not confirmed it (docs/FORMAT.md, "The collection floor")
+                lease = self._lease_temp(temp)
+                try:
+                    linked = self.link_new(temp, rel)
+                except BaseException:
+                    linked = None
+                    raise
+                finally:
+                    if not linked and lease is not None and lease != temp.fd:
+                        _close(lease)
+                if not linked:
                     outcome = "lost"
                     return False
+                if lease is not None:
+                    self._fds.lease(rel, lease)  # kept open: the descriptor is the lease
+                    if lease == temp.fd:
+                        temp.fd = -1
             else:
                 os.replace(self.local_path(temp.rel), self.local_path(rel))
                 outcome = "renamed"
@@ -593,6 +634,24 @@ class LocalStorage(Storage):
                 self._drop_temp(temp)
             if outcome != "lost":
                 self.discard_staged()  # committed (or failed): a staged delta is not needed any more
+
+    def _lease_temp(self, temp: "_Temp") -> Optional[int]:
+        """A lease (a descriptor holding a shared ``flock``) on a manifest-to-be: its own descriptor, or
+        one opened on its temporary name where that was closed (no fsync); None without leases."""
+        if not self.holds_leases:
+            return None
+        fd = temp.fd
+        if fd < 0:
+            try:
+                fd = os.open(self.local_path(temp.rel), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return None  # the link below fails on it too
+        self._lease(fd)
+        if not self.holds_leases:
+            if fd != temp.fd:
+                _close(fd)
+            return None
+        return fd
 
     def discard_staged(self) -> None:
         """Remove the temporary file a lost publish kept (see :meth:`publish`)."""

@@ -622,6 +622,11 @@ class S3Storage:
                 continue
         return out
 
+    def hold_run(self, rels: Sequence[str]) -> Tuple[Dict[str, Optional[str]], bool]:
+        """All of ``rels``, unheld: there are no leases, so a writer whose commit the floor passed
+        before it read it cannot tell it from a stale one (docs/FORMAT.md, "The collection floor")."""
+        return dict.fromkeys(rels), True
+
     def remove_held(self, rel: str, handle: Optional[str]) -> bool:
         """Remove ``rel`` if it is still the object :meth:`hold` saw (``If-Match`` its ETag)."""
         return self.delete(rel) if handle is None else self._delete_if(rel, handle)

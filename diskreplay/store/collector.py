@@ -473,15 +473,36 @@ class Collector:
         name is unlinked; otherwise a power cut could bring back a manifest
         naming files that are gone.
         """
+        held_manifests: Mapping[str, object] = {}
         if self.floored and manifests:
-            # the floor first: a writer whose link fills a collected slot must find it above that slot
-            floor = fmt.raise_floor(self.storage, max(map(_generation_of, manifests)) + 1)
-            manifests = sorted((rel for rel in manifests if _generation_of(rel) < floor), key=_generation_of)
-        for rel in manifests:  # (oldest first)
-            crash_point("gc.manifest")
-            self.storage.delete(rel)
-        if manifests:
-            self.storage.sync_dir(fmt.MANIFEST_DIR)
+            manifests = sorted(manifests, key=_generation_of)
+            # a generation at or above the floor whose writer has not read the floor after its link (it
+            # leases its manifest until then) stops the run: raised past it, the floor would make a
+            # real commit look like a link into a collected slot to its own writer, whatever the clocks
+            floor = fmt.read_floor(self.storage) or 0
+            below = [rel for rel in manifests if _generation_of(rel) < floor]
+            held_manifests, whole = self.storage.hold_run([rel for rel in manifests if _generation_of(rel) >= floor])
+            manifests = below + list(held_manifests)
+            if not whole:
+                # none of the run goes (the leased one may be a delta applying to the ones before it), nor
+                # any file only they name: the next sweep decides again
+                self.storage.unhold(held_manifests)
+                held_manifests, manifests, files = {}, below, []
+        try:
+            if self.floored and manifests:
+                # the floor first: a writer whose link fills a collected slot must find it above that slot
+                floor = fmt.raise_floor(self.storage, max(map(_generation_of, manifests)) + 1)
+                if any(_generation_of(rel) >= floor for rel in manifests):
+                    # not raised this time (another clean-up holds the floor's lock, stopped perhaps): the
+                    # manifests left may name any of the files
+                    manifests, files = [rel for rel in manifests if _generation_of(rel) < floor], []
+            for rel in manifests:  # (oldest first)
+                crash_point("gc.manifest")
+                self.storage.delete(rel)
+            if manifests:
+                self.storage.sync_dir(fmt.MANIFEST_DIR)
+        finally:
+            self.storage.unhold(held_manifests)
         dirs = set()
         # each file held while it is removed (no live writer leases it, and the name keeps leading to
         # it), then checked again: a commit published since the sweep listed it may name it now

@@ -181,6 +181,10 @@ class Committer:
         """
         self.require_known_state()
         self._in_doubt = None  # many writers: the base read below finds that commit if it landed
+        # set once an attempt's link landed and was not proved to fill a collected slot: its files may
+        # be named by a real commit (collected since, its later generations inheriting them), so this
+        # commit never removes them; if they are in fact unnamed, clean-up collects them as orphans
+        self._maybe_named = False
         # the commit began when its first data file was written (``started``), if it wrote any
         race = _Race(time.perf_counter(), max(0.0, boot_clock() - started) if started is not None else 0.0)
         delta: Optional[Tuple[fmt.Delta, bytes]] = None  # made once: a lost race links the same file again
@@ -198,7 +202,8 @@ class Committer:
                 if token is not None:
                     dup = self.tokens.find(base, token)
                     if dup is not None:
-                        self.remove_files(written)
+                        if not self._maybe_named:
+                            self.remove_files(written)
                         self.manifest = base
                         return CommitResult(base, duplicate=dup)
                 self._check_age(started)
@@ -214,7 +219,7 @@ class Committer:
             self.stats.not_durable += 1
             raise
         except BaseException:
-            if self.manifest.generation == base.generation and self._in_doubt is None:
+            if self.manifest.generation == base.generation and self._in_doubt is None and not self._maybe_named:
                 self.remove_files(written)  # not committed: its files are garbage
             raise
         finally:
@@ -418,13 +423,14 @@ class Committer:
         is not above it. Every generation below the floor was (or may have been) collected, and
         a clean-up raises the floor before it deletes a manifest: so a floor at or below this one
         proves that no manifest of this generation ever existed before the link, hence that the
-        base was the newest commit then. A floor above it means the base was stale and the link
-        filled a collected slot (the writer was idle or stopped for longer than retain_seconds):
-        the file is removed and the commit rebased like a lost race, its token looked up again
-        on the newest commit. Only a commit whose base is older than ``retain_seconds / 2`` can
-        also have been a real commit since collected (a clock that jumped, a writer stopped
-        right after its link): without a token that is not known (:class:`StoreIOError`, its
-        files kept); with one, the rebase finds its token if it was."""
+        base was the newest commit then. A floor above it means, where the manifest was leased
+        from before its link until now (a local store with ``flock``: no clean-up raises the
+        floor past a leased manifest), that the base was stale and the link filled a collected
+        slot: the file is removed and the commit rebased like a lost race. Without that lease (an
+        object store, a filesystem without ``flock``) a real commit may also have been collected
+        before this read (its writer stopped right after the link, a collector's clock ahead):
+        with a token the rebase's lookup tells, and the files are kept either way; without one
+        it is not known (:class:`StoreIOError`, its files kept)."""
         try:
             floor = fmt.read_floor(self.storage)
         except OSError as exc:
@@ -435,12 +441,18 @@ class Committer:
         if floor is None or floor <= new.generation:
             return True
         crash_point("manifest.collected-slot")
-        if not tokened and boot_clock() - self._validated_at >= self.retain_seconds / 2:
+        proved = self.multi_writer and self.storage.holds_leases
+        if not proved:
+            self._maybe_named = True
+        if not tokened and (not proved if self.multi_writer
+                            else boot_clock() - self._validated_at >= self.retain_seconds / 2):
             self._in_doubt = (f"whether generation {new.generation} of {self.storage.url} was committed is not "
-                              f"known: this writer was stopped for longer than half of retain_seconds around its "
-                              f"commit, and the collection floor ({floor}) has passed it since")
-            raise StoreIOError(errno.ETIMEDOUT, f"{self._in_doubt}; commit with a token to find out (a retry "
-                               "without one may append the rows twice)", self.storage.url)
+                              f"known: the collection floor ({floor}) passed it before this writer read the floor "
+                              "after its link, and without locks (an object store, a filesystem without flock) a "
+                              "stale link and a commit collected since look the same")
+            raise StoreIOError(errno.ETIMEDOUT, f"{self._in_doubt}; read the store to see whether its rows are "
+                               "there, and commit with a token (extend(batch, token=...)) so that a retry tells "
+                               "(a retry without one may append the rows twice)", self.storage.url)
         try:
             if self.storage.read_bytes(new.file) == data:  # ours, in a slot nobody else can fill now
                 self.storage.delete(new.file)

@@ -21,9 +21,10 @@ from ..schema import Schema
 from ..segment import PageChecksums, Segment
 
 
-class CacheEvicted(Exception):
-    """Control flow, never seen by callers: a mapped cache file was evicted while a read
-    still needed more of it; the store maps the segment again and repeats the read."""
+class _CacheEvicted(Exception):
+    """Internal control flow, never seen by callers: a mapped cache file was evicted while a read
+    still needed more of it; the store maps the segment again and repeats the read
+    (``SegmentCache.remapping``; a second eviction is an ``ArgumentError`` naming ``cache_bytes``)."""
 
 
 def _pages_of(starts: np.ndarray, ends: np.ndarray, page_bytes: int) -> np.ndarray:
@@ -143,7 +144,7 @@ class RemoteSegment(Segment):
             return
         path = self.storage.fetch_ranges(self.rel, ranges, size=self.size, evict=False, tag=self.tag)
         if path != self.cache_path:
-            raise CacheEvicted(self.path)
+            raise _CacheEvicted(self.path)
 
     def _verify_pages(self, pages: np.ndarray) -> None:
         if not self._complete:

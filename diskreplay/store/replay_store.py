@@ -47,7 +47,7 @@ from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, open_storage
 from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, open_store, writer_id
-from .writing import SchemaRace, SegmentWriter
+from .writing import SegmentWriter, _SchemaRace
 
 _UNSET: Any = UNSET
 T = TypeVar("T")
@@ -524,7 +524,7 @@ class ReplayStore:
         record, schema = normalize_batch(batch, schema, self.group_key)
         try:
             return self._append(record, schema, token)
-        except SchemaRace:
+        except _SchemaRace:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.storage)
             record, schema = normalize_batch(batch, self.schema, self.group_key)

@@ -37,7 +37,7 @@ from ..schema import RAGGED, Schema
 from ..segment import PageChecksums, Segment, check_rows_of_parts, has_page_checksums, prefetch_files
 from .sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
 from .reading import RangePlan, gather_ragged, hint_reads, ragged_ranges, ragged_run
-from .remote import CacheEvicted, RemoteSegment, fetch_for_read
+from .remote import RemoteSegment, _CacheEvicted, fetch_for_read
 
 __all__ = ["Column", "ReadView", "SegmentCache", "row_ids"]
 
@@ -239,14 +239,14 @@ class SegmentCache:
         ``cache_bytes``), map it again and repeat once."""
         try:
             return action()
-        except CacheEvicted:
+        except _CacheEvicted:
             self.trim()
             self.segments.clear()
             for pages in self.pages.values():
                 pages.verified[:] = False
         try:
             return action()
-        except CacheEvicted:
+        except _CacheEvicted:
             raise ArgumentError(f"{self.path}: the local cache lost files one read still needed twice; raise "
                                 "cache_bytes (or give each process its own cache_dir)") from None
 

@@ -39,8 +39,9 @@ RESERVE_AHEAD_MIN_AGE = 60.0
 FileToWrite = Tuple[str, Any, Optional[str]]
 
 
-class SchemaRace(Exception):
-    """Another writer fixed a multi-writer store's schema first."""
+class _SchemaRace(Exception):
+    """Internal: another writer fixed a multi-writer store's schema first. ``ReplayStore.extend``
+    catches it and validates the batch against that schema; it never reaches a caller."""
 
 
 class SegmentWriter:
@@ -231,7 +232,7 @@ def fix_schema(path: str, storage: Storage, committer: Committer, options: fmt.S
                reserves_ids: bool) -> fmt.StoreOptions:
     """The options with ``schema``, writing it if this is the store's first append (``storage`` the
     store's own, ``committer.storage`` the one this writer commits through). Raises
-    :class:`SchemaRace` when another writer of a multi-writer store fixed it first."""
+    ``_SchemaRace`` when another writer of a multi-writer store fixed it first."""
     if schema.pending() and not options.late_columns:
         return mark_late_columns(storage, committer, options)
     schema = schema.initial()  # late columns are committed in the manifest, not here
@@ -246,7 +247,7 @@ def fix_schema(path: str, storage: Storage, committer: Committer, options: fmt.S
     # many writers: the first to create SCHEMA.json fixes the schema for all
     if not shared.put_if_absent(fmt.SCHEMA_FILE, fmt.shared_schema_bytes(schema), step="format"):
         if options.multi_writer:
-            raise SchemaRace()
+            raise _SchemaRace()
         if fmt.read_shared_schema(shared) != schema:
             raise CommitConflictError(
                 f"{path}/{fmt.SCHEMA_FILE} holds another schema than this first append's: another "

@@ -224,7 +224,7 @@ def scan_manifests(r: Optional[Report], files: Optional[StoreFiles] = None, floo
             continue
         try:
             m = _load_manifest(files, gen)
-        except fmt.MissingBase as exc:
+        except fmt.ManifestBaseMissingError as exc:
             suspects.append((gen, exc.strerror))  # lost, or a clean-up in progress removes the delta next
             continue
         except FileNotFoundError:

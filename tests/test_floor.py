@@ -1,0 +1,207 @@
+"""The collection floor against schedules forced from outside the library (docs/FORMAT.md, "The collection
+floor"): a writer process stopped by strace right after its manifest's link, for longer than
+``retain_seconds`` or while a collector whose wall clock runs an hour ahead (libfaketime) sweeps; two
+collectors raising the floor at once; a collector stopped between raising the floor and deleting; a
+reader pinned at a generation and stopped past retention. Each ends with every acknowledged batch in the
+store exactly once, bit-exact, at the rows its ``extend`` returned, and ``verify`` ok."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from diskreplay import ReplayStore
+from diskreplay.store.compaction import MergePolicy
+from diskreplay import format as fmt
+from diskreplay.testing.workload import batch_for, token_for
+
+from .test_schedules import RETAIN, _exactly_once
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "DISKREPLAY_SERIAL_IO": "1"}
+
+# no merges of small segments: a merge would copy writer 1's rows into a segment of another writer's,
+# and the files its commit named would no longer matter
+NO_MERGES = MergePolicy(max_bytes=1)
+needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+needs_faketime = pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (libfaketime)")
+
+# a writer that commits once (so that everything a commit probes is probed), says READY, and commits its
+# next batch when told: the test has attached strace by then, which stops it right after that commit's link
+STOPPED_WRITER = textwrap.dedent("""
+    import sys
+    from diskreplay import ReplayStore
+    from diskreplay.store.compaction import MergePolicy
+    from diskreplay.testing.workload import batch_for, token_for
+    path, tokened = sys.argv[1], sys.argv[2] == "1"
+    store = ReplayStore(path, merge_policy=MergePolicy(max_bytes=1))
+    store.extend(batch_for(1, 0), token=token_for(1, 0))
+    print("READY", flush=True)
+    sys.stdin.readline()
+    try:
+        rows = store.extend(batch_for(1, 1), token=token_for(1, 1) if tokened else None)
+        print("ACK", int(rows[0]), len(rows), flush=True)
+    except Exception as exc:
+        print("ERR", type(exc).__name__, str(exc).replace(chr(10), " "), flush=True)
+    store.close()
+""")
+
+SWEEPER = textwrap.dedent("""
+    import sys
+    from diskreplay import ReplayStore
+    with ReplayStore(sys.argv[1]) as store:  # a writer's open sweeps the store
+        store._committer.collect(full=True)
+""")
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_stopped(proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the writer exited before its link: {proc.communicate()}")
+        if _state(proc.pid) in "tT":
+            return
+        time.sleep(0.01)
+    raise AssertionError("the writer never stopped at its link")
+
+
+def _stopped_after_link(path, tokened):
+    """Start the writer; return it (and its tracer) stopped right after its manifest's link."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_WRITER, path, "1" if tokened else "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    assert proc.stdout.readline().strip() == "READY", proc.communicate()
+    # the next link(at) of the writer is its manifest's (segment names are created O_EXCL): strace runs
+    # it and then stops the process (signal= is delivered on the call's exit)
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=link,linkat",
+                               "-e", "inject=link,linkat:signal=SIGSTOP:when=1", "-p", str(proc.pid)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/status") as f:
+            if "TracerPid:\t0" not in f.read():
+                break
+        time.sleep(0.01)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    _wait_stopped(proc)
+    return proc, tracer
+
+
+def _resume(proc, tracer):
+    """Let the writer go on; its outcome: ``("ACK", rows)`` or ``("ERR", type, message)``."""
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    tracer.terminate()
+    tracer.wait(timeout=30)
+    assert proc.returncode == 0, err
+    line = [x for x in out.splitlines() if x.startswith(("ACK", "ERR"))][-1]
+    if line.startswith("ACK"):
+        _, first, n = line.split()
+        return ("ACK", list(range(int(first), int(first) + int(n))))
+    _, kind, message = line.split(" ", 2)
+    return ("ERR", kind, message)
+
+
+def _commit(store, acked, w, steps):
+    for step in steps:
+        acked[(w, step)] = store.extend(batch_for(w, step), token=token_for(w, step))
+
+
+def _check(path, acked, outcome, tokened, settled=True):
+    """The stopped writer's batch: acknowledged and there once, or (without a token, where the commit
+    cannot be ``settled``: no locks) in doubt, said so honestly, and then there at most once, whole;
+    never called refused while committed."""
+    assert outcome[0] == "ACK" or not settled, outcome
+    if outcome[0] == "ACK":
+        acked[(1, 1)] = outcome[1]
+        _exactly_once(path, acked)
+        return
+    _, kind, message = outcome
+    assert not tokened, outcome
+    assert kind == "StoreIOError" and "not known" in message, outcome
+    with ReplayStore(path, readonly=True) as r:
+        tags = r.read(r.row_ids(), ["tag"])["tag"]
+        rows = [r.head + i for i, t in enumerate(tags) if t.startswith("w1s1n")]
+    if rows:
+        acked[(1, 1)] = rows
+    _exactly_once(path, acked)
+
+
+# --------------------------------------------------------------------------- a writer stopped after its link
+
+
+@needs_strace
+@pytest.mark.parametrize("tokened", [True, False], ids=["token", "no-token"])
+def test_a_writer_stopped_right_after_its_link_past_retention_keeps_its_commit(tmp_path, tokened):
+    """Writer 1 links generation G+1 (a real commit, the newest) and is stopped there for longer than
+    retain_seconds while writer 2 commits on top of it, waits out the retention and sweeps. The sweep
+    raised the floor past G+1 and deleted it; writer 1 then took the floor for "my link was stale": with
+    a token its rebase found its own token and removed the files its commit names (a fresh reader:
+    FileNotFoundError); without one the extend said the commit was refused. Now a sweep never raises the
+    floor past a manifest whose writer has not read the floor after its link (it holds a lease on it)."""
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True, retain_seconds=RETAIN).close()
+    acked = {(1, 0): None}
+    proc, tracer = _stopped_after_link(path, tokened)
+    try:
+        with ReplayStore(path, merge_policy=NO_MERGES) as b:
+            _commit(b, acked, 2, range(20))
+            time.sleep(RETAIN + 0.3)
+            _commit(b, acked, 2, range(20, 26))
+            b._committer.collect(full=True)
+        outcome = _resume(proc, tracer)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tracer.kill()
+    acked.pop((1, 0))
+    _check_with_first(path, acked, outcome, tokened)
+
+
+def _check_with_first(path, acked, outcome, tokened, settled=True):
+    # writer 1's first batch (before the stop) is there once too, at whatever rows it got: first in the store
+    with ReplayStore(path, readonly=True) as r:
+        tags = r.read(r.row_ids(), ["tag"])["tag"]
+        acked[(1, 0)] = [r.head + i for i, t in enumerate(tags) if t.startswith("w1s0n")]
+    assert len(acked[(1, 0)]) == len(batch_for(1, 0)["tag"])
+    _check(path, acked, outcome, tokened, settled)
+
+
+@needs_strace
+@needs_faketime
+@pytest.mark.parametrize("tokened", [True, False], ids=["token", "no-token"])
+def test_a_collector_an_hour_ahead_never_collects_a_commit_its_writer_has_not_confirmed(tmp_path, tokened):
+    """No long pause: writer 1 is stopped right after its link for a moment (far less than
+    retain_seconds=60), writer 2 commits 20 batches on top, and a third writer whose wall clock runs an
+    hour ahead (libfaketime) opens the store and sweeps: to it every manifest is an hour old, so it
+    collected writer 1's generation before writer 1 read the floor."""
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True, retain_seconds=60).close()
+    acked = {}
+    proc, tracer = _stopped_after_link(path, tokened)
+    try:
+        with ReplayStore(path, merge_policy=NO_MERGES) as b:
+            _commit(b, acked, 2, range(20))  # (past a full manifest: the deltas before it can go)
+        sweep = subprocess.run(["faketime", "-f", "+1h", sys.executable, "-c", SWEEPER, path],
+                               capture_output=True, text=True, env=ENV, timeout=120)
+        assert sweep.returncode == 0, sweep.stderr
+        outcome = _resume(proc, tracer)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tracer.kill()
+    _check_with_first(path, acked, outcome, tokened)
