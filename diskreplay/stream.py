@@ -17,12 +17,17 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .errors import ArgumentError, ColumnNotFoundError, SamplerError
+from ._fileio import boot_clock
+from .errors import ArgumentError, ColumnNotFoundError, CommitConflictError, SamplerError, StreamFencedError
 from .ragged import RaggedColumn
 from .samplers.distributed import broadcast_ints
 from .store.consumers import STREAM_KIND, stream_state_name
 
 _FORMAT = 1
+#: the per-row version a row without per-token versions is judged by, when the store has it
+ROW_VERSION_KEY = "policy_version"
+#: instances of one name claiming at the same moment: each lost race reads the newer epoch and tries again
+_CLAIM_ATTEMPTS = 16
 
 
 def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> Optional[int]:
@@ -113,18 +118,73 @@ class RolloutStream:
         self.process_group = process_group
         self._next_row = 0
         self._pending = np.zeros(0, np.int64)      # scanned rows not dealt with, ascending
-        self._since = np.zeros(0, np.float64)      # when this stream first saw each of them
+        self._since = np.zeros(0, np.float64)      # when this stream first saw each of them (boot clock)
         self._keys = np.zeros(0, object)          # their group keys (when grouped)
         self._versions = np.zeros(0, np.float64)   # their policy versions (NaN: none)
         self._counts = {"handed_out": 0, "batches": 0, "stale": 0, "evicted": 0, "dropped_incomplete": 0}
         self.extra: Optional[Dict[str, Any]] = None
         self._warned: set = set()
+        #: this instance's epoch: each new instance of a name takes the next one (rank 0, by a commit)
+        self.epoch = 0
+        self._entry: Any = None    # the cursor entry rank 0 committed last (its saves replace only that one)
+        saved = self._claim() if self.rank == 0 and self._writable() else None
         if resume:
             # every rank at least at rank 0's commit: the cursor rank 0 committed last is in it
             self._rank0_view(lambda: [self.store.generation], lambda agreed: self.store.generation < agreed[0])
-            saved = store.load_state(self.state_name)
+            if self._entry is None:
+                saved = store.load_state(self.state_name)
             if saved is not None:
                 self.load_state_dict(saved)
+                self.epoch = self.epoch or int(saved.get("epoch", 0))
+
+    # ------------------------------------------------------------------ fencing
+
+    def _writable(self) -> bool:
+        return not getattr(self.store, "readonly", True) and not getattr(self.store, "pinned", False)
+
+    def _claim(self) -> Optional[Dict[str, Any]]:
+        """Take the next epoch of this stream name: commit the committed cursor again (or this fresh
+        one) with it, only over the cursor read (a newer instance's claim in between: read it and
+        try again). Every older instance's save (and ``next``) is refused from then on. Returns the
+        committed cursor it found, checked against this stream's settings before anything is written."""
+        for _ in range(_CLAIM_ATTEMPTS):
+            with self.store.lock:
+                self.store.refresh()
+                entry = self.store.manifest.states.get(self.state_name)
+                saved = None if entry is None else self.store.load_state(self.state_name)
+            if saved is not None:
+                self._check_cursor(saved)
+            claim = dict(saved) if saved is not None else self.state_dict()
+            claim["epoch"] = int(claim.get("epoch", 0)) + 1
+            try:
+                self._entry = self._commit(claim, entry)
+            except CommitConflictError:
+                if self._current_entry() == entry:
+                    raise  # not a newer claim: lost races to other writers
+                continue
+            self.epoch = claim["epoch"]
+            return saved
+        raise self._fenced()
+
+    def _commit(self, state: Mapping[str, Any], replaces: Any) -> Any:
+        """Commit ``state`` as this stream's cursor only over the cursor entry ``replaces``; its entry."""
+        with self.store.lock:
+            self.store.save_state(self.state_name, state, replaces=replaces)
+            return self.store.manifest.states[self.state_name]
+
+    def _current_entry(self) -> Any:
+        with self.store.lock:
+            self.store.refresh()
+            return self.store.manifest.states.get(self.state_name)
+
+    def _fenced(self) -> StreamFencedError:
+        newest = self.store.load_state(self.state_name) or {}
+        return StreamFencedError(
+            f"a newer instance of stream {self.name!r} took over at epoch {newest.get('epoch', '?')} (this one holds "
+            f"epoch {self.epoch}) and committed its cursor to {self.store.path}: this instance may no longer save "
+            "its cursor or hand out rows (both would hand rows out twice). Stop this trainer; give a second "
+            "consumer of the store a stream name of its own; to resume from an earlier checkpoint, make a new "
+            "RolloutStream and load_state_dict() the checkpoint's cursor (a new instance takes a new epoch)")
 
     def _rank0_view(self, view: Callable[[], List[int]], behind: Callable[[List[int]], bool]) -> List[int]:
         """``view()`` of the newest commit as rank 0 sees it, on every rank; a rank whose own store is
@@ -150,14 +210,22 @@ class RolloutStream:
 
     def state_dict(self) -> Dict[str, Any]:
         """The cursor (and ``extra``) as a JSON-and-arrays dict (``ReplayStore.save_state`` takes it)."""
-        ready = self._units()[0].size
+        ready, incomplete = self._units()
+        waited = np.maximum(boot_clock() - self._since, 0.0)  # ages, not timestamps: no clock of this host in it
         return {"kind": STREAM_KIND, "format": _FORMAT, "name": self.name, "group_size": self.group_size,
-                "group_key": self.group_key, "next_row": self._next_row, "position": self._next_row - ready,
-                "pending": self._pending.copy(), "since": self._since.copy(), "counts": dict(self._counts),
-                "saved_at": time.time(), "extra": self.extra}
+                "group_key": self.group_key, "next_row": self._next_row, "position": self._next_row - ready.size,
+                "pending": self._pending.copy(), "waited": waited, "group_of": self._group_of(),
+                "incomplete": self._pending[incomplete], "since": time.time() - waited,
+                "counts": dict(self._counts), "epoch": self.epoch, "saved_at": time.time(), "extra": self.extra}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a cursor ``state_dict()`` gave (a trainer checkpoint's, or the committed one)."""
+    def _group_of(self) -> np.ndarray:
+        """For each waiting row, the first waiting row of its group key (itself without groups)."""
+        if self.group_size == 1 or not self._pending.size:
+            return self._pending.copy()
+        _, first, inverse = np.unique(self._keys, return_index=True, return_inverse=True)
+        return self._pending[first][inverse.reshape(-1)]
+
+    def _check_cursor(self, state: Mapping[str, Any]) -> None:
         if state.get("kind") != STREAM_KIND or state.get("format") != _FORMAT:
             raise SamplerError(f"{self.state_name}: not a stream cursor this diskreplay reads "
                                f"(kind {state.get('kind')!r}, format {state.get('format')!r})")
@@ -166,15 +234,39 @@ class RolloutStream:
                 raise SamplerError(f"stream {self.name!r} was saved with {field}={state[field]!r}, not "
                                    f"{getattr(self, field)!r}: use the saved setting, or another stream name to "
                                    "start a new stream from the first row")
-        pending, since = np.asarray(state["pending"], np.int64), np.asarray(state["since"], np.float64)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a cursor ``state_dict()`` gave (a trainer checkpoint's, or the committed one).
+        The instance keeps its own :attr:`epoch`: loading an older cursor is a deliberate resume, and the
+        next ``save()`` commits it."""
+        self._check_cursor(state)
+        pending = np.asarray(state["pending"], np.int64)
+        # how long each row had waited when the cursor was saved (an older cursor has only timestamps of
+        # another host's clock, which are not compared here: its rows start waiting now)
+        waited = np.asarray(state.get("waited", np.zeros(pending.size)), np.float64)
+        group_of = np.asarray(state.get("group_of", pending), np.int64)
         alive = pending >= self.store.head  # rows the store evicted since the cursor was saved
+        for a, b in getattr(self.store, "holes", ()):  # or a repair dropped
+            alive &= (pending < a) | (pending >= b)
         self._next_row = int(state["next_row"])
         self._counts = {**self._counts, **{k: int(v) for k, v in state["counts"].items()}}
         self.extra = state.get("extra")
         self._pending, self._since = np.zeros(0, np.int64), np.zeros(0, np.float64)
         self._keys, self._versions = np.zeros(0, object), np.zeros(0, np.float64)
         self._counts["evicted"] += int(alive.size - np.count_nonzero(alive))
-        self._adopt(pending[alive], since[alive])
+        self._adopt(pending[alive], boot_clock() - waited[alive])
+        self._cut(np.isin(group_of[alive], group_of[~alive]))
+
+    def _cut(self, hit: np.ndarray) -> None:
+        """Count the waiting rows of incomplete groups that lost a row to eviction (``hit``: per waiting
+        row, whether its group key did) as evicted: such a group never completes, and is not handed out short."""
+        if self.group_size == 1 or not hit.any():
+            return
+        gone = np.zeros(len(self._pending), bool)
+        gone[self._units()[1]] = True
+        gone &= hit
+        self._counts["evicted"] += int(gone.sum())
+        self._remove(gone)
 
     def save(self, extra: Optional[Mapping[str, Any]] = None) -> None:
         """Commit the cursor (and ``extra``: JSON values and arrays, read back as :attr:`extra`) in one
@@ -182,7 +274,12 @@ class RolloutStream:
         if extra is not None:
             self.extra = dict(extra)
         if self.rank == 0:
-            self.store.save_state(self.state_name, self.state_dict())
+            try:
+                self._entry = self._commit(self.state_dict(), self._entry)
+            except CommitConflictError:
+                if self._current_entry() == self._entry:
+                    raise  # lost races to other writers, not a newer instance
+                raise self._fenced() from None
 
     # ------------------------------------------------------------------ handing out
 
@@ -220,15 +317,23 @@ class RolloutStream:
 
     def _scan(self) -> None:
         """Take in the rows committed since the last scan (rank 0's view, on every rank)."""
-        head, end = self._rank0_view(lambda: [self.store.head, self.store.next_row],
-                                     lambda agreed: self.store.next_row < agreed[1])
+        head, end, fenced = self._rank0_view(
+            lambda: [self.store.head, self.store.next_row, self._entry is not None and
+                     self.store.manifest.states.get(self.state_name) != self._entry],
+            lambda agreed: self.store.next_row < agreed[1])
+        if fenced:  # (every rank raises: rank 0 saw it)
+            raise self._fenced()
         self._drop_evicted(head)
         if end <= self._next_row:
             return
         start = max(self._next_row, head)
         self._counts["evicted"] += start - self._next_row
         self._next_row = end
-        self._adopt(np.arange(start, end, dtype=np.int64), None)
+        rows = np.arange(start, end, dtype=np.int64)
+        for a, b in getattr(self.store, "holes", ()):  # rows repair dropped: there is nothing to hand out
+            rows = rows[(rows < a) | (rows >= b)]
+        self._counts["evicted"] += end - start - rows.size
+        self._adopt(rows, None)
 
     def _adopt(self, rows: np.ndarray, since: Optional[np.ndarray]) -> None:
         """Add ``rows`` (ascending, above the pending ones) to the waiting rows."""
@@ -236,12 +341,15 @@ class RolloutStream:
             return
         columns = ([self.group_key] if self.group_size > 1 else []) + \
                   ([self.policy_version_key] if self.max_policy_lag is not None else [])
+        if self.max_policy_lag is not None and self.policy_version_key != ROW_VERSION_KEY and \
+                ROW_VERSION_KEY in self.store.columns:
+            columns.append(ROW_VERSION_KEY)  # for rows without per-token versions
         data = self.store.read(rows, columns=columns) if columns else {}
         if self.max_policy_lag is not None and self.policy_version_key not in data:
             raise ColumnNotFoundError(f"{self.store.path} has no {self.policy_version_key!r} column for "
                                       f"max_policy_lag (columns: {self.store.columns}); pass policy_version_key=")
         self._pending = np.concatenate([self._pending, rows])
-        now = np.full(rows.size, time.time()) if since is None else since
+        now = np.full(rows.size, boot_clock()) if since is None else since
         self._since = np.concatenate([self._since, now])
         if self.group_size > 1:
             keys = np.empty(rows.size, object)
@@ -254,22 +362,34 @@ class RolloutStream:
         if column is None:
             return np.full(n, np.nan)
         if isinstance(column, RaggedColumn):  # per token: the row is as old as its oldest token
-            values = column.values.astype(np.float64)
-            if column.validity is not None:
-                values = np.where(column.validity, values, np.inf)
-            out = np.full(n, np.inf)
             lengths = np.diff(column.offsets)
+            values = column.values.astype(np.float64)
+            if column.validity is not None:  # (per row: a row without the column has no tokens of it)
+                values = np.where(np.repeat(column.validity, lengths), values, np.inf)
+            out = np.full(n, np.inf)
             nonempty = lengths > 0
             if nonempty.any():
                 out[nonempty] = np.minimum.reduceat(values, column.offsets[:-1][nonempty])
-            return np.where(np.isinf(out), np.nan, out)
+            out[np.isinf(out)] = np.nan
+            # a row that left its per-token versions out (None: generated under one policy) is as old as its
+            # per-row version; without one it is not old
+            row = data.get(ROW_VERSION_KEY)
+            if row is not None and not isinstance(row, RaggedColumn) and np.isnan(out).any():
+                row = np.asarray(row, np.float64).reshape(n, -1).min(axis=1)
+                out = np.where(np.isnan(out), row, out)
+            return out
         return np.asarray(column, np.float64).reshape(n, -1).min(axis=1)
 
     def _drop_evicted(self, head: int) -> None:
-        if self._pending.size and self._pending[0] < head:
+        holes = [(a, b) for a, b in getattr(self.store, "holes", ()) if self._pending.size and a <= self._pending[-1]]
+        if self._pending.size and (self._pending[0] < head or holes):
             keep = self._pending >= head
+            for a, b in holes:
+                keep &= (self._pending < a) | (self._pending >= b)
+            lost = set(self._keys[~keep].tolist()) if self.group_size > 1 else set()
             self._counts["evicted"] += int((~keep).sum())
             self._remove(~keep)
+            self._cut(np.fromiter((k in lost for k in self._keys.tolist()), bool, len(self._keys)))
 
     def _remove(self, gone: np.ndarray) -> None:
         keep = ~gone
@@ -336,7 +456,7 @@ class RolloutStream:
         groups: Dict[Any, List[int]] = {}
         for i in waiting.tolist():
             groups.setdefault(self._keys[i], []).append(i)
-        now = time.time()
+        now = boot_clock()  # this process's clock since it (or the cursor it loaded) first saw the rows
         out = [{"key": key, "rows": self._pending[idx], "waiting_s": now - float(self._since[idx].min())}
                for key, idx in groups.items()]
         return sorted((g for g in out if g["waiting_s"] >= older_than), key=lambda g: -g["waiting_s"])

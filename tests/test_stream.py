@@ -9,10 +9,10 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from diskreplay import ReplayStore
-from diskreplay.errors import ArgumentError, ColumnNotFoundError, ReadOnlyError, SamplerError
+from diskreplay.errors import ArgumentError, ColumnNotFoundError, ReadOnlyError, SamplerError, StreamFencedError
 from diskreplay.stream import RolloutStream
 
 
@@ -281,3 +281,137 @@ def test_rollout_writer_waits_for_the_trainer_before_it_generates(tmp_path):
     with pytest.raises(ArgumentError, match="max_ahead_rows"):
         RolloutWriter(path, "gen-1", max_ahead_rows=-1)
     writer.close()
+
+
+# --------------------------------------------------------------------------- issue 47
+
+
+def test_a_second_instance_of_a_stream_fences_the_first(tmp_path):
+    """Two live trainers of one name (finding 2): the newer instance takes the next epoch, and the
+    older one can neither move the committed cursor back nor hand out rows the newer one owns."""
+    path = str(tmp_path / "s")
+    ReplayStore(path, group_key=None, multi_writer=True).extend({"rewards": np.arange(32.0)})
+    old = RolloutStream(ReplayStore(path), "trainer")
+    assert old.epoch == 1 and old.next(8, timeout=0).tolist() == list(range(8))
+    old.save(extra={"step": 1})
+    checkpoint = old.state_dict()
+    new = RolloutStream(ReplayStore(path), "trainer")          # while the old one still runs
+    assert new.epoch == 2 and new.next(8, timeout=0).tolist() == list(range(8, 16))
+    new.save(extra={"step": 2})
+    with pytest.raises(StreamFencedError, match="newer instance of stream 'trainer' took over at epoch 2"):
+        old.save(extra={"step": 1})
+    with pytest.raises(StreamFencedError, match="epoch 1"):
+        old.next(8, timeout=0)
+    reader = ReplayStore(path, readonly=True)
+    state = reader.load_state("stream.trainer")
+    assert (state["position"], state["extra"], state["epoch"]) == (16, {"step": 2}, 2)
+    # a deliberate resume from an earlier checkpoint: a new instance loads the older cursor and saves it
+    resumed = RolloutStream(ReplayStore(path), "trainer")
+    resumed.load_state_dict(checkpoint)
+    assert resumed.epoch == 3
+    resumed.save()
+    reader.refresh()
+    assert reader.load_state("stream.trainer")["position"] == 8
+    assert resumed.next(8, timeout=0).tolist() == list(range(8, 16))
+    with pytest.raises(StreamFencedError, match="epoch 3"):
+        new.save()
+    # a settings mismatch is refused before the claim: the store is as it was
+    generation = reader.generation
+    with pytest.raises(SamplerError):
+        RolloutStream(ReplayStore(path), "trainer", group_size=2)
+    reader.refresh()
+    assert reader.generation == generation
+
+
+def test_two_instances_on_one_single_writer_store_object(tmp_path):
+    store = ReplayStore(str(tmp_path / "s"), group_key=None)
+    store.extend({"rewards": np.arange(4.0)})
+    first = RolloutStream(store, "t")
+    second = RolloutStream(store, "t")
+    assert second.next(2, timeout=0).tolist() == [0, 1]
+    second.save()
+    with pytest.raises(StreamFencedError):
+        first.next(2, timeout=0)
+    assert store.load_state("stream.t")["position"] == 2
+
+
+def test_rows_without_per_token_versions_are_judged_by_their_row_version(tmp_path):
+    """Finding 3: a None row in token_policy_versions with max_policy_lag crashed next()."""
+    store = ReplayStore(str(tmp_path / "s"), group_key=None, multi_writer=True)
+    store.extend({"completion_ids": [[1, 2], [3], [4, 5], [6]],
+                  "token_policy_versions": [[4, 5], None, None, [2]],
+                  "policy_version": np.array([4, 1, 5, 2])})
+    stream = RolloutStream(store, "t", max_policy_lag=1, policy_version_key="token_policy_versions")
+    with pytest.warns(RuntimeWarning, match="max_policy_lag=1"):
+        assert stream.next(2, policy_version=5, timeout=0).tolist() == [0, 2]
+    assert stream.stats()["stale"] == 1                        # row 1, by its policy_version
+    assert stream.next(1, policy_version=5, timeout=0) is None and stream.stats()["stale"] == 2
+    bare = ReplayStore(str(tmp_path / "b"), group_key=None, multi_writer=True)  # no per-row version either
+    bare.extend({"completion_ids": [[1, 2], [3]], "token_policy_versions": [None, [0]]})
+    lone = RolloutStream(bare, "t", max_policy_lag=1, policy_version_key="token_policy_versions")
+    assert lone.next(1, policy_version=5, timeout=0).tolist() == [0]   # without any version: not old
+    assert lone.stats()["stale"] == 0
+
+
+def _accounted(stream):
+    s = stream.stats()
+    return s["handed_out"] + s["stale"] + s["evicted"] + s["dropped_incomplete"] + s["waiting"], s["next_row"]
+
+
+def test_a_group_cut_by_eviction_is_counted_not_left_waiting(tmp_path):
+    """Finding 5: the surviving rows of a group that eviction cut waited for ever."""
+    store = ReplayStore(str(tmp_path / "s"), capacity=6, multi_writer=True)
+    stream = RolloutStream(store, "t", group_size=3)
+    _rows(store, [1, 1, 2, 2])                 # both prompts wait for a third sample
+    assert stream.next(3, timeout=0) is None
+    stream.save()
+    _rows(store, [3, 3, 3])                    # 7 rows, capacity 6: row 0 (prompt 1) evicted
+    assert stream.next(3, timeout=0).tolist() == [4, 5, 6]
+    assert [g["key"] for g in stream.incomplete_groups()] == [2]
+    assert stream.stats()["evicted"] == 2 and _accounted(stream) == (7, 7)
+    # the same cut found by a stream resumed from a cursor saved before the eviction
+    again = RolloutStream(store, "t", group_size=3)
+    assert [g["key"] for g in again.incomplete_groups()] == [2]
+    assert again.stats()["evicted"] == 2
+    assert again.next(3, timeout=0).tolist() == [4, 5, 6] and _accounted(again) == (7, 7)
+
+
+@st.composite
+def _evicting_schedules(draw):
+    group = draw(st.integers(2, 3))
+    events = draw(st.lists(st.one_of(
+        st.tuples(st.just("commit"), st.lists(st.integers(0, 4), min_size=1, max_size=5)),
+        st.tuples(st.just("take"), st.integers(1, 2)),
+        st.just(("save", None)), st.just(("restart", None))), min_size=1, max_size=20))
+    return group, draw(st.integers(3, 6)), events
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_evicting_schedules())
+@example((3, 4, [("commit", [1, 1, 2, 2]), ("take", 1), ("commit", [3]), ("take", 1)]))  # a cut group
+def test_every_committed_row_is_accounted_for_under_eviction(tmp_path_factory, schedule):
+    """handed out + stale + evicted + dropped + waiting == rows committed, whatever the interleaving of
+    appends, evictions (capacity) and takes; and a waiting group that lost a row to eviction does not
+    stay waiting."""
+    group, capacity, events = schedule
+    store = ReplayStore(str(tmp_path_factory.mktemp("s")), capacity=capacity, multi_writer=True)
+    stream = RolloutStream(store, "t", group_size=group)
+    key_of: list = []
+    for kind, arg in events:
+        if kind == "commit":
+            _rows(store, arg)
+            key_of.extend(arg)
+        elif kind == "take":
+            before = stream.state_dict()["pending"].tolist()
+            stream.next(group * arg, timeout=0)
+            cut = {key_of[r] for r in before if r < store.head}
+            for g in stream.incomplete_groups():
+                kept = [r for r in g["rows"].tolist() if r in before]
+                assert not (kept and g["key"] in cut), f"group {g['key']} lost a row to eviction and still waits"
+        elif kind == "save":
+            stream.save()
+        else:
+            stream = RolloutStream(store, "t", group_size=group)
+        assert _accounted(stream)[0] == _accounted(stream)[1]
+    stream.next(group, timeout=0)
+    assert _accounted(stream) == (store.next_row, store.next_row)

@@ -15,7 +15,9 @@ operation      conflicts with a concurrent commit when
 ``Rewrite``    a replaced segment is no longer in the base (another rewrite
                merged it, or eviction dropped it); stored as a rewrite delta
                in a format v5 store
-``SaveState``  never (the state of that name from the later commit wins)
+``SaveState``  never (the state of that name from the later commit wins), unless
+               ``conditional``: then when the base's state of that name is not
+               ``replaces`` (a compare-and-set: a rollout stream's fence)
 ``Evict``      never (the head only moves forward)
 ``RollBack``   always, unless the base is the one it was planned on
 ``IndexGroups``  never (a persisted group index of rows the base still has)
@@ -77,7 +79,11 @@ class Rewrite:
 
 @dataclass(frozen=True)
 class SaveState:
+    """Save the state file ``entry``; ``conditional``: only over the entry ``replaces`` (None: none)."""
+
     entry: fmt.StateEntry
+    replaces: Optional[fmt.StateEntry] = None
+    conditional: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,8 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
     if isinstance(op, Rewrite):
         return fmt.rewrite_rows(base, op.ids, op.entries, options)  # (ids are never reused)
     if isinstance(op, SaveState):
+        if op.conditional and base.states.get(op.entry.name) != op.replaces:
+            raise Conflict(f"the state {op.entry.name!r} changed since this save was planned")
         return base.evolve(generation=generation, states={**base.states, op.entry.name: op.entry})
     if isinstance(op, Evict):
         head = min(max(base.head, op.head), base.next_row)

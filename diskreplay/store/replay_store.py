@@ -37,7 +37,7 @@ from .sidecars import encode_group_index
 from .states import encode_state, read_state_file, write_state_file
 from . import ops
 from .committer import Committer
-from .consumers import DEAD_AFTER_S, Consumer, consumers, wait_for_consumers
+from .consumers import DEAD_AFTER_S, INCOMPLETE_AFTER_S, Consumer, consumers, wait_for_consumers
 from .compaction import MergePolicy
 from .reading import index_of_column
 from .group_views import GroupIndexes
@@ -639,8 +639,10 @@ class ReplayStore:
     # ------------------------------------------------------------------ states
 
     @_locked
-    def save_state(self, name: str, state: Mapping[str, Any]) -> None:
+    def save_state(self, name: str, state: Mapping[str, Any], *, replaces: Any = ...) -> None:
         """Durably store a sampler's ``state_dict()`` under ``name`` (JSON + Arrow, committed).
+        ``replaces``: commit only over this entry of ``manifest.states`` (None: none saved), else
+        ``CommitConflictError`` and nothing committed (a compare-and-set); default: over any.
 
         >>> import tempfile, numpy as np
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -654,7 +656,9 @@ class ReplayStore:
         if self.multi_writer:
             self._catch_up()
         entry = write_state_file(self._committer, name, data, self.manifest.generation + 1, self._reserves_ids)
-        self._committer.commit(lambda base: ops.SaveState(entry), [entry.file],
+        conditional = replaces is not ...
+        self._committer.commit(lambda base: ops.SaveState(entry, replaces if conditional else None, conditional),
+                               [entry.file],
                                install=lambda new: self._install(new, self.options))
         self._collect()
 
@@ -688,7 +692,7 @@ class ReplayStore:
 
     def wait_for_consumers(self, max_ahead_rows: int, *, timeout: Optional[float] = 60.0,
                            streams: Optional[Sequence[str]] = None, dead_after: float = DEAD_AFTER_S,
-                           poll: float = 0.1) -> bool:
+                           poll: float = 0.1, incomplete_after: float = INCOMPLETE_AFTER_S) -> bool:
         """Back-pressure for a writer: wait until this store's newest commit is at most
         ``max_ahead_rows`` rows ahead of the slowest stream reading it (of ``streams``, or all).
 
@@ -697,8 +701,10 @@ class ReplayStore:
         when within the bound (at once when no stream reads the store), False after ``timeout``
         seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for; this
         store object then does not wait for that stream again until it commits a new cursor,
-        so a dead trainer costs a writer one ``timeout``, not one per batch. A stream that
-        committed no cursor for ``dead_after`` seconds (default 600) is not waited for. Checks every ``poll``
+        so a dead trainer costs a writer one ``timeout``, not one per batch. A stream whose cursor
+        this writer has not seen change for ``dead_after`` seconds (default 600, on this host's boot
+        clock) is not waited for. Rows of a stream's incomplete groups count as reached until they
+        waited ``incomplete_after`` seconds (60), then against the bound. Checks every ``poll``
         seconds at most (a few ms at first): on an object store each check lists and reads the
         newest commit.
 
@@ -709,7 +715,7 @@ class ReplayStore:
         """
         self._require_open()
         return wait_for_consumers(self, max_ahead_rows, timeout, dead_after, streams, poll, self._gave_up_on,
-                                  self._cursors_read)
+                                  self._cursors_read, incomplete_after)
 
     # ------------------------------------------------------------------ reading
 
