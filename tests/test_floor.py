@@ -78,6 +78,21 @@ def _wait_stopped(proc, timeout=60):
     raise AssertionError("the writer never stopped at its link")
 
 
+def _attach(pid, inject, calls):
+    """strace attached to ``pid`` (every thread), injecting ``inject`` into ``calls``."""
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={calls}",
+                               "-e", f"inject={inject}", "-p", str(pid)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            if "TracerPid:\t0" not in f.read():
+                return tracer
+        time.sleep(0.01)
+    tracer.kill()
+    raise AssertionError("strace could not attach")
+
+
 def _stopped_after_link(path, tokened):
     """Start the writer; return it (and its tracer) stopped right after its manifest's link."""
     proc = subprocess.Popen([sys.executable, "-c", STOPPED_WRITER, path, "1" if tokened else "0"],
@@ -86,15 +101,7 @@ def _stopped_after_link(path, tokened):
     assert proc.stdout.readline().strip() == "READY", proc.communicate()
     # the next link(at) of the writer is its manifest's (segment names are created O_EXCL): strace runs
     # it and then stops the process (signal= is delivered on the call's exit)
-    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=link,linkat",
-                               "-e", "inject=link,linkat:signal=SIGSTOP:when=1", "-p", str(proc.pid)],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with open(f"/proc/{proc.pid}/status") as f:
-            if "TracerPid:\t0" not in f.read():
-                break
-        time.sleep(0.01)
+    tracer = _attach(proc.pid, "link,linkat:signal=SIGSTOP:when=1", "link,linkat")
     proc.stdin.write("go\n")
     proc.stdin.flush()
     _wait_stopped(proc)
@@ -205,3 +212,53 @@ def test_a_collector_an_hour_ahead_never_collects_a_commit_its_writer_has_not_co
             proc.kill()
         tracer.kill()
     _check_with_first(path, acked, outcome, tokened)
+
+
+# --------------------------------------------------------------------------- one writer, a rename in doubt
+
+RENAME_EIO_WRITER = textwrap.dedent("""
+    import sys
+    from diskreplay import ReplayStore
+    from diskreplay.testing.workload import batch_for, token_for
+    store = ReplayStore(sys.argv[1])
+    store.extend(batch_for(1, 0), token=token_for(1, 0))  # FORMAT.json written: the next rename is a manifest's
+    print("READY", flush=True)
+    sys.stdin.readline()
+    for step in (1, 1, 2):  # step 1's publish fails; the same process retries it and goes on
+        try:
+            rows = store.extend(batch_for(1, step), token=token_for(1, step))
+            print("ACK", step, int(rows[0]), len(rows), flush=True)
+        except Exception as exc:
+            print("ERR", step, type(exc).__name__, str(exc).replace(chr(10), " "), flush=True)
+    store.close()
+""")
+
+
+@needs_strace
+def test_a_single_writer_goes_on_after_a_failed_manifest_rename(tmp_path):
+    """EIO on the rename of a single writer's manifest (strace -e inject): reading back found nothing, so
+    the store refused every later extend until it was closed and reopened, which a trainer using the TRL
+    integration cannot do. The writer holds the lock, so removing the temporary name settles it (no late
+    rename can land): the extend says nothing was committed, and the next one in the same process works."""
+    path = str(tmp_path / "s")
+    proc = subprocess.Popen([sys.executable, "-c", RENAME_EIO_WRITER, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert proc.stdout.readline().strip() == "READY", proc.communicate()
+    tracer = _attach(proc.pid, "rename,renameat,renameat2:error=EIO:when=1", "rename,renameat,renameat2")
+    try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tracer.terminate()
+        tracer.wait(timeout=30)
+    lines = [x.split(" ", 3) for x in out.splitlines() if x.startswith(("ACK", "ERR"))]
+    assert [x[:2] for x in lines] == [["ERR", "1"], ["ACK", "1"], ["ACK", "2"]], (out, err)
+    assert lines[0][2] == "StoreIOError" and "nothing of it was committed" in lines[0][3], lines[0]
+    acked = {(1, int(s)): list(range(int(a), int(a) + int(n))) for _, s, a, n in
+             (x for x in lines if x[0] == "ACK")}
+    with ReplayStore(path, readonly=True) as r:
+        acked[(1, 0)] = [r.head + i for i, t in enumerate(r.read(r.row_ids(), ["tag"])["tag"]) if t.startswith("w1s0n")]
+    _exactly_once(path, acked)

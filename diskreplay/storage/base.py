@@ -103,6 +103,10 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             link (local: its flock lease),
                                             held as by ``hold``; and whether
                                             that run is all of ``rels``
+``settle_publish(rel, data)``               after a ``publish`` that raised:
+                                            True if ``rel`` holds ``data`` for
+                                            good, False if it never will, None
+                                            if not known
 ``link_attempted``                          whether the last ``publish`` got
                                             as far as its link (or PUT): an
                                             error then leaves it in doubt
@@ -240,6 +244,8 @@ class Publisher(Storage, Protocol):
               dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None: ...
 
     def discard_staged(self) -> None: ...
+
+    def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]: ...
 
     def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]: ...
 

@@ -63,6 +63,8 @@ class LocalStorage(Storage):
         #: whether the last publish got as far as its link (or rename): an error from it may be a
         #: link the server carries out later (NFS), so its outcome is not known
         self.link_attempted = False
+        #: after a publish that raised: the temporary name that could not be removed (see _undo)
+        self._unlanded: Optional[str] = None
         #: unique per writer: temporary names of concurrent writers never collide
         self.writer_id = writer_id or str(os.getpid())
         #: (data, its temporary file, whether a link of it lost) of a staged or lost publish
@@ -580,6 +582,7 @@ class LocalStorage(Storage):
         kept by a publish of it whose link lost, is linked as it is (:meth:`discard_staged`
         drops it)."""
         self.link_attempted = False
+        self._unlanded = None
         staged = self._staged is not None and self._staged[0] is data and not files
         if staged:
             temp = self._staged[1]
@@ -630,10 +633,48 @@ class LocalStorage(Storage):
                 self._staged = (data, temp, True)
             elif outcome == "renamed":
                 temp.close()
+            elif self.link_attempted and outcome == "":
+                self._unlanded = self._undo(temp)
             else:
                 self._drop_temp(temp)
             if outcome != "lost":
                 self.discard_staged()  # committed (or failed): a staged delta is not needed any more
+
+    def _undo(self, temp: "_Temp") -> Optional[str]:
+        """After a link or rename of ``temp`` that raised: make sure it can never land later (an NFS
+        request the server carries out after the client's error). A named temporary file is unlinked:
+        once that returned, no link or rename of that name can happen any more; an unnamed one
+        (``O_TMPFILE``, local filesystems only, whose calls never land late) is closed. Returns None
+        when that is settled, else the temporary name still to remove (see :meth:`settle_publish`)."""
+        temp.close()
+        if not temp.named:
+            return None
+        try:
+            os.unlink(self.local_path(temp.rel))
+        except FileNotFoundError:
+            return None  # renamed into place (the read-back tells), or never there
+        except OSError:
+            return temp.rel
+        return None
+
+    def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]:
+        """After a :meth:`publish` that raised: whether the manifest ``rel`` holds ``data`` for good
+        (True: it landed), certainly not and never will (False), or not known (None: its temporary
+        name could not be removed, or ``rel`` cannot be read)."""
+        if self._unlanded is not None:
+            try:
+                os.unlink(self.local_path(self._unlanded))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return None
+            self._unlanded = None
+        try:
+            return self.read_bytes(rel) == data or None if os.path.lexists(self.local_path(rel)) else False
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
 
     def _lease_temp(self, temp: "_Temp") -> Optional[int]:
         """A lease (a descriptor holding a shared ``flock``) on a manifest-to-be: its own descriptor, or

@@ -528,6 +528,18 @@ class S3Storage:
             crash_point(f"{step}.renamed")
         return created
 
+    def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]:
+        """After a :meth:`publish` whose PUT raised (the server may still apply it): the same conditional
+        PUT again decides it. Created now, or found holding ``data``: True (the manifest is ours, for
+        good); anything else, or an error: None (not known). Never False: a PUT the client gave up on
+        cannot be withdrawn."""
+        try:
+            if self.put_if_absent(rel, data):
+                return True
+            return True if self.read_bytes(rel) == bytes(data) else None
+        except (OSError, self._exc.BaseError):
+            return None
+
     def stage(self, reldir: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
               dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None:
         """Upload ``files`` before the race for a generation; the manifest-to-be ``data`` is sent by

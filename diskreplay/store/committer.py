@@ -120,6 +120,8 @@ class Committer:
         # after its checkpoint lost a race at depth ``_lost_checkpoint_at``, not before this depth
         self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
         self._in_doubt: Optional[str] = None  # a commit whose outcome is not known (see _publish)
+        #: one writer's publish in doubt: (its manifest, bytes, install), settled again before its next commit
+        self._doubt: Optional[Tuple[fmt.Manifest, bytes, Callable[[fmt.Manifest], None]]] = None
         self._since_conflict = QUIET_COMMITS  # this writer's commits since its last lost race
         #: (generation, boot_clock()) at which that generation was the newest (no later one existed)
         self._newest_at: Tuple[int, float] = (0, 0.0)
@@ -385,7 +387,20 @@ class Committer:
                 return False
         except BaseException as exc:
             visible = self._visible(rel, data)
-            if visible is None or (visible is False and self.storage.link_attempted and isinstance(exc, OSError)):
+            doubtful = visible is None or (visible is False and self.storage.link_attempted and isinstance(exc, OSError))
+            if doubtful and not self.multi_writer and isinstance(exc, OSError):
+                # one writer (holding the lock, or alone on an object store): what storage holds settles it
+                # where it can (the temporary name removed, so a late rename cannot land; a PUT repeated)
+                settled = self.storage.settle_publish(rel, data)
+                if settled is False:
+                    raise StoreIOError(exc.errno, f"publishing generation {new.generation} of {self.storage.url} "
+                                       f"failed ({exc.strerror or exc}); nothing of it was committed (its files are "
+                                       "removed), so retrying the extend is safe", exc.filename) from exc
+                if settled:
+                    visible, doubtful = True, False
+                else:
+                    self._doubt = (new, data, install)
+            if doubtful:
                 # the link (or rename, or PUT) failed and reading its name back failed too, or found nothing:
                 # a request the client gave up on may still be carried out (an NFS link retransmitted, a PUT
                 # a server applies after the client's timeout). Whether the commit landed is not known, so its
@@ -397,7 +412,8 @@ class Committer:
                 if isinstance(exc, OSError):
                     raise StoreIOError(exc.errno, f"{self._in_doubt}; retry with the same token to find out (a "
                                        "retry without one may append the rows twice)"
-                                       + ("" if self.multi_writer else ", after reopening the store"),
+                                       + ("" if self.multi_writer else "; this store's next extend first "
+                                          "settles it from what storage holds, or says how to go on"),
                                        exc.filename) from exc
                 raise
             if not visible:
@@ -483,12 +499,26 @@ class Committer:
         crash_point("manifest.committed")
 
     def require_known_state(self) -> None:
-        """Refuse to write after a single-writer commit whose outcome is not known (see :meth:`_publish`):
-        one writer plans on the manifest it holds, and if that commit landed, the next would write its
-        segment ids again and replace its generation (a rename). Many writers read the base anyway."""
-        if self._in_doubt is not None and not self.multi_writer:
-            raise StoreIOError(errno.EIO, f"{self._in_doubt}; close and reopen the store to go on from what "
-                               "storage holds", self.storage.url)
+        """Before a single writer's commit after one whose outcome was not known (see :meth:`_publish`):
+        settle it now from what storage holds (it landed: it is this writer's newest commit; it never
+        will: nothing to do), or refuse. One writer plans on the manifest it holds, and if that commit
+        landed, the next would write its segment ids again and replace its generation (a rename).
+        Many writers read the base anyway."""
+        if self._in_doubt is None or self.multi_writer:
+            return
+        if self._doubt is not None:
+            new, data, install = self._doubt
+            settled = self.storage.settle_publish(new.file, data)
+            if settled is not None:
+                self._in_doubt = self._doubt = None
+                if settled:
+                    self._installed(new, install)
+                    self._unsynced = True  # its rename raised: durability is owed (the next commit syncs)
+                return
+        raise StoreIOError(errno.EIO, f"{self._in_doubt}, and reading storage again could not settle it; close "
+                           "and reopen the store to go on from what storage holds (with the TRL integration, "
+                           "restart the trainer: it reopens the store), then retry the batch with its token",
+                           self.storage.url)
 
     def _visible(self, rel: str, data: bytes) -> Optional[bool]:
         """Whether the manifest ``rel`` holds ``data`` (None: it cannot be read, so not known)."""
