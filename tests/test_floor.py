@@ -262,3 +262,17 @@ def test_a_single_writer_goes_on_after_a_failed_manifest_rename(tmp_path):
     with ReplayStore(path, readonly=True) as r:
         acked[(1, 0)] = [r.head + i for i, t in enumerate(r.read(r.row_ids(), ["tag"])["tag"]) if t.startswith("w1s0n")]
     _exactly_once(path, acked)
+
+
+def test_an_object_stores_ages_are_the_servers_not_the_hosts(s3_server, s3_url, tmp_path, monkeypatch):
+    """The clean-up aged objects by this host's wall clock against the server's Last-Modified: a host an
+    hour ahead took a manifest written a moment ago for an hour old (and collected it)."""
+    if s3_server.name != "seaweedfs":
+        pytest.skip("moto's server runs in this process: a clock patched here is its clock too")
+    from diskreplay.storage import S3Storage
+    storage = S3Storage(s3_url, s3_server.storage_options, cache_dir=str(tmp_path / "cache"))
+    storage.write_new("segments/000000000001.arrow", b"young")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    assert storage.age("segments/000000000001.arrow") < 60
+    assert storage.list_ages("segments")["000000000001.arrow"] < 60

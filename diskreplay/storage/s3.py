@@ -222,6 +222,7 @@ class S3Storage:
         #: whether the last publish got as far as its manifest's PUT (see Committer._publish)
         self.link_attempted = False
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
+        self._clock: Optional[Tuple[float, float]] = None  # (server's Date - time.time(), when measured)
 
     # -- errors ---------------------------------------------------------------
 
@@ -324,7 +325,33 @@ class S3Storage:
         a small fraction of it)."""
         rel = check_rel(rel)
         modified = self._call("HEAD", rel, self._ob.head, rel)["last_modified"]
-        return time.time() - modified.timestamp()
+        return self._server_now() - modified.timestamp()
+
+    def _server_now(self) -> float:
+        """The server's clock now, as this host's ``time.time()`` plus the offset of the server's
+        ``Date`` (measured once a minute, by a signed HEAD): ages judged by the server's clock
+        alone, so a host whose clock is ahead does not take young objects for old ones. The
+        offset errs low (``Date`` is in whole seconds, taken at the request's end): ages err young."""
+        import email.utils
+        import urllib.error
+        import urllib.request
+
+        now, mono = time.time(), time.monotonic()
+        if self._clock is None or mono - self._clock[1] > 60:
+            offset = 0.0
+            try:
+                url = self._ob.sign(self._store, "HEAD", "FLOOR.json", datetime.timedelta(minutes=5))
+                try:
+                    with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as r:
+                        date = r.headers.get("Date")
+                except urllib.error.HTTPError as exc:
+                    date = exc.headers.get("Date")
+                if date:
+                    offset = email.utils.parsedate_to_datetime(date).timestamp() - time.time()
+            except (OSError, ValueError, TypeError, self._exc.BaseError):
+                pass  # no Date: this host's clock, as before
+            self._clock = (offset, mono)
+        return now + self._clock[0]
 
     def list(self, reldir: str) -> List[str]:
         reldir = check_rel(reldir, allow_root=True)
@@ -338,7 +365,7 @@ class S3Storage:
         by the server's clock against ours)."""
         reldir = check_rel(reldir, allow_root=True)
         out = self._call("LIST", reldir, self._ob.list_with_delimiter, reldir or None)
-        now = time.time()
+        now = self._server_now()
         ages = {}
         for o in out["objects"]:
             name = o["path"].rsplit("/", 1)[-1]
