@@ -1407,7 +1407,7 @@ def _quarantined(path):
     return sorted(os.path.relpath(os.path.join(d, n), q) for d, _, names in os.walk(q) for n in names)
 
 
-def test_repair_rolls_back_past_a_damaged_newest_segment(tmp_path):
+def test_repair_drops_a_damaged_newest_segment_as_a_hole(tmp_path):
     path = _repair_store(tmp_path)
     _flip(path, fmt.segment_file(2))
     before = snapshot(path)
@@ -1415,15 +1415,15 @@ def test_repair_rolls_back_past_a_damaged_newest_segment(tmp_path):
     assert snapshot(path) == before  # a dry run changes nothing
     res = repair_store(path)
     assert res["actions"] == dry["actions"]
-    # generation 2's rows, committed as generation 4: a reader that held 3 (or cached segment 2 by id)
-    # never meets generation 3 or segment id 2 again naming other rows
+    # generation 3 without segment 2, committed as generation 4, its rows a hole: a reader that held 3
+    # (or cached segment 2 by id) never meets generation 3, segment id 2 or rows 12-17 again naming other rows
     assert res["generation"] == 4 and res["rows"] == 12
     assert fmt.manifest_file(3) in _quarantined(path) and fmt.segment_file(2) in _quarantined(path)
     assert_verifies(path)
     with ReplayStore(path) as store:
-        assert store.generation == 4
+        assert store.generation == 4 and store.holes == ((12, 18),)
         check_live_rows(store)
-        store.extend(expected_rows(np.arange(12, 15)))
+        store.extend(expected_rows(np.arange(18, 21)))
         check_live_rows(store)
         assert store.generation == 5 and store.manifest.segments[-1].id >= 3
     assert_verifies(path)

@@ -749,7 +749,8 @@ def test_repair_drops_a_damaged_token_log(tmp_path, multi_writer):
 
 def test_a_reader_open_across_a_repair_roll_back_reads_the_new_rows(tmp_path):
     """repair rolled back to generation 2 and the next commits reused generation 3 and segment id 2:
-    a reader that had read segment 2 before kept serving its old rows for the new row ids."""
+    a reader that had read segment 2 before kept serving its old rows for the new row ids. (Repair
+    now keeps the lost segment's row ids as a hole: they are never served again.)"""
     d = str(tmp_path / "s")
     with ReplayStore(d) as w:
         for i in range(3):
@@ -762,7 +763,10 @@ def test_a_reader_open_across_a_repair_roll_back_reads_the_new_rows(tmp_path):
             for i in range(3):
                 w.extend(_four_rows(70 + i))
         reader.refresh()
-        assert reader.read([8, 9])["prompt_id"].tolist() == [70, 70]
+        from diskreplay import RowsEvictedError
+        with pytest.raises(RowsEvictedError, match="repair dropped rows"):
+            reader.read([8, 9])
+        assert reader.read([12, 13])["prompt_id"].tolist() == [70, 70]
 
 
 def test_an_error_opening_a_segment_keeps_its_errno_and_names_no_symlink(tmp_path, monkeypatch):

@@ -268,14 +268,14 @@ def test_verify_and_repair(s3_server, s3_url, tmp_path):
     dry = repair_store(s3_url, storage_options=opts, dry_run=True, force=True)
     assert verify_store(s3_url, storage_options=opts)["problems"]  # a dry run changes nothing
     res = repair_store(s3_url, storage_options=opts, force=True)
-    assert res["actions"] == dry["actions"] and res["rows"] == 4, res
+    assert res["actions"] == dry["actions"] and res["rows"] == 8, res  # segments 0 and 2: segment 1's a hole
     after = verify_store(s3_url, storage_options=opts)
     assert after["ok"] and "quarantine" in " ".join(after["warnings"]), after
     assert any(k.startswith("quarantine/") for k in _keys(s3_server, s3_url))
     with _open(s3_url, s3_server, tmp_path / "w") as store:  # writable again, ids continue safely
-        assert len(store) == 4
+        assert len(store) == 8 and store.holes == ((4, 8),)
         store.extend(_batch(8, 9))
-        assert store.read([4])["prompt_id"].tolist() == [800_009]
+        assert store.read([12])["prompt_id"].tolist() == [800_009]
     assert verify_store(s3_url, storage_options=opts)["ok"]
 
 

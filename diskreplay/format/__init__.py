@@ -27,8 +27,8 @@ from .options import (StoreOptions, read_shared_schema, schema_file, shared_sche
 from .entries import (COMMIT_STATS, GroupIndexEntry, LateColumn, MAX_TOKEN_CHARS, SegmentEntry, StateEntry, TokenLog,
                       TokenRecord, add_late_columns, parse_commit_stats, parse_token_log, store_schema, token_log_bytes)
 from .segment_table import SEGMENT_TABLE_MIN, SegmentTable, SegmentTableEntry, segment_table_file, table_bytes
-from .manifest import (AppendDelta, Delta, Manifest, RewriteDelta, append_rows, delta_from_doc, evict, rewrite_rows,
-                       with_chains)
+from .manifest import (HOLES_MANIFEST_VERSION, AppendDelta, Delta, Manifest, RewriteDelta, append_rows, delta_from_doc,
+                       evict, past_holes, rewrite_rows, with_chains)
 from .floor import (FLOOR_BYTES, FLOOR_READS, floor_bytes, lowest_present, parse_floor, raise_floor, read_floor)
 from .discovery import (ManifestBaseMissingError, list_generations, load_manifest, load_newest_manifest, manifest_docs,
                         newer_generation, read_forward, read_manifest, read_manifest_doc)

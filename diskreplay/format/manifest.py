@@ -23,6 +23,9 @@ from .entries import (GroupIndexEntry, LateColumn, SegmentEntry, StateEntry, Tok
                       parse_commit_stats)
 
 
+#: a manifest that records holes (rows a repair dropped): a diskreplay that does not know them refuses it
+HOLES_MANIFEST_VERSION = 3
+
 _ENTRIES_PLACEHOLDER = "\x00entries\x00"
 _ENTRIES_MARK = b'"segments":' + json.dumps(_ENTRIES_PLACEHOLDER).encode()
 
@@ -32,8 +35,10 @@ class Manifest:
     """One committed snapshot of the store.
 
     ``head`` is the first live row id (rows below it are evicted);
-    ``next_row`` the id the next appended row gets. Live rows are exactly
-    ``[head, next_row)`` and lie in ``segments``, which are ordered by row.
+    ``next_row`` the id the next appended row gets. Live rows are
+    ``[head, next_row)`` less ``holes`` (row ranges ``repair`` dropped with
+    their damaged segment: no segment holds them and no read serves them), and
+    lie in ``segments``, which are ordered by row.
 
     >>> m = Manifest()
     >>> m.generation, m.num_rows
@@ -60,10 +65,13 @@ class Manifest:
     #: a full manifest of many segments: where the same entries lie as a table (docs/FORMAT.md,
     #: "Segment tables"); dropped by :meth:`evolve`, as the entries change with every commit
     segment_table: Optional[SegmentTableEntry] = field(default=None, compare=False)
+    #: ``[start, stop)`` row ranges above ``head`` that hold no rows (docs/FORMAT.md, "Manifests"):
+    #: sorted, each exactly a gap between the segments or after the last one
+    holes: Tuple[Tuple[int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:
-        return self.next_row - self.head
+        return self.next_row - self.head - sum(b - a for a, b in self.holes)
 
     @property
     def file(self) -> str:
@@ -137,13 +145,16 @@ class Manifest:
             doc["commit_stats"] = dict(sorted(self.commit_stats.items()))
         if self.segment_table is not None:
             doc["segment_table"] = self.segment_table.to_dict()
+        if self.holes:
+            doc.update(version=HOLES_MANIFEST_VERSION, holes=[[a, b] for a, b in self.holes])
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str, verified: bool = False) -> "Manifest":
         """The manifest a checked document holds; its ``segments`` may be a :class:`SegmentTable`
         already (a reader that read the segment table instead of the JSON entries)."""
-        doc = check_header(doc, MANIFEST_FORMAT, where, (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION))
+        doc = check_header(doc, MANIFEST_FORMAT, where,
+                           (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, HOLES_MANIFEST_VERSION))
         if not verified:
             check_signature(doc, where)
         segs = doc.get("segments")
@@ -167,6 +178,7 @@ class Manifest:
             commit_stats=parse_commit_stats(doc.get("commit_stats", {}), where),
             segment_table=(None if doc.get("segment_table") is None
                            else SegmentTableEntry.from_dict(doc["segment_table"], where)),
+            holes=_holes(doc, where),
         )
         m.validate(where)
         return m
@@ -178,13 +190,17 @@ class Manifest:
                                   f"generation {c.since_generation}, after this commit")
         if self.head > self.next_row:
             raise FormatError(f"Unsupported head {self.head} > next_row {self.next_row} in {where}")
+        if self.holes and not (self.head < self.holes[0][0] and self.holes[-1][1] <= self.next_row):
+            raise FormatError(f"Unsupported holes {[list(h) for h in self.holes]} in {where}; expected them "
+                              f"within the live rows ({self.head}, {self.next_row}]")
         if isinstance(self.segments, SegmentTable):
             self._validate_table(where)
         else:
             self._validate_entries(where)
         if self.segments:
             first, last = self.segments[0], self.segments[-1]
-            if last.end_row != self.next_row or first.first_row > self.head or first.end_row <= self.head:
+            end = self.holes[-1][1] if self.holes and self.holes[-1][0] == last.end_row else last.end_row
+            if end != self.next_row or first.first_row > self.head or first.end_row <= self.head:
                 raise FormatError(f"segments in {where} cover rows [{first.first_row}, {last.end_row}) but live rows "
                                   f"are [{self.head}, {self.next_row})")
         elif self.head != self.next_row:
@@ -197,10 +213,14 @@ class Manifest:
         """:meth:`validate`'s checks of the order of the segments: contiguous rows, ids below
         ``next_segment``, each id once."""
         prev_end, prev_id, ordered = None, -1, True
+        holes = dict(self.holes)
+        gaps = 0
         for s in self.segments:
             if prev_end is not None and s.first_row != prev_end:
-                raise FormatError(f"segment {s.id} in {where} starts at row {s.first_row}; expected "
-                                  f"{prev_end} (segments must be contiguous)")
+                if holes.get(prev_end) != s.first_row:
+                    raise FormatError(f"segment {s.id} in {where} starts at row {s.first_row}; expected "
+                                      f"{prev_end} (segments must be contiguous but for the holes)")
+                gaps += 1
             if s.id >= self.next_segment:
                 raise FormatError(f"segment id {s.id} in {where} is out of order")
             # many writers reserve ids independently, so row order need not be id order
@@ -208,16 +228,28 @@ class Manifest:
             prev_end, prev_id = s.end_row, s.id
         if not ordered and len({s.id for s in self.segments}) != len(self.segments):
             raise FormatError(f"a segment id appears twice in {where}")
+        self._check_holes_are_gaps(gaps, where)
+
+    def _check_holes_are_gaps(self, gaps: int, where: str) -> None:
+        """Each hole is a gap between two segments (``gaps`` of them were found) or the rows after
+        the last one: no hole covers a segment's rows."""
+        tail = bool(self.holes) and bool(self.segments) and self.holes[-1][0] == self.segments[-1].end_row
+        if gaps + tail != len(self.holes):
+            raise FormatError(f"Unsupported holes {[list(h) for h in self.holes]} in {where}; expected exactly the "
+                              "row ranges between its segments and after the last one that no segment holds")
 
     def _validate_table(self, where: str) -> None:
         """The same checks as :meth:`_validate_entries`, over a table's columns."""
         t = self.segments
         ids, first, end = t.column("id"), t.column("first_row"), t.column("first_row") + t.column("num_rows")
         gap = np.flatnonzero(first[1:] != end[:-1])
-        if gap.size:
-            i = int(gap[0]) + 1
-            raise FormatError(f"segment {int(ids[i])} in {where} starts at row {int(first[i])}; expected "
-                              f"{int(end[i - 1])} (segments must be contiguous)")
+        holes = dict(self.holes)
+        for g in gap.tolist():
+            i = g + 1
+            if holes.get(int(end[i - 1])) != int(first[i]):
+                raise FormatError(f"segment {int(ids[i])} in {where} starts at row {int(first[i])}; expected "
+                                  f"{int(end[i - 1])} (segments must be contiguous but for the holes)")
+        self._check_holes_are_gaps(int(gap.size), where)
         if len(t) and int(ids.max()) >= self.next_segment:
             raise FormatError(f"segment id {int(ids.max())} in {where} is out of order")
         if not t.ids_unique():
@@ -228,9 +260,24 @@ class Manifest:
         as_storage(root).replace(self.file, self.file_bytes(), step="manifest")
 
 
+def past_holes(head: int, holes: Sequence[Tuple[int, int]]) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
+    """``head`` moved past a hole it lies in, and the holes above it: a hole never starts at or below
+    ``head`` (the rows before the first segment are evicted rows, not a hole).
+
+    >>> past_holes(5, ((2, 4), (5, 8), (10, 12)))
+    (8, ((10, 12),))
+    """
+    for a, b in holes:
+        if a <= head < b:
+            head = b
+    return head, tuple((a, b) for a, b in holes if a > head)
+
+
 def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
-          options: StoreOptions) -> Tuple[int, Tuple[SegmentEntry, ...]]:
-    """New head and live segments after applying the row and byte capacities."""
+          options: StoreOptions, holes: Sequence[Tuple[int, int]] = ()
+          ) -> Tuple[int, Tuple[SegmentEntry, ...], Tuple[Tuple[int, int], ...]]:
+    """New head, live segments and holes after applying the row and byte capacities (a hole's rows
+    count towards ``capacity_rows`` as the ids they had: FIFO goes by row id)."""
     if options.capacity_rows is not None:
         head = max(head, next_row - options.capacity_rows)
     table = isinstance(segments, SegmentTable)
@@ -242,13 +289,14 @@ def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
         i = min(int(np.count_nonzero(kept_after > options.capacity_bytes)), max(len(segments) - 1, 0))
         if i:
             head = max(head, segments[i].first_row)
+    head, holes = past_holes(head, holes)
     if segments and segments[0].end_row <= head:  # ordered by row: drop the evicted prefix
         if table:
             ends = segments.column("first_row") + segments.column("num_rows")
             segments = segments[int(np.searchsorted(ends, head, side="right")):]
         else:
             segments = tuple(s for s in segments if s.end_row > head)
-    return head, segments
+    return head, segments, holes
 
 
 def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, token: Optional[TokenRecord],
@@ -259,7 +307,7 @@ def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, 
     The one definition of what an append does, for a writer's commit and a reader's delta."""
     generation = base.generation + 1
     next_row = base.next_row + num_rows
-    head, segments = evict(base.head, next_row, base.segments + tuple(entries), options)
+    head, segments, holes = evict(base.head, next_row, base.segments + tuple(entries), options, base.holes)
     tokens = base.tokens
     if token is not None:
         tokens = tokens + (evolve(token, {"first_row": base.next_row, "generation": generation}),)
@@ -268,7 +316,7 @@ def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, 
         late = add_late_columns(late, columns, base.next_row, generation)
     return base.evolve(generation=generation, head=head, next_row=next_row,
                        next_segment=max([base.next_segment] + [e.id + 1 for e in entries]),
-                       segments=segments, tokens=tokens, late_columns=late, **changes)
+                       segments=segments, tokens=tokens, late_columns=late, holes=holes, **changes)
 
 
 def _sum_stats(a: Mapping[str, int], b: Mapping[str, int]) -> Dict[str, int]:
@@ -380,6 +428,8 @@ def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[Segm
     if ids[start:stop] != list(replaced):
         raise CommitConflictError("the segments to rewrite changed in another commit")
     run = base.segments[start:stop]
+    if any(a.end_row != b.first_row for a, b in zip(run, run[1:])):
+        raise CommitConflictError(f"the segments {list(replaced)} to rewrite lie on both sides of a hole")
     first = entries[0].first_row
     # the same rows: back to back, ending where the run ends, starting where it starts (the oldest
     # segment: anywhere from there up to head, the rows below it being evicted)
@@ -389,8 +439,8 @@ def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[Segm
         raise CommitConflictError(f"the rewrite of rows [{first}, {entries[-1].end_row}) does not hold the rows "
                                   f"[{run[0].first_row}, {run[-1].end_row}) of the segments it replaces")
     segments = base.segments[:start] + tuple(entries) + base.segments[stop:]
-    head, segments = evict(base.head, base.next_row, segments, options)
-    return base.evolve(generation=base.generation + 1, head=head, segments=segments,
+    head, segments, holes = evict(base.head, base.next_row, segments, options, base.holes)
+    return base.evolve(generation=base.generation + 1, head=head, segments=segments, holes=holes,
                        next_segment=max([base.next_segment] + [e.id + 1 for e in entries]), **changes)
 
 
@@ -464,8 +514,26 @@ def with_chains(manifests: Mapping[int, Manifest]) -> set:
     return {g for gen, m in manifests.items() for g in range(gen - m.depth, gen + 1)}
 
 
+def _holes(doc: Mapping[str, Any], where: str) -> Tuple[Tuple[int, int], ...]:
+    """A manifest's ``holes``: in version 3 only, non-empty, sorted, disjoint ``[start, stop)`` pairs."""
+    raw = doc.get("holes")
+    if doc["version"] != HOLES_MANIFEST_VERSION:
+        if raw is not None:
+            raise FormatError(f"Unsupported holes in {where} (version {doc['version']}); expected them only in "
+                              f"version {HOLES_MANIFEST_VERSION}")
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > 1 << 20 or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(v) is int and 0 <= v for v in p) and p[0] < p[1]
+            for p in raw) or any(a[1] >= b[0] for a, b in zip(raw, raw[1:])):
+        raise FormatError(f"Unsupported holes {raw!r:.200} in {where}; expected a non-empty list of sorted, "
+                          "disjoint [start, stop) row ranges")
+    return tuple((a, b) for a, b in raw)
+
+
 def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
     late = doc.get("late_columns")
+    if doc["version"] == HOLES_MANIFEST_VERSION and late is None:
+        return ()
     if doc["version"] == FORMAT_VERSION:
         if late is not None:
             raise FormatError(f"Unsupported late_columns in {where} (version {FORMAT_VERSION}); expected them "

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import ArgumentError, DiskReplayError, FormatError, SamplerError, SettingError
 from ..ragged import is_int as _is_int
-from .kernels import Ranges, merge_ranges
+from .kernels import Ranges, in_ranges, merge_ranges
 
 STATE_FORMAT = "diskreplay.sampler"
 STATE_VERSION = 2
@@ -357,7 +357,21 @@ class ColumnFill:
 
     def __call__(self, store: Any, start: int, stop: int) -> np.ndarray:
         numeric_column(store, self.column, self.arg, allow_vector=self.allow_vector)
-        return np.asarray(store.read(np.arange(start, stop, dtype=np.int64), [self.column])[self.column])
+        return read_around_holes(store, start, stop, lambda rows: np.asarray(store.read(rows, [self.column])[self.column]))
+
+
+def read_around_holes(store: Any, start: int, stop: int, read: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``read(rows)`` of the rows ``[start, stop)``, one value per row, with 0 for the rows of the
+    store's holes (``store.holes``: rows a repair dropped, which no read serves and no draw takes)."""
+    rows = np.arange(start, stop, dtype=np.int64)
+    holes = tuple((a, b) for a, b in getattr(store, "holes", ()) if a < stop and b > start)
+    if not holes:
+        return read(rows)
+    keep = ~in_ranges(rows, holes)
+    got = read(rows[keep])
+    out = np.zeros((len(rows),) + got.shape[1:], got.dtype)
+    out[keep] = got
+    return out
 
 
 def live_column(column: str, arg: str = "column", allow_vector: bool = False, dtype: Any = np.float64) -> LiveRows:
@@ -529,17 +543,18 @@ class Sampler:
         never change after their commit), so repeated draws with an unchanged
         exclusion cost nothing here.
         """
-        if not filt:
+        holes = getattr(store, "holes", ())  # rows a repair dropped: never drawn
+        if not filt and not holes:
             return None
         head, nxt = store.head, store.next_row
-        key = (store.path, head, nxt, filt)
+        key = (store.path, head, nxt, filt, holes)
         if self._eligible_cache[0] == key:
             return self._eligible_cache[1]
         if filt.bound is None:
             mask = np.ones(nxt - head, dtype=bool)
         else:
             mask = self._versions.live(store) >= filt.bound
-        for a, b in filt.blocked:
+        for a, b in filt.blocked + holes:
             lo, hi = max(a, head), min(b, nxt)
             if lo < hi:
                 mask[lo - head:hi - head] = False

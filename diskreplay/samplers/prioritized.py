@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import SamplerError
 from .base import (LiveRows, RowFilter, Sampler, Setting, as_array, check_column, check_number, no_groups,
-                   numeric_column, positive)
+                   numeric_column, positive, read_around_holes)
 from .kernels import SumTree, changed_ranges, in_ranges, reward_scalar
 
 NEW_PRIORITIES = ("column", "max")
@@ -114,8 +114,8 @@ class PrioritizedSampler(Sampler):
             new = np.full(stop - start, 1.0 if self._max_priority is None else self._max_priority)
         else:
             numeric_column(store, self.priority_key, "priority_key")
-            new = np.abs(reward_scalar(store.read(np.arange(start, stop, dtype=np.int64),
-                                                  [self.priority_key])[self.priority_key]))
+            new = np.abs(read_around_holes(store, start, stop, lambda rows: reward_scalar(
+                store.read(rows, [self.priority_key])[self.priority_key])))
             bad = ~np.isfinite(new)
             if bad.any():
                 if np.isinf(new).any():
@@ -139,6 +139,9 @@ class PrioritizedSampler(Sampler):
             w = np.where(self._versions.live(store)[rows - store.head] >= filt.bound, w, 0.0)
         if filt.exclude or filt.min_row:
             w = np.where(in_ranges(rows, filt.blocked), 0.0, w)
+        holes = getattr(store, "holes", ())
+        if holes:  # rows a repair dropped
+            w = np.where(in_ranges(rows, holes), 0.0, w)
         return w
 
     def _sync(self, store: Any, filt: RowFilter) -> SumTree:

@@ -118,6 +118,8 @@ class MergePolicy:
         return start, big
 
     def mergeable(self, segs: Sequence[fmt.SegmentEntry], options: fmt.StoreOptions) -> bool:
+        if any(a.end_row != b.first_row for a, b in zip(segs, segs[1:])):
+            return False  # a hole between them (repair): a merge holds consecutive rows
         rows = sum(s.num_rows for s in segs)
         nbytes = sum(s.bytes + s.groups_bytes for s in segs)
         return ((options.capacity_rows is None or rows * self.capacity_share <= options.capacity_rows)

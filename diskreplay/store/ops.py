@@ -133,8 +133,8 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
             raise Conflict(f"the state {op.entry.name!r} changed since this save was planned")
         return base.evolve(generation=generation, states={**base.states, op.entry.name: op.entry})
     if isinstance(op, Evict):
-        head = min(max(base.head, op.head), base.next_row)
-        return base.evolve(generation=generation, head=head,
+        head, holes = fmt.past_holes(min(max(base.head, op.head), base.next_row), base.holes)
+        return base.evolve(generation=generation, head=head, holes=holes,
                            segments=tuple(s for s in base.segments if s.end_row > head))
     if isinstance(op, RollBack):
         if base.generation != op.base:

@@ -347,8 +347,24 @@ class ReplayStore:
         return self.manifest.next_row
 
     def row_ids(self) -> np.ndarray:
-        """Ids of all live rows, oldest first."""
-        return np.arange(self.manifest.head, self.manifest.next_row, dtype=np.int64)
+        """Ids of all live rows, oldest first (none of a hole: see :attr:`holes`)."""
+        m = self.manifest
+        rows = np.arange(m.head, m.next_row, dtype=np.int64)
+        for a, b in reversed(m.holes):
+            rows = np.delete(rows, np.s_[a - m.head:b - m.head])
+        return rows
+
+    @property
+    def holes(self) -> Tuple[Tuple[int, int], ...]:
+        """``[start, stop)`` ranges of row ids inside ``[head, next_row)`` that hold no rows: ``repair``
+        dropped them with their damaged segment. Reads of them raise ``RowsEvictedError``; samplers,
+        streams and exports skip them. Usually empty.
+
+        >>> import tempfile
+        >>> ReplayStore(tempfile.mkdtemp()).holes
+        ()
+        """
+        return self.manifest.holes
 
     @property
     def nbytes(self) -> int:
@@ -587,9 +603,19 @@ class ReplayStore:
         self._trim_cache()
         m = self.manifest
         before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
-        # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
-        done = not m.segments or (len(m.segments) == 1 and m.segments[0].first_row >= m.head)
-        new = m if done else self._merger.rewrite(self._writer_context(), 0, len(m.segments), target_bytes)
+        new = m
+        # a rewrite holds consecutive rows: a store with holes (repair) is rewritten run by run between them
+        for run in _runs(m.segments):
+            segs = self.manifest.segments
+            ids = [s.id for s in segs]
+            if run[0] not in ids:
+                continue  # another writer merged it meanwhile
+            start = ids.index(run[0])
+            stop = start + len(run)
+            # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
+            if stop - start == 1 and segs[start].first_row >= self.manifest.head:
+                continue
+            new = self._merger.rewrite(self._writer_context(), start, stop, target_bytes)
         return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
     def _writer_context(self) -> WriterContext:
@@ -950,3 +976,14 @@ class ReplayStore:
         self._committer.durable_replay(rows)  # a producer skips the batch on this answer: it must hold
         return rows
 
+
+def _runs(segments: Sequence[fmt.SegmentEntry]) -> List[List[int]]:
+    """The ids of ``segments`` in runs of consecutive rows (one run unless the store has holes)."""
+    runs: List[List[int]] = []
+    end = None
+    for s in segments:
+        if end is None or s.first_row != end:
+            runs.append([])
+        runs[-1].append(s.id)
+        end = s.end_row
+    return runs

@@ -260,6 +260,11 @@ class SegmentCache:
                 bad = int(lo if lo < m.head else hi)
                 raise RowsEvictedError(f"row {bad} is not in the store: live rows are [{m.head}, {m.next_row})"
                                        + (" (it was evicted)" if 0 <= bad < m.head else ""))
+            for a, b in m.holes:  # (few: repair records one per damaged segment)
+                hit = (rows >= a) & (rows < b)
+                if hit.any():
+                    raise RowsEvictedError(f"row {int(rows[hit][0])} is not in the store: repair dropped rows "
+                                           f"[{a}, {b}) with their damaged segment (see store.holes)")
         if self._starts[0] is not m:
             segs = m.segments
             self._starts = (m, segs.column("first_row") if isinstance(segs, fmt.SegmentTable) else

@@ -248,8 +248,9 @@ def scan_manifests(r: Optional[Report], files: Optional[StoreFiles] = None, floo
 def _check_rows(r: Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]) -> None:
     where = where_in(r.files, m.file)
     prev_end = None
+    holes = dict(m.holes)  # (repair's: a gap no segment holds, recorded as one)
     for s in m.segments:
-        if prev_end is not None and s.first_row != prev_end:
+        if prev_end is not None and s.first_row != prev_end and holes.pop(prev_end, None) != s.first_row:
             r.problem(f"{where}: segment {s.id} starts at row {s.first_row}, expected {prev_end}")
         if s.id >= m.next_segment:
             r.problem(f"{where}: segment id {s.id} is not below next_segment {m.next_segment}")
@@ -258,10 +259,13 @@ def _check_rows(r: Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions])
         if not m.segments[0].first_row <= m.head < m.segments[0].end_row:
             r.problem(f"{where}: head {m.head} is not in the first segment "
                       f"[{m.segments[0].first_row}, {m.segments[0].end_row})")
-        if m.segments[-1].end_row != m.next_row:
-            r.problem(f"{where}: next_row {m.next_row} but the segments end at {m.segments[-1].end_row}")
+        end = m.segments[-1].end_row
+        if end != m.next_row and holes.pop(end, None) != m.next_row:
+            r.problem(f"{where}: next_row {m.next_row} but the segments end at {end}")
     elif m.head != m.next_row:
         r.problem(f"{where}: live rows [{m.head}, {m.next_row}) but no segments")
+    for a, b in holes.items():
+        r.problem(f"{where}: the hole [{a}, {b}) is not a gap between its segments")
     if options is not None:
         if options.capacity_rows is not None and m.num_rows > options.capacity_rows:
             r.problem(f"{where}: {m.num_rows} live rows exceed capacity {options.capacity_rows} "

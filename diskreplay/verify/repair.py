@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, WriterLock, crc32c
+from .._ranges import merge_ranges
 from ..errors import CorruptStoreError, FormatError, ReadOnlyError, StoreLockedError, StoreNotFoundError
 from ..segment import PageChecksums, Segment, encode_ipc, has_page_checksums
 from ..store.sidecars import group_sidecar
@@ -221,52 +222,78 @@ class _Repair:
                                 "manifests moved to quarantine")
 
     def _choose(self, intact: List[fmt.Manifest], bar: Any) -> Tuple[Optional[fmt.Manifest], List[fmt.Manifest]]:
-        """Pick the commit to keep; quarantine manifests whose files are damaged."""
-        chosen = None
-        for m in intact:
-            bad = [s.file for s in self._bad_segments(m, bar)] + [st.file for st in self._bad_states(m, bar)]
-            if bad:
-                self._quarantine(m.file, f"it references damaged or missing {', '.join(bad)}")
-                continue
-            chosen = m
-            break
-        if chosen is None and intact:
-            # Every commit references a damaged segment. Keep the newest one with
-            # its head moved past the newest damaged segment: rows are lost, but
-            # the store opens and every row it serves is intact.
-            newest = intact[0]
-            bad = self._bad_segments(newest)
-            cut = max(i for i, s in enumerate(newest.segments) if s in bad) + 1 if bad else 0
-            segments = newest.segments[cut:]
-            # the rows of the first kept segment below head stay evicted (a damaged state alone loses no row)
-            head = max(newest.head, segments[0].first_row) if segments else newest.next_row
-            states = {k: v for k, v in newest.states.items() if v not in self._bad_states(newest)}
-            lost = head - newest.head
-            if lost:
-                self.actions.append(f"every manifest references a damaged segment; dropping rows "
-                                    f"[{newest.head}, {head}) ({lost} rows) so that the store opens")
-            for st in newest.states.values():
-                if st.name not in states:
-                    self.actions.append(f"dropping the damaged saved state {st.name!r} ({st.file})")
-            chosen = newest.evolve(generation=newest.generation + 1, head=head, segments=segments, states=states)
+        """Pick the commit to keep: the newest intact manifest. When files it names are damaged, its
+        rows are kept but for those of the damaged segments (recorded as holes), in a new commit."""
+        if not intact:
+            return None, []
+        newest = intact[0]
+        bad_segments, bad_states = self._bad_segments(newest, bar), self._bad_states(newest, bar)
+        if bad_segments or bad_states:
+            chosen = self._without_damage(newest, bad_segments, bad_states, intact)
             self._commit(chosen)
+            # every manifest before the repair goes: one names a damaged file, and a diskreplay that does
+            # not know holes (which refuses the new one) would open an older one as the newest commit
+            for m in intact:
+                self._quarantine(m.file, f"repair replaced it by generation {chosen.generation}, without "
+                                         f"the damaged {', '.join(s.file for s in bad_segments + bad_states)}")
             return chosen, [chosen]
         # older manifests stay only while their files are intact (a reader may hold one), and always
         # when a kept delta applies to them (a delta's manifest is its base's plus what it adds:
         # without the base it cannot be read, whatever its base's own files are)
-        kept = [chosen] if chosen is not None else []
-        for m in intact:
-            if chosen is None or m.generation >= chosen.generation:
-                continue
+        kept = [newest]
+        for m in intact[1:]:
             bad = [s.file for s in m.segments if check_size(self.files, s.file, s.bytes)]
             if bad and m.generation not in fmt.with_chains({k.generation: k for k in kept}):
                 self._quarantine(m.file, f"it references damaged or missing {', '.join(bad)}")
             else:
                 kept.append(m)
-        if chosen is not None and intact and chosen is not intact[0]:
-            self.actions.append(f"rolled back to generation {chosen.generation} (rows [{chosen.head}, "
-                                f"{chosen.next_row}))")
-        return chosen, kept
+        return newest, kept
+
+    def _without_damage(self, m: fmt.Manifest, bad_segments: List[fmt.SegmentEntry],
+                        bad_states: List[fmt.StateEntry], intact: List[fmt.Manifest]) -> fmt.Manifest:
+        """``m`` without its damaged files, as the next generation: each damaged segment's live rows
+        become a hole (at the front: the head moves past them), and nothing names a row of a hole (a
+        persisted group index covering one, exactly-once tokens of its rows); a damaged saved state
+        is replaced by the newest intact one of its name an older manifest names, else dropped."""
+        holes = list(m.holes)
+        for s in bad_segments:
+            lo = max(s.first_row, m.head)
+            self.actions.append(f"dropping rows [{lo}, {s.end_row}) ({s.end_row - lo} rows) of the damaged "
+                                f"{s.file}; the rows before and after it stay")
+            holes.append((lo, s.end_row))
+        head, holes = fmt.past_holes(m.head, merge_ranges(holes))
+        gone = {s.id for s in bad_segments}
+        segments = tuple(s for s in m.segments if s.id not in gone and s.end_row > head)
+        if not segments:
+            head, holes = m.next_row, ()
+        if holes:
+            self.actions.append(f"recorded the rows no segment holds any more as holes: "
+                                f"{', '.join(f'[{a}, {b})' for a, b in holes)}")
+        states = dict(m.states)
+        for st in bad_states:
+            older = [o.states[st.name] for o in intact[1:] if st.name in o.states
+                     and o.states[st.name].file != st.file and self._good_state(o.states[st.name])]
+            if older:
+                states[st.name] = older[0]
+                self.actions.append(f"replacing the damaged saved state {st.name!r} ({st.file}) by the older "
+                                    f"{older[0].file}")
+            else:
+                del states[st.name]
+                self.actions.append(f"dropping the damaged saved state {st.name!r} ({st.file})")
+        lost = merge_ranges(list(holes) + [(m.head, head)])  # (rows evicted before keep their tokens)
+        changes: Dict[str, Any] = {}
+        if m.group_index is not None and any(a < m.group_index.end_row for a, _ in holes):
+            changes["group_index"] = None  # readers build the index from the sidecars instead
+        tokens = tuple(t for t in m.tokens if not any(a < t.end_row and t.first_row < b for a, b in lost))
+        if len(tokens) != len(m.tokens):
+            self.actions.append(f"forgetting {len(m.tokens) - len(tokens)} exactly-once token(s) of dropped rows "
+                                "(a batch re-sent with one of them is appended again)")
+            changes["tokens"] = tokens
+        return m.evolve(generation=m.generation + 1, head=head, segments=segments, holes=tuple(holes),
+                        states=states, **changes)
+
+    def _good_state(self, st: fmt.StateEntry) -> bool:
+        return check_size(self.files, st.file, st.bytes) is None and self._good(st.file, st.bytes, st.crc32c)
 
     def _rebuild_sidecars(self, m: fmt.Manifest, options: fmt.StoreOptions) -> fmt.Manifest:
         if options.group_key is None:
