@@ -9,12 +9,14 @@ continues the store and the sampler.
 """
 
 import json
+import logging
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -781,3 +783,82 @@ def test_replay_stream_options_are_checked(tmp_path):
         DiskReplayGRPOTrainer(model=make_model(), reward_funcs=lowercase_reward,
                               args=make_config(tmp_path, name="single", replay_stream="t"),
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=make_tokenizer())
+
+
+# --------------------------------------------------------------------------- one epoch: prompts that never recur
+
+EPOCH_PROMPTS = [f"item {c}:" for c in "abcdefghijklmnop"]  # 2 prompts per step: none recurs within 8 steps
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def said(caught, text):
+    return [str(w.message) for w in caught if text in str(w.message)]
+
+
+def test_repo_says_once_that_it_replays_nothing_when_prompts_do_not_recur(tmp_path):
+    # the issue's run: replay/fraction 0.0 for every step and nothing said why
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train(tmp_path, prompts=EPOCH_PROMPTS, replay_mode="repo", replay_k=2, max_policy_lag=2)
+    empty = [w for w in caught if "replayed nothing" in str(w.message)]
+    assert len(empty) == 1 and empty[0].category is RuntimeWarning, [str(w.message) for w in empty]
+    message = str(empty[0].message)
+    assert "at step 1" in message and "none of the batch's 2 prompt(s) has replay_min_generations=2" in message
+    assert "max_policy_lag=2" in message and "replay_mode='repo_any'" in message
+    assert "8 such row(s) in 2 group(s)" in message  # step 0's rows
+    assert logged(trainer, "replay/fraction") == [0.0] * 3
+    assert logged(trainer, "replay/eligible_groups") == [0.0] * 3
+    assert [h["eligible_groups"] for h in trainer.replay_history] == [0] * 3
+
+
+def test_repo_any_replays_a_run_of_one_epoch_within_the_lag(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train(tmp_path, prompts=EPOCH_PROMPTS, replay_mode="repo_any", replay_k=2, max_policy_lag=1)
+    assert not said(caught, "replayed nothing")
+    assert logged(trainer, "replay/fraction") == [0.0, 0.5, 0.5]
+    assert logged(trainer, "replay/eligible_groups") == [0.0, 2.0, 2.0]  # the previous step's groups
+    history = list(trainer.replay_history)
+    with open_store(trainer) as store:
+        for h in history[1:]:
+            got = store.read(h["replayed_rows"], ["prompt_id", "policy_version"])
+            assert got["policy_version"].tolist() == [h["global_step"] - 1] * 4  # max_policy_lag=1
+            fresh = store.read(h["fresh_rows"], ["prompt_id"])["prompt_id"]
+            assert not set(got["prompt_id"].tolist()) & set(fresh.tolist())  # groups of other prompts
+            assert len(set(got["prompt_id"].tolist())) == 2  # two distinct stored groups, k=2 rows each
+            assert_replayed_rows_reached_the_loss(trainer, store, h["replayed_rows"])
+    assert_finite_losses(trainer)
+
+
+def test_repo_any_resumes_its_draws(tmp_path):
+    # at step 2 four stored groups qualify and two are drawn: which two is the resumed RNG's
+    opts = dict(replay_mode="repo_any", replay_k=2, replay_strategy="random", max_policy_lag=2, max_steps=3,
+                prompts=EPOCH_PROMPTS)
+    first = train(tmp_path, name="resumed", save_strategy="steps", save_steps=2, stop_at=2, **opts)
+    ckpt = os.path.join(first.args.output_dir, "checkpoint-2")
+    resumed = train(tmp_path, name="resumed", save_strategy="steps", save_steps=2, resume=ckpt, **opts)
+    straight = train(tmp_path, name="straight", **opts)
+    ra, rb = list(resumed.replay_history), list(straight.replay_history)
+    assert [h["global_step"] for h in ra] == [2] and ra[0]["eligible_groups"] == 4
+    assert len(ra[0]["replayed_rows"]) == 4 and ra[0]["replayed_rows"].tolist() == rb[2]["replayed_rows"].tolist()
+    with open_store(resumed) as a, open_store(straight) as b:
+        sa, sb = a.load_state("trl.replay"), b.load_state("trl.replay")
+        assert sa["replay_mode"] == "repo_any" and sa["rng"] == sb["rng"]
+        assert sa["sampler"]["position"] == sb["sampler"]["position"]
+
+
+def test_the_resume_warning_is_given_once(tmp_path, caplog):
+    # it was printed twice: a log line and a RuntimeWarning with the same text
+    opts = dict(replay_mode="off", save_strategy="steps", save_steps=1, max_steps=2)
+    first = train(tmp_path, **opts)  # checkpoint-1 saw 8 rows; the store holds 16
+    ckpt = os.path.join(first.args.output_dir, "checkpoint-1")
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        train(tmp_path, resume=ckpt, **opts)
+    told = said(caught, "excluded from replay") + [r.getMessage() for r in caplog.records
+                                                    if "excluded from replay" in r.getMessage()]
+    assert len(told) == 1 and "8 row(s) [8, 16)" in told[0], told
+    assert len(said(caught, "excluded from replay")) == 1

@@ -13,9 +13,9 @@ from hypothesis import given, settings, strategies as st
 
 from diskreplay import PrioritizedSampler, PromptGroupSampler, ReplayStore
 from diskreplay.integrations.trl.checkpoint import ReplayState, load_checkpoint_state, save_checkpoint_state
-from diskreplay.integrations.trl.planners import (Draw, FreshBatch, RepoPlanner, SsrPlanner, SwapZeroStdPlanner,
-                                                  Timeline, group_advantages, recompute_advantages,
-                                                  zero_spread_groups)
+from diskreplay.integrations.trl.planners import (Draw, FreshBatch, RepoAnyPlanner, RepoPlanner, SsrPlanner,
+                                                  SwapZeroStdPlanner, Timeline, group_advantages,
+                                                  recompute_advantages, zero_spread_groups)
 
 NAN = float("nan")
 
@@ -42,7 +42,8 @@ def extend(store, keys, versions, rewards, advantages=None):
 
 
 def test_planners_import_without_trl():
-    code = ("import sys; import diskreplay.integrations.trl.planners, diskreplay.integrations.trl.checkpoint; "
+    code = ("import sys; import diskreplay.integrations.trl.planners, diskreplay.integrations.trl.checkpoint, "
+            "diskreplay.integrations.trl.rewards; "
             "assert 'trl' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -128,8 +129,10 @@ def test_excluded_rows_are_never_drawn_by_any_planner(tmp_path):
                            num_generations=4, timeline=timeline)
         swap = SwapZeroStdPlanner(PromptGroupSampler(samples_per_group=4, strategy="variance", seed=0),
                                   np.random.Generator(np.random.PCG64(0)), num_generations=4, timeline=timeline)
+        any_ = RepoAnyPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                              np.random.Generator(np.random.PCG64(0)), num_generations=4, timeline=timeline)
         for step in range(5):
-            for planner in (ssr, repo, swap):
+            for planner in (ssr, repo, swap, any_):
                 drawn = planner.plan(store, fresh, step).rows
                 assert len(drawn) and not timeline.contains(drawn).any(), (type(planner).__name__, drawn)
         # the planner counts eligible rows with the sampler's own rule
@@ -247,3 +250,93 @@ def test_swap_with_stored_advantages_needs_rows_that_move_the_loss(tmp_path):
 
         assert planner(False).candidates(store) == [1, 2]  # recomputed: group 1's spread is a gradient
         assert planner(True).candidates(store) == [2]
+
+
+# --------------------------------------------------------------------------- one epoch: prompts that never recur
+
+
+def one_epoch_store(path):
+    """Steps 0-2 each stored one group of 4 rows for each of two new prompts (keys 10+2v, 11+2v)."""
+    store = ReplayStore(path)
+    for v in range(3):
+        extend(store, [10 + 2 * v] * 4 + [11 + 2 * v] * 4, [v] * 8, [0, 1, 0, 1] * 2)
+    return store
+
+
+def test_repo_replays_nothing_when_prompts_do_not_recur_and_says_why(tmp_path):
+    with one_epoch_store(tmp_path / "s") as store:
+        fresh = FreshBatch(np.array([20] * 4 + [21] * 4), np.zeros(8), np.zeros(8))
+        repo = RepoPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                           num_generations=4, max_policy_lag=1)
+        plan = repo.plan(store, fresh, step=3)
+        assert len(plan) == 0 and plan.eligible_groups == 0
+        why = repo.explain(store, fresh, step=3)
+        assert "none of the batch's 2 prompt(s) has replay_min_generations=2 stored row(s) within " \
+            "max_policy_lag=1 steps (policy_version >= 2)" in why
+        assert "8 such row(s) in 2 group(s) (2 with 2 or more)" in why and "repo_any" in why
+        # a prompt that recurs is counted
+        again = FreshBatch(np.array([14] * 4 + [21] * 4), np.zeros(8), np.zeros(8))
+        assert repo.plan(store, again, step=3).eligible_groups == 1
+    with ReplayStore(tmp_path / "empty") as store:  # nothing stored yet: nothing to explain
+        assert repo.plan(store, fresh, step=0).eligible_groups == 0
+        assert repo.explain(store, fresh, step=0) is None
+
+
+def test_repo_any_replays_groups_of_any_prompt_within_the_lag(tmp_path):
+    with one_epoch_store(tmp_path / "s") as store:
+        fresh = FreshBatch(np.array([20] * 4 + [21] * 4), np.zeros(8), np.zeros(8))
+        planner = RepoAnyPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                                 np.random.Generator(np.random.PCG64(0)), num_generations=4, max_policy_lag=1)
+        assert planner.candidates(store, planner.draw(store, 3)) == [14, 15]  # steps >= 2 only
+        plan = planner.plan(store, fresh, step=3)
+        assert plan.eligible_groups == 2 and plan.positions.tolist() == [2, 3, 6, 7]
+        got = store.read(plan.rows, ["prompt_id", "policy_version"])
+        assert got["policy_version"].tolist() == [2] * 4
+        # two distinct groups, k rows each, the newest of each (recency)
+        assert sorted(set(got["prompt_id"].tolist())) == [14, 15]
+        assert sorted(plan.rows.tolist()) == [18, 19, 22, 23]
+        # more groups in the batch than stored: groups repeat
+        wide = FreshBatch(np.repeat(np.arange(30, 35), 4), np.zeros(20), np.zeros(20))
+        assert len(planner.plan(store, wide, step=3)) == 10
+        # a group needs replay_min_generations eligible rows; too old is not eligible
+        strict = RepoAnyPlanner(PromptGroupSampler(samples_per_group=2, strategy="recency", seed=0), 2,
+                                np.random.Generator(np.random.PCG64(0)), num_generations=4, max_policy_lag=1,
+                                min_generations=5)
+        assert strict.plan(store, fresh, step=3).eligible_groups == 0
+        assert "none of the 6 stored group(s) has replay_min_generations=5 row(s) within max_policy_lag=1" \
+            in strict.explain(store, fresh, step=3)
+        assert len(planner.plan(store, fresh, step=9)) == 0
+        assert "(0 of the 24 stored rows are)" in planner.explain(store, fresh, step=9)
+        # appended, a plan is whole optimizer steps
+        appended = RepoAnyPlanner(PromptGroupSampler(samples_per_group=1, strategy="recency", seed=0), 1,
+                                  np.random.Generator(np.random.PCG64(0)), num_generations=4,
+                                  steps_per_generation=2, append=True)
+        plan = appended.plan(store, FreshBatch(np.repeat([20, 21, 22], 4), np.zeros(12), np.zeros(12)), step=3)
+        assert plan.positions is None and len(plan) == 2
+
+
+def test_repo_any_candidates_are_ordered_by_rows_not_by_group_codes(tmp_path):
+    """A reopened store numbers its groups afresh; the draw must not depend on that."""
+    with ReplayStore(tmp_path / "s") as store:
+        extend(store, [7, 7, 3, 3], [0] * 4, [0, 1, 0, 1])
+        extend(store, [5, 5, 7, 7], [1] * 4, [0, 1, 0, 1])
+        planner = RepoAnyPlanner(PromptGroupSampler(samples_per_group=2, seed=0), 2,
+                                 np.random.Generator(np.random.PCG64(0)), num_generations=2)
+        assert planner.candidates(store) == [7, 3, 5]
+        # rows 0-1 excluded (a discarded timeline): prompt 7's first eligible row is 6
+        planner.set_timeline(Timeline(((0, 2),)))
+        assert planner.candidates(store, planner.draw(store, 2)) == [3, 5, 7]
+    with ReplayStore(tmp_path / "s", readonly=True) as store:
+        assert planner.candidates(store, planner.draw(store, 2)) == [3, 5, 7]
+
+
+def test_swap_explains_only_a_batch_with_groups_to_replace(tmp_path):
+    with one_epoch_store(tmp_path / "s") as store:
+        swap = SwapZeroStdPlanner(PromptGroupSampler(samples_per_group=4, strategy="variance", seed=0),
+                                  np.random.Generator(np.random.PCG64(0)), num_generations=4, max_policy_lag=0)
+        spread = FreshBatch(np.array([20] * 4), np.array([0, 1, 0, 1.0]), np.zeros(4))
+        assert swap.plan(store, spread, step=3).eligible_groups == 0
+        assert swap.explain(store, spread, step=3) is None  # nothing to replace
+        flat = FreshBatch(np.array([20] * 4), np.ones(4), np.zeros(4))
+        assert "1 group(s) of the batch have no reward spread" in swap.explain(store, flat, step=3)
+        assert swap.plan(store, flat, step=2).eligible_groups == 2

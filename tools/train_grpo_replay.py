@@ -9,6 +9,7 @@ rows are.
 
     python tools/train_grpo_replay.py                      # RePO, 60 steps, under a minute on 2 cores
     python tools/train_grpo_replay.py --mode ssr --steps 40
+    python tools/train_grpo_replay.py --mode repo_any --steps 20   # stored groups of any prompt
     python tools/train_grpo_replay.py --mode swap_zero_std --store /tmp/replay --resume
 
 Run it twice with the same ``--store`` and ``--resume`` to continue from the
@@ -76,7 +77,7 @@ class PrintReplay(TrainerCallback):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="repo", choices=["off", "repo", "ssr", "swap_zero_std"])
+    p.add_argument("--mode", default="repo", choices=["off", "repo", "repo_any", "ssr", "swap_zero_std"])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--store", default=None, help="replay store directory (default: a new temporary one)")
     p.add_argument("--output-dir", default=None, help="checkpoints (default: beside the store)")
@@ -84,7 +85,7 @@ def main() -> None:
                    help="resume from the last checkpoint in --output-dir (start fresh if there is none)")
     p.add_argument("--save-steps", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--batch-size", type=int, default=16, help="rows per step (a multiple of 4, the group size)")
-    p.add_argument("--k", type=int, default=2, help="repo: past generations per prompt")
+    p.add_argument("--k", type=int, default=2, help="repo, repo_any: stored rows replayed per group")
     p.add_argument("--strategy", default=None, choices=["random", "recency", "reward", "variance"])
     p.add_argument("--fraction", type=float, default=0.25, help="ssr: replayed share of the batch")
     p.add_argument("--max-lag", type=int, default=8, help="never replay rows older than this many steps")

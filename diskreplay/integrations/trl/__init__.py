@@ -12,7 +12,15 @@ store are mixed into the batch the loss sees:
     RePO: for each prompt of the batch, ``replay_k`` past generations of that
     same prompt, chosen by a :class:`~diskreplay.PromptGroupSampler`
     strategy (``recency``, ``reward``, ``variance``, ``random``), once the
-    prompt has ``replay_min_generations`` stored rows.
+    prompt has ``replay_min_generations`` stored rows. It replays only when
+    prompts recur within ``max_policy_lag`` steps; a run of about one epoch
+    replays nothing (the trainer warns once and logs
+    ``replay/eligible_groups``, the groups it could have drawn).
+``repo_any``
+    RePO's off-policy replay from any prompt: for each group of the batch,
+    ``replay_k`` rows of one stored group of any prompt with
+    ``replay_min_generations`` eligible rows, the groups drawn uniformly
+    (with the replay RNG of the checkpoints), the rows by the strategy.
 ``ssr``
     SSR: ``ssr_replay_fraction`` of the batch drawn row by row with
     ``p ∝ (|advantage| + ssr_eps) ** ssr_alpha``
@@ -26,8 +34,9 @@ store are mixed into the batch the loss sees:
 
 By default replayed rows *replace* fresh rows, so the batch keeps its size and
 TRL's split over gradient accumulation steps and ``num_iterations`` is
-unchanged; ``replay_append=True`` appends them instead (``repo``, ``ssr``;
-rounded down to a multiple of ``steps_per_generation``), as in the RePO paper.
+unchanged; ``replay_append=True`` appends them instead (``repo``,
+``repo_any``, ``ssr``; rounded down to a multiple of
+``steps_per_generation``), as in the RePO paper.
 ``max_policy_lag`` never replays rows generated more than that many optimizer
 steps ago.
 
@@ -129,8 +138,9 @@ models; multimodal batches can be stored in ``off`` mode only).
 
 The package: :mod:`.config` (the options and their checks),
 :mod:`.planners` (which rows to replay: pure numpy over the store's public
-API, no TRL), :mod:`.checkpoint` (the replay state), :mod:`.batch` (tensor
-work on TRL's batch) and :mod:`.trainer`. Importing ``planners`` or
+API, no TRL), :mod:`.rewards` (TRL's reward rules in numpy),
+:mod:`.checkpoint` (the replay state), :mod:`.batch` (tensor work on TRL's
+batch) and :mod:`.trainer`. Importing ``planners``, ``rewards`` or
 ``checkpoint`` does not import TRL; the config and trainer do.
 
 >>> from diskreplay.integrations.trl import DiskReplayGRPOConfig

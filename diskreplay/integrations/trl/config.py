@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - only without the extra
 
 from ... import PromptGroupSampler, SamplerError
 from ...errors import ReplayConfigError
-from .planners import REPLAY_MODES, is_int, is_number
+from .planners import GROUP_MODES, REPLAY_MODES, is_int, is_number
 
 __all__ = ["DiskReplayGRPOConfig", "check_replay_options"]
 
@@ -50,18 +50,19 @@ class DiskReplayGRPOConfig(GRPOConfig):
         "Directory of the ReplayStore every generated row is written to (created if missing or empty, reopened "
         "if it holds a store; any other non-empty directory is refused)."))
     replay_mode: str = field(default="off", metadata=_help(
-        "off (store only), repo (past generations of the same prompts), ssr (rows by |advantage| priority) "
-        "or swap_zero_std (replace zero-reward-spread groups by stored groups with spread)."))
+        "off (store only), repo (past generations of the same prompts: needs prompts that recur within "
+        "max_policy_lag), repo_any (stored groups of any prompt: a run of about one epoch), ssr (rows by "
+        "|advantage| priority) or swap_zero_std (replace zero-reward-spread groups by stored groups with spread)."))
     replay_k: int = field(default=2, metadata=_help(
-        "repo: past generations replayed per prompt (at most num_generations)."))
+        "repo, repo_any: stored rows replayed per group of the batch (at most num_generations)."))
     replay_strategy: Optional[str] = field(default=None, metadata=_help(
         "Which rows of a stored group to replay: random, recency, reward or variance. Default: recency for "
-        "repo, variance for swap_zero_std."))
+        "repo and repo_any, variance for swap_zero_std."))
     replay_min_generations: Optional[int] = field(default=None, metadata=_help(
-        "Stored rows a prompt group needs before it is replayed. Default: replay_k (repo), num_generations "
-        "(swap_zero_std)."))
+        "Stored rows a prompt group needs before it is replayed. Default: replay_k (repo, repo_any), "
+        "num_generations (swap_zero_std)."))
     replay_append: bool = field(default=False, metadata=_help(
-        "Append replayed rows instead of replacing fresh ones (repo, ssr); the batch then grows."))
+        "Append replayed rows instead of replacing fresh ones (repo, repo_any, ssr); the batch then grows."))
     ssr_alpha: float = field(default=1.0, metadata=_help("ssr: priority exponent, p ∝ (|A| + eps)^alpha."))
     ssr_eps: float = field(default=1e-4, metadata=_help("ssr: added to |A| so every row keeps a chance (> 0)."))
     ssr_capacity_scalar: Optional[int] = field(default=None, metadata=_help(
@@ -101,9 +102,10 @@ def check_replay_options(args: Any) -> None:
     g = args.num_generations
     if not is_int(args.replay_k) or args.replay_k < 1:
         raise ReplayConfigError(f"replay_k must be a positive integer, got {args.replay_k!r}")
-    if mode == "repo" and args.replay_k > g:  # only RePO draws replay_k rows per prompt
-        raise ReplayConfigError(f"replay_k={args.replay_k} exceeds num_generations={g}: RePO replays at most one "
-                                f"group's worth of past generations per prompt; lower replay_k to at most {g}")
+    if mode in ("repo", "repo_any") and args.replay_k > g:  # only RePO draws replay_k rows per group
+        raise ReplayConfigError(f"replay_k={args.replay_k} exceeds num_generations={g}: replay_mode={mode!r} "
+                                "replays at most one group's worth of stored rows per group of the batch; lower "
+                                f"replay_k to at most {g}")
     if args.replay_strategy is not None:
         try:  # the sampler owns the list of strategies
             PromptGroupSampler(samples_per_group=1, strategy=args.replay_strategy)
@@ -140,12 +142,12 @@ def check_replay_options(args: Any) -> None:
             raise ReplayConfigError(f"replay_stream_timeout must be seconds > 0, got {args.replay_stream_timeout!r}")
     if args.replay_append and mode == "swap_zero_std":
         raise ReplayConfigError("replay_append=True does not apply to replay_mode='swap_zero_std', which swaps "
-                                "groups in place; drop replay_append or pick repo/ssr")
+                                "groups in place; drop replay_append or pick repo/repo_any/ssr")
     aggregation = getattr(args, "multi_objective_aggregation", "sum_then_normalize")
     if args.recompute_advantages and aggregation != "sum_then_normalize":
         raise ReplayConfigError(f"recompute_advantages=True needs multi_objective_aggregation='sum_then_normalize' "
                                 f"(got {aggregation!r}); use the stored advantages instead")
-    if mode in ("repo", "swap_zero_std"):
+    if mode in GROUP_MODES:
         local = args.generation_batch_size // max(int(args.world_size), 1)
         if local % g:
             raise ReplayConfigError(f"replay_mode={mode!r} needs whole prompt groups in each process's generation "

@@ -6,12 +6,8 @@ a diskreplay sampler for row ids and returns a :class:`ReplayPlan`: the rows,
 and the positions of the fresh rows they replace (``None``: appended). Nothing
 here imports torch or TRL, and the store is used through its public API.
 
-Rewards follow TRL's rule for a reward function that returns ``None``: the
-row's reward is NaN when every function gave up on it, it is left out of its
-group's mean and standard deviation, and its advantage is 0. So a group
-carries gradient only with at least two scorable rows whose rewards differ
-(:func:`zero_spread_groups`), and :func:`group_advantages` recomputes an
-advantage exactly as TRL computes it.
+Rewards follow TRL's rules (:mod:`.rewards`: a row no reward function scored
+has reward NaN, left out of its group's statistics, and advantage 0).
 
 Rows of a discarded timeline (committed after the checkpoint a run resumed
 from) stay in the store but are never drawn: :class:`Timeline` records them
@@ -30,16 +26,19 @@ import numpy as np
 
 from ...errors import FormatError, IntegrationError
 from ...samplers import Ranges, in_ranges, live_column, merge_ranges
+from .rewards import batch_std, group_advantages, zero_spread_groups
 
-__all__ = ["GROUP_KEY", "REPLAY_MODES", "REWARD_KEY", "VERSION_KEY", "Draw", "RepoPlanner", "ReplayPlan",
-           "SsrPlanner", "SwapZeroStdPlanner", "Timeline", "group_advantages", "prompt_key", "zero_spread_groups"]
+__all__ = ["GROUP_KEY", "REPLAY_MODES", "REWARD_KEY", "VERSION_KEY", "Draw", "RepoAnyPlanner", "RepoPlanner",
+           "ReplayPlan", "SsrPlanner", "SwapZeroStdPlanner", "Timeline", "batch_std", "group_advantages",
+           "prompt_key", "zero_spread_groups"]
 
-REPLAY_MODES = ("off", "repo", "ssr", "swap_zero_std")
+REPLAY_MODES = ("off", "repo", "repo_any", "ssr", "swap_zero_std")
+#: the modes that draw whole prompt groups by GROUP_KEY (and count the stored groups they could draw)
+GROUP_MODES = ("repo", "repo_any", "swap_zero_std")
 GROUP_KEY = "prompt_id"
 VERSION_KEY = "policy_version"
 REWARD_KEY = "rewards"
 ADVANTAGE_KEY = "advantages"
-_STD_EPS = 1e-4  # TRL's: advantages are divided by (std + 1e-4)
 
 
 def prompt_key(token_ids: Any) -> int:
@@ -55,66 +54,6 @@ def prompt_key(token_ids: Any) -> int:
     """
     a = np.ascontiguousarray(np.asarray(token_ids).astype("<i8", copy=False).reshape(-1))
     return int.from_bytes(hashlib.blake2b(a.tobytes(), digest_size=8).digest(), "little", signed=True)
-
-
-# --------------------------------------------------------------------------- TRL's reward rules
-
-
-def _nanstd(x: np.ndarray) -> float:
-    """TRL's ``nanstd``: Bessel-corrected over the non-NaN values, NaN for fewer than two."""
-    x = x[~np.isnan(x)]
-    return float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
-
-
-def zero_spread_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
-    """Indices of the groups TRL gives no gradient: fewer than two scorable rows, or all of them equal.
-
-    ``rewards`` is TRL's per-row reward, NaN where every reward function
-    returned ``None``; consecutive runs of ``group_size`` rows are one group.
-
-    >>> zero_spread_groups(np.array([1, 1, np.nan, np.nan, 1, 0, np.nan, 1]), 4).tolist()
-    [0]
-    >>> zero_spread_groups(np.array([np.nan, np.nan, 2.0, np.nan]), 2).tolist()
-    [0, 1]
-    """
-    grouped = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
-    scorable = ~np.isnan(grouped)
-    hi = np.where(scorable, grouped, -np.inf).max(axis=1)
-    lo = np.where(scorable, grouped, np.inf).min(axis=1)
-    # max > min is exact where a variance would round; fewer than 2 scorable rows give hi <= lo or inf/nan
-    return np.flatnonzero(~((scorable.sum(axis=1) >= 2) & (hi > lo)))
-
-
-def group_advantages(rewards: np.ndarray, baseline: np.ndarray, scale: str) -> np.ndarray:
-    """Advantages of ``rewards`` against the rewards ``baseline`` of their prompt, as TRL computes them.
-
-    ``reward - nanmean(baseline)``, divided by ``nanstd(baseline) + 1e-4`` when
-    ``scale == "group"``; a NaN result (an unscorable row, or a baseline with
-    fewer than two scorable rows) becomes 0, as TRL's ``nan_to_num``.
-    ``scale == "batch"`` is left to the caller (one std over the whole batch).
-
-    >>> group_advantages(np.array([1, 1, np.nan, np.nan]), np.array([1, 1, np.nan, np.nan]), "group").tolist()
-    [0.0, 0.0, 0.0, 0.0]
-    >>> np.round(group_advantages(np.array([1.0, 0.0]), np.array([1.0, 0.0, np.nan]), "group"), 3).tolist()
-    [0.707, -0.707]
-    """
-    r = np.asarray(rewards, dtype=np.float64)
-    base = np.asarray(baseline, dtype=np.float64)
-    scorable = base[~np.isnan(base)]
-    mean = float(scorable.mean()) if len(scorable) else float("nan")
-    adv = r - mean
-    if scale == "group":
-        adv = adv / (_nanstd(base) + _STD_EPS)
-    return np.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def batch_std(rewards: np.ndarray) -> float:
-    """TRL's ``scale_rewards="batch"`` divisor: ``nanstd`` of the batch's rewards plus 1e-4.
-
-    >>> round(batch_std(np.array([0.0, 2.0, np.nan])), 4)
-    1.4143
-    """
-    return _nanstd(np.asarray(rewards, dtype=np.float64)) + _STD_EPS
 
 
 # --------------------------------------------------------------------------- timeline
@@ -219,25 +158,29 @@ class ReplayPlan:
     ``rows``: store row ids in batch order. ``positions``: the fresh rows
     they replace, or ``None`` when they are appended after the fresh rows.
     ``group_size``: rows per replayed group (``swap_zero_std``), else 0.
+    ``eligible_groups``: how many stored groups the planner could have drawn
+    from (the modes that draw groups; ``None`` for ``ssr``), the trainer's
+    ``replay/eligible_groups``.
 
-    >>> ReplayPlan.empty().rows.tolist(), ReplayPlan.empty().positions
-    ([], None)
+    >>> ReplayPlan.empty().rows.tolist(), ReplayPlan.empty().positions, ReplayPlan.empty(0).eligible_groups
+    ([], None, 0)
     """
 
     rows: np.ndarray
     positions: Optional[np.ndarray]
     group_size: int = 0
+    eligible_groups: Optional[int] = None
 
     @classmethod
-    def empty(cls) -> "ReplayPlan":
-        return cls(np.zeros(0, dtype=np.int64), None)
+    def empty(cls, eligible_groups: Optional[int] = None) -> "ReplayPlan":
+        return cls(np.zeros(0, dtype=np.int64), None, eligible_groups=eligible_groups)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def first(self, n: int) -> "ReplayPlan":
         """The first ``n`` appended rows (only for appended plans)."""
-        return ReplayPlan(self.rows[:n], None, self.group_size)
+        return ReplayPlan(self.rows[:n], None, self.group_size, self.eligible_groups)
 
 
 @dataclass
@@ -272,6 +215,9 @@ class Planner:
     the sampler's own :meth:`~diskreplay.samplers.Sampler.eligible`, so the
     two never disagree.
     """
+
+    #: whether it draws whole stored groups (and so counts them in ``ReplayPlan.eligible_groups``)
+    draws_groups = False
 
     def __init__(self, sampler: Any, *, num_generations: int, steps_per_generation: int = 1,
                  max_policy_lag: Optional[int] = None, min_generations: Optional[int] = None,
@@ -325,11 +271,47 @@ class Planner:
     def plan(self, store: Any, fresh: FreshBatch, step: int) -> ReplayPlan:
         draw = self.draw(store, step)
         if not self.has_rows(store, draw):
-            return ReplayPlan.empty()
+            return ReplayPlan.empty(0 if self.draws_groups else None)
         return self._plan(store, fresh, draw)
 
     def _plan(self, store: Any, fresh: FreshBatch, draw: Draw) -> ReplayPlan:
         raise NotImplementedError
+
+    def group_mask(self, store: Any, draw: Draw) -> tuple:
+        """The store's group index and which of its rows (``gi.rows``) ``draw`` allows."""
+        gi = store.group_index()
+        mask = self.eligible(store, draw)
+        ok = np.ones(len(gi.rows), dtype=bool) if mask is None else mask[gi.rows - store.head]
+        return gi, ok
+
+    def explain(self, store: Any, fresh: FreshBatch, step: int) -> Optional[str]:
+        """Why a plan for step ``step`` replays nothing, with the numbers; None when there is nothing to say
+        (no stored row this run could replay yet, or nothing the mode wanted to replace).
+
+        Call it with the store as :meth:`plan` saw it (before the fresh rows are written).
+        """
+        draw = self.draw(store, step)
+        head, nxt = store.head, store.next_row
+        kept = nxt - head - Timeline(draw.exclude).count(head, nxt)
+        if kept <= 0:
+            return None
+        mask = self.eligible(store, draw)
+        eligible = nxt - head if mask is None else int(np.count_nonzero(mask))
+        return self._explain(store, fresh, step, draw, kept, eligible)
+
+    def _explain(self, store: Any, fresh: FreshBatch, step: int, draw: Draw, kept: int,
+                 eligible: int) -> Optional[str]:
+        if eligible:
+            return None
+        window = "" if draw.min_row is None else f" among the newest {self.window} (ssr_capacity_scalar)"
+        return (f"none of the {kept} stored row(s) was generated{self.bound(draw)}{window}; raise max_policy_lag "
+                "to replay older rows")
+
+    def bound(self, draw: Draw) -> str:
+        """The version bound of ``draw`` in words ("" without ``max_policy_lag``)."""
+        if draw.min_policy_version is None:
+            return ""
+        return f" within max_policy_lag={self.max_policy_lag} steps (policy_version >= {draw.min_policy_version})"
 
 
 class RepoPlanner(Planner):
@@ -339,6 +321,8 @@ class RepoPlanner(Planner):
     by its strategy. Replacing, they take the place of the last ``k`` fresh rows
     of their group (fresh rows of a prompt are exchangeable).
     """
+
+    draws_groups = True
 
     def __init__(self, sampler: Any, k: int, **kwargs: Any) -> None:
         super().__init__(sampler, **kwargs)
@@ -356,13 +340,83 @@ class RepoPlanner(Planner):
             if count >= need:
                 chosen.append(j)
         if not chosen:
-            return ReplayPlan.empty()
+            return ReplayPlan.empty(0)
         rows = self.sampler.sample(store, len(chosen) * k, groups=[group_keys[j].item() for j in chosen],
                                    **draw.kwargs())
         if self.append:
-            return ReplayPlan(self.whole_steps(rows), None)
+            return ReplayPlan(self.whole_steps(rows), None, eligible_groups=len(chosen))
         positions = np.concatenate([j * g + g - k + np.arange(k) for j in chosen]).astype(np.int64)
-        return ReplayPlan(rows, positions)
+        return ReplayPlan(rows, positions, eligible_groups=len(chosen))
+
+    def _explain(self, store: Any, fresh: FreshBatch, step: int, draw: Draw, kept: int,
+                 eligible: int) -> Optional[str]:
+        need = self.min_generations or self.k
+        prompts = len(fresh.group_keys(self.num_generations))
+        gi, ok = self.group_mask(store, draw)
+        counts = np.add.reduceat(ok.astype(np.int64), gi.offsets[:-1]) if len(gi) else np.zeros(0, np.int64)
+        return (f"none of the batch's {prompts} prompt(s) has replay_min_generations={need} stored row(s)"
+                f"{self.bound(draw)}; the store holds {eligible} such row(s) in {int(np.count_nonzero(counts))} "
+                f"group(s) ({int(np.count_nonzero(counts >= need))} with {need} or more). RePO replays past "
+                "generations of the same prompt, so it replays only when prompts recur within max_policy_lag "
+                "steps: a run of about one epoch replays nothing. replay_mode='repo_any' replays stored groups of "
+                "any prompt under the same bound")
+
+
+class RepoAnyPlanner(Planner):
+    """RePO's off-policy groups from any prompt: for each group of the batch, ``k`` rows of one stored group.
+
+    A stored group qualifies with ``min_generations`` (default ``k``)
+    eligible rows, whatever its prompt (``max_policy_lag`` bounds how old
+    they are). The groups are drawn uniformly with ``rng``, distinct while
+    there are enough of them, the rows of each by the sampler's strategy. It
+    replays from the first step with eligible stored rows, so it serves a run
+    that sees each prompt about once, where :class:`RepoPlanner` (past
+    generations of the same prompt) replays nothing. Replacing, the rows take
+    the place of the last ``k`` fresh rows of each group of the batch.
+    """
+
+    draws_groups = True
+
+    def __init__(self, sampler: Any, k: int, rng: np.random.Generator, **kwargs: Any) -> None:
+        super().__init__(sampler, **kwargs)
+        self.k = k
+        self.rng = rng
+
+    def candidates(self, store: Any, draw: Draw = Draw()) -> List[Any]:
+        """Keys of the stored groups that qualify, oldest first (by their first eligible row).
+
+        Ordered by rows, not by the group index's codes, which a reopened store
+        numbers afresh: a resumed run draws the same groups as one that never
+        stopped.
+        """
+        gi, ok = self.group_mask(store, draw)
+        if not len(gi):
+            return []
+        starts = gi.offsets[:-1]
+        counts = np.add.reduceat(ok.astype(np.int64), starts)
+        first = np.minimum.reduceat(np.where(ok, gi.rows, np.iinfo(np.int64).max), starts)
+        good = np.flatnonzero(counts >= (self.min_generations or self.k))
+        return [gi.keys[i] for i in good[np.argsort(first[good], kind="stable")].tolist()]
+
+    def _plan(self, store: Any, fresh: FreshBatch, draw: Draw) -> ReplayPlan:
+        g, k = self.num_generations, self.k
+        n = len(fresh.group_keys(g))
+        candidates = self.candidates(store, draw)
+        if not candidates:
+            return ReplayPlan.empty(0)
+        picks = self.rng.choice(len(candidates), size=n, replace=len(candidates) < n)
+        rows = self.sampler.sample(store, n * k, groups=[candidates[i] for i in picks], **draw.kwargs())
+        if self.append:
+            return ReplayPlan(self.whole_steps(rows), None, eligible_groups=len(candidates))
+        positions = np.concatenate([j * g + g - k + np.arange(k) for j in range(n)]).astype(np.int64)
+        return ReplayPlan(rows, positions, eligible_groups=len(candidates))
+
+    def _explain(self, store: Any, fresh: FreshBatch, step: int, draw: Draw, kept: int,
+                 eligible: int) -> Optional[str]:
+        need = self.min_generations or self.k
+        return (f"none of the {store.num_groups} stored group(s) has replay_min_generations={need} row(s)"
+                f"{self.bound(draw)} ({eligible} of the {kept} stored rows are); raise max_policy_lag or lower "
+                "replay_min_generations")
 
 
 class SsrPlanner(Planner):
@@ -390,6 +444,14 @@ class SsrPlanner(Planner):
         positions = np.sort(np.argsort(adv, kind="stable")[:n]).astype(np.int64)
         return ReplayPlan(rows, positions)
 
+    def _explain(self, store: Any, fresh: FreshBatch, step: int, draw: Draw, kept: int,
+                 eligible: int) -> Optional[str]:
+        if not eligible or not self.append:
+            return super()._explain(store, fresh, step, draw, kept, eligible)
+        return (f"ssr_replay_fraction={self.fraction} of the {len(fresh.keys)} fresh rows, rounded down to a "
+                f"multiple of steps_per_generation={self.steps_per_generation} (replay_append=True), is no row; "
+                "raise ssr_replay_fraction")
+
 
 class SwapZeroStdPlanner(Planner):
     """Every fresh group TRL gives no gradient is replaced by a stored group that has reward spread.
@@ -404,6 +466,8 @@ class SwapZeroStdPlanner(Planner):
     4/4, later 0/4) were stored with advantage 0, so such a group has reward
     spread but swapped in, gave no gradient either.
     """
+
+    draws_groups = True
 
     def __init__(self, sampler: Any, rng: np.random.Generator, stored_advantages: bool = False,
                  **kwargs: Any) -> None:
@@ -437,15 +501,28 @@ class SwapZeroStdPlanner(Planner):
     def _plan(self, store: Any, fresh: FreshBatch, draw: Draw) -> ReplayPlan:
         g = self.num_generations
         zero = zero_spread_groups(fresh.rewards, g)
-        if not len(zero):
-            return ReplayPlan.empty()
-        candidates = self.candidates(store, draw)
-        if not candidates:
-            return ReplayPlan.empty()
+        candidates = self.candidates(store, draw)  # counted in every step: replay/eligible_groups
+        if not len(zero) or not candidates:
+            return ReplayPlan.empty(len(candidates))
         picks = self.rng.choice(len(candidates), size=len(zero), replace=len(candidates) < len(zero))
         rows = self.sampler.sample(store, len(zero) * g, groups=[candidates[i] for i in picks], **draw.kwargs())
         positions = np.concatenate([j * g + np.arange(g) for j in zero]).astype(np.int64)
-        return ReplayPlan(rows, positions, group_size=g)
+        return ReplayPlan(rows, positions, group_size=g, eligible_groups=len(candidates))
+
+    def explain(self, store: Any, fresh: FreshBatch, step: int) -> Optional[str]:
+        if not len(zero_spread_groups(fresh.rewards, self.num_generations)):
+            return None  # nothing to replace: nothing to explain (and no pass over the store)
+        return super().explain(store, fresh, step)
+
+    def _explain(self, store: Any, fresh: FreshBatch, step: int, draw: Draw, kept: int,
+                 eligible: int) -> Optional[str]:
+        zero = zero_spread_groups(fresh.rewards, self.num_generations)
+        need = self.min_generations or self.num_generations
+        moving = " and two rows stored with a non-zero advantage" if self._advantages is not None else ""
+        return (f"{len(zero)} group(s) of the batch have no reward spread, but none of the {store.num_groups} "
+                f"stored group(s) has replay_min_generations={need} row(s){self.bound(draw)} with reward spread"
+                f"{moving} ({eligible} of the {kept} stored rows are{self.bound(draw) and ' within the bound'}); "
+                "raise max_policy_lag or lower replay_min_generations")
 
 
 def recompute_advantages(plan: ReplayPlan, replay_rewards: np.ndarray, replay_keys: np.ndarray,

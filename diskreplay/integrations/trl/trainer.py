@@ -25,7 +25,6 @@ try:
 except ImportError as exc:  # pragma: no cover - only without the extra
     raise MissingDependencyError("diskreplay.integrations.trl needs TRL; install it with pip install 'diskreplay[trl]'") from exc
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-from transformers.utils import logging as hf_logging
 
 from ... import PrioritizedSampler, PromptGroupSampler, RaggedColumn, ReplayStore, collate
 from ...errors import IntegrationError, ReplayConfigError
@@ -35,12 +34,10 @@ from ...stream import RolloutStream
 from .checkpoint import (STATE_NAME, ReplayState, checkpoint_state_path, load_checkpoint_state,
                          load_checkpoint_stream, save_checkpoint_state)
 from .config import DiskReplayGRPOConfig, check_replay_options
-from .planners import (GROUP_KEY, VERSION_KEY, FreshBatch, Planner, RepoPlanner, ReplayPlan, SsrPlanner,
-                       SwapZeroStdPlanner, Timeline, recompute_advantages)
+from .planners import (GROUP_KEY, GROUP_MODES, VERSION_KEY, FreshBatch, Planner, RepoAnyPlanner, RepoPlanner,
+                       ReplayPlan, SsrPlanner, SwapZeroStdPlanner, Timeline, recompute_advantages)
 
 __all__ = ["DiskReplayGRPOTrainer"]
-
-logger = hf_logging.get_logger(__name__)
 
 HISTORY_LENGTH = 4096
 _SEAMS = ("_generate_and_score_completions", "_calculate_rewards", "_get_per_token_logps_and_entropies",
@@ -69,8 +66,11 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
     After each generation, ``replay_history[-1]`` describes it: ``global_step``,
     ``fresh_rows`` (row ids written), ``replayed_rows``, ``positions`` (their
     rows in the returned batch, before TRL shuffles it), ``batch_size``,
-    ``replay_fraction``, ``policy_lag_mean``, ``reward_mean``. The same numbers
-    are logged as ``replay/*`` metrics. ``excluded_rows`` counts the stored rows
+    ``replay_fraction``, ``policy_lag_mean``, ``reward_mean``,
+    ``eligible_groups`` (the stored groups the step could draw; None in
+    ``ssr``). The same numbers are logged as ``replay/*`` metrics, and the
+    first step that replays nothing although the store holds rows says why in
+    one ``RuntimeWarning``. ``excluded_rows`` counts the stored rows
     that replay skips (committed after the checkpoint a run resumed from). The
     store stays open (it holds the writer lock) until ``train()`` returns or
     :meth:`close_replay_store` is called; it is reopened on demand.
@@ -120,6 +120,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         self._planner: Optional[Planner] = self._make_planner(self._make_sampler(), Timeline())
         self._pending_rewards: Optional[torch.Tensor] = None
         self._warned_keys = False
+        self._warned_empty = False
         self._stream: Optional[RolloutStream] = None
         self._stream_before: Optional[Dict[str, Any]] = None  # its cursor before the newest generation batch
         # a fresh start on a store that recorded excluded rows (an earlier run resumed) keeps them excluded
@@ -213,7 +214,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             self._check_stream_store(store)
             return
         mode = self.replay_mode
-        if mode in ("repo", "swap_zero_std") and store.group_key != GROUP_KEY:
+        if mode in GROUP_MODES and store.group_key != GROUP_KEY:
             raise ReplayConfigError(f"replay_mode={mode!r} draws prompt groups, but the store at {store.path} is "
                                     f"indexed by {store.group_key!r}, not {GROUP_KEY!r}; use a store this trainer "
                                     "created")
@@ -270,7 +271,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
 
     def _make_sampler(self) -> Any:
         mode, seed = self.replay_mode, self._seed
-        if mode == "repo":
+        if mode in ("repo", "repo_any"):
             return PromptGroupSampler(samples_per_group=self.args.replay_k, strategy=self._strategy(),
                                       reward_key="rewards", seed=seed)
         if mode == "swap_zero_std":
@@ -288,6 +289,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                       append=a.replay_append, timeline=timeline)
         if self.replay_mode == "repo":
             return RepoPlanner(sampler, a.replay_k, **common)
+        if self.replay_mode == "repo_any":
+            return RepoAnyPlanner(sampler, a.replay_k, self._rng, **common)
         if self.replay_mode == "ssr":
             window = None if a.ssr_capacity_scalar is None else \
                 a.ssr_capacity_scalar * a.per_device_train_batch_size * a.steps_per_generation
@@ -394,7 +397,7 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                        f"{store.path} were committed after that checkpoint by policies this run discards; they "
                        f"stay on disk and are excluded from replay ({self.excluded_rows} live row(s) excluded in "
                        f"all, recorded in the store's {STATE_NAME!r} state)")
-            logger.warning(message)
+            # a warning only: a logger line beside it prints the same message a second time
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         # durable before the first replayed step: a crash now must not bring the discarded rows back
         store.save_state(STATE_NAME, self.replay_state().to_dict())
@@ -519,6 +522,8 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
             old = self._behaviour_logps(out)
         # draw before writing, so that the fresh rows are never replayed into their own batch
         plan = self._plan(store, fresh, step)
+        if not len(plan) and self.replay_mode != "off" and not self._warned_empty:
+            self._warn_empty(store, fresh, step)
         if self.args.replay_append and self.replay_mode != "off" and self.accelerator.num_processes > 1:
             plan = self._common_append(plan, out["prompt_ids"].device)
         truncated = None
@@ -550,6 +555,16 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
         if self.replay_mode == "off":
             return ReplayPlan.empty()
         return self._planner.plan(store, fresh, step)
+
+    def _warn_empty(self, store: ReplayStore, fresh: FreshBatch, step: int) -> None:
+        """Say once why a step replayed nothing although the store held rows this run could replay."""
+        why = self._planner.explain(store, fresh, step)
+        if why is None:
+            return
+        self._warned_empty = True
+        warnings.warn(f"replay_mode={self.replay_mode!r} replayed nothing at step {step}: {why} (warned once per "
+                      "trainer; replay/fraction and replay/eligible_groups log every step)", RuntimeWarning,
+                      stacklevel=3)
 
     def _common_append(self, plan: ReplayPlan, device: torch.device) -> ReplayPlan:
         """Cut appended rows to the fewest any process drew (a collective: every process calls it).
@@ -674,13 +689,15 @@ class DiskReplayGRPOTrainer(GRPOTrainer):
                  "positions": np.asarray(positions, dtype=np.int64), "batch_size": n_out,
                  "replay_fraction": n / n_out, "policy_lag_mean": lag, "reward_mean": _nanmean(rewards),
                  "replay_reward_mean": replay_reward, "store_rows": len(self.replay_store),
-                 "excluded_rows": self.excluded_rows}
+                 "excluded_rows": self.excluded_rows, "eligible_groups": plan.eligible_groups}
         self.replay_history.append(entry)
         metrics = getattr(self, "_metrics", None)
         if isinstance(metrics, dict) and "train" in metrics:
             metrics["train"]["replay/fraction"].append(entry["replay_fraction"])
             metrics["train"]["replay/store_rows"].append(float(entry["store_rows"]))
             metrics["train"]["replay/excluded_rows"].append(float(self.excluded_rows))
+            if plan.eligible_groups is not None:
+                metrics["train"]["replay/eligible_groups"].append(float(plan.eligible_groups))
             if n:
                 metrics["train"]["replay/policy_lag_mean"].append(lag)
                 if not np.isnan(replay_reward):
