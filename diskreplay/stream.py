@@ -73,6 +73,13 @@ class RolloutStream:
     able to write the store: open a multi-writer store without
     ``readonly``, or use the writer's own store object.
 
+    **One live instance per name.** Each new instance takes the next
+    :attr:`epoch` (a commit); its saves commit only over the cursor it
+    committed last, so an older instance still running gets
+    :class:`~diskreplay.errors.StreamFencedError` from ``save`` and ``next``
+    instead of moving the cursor back. A deliberate resume from an earlier
+    checkpoint is a new instance that ``load_state_dict``\ s it.
+
     **Ranks.** With ``rank`` / ``world_size`` (and ``torch.distributed``
     initialised) every rank calls ``next`` at the same points; rank 0's view
     of the store is broadcast, so all ranks cut the same global batch and
@@ -127,7 +134,7 @@ class RolloutStream:
         #: this instance's epoch: each new instance of a name takes the next one (rank 0, by a commit)
         self.epoch = 0
         self._entry: Any = None    # the cursor entry rank 0 committed last (its saves replace only that one)
-        saved = self._claim() if self.rank == 0 and self._writable() else None
+        saved = self._claim(resume) if self.rank == 0 and self._writable() else None
         if resume:
             # every rank at least at rank 0's commit: the cursor rank 0 committed last is in it
             self._rank0_view(lambda: [self.store.generation], lambda agreed: self.store.generation < agreed[0])
@@ -142,17 +149,18 @@ class RolloutStream:
     def _writable(self) -> bool:
         return not getattr(self.store, "readonly", True) and not getattr(self.store, "pinned", False)
 
-    def _claim(self) -> Optional[Dict[str, Any]]:
+    def _claim(self, resume: bool) -> Optional[Dict[str, Any]]:
         """Take the next epoch of this stream name: commit the committed cursor again (or this fresh
         one) with it, only over the cursor read (a newer instance's claim in between: read it and
         try again). Every older instance's save (and ``next``) is refused from then on. Returns the
-        committed cursor it found, checked against this stream's settings before anything is written."""
+        committed cursor it found, checked against this stream's settings (to ``resume`` from it)
+        before anything is written."""
         for _ in range(_CLAIM_ATTEMPTS):
             with self.store.lock:
                 self.store.refresh()
                 entry = self.store.manifest.states.get(self.state_name)
                 saved = None if entry is None else self.store.load_state(self.state_name)
-            if saved is not None:
+            if saved is not None and resume:
                 self._check_cursor(saved)
             claim = dict(saved) if saved is not None else self.state_dict()
             claim["epoch"] = int(claim.get("epoch", 0)) + 1

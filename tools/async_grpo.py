@@ -15,8 +15,8 @@ The trainer consumes whole groups with a
 batch in TRL's layout, takes a step, and commits its cursor together with its
 state (the policy version and the rows it consumed). The driver kills it
 ``--kills`` times at random points and starts it again. At the end it checks:
-no row consumed twice; consumed + skipped as stale + still waiting = every
-committed row; every consumed batch within the lag bound.
+no row consumed twice; consumed + skipped as stale + evicted + dropped + still
+waiting = every committed row; every consumed batch within the lag bound.
 
     python tools/async_grpo.py                          # 4 generators, ~20 s on 2 cores
     python tools/async_grpo.py --generators 8 --steps 60 --store /tmp/run --keep
@@ -179,10 +179,11 @@ def main(argv=None) -> int:
         state = store.load_state("stream.trainer")
         consumed = np.asarray(state["extra"]["consumed"], np.int64)
         counts = state["counts"]
-        accounted = consumed.size + counts["stale"] + len(state["pending"]) + counts["dropped_incomplete"]
+        accounted = (consumed.size + counts["stale"] + counts["evicted"] + counts["dropped_incomplete"]
+                     + len(state["pending"]))
         checks = {
             "no row consumed twice": consumed.size == np.unique(consumed).size,
-            "consumed + stale + waiting = committed rows": accounted == store.next_row == state["next_row"],
+            "consumed + stale + evicted + dropped + waiting = committed rows": accounted == store.next_row == state["next_row"],
             f"every batch within max_policy_lag={args.max_lag}": state["extra"]["worst_lag"] <= args.max_lag,
             "every generator batch committed once": sum(w["appended"] for w in writers) ==
             args.generators * args.steps,
