@@ -78,7 +78,7 @@ class RolloutStream:
     committed last, so an older instance still running gets
     :class:`~diskreplay.errors.StreamFencedError` from ``save`` and ``next``
     instead of moving the cursor back. A deliberate resume from an earlier
-    checkpoint is a new instance that ``load_state_dict``\ s it.
+    checkpoint is a new instance given it with ``load_state_dict``.
 
     **Ranks.** With ``rank`` / ``world_size`` (and ``torch.distributed``
     initialised) every rank calls ``next`` at the same points; rank 0's view
