@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable, Dict
 
-from ..errors import ArgumentError, StoreNotFoundError
+from ..errors import ArgumentError, CorruptStoreError, StoreNotFoundError
 from .common import (emit, excluded_note, human_size, is_remote_arg, nothing_matched, open_remote, show_progress,
                      store_of, storage_options_of)
 
@@ -16,20 +16,39 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..export import export
 
     store = store_of(args)
-    res = export(store, args.out, args.format, columns=args.columns,
-                 policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
-                 tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
-                 reward_key=args.reward_key, overwrite=args.overwrite, progress=show_progress(args),
-                 compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force,
-                 include_excluded=args.include_excluded)
+    try:
+        res = export(store, args.out, args.format, columns=args.columns,
+                     policy_versions=args.policy_versions, min_reward=args.min_reward, limit=args.limit,
+                     tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
+                     reward_key=args.reward_key, overwrite=args.overwrite, progress=show_progress(args),
+                     compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force,
+                     include_excluded=args.include_excluded, skip_damaged=args.skip_damaged)
+    except CorruptStoreError as exc:
+        if args.skip_damaged:
+            raise
+        raise CorruptStoreError(f"{exc}; or export the rows that are intact with --skip-damaged") from None
     if not isinstance(store, str):
         store.close()
+    _skipped_damaged(res)
     emit(args, res, f"exported {res['rows']:,} rows to {res['path']} ({res['format']}"
                      + (f", {human_size(res.get('bytes'))})" if res.get("bytes") is not None else ")")
                      + excluded_note(args, res)
                      + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))
                      + nothing_matched(args, res["rows"]))
     return 0
+
+
+def _skipped_damaged(res: Dict[str, Any]) -> None:
+    """Name on stderr each damaged segment ``export --skip-damaged`` left out, with its rows."""
+    skipped = res.get("skipped_damaged")
+    if not skipped:
+        return
+    n, k = res.get("skipped_rows", 0), len(skipped)
+    print(f"skipped {n:,} row{'' if n == 1 else 's'} of {k} damaged segment{'' if k == 1 else 's'} "
+          "('diskreplay repair' drops them from the store):", file=sys.stderr)
+    for s in skipped:
+        a, b = s["rows"]
+        print(f"  {s['file']} (rows {a}-{b - 1}): {s['why']}", file=sys.stderr)
 
 
 def cmd_import(args: argparse.Namespace) -> int:

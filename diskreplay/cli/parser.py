@@ -222,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mb", type=_chunk_bytes, default=64 << 20, metavar="MB", dest="chunk_bytes",
                    help="read and write about MB (> 0) of store data at a time: the memory bound and the "
                         "Parquet row-group size (default: 64)")
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="export the rows of a damaged store that still read and checksum, leaving out every "
+                        "segment whose file is missing or fails its CRC-32C (what 'diskreplay repair' would "
+                        "drop), each named with its rows on stderr; the store is not changed. Reads every "
+                        "segment once more to checksum it (default: a damaged segment fails the export)")
 
     p = _sub(subs, "import", cmd_import, "build a store from parquet / jsonl / hf / zarr",
              "Build a store at PATH from SRC: a Parquet file (or directory of them), a JSONL rollout\n"

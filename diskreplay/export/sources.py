@@ -528,3 +528,73 @@ def detect_format(src: str) -> str:
         if head.lstrip().startswith(b"{"):
             return "jsonl"
     raise ExportError(f"cannot tell the format of {src}; pass --format parquet|jsonl|hf|zarr|store")
+
+
+class SkipDamaged:
+    """An export's row filter (``--skip-damaged``) that also leaves out the rows of a store's damaged
+    segments, and says which it left out; everything else is ``excluded``'s (an ``Exclusions``).
+
+    A live segment is damaged when its file is missing or its size or CRC-32C is not what the
+    manifest records: the segments ``diskreplay repair`` would drop, whose rows the store refuses
+    to serve. Finding them reads every live segment once. Nothing in the store changes.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> from diskreplay.export._common import Exclusions
+    >>> with ReplayStore(tempfile.mkdtemp()) as s:
+    ...     _ = s.extend({"prompt_id": [0, 0], "completion_ids": [[1], [2]]})
+    ...     skip = SkipDamaged.of(s, Exclusions())
+    >>> skip.segments, skip.drop(np.arange(2)).tolist()
+    ((), [0, 1])
+    """
+
+    def __init__(self, segments: Sequence[Tuple[str, int, int, str]], excluded: Any) -> None:
+        #: ``(file, first live row, end row, why)`` of each damaged segment, oldest first
+        self.segments = tuple(segments)
+        self.excluded = excluded
+        self.skipped = 0
+
+    @classmethod
+    def of(cls, store: ReplayStore, excluded: Any) -> "SkipDamaged":
+        from .._fileio import file_crc32c
+
+        found = []
+        for s in store.manifest.segments:
+            try:
+                local = store.storage.local_path(s.file, size=s.bytes)
+                size = os.path.getsize(local)
+                why = (f"it has {size} bytes, the manifest records {s.bytes}" if size != s.bytes else
+                       "it fails its checksum (crc32c)" if file_crc32c(local) != s.crc32c else None)
+            except FileNotFoundError:
+                why = "it is missing"
+            except OSError as exc:  # (a CorruptStoreError too: a symlink, a short download)
+                why = f"it cannot be read ({exc})"
+            if why is not None:
+                found.append((s.file, max(s.first_row, store.head), s.end_row, why))
+        return cls(found, excluded)
+
+    @property
+    def left_out(self) -> int:
+        return self.excluded.left_out
+
+    def report(self) -> Dict[str, Any]:
+        return self.excluded.report()
+
+    def mask(self, rows: np.ndarray) -> np.ndarray:
+        out = self.excluded.mask(rows)
+        for _, a, b, _ in self.segments:
+            out |= (rows >= a) & (rows < b)
+        return out
+
+    def drop(self, rows: np.ndarray) -> np.ndarray:
+        if self.segments and len(rows):
+            hit = np.zeros(len(rows), bool)
+            for _, a, b, _ in self.segments:
+                hit |= (rows >= a) & (rows < b)
+            self.skipped += int(hit.sum())
+            rows = rows[~hit]
+        return self.excluded.drop(rows)
+
+    def skipped_segments(self) -> List[Dict[str, Any]]:
+        """What an export's result says of each damaged segment: its file, its live rows, why."""
+        return [{"file": f, "rows": [a, b], "why": why} for f, a, b, why in self.segments]

@@ -25,6 +25,7 @@ from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, StoreLike
                       resolve_tokenizer, tree_size)
 from .outputs import (ExportError, temporary_sibling, atomic_output, check_interrupt, output_format, progress_bar,
                       remove_path, replaceable_dir, replaceable_file)
+from .sources import SkipDamaged
 
 FORMATS = ("parquet", "jsonl", "hf", "zarr")
 #: Parquet codecs ``compression`` accepts (``none``: uncompressed); those this
@@ -341,7 +342,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
            policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
            tokenizer: Any = None, skip_special_tokens: bool = False, reward_key: str = "rewards",
            overwrite: bool = False, progress: bool = False, compression: Optional[str] = None,
-           chunk_bytes: int = CHUNK_BYTES, force: bool = False, include_excluded: bool = False) -> Dict[str, Any]:
+           chunk_bytes: int = CHUNK_BYTES, force: bool = False, include_excluded: bool = False,
+           skip_damaged: bool = False) -> Dict[str, Any]:
     """Export a store's live rows to ``out`` as ``parquet``, ``jsonl``, ``hf`` or ``zarr``.
 
     ``format=None`` takes the format from ``out``'s name (:func:`output_format`:
@@ -362,6 +364,10 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     timeline, :func:`recorded_exclusions`) are left out unless
     ``include_excluded``. Returns a summary dict (``excluded_rows``: how many
     rows the exclusions left out; ``excluded_ranges``: the live ones recorded).
+    A damaged segment fails the export (``CorruptStoreError`` naming it) unless
+    ``skip_damaged``: then its rows are left out (the store is not changed) and
+    ``skipped_damaged`` lists each one's file, rows and damage, ``skipped_rows``
+    counts them (:class:`~diskreplay.export.sources.SkipDamaged`).
 
     >>> import tempfile, os, pyarrow.parquet as pq
     >>> from diskreplay import ReplayStore
@@ -386,12 +392,14 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         return export_zarr(store, out, columns=columns, policy_versions=policy_versions, min_reward=min_reward,
                            limit=limit, reward_key=reward_key, overwrite=overwrite, progress=progress,
                            chunk_bytes=chunk_bytes, force=True,  # the name was checked above
-                           include_excluded=include_excluded)
+                           include_excluded=include_excluded, skip_damaged=skip_damaged)
     flt = make_filter(policy_versions, min_reward, limit, reward_key)
     with open_store(store) as st:
         names = check_columns(st, columns)
         flt.check(st)
         excluded = Exclusions.of(st, include_excluded)
+        if skip_damaged:
+            excluded = SkipDamaged.of(st, excluded)
         decoder = resolve_tokenizer(tokenizer, skip_special_tokens)
         text_cols: List[str] = []
         if decoder is not None:
@@ -438,6 +446,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     out = os.path.abspath(os.fspath(out))
     res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": tree_size(out),
            "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
+    if skip_damaged:
+        res.update(skipped_damaged=excluded.skipped_segments(), skipped_rows=excluded.skipped)
     if notes:
         res["warnings"] = notes
     return res

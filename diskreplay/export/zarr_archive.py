@@ -158,7 +158,7 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
                 policy_versions: Any = None, min_reward: Optional[float] = None, limit: Optional[int] = None,
                 reward_key: str = "rewards", overwrite: bool = False, progress: bool = False,
                 chunk_bytes: int = CHUNK_BYTES, force: bool = False,
-                include_excluded: bool = False) -> Dict[str, Any]:
+                include_excluded: bool = False, skip_damaged: bool = False) -> Dict[str, Any]:
     """Export to a Zarr v3 archive (zstd, sharded) from which ``import_rollouts`` restores an identical store.
 
     Per ragged column flat ``values`` + int64 ``offsets`` + bool ``validity``;
@@ -166,7 +166,8 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
     ``index/rows``); the store schema and options in the group attributes
     (key ``diskreplay``). Written chunk by chunk into a temporary directory
     renamed at the end. Needs ``pip install 'diskreplay[zarr]'``. Rows the store
-    records as excluded are left out unless ``include_excluded`` (as for :func:`export`).
+    records as excluded are left out unless ``include_excluded``, and damaged segments fail the
+    export unless ``skip_damaged`` (both as for :func:`export`).
 
     >>> import tempfile, os, zarr
     >>> from diskreplay import ReplayStore
@@ -186,6 +187,10 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         names = check_columns(st, columns)
         flt.check(st)
         excluded = Exclusions.of(st, include_excluded)
+        if skip_damaged:
+            from .sources import SkipDamaged
+
+            excluded = SkipDamaged.of(st, excluded)
         paths = _column_paths(names)
         gk = st.group_key if st.group_key in names else None
         bar = progress_bar(len(st), "export zarr", progress)
@@ -216,8 +221,11 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         finally:
             bar.close()
     out = os.path.abspath(os.fspath(out))
-    return {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": tree_size(out),
-            "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
+    res = {"path": out, "format": "zarr", "rows": rows_total, "columns": names, "bytes": tree_size(out),
+           "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
+    if skip_damaged:
+        res.update(skipped_damaged=excluded.skipped_segments(), skipped_rows=excluded.skipped)
+    return res
 
 
 def _write_index(root: Any, spec: ColumnSpec, keys: List[pa.Array]) -> None:
