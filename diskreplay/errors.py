@@ -40,6 +40,24 @@ class SchemaError(DiskReplayError, ValueError):
     """
 
 
+class BatchSchemaError(BatchError, SchemaError):
+    """A column of a batch given to ``extend`` disagrees with the store's schema (another type or
+    kind, or a column that cannot be added after the first commit); nothing was written.
+
+    A bad batch, so a ``BatchError``; and a ``SchemaError``, which it was before.
+
+    >>> import tempfile
+    >>> from diskreplay import ReplayStore
+    >>> with ReplayStore(tempfile.mkdtemp()) as store:
+    ...     _ = store.extend({"prompt_id": [1], "rewards": [1.0]})
+    ...     try:
+    ...         store.extend({"prompt_id": [2], "rewards": ["high"]})
+    ...     except BatchError as exc:
+    ...         print(str(exc).split(";")[0], isinstance(exc, SchemaError))
+    column 'rewards' holds strings but the store holds float64 there True
+    """
+
+
 class FormatError(DiskReplayError, ValueError):
     """A file of the store is not in a format this version understands.
 

@@ -33,7 +33,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
-from .errors import BatchError, SchemaError
+from .errors import BatchError, BatchSchemaError
 from .ragged import arrow_array, numpy_view
 from .schema import (COMPLETION_IDS, MASK_SUFFIX, MAX_COLUMN_NAME, PROMPT_IDS, RAGGED, SCALAR, VECTOR, ColumnSpec,
                      Schema, check_late_column)
@@ -620,21 +620,26 @@ def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
     return out
 
 
+_TYPE_FIX = "; convert the column to the store's type (a column's type never changes once stored)"
+
+
 def _coerce_array(spec: ColumnSpec, arr: np.ndarray) -> np.ndarray:
     want = spec.dtype
     k = arr.dtype.kind
     if want == "string":
         if arr.dtype != object and k != "U":
-            raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds strings there")
+            raise BatchSchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds strings there"
+                                   + _TYPE_FIX)
         return arr
     if k in "UO":
-        raise SchemaError(f"column {spec.name!r} holds strings but the store holds {want} there")
+        raise BatchSchemaError(f"column {spec.name!r} holds strings but the store holds {want} there" + _TYPE_FIX)
     if want == "bool" and k != "b":
-        raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds bools there")
+        raise BatchSchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds bools there" + _TYPE_FIX)
     if want == "int64" and k not in "iu":
-        raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds integers there")
+        raise BatchSchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds integers there"
+                               + _TYPE_FIX)
     if want in ("float32", "float64") and k not in "fiu":
-        raise SchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds floats there")
+        raise BatchSchemaError(f"column {spec.name!r} holds {arr.dtype} but the store holds floats there" + _TYPE_FIX)
     if want == "int64" and k == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > _INT64_MAX:
         _out_of_range(spec, arr, arr > _INT64_MAX, "int64")  # would wrap to a negative key or version
     if want == "float32" and arr.dtype.itemsize > 4 and arr.size:
@@ -752,8 +757,8 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
     batch defines it). A column the schema lacks is added as a pending late
     column if it may be (:func:`late_column_problem`; the returned schema's
     ``pending()``), and late columns may be left out. Raises
-    ``BatchError``/``SchemaError`` naming the column and row; never has side
-    effects.
+    ``BatchError`` naming the column and row (a ``BatchSchemaError``, also a ``SchemaError``, for a
+    column the schema refuses); never has side effects.
 
     >>> rb, schema = normalize_batch({"prompt_id": [0, 0], "completion_ids": [[5, 6], [7]]}, None, "prompt_id")
     >>> rb.num_rows, schema["completion_ids"].kind
@@ -794,8 +799,8 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
             if spec.kind != got.kind or (spec.kind == VECTOR and spec.width != got.width):
                 desc = f"{got.kind}" + (f"[{got.width}]" if got.width else "")
                 want = f"{spec.kind}" + (f"[{spec.width}]" if spec.width else "")
-                raise SchemaError(f"column {name!r} is a {desc} column in this batch but a {want} column in "
-                                  "the store's schema")
+                raise BatchSchemaError(f"column {name!r} is a {desc} column in this batch but a {want} column in "
+                                       "the store's schema" + _TYPE_FIX)
         missing = [c for c in schema.names if c not in cols and schema[c].kind != RAGGED and c not in schema.late]
         if missing:
             raise BatchError(f"the batch lacks column {missing[0]!r}, which the store holds for every row")

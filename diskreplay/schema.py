@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from .errors import FormatError, SchemaError
+from .errors import BatchSchemaError, FormatError
 
 PROMPT_IDS = "prompt_ids"
 COMPLETION_IDS = "completion_ids"
@@ -237,19 +237,19 @@ def late_column_problem(spec: ColumnSpec) -> Optional[str]:
 
 
 def check_late_column(spec: ColumnSpec, schema: "Schema") -> None:
-    """Raise ``SchemaError`` unless ``spec`` may be added to a store whose schema is ``schema``.
+    """Raise ``BatchSchemaError`` unless ``spec`` may be added to a store whose schema is ``schema``.
 
     >>> check_late_column(ColumnSpec("judge_score", "scalar", "float32"), Schema([]))
     >>> check_late_column(ColumnSpec("step", "scalar", "int64"), Schema([]))
     Traceback (most recent call last):
     ...
-    diskreplay.errors.SchemaError: column 'step' is not in the store's schema (columns: []) and cannot be added after the first commit: a scalar column of int64 has no "not computed" value for the rows committed before it (only ragged columns and float per-row columns do); store it as float (e.g. .float()), or start a new store with it in the first extend
+    diskreplay.errors.BatchSchemaError: column 'step' is not in the store's schema (columns: []) and cannot be added after the first commit: a scalar column of int64 has no "not computed" value for the rows committed before it (only ragged columns and float per-row columns do); store it as float (e.g. .float()), or start a new store with it in the first extend
     """
     why = late_column_problem(spec)
     if why is not None:
-        raise SchemaError(f"column {spec.name!r} is not in the store's schema (columns: {schema.names}) and cannot "
-                          f"be added after the first commit: {why}; store it as float (e.g. .float()), or "
-                          "start a new store with it in the first extend")
+        raise BatchSchemaError(f"column {spec.name!r} is not in the store's schema (columns: {schema.names}) and "
+                               f"cannot be added after the first commit: {why}; store it as float (e.g. .float()), "
+                               "or start a new store with it in the first extend")
 
 
 def __getattr__(name: str) -> Any:

@@ -53,3 +53,20 @@ def test_no_bare_builtin_errors_are_raised_anywhere_in_the_package():
                 continue
             bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno} raises {name}")
     assert bad == []
+
+
+def test_every_error_extend_raises_for_a_bad_batch_is_a_batch_error():
+    """docs/batches.md: a bad batch raises BatchError. ingest.py (extend's validation, before anything is
+    written) raised SchemaError for a wrong-typed column; a batch error that disagrees with the schema
+    is a BatchSchemaError, both a BatchError and (as before) a SchemaError."""
+    assert issubclass(errors.BatchSchemaError, errors.BatchError)
+    assert issubclass(errors.BatchSchemaError, errors.SchemaError)
+    for module in ("ingest.py", "schema.py"):
+        tree = ast.parse((PACKAGE / module).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef) or (module == "schema.py" and fn.name != "check_late_column"):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                    name = node.exc.func.id
+                    assert issubclass(getattr(errors, name), errors.BatchError), f"{module}:{node.lineno} {name}"

@@ -212,3 +212,29 @@ def test_an_arrow_fixed_size_list_is_a_vector_whatever_its_name_or_shape(tmp_pat
     np.testing.assert_array_equal(store.read([1])["logp_stats"], np.float64([[.4, .5, .6]]))
     with pytest.raises(BatchError, match="'x_token' is a padded per-token tensor"):
         ReplayStore(str(tmp_path / "t")).extend({"prompt_id": [0, 0], "x_token": np.zeros((2, 8))})
+
+
+@pytest.mark.parametrize("column, values, message", [
+    ("rewards", ["high", "low"], "'rewards' holds strings but the store holds float32"),
+    ("policy_version", [0.5, 1.5], "'policy_version' holds float64 but the store holds integers"),
+    ("done", [1, 0], "'done' holds int64 but the store holds bools"),
+    ("source", [1, 2], "'source' holds int64 but the store holds strings"),
+    ("rewards", [[1.0], [2.0]], "'rewards' is a ragged column in this batch but a scalar column"),
+    ("step", [1, 2], "'step' is not in the store's schema .* cannot be added after the first commit"),
+])
+def test_a_column_the_schema_refuses_is_a_batch_error_and_changes_nothing(tmp_path, column, values, message):
+    """docs/batches.md: a bad batch raises BatchError. A wrong-typed column raised SchemaError, not a
+    BatchError; it is both now (``except SchemaError`` keeps working)."""
+    from diskreplay import SchemaError
+
+    first = {"prompt_id": [0, 0], "completion_ids": [[1], [2]], "policy_version": [0, 0],
+             "rewards": np.float32([0, 1]), "done": [True, False], "source": ["a", "b"]}
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend(first)
+        files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        with pytest.raises(BatchError, match=message) as info:
+            store.extend({**first, column: values})
+        assert isinstance(info.value, SchemaError)
+        assert len(store) == 2 and sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files
+        store.extend(first)
+        assert len(store) == 4
