@@ -320,7 +320,9 @@ def test_tokenizer_adds_text(store, tmp_path, tokenizer_dir):
     data = store.read(np.arange(5))
     for i, line in enumerate(open(out).read().splitlines()):
         row = json.loads(line)
-        assert row["completion"] == words(data["completion_ids"][i])
+        # decoded after its prompt: the space between them is the completion's, so prompt + completion
+        # tokenizes back to the ids (tests/test_trl_exports.py)
+        assert row["completion"] == " " + words(data["completion_ids"][i])
         assert row["prompt"] == words(data["prompt_ids"][i])
 
 
@@ -549,7 +551,7 @@ def test_preference_pairs(groups_store, tmp_path):
 def test_preference_pairs_text(groups_store, tmp_path, tokenizer_dir):
     preference_pairs(groups_store, str(tmp_path / "p.jsonl"), tokenizer=tokenizer_dir)
     a = read_jsonl(tmp_path / "p.jsonl")[0]
-    assert (a["prompt"], a["chosen"], a["rejected"]) == ("w0 w1", "w9 w10", "w11")
+    assert (a["prompt"], a["chosen"], a["rejected"]) == ("w0 w1", " w9 w10", " w11")
     assert "prompt_ids" not in a
 
 
@@ -569,7 +571,7 @@ def test_best_of_n_counts_and_text(groups_store, tmp_path, tokenizer_dir):
     res = best_of_n(groups_store, str(tmp_path / "b.parquet"), k=1, format="parquet", tokenizer=tokenizer_dir)
     t = pq.read_table(str(tmp_path / "b.parquet"))
     assert res["rows"] == 4 and t.column_names[:2] == ["prompt", "completion"]
-    assert t["completion"].to_pylist() == ["w9 w10", "w12", "w13", "w15"]
+    assert t["completion"].to_pylist() == [" w9 w10", " w12", " w13", " w15"]
     with pytest.raises(ExportError, match="positive"):
         best_of_n(groups_store, str(tmp_path / "c.jsonl"), k=0)
     with pytest.raises(ExportError, match="reward column"):

@@ -133,8 +133,12 @@ def cmd_pairs(args: argparse.Namespace) -> int:
                            include_excluded=args.include_excluded)
     windows = (f" ({res['version_windows']:,} windows of {args.version_window} policy version"
                f"{'' if args.version_window == 1 else 's'})" if args.version_window else "")
+    # DPOTrainer tokenizes text itself and refuses ids (KeyError: 'chosen'): say so where it would bite
+    ids_note = ("" if args.tokenizer else "\nnote: token ids, for TRL's DataCollatorForPreference in a loop of your "
+                "own; TRL's DPOTrainer takes text only: add --tokenizer DIR for it")
     emit(args, res, f"wrote {res['pairs']:,} pairs from {res['groups']:,} groups{windows} to {res['path']} "
-                     f"({res['format']}: {', '.join(res['columns'])})" + excluded_note(args, res)
+                     f"({res['format']}: {', '.join(res['columns'])})" + excluded_note(args, res) + ids_note
+                     + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))
                      + nothing_matched(args, res["pairs"]))
     return 0
 
@@ -149,5 +153,6 @@ def cmd_best_of_n(args: argparse.Namespace) -> int:
                     include_excluded=args.include_excluded)
     emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
                      f"({res['format']}: {', '.join(res['columns'])})" + excluded_note(args, res)
+                     + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))
                      + nothing_matched(args, res["rows"]))
     return 0

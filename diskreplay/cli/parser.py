@@ -133,9 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     tok = argparse.ArgumentParser(add_help=False)
     tok.add_argument("--tokenizer", metavar="DIR",
                      help="local tokenizer directory (a saved transformers tokenizer or a tokenizer.json); "
-                          "adds decoded text. Never downloads. e.g. --tokenizer ./Qwen2.5-0.5B")
+                          "adds decoded text, which the same tokenizer turns back into the stored ids "
+                          "(tokenizer(prompt + completion), as TRL's trainers call it; rows where it cannot are "
+                          "counted in a warning). Never downloads. e.g. --tokenizer ./Qwen2.5-0.5B")
     tok.add_argument("--skip-special-tokens", action="store_true",
-                     help="drop special tokens (BOS/EOS, chat markers) from decoded text")
+                     help="drop every special token (BOS/EOS, chat markers) from decoded text: text for reading, "
+                          "which no longer tokenizes back to the ids (default: keep them, less the ones the "
+                          "tokenizer adds itself, such as a BOS)")
 
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--overwrite", action="store_true",
@@ -294,13 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
              "Groups with fewer than two rows, or a margin (chosen - rejected reward) not above 0 and\n"
              "at least --min-margin, give no pair; ties go to the oldest row. A group is a prompt across\n"
              "the whole run (every policy version) unless --version-window splits it.\n\n"
-             "With --tokenizer the columns are TRL DPOTrainer's text columns prompt, chosen, rejected;\n"
-             "without, the token ids prompt_ids, chosen_ids, rejected_ids (what TRL's\n"
-             "DataCollatorForPreference reads). Always added: the group key, chosen_reward,\n"
-             "rejected_reward, margin, chosen_row, rejected_row.",
+             "For TRL's DPOTrainer pass --tokenizer: the columns are then the text prompt, chosen,\n"
+             "rejected, which DPOTrainer takes as it is (it tokenizes text itself and refuses ids) and\n"
+             "which tokenizes back to the stored ids. Without --tokenizer: the token ids prompt_ids,\n"
+             "chosen_ids, rejected_ids, for TRL's DataCollatorForPreference in a loop of your own.\n"
+             "Always added: the group key, chosen_reward, rejected_reward, margin, chosen_row,\n"
+             "rejected_row.",
              "  diskreplay pairs runs/grpo/replay dpo.jsonl --tokenizer ./tokenizer\n"
-             "  diskreplay pairs runs/grpo/replay dpo.parquet --format parquet --min-margin 0.5\n"
-             "  diskreplay pairs runs/grpo/replay on_policy.jsonl --version-window 1\n"
+             "  diskreplay pairs runs/grpo/replay dpo.parquet --tokenizer ./tokenizer --min-margin 0.5\n"
+             "  diskreplay pairs runs/grpo/replay on_policy.jsonl --tokenizer ./tokenizer --version-window 1\n"
+             "  diskreplay pairs runs/grpo/replay pair_ids.jsonl   # ids: DataCollatorForPreference\n"
              "  python -c \"import datasets; print(datasets.load_dataset('json', data_files='dpo.jsonl'))\"\n"
              + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
@@ -315,9 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _sub(subs, "best-of-n", cmd_best_of_n, "top-k completions per group as an SFT set",
              "The --k highest-reward completions of each group whose reward is >= --min-reward.\n"
-             "With --tokenizer the columns are TRL SFTTrainer's prompt / completion text; without,\n"
-             "prompt_ids, completion_ids and the pre-tokenized input_ids (prompt + completion) with\n"
-             "completion_mask. Always added: the group key, reward, rank (0 = best), row.",
+             "Either layout goes to TRL's SFTTrainer as it is, and its defaults train on the completion\n"
+             "only. With --tokenizer: prompt / completion text (which tokenizes back to the stored\n"
+             "ids). Without: prompt_ids, completion_ids, the pre-tokenized input_ids (prompt +\n"
+             "completion) with labels (-100 on prompt tokens, which SFTTrainer uses as they are) and\n"
+             "completion_mask (1 on completion tokens; SFTTrainer reads it only under\n"
+             "completion_only_loss=True, and labels take precedence). Always added: the group key,\n"
+             "reward, rank (0 = best), row.",
              "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
              "  diskreplay best-of-n runs/grpo/replay sft.parquet --k 4\n"
              + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])

@@ -519,13 +519,17 @@ def check_metadata(doc: Any, where: str) -> Optional[Dict[str, Any]]:
 class TextDecoder:
     """Decodes token-id rows to text with a tokenizer loaded from a local directory.
 
-    Use :func:`load_tokenizer` to build one.
+    Use :func:`load_tokenizer` to build one. :meth:`texts` is what a training
+    set needs: prompt and completion text that the same tokenizer, as TRL's
+    trainers call it (``tokenizer(prompt)``, ``tokenizer(prompt + completion)``),
+    turns back into the stored ids.
     """
 
     def __init__(self, tokenizer: Any, kind: str, path: str, skip_special_tokens: bool = False) -> None:
         self.tokenizer, self.kind, self.path = tokenizer, kind, path
         self.skip_special_tokens = skip_special_tokens
         self.vocab = self._vocab_size()
+        self._added: Optional[Tuple[List[int], List[int]]] = None
 
     def _vocab_size(self) -> Optional[int]:
         """How many token ids the tokenizer knows, added tokens included (None if it does not say)."""
@@ -536,26 +540,173 @@ class TextDecoder:
         except Exception:  # noqa: BLE001 - a tokenizer object of another kind: no check
             return None
 
-    def decode(self, col: Optional[RaggedColumn], n: int, column: str = "token ids") -> List[Optional[str]]:
-        """Text of each row of a ragged id column (``None`` where the row has no value). An id the
-        tokenizer does not know is an error: another model's tokenizer decodes them to empty text."""
+    def _check_ids(self, col: Optional[RaggedColumn], column: str) -> None:
+        """An id the tokenizer does not know is an error: another model's tokenizer decodes them to empty text."""
         if col is None:
-            return [None] * n
+            return
         values = np.asarray(col.values)
         vocab = self.vocab
         if vocab is not None and values.size and int(values.max()) >= vocab:
             raise ExportError(f"column {column!r} holds token id {int(values.max())}, but the tokenizer at {self.path} knows "
                               f"{vocab} tokens: it is not the tokenizer these rollouts were made with; pass the "
                               "policy model's tokenizer directory")
-        rows = col.to_list()
-        present = [r for r in rows if r is not None]
+
+    def _decode(self, rows: List[List[int]]) -> List[str]:
+        if not rows:
+            return []
         if self.kind == "transformers":
-            texts = self.tokenizer.batch_decode(present, skip_special_tokens=self.skip_special_tokens,
-                                                clean_up_tokenization_spaces=False)
-        else:
-            texts = self.tokenizer.decode_batch(present, skip_special_tokens=self.skip_special_tokens)
-        it = iter(texts)
+            return self.tokenizer.batch_decode(rows, skip_special_tokens=self.skip_special_tokens,
+                                               clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode_batch(rows, skip_special_tokens=self.skip_special_tokens)
+
+    def _encode(self, texts: List[str], special: bool) -> List[List[int]]:
+        if not texts:
+            return []
+        if self.kind == "transformers":
+            return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=special)]
+
+    def added_tokens(self) -> Tuple[List[int], List[int]]:
+        """The ids the tokenizer puts before and after a text's own when it encodes (a BOS, say).
+
+        A prompt's stored BOS left in its text would come back twice; these
+        are left out of the text, and the tokenizer puts them back.
+        """
+        if self._added is None:
+            self._added = ([], [])
+            for probe in ("a", "0", "hello", " "):
+                try:
+                    body = self._encode([probe], False)[0]
+                    full = self._encode([probe], True)[0]
+                except Exception:  # noqa: BLE001 - a tokenizer that cannot encode the probe: try another
+                    continue
+                at = next((i for i in range(len(full) - len(body) + 1) if full[i:i + len(body)] == body), None)
+                if body and at is not None:
+                    self._added = (full[:at], full[at + len(body):])
+                    break
+        return self._added
+
+    def decode(self, col: Optional[RaggedColumn], n: int, column: str = "token ids") -> List[Optional[str]]:
+        """Text of each row of a ragged id column on its own (``None`` where the row has no value)."""
+        if col is None:
+            return [None] * n
+        self._check_ids(col, column)
+        rows = col.to_list()
+        it = iter(self._decode([r for r in rows if r is not None]))
         return [None if r is None else next(it) for r in rows]
+
+    def texts(self, prompt: Optional[RaggedColumn], completions: Sequence[Optional[RaggedColumn]], n: int,
+              names: Sequence[str] = ()) -> Tuple[List[Optional[str]], List[List[Optional[str]]], np.ndarray]:
+        """``(prompt texts, texts of each completion column, rows whose text does not give the ids back)``.
+
+        A completion is decoded together with its prompt and its text is what
+        the prompt's text leaves of the whole, so ``prompt + completion`` has
+        the boundary the ids had (decoded apart, "w1" + "w2" became the unknown
+        word "w1w2", and a BPE's leading space went missing). Special tokens
+        stay (chat markers are part of what the model saw), except those the
+        tokenizer adds itself when encoding (:meth:`added_tokens`: the prompt's
+        BOS), which would come back twice. Then each row is encoded as a
+        trainer does; the mask flags rows whose prompt, or prompt + a
+        completion, does not give back the stored ids (the policy sampled a
+        split the tokenizer never makes; ``skip_special_tokens`` drops tokens).
+        A row without a prompt has its completion decoded alone and checked
+        without added tokens.
+
+        >>> from diskreplay.synthetic import char_tokenizer
+        >>> dec = TextDecoder(char_tokenizer(), "transformers", "<char>")
+        >>> p = RaggedColumn.from_arrays([[68, 69]], dtype=np.int32)
+        >>> c = RaggedColumn.from_arrays([[70, 1]], dtype=np.int32)
+        >>> dec.texts(p, [c], 1)
+        (['ab'], [['c<eos>']], array([False]))
+        """
+        names = list(names) or ["prompt_ids"] + ["completion_ids"] * len(completions)
+        self._check_ids(prompt, names[0])
+        for col, name in zip(completions, names[1:]):
+            self._check_ids(col, name)
+
+        def listed(col: Optional[RaggedColumn]) -> List[Optional[List[int]]]:
+            return [None] * n if col is None else col.to_list()
+
+        head, tail = self.added_tokens()
+        ps = listed(prompt)
+        cs = [listed(c) for c in completions]
+        bodies = [None if p is None else p[len(head):] if head and p[:len(head)] == head else p for p in ps]
+
+        def drop_tail(c: List[int]) -> List[int]:
+            return c[:-len(tail)] if tail and len(c) >= len(tail) and c[-len(tail):] == tail else c
+
+        # one batch of decodes: the prompts, then each completion with its prompt (or alone)
+        wanted: List[List[int]] = [b for b in bodies if b is not None]
+        for col in cs:
+            for b, c in zip(bodies, col):
+                if c is not None:
+                    wanted.append(drop_tail(c) if b is None else b + drop_tail(c))
+        it = iter(self._decode(wanted))
+        prompt_text = [None if b is None else next(it) for b in bodies]
+        out: List[List[Optional[str]]] = []
+        for col in cs:
+            texts: List[Optional[str]] = []
+            for b, c, p in zip(bodies, col, prompt_text):
+                if c is None:
+                    texts.append(None)
+                    continue
+                whole = next(it)
+                if p is None:
+                    texts.append(whole)
+                elif whole.startswith(p):
+                    texts.append(whole[len(p):])
+                else:  # the prompt's text changes when a completion follows: decode the completion alone
+                    texts.append(self._decode([drop_tail(c)])[0])
+            out.append(texts)
+        return prompt_text, out, self._mismatches(ps, cs, prompt_text, out, n)
+
+    def _mismatches(self, ps: List[Optional[List[int]]], cs: List[List[Optional[List[int]]]],
+                    prompt_text: List[Optional[str]], texts: List[List[Optional[str]]], n: int) -> np.ndarray:
+        bad = np.zeros(n, dtype=bool)
+        with_prompt = [i for i in range(n) if ps[i] is not None]
+        got = self._encode([prompt_text[i] for i in with_prompt], True)
+        for i, ids in zip(with_prompt, got):
+            bad[i] |= ids != ps[i]
+        for col, text in zip(cs, texts):
+            both = [i for i in range(n) if col[i] is not None and ps[i] is not None]
+            for i, ids in zip(both, self._encode([prompt_text[i] + text[i] for i in both], True)):
+                bad[i] |= ids != ps[i] + col[i]
+            alone = [i for i in range(n) if col[i] is not None and ps[i] is None]
+            for i, ids in zip(alone, self._encode([text[i] for i in alone], False)):
+                bad[i] |= ids != col[i]
+        return bad
+
+
+class Retokenized:
+    """Counts the rows of a text export whose text does not give back their stored ids, and names a few.
+
+    >>> r = Retokenized()
+    >>> r.add(np.array([False, True]), ["row 7", "row 8"])
+    >>> r.bad, r.total, r.warning("rows", "<dir>")[:40]
+    (1, 2, '1 of 2 rows do not tokenize back to thei')
+    """
+
+    SHOWN = 5
+
+    def __init__(self) -> None:
+        self.bad, self.total, self.names = 0, 0, []  # type: ignore[var-annotated]
+
+    def add(self, mask: np.ndarray, names: Sequence[str]) -> None:
+        self.total += len(mask)
+        hits = np.flatnonzero(mask)
+        self.bad += len(hits)
+        self.names += [names[i] for i in hits[:max(0, self.SHOWN - len(self.names))]]
+
+    def warning(self, unit: str, path: str, skip_special_tokens: bool = False) -> Optional[str]:
+        """The warning an export gives (None when every row gives its ids back)."""
+        if not self.bad:
+            return None
+        more = ", ..." if self.bad > len(self.names) else ""
+        why = ("--skip-special-tokens (skip_special_tokens) drops tokens the ids hold" if skip_special_tokens else
+               "the policy sampled a split of the text the tokenizer does not make")
+        return (f"{self.bad:,} of {self.total:,} {unit} do not tokenize back to their stored ids with the tokenizer at "
+                f"{path} ({', '.join(self.names)}{more}): {why}, so a trainer tokenizing this text trains on "
+                "other tokens there; the ids layout (no --tokenizer) keeps them exact")
 
 
 def load_tokenizer(path: PathLike, skip_special_tokens: bool = False) -> TextDecoder:

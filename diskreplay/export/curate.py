@@ -4,13 +4,21 @@ Both read one reward per live row (streamed, a vector reward averaged over
 reward functions), pick rows per group with one vectorised sort, then read
 only the picked rows, a bounded batch at a time.
 
-Layouts follow TRL. ``DPOTrainer`` reads text columns ``prompt``, ``chosen``,
-``rejected`` and tokenizes them itself; its ``DataCollatorForPreference``
-consumes ``prompt_ids``, ``chosen_ids``, ``rejected_ids``, which is what a
-pair set holds when no tokenizer is given. ``SFTTrainer`` reads ``prompt`` /
-``completion`` text, or, pre-tokenized, ``input_ids`` with a
-``completion_mask`` (1 on completion tokens), which a best-of-n set holds
-(beside ``prompt_ids`` / ``completion_ids``) when no tokenizer is given.
+Layouts follow TRL (1.16). ``DPOTrainer`` takes text only: ``prompt``,
+``chosen``, ``rejected``, which it tokenizes itself (a pre-tokenized set is
+refused: ``KeyError: 'chosen'``), so a pair set for it needs a tokenizer;
+without one a pair set holds ``prompt_ids``, ``chosen_ids``,
+``rejected_ids``, what TRL's ``DataCollatorForPreference`` reads in a loop of
+one's own. ``SFTTrainer`` takes ``prompt`` / ``completion`` text (its default
+then trains on the completion only), or a pre-tokenized set: ``input_ids``
+with ``labels``, used as they are; a ``completion_mask`` alone counts only
+under ``completion_only_loss=True``, which is off by default for such a set.
+So a best-of-n set without a tokenizer carries ``labels`` (-100 on the prompt
+tokens): TRL's defaults train on the completion only.
+
+Text is decoded by :meth:`TextDecoder.texts`: ``prompt + completion``
+tokenizes back to the stored ids where the tokenizer allows it, and the
+result counts (``retokenize_mismatches``) and names the rows where it does not.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ import pyarrow as pa
 
 from ..schema import RAGGED
 from ..store import ReplayStore
-from ._common import (CHUNK_BYTES, Exclusions, StoreLike, make_filter, open_store, per_row_value, plan_chunks,
-                      resolve_tokenizer)
+from ._common import (CHUNK_BYTES, Exclusions, Retokenized, StoreLike, make_filter, open_store, per_row_value,
+                      plan_chunks, resolve_tokenizer)
 from .outputs import ExportError, output_format, progress_bar
 from .writers import write_tables
 
 CURATE_FORMATS = ("jsonl", "parquet", "hf")
+#: the label of a token left out of the loss (PyTorch's cross-entropy default, which TRL's trainers use)
+IGNORE_INDEX = -100
 _READ_BATCH = 4096
 
 
@@ -189,9 +199,12 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
     store records as excluded (a resumed TRL run's discarded timeline) are
     never paired unless ``include_excluded`` (the result's ``excluded_rows``
     counts the eligible rows left out). With a ``tokenizer`` (local
-    directory) the columns are TRL DPO's ``prompt``, ``chosen``, ``rejected``
-    text; without, ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (the
-    tokenized columns TRL's preference collator reads). Always added: the group
+    directory) the columns are ``prompt``, ``chosen``, ``rejected`` text, which
+    TRL's ``DPOTrainer`` takes as it is, and which tokenizes back to the stored
+    ids (:meth:`TextDecoder.texts`; ``retokenize_mismatches`` counts the pairs
+    where it cannot, and ``warnings`` names them); without, ``prompt_ids``,
+    ``chosen_ids``, ``rejected_ids``: what TRL's ``DataCollatorForPreference``
+    reads in a training loop of one's own (``DPOTrainer`` refuses ids). Always added: the group
     key, ``chosen_reward``, ``rejected_reward``, ``margin``, ``chosen_row``,
     ``rejected_row``. ``format`` is ``jsonl``, ``parquet`` or ``hf``; by default
     it comes from ``out``'s name as for :func:`export` (``force`` as there).
@@ -248,6 +261,7 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
                    pa.field("margin", pa.float64()), pa.field("chosen_row", pa.int64()),
                    pa.field("rejected_row", pa.int64())] + [pa.field(c, pa.int64()) for c in version_cols]
         schema = pa.schema(fields)
+        checked = Retokenized()
 
         def tables() -> Iterator[pa.Table]:
             with progress_bar(len(best), "pairs", progress, unit="pairs") as bar:
@@ -259,10 +273,12 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
                     rd = st.read(rows[w], ["completion_ids"])
                     gk = _key_array(keys, group_of[pool[b]])
                     if text:
-                        prompt = (decoder.decode(cd[prompt_col], n, prompt_col) if prompt_col else gk.to_pylist())
-                        arrays = [pa.array(prompt, pa.string()),
-                                  pa.array(decoder.decode(cd["completion_ids"], n, "completion_ids"), pa.string()),
-                                  pa.array(decoder.decode(rd["completion_ids"], n, "completion_ids"), pa.string())]
+                        prompt, (chosen, rejected), bad = decoder.texts(
+                            cd[prompt_col] if prompt_col else None, [cd["completion_ids"], rd["completion_ids"]], n,
+                            [prompt_col or key, "completion_ids", "completion_ids"])
+                        checked.add(bad, [f"chosen_row {a} / rejected_row {z}" for a, z in zip(rows[b], rows[w])])
+                        arrays = [pa.array(prompt if prompt_col else gk.to_pylist(), pa.string()),
+                                  pa.array(chosen, pa.string()), pa.array(rejected, pa.string())]
                     else:
                         arrays = ([_ids(cd[prompt_col], n)] if prompt_col else []) + [
                             _ids(cd["completion_ids"], n), _ids(rd["completion_ids"], n)]
@@ -279,6 +295,16 @@ def preference_pairs(store: StoreLike, out: Any, *, min_margin: float = 0.0, for
            "excluded_ranges": excluded.report()["ranges"]}
     if versions is not None:
         res["version_windows"] = len(group_of)  # the pools pairs were drawn from
+    return _retokenize_report(res, decoder, checked, "pairs")
+
+
+def _retokenize_report(res: Dict[str, Any], decoder: Any, checked: Retokenized, unit: str) -> Dict[str, Any]:
+    """``res`` with how many rows of a text export do not tokenize back to their ids (and a warning naming them)."""
+    if decoder is not None:
+        res["retokenize_mismatches"] = checked.bad
+        note = checked.warning(unit, decoder.path, decoder.skip_special_tokens)
+        if note:
+            res.setdefault("warnings", []).append(note)
     return res
 
 
@@ -289,9 +315,15 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
               include_excluded: bool = False) -> Dict[str, Any]:
     """Write the ``k`` highest-reward completions of each group (reward ``>= min_reward``) as an SFT set.
 
-    With a ``tokenizer`` the columns are TRL SFT's ``prompt`` / ``completion``
-    text; without, ``prompt_ids``, ``completion_ids`` and the pre-tokenized
-    ``input_ids`` (prompt + completion) with ``completion_mask``. Always
+    With a ``tokenizer`` the columns are ``prompt`` / ``completion`` text,
+    which tokenizes back to the stored ids (:meth:`TextDecoder.texts`;
+    ``retokenize_mismatches`` counts the rows where it cannot); TRL's
+    ``SFTTrainer`` trains on the completion only by default on it. Without,
+    ``prompt_ids``, ``completion_ids`` and the pre-tokenized ``input_ids``
+    (prompt + completion) with ``labels`` (-100 on prompt tokens, the ids on
+    completion tokens: ``SFTTrainer`` uses them as they are, so its defaults
+    train on the completion only) and ``completion_mask`` (1 on completion
+    tokens, for other trainers). Always
     added: the group key, ``reward``, ``rank`` (0 = best in its group) and
     ``row``. Ties go to the oldest row. Rows the store records as excluded (a
     resumed TRL run's discarded timeline) are never picked unless
@@ -308,8 +340,8 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
     >>> best_of_n(os.path.join(d, "s"), os.path.join(d, "b.jsonl"), k=1, min_reward=0.1)["rows"]
     1
     >>> row = json.loads(open(os.path.join(d, "b.jsonl")).readline())
-    >>> row["input_ids"], row["completion_mask"], row["reward"]
-    ([9, 6], [0, 1], 1.0)
+    >>> row["input_ids"], row["labels"], row["completion_mask"], row["reward"]
+    ([9, 6], [-100, 6], [0, 1], 1.0)
     """
     format = output_format(out, format, formats=CURATE_FORMATS, force=force)
     if not isinstance(k, (int, np.integer)) or k <= 0:
@@ -334,10 +366,12 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
             ids = pa.list_(pa.int32())
             fields = ([pa.field("prompt_ids", ids)] if prompt_col else []) + [pa.field("completion_ids", ids)]
             if prompt_col:
-                fields += [pa.field("input_ids", ids), pa.field("completion_mask", pa.list_(pa.int8()))]
+                fields += [pa.field("input_ids", ids), pa.field("labels", ids),
+                           pa.field("completion_mask", pa.list_(pa.int8()))]
         fields += [pa.field(_key_field(key, [f.name for f in fields] + ["reward", "rank", "row"]), key_type),
                    pa.field("reward", pa.float64()), pa.field("rank", pa.int64()), pa.field("row", pa.int64())]
         schema = pa.schema(fields)
+        checked = Retokenized()
 
         def tables() -> Iterator[pa.Table]:
             with progress_bar(len(pick), "best-of-n", progress) as bar:
@@ -347,9 +381,12 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
                     data = st.read(rows[p], ["completion_ids"] + ([prompt_col] if prompt_col else []))
                     gk = _key_array(keys, gid[p])
                     if text:
-                        prompt = decoder.decode(data[prompt_col], n, prompt_col) if prompt_col else gk.to_pylist()
-                        arrays = [pa.array(prompt, pa.string()),
-                                  pa.array(decoder.decode(data["completion_ids"], n, "completion_ids"), pa.string())]
+                        prompt, (completion,), bad = decoder.texts(
+                            data[prompt_col] if prompt_col else None, [data["completion_ids"]], n,
+                            [prompt_col or key, "completion_ids"])
+                        checked.add(bad, [f"row {i}" for i in rows[p]])
+                        arrays = [pa.array(prompt if prompt_col else gk.to_pylist(), pa.string()),
+                                  pa.array(completion, pa.string())]
                     else:
                         comp = _ids(data["completion_ids"], n)
                         arrays = [comp]
@@ -361,13 +398,15 @@ def best_of_n(store: StoreLike, out: Any, *, k: int = 1, min_reward: Optional[fl
                     yield pa.Table.from_arrays(arrays, schema=schema)
 
         n = write_tables(format, out, schema, tables(), overwrite=overwrite)
-    return {"path": os.path.abspath(os.fspath(out)), "format": format, "rows": n, "groups": len(keys),
-            "columns": schema.names, "excluded_rows": excluded.left_out,
-            "excluded_ranges": excluded.report()["ranges"]}
+    res = {"path": os.path.abspath(os.fspath(out)), "format": format, "rows": n, "groups": len(keys),
+           "columns": schema.names, "excluded_rows": excluded.left_out,
+           "excluded_ranges": excluded.report()["ranges"]}
+    return _retokenize_report(res, decoder, checked, "rows")
 
 
-def _sft_ids(prompt: Any, completion: Any, n: int) -> Tuple[pa.Array, pa.Array]:
-    """``input_ids`` (prompt then completion) and ``completion_mask``, without a per-token loop."""
+def _sft_ids(prompt: Any, completion: Any, n: int) -> Tuple[pa.Array, pa.Array, pa.Array]:
+    """``input_ids`` (prompt then completion), ``labels`` (-100 on prompt tokens: TRL's and PyTorch's
+    ignore index) and ``completion_mask``, without a per-token loop."""
     def parts(col: Any) -> Tuple[np.ndarray, np.ndarray]:
         if col is None:
             return np.zeros(0, dtype=np.int32), np.zeros(n, dtype=np.int64)
@@ -393,5 +432,8 @@ def _sft_ids(prompt: Any, completion: Any, n: int) -> Tuple[pa.Array, pa.Array]:
     values[p_dst] = pv
     values[c_dst] = cv
     mask[c_dst] = 1
+    labels = np.full(len(values), IGNORE_INDEX, dtype=np.int32)
+    labels[c_dst] = cv
     off32 = pa.array(offsets.astype(np.int32))
-    return pa.ListArray.from_arrays(off32, pa.array(values)), pa.ListArray.from_arrays(off32, pa.array(mask))
+    return (pa.ListArray.from_arrays(off32, pa.array(values)), pa.ListArray.from_arrays(off32, pa.array(labels)),
+            pa.ListArray.from_arrays(off32, pa.array(mask)))

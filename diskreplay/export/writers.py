@@ -22,7 +22,7 @@ from ..ragged import numpy_view
 
 from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, StoreLike, arrow_type, check_chunk_bytes,
                       check_columns, column_to_arrow, export_metadata, iter_rows, make_filter, open_store, require,
-                      resolve_tokenizer, tree_size)
+                      resolve_tokenizer, tree_size, Retokenized)
 from .outputs import (ExportError, temporary_sibling, atomic_output, check_interrupt, output_format, progress_bar,
                       remove_path, replaceable_dir, replaceable_file)
 from .sources import SkipDamaged
@@ -421,6 +421,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         schema = pa.schema(fields)
         meta = export_metadata(st, names)
         bar = progress_bar(len(st), f"export {format}", progress)
+        checked = Retokenized()
 
         def tables() -> Iterator[pa.Table]:
             for pieces in iter_rows(st, flt, chunk_bytes, bar, excluded):
@@ -430,9 +431,14 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                     n = len(rows)
                     arrays = [column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
                               for c in names]
-                    for c in text_cols:
-                        arrays.append(pa.array(decoder.decode(data[f"{c}_ids"], n, f"{c}_ids"),
-                                               type=pa.large_string() if large else pa.string()))
+                    if text_cols:
+                        ids = {c: data[f"{c}_ids"] for c in text_cols}
+                        prompt, completions, bad = decoder.texts(
+                            ids.get("prompt"), [ids[c] for c in text_cols if c != "prompt"], n,
+                            [f"{c}_ids" for c in TEXT_COLUMNS])
+                        checked.add(bad, [f"row {i}" for i in rows])
+                        texts = ([prompt] if "prompt" in ids else []) + completions
+                        arrays += [pa.array(t, type=pa.large_string() if large else pa.string()) for t in texts]
                     parts.append(pa.Table.from_arrays(arrays, schema=schema))
                 yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
@@ -448,6 +454,9 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
            "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
     if skip_damaged:
         res.update(skipped_damaged=excluded.skipped_segments(), skipped_rows=excluded.skipped)
+    if decoder is not None:
+        res["retokenize_mismatches"] = checked.bad
+        notes += filter(None, [checked.warning("rows", decoder.path, decoder.skip_special_tokens)])
     if notes:
         res["warnings"] = notes
     return res
