@@ -259,6 +259,21 @@ class StoreIOError(DiskReplayError, OSError):
     """
 
 
+class OutputIOError(DiskReplayError, OSError):
+    """An operating-system error writing an export's output (a full disk, a quota, a read-only
+    filesystem, a failing device). The message names the output and its format (``errno`` is
+    kept); nothing is left under the output's name.
+
+    >>> err = OutputIOError("cannot write the parquet export out.parquet: No space left on device", errno=28)
+    >>> isinstance(err, OSError), err.errno, str(err)
+    (True, 28, 'cannot write the parquet export out.parquet: No space left on device')
+    """
+
+    def __init__(self, message: str, *, errno: "int | None" = None) -> None:
+        super().__init__(message)  # one argument: str() is the message, not "[Errno 28] ..."
+        self.errno = errno
+
+
 class CommitTimeoutError(DiskReplayError, TimeoutError):
     """A multi-writer commit took more than half of ``retain_seconds`` and was abandoned (other
     writers may collect files that old); nothing was committed, so retrying it is safe.

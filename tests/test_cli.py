@@ -68,6 +68,12 @@ def store(tmp_path):
     return make_store(tmp_path / "store")
 
 
+def cli_process(*args):
+    """``python -m diskreplay ARGS`` in a fresh process: (exit status, stdout, stderr)."""
+    p = run(*args, ok=False)
+    return p.returncode, p.stdout, p.stderr
+
+
 def cli(capsys, *args):
     """``main(ARGS)`` in-process: (exit status, stdout, stderr)."""
     rc = main([str(a) for a in args])
@@ -116,6 +122,19 @@ def test_usage_errors_exit_2(capsys):
     (["export", "{store}", "{tmp}/o.parquet", "--columns", "prompt_id,,rewards"], "has an empty name"),
     (["export", "{store}", "{tmp}/o.parquet", "--columns", "prompt_id,rewards,prompt_id"], "prompt_id twice"),
     (["import", "{tmp}/d.jsonl", "{tmp}/s", "--columns", "a,"], "has an empty name"),
+    # checked from the arguments alone, yet they exited 1 after opening the store (issue 52, item 13)
+    (["export", "{store}", "{tmp}/x.csv"], "cannot tell the output format from the name x.csv"),
+    (["export", "{store}", "{tmp}/y.jsonl", "-f", "parquet"], "y.jsonl ends in .jsonl"),
+    (["export", "{store}", "{tmp}/a.zarr", "--tokenizer", "{tmp}"], "--tokenizer applies to parquet"),
+    (["export", "{store}", "s3://bucket/o.parquet"], "written to a local path"),
+    (["export", "{store}", "{tmp}/o.parquet", "--storage-option", "region=x"], "--storage-option is for s3://"),
+    (["info", "{store}", "--storage-option", "region=x"], "--storage-option is for s3://"),
+    (["pairs", "{store}", "{tmp}/p.zarr"], "writes jsonl, parquet, hf"),
+    (["best-of-n", "{store}", "{tmp}/b.txt"], "cannot tell the output format"),
+    (["import", "{store}", "{store}"], "SRC and PATH are the same path"),
+    (["import", "{tmp}/d.jsonl", "{store}", "--append", "--overwrite"], "give one of them"),
+    (["import", "{tmp}/d.jsonl", "{tmp}/s", "--fill-missing"], "--fill-missing applies to --append"),
+    (["import", "{tmp}/d.jsonl", "{tmp}/s", "-f", "jsonl", "--split", "train"], "--format jsonl has none"),
 ])
 def test_bad_option_values_are_usage_errors_before_any_work(capsys, store, tmp_path, args, message):
     """Checked by the parser (exit 2, one message naming the option), so nothing is opened or written."""
@@ -436,14 +455,15 @@ def test_export_format_comes_from_the_name(capsys, store, tmp_path, name, fmt):
 
 
 def test_export_name_and_format_must_agree(capsys, store, tmp_path):
+    """Usage errors, found from the arguments before any work (they exited 1, not docs/cli.md's 2)."""
     rc, _, err = cli(capsys, "export", store, tmp_path / "y.jsonl", "-f", "parquet")
-    assert rc == 1 and "y.jsonl ends in .jsonl" in err and "--force" in err
+    assert rc == 2 and "y.jsonl ends in .jsonl" in err and "--force" in err
     rc, _, err = cli(capsys, "export", store, tmp_path / "y.csv")
-    assert rc == 1 and "cannot tell the output format" in err and "--format" in err
+    assert rc == 2 and "cannot tell the output format" in err and "--format" in err
     rc, _, err = cli(capsys, "export", store, tmp_path / "y.jsonl.gz")
-    assert rc == 1 and "compress" in err
+    assert rc == 2 and "compress" in err
     rc, _, err = cli(capsys, "export", store, tmp_path / "y.jsonl.gz", "-f", "jsonl")
-    assert rc == 1 and "--force" in err
+    assert rc == 2 and "--force" in err
     rc, _, err = cli(capsys, "export", store, tmp_path / "y.csv", "-f", "jsonl", "--compression", "zstd")
     assert rc == 2 and "applies to parquet" in err  # a usage error
     assert os.listdir(tmp_path) == ["store"]
@@ -460,9 +480,9 @@ def test_pairs_and_best_of_n_take_the_format_from_the_name(capsys, store, tmp_pa
     assert cli(capsys, "best-of-n", store, tmp_path / "sft.parquet", "--k", "2")[0] == 0
     assert pq.read_table(str(tmp_path / "sft.parquet")).num_rows == 12
     rc, _, err = cli(capsys, "pairs", store, tmp_path / "dpo.zarr")
-    assert rc == 1 and "writes jsonl, parquet, hf" in err
+    assert rc == 2 and "writes jsonl, parquet, hf" in err
     rc, _, err = cli(capsys, "best-of-n", store, tmp_path / "sft.jsonl", "-f", "parquet")
-    assert rc == 1 and "--force" in err
+    assert rc == 2 and "--force" in err
 
 
 @pytest.mark.parametrize("fmt", ["hf", "zarr"])
@@ -669,6 +689,18 @@ def test_ctrl_c_during_import_append_keeps_whole_chunks(big_store, tmp_path):
     assert rc == 130 and err.count("\n") == 1 and "committed before it stay" in err
     with ReplayStore(str(target), readonly=True) as s:
         assert 1 < len(s) < 20_001 and (len(s) - 1) % 50 == 0
+        earlier = len(s) - 1
+    # the same command again appends the rest, and then nothing: it said "imported 20,000 rows ... 20,000 of
+    # them an earlier run had imported already" when it wrote nothing (issue 52, item 15)
+    rc, out, err = cli_process("import", big_store, target, "--append", "--chunk-rows", "50")
+    assert rc == 0 and out.startswith(f"imported {20_000 - earlier:,} rows from "), out
+    assert f"the other {earlier:,} rows of its 20,000 an earlier run had imported already" in out, out
+    rc, out, err = cli_process("import", big_store, target, "--append", "--chunk-rows", "50")
+    assert rc == 0 and out.startswith("nothing to import: an earlier run of this import had imported all 20,000 "
+                                      "rows of "), out
+    assert "the store holds 20,001 rows" in out and "imported 20,000" not in out, out
+    with ReplayStore(str(target), readonly=True) as s:
+        assert len(s) == 20_001
 
 
 def test_demo_refuses_a_dir_whose_store_is_not_a_store_and_too_few_groups(tmp_path, capsys):
@@ -701,7 +733,7 @@ def test_demo_says_what_is_wrong_with_its_dir_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "d" / "store").exists()  # refused before any work
     assert demo.main(["--dir", str(tmp_path / "afile" / "sub"), "--groups", "64"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Not a directory" in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"{tmp_path / 'afile'} is a file" in err
     assert (tmp_path / "afile").read_text() == "mine"
 
 
@@ -861,12 +893,262 @@ def test_outputs_that_cannot_be_written_where_asked_say_why(capsys, store, tmp_p
     """An output inside the store (verify then reported it as foreign), under a file ("create FILE first"),
     or at an s3:// URL (it made a local directory named "s3:")."""
     (tmp_path / "afile.txt").write_text("x")
-    for out, says in ((os.path.join(store, "x.parquet"), "inside the store"),
-                      (os.path.join(store, "segments", "x.parquet"), "inside the store"),
-                      (tmp_path / "afile.txt" / "x.parquet", "is a file"),
-                      ("s3://bucket/out.parquet", "written to a local path")):
+    for out, says, code in ((os.path.join(store, "x.parquet"), "inside the store", 1),
+                            (os.path.join(store, "segments", "x.parquet"), "inside the store", 1),
+                            (tmp_path / "afile.txt" / "x.parquet", "is a file", 1),
+                            (tmp_path / "afile.txt" / "sub" / "x.parquet", "afile.txt is a file", 1),
+                            ("s3://bucket/out.parquet", "written to a local path", 2)):  # (a bad value: usage)
         before = sorted(os.listdir(tmp_path)), sorted(os.listdir(store))
         rc, _, err = cli(capsys, "export", store, out)
-        assert rc == 1 and says in err, (out, err)
+        assert rc == code and says in err, (out, err)
         assert (sorted(os.listdir(tmp_path)), sorted(os.listdir(store))) == before
     assert not os.path.exists("s3:")
+
+
+# --------------------------------------------------------------------------
+# issue 52: a full disk, docs/cli.md's block, merging stores, a parent that is a file, a 0x0 terminal
+# --------------------------------------------------------------------------
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs (a real filesystem that fills up: ENOSPC from the kernel, whatever library writes);
+    skips where mounting is not allowed (not root, or a container without CAP_SYS_ADMIN)."""
+    where = tmp_path / "full"
+    where.mkdir()
+    if not shutil.which("mount"):
+        pytest.skip("no mount command")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.parametrize("fmt, name", [("parquet", "o.parquet"), ("jsonl", "o.jsonl"), ("hf", "o_ds"),
+                                       ("zarr", "o.zarr")])
+def test_an_export_to_a_full_disk_names_the_file_and_the_format(capsys, big_store, full_disk, fmt, name):
+    """It said "[Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device" (parquet;
+    the same bare message for jsonl, hf and zarr), naming neither the output nor its format. (4,000 rows:
+    about 2 MB of token ids and log-probs, twice the disk.)"""
+    pytest.importorskip({"zarr": "zarr", "hf": "datasets"}.get(fmt, "json"))
+    out = full_disk / name
+    rc, stdout, err = cli(capsys, "export", big_store, out, "--limit", "4000")
+    assert rc == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"diskreplay export: error: cannot write the {fmt} export {out}: No space left on "
+                          "device (errno 28); nothing was left behind: free space"), err
+    assert os.listdir(full_disk) == []
+    from diskreplay import OutputIOError
+    from diskreplay.export import export
+
+    with pytest.raises(OutputIOError) as info:
+        export(big_store, out, limit=4000)
+    assert info.value.errno == 28 and isinstance(info.value, OSError) and os.listdir(full_disk) == []
+
+
+def test_curated_outputs_on_a_full_disk_name_the_file_too(capsys, big_store, full_disk):
+    rc, _, err = cli(capsys, "best-of-n", big_store, full_disk / "sft.jsonl", "--k", "8")
+    assert rc == 1 and f"cannot write the jsonl output {full_disk / 'sft.jsonl'}: No space left" in err, err
+    assert os.listdir(full_disk) == []
+
+
+def _cli_md_commands():
+    """The ``diskreplay`` lines of docs/cli.md's command block, continuation lines joined, comments and the
+    ``[--json]`` notation (an option shown as optional) left out."""
+    import re
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    block = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0].replace("\\\n", " ")
+    lines = [re.sub(r"\s\[[^\]]*\]", "", line.split("#")[0]).strip() for line in block.splitlines()]
+    return [line for line in lines if line.startswith("diskreplay ")]
+
+
+def _merge_inputs(root):
+    """What docs/cli.md's block supposes a user has: a run's store, another run's (without ``advantages``,
+    with a column the first lacks), a capped store, a JSONL dump in other names, more rows, a tokenizer."""
+    pytest.importorskip("transformers")
+    from diskreplay.export import export_parquet
+    from diskreplay.synthetic import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.save_pretrained(root / "tokenizer")
+    rng = np.random.default_rng(5)
+
+    def rows(n, first_group, version):
+        ids = [rng.integers(3, len(tok), 3 + i % 5).astype(np.int32) for i in range(n)]
+        return {"prompt_id": np.arange(first_group * 4, first_group * 4 + n) // 4,
+                "prompt_ids": [rng.integers(3, len(tok), 4).astype(np.int32) for _ in range(n)],
+                "completion_ids": ids, "old_per_token_logps": [-rng.random(len(a)).astype(np.float32) for a in ids],
+                "rewards": rng.integers(0, 3, n).astype(np.float64), "advantages": rng.standard_normal(n),
+                "policy_version": np.full(n, version)}
+
+    with ReplayStore(root / "runs" / "grpo" / "replay") as s:
+        for v in (99, 100, 101):
+            s.extend(rows(32, v * 8, v))
+    other = rows(24, 0, 7)
+    del other["advantages"]
+    other["ref_per_token_logps"] = [a.copy() for a in other["old_per_token_logps"]]
+    with ReplayStore(root / "runs" / "other" / "replay") as s:
+        s.extend(other)
+    with ReplayStore(root / "runs" / "capped", capacity=64) as s:
+        s.extend(rows(64, 0, 1))
+    with ReplayStore(root / "more") as s:
+        s.extend(rows(16, 50, 2))
+    export_parquet(str(root / "more"), str(root / "more.parquet"))
+    with open(root / "dump.jsonl", "w") as fh:
+        for i in range(12):
+            ids = rng.integers(3, 90, 2 + i % 3).tolist()
+            fh.write(json.dumps({"prompt_id": i // 4, "response_tokens": ids, "logprobs": [-0.5] * len(ids),
+                                 "reward": float(i % 2), "step": 3}) + "\n")
+
+
+BLOCK_CHILD = """
+import contextlib, io, json, shlex, sys
+from diskreplay.cli import main
+results = []
+for command in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(shlex.split(command)[1:])
+    results.append([command, rc, err.getvalue()])
+    if rc:
+        break
+print(json.dumps(results))
+"""
+
+
+def test_the_command_block_of_docs_cli_md_runs_as_written(tmp_path):
+    """Its merge line failed as written ("--append needs an existing store"), the --aliases line wrote to the
+    store the line before had made, and stores with different columns could not be merged (issue 52, item 8).
+    The lines run in order, in one process of their own (one start-up, not one per line), in a directory
+    holding what the block supposes."""
+    _merge_inputs(tmp_path)
+    commands = _cli_md_commands()
+    assert len(commands) >= 15 and any("--append --fill-missing" in c for c in commands)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", BLOCK_CHILD, json.dumps(commands)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for command, rc, err in results:
+        assert rc == 0 and "Traceback" not in err, (command, err)
+    assert len(results) == len(commands)
+    with ReplayStore(tmp_path / "runs" / "merged", readonly=True) as merged, \
+            ReplayStore(tmp_path / "runs" / "grpo" / "replay", readonly=True) as grpo:
+        assert len(merged) == len(grpo) + 24
+        data = merged.read(merged.row_ids(), ["advantages", "ref_per_token_logps", "rewards"])
+        assert np.isfinite(data["advantages"][:len(grpo)]).all() and np.isnan(data["advantages"][len(grpo):]).all()
+        assert data["ref_per_token_logps"][0] is None and data["ref_per_token_logps"][len(grpo)] is not None
+
+
+def test_merging_stores_with_different_columns(capsys, tmp_path):
+    """The store's float per-row columns that the source lacks: refused by default (naming them), NaN with
+    --fill-missing; a source's string column the store lacks: refused, naming --columns; an int column the
+    source lacks cannot be filled. Every refusal leaves the store as it was."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    with ReplayStore(a) as s:
+        s.extend({"prompt_id": [0, 0], "completion_ids": [[1, 2], [3]], "rewards": [1.0, 0.0],
+                  "advantages": [0.5, -0.5], "old_per_token_logps": [[-0.1, -0.2], [-0.3]]})
+    with ReplayStore(b) as s:
+        s.extend({"prompt_id": [1, 1, 1], "completion_ids": [[4], [5, 6], [7]], "rewards": [1.0, 0.0, 1.0],
+                  "ref_per_token_logps": [[-0.1], [-0.3, -0.2], [-0.4]], "tag": ["x", "y", "z"],
+                  "score": [3.0, 4.0, 5.0]})
+    manifests = sorted(os.listdir(a / "manifests"))
+    rc, _, err = cli(capsys, "import", b, a, "--append", "--columns", "prompt_id,completion_ids,rewards")
+    assert rc == 1 and "has no column 'advantages'" in err and "--fill-missing" in err, err
+    rc, _, err = cli(capsys, "import", b, a, "--append", "--fill-missing")
+    assert rc == 1 and "'tag' (scalar string)" in err, err
+    assert "--columns prompt_id,completion_ids,rewards,ref_per_token_logps,score" in err, err
+    assert sorted(os.listdir(a / "manifests")) == manifests
+    rc, out, err = cli(capsys, "import", b, a, "--append", "--fill-missing", "--columns",
+                       "prompt_id,completion_ids,rewards,ref_per_token_logps,score")
+    assert rc == 0 and "imported 3 rows" in out and "has no column(s) advantages" in out, (out, err)
+    with ReplayStore(a, readonly=True) as s:
+        got = s.read(s.row_ids())
+        assert s.columns == ["prompt_id", "completion_ids", "rewards", "advantages", "old_per_token_logps",
+                             "ref_per_token_logps", "score"]
+        np.testing.assert_array_equal(got["advantages"], [0.5, -0.5, np.nan, np.nan, np.nan])
+        np.testing.assert_array_equal(got["score"], [np.nan, np.nan, 3.0, 4.0, 5.0])
+        assert got["old_per_token_logps"][2] is None and got["ref_per_token_logps"][0] is None
+        assert got["completion_ids"].to_list() == [[1, 2], [3], [4], [5, 6], [7]]
+    # an int column the source lacks has no "not computed" value, with or without --fill-missing
+    c = tmp_path / "c"
+    with ReplayStore(c) as s:
+        s.extend({"prompt_id": [9], "completion_ids": [[1]], "policy_version": [3]})
+    rc, _, err = cli(capsys, "import", b, c, "--append", "--fill-missing", "--columns", "prompt_id,completion_ids")
+    assert rc == 1 and "no column 'policy_version' (scalar int64)" in err and "--map" in err, err
+    with ReplayStore(c, readonly=True) as s:
+        assert len(s) == 1
+    from diskreplay import ExportError
+    from diskreplay.export import import_rollouts
+
+    with pytest.raises(ExportError, match="fill_missing"):
+        import_rollouts(b, tmp_path / "new", fill_missing=True)
+
+
+def test_a_store_under_a_file_is_refused_in_one_line(capsys, tmp_path):
+    """``ReplayStore("a_file/store")`` (and so every writer, the buffer and the stream) raised a bare
+    NotADirectoryError from os.makedirs; import said to "create a_file/new first", which cannot be done."""
+    from diskreplay import OutputExistsError
+
+    (tmp_path / "a_file").write_text("x")
+    src = make_store(tmp_path / "src")
+    for path in (tmp_path / "a_file" / "store", tmp_path / "a_file" / "deeper" / "store"):
+        with pytest.raises(OutputExistsError, match=f"{tmp_path / 'a_file'} is a file, so the store"):
+            ReplayStore(path)
+        rc, _, err = cli(capsys, "import", src, path)
+        assert rc == 1 and f"{tmp_path / 'a_file'} is a file" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "src"] and (tmp_path / "a_file").read_text() == "x"
+
+
+def test_the_progress_bar_shows_on_a_terminal_that_reports_no_size(big_store, tmp_path):
+    """On a pty nobody sized (0x0: ``docker exec -t``, some CI runners) tqdm's own resizing hid the bar
+    entirely: a long export showed nothing until it ended."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    pytest.importorskip("tqdm")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = b""
+    master, slave = pty.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        p = subprocess.Popen([sys.executable, "-m", "diskreplay", "export", big_store, str(tmp_path / "o.jsonl"),
+                              "--limit", "4000", "--chunk-mb", "0.05"], stdin=slave, stdout=slave, stderr=slave,
+                             env=env, close_fds=True)
+        os.close(slave)
+        slave = None
+        while select.select([master], [], [], 60)[0]:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # the child closed the pty
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert p.wait(timeout=60) == 0, out
+    finally:
+        os.close(master)
+        if slave is not None:
+            os.close(slave)
+    text = out.decode(errors="replace")
+    assert "export jsonl:" in text and "%|" in text and "rows/s" in text, text
+    assert "exported 4,000 rows" in text
+
+
+def test_s3_clients_tool_explains_its_options():
+    """``python tools/s3_clients.py --help`` listed --rounds, --objects and --ranges without a word."""
+    import re
+
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "s3_clients.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for option in ("--rounds", "--objects", "--ranges"):
+        line = re.search(rf"^\s+{option} N\s+(\S.*)$", p.stdout, flags=re.M)
+        assert line is not None and "default" in p.stdout.split(option)[2][:300], (option, p.stdout)

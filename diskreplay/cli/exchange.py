@@ -62,15 +62,11 @@ def cmd_import(args: argparse.Namespace) -> int:
                                aliases=args.aliases, columns=args.columns, group_key=group_key,
                                capacity=AUTO_FORMAT if args.capacity is None else args.capacity, skip_bad=args.skip_bad,
                                chunk_rows=args.chunk_rows, append=append, overwrite=args.overwrite,
-                               split=args.split, progress=show_progress(args), allow_evict=args.allow_evict)
+                               split=args.split, progress=show_progress(args), allow_evict=args.allow_evict,
+                               fill_missing=args.fill_missing and append)
 
     res = _import_remote(args, lambda tmp: run(tmp, False)) if is_remote_arg(args) else run(args.path)
-    rows = f"{res['rows']:,} row{'' if res['rows'] == 1 else 's'}"
-    text = (f"imported {rows} from {args.src} ({res['format']}) into {res['path']}; "
-            f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
-    if res.get("already_imported"):
-        n = res["already_imported"]
-        text += f"\n{n:,} of them an earlier run had imported already (its chunks were recognised and skipped)"
+    text = _imported(args, res)
     if res.get("empty_columns"):
         text += (f"\nleft out column(s) {', '.join(res['empty_columns'])}: no row has a value there (a JSONL "
                  "export writes NaN and inf as null), so nothing says what they hold")
@@ -81,6 +77,30 @@ def cmd_import(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
     emit(args, res, text)
     return 0
+
+
+def _imported(args: argparse.Namespace, res: Dict[str, Any]) -> str:
+    """What an import did: the rows it wrote now, apart from those an earlier run of the same
+    ``import --append`` had committed (recognised by their chunk tokens and not written again)."""
+    def rows(n: int) -> str:
+        return f"{n:,} row{'' if n == 1 else 's'}"
+
+    earlier = res.get("already_imported") or 0
+    new = res["rows"] - earlier
+    where = (f"group key: {res.get('group_key') or 'none'}; columns: {', '.join(res.get('columns', []))}")
+    if earlier and not new:
+        return (f"nothing to import: an earlier run of this import had imported all {rows(earlier)} of {args.src} "
+                f"into {res['path']} (its chunks were recognised and skipped); the store holds "
+                f"{rows(res.get('store_rows', 0))}; {where}")
+    text = f"imported {rows(new)} from {args.src} ({res['format']}) into {res['path']}; {where}"
+    if earlier:
+        text += (f"\nthe other {rows(earlier)} of its {res['rows']:,} an earlier run had imported already (their "
+                 "chunks were recognised and skipped)")
+    filled = res.get("filled_columns")
+    if filled:
+        text += (f"\n{args.src} has no column(s) {', '.join(filled)}: the rows appended read NaN there "
+                 "(not computed; --fill-missing)")
+    return text
 
 
 def _import_remote(args: argparse.Namespace, run: Callable[[str], Dict[str, Any]]) -> Dict[str, Any]:

@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay import dump.jsonl.gz runs/imported --aliases --group-key prompt --skip-bad\n"
              "  diskreplay import hf_ds runs/restored --format hf\n"
              "  diskreplay import more.parquet runs/restored --append\n"
-             "  diskreplay import runs/other_run/replay runs/merged --append\n"
+             "  diskreplay import runs/other_run/replay runs/merged --append --fill-missing\n"
              "  diskreplay import more.parquet runs/capped --append --allow-evict\n"
              + EXIT_CODES + "\n", [remote, common])
     p.add_argument("src", metavar="SRC", help="source file or directory")
@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the store's capacity would evict rows it holds, unless --allow-evict")
     p.add_argument("--allow-evict", action="store_true",
                    help="with --append: go ahead even if the store's capacity evicts its oldest rows")
+    p.add_argument("--fill-missing", action="store_true",
+                   help="with --append: a float per-row column of the store that SRC lacks (e.g. advantages "
+                        "when merging another run's store) reads NaN, 'not computed', in the rows appended "
+                        "(default: refused, naming the columns; a ragged column SRC lacks is always 'not "
+                        "computed'; int, bool and string columns cannot be filled: --map one of SRC's to them)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing PATH that is a store or an empty directory (the old one stays "
                         "until the new store is complete); never a file or a directory of other things")
@@ -367,18 +372,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def misused_options(args: argparse.Namespace) -> Optional[str]:
-    """An option that the others make meaningless (a usage error, not silently ignored)."""
-    if args.command == "import" and args.allow_evict and not args.append:
-        return "--allow-evict applies to --append (a new store evicts nothing it held)"
-    if args.command == "import" and args.append and args.capacity is not None:
-        return "--capacity sets a new store's capacity; --append keeps the store's own"
-    if args.command == "export" and args.compression is not None:
+    """A bad value, or an option that the others make meaningless: a usage error (exit status 2),
+    found from the arguments alone before any work, never silently ignored. What needs a file
+    read (an unknown column, a missing store) is found by the command itself (exit status 1)."""
+    from ..storage import is_remote
+
+    if getattr(args, "storage_option", None) and not is_remote(args.path):
+        return f"--storage-option is for s3:// stores; {args.path} is a local path"
+    if args.command == "import":
+        return _misused_import_options(args)
+    if args.command in ("export", "pairs", "best-of-n"):
         from ..export.outputs import output_format
 
+        formats = ("parquet", "jsonl", "hf", "zarr") if args.command == "export" else ("jsonl", "parquet", "hf")
+        if str(args.out).startswith(("s3://", "gs://", "az://")):
+            return (f"OUT {args.out}: outputs are written to a local path; write it here and copy it to the "
+                    "bucket")
         try:
-            fmt_ = output_format(args.out, args.format, force=args.force)
-        except DiskReplayError:
-            return None  # the export names the problem
-        if fmt_ != "parquet":
+            fmt_ = output_format(args.out, args.format, formats=formats, force=args.force)
+        except DiskReplayError as exc:
+            return str(exc)
+        if args.command == "export" and args.compression is not None and fmt_ != "parquet":
             return f"--compression applies to parquet exports, not {fmt_}"
+        if args.command == "export" and args.tokenizer is not None and fmt_ == "zarr":
+            return "a zarr export holds the store's columns only; --tokenizer applies to parquet, jsonl and hf"
+    return None
+
+
+def _misused_import_options(args: argparse.Namespace) -> Optional[str]:
+    import os
+
+    from ..storage import is_remote
+
+    if args.allow_evict and not args.append:
+        return "--allow-evict applies to --append (a new store evicts nothing it held)"
+    if args.append and args.capacity is not None:
+        return "--capacity sets a new store's capacity; --append keeps the store's own"
+    if args.append and args.overwrite:
+        return "--append adds to the store at PATH and --overwrite replaces it: give one of them"
+    if getattr(args, "fill_missing", False) and not args.append:
+        return "--fill-missing applies to --append (a new store takes the columns SRC has)"
+    if getattr(args, "fill_missing", False) and is_remote(args.path):
+        return ("--fill-missing is for local stores; merge into a local store, then import that into "
+                f"{args.path} with --append")
+    if args.split is not None and args.format not in ("auto", "hf"):
+        return f"--split {args.split} picks one of a saved Hugging Face DatasetDict's; --format {args.format} has none"
+    if os.path.abspath(args.src) == os.path.abspath(args.path):
+        return f"SRC and PATH are the same path ({args.src}); import into another directory"
     return None

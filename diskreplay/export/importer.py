@@ -358,7 +358,7 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
                     columns: Optional[Sequence[str]] = None, group_key: Any = AUTO_FORMAT, capacity: Any = AUTO_FORMAT,
                     skip_bad: bool = False, chunk_rows: int = 4096, append: bool = False,
                     overwrite: bool = False, split: Optional[str] = None, progress: bool = False,
-                    allow_evict: bool = False) -> Dict[str, Any]:
+                    allow_evict: bool = False, fill_missing: bool = False) -> Dict[str, Any]:
     """Build a store at ``path`` from ``src`` (Parquet, JSONL, HF dataset dir, Zarr archive or another store).
 
     ``format="auto"`` guesses from the layout and name (``store`` copies or,
@@ -377,10 +377,21 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
     an empty directory (never a file: the output is a directory). An ``append`` that would evict rows the store
     already holds (because of its row or byte capacity) raises
     :class:`EvictionRefusedError` saying how many, before writing anything,
-    unless ``allow_evict``. Token ids (``prompt_ids``, ``completion_ids``) must
+    unless ``allow_evict``. An ``append`` from a source that lacks some of the
+    store's columns (merging two runs' stores) gives a ragged column "not
+    computed" (null) rows; a float per-row column needs ``fill_missing=True``
+    (its rows read NaN, "not computed"), since NaN rewards or advantages
+    would reach samplers unnoticed; int, bool and string columns cannot be
+    filled. A source column the store lacks is added if it may be late
+    (ragged or float, see docs/FORMAT.md); any other is refused, before
+    anything is written. Token ids (``prompt_ids``, ``completion_ids``) must
     be lists of integers in every source. ``skip_bad`` skips and counts bad
     JSONL lines. Ctrl-C stops between chunks: a new store is then removed, an
-    ``append`` keeps the chunks committed before it. Returns a summary dict.
+    ``append`` keeps the chunks committed before it. Returns a summary dict:
+    ``rows`` the source's rows now in the store, ``already_imported`` how
+    many of them an earlier, interrupted run of the same ``append`` had
+    committed (recognised by their chunk tokens and not written again),
+    ``filled_columns`` the columns ``fill_missing`` filled.
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp(); src = os.path.join(d, "dump.jsonl")
@@ -404,6 +415,9 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
         raise ExportError("the source and the store are the same path")
     if append and overwrite:
         raise ExportError("append and overwrite exclude each other")
+    if fill_missing and not append:
+        raise ExportError("fill_missing (--fill-missing) applies to append (a new store takes the columns the source "
+                          "has)")
     exists = is_store(path)
     if append and not exists:
         raise ExportError(f"--append needs an existing store at {path}")
@@ -414,7 +428,7 @@ def import_rollouts(src: Any, path: Any, *, format: str = "auto", mapping: Any =
     source = _open_source(fmt, src, skip_bad, split)
     try:
         return _import(source, src, path, fmt, mapping, aliases, columns, group_key, capacity, chunk_rows,
-                       append, overwrite, progress, allow_evict)
+                       append, overwrite, progress, allow_evict, fill_missing)
     finally:
         close = getattr(source, "close", None)
         if close is not None:
@@ -496,7 +510,7 @@ def _check_eviction(store: ReplayStore, src: str, n: int, nbytes: Optional[int])
 
 def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: bool,
             columns: Optional[Sequence[str]], group_key: Any, capacity: Any, chunk_rows: int, append: bool,
-            overwrite: bool, progress: bool, allow_evict: bool) -> Dict[str, Any]:
+            overwrite: bool, progress: bool, allow_evict: bool, fill_missing: bool = False) -> Dict[str, Any]:
     mapping = parse_mapping(mapping)
     available = source.columns if source.columns is not None else source.peek_columns(max(chunk_rows, 1000))
     rename, kept = resolve_columns(src, available, mapping, aliases, columns)
@@ -534,8 +548,11 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
         first = not len(store) and store.next_row == 0
         before = store.next_row  # a chunk an earlier run committed has rows below it
         source_hints = dict(hints)
+        nan_columns: Dict[str, ColumnSpec] = {}
         if store.schema is not None and len(store.columns):
             hints = dict(store.schema.columns)
+            nan_columns = _missing_columns(store, final_names, src, fill_missing)
+            _check_new_columns(store, source_hints, src)
         batches = _tables(source, fmt, chunk_rows, kept, rename)
         last = 0
         # (an append merges the leading chunks whatever the store holds: its chunks, and so their
@@ -549,6 +566,11 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             token = None if resume is None else f"import:{resume}:{i}"
             while True:
                 batch = table_to_batch(table, hints, where)
+                if i == 0 and append and len(store.columns):
+                    _check_new_columns(store, _specs_of(batch), src)
+                for name, spec in nan_columns.items():
+                    batch[name] = np.full((table.num_rows,) + ((spec.width,) if spec.kind == VECTOR else ()),
+                                          np.nan, dtype=spec.dtype)
                 try:
                     # committed by an earlier run: extend writes nothing (and refuses other rows under its token)
                     rows = store.extend(batch, token=token)
@@ -584,7 +606,7 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             else:
                 bar.update(table.num_rows)
         result.update(rows=n, columns=list(store.columns), group_key=store.group_key, store_rows=len(store),
-                      already_imported=resumed)
+                      already_imported=resumed, filled_columns=list(nan_columns))
         if n == 0 and (not append or source.skipped):
             bad = f": all {source.skipped:,} lines were bad" if source.skipped else " (it holds no rows)"
             raise ExportError(f"nothing to import from {src}{bad}; nothing was written")
@@ -685,6 +707,62 @@ def _first_rows_with_values(batches: Iterator[Tuple[pa.Table, Where]], hints: Ma
             where = where + w
         yield merged, where
     yield from batches
+
+
+def _may_be_null(spec: ColumnSpec) -> bool:
+    """Whether a column has a "not computed" value for rows without one (docs/FORMAT.md, "Late columns")."""
+    return spec.kind == RAGGED or spec.dtype in ("float32", "float64")
+
+
+def _missing_columns(store: ReplayStore, names: Sequence[str], src: str, fill_missing: bool) -> Dict[str, ColumnSpec]:
+    """The float per-row columns of ``store`` that an append of ``names`` must fill with NaN, or the
+    refusal (before anything is written) when some cannot be filled or ``fill_missing`` is not given.
+
+    A ragged column the source lacks needs nothing (its rows are "not computed", as in any append),
+    nor does a late column (a batch may leave one out).
+    """
+    missing = [store.schema[c] for c in store.columns if c not in names and c not in store.schema.late]
+    unfillable = [c for c in missing if not _may_be_null(c)]
+    floats = {c.name: c for c in missing if c.kind != RAGGED and _may_be_null(c)}
+    if unfillable:
+        what = ", ".join(f"{c.name!r} ({c.kind} {c.dtype})" for c in unfillable)
+        raise ExportError(f"{src} has no column {what}, which the store at {store.path} holds in every row and "
+                          "which has no \"not computed\" value (only ragged and float columns do); give it one "
+                          "of the source's columns with --map NEW=OLD, or import into a new store; nothing was "
+                          "written")
+    if floats and not fill_missing:
+        raise ExportError(f"{src} has no column {', '.join(map(repr, floats))}, which the store at {store.path} "
+                          "holds in every row; pass --fill-missing (fill_missing=True) to append its rows with "
+                          "NaN there (\"not computed\"; samplers and exports then see NaN), or --map one of the "
+                          "source's columns to it; nothing was written")
+    return floats
+
+
+def _specs_of(batch: Mapping[str, Any]) -> Dict[str, ColumnSpec]:
+    """The column kind an ``extend`` batch gives each column, as far as "may it be null" goes."""
+    specs = {}
+    for name, value in batch.items():
+        if value is None or isinstance(value, list) and (not value or not isinstance(value[0], str)):
+            specs[name] = ColumnSpec(name, RAGGED, "float32")
+        else:
+            arr = np.asarray(value)
+            kind = VECTOR if arr.ndim == 2 else SCALAR
+            dtype = "string" if arr.dtype.kind in "OUS" else str(arr.dtype)
+            specs[name] = ColumnSpec(name, kind, dtype, None, arr.shape[1] if arr.ndim == 2 else None)
+    return specs
+
+
+def _check_new_columns(store: ReplayStore, specs: Mapping[str, ColumnSpec], src: str) -> None:
+    """Refuse a source column the store lacks that cannot be added to a store with rows (an int,
+    bool or string one has no "not computed" value for the rows before it), naming the fix."""
+    new = [s for name, s in specs.items() if name not in store.schema and not _may_be_null(s)]
+    if new:
+        keep = [c for c in specs if c in store.schema or _may_be_null(specs[c])]
+        raise ExportError(f"{src} has column(s) {', '.join(f'{s.name!r} ({s.kind} {s.dtype})' for s in new)}, "
+                          f"which the store at {store.path} lacks, and a store with rows can only gain ragged or "
+                          "float columns (its earlier rows need a \"not computed\" value); leave "
+                          f"{'it' if len(new) == 1 else 'them'} out with --columns {','.join(keep)}, or import "
+                          "into a new store; nothing was written")
 
 
 def _check_schema(store: ReplayStore, hints: Mapping[str, ColumnSpec], src: str) -> None:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from .._fileio import fsync_dir
-from ..errors import ExportError, OutputExistsError
+from ..errors import DiskReplayError, ExportError, OutputExistsError, OutputIOError
 from ..format import FORMAT_FILE, MANIFEST_DIR
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -131,8 +131,12 @@ def check_output(out: PathLike, overwrite: bool, replaceable: Any = None) -> str
         raise ExportError(f"{out}: this output is written to a local path; write it here and copy it to the bucket")
     out = os.path.abspath(os.fspath(out))
     parent = os.path.dirname(out)
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise ExportError(f"{parent} is a file, so the output {out} cannot go in it; choose a directory")
+    above = parent
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ExportError(f"{above} is a file, so the output {out} cannot go {'in' if above == parent else 'under'} "
+                          "it; choose a directory")
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output {out} does not exist; create {parent} first")
     inside = parent
@@ -183,8 +187,28 @@ def _publish_new_file(tmp: str, out: str) -> None:
     os.unlink(tmp)
 
 
+#: what to do when writing an output failed with this errno (the failures of the device written to,
+#: not of the store read: those are the store's own errors)
+_OUTPUT_FIXES = {
+    errno.ENOSPC: "free space on its filesystem (or write it elsewhere) and run it again",
+    errno.EDQUOT: "free space within your disk quota (or write it elsewhere) and run it again",
+    errno.EFBIG: "the filesystem's largest file is smaller: write it elsewhere, or in parts (--policy-versions, "
+                 "--limit)",
+    errno.EROFS: "the filesystem is read-only: write it elsewhere",
+    errno.EIO: "the device failed: check it (dmesg) or write it elsewhere",
+}
+
+
+def _output_message(exc: OSError, what: str, out: str) -> str:
+    """``exc`` (a library's bare ``[Errno 28] Error writing bytes to file``) as one line naming
+    the output and its format."""
+    return (f"cannot write the {what} {out}: {os.strerror(exc.errno)} (errno {exc.errno}); nothing was left "
+            f"behind: {_OUTPUT_FIXES[exc.errno]}")
+
+
 @contextmanager
-def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceable: Any = None) -> Iterator[str]:
+def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceable: Any = None,
+                  what: Optional[str] = None) -> Iterator[str]:
     """Yield a temporary path beside ``out``; on success move it to ``out``.
 
     The temporary name starts with a dot in the same directory, so the final
@@ -192,7 +216,10 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
     (an existing ``out`` is replaced only once the new one is complete). On
     any error the temporary output is deleted and the error re-raised. Ctrl-C
     is deferred to :func:`check_interrupt` points meanwhile (see
-    :class:`_Interrupts`), and checked once more before the rename.
+    :class:`_Interrupts`), and checked once more before the rename. With
+    ``what`` (e.g. ``"parquet export"``), a full disk, a quota, a read-only
+    filesystem or a device error while writing raises :class:`OutputIOError`
+    naming ``what`` and ``out``.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp(); out = os.path.join(d, "a.txt")
@@ -204,9 +231,9 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
     out = check_output(out, overwrite, replaceable)
     with interrupts_deferred():
         tmp = temporary_sibling(out, "tmp")
-        if directory:
-            os.mkdir(tmp)
         try:
+            if directory:
+                os.mkdir(tmp)
             yield tmp
             check_interrupt()
             _fsync_tree(tmp)
@@ -225,6 +252,11 @@ def atomic_output(out: PathLike, *, overwrite: bool, directory: bool, replaceabl
             else:
                 _publish_new_file(tmp, out)
             fsync_dir(os.path.dirname(out))
+        except OSError as exc:
+            remove_path(tmp)
+            if what is None or isinstance(exc, DiskReplayError) or exc.errno not in _OUTPUT_FIXES:
+                raise
+            raise OutputIOError(_output_message(exc, what, out), errno=exc.errno) from exc
         except BaseException:
             remove_path(tmp)
             raise
@@ -341,5 +373,21 @@ def progress_bar(total: Optional[int], desc: str, enabled: bool, unit: str = "ro
             warnings.warn("progress bars need tqdm: pip install 'diskreplay[progress]'", RuntimeWarning,
                           stacklevel=3)
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True,
-                leave=False)
+    cols, rows = _terminal_shape(sys.stderr)
+    bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, ncols=cols, nrows=rows,
+               leave=False)
+    # tqdm's own resizing (dynamic_ncols) takes a terminal that reports 0x0 (a pty nobody sized: docker
+    # exec -t, some CI runners) as -1 rows and hides the bar entirely; this follows resizes the same way
+    # but takes an unknown size as 80x24
+    bar.dynamic_ncols = _terminal_shape
+    return bar
+
+
+def _terminal_shape(fp: Any) -> "tuple[int, int]":
+    """``(columns, rows)`` for a bar on ``fp``, as tqdm counts them (one less than the terminal's), with
+    80x24 for a size the terminal does not report (0, or not a terminal)."""
+    try:
+        cols, rows = os.get_terminal_size(fp.fileno())
+    except (AttributeError, ValueError, OSError):
+        cols = rows = 0
+    return (cols if cols > 1 else 80) - 1, (rows if rows > 1 else 24) - 1

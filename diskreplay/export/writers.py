@@ -317,11 +317,13 @@ REPLACEABLE = {"parquet": replaceable_file, "jsonl": replaceable_file,
 
 def write_tables(fmt: str, out: str, schema: pa.Schema, tables: Iterator[pa.Table], *,
                  metadata: Optional[dict] = None, overwrite: bool = False, notes: Optional[List[str]] = None,
-                 **kw: Any) -> int:
+                 what: Optional[str] = None, **kw: Any) -> int:
     """Write a stream of tables to ``out`` atomically; returns the number of rows, and adds to
-    ``notes`` what the output does not hold as the store does."""
+    ``notes`` what the output does not hold as the store does. ``what`` names the output in an
+    error writing it (default: ``"<fmt> output"``)."""
     directory = fmt == "hf"
-    with atomic_output(out, overwrite=overwrite, directory=directory, replaceable=REPLACEABLE[fmt]) as tmp:
+    with atomic_output(out, overwrite=overwrite, directory=directory, replaceable=REPLACEABLE[fmt],
+                       what=what or f"{fmt} output") as tmp:
         sink = open_sink(fmt, tmp, schema, metadata, **kw)
         try:
             for t in tables:
@@ -446,6 +448,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
             kw = {"compression": compression, "row_group_bytes": chunk_bytes} if format == "parquet" else {}
             notes: List[str] = []
             rows = write_tables(format, out, schema, tables(), metadata=meta, overwrite=overwrite, notes=notes,
+                                what=f"{format} export",
                                 **kw)
         finally:
             bar.close()

@@ -195,8 +195,8 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
         gk = st.group_key if st.group_key in names else None
         bar = progress_bar(len(st), "export zarr", progress)
         try:
-            with atomic_output(out, overwrite=overwrite, directory=True,
-                               replaceable=replaceable_dir("zarr.json")) as tmp:
+            with atomic_output(out, overwrite=overwrite, directory=True, replaceable=replaceable_dir("zarr.json"),
+                               what="zarr export") as tmp:
                 root = zarr.open_group(tmp, mode="w", zarr_format=3)
                 writers = [_ColumnWriter(root, st.schema[n], paths[n]) for n in names]
                 keys: List[Any] = []

@@ -229,6 +229,12 @@ def refuse_foreign_path(path: str) -> None:
     own entries (a creation that died before FORMAT.json, another writer creating it at this moment): a
     mistyped path to a run's directory must not be filled with store files."""
     if not os.path.lexists(path):
+        above = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):  # (os.makedirs would raise a bare NotADirectoryError)
+            raise OutputExistsError(f"{above} is a file, so the store {path} cannot be created under it; choose "
+                                    "a path whose parent is a directory")
         return
     if not os.path.isdir(path):
         raise OutputExistsError(f"{path} is a file, not a directory; a store is a directory (pass a new or empty "
