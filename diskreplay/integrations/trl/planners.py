@@ -311,7 +311,8 @@ class Planner:
         """The version bound of ``draw`` in words ("" without ``max_policy_lag``)."""
         if draw.min_policy_version is None:
             return ""
-        return f" within max_policy_lag={self.max_policy_lag} steps (policy_version >= {draw.min_policy_version})"
+        version = f" (policy_version >= {draw.min_policy_version})" if draw.min_policy_version > 0 else ""
+        return f" within max_policy_lag={self.max_policy_lag} steps{version}"
 
 
 class RepoPlanner(Planner):
