@@ -82,7 +82,7 @@ import torch
 from .batching.collator import LAYOUTS
 from .errors import ArgumentError, LoaderError, RowsEvictedError
 from .batching.packed import collate_packed, pack_on_device as _pack_on_device, packed_sizes
-from .batching.columns import GrowingBuffers
+from .batching.columns import GrowingBuffers, check_ids_dtype, check_pad_fits
 from .batching.padded import collate, collate_unpadded, pad_on_device as _pad_on_device, padded_widths
 from .following import StoreFollowing, resolve_device, restore_state, state_key, store_lock
 from .ragged import RaggedColumn, is_int as _is_int
@@ -318,8 +318,9 @@ class _Build:
     """How the worker turns a read batch into host tensors: the layout, and the token budget."""
 
     def __init__(self, layout: str, pad_token_id: Optional[int], on_device: bool, max_tokens: Optional[int],
-                 group_key: Optional[str]) -> None:
+                 group_key: Optional[str], ids_dtype: torch.dtype = torch.int64) -> None:
         self.layout, self.pad_token_id, self.on_device = layout, pad_token_id, on_device
+        self.ids_dtype = ids_dtype
         self.max_tokens, self.group_key = max_tokens, group_key
         #: the batch is read as row ranges (no copy) and packed (or, for the device, joined) straight
         #: from them
@@ -329,8 +330,8 @@ class _Build:
         if self.on_device:
             return collate_unpadded(batch, out=bufs)
         if self.layout == "packed":
-            return collate_packed(batch, out=bufs)
-        return collate(batch, self.pad_token_id, out=bufs)
+            return collate_packed(batch, out=bufs, ids_dtype=self.ids_dtype)
+        return collate(batch, self.pad_token_id, out=bufs, ids_dtype=self.ids_dtype)
 
     def fitting_rows(self, store: Any, rows: np.ndarray, batch: Mapping[str, Any]) -> int:
         """How many leading rows (whole groups) of the draw fit in ``max_tokens``.
@@ -421,6 +422,8 @@ class ReplayLoader:
     ``cu_seqlens``; ``pad_token_id`` may then be None); with
     ``pad_on_device=True`` only the unpadded payload crosses to ``device``
     and :func:`~diskreplay.batching.packed.pack_on_device` builds the stream there.
+    ``ids_dtype=torch.int32`` makes the token ids int32 instead of TRL's int64
+    (see :class:`~diskreplay.batching.collator.Collator`), in either layout.
 
     ``max_tokens`` caps a batch by tokens rather than rows (verl's dynamic
     batch size): of each draw of ``batch_size`` rows, the batch keeps the
@@ -467,7 +470,8 @@ class ReplayLoader:
                  columns: Optional[Sequence[str]] = None, min_policy_version: Optional[float] = None,
                  state_name: Optional[str] = None, num_batches: Optional[int] = None, *,
                  layout: str = "padded", max_tokens: Optional[int] = None,
-                 group_key: Optional[str] = None, exclude: Any = None, min_row: Optional[int] = None) -> None:
+                 group_key: Optional[str] = None, exclude: Any = None, min_row: Optional[int] = None,
+                 ids_dtype: torch.dtype = torch.int64) -> None:
         for name, value, low in (("batch_size", batch_size, 1), ("prefetch", prefetch, 1)):
             if not _is_int(value) or value < low:
                 raise ArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -477,6 +481,9 @@ class ReplayLoader:
             raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not _is_int(pad_token_id) and not (layout == "packed" and pad_token_id is None):
             raise ArgumentError(f"pad_token_id must be an integer token id, got {pad_token_id!r}")
+        ids_dtype = check_ids_dtype(ids_dtype)
+        if pad_token_id is not None:
+            check_pad_fits(int(pad_token_id), ids_dtype)
         if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
             raise ArgumentError(f"max_tokens must be None (no budget) or an integer >= 1, got {max_tokens!r}")
         if not hasattr(sampler, "sample") or not hasattr(sampler, "state_dict"):
@@ -495,7 +502,7 @@ class ReplayLoader:
         self.store, self.sampler = store, sampler
         self.batch_size = int(batch_size)
         self.pad_token_id = None if pad_token_id is None else int(pad_token_id)
-        self.layout, self.max_tokens = layout, max_tokens
+        self.layout, self.max_tokens, self.ids_dtype = layout, max_tokens, ids_dtype
         self.group_key = group_key if group_key is not None else getattr(store, "group_key", None)
         self.device, self.prefetch, self.pin_memory = dev, int(prefetch), bool(pin_memory)
         self.pad_on_device, self.columns = bool(pad_on_device), columns
@@ -533,7 +540,8 @@ class ReplayLoader:
         # one batch fewer than the ring: a worker with every buffer set filled waits in a put
         self._ready: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
         self._ring = _Ring(size, self.pin_memory)
-        build = _Build(self.layout, self.pad_token_id, self.pad_on_device, self.max_tokens, self.group_key)
+        build = _Build(self.layout, self.pad_token_id, self.pad_on_device, self.max_tokens, self.group_key,
+                       self.ids_dtype)
         self._worker = _Worker(self.sampler, self.batch_size, kwargs, self.columns, build,
                                remaining, self._ring, self._ready, self._lock, self._following, self._received,
                                self._generation)
@@ -653,9 +661,9 @@ class ReplayLoader:
             return lambda moved: moved
         if self.layout == "packed":
             sizes = packed_sizes(host)
-            return lambda moved: _pack_on_device(moved, sizes=sizes)
+            return lambda moved: _pack_on_device(moved, sizes=sizes, ids_dtype=self.ids_dtype)
         widths = padded_widths(host)
-        return lambda moved: _pad_on_device(moved, self.pad_token_id, widths=widths)
+        return lambda moved: _pad_on_device(moved, self.pad_token_id, widths=widths, ids_dtype=self.ids_dtype)
 
     def _deliver(self, slot: int, host: Dict[str, Any]) -> Dict[str, Any]:
         if self._alias:

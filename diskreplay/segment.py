@@ -670,11 +670,13 @@ def check_rows_of_parts(parts: Sequence[Tuple["Segment", np.ndarray]], names: tu
     if not names or not parts:
         return
     # a small read does not start numba (about a second, once a process): opening a store and
-    # reading a few rows stays as fast as before; a batch does, and later reads use it
+    # reading a few rows stays as fast as before; a batch starts it on a thread of its own and
+    # takes the numpy path until it is ready (a restarted trainer's first batch does not wait)
     if not _jit.loaded() and sum(len(local_rows) for _, local_rows in parts) < COMPILED_CHECK_ROWS:
         kernels, function = None, None
     else:
-        kernels, function = _jit.kernels(), _jit.crc32c_function()
+        kernels = _jit.kernels_now()
+        function = _jit.crc32c_function() if kernels is not None else None
     compiled, tables = [], []
     for seg, local_rows in parts:
         if seg.pages is None:

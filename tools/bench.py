@@ -1,7 +1,7 @@
 """Benchmarks of diskreplay against baselines measured in the same run.
 
     python tools/bench.py store  [--groups 4096] [--big 10] [--dir DIR] [--small-commits 3000]
-    python tools/bench.py sample [--groups 4096] [--dir DIR] [--quick]
+    python tools/bench.py sample [--groups 4096] [--dir DIR] [--quick] [--only cold|restart|ids]
     python tools/bench.py export [--groups 4096] [--big 10] [--dir DIR]
     python tools/bench.py priorities [--sizes 32768,1000000,10000000] [--dir DIR]
     python tools/bench.py writers [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from diskreplay import (Collator, PromptGroupSampler, RaggedColumn, ReplayStore, collate,  # noqa: E402
                         collate_unpadded)
 from diskreplay.loader import ReplayLoader  # noqa: E402
+from diskreplay import _jit  # noqa: E402
 from diskreplay import format as fmt  # noqa: E402
 from diskreplay.samplers import STRATEGIES  # noqa: E402
 from diskreplay.store.replay_store import INDEX_TAIL_SEGMENTS  # noqa: E402
@@ -437,12 +438,13 @@ class _FlatGather:
         self.bufs = {}
 
     def _buf(self, name, numel, dtype):
-        b = self.bufs.get(name)
+        b = self.bufs.get((name, np.dtype(dtype)))
         if b is None or b.size < numel:
-            b = self.bufs[name] = np.empty(int(numel * 1.25) + 1, dtype=dtype)
+            b = self.bufs[(name, np.dtype(dtype))] = np.empty(int(numel * 1.25) + 1, dtype=dtype)
         return b
 
-    def gather(self, rows, pad):
+    def gather(self, rows, pad, ids_dtype=np.int64):
+        """``ids_dtype``: of the token ids (the masks stay int64, as collate's)."""
         rows = np.asarray(rows) - self.base
         B = len(rows)
         out = {}
@@ -451,7 +453,7 @@ class _FlatGather:
             lengths = offsets[rows + 1] - starts
             W = int(lengths.max())
             left = name.startswith("prompt_")
-            dtype = np.int64 if values.dtype.kind in "iu" else values.dtype
+            dtype = (ids_dtype if name in _MASKS else np.int64) if values.dtype.kind in "iu" else values.dtype
             arr = self._buf(name, B * W, dtype)[:B * W].reshape(B, W)
             pos = np.arange(W)
             mask = pos >= (W - lengths)[:, None] if left else pos < lengths[:, None]
@@ -721,6 +723,7 @@ def _cold_first_batch_child(store_path, torchrl_dir, batch_groups, B, pad, round
     collator = Collator(pad)
     flat = _FlatGather(store, flat_dir)
     collator(store.read(draws[0])), flat.gather(draws[0], pad)
+    _jit.kernels()  # numba's start-up, begun after the warm-up read, is over before the timed rounds
     flat.cols = {}
     store.close()
     del store
@@ -774,6 +777,138 @@ def _bench_cold_first_batch(store_path, torchrl_base, batch_groups, B, pad, roun
         row("  vs TorchRL padded memmap reopen + sample", f"{ms['ours']:.1f} ms", f"{ms['torchrl']:.1f} ms",
             target("cold reopen + first batch vs TorchRL padded memmap, speed", ms["torchrl"] / ms["ours"],
                    ">= 20"))
+    sys.stdout.flush()
+
+
+RESTART_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    import torch  # a trainer has torch (and numpy) imported before its first batch: excluded
+    path, layout, B, groups, seed, wait = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+    # this VM returns freed memory to its host, whose next touch costs ~3 ns/byte (see warm_free_memory)
+    block = np.ones(512 << 20, dtype=np.uint8)
+    del block
+    t = time.perf_counter()
+    from diskreplay import Collator, PromptGroupSampler, ReplayStore, _jit
+    store = ReplayStore(path, readonly=True)
+    sampler = PromptGroupSampler(num_groups=groups, seed=seed)
+    draws = [sampler.sample(store, B) for _ in range(14)]
+    t1 = time.perf_counter()
+    collator = Collator(0, layout=layout)
+    t2 = time.perf_counter()
+    if wait:  # what the first batch cost when a read waited for numba's start-up (the kernels cached)
+        _jit.kernels()
+    collator.read(store, draws[0])
+    t3 = time.perf_counter()
+    collator.read(store, draws[1])  # while numba starts beside it
+    t4 = time.perf_counter()
+    if _jit._loading is not None:
+        _jit._loading.join()
+    t5 = time.perf_counter()
+    steady = []
+    for rows in draws[2:]:
+        t6 = time.perf_counter()
+        collator.read(store, rows)
+        steady.append(time.perf_counter() - t6)
+    hits = {k: [sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values())]
+            for k, d in _jit.dispatchers().items()}
+    print(json.dumps({"import_open_sample_ms": 1e3 * (t1 - t), "first_ms": 1e3 * (t3 - t2),
+                      "second_ms": 1e3 * (t4 - t3), "numba_ready_after_ms": 1e3 * (t5 - t2),
+                      "steady_ms": 1e3 * sorted(steady)[len(steady) // 2], "cache": hits}))
+""")
+
+
+def _restart_runs(store_path, layout, B, batch_groups, rounds, wait, seed0=0):
+    out = []
+    for i in range(rounds):
+        done = subprocess.run([sys.executable, "-c", RESTART_CHILD, store_path, layout, str(B), str(batch_groups),
+                               str(seed0 + i), str(int(wait))], check=True, capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _bench_restart(store_path, batch_groups, B, rounds, res, report):
+    """A restarted trainer's first batch: a fresh process (torch imported, free memory warmed), the
+    store opened and ``rounds`` draws sampled, then the first ``Collator.read`` of ``B`` rows (warm
+    page cache, numba's cache present), against the same process's steady reads (the median of 12
+    more, after numba is ready), for both layouts; and the first batch as it was when a read waited
+    for numba's start-up. Each round is a new process; the layouts and the waiting variant
+    alternate round by round; medians."""
+    _restart_runs(store_path, "packed", B, batch_groups, 1, True)  # numba's cache filled (compiled once)
+    runs: Dict[tuple, list] = {}
+    for i in range(rounds):
+        for layout in ("padded", "packed"):
+            for wait in (False, True):
+                runs.setdefault((layout, wait), []).extend(
+                    _restart_runs(store_path, layout, B, batch_groups, 1, wait, seed0=100 + i))
+    print(f"\nrestart: a new process's first Collator.read of {B} rows, warm page cache, numba's cache present "
+          f"({rounds} processes per path, medians)")
+    for layout in ("padded", "packed"):
+        med = {k: statistics.median(r[k] for r in runs[(layout, False)])
+               for k in ("first_ms", "second_ms", "steady_ms", "numba_ready_after_ms", "import_open_sample_ms")}
+        waited = statistics.median(r["first_ms"] for r in runs[(layout, True)])
+        misses = sum(m for r in runs[(layout, False)] + runs[(layout, True)] for _, m in r["cache"].values())
+        res[f"restart_{layout}"] = {**med, "first_waiting_for_numba_ms": waited, "cache_misses": misses}
+        row(f"{layout}: first batch vs a steady one", f"{med['first_ms']:.1f} ms", f"{med['steady_ms']:.1f} ms",
+            target(f"restart: first batch vs steady, {layout}, time", med["first_ms"] / med["steady_ms"], "<= 3"))
+        row("  second batch (numba starting beside it)", f"{med['second_ms']:.1f} ms", f"{med['steady_ms']:.1f} ms",
+            f"{med['second_ms'] / med['steady_ms']:.2f}x")
+        row("  first batch waiting for numba (as before)", f"{waited:.1f} ms", f"{med['steady_ms']:.1f} ms",
+            f"{waited / med['steady_ms']:.2f}x")
+        row("  numba ready after the first read began", f"{med['numba_ready_after_ms']:.0f} ms", "", "")
+        row("  kernels compiled in these processes", f"{misses}", "", "")
+    sys.stdout.flush()
+
+
+def _bench_ids_dtype(store, flat, batch_groups, B, pad, rounds, res, report):
+    """Token ids as int32 (``Collator(ids_dtype=torch.int32)``) against the ideal gather writing int32
+    ids into reused buffers, the int64 pair beside them; paths alternated, medians. Host->device
+    bytes from the batches' tensor sizes."""
+    draws = [PromptGroupSampler(num_groups=batch_groups, seed=31).sample(store, B) for _ in range(rounds)]
+    c64, c32 = Collator(pad), Collator(pad, ids_dtype=torch.int32)
+    p64, p32 = Collator(layout="packed"), Collator(layout="packed", ids_dtype=torch.int32)
+    got, want = c32.read(store, draws[0]), flat.gather(draws[0], pad, ids_dtype=np.int32)
+    assert all(got[k].numpy().dtype == want[k].dtype and np.array_equal(got[k].numpy(), want[k]) for k in want)
+    for rows in draws[:3]:  # warm the pages and every buffer
+        c64.read(store, rows), c32.read(store, rows), p64.read(store, rows), p32.read(store, rows)
+        flat.gather(rows, pad), flat.gather(rows, pad, ids_dtype=np.int32)
+    ms = _alternate({
+        "padded int32": lambda i: c32.read(store, draws[i]),
+        "ideal int32": lambda i: flat.gather(draws[i], pad, ids_dtype=np.int32),
+        "padded int64": lambda i: c64.read(store, draws[i]),
+        "ideal int64": lambda i: flat.gather(draws[i], pad),
+        "packed int32": lambda i: p32.read(store, draws[i]),
+        "packed int64": lambda i: p64.read(store, draws[i]),
+    }, rounds)
+    res.update({f"ids_{k.replace(' ', '_')}_ms": v for k, v in ms.items()})
+    bytes_ = {}
+    for name, collator in (("padded int64", c64), ("padded int32", c32), ("packed int64", p64),
+                           ("packed int32", p32)):
+        batch = collator.read(store, draws[0])
+        # cu_seq_lens_q/k alias cu_seqlens: one copy crosses
+        seen, total = set(), 0
+        for v in batch.values():
+            if isinstance(v, torch.Tensor) and v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                total += v.numel() * v.element_size()
+        bytes_[name] = total
+    res["ids_bytes"] = bytes_
+    print(f"\ntoken ids as int32 (ids_dtype=torch.int32), {B} rows, warm ({rounds} rounds, medians)")
+    row("padded int32: Collator.read vs ideal int32 gather", f"{ms['padded int32']:.1f} ms",
+        f"ideal {ms['ideal int32']:.1f} ms",
+        target("padded read + collate, int32 ids, vs ideal int32 gather, speed", ms["ideal int32"] / ms["padded int32"],
+               ">= 0.9"))
+    row("  padded int64: Collator.read vs ideal int64 gather", f"{ms['padded int64']:.1f} ms",
+        f"ideal {ms['ideal int64']:.1f} ms", f"{ms['ideal int64'] / ms['padded int64']:.2f}x")
+    row("  padded int32 vs int64, Collator.read", f"{ms['padded int32']:.1f} ms", f"{ms['padded int64']:.1f} ms",
+        f"{ms['padded int64'] / ms['padded int32']:.2f}x")
+    row("  packed int32 vs int64, Collator.read", f"{ms['packed int32']:.1f} ms", f"{ms['packed int64']:.1f} ms",
+        f"{ms['packed int64'] / ms['packed int32']:.2f}x")
+    for layout in ("padded", "packed"):
+        b64, b32 = bytes_[f"{layout} int64"], bytes_[f"{layout} int32"]
+        row(f"host->device bytes, {layout}: int32 vs int64 ids", f"{b32 / 1e6:.2f} MB", f"{b64 / 1e6:.2f} MB",
+            f"-{(b64 - b32) / 1e6:.2f} MB ({1 - b32 / b64:.0%})")
     sys.stdout.flush()
 
 
@@ -1231,11 +1366,19 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     torchrl_base = _torchrl_baseline(store, os.path.join(work, "torchrl_padded"), report)
     report(f"sample: store {len(store)} rows ({store.nbytes / 1e6:.0f} MB), batch {batch_groups} groups x "
            f"{group_size} rows")
-    if not args.quick:  # first: nothing of the store is mapped in this process yet
+    if not args.quick and args.only in (None, "cold"):  # first: nothing of the store is mapped in this process yet
         _bench_cold_first_batch(store_path, torchrl_base, batch_groups, B, pad, cold, res, report)
-    if args.only == "cold":
+    if not args.quick and args.only in (None, "restart"):
+        _bench_restart(store_path, batch_groups, B, args.rounds if args.only == "restart" else 5, res, report)
+    if args.only in ("cold", "restart"):
         store.close()
-        return
+        print_targets(report)
+        return res
+    if args.only == "ids":
+        _bench_ids_dtype(store, flat, batch_groups, B, pad, warm, res, report)
+        store.close()
+        print_targets(report)
+        return res
 
     # --- warm page cache
     rows0 = PromptGroupSampler(num_groups=batch_groups, seed=0).sample(store, B)
@@ -1245,6 +1388,7 @@ def bench_sample(args, batch_groups=64, group_size=8, warm=20, cold=6, step_ms=5
     res["padded_mb"] = _nbytes(ref) / 1e6
     report(f"  padded output {res['padded_mb']:.1f} MB per batch (int64 ids and masks, float32 log-probs)")
     _bench_batches(store, flat, torchrl_base, batch_groups, B, pad, warm, res, report)
+    _bench_ids_dtype(store, flat, batch_groups, B, pad, warm, res, report)
     _bench_fresh_rows(store_path, flat, torchrl_base, batch_groups, group_size, pad, res, report)
     if args.quick:
         store.close()
@@ -2165,14 +2309,17 @@ def main(argv=None) -> None:
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
                    help="writers: small commits per writer (default 100); commit-cpu: commits timed (default 300)")
-    p.add_argument("--rounds", type=int, default=3, help="writers: alternating rounds (medians are reported)")
+    p.add_argument("--rounds", type=int, default=3, help="writers: alternating rounds (medians are reported); "
+                   "sample --only restart: processes per path")
     p.add_argument("--big", type=int, default=10, help="size factor of the large store (1: skip it)")
     p.add_argument("--dir", help="work directory, kept (default: a new temporary one, removed at the end); "
                    "big stores are reused")
     p.add_argument("--quick", action="store_true",
                    help="sample: only the warm batch table (skip the per-strategy, cold and memory sections)")
-    p.add_argument("--only", choices=["cold"],
-                   help="sample: only this block (cold: reopen + first batch with the page cache dropped)")
+    p.add_argument("--only", choices=["cold", "restart", "ids"],
+                   help="sample: only this block (cold: reopen + first batch with the page cache dropped; "
+                   "restart: a new process's first batch, warm page cache, vs its steady batches (--rounds "
+                   "processes per path); ids: int32 token ids vs the ideal int32 gather, and the bytes saved)")
     p.add_argument("--small-commits", type=int, default=3000,
                    help="store: commits of 8 rows for the small-commit comparison (0: skip it)")
     p.add_argument("--sizes", default="32768,1000000,10000000",

@@ -13,8 +13,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .. import _jit
 from ..errors import ArgumentError
-from .columns import GrowingBuffers, check_pad_token
+from .columns import GrowingBuffers, check_ids_dtype, check_pad_fits, check_pad_token
 from .packed import collate_packed
 from .padded import collate, collate_unpadded
 
@@ -33,6 +34,10 @@ class Collator:
     stream; ``pad_token_id`` is not needed; ``batch_dim`` as there).
     ``pin_memory=True`` keeps the buffers in pinned memory (needs CUDA), so
     ``.to("cuda", non_blocking=True)`` of the outputs is asynchronous.
+    ``ids_dtype``: the dtype of the token ids (``prompt_ids``, ``completion_ids``;
+    ``input_ids`` packed): ``torch.int64`` as TRL has them, or ``torch.int32``,
+    half their bytes to write and to copy to a device (``nn.Embedding`` takes
+    int32; the store keeps ids as int32, so nothing is lost).
 
     **Validity**: the tensors a call returns are views of the collator's
     buffers; the NEXT call on the same collator overwrites them (or, when the
@@ -52,31 +57,36 @@ class Collator:
     True
     >>> Collator(layout="packed")(b)["input_ids"].tolist()
     [[1, 2, 3]]
+    >>> Collator(0, ids_dtype=torch.int32)(b)["completion_ids"].dtype
+    torch.int32
     """
 
     def __init__(self, pad_token_id: Optional[int] = None, *, layout: str = "padded",
-                 batch_dim: bool = True, pin_memory: bool = False) -> None:
+                 batch_dim: bool = True, pin_memory: bool = False, ids_dtype: torch.dtype = torch.int64) -> None:
         if layout not in LAYOUTS:
             raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if layout == "padded":
             if pad_token_id is None:
                 raise ArgumentError("a padded Collator needs pad_token_id (the token that pads ids), got None")
-            pad_token_id = check_pad_token(pad_token_id)
+            pad_token_id = check_pad_fits(check_pad_token(pad_token_id), check_ids_dtype(ids_dtype))
         if pin_memory and not torch.cuda.is_available():
             raise ArgumentError("pin_memory=True needs CUDA, which this machine lacks; pass pin_memory=False")
         self.pad_token_id, self.layout, self.batch_dim = pad_token_id, layout, bool(batch_dim)
+        self.ids_dtype = check_ids_dtype(ids_dtype)
         self.buffers = GrowingBuffers(pin_memory=bool(pin_memory))
         self.read_buffers: dict = {}  # ReplayStore.read(..., out=) buffers of Collator.read
 
+    @_jit.deferring
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Collate ``batch`` (what ``ReplayStore.read`` returns) into this collator's buffers."""
         return self._collate(batch, self.buffers)
 
     def _collate(self, batch: Mapping[str, Any], out: Optional[GrowingBuffers]) -> dict[str, Any]:
         if self.layout == "packed":
-            return collate_packed(batch, batch_dim=self.batch_dim, out=out)
-        return collate(batch, self.pad_token_id, out=out)
+            return collate_packed(batch, batch_dim=self.batch_dim, out=out, ids_dtype=self.ids_dtype)
+        return collate(batch, self.pad_token_id, out=out, ids_dtype=self.ids_dtype)
 
+    @_jit.deferring
     def read(self, store: Any, rows: Any, columns: Optional[Any] = None, *, fresh: bool = False) -> dict[str, Any]:
         """``self(store.read(rows, columns))``, the read's value buffers reused too (they belong to
         this collator): a batch of 512 rows copies into warm memory at every step, not into
@@ -117,5 +127,6 @@ class Collator:
 
     def __repr__(self) -> str:
         pad = "" if self.layout == "packed" else f"pad_token_id={self.pad_token_id}, "
-        return (f"Collator({pad}layout={self.layout!r}, pin_memory={self.buffers.pin_memory}, "
+        ids = "" if self.ids_dtype == torch.int64 else f"ids_dtype={self.ids_dtype}, "
+        return (f"Collator({pad}layout={self.layout!r}, {ids}pin_memory={self.buffers.pin_memory}, "
                 f"holding {self.nbytes / 2**20:.1f} MiB)")

@@ -53,9 +53,9 @@ from .. import _jit
 from ..errors import BatchError
 from ..ragged import RaggedColumn, data_address
 from ..store.reading import RowRanges
-from .columns import (OFFSETS_SUFFIX, PRESENT_SUFFIX, batch_rows, check_batch_names, checked_lengths,
-                      is_prompt_column, output_buffer, output_dtype, passthrough, per_row_tensor, presence_flags,
-                      unpadded_ragged_names, widened_dtype)
+from .columns import (OFFSETS_SUFFIX, PRESENT_SUFFIX, batch_rows, check_batch_names, check_ids_dtype, check_ids_fit,
+                      checked_lengths, is_prompt_column, output_buffer, output_dtype, passthrough, per_row_tensor,
+                      presence_flags, unpadded_ragged_names, widened_dtype)
 
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
 
@@ -187,16 +187,19 @@ def _join(pieces: list, out: np.ndarray) -> None:
         np.concatenate(pieces, out=out, casting="unsafe")
 
 
+@_jit.deferring
 def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
-                   out: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, Any]:
+                   out: Optional[Mapping[str, torch.Tensor]] = None,
+                   ids_dtype: torch.dtype = torch.int64) -> dict[str, Any]:
     """Pack a batch read from the store into one padding-free token stream.
 
     For B rows of prompt lengths p_i and completion lengths c_i (T = sum of
     p_i + c_i tokens):
 
-    * ``input_ids``: int64, each row's prompt then its completion, row after
-      row; shape [1, T] (a batch of one sequence, what transformers' packed
-      path expects) or [T] with ``batch_dim=False``.
+    * ``input_ids``: int64 (or ``ids_dtype=torch.int32``: half the bytes),
+      each row's prompt then its completion, row after row; shape [1, T] (a
+      batch of one sequence, what transformers' packed path expects) or [T]
+      with ``batch_dim=False``.
     * ``position_ids``: int64, same shape, restarting at 0 for every row.
     * ``cu_seqlens``: int32 [B + 1], where each row starts (``cu_seqlens[i]``)
       and ends (``cu_seqlens[i + 1]``) in the stream; ``max_seqlen``: the
@@ -249,7 +252,10 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     ([0, 3, 6], 3, [0, 0, 1, 0, 1, 1])
     >>> p["old_per_token_logps"].tolist(), p["advantages"].tolist()
     ([0.0, 0.0, -0.5, 0.0, -0.25, -1.0], [0.5, -0.5])
+    >>> collate_packed(b, ids_dtype=torch.int32)["input_ids"].dtype
+    torch.int32
     """
+    ids_dtype = check_ids_dtype(ids_dtype)
     _check_names(batch)
     B = batch_rows(batch)
     rows = {name: _Rows(name, col) for name, col in batch.items() if isinstance(col, RaggedColumn)}
@@ -288,7 +294,8 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                 views[i] = empty
         return views
 
-    kernels = _jit.kernels() if T else None
+    # None while numba starts in a new process (see _jit.kernels_now): this batch takes the numpy path
+    kernels = _jit.kernels_now() if T else None
     nothing = np.zeros(B, dtype=np.int64)
 
     def compiled(target: np.ndarray, first: Optional[tuple], second: Optional[tuple]) -> bool:
@@ -312,7 +319,10 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
         return (mine, theirs) if is_prompt else (theirs, mine)
 
     result: dict[str, Any] = {}
-    ids = output_buffer(out, "input_ids", _flat_shape(T, batch_dim), torch.int64)
+    for side in (prompt, completion):
+        if side is not None and not isinstance(side.col, RowRanges):  # the store's ids are int32
+            check_ids_fit("input_ids", np.asarray(side.col.values), ids_dtype)
+    ids = output_buffer(out, "input_ids", _flat_shape(T, batch_dim), ids_dtype)
     ids_np = ids.numpy().reshape(-1)
     if kernels is None or not compiled(ids_np, kernel_side(prompt, plen, ids_np.dtype),
                                        kernel_side(completion, clen, ids_np.dtype)):
@@ -458,7 +468,7 @@ def _scatter_index(offsets: torch.Tensor, n: int, row_start: torch.Tensor) -> to
 
 
 def pack_on_device(unpadded: Mapping[str, Any], *, sizes: Optional[Mapping[str, int]] = None,
-                   batch_dim: bool = True) -> dict[str, Any]:
+                   batch_dim: bool = True, ids_dtype: torch.dtype = torch.int64) -> dict[str, Any]:
     """Build :func:`collate_packed`'s batch with torch ops on the device of
     ``unpadded`` (:func:`~diskreplay.batching.padded.collate_unpadded`'s output).
 
@@ -466,6 +476,7 @@ def pack_on_device(unpadded: Mapping[str, Any], *, sizes: Optional[Mapping[str, 
     dtypes, values). Without ``sizes`` (:func:`packed_sizes` of the host
     tensors, taken before they were moved) the total token count and the
     longest row are read back from the device once; with it nothing waits.
+    ``ids_dtype`` as in :func:`collate_packed`.
 
     >>> from diskreplay.batching.padded import collate_unpadded
     >>> b = {"prompt_ids": RaggedColumn.from_arrays([[5, 6], [7]], dtype=np.int32),
@@ -474,6 +485,7 @@ def pack_on_device(unpadded: Mapping[str, Any], *, sizes: Optional[Mapping[str, 
     >>> p["input_ids"].tolist(), p["completion_mask"].tolist()
     ([[5, 6, 1, 7, 2, 3]], [0, 0, 1, 0, 1, 1])
     """
+    ids_dtype = check_ids_dtype(ids_dtype)
     if sizes is None:
         sizes = packed_sizes(unpadded)
     else:
@@ -491,12 +503,12 @@ def pack_on_device(unpadded: Mapping[str, Any], *, sizes: Optional[Mapping[str, 
     pos = torch.arange(T, device=device) - cu[:-1][token_row]
     comp = pos >= plen[token_row]
 
-    ids = torch.empty(T, dtype=torch.int64, device=device)
+    ids = torch.empty(T, dtype=ids_dtype, device=device)
     for name in _TOKENS:
         values = unpadded.get(name)
         if values is not None:
             index = _scatter_index(unpadded[name + OFFSETS_SUFFIX], values.numel(), starts[is_prompt_column(name)])
-            ids[index] = values.to(torch.int64)
+            ids[index] = values.to(ids_dtype)
     shape = _flat_shape(T, batch_dim)
     cu32 = cu.to(torch.int32)
     result: dict[str, Any] = {

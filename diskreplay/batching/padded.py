@@ -46,9 +46,10 @@ import torch
 from ..errors import ArgumentError, BatchError
 from ..ragged import RaggedColumn
 from ..store.reading import RowRanges
-from .columns import (OFFSETS_SUFFIX, PRESENT_SUFFIX, batch_rows, check_batch_names, check_pad_token,
-                      checked_lengths, is_prompt_column, output_buffer, output_dtype, passthrough, per_row_tensor,
-                      presence_flags, unpadded_ragged_names, widened_dtype)
+from .columns import (OFFSETS_SUFFIX, PRESENT_SUFFIX, TOKEN_IDS, batch_rows, check_batch_names, check_ids_dtype,
+                      check_ids_fit, check_pad_fits, check_pad_token, checked_lengths, is_prompt_column,
+                      output_buffer, output_dtype, passthrough, per_row_tensor, presence_flags,
+                      unpadded_ragged_names, widened_dtype)
 
 __all__ = ["collate", "collate_unpadded", "pad_on_device", "repad", "repad_stacked"]
 
@@ -167,7 +168,7 @@ def _mask_name(name: str) -> Optional[str]:
 # --------------------------------------------------------------------------
 
 def collate(batch: Mapping[str, Any], pad_token_id: int, *,
-            out: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, Any]:
+            out: Optional[Mapping[str, torch.Tensor]] = None, ids_dtype: torch.dtype = torch.int64) -> dict[str, Any]:
     """Pad a batch read from the store into TRL's GRPOTrainer layout.
 
     ``batch`` maps column names to what ``ReplayStore.read`` returns:
@@ -179,7 +180,8 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
       ``completion_mask``; every other ragged column (per-token log-probs...)
       is right-padded with 0 to C. P and C are the longest prompt-aligned and
       completion-aligned rows of this batch (0 gives a [B, 0] tensor).
-      Integers become int64, floats and bools keep their dtype. A row whose
+      Integers become int64 (token ids: ``ids_dtype``, int64 as TRL has them,
+      or ``torch.int32``), floats and bools keep their dtype. A row whose
       validity flag is False ("not computed": e.g. a row committed before the
       column was added to the store) comes out as all padding, and the batch
       then also holds ``name + "_present"``, a [B] bool tensor that is False
@@ -208,8 +210,11 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
     ([[1, 0, 0], [2, 3, 4]], [[1, 0, 0], [1, 1, 1]])
     >>> t["advantages"]
     tensor([ 0.5000, -0.5000])
+    >>> collate(b, pad_token_id=0, ids_dtype=torch.int32)["prompt_ids"].dtype
+    torch.int32
     """
-    pad_token_id = check_pad_token(pad_token_id)
+    ids_dtype = check_ids_dtype(ids_dtype)
+    pad_token_id = check_pad_fits(check_pad_token(pad_token_id), ids_dtype)
     check_batch_names(batch)
     B = batch_rows(batch)
     packed = {name: _packed(name, col) for name, col in batch.items()
@@ -238,7 +243,12 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
             values, lengths = packed[name]
             left = is_prompt_column(name)
             L = width[left]
-            tensor = output_buffer(out, name, (B, L), output_dtype(values.dtype))
+            if name in TOKEN_IDS and values.dtype.kind in "iu":
+                check_ids_fit(name, values, ids_dtype)
+                dtype = ids_dtype
+            else:
+                dtype = output_dtype(values.dtype)
+            tensor = output_buffer(out, name, (B, L), dtype)
             mask = mask_for(left, lengths, L)
             kernel = _pad_left if left else _pad_right
             kernel(values, lengths, _pad_value(name, pad_token_id), tensor.numpy(), mask)
@@ -306,7 +316,8 @@ def collate_unpadded(batch: Mapping[str, Any], *,
     return result
 
 
-def buffer_needs(batch: Mapping[str, Any], n: int, unpadded: bool) -> dict[str, tuple]:
+def buffer_needs(batch: Mapping[str, Any], n: int, unpadded: bool,
+                 ids_dtype: torch.dtype = torch.int64) -> dict[str, tuple]:
     """``{output name: (elements, torch dtype)}`` of what :func:`collate` (or, with
     ``unpadded``, :func:`collate_unpadded`) writes for ``batch`` of ``n`` rows:
     the sizes of reusable ``out`` buffers (a loader's pinned ring).
@@ -336,7 +347,7 @@ def buffer_needs(batch: Mapping[str, Any], n: int, unpadded: bool) -> dict[str, 
             needs[name] = (col.size, output_dtype(col.dtype))
     for name, dtype in ragged:
         numel = n * width[is_prompt_column(name)]
-        needs[name] = (numel, output_dtype(dtype))
+        needs[name] = (numel, ids_dtype if name in TOKEN_IDS and np.dtype(dtype).kind in "iu" else output_dtype(dtype))
         mask = _mask_name(name)
         if mask is not None:
             needs[mask] = (numel, torch.int64)
@@ -369,21 +380,23 @@ def padded_widths(unpadded: Mapping[str, Any]) -> dict[bool, int]:
 
 
 def pad_on_device(unpadded: Mapping[str, Any], pad_token_id: int, *,
-                  widths: Optional[Mapping[bool, int]] = None) -> dict[str, Any]:
+                  widths: Optional[Mapping[bool, int]] = None, ids_dtype: torch.dtype = torch.int64) -> dict[str, Any]:
     """Pad what :func:`collate_unpadded` made, with torch ops on its tensors' device.
 
     The result equals ``collate`` of the same batch, on whatever device the
     values and offsets live (no copy back to the host). Finding the widths
     costs one small device-to-host read of the maximum row lengths, unless
     ``widths`` (:func:`padded_widths` of the host offsets, taken before they
-    were moved) is given: then nothing waits for the device.
+    were moved) is given: then nothing waits for the device. ``ids_dtype`` as
+    in :func:`collate`.
 
     >>> b = {"prompt_ids": RaggedColumn.from_arrays([[5, 6], [7]], dtype=np.int32)}
     >>> t = pad_on_device(collate_unpadded(b), pad_token_id=0)
     >>> t["prompt_ids"].tolist(), t["prompt_mask"].tolist()
     ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
     """
-    pad_token_id = check_pad_token(pad_token_id)
+    ids_dtype = check_ids_dtype(ids_dtype)
+    pad_token_id = check_pad_fits(check_pad_token(pad_token_id), ids_dtype)
     ragged = unpadded_ragged_names(unpadded)
     width = padded_widths(unpadded) if widths is None else {True: int(widths[True]), False: int(widths[False])}
 
@@ -394,8 +407,11 @@ def pad_on_device(unpadded: Mapping[str, Any], pad_token_id: int, *,
             continue
         if name in ragged:
             left = is_prompt_column(name)
+            dtype = widened_dtype(value.dtype)
+            if name in TOKEN_IDS and dtype == torch.int64:
+                dtype = ids_dtype
             padded, mask = _pad_torch(value, unpadded[name + OFFSETS_SUFFIX], width[left],
-                                      _pad_value(name, pad_token_id), widened_dtype(value.dtype), left)
+                                      _pad_value(name, pad_token_id), dtype, left)
             result[name] = padded
             mask_name = _mask_name(name)
             if mask_name is not None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Ty
 import numpy as np
 import pyarrow as pa
 
-from .. import format as fmt
+from .. import _jit, format as fmt
 from .._ranges import coalesce
 from ..errors import ArgumentError, CorruptStoreError, RowsEvictedError
 from ..groups import arrow_indices
@@ -308,6 +308,7 @@ class SegmentCache:
         segments = [self.segment(e, view) for e in todo]
         return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
 
+    @_jit.deferring
     def read(self, view: ReadView, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
              ranges: bool = False) -> Dict[str, Column]:
         """The columns ``cols`` of ``rows`` (see ``ReplayStore.read``; ``ranges``: ``read_ranges``)."""
