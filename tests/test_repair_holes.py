@@ -69,6 +69,8 @@ def test_repair_keeps_the_rows_on_both_sides_of_a_damaged_segment(tmp_path, mult
         # the group index, every sampler and the whole-store read skip the hole
         gi = store.group_index()
         assert sorted(gi.keys) == [0, 1, 2, 20, 21]
+        by_column = store.group_index(key="policy_version")  # an index built on demand from a column
+        assert sorted(by_column.rows.tolist()) == live.tolist()
         for sampler in (RandomSampler(seed=0), RandomSampler(replacement=True, seed=0),
                         PromptGroupSampler(num_groups=2, seed=0), PrioritizedSampler(seed=0)):
             drawn = np.concatenate([sampler.sample(store, 8) for _ in range(10)])
@@ -180,3 +182,23 @@ def test_export_skip_damaged_exports_the_healthy_rows_and_names_what_it_skipped(
     after = {rel: open(os.path.join(path, d, rel), "rb").read() for d in (fmt.MANIFEST_DIR, fmt.SEGMENT_DIR)
              for rel in os.listdir(os.path.join(path, d))}
     assert after == before  # nothing repaired, nothing moved
+
+
+def test_pairs_best_of_n_and_info_of_a_repaired_store(tmp_path):
+    """The curated exports kept per-row arrays of len(store) indexed by row id - head: a hole shifted
+    every row after it out of them."""
+    from diskreplay.export import best_of_n, preference_pairs, store_info
+
+    path = str(tmp_path / "s")
+    segs, _ = _three_segments(path)
+    flip_byte(path, segs[1].file, segs[1].bytes // 2)
+    repair_store(path)
+    with ReplayStore(path, readonly=True) as store:
+        live = set(store.row_ids().tolist())
+    preference_pairs(path, str(tmp_path / "p.parquet"), format="parquet")
+    table = pq.read_table(tmp_path / "p.parquet")
+    assert table.num_rows > 0
+    assert set(table.column("chosen_row").to_pylist() + table.column("rejected_row").to_pylist()) <= live
+    best_of_n(path, str(tmp_path / "b.parquet"), k=1, format="parquet")
+    assert set(pq.read_table(tmp_path / "b.parquet").column("row").to_pylist()) <= live
+    assert store_info(path)["rows"] == len(live)

@@ -82,9 +82,10 @@ def _selection(st: ReplayStore, group_key: Optional[str], reward_key: str, polic
     flt = make_filter(policy_versions, None, None, reward_key)
     flt.check(st)
     head = st.head
-    rewards = np.empty(len(st), dtype=np.float64)
-    versions = np.empty(len(st), dtype=np.int64) if version_key is not None else None
-    eligible = np.ones(len(st), dtype=bool)
+    span = st.next_row - head  # (len(st) but for the rows of holes, which no group holds)
+    rewards = np.empty(span, dtype=np.float64)
+    versions = np.empty(span, dtype=np.int64) if version_key is not None else None
+    eligible = np.ones(span, dtype=bool)
     cols = [reward_key] + flt.columns() + ([version_key] if version_key is not None else [])
     late_prompt = "prompt_ids" in st.schema.late
     with progress_bar(len(st), f"{what}: rewards", progress) as bar:

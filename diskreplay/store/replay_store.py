@@ -916,9 +916,17 @@ class ReplayStore:
             if key not in self.columns or self.schema[key].kind != "scalar":
                 raise ColumnNotFoundError(f"cannot group by {key!r}: it is not a per-row column of the store "
                                f"(columns: {self.columns})")
-            gi = self._following(lambda: index_of_column(self._read(self.row_ids(), [key])[key], self.head))
+            gi = self._following(lambda: self._index_of_column(key))
         self._groups.by_key[key] = (self.generation, gi)
         return gi
+
+    def _index_of_column(self, key: str) -> GroupIndex:
+        ids = self.row_ids()
+        gi = index_of_column(self._read(ids, [key])[key], self.head)
+        if not self.manifest.holes:
+            return gi
+        # the index counts positions from head; the rows after a hole have larger ids
+        return GroupIndex(gi.keys, ids[gi.rows - self.head], gi.offsets, min_row=self.head)
 
     @property
     def num_groups(self) -> int:

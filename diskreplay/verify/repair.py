@@ -30,16 +30,17 @@ def repair_store(path: Any, dry_run: bool = False, progress: bool = False, force
     """Roll the store at ``path`` back to its newest intact commit and tidy it.
 
     Holds the writer lock (raises ``StoreLockedError`` while a writer has the
-    store open). The newest manifest whose segments and saved states all match
-    their recorded sizes and checksums becomes the newest: newer or damaged
-    manifests, damaged files and files no retained manifest references move
-    into ``quarantine/`` (nothing is deleted). Damaged or missing group
+    store open). The newest intact manifest is kept: damaged manifests,
+    damaged files and files no retained manifest references move into
+    ``quarantine/`` (nothing is deleted). Every row that still reads and
+    checksums stays: the rows of a segment that is missing or fails its size
+    or CRC-32C are dropped, recorded as a hole in the row ids (``store.holes``;
+    at the front, the head moves past them) in a new commit, and the actions
+    say which rows of which file. A damaged saved state is replaced by an
+    older intact one of its name, else dropped. Damaged or missing group
     sidecars are rebuilt from their segment's group-key column, in a new
-    commit. When every manifest references a damaged segment, the newest
-    intact manifest is kept with its head moved past the newest damaged
-    segment: the rows up to it are lost, and the actions say which. When no
-    manifest is intact at all, it raises ``CorruptStoreError`` and changes
-    nothing. ``dry_run=True`` reports the same actions without changing anything (and
+    commit. When no manifest is intact at all, it raises
+    ``CorruptStoreError`` and changes nothing. ``dry_run=True`` reports the same actions without changing anything (and
     without taking the lock). Returns ``{"actions", "generation", "rows"}``.
 
     A store with a live writer is refused (``StoreLockedError``), dry run or
