@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -671,8 +672,10 @@ def test_no_credentials_at_all_says_so(monkeypatch):
     about http://169.254.169.254/latest/api/token, with no fix."""
     for name in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(name)
-    with pytest.raises(ObjectStoreError) as info:
-        ReplayStore("s3://bucket/x", storage_options={"endpoint": f"http://127.0.0.1:{free_port()}",
+    with socket.socket() as silent, pytest.raises(ObjectStoreError) as info:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # an endpoint that takes connections (a closed port is refused before credentials)
+        ReplayStore("s3://bucket/x", storage_options={"endpoint": f"http://127.0.0.1:{silent.getsockname()[1]}",
                                                       "retry_timeout": 2})
     if "cannot reach" in str(info.value):
         pytest.skip("this machine's network never answers the metadata service's address")

@@ -35,6 +35,7 @@ import os
 import random
 import re
 import secrets
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,32 @@ def _short(exc: BaseException) -> str:
     return " ".join(text.split())[:240]
 
 
+def _address(endpoint: str) -> Optional[Tuple[str, int]]:
+    """``(host, port)`` of an ``http(s)://`` endpoint (None for the default AWS one).
+
+    >>> _address("http://127.0.0.1:8333"), _address("https://s3.example.com/"), _address("the default AWS endpoint")
+    (('127.0.0.1', 8333), ('s3.example.com', 443), None)
+    """
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(str(endpoint))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    try:
+        port = parts.port
+    except ValueError:
+        return None  # (the client reports a bad port)
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def _proxied(endpoint: str, host: str) -> bool:
+    """Whether the client reaches ``endpoint`` through a proxy (``HTTP(S)_PROXY``, as it reads them):
+    then a refused direct connection says nothing."""
+    import urllib.request
+
+    return bool(urllib.request.getproxies().get(endpoint.split(":", 1)[0])) and not urllib.request.proxy_bypass(host)
+
+
 def _flag(value: Any) -> bool:
     """A boolean option given as a bool or as text (``--storage-option allow_http=false``)."""
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
@@ -136,7 +163,8 @@ class S3Storage:
     ...); anything not given comes from the usual ``AWS_*`` environment
     variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). Also accepted:
-    ``retry_timeout`` (seconds a request is retried for, default 30),
+    ``retry_timeout`` (seconds a request is retried for, default 30; an endpoint that refuses
+    connections when the storage is made is refused at once),
     ``max_retries`` (default 100), ``connect_timeout`` / ``timeout`` (seconds),
     ``allow_http`` (default: true when the endpoint is ``http://``) and
     ``multipart_threshold`` (bytes, default 4 GiB).
@@ -214,6 +242,7 @@ class S3Storage:
             raise ObjectStoreError(f"{self.url}: storage_options are not usable ({_short(exc)}); "
                                    f"accepted: obstore's S3 settings (endpoint, access_key_id, "
                                    f"secret_access_key, region, ...) and {', '.join(_OWN_OPTIONS)}") from None
+        self._check_listening()
         self.coalesce_bytes = int(coalesce_bytes)
         #: the newest manifest generation seen: where the search for a newer one starts
         self.generation_hint = 0
@@ -223,6 +252,25 @@ class S3Storage:
         self.link_attempted = False
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
         self._clock: Optional[Tuple[float, float]] = None  # (server's Date - time.time(), when measured)
+
+    def _check_listening(self) -> None:
+        """Refuse at once an endpoint that refuses connections. The client retries a refused
+        connection like a dropped one, for ``retry_timeout`` (30 s): right for a server restarting
+        under a running writer, but at open it is a wrong endpoint or a server not running. A
+        connection that times out, a name not resolved now, are left to the client's retries."""
+        address = _address(self.endpoint)
+        if address is None or _proxied(str(self.endpoint), address[0]):
+            return
+        try:
+            socket.create_connection(address, timeout=min(2.0, self.retry_timeout or 2.0)).close()
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
+                why = ("connection refused: nothing listens at" if exc.errno == errno.ECONNREFUSED
+                       else f"{exc.strerror.lower()}:")
+                raise ObjectStoreError(
+                    f"{self.url}: cannot reach the object store at {self.endpoint} ({why} {address[0]}:{address[1]}); "
+                    "check that the server is running and that AWS_ENDPOINT_URL (or storage_options['endpoint']) "
+                    "names it") from None
 
     # -- errors ---------------------------------------------------------------
 
