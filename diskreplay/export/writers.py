@@ -366,6 +366,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     timeline, :func:`recorded_exclusions`) are left out unless
     ``include_excluded``. Returns a summary dict (``excluded_rows``: how many
     rows the exclusions left out; ``excluded_ranges``: the live ones recorded).
+    A full disk (or quota, read-only filesystem, device error) raises
+    :class:`~diskreplay.errors.OutputIOError` naming ``out`` and the format.
     A damaged segment fails the export (``CorruptStoreError`` naming it) unless
     ``skip_damaged``: then its rows are left out (the store is not changed) and
     ``skipped_damaged`` lists each one's file, rows and damage, ``skipped_rows``
