@@ -68,12 +68,6 @@ def store(tmp_path):
     return make_store(tmp_path / "store")
 
 
-def cli_process(*args):
-    """``python -m diskreplay ARGS`` in a fresh process: (exit status, stdout, stderr)."""
-    p = run(*args, ok=False)
-    return p.returncode, p.stdout, p.stderr
-
-
 def cli(capsys, *args):
     """``main(ARGS)`` in-process: (exit status, stdout, stderr)."""
     rc = main([str(a) for a in args])
@@ -689,18 +683,40 @@ def test_ctrl_c_during_import_append_keeps_whole_chunks(big_store, tmp_path):
     assert rc == 130 and err.count("\n") == 1 and "committed before it stay" in err
     with ReplayStore(str(target), readonly=True) as s:
         assert 1 < len(s) < 20_001 and (len(s) - 1) % 50 == 0
-        earlier = len(s) - 1
-    # the same command again appends the rest, and then nothing: it said "imported 20,000 rows ... 20,000 of
-    # them an earlier run had imported already" when it wrote nothing (issue 52, item 15)
-    rc, out, err = cli_process("import", big_store, target, "--append", "--chunk-rows", "50")
-    assert rc == 0 and out.startswith(f"imported {20_000 - earlier:,} rows from "), out
-    assert f"the other {earlier:,} rows of its 20,000 an earlier run had imported already" in out, out
-    rc, out, err = cli_process("import", big_store, target, "--append", "--chunk-rows", "50")
-    assert rc == 0 and out.startswith("nothing to import: an earlier run of this import had imported all 20,000 "
-                                      "rows of "), out
-    assert "the store holds 20,001 rows" in out and "imported 20,000" not in out, out
-    with ReplayStore(str(target), readonly=True) as s:
-        assert len(s) == 20_001
+
+
+def test_a_rerun_of_import_append_says_what_it_wrote_now(capsys, store, tmp_path, monkeypatch):
+    """Run again after Ctrl-C, ``import --append`` appends the rest and says how many an earlier run had;
+    run once more, it writes nothing and says so (it said "imported 24 rows ... 24 of them an earlier run
+    had imported already": issue 52, item 15)."""
+    import diskreplay.export.importer as importer
+
+    src, target = tmp_path / "o.parquet", tmp_path / "t"
+    assert cli(capsys, "export", store, src)[0] == 0
+    assert cli(capsys, "import", src, target)[0] == 0
+    calls, real = [0], importer.check_interrupt
+
+    def interrupt():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        real()
+
+    monkeypatch.setattr(importer, "check_interrupt", interrupt)
+    rc, _, err = cli(capsys, "import", src, target, "--append", "--chunk-rows", "5")
+    assert rc == 130 and "committed before it stay" in err
+    monkeypatch.undo()
+    with ReplayStore(str(target), readonly=True) as t:
+        earlier = len(t) - 24
+    assert 0 < earlier < 24
+    rc, out, _ = cli(capsys, "import", src, target, "--append", "--chunk-rows", "5")
+    assert rc == 0 and out.startswith(f"imported {24 - earlier} rows from "), out
+    assert f"the other {earlier} rows of its 24 an earlier run had imported already" in out, out
+    rc, out, _ = cli(capsys, "import", src, target, "--append", "--chunk-rows", "5")
+    assert rc == 0 and out.startswith("nothing to import: an earlier run of this import had imported all 24 rows of "), out
+    assert "the store holds 48 rows" in out and "imported 24" not in out, out
+    with ReplayStore(str(target), readonly=True) as t:
+        assert len(t) == 48
 
 
 def test_demo_refuses_a_dir_whose_store_is_not_a_store_and_too_few_groups(tmp_path, capsys):
