@@ -726,12 +726,14 @@ def _missing_columns(store: ReplayStore, names: Sequence[str], src: str, fill_mi
     floats = {c.name: c for c in missing if c.kind != RAGGED and _may_be_null(c)}
     if unfillable:
         what = ", ".join(f"{c.name!r} ({c.kind} {c.dtype})" for c in unfillable)
-        raise ExportError(f"{src} has no column {what}, which the store at {store.path} holds in every row and "
+        raise ExportError(f"{src} has no column{'s' if len(unfillable) > 1 else ''} {what}, which the store at "
+                          f"{store.path} holds in every row and "
                           "which has no \"not computed\" value (only ragged and float columns do); give it one "
                           "of the source's columns with --map NEW=OLD, or import into a new store; nothing was "
                           "written")
     if floats and not fill_missing:
-        raise ExportError(f"{src} has no column {', '.join(map(repr, floats))}, which the store at {store.path} "
+        raise ExportError(f"{src} has no column{'s' if len(floats) > 1 else ''} {', '.join(map(repr, floats))}, "
+                          f"which the store at {store.path} "
                           "holds in every row; pass --fill-missing (fill_missing=True) to append its rows with "
                           "NaN there (\"not computed\"; samplers and exports then see NaN), or --map one of the "
                           "source's columns to it; nothing was written")
