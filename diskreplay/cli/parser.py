@@ -360,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
 
     p = _sub(subs, "repair", cmd_repair, "repair what verify finds",
-             "Repair a damaged store (fall back to the newest intact commit, remove garbage).\n"
+             "Repair a damaged store: keep the newest intact commit and every row that still reads and\n"
+             "checksums (a damaged segment's rows are dropped, leaving a hole in the row ids), rebuild\n"
+             "group sidecars, move garbage to quarantine/.\n"
              "--dry-run lists the actions a repair would report, without changing anything.",
              "  diskreplay repair runs/grpo/replay --dry-run\n"
              "  diskreplay repair runs/grpo/replay\n" + EXIT_CODES + "\n", [remote, common])

@@ -105,8 +105,8 @@ class ReplayStore:
     atomic and survive the process's death (SIGKILL, the OOM killer: the kernel
     holds the bytes), but a power loss or kernel crash may lose the newest
     commits or leave them naming data that never reached the disk
-    (``diskreplay verify`` finds it, ``diskreplay repair`` rolls back to the
-    newest intact commit). It is not stored: each writer chooses. Lance's and
+    (``diskreplay verify`` finds it, ``diskreplay repair`` drops the rows of
+    files that are missing or damaged and keeps the rest). It is not stored: each writer chooses. Lance's and
     Delta's appends make no fsync either; ``tools/bench.py writers`` measures
     both settings against them. Object stores ignore it (a PUT is durable).
 
