@@ -1,10 +1,29 @@
-"""Kept for imports of earlier versions: the packed layout lives in :mod:`diskreplay.batching.packed`.
+"""Deprecated import path, removed in diskreplay 0.3.0: the packed layout lives in
+:mod:`diskreplay.batching.packed` (its public functions also in :mod:`diskreplay`). Each name taken
+from here still works, with a ``DeprecationWarning`` naming its new home.
 
->>> from diskreplay.packing import collate_packed
->>> collate_packed.__module__
-'diskreplay.batching.packed'
+>>> import warnings
+>>> with warnings.catch_warnings(record=True) as caught:
+...     warnings.simplefilter("always")
+...     from diskreplay.packing import collate_packed
+>>> collate_packed.__module__, caught[0].category.__name__
+('diskreplay.batching.packed', 'DeprecationWarning')
 """
 
-from .batching.packed import PACKED_NAMES, collate_packed, pack_on_device, packed_sizes  # noqa: F401
+import importlib
+import warnings
+from typing import Any
+
+_MOVED = dict.fromkeys(("PACKED_NAMES", "collate_packed", "pack_on_device", "packed_sizes"),
+                       "diskreplay.batching.packed")
 
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
+
+
+def __getattr__(name: str) -> Any:
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(new), name)

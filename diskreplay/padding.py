@@ -1,12 +1,32 @@
-"""Kept for imports of earlier versions: the padded layout lives in :mod:`diskreplay.batching.padded`.
+"""Deprecated import path, removed in diskreplay 0.3.0: the padded layout lives in
+:mod:`diskreplay.batching.padded` (its public functions also in :mod:`diskreplay`). Each name taken
+from here still works, with a ``DeprecationWarning`` naming its new home.
 
->>> from diskreplay.padding import collate
+>>> import warnings
+>>> with warnings.catch_warnings(record=True) as caught:
+...     warnings.simplefilter("always")
+...     from diskreplay.padding import collate
+>>> print(caught[0].message)
+diskreplay.padding is deprecated and will be removed in diskreplay 0.3.0; import collate from diskreplay.batching.padded
 >>> collate.__module__
 'diskreplay.batching.padded'
 """
 
-from .batching.padded import (PER_TOKEN_COLUMNS, collate, collate_unpadded, pad_on_device,  # noqa: F401
-                              padded_widths, repad, repad_stacked)
-from .batching.columns import PRESENT_SUFFIX, checked_lengths  # noqa: F401
+import importlib
+import warnings
+from typing import Any
+
+_MOVED = {**dict.fromkeys(("PER_TOKEN_COLUMNS", "collate", "collate_unpadded", "pad_on_device", "padded_widths",
+                           "repad", "repad_stacked"), "diskreplay.batching.padded"),
+          **dict.fromkeys(("PRESENT_SUFFIX", "checked_lengths"), "diskreplay.batching.columns")}
 
 __all__ = ["collate", "collate_unpadded", "pad_on_device", "repad", "repad_stacked"]
+
+
+def __getattr__(name: str) -> Any:
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(new), name)

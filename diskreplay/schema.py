@@ -253,10 +253,14 @@ def check_late_column(spec: ColumnSpec, schema: "Schema") -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """``normalize_batch`` and ``infer_schema`` under their earlier import path (they live in
-    :mod:`diskreplay.ingest`)."""
+    """``normalize_batch`` and ``infer_schema`` under their earlier import path, deprecated and removed in
+    diskreplay 0.3.0 (they live in :mod:`diskreplay.ingest`)."""
     if name in ("normalize_batch", "infer_schema"):
+        import warnings
+
         from . import ingest
 
+        warnings.warn(f"diskreplay.schema.{name} is deprecated and will be removed in diskreplay 0.3.0; import "
+                      f"{name} from diskreplay.ingest", DeprecationWarning, stacklevel=2)
         return getattr(ingest, name)
     raise AttributeError(f"module 'diskreplay.schema' has no attribute {name!r}")

@@ -43,7 +43,7 @@ def race_before_publish(monkeypatch, loser, rival, times=1):
     """Let ``rival`` (a store) commit right before ``loser`` publishes a manifest, ``times`` times:
     ``loser`` loses the race for that generation. Returns the count of races still to come."""
     from diskreplay import format as fmt
-    from diskreplay.store import LocalStorage
+    from diskreplay.storage import LocalStorage
     from diskreplay.testing.workload import batch_for
 
     real = LocalStorage.link_new

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from diskreplay import CorruptStoreError, FormatError, ReplayStore
 from diskreplay import format as fmt
-from diskreplay.store import LocalStorage, MergePolicy
+from diskreplay.storage import LocalStorage
+from diskreplay.store import MergePolicy
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import verify_store
 

@@ -213,7 +213,7 @@ def assert_verifies(path, allow_warnings=True):
 
 CRASH_CHILD = """
 from diskreplay import ReplayStore
-from diskreplay.store import LocalStorage
+from diskreplay.storage import LocalStorage
 path, step, crash_batch, n_appends, capacity, mode, multi = sys.argv[1:8]
 crash_batch, n_appends, capacity = int(crash_batch), int(n_appends), int(capacity)
 # many writers: a short retain_seconds, so that the test's reopen collects what the crash left;

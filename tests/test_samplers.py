@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import diskreplay
 from diskreplay import DiskReplayError, ReplayStore
 from diskreplay.samplers import (PrioritizedSampler, PromptGroupSampler, RandomSampler, ReplacementWarning,
-                                 SamplerError, _variance_ranking)
+                                 SamplerError, variance_ranking)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(diskreplay.__file__)))
 
@@ -103,7 +103,7 @@ def test_variance_matches_brute_force(groups, k):
     r = np.concatenate([np.array(g, dtype=np.float64) for g in groups])
     n = np.array([len(g) for g in groups])
     first = np.concatenate([[0], np.cumsum(n)])
-    ranked, pos = _variance_ranking(cand, seg, r, n, first, k)
+    ranked, pos = variance_ranking(cand, seg, r, n, first, k)
     assert pos.shape == (len(groups), k)
     for j, g in enumerate(groups):
         rows = ranked[pos[j]]

@@ -19,7 +19,8 @@ import pytest
 
 from diskreplay import ReplayStore, SchemaError, StoreLockedError, UnsupportedFilesystemError
 from diskreplay import format as fmt
-from diskreplay.store import LocalStorage, MergePolicy, convert_store
+from diskreplay.storage import LocalStorage
+from diskreplay.store import MergePolicy, convert_store
 from diskreplay.store.merging import Merger
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import repair_store, verify_store
@@ -758,7 +759,7 @@ CRASH_WRITER = textwrap.dedent("""
     import os, subprocess, sys
     from diskreplay import ReplayStore
     from diskreplay import format as fmt
-    from diskreplay.store import LocalStorage
+    from diskreplay.storage import LocalStorage
     from diskreplay.testing.workload import batch_for, token_for
     path, step, rival = sys.argv[1], sys.argv[2], sys.argv[3]
     store = ReplayStore(path)

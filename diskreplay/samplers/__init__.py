@@ -47,10 +47,18 @@ from .kernels import (Ranges, SumTree, changed_ranges, group_spread, in_ranges, 
 from .prioritized import PrioritizedSampler
 from .uniform import RandomSampler
 
-# the old private name, kept for callers of the single-module version
-_variance_ranking = variance_ranking
 
 __all__ = ["LiveRows", "PrioritizedSampler", "PromptGroupSampler", "RandomSampler", "Ranges", "ReplacementWarning",
            "Sampler", "SamplerError", "SettingError", "STATE_FORMAT", "STATE_VERSION", "STRATEGIES", "SumTree",
            "agree_generation", "changed_ranges", "group_spread", "in_ranges", "live_column", "merge_ranges",
            "reward_scalar", "variance_ranking"]
+
+
+def __getattr__(name: str):
+    if name == "_variance_ranking":  # the private name of the single-module version
+        import warnings
+
+        warnings.warn("diskreplay.samplers._variance_ranking is deprecated and will be removed in diskreplay 0.3.0; "
+                      "use diskreplay.samplers.variance_ranking", DeprecationWarning, stacklevel=2)
+        return variance_ranking
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

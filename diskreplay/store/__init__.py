@@ -8,7 +8,8 @@ Modules, bottom up: ``compaction`` (splitting, eviction, the merge policy),
 ``writing`` (a writer's segment files: ids reserved ahead, sidecars, small segments, the first schema),
 ``segment_cache`` (open segments, page checks, reads), ``group_views`` (the
 group indexes served), ``replay_store`` (the facade users hold). The storage
-backends live in :mod:`diskreplay.storage` (``store.storage`` re-exports them).
+backends live in :mod:`diskreplay.storage` (``store.LocalStorage``, ``store.Storage`` and
+``store.storage`` are deprecated paths to them, removed in diskreplay 0.3.0).
 """
 
 from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, MERGE_MAX_BYTES, MERGE_RATIO, MergePolicy  # noqa: F401
@@ -16,9 +17,19 @@ from .committer import CommitStats
 from .ops import Conflict
 from .replay_store import STALE_RETRIES, ReplayStore  # noqa: F401
 from .segment_cache import MAX_OPEN_SEGMENTS  # noqa: F401
-from ..storage import LocalStorage, Storage
 
-__all__ = ["ReplayStore", "MergePolicy", "Storage", "LocalStorage", "CommitStats", "Conflict", "convert_store"]
+__all__ = ["ReplayStore", "MergePolicy", "CommitStats", "Conflict", "convert_store"]
+
+
+def __getattr__(name: str):
+    if name in ("LocalStorage", "Storage"):  # their earlier import path
+        import importlib
+        import warnings
+
+        warnings.warn(f"diskreplay.store.{name} is deprecated and will be removed in diskreplay 0.3.0; import "
+                      f"{name} from diskreplay.storage", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("diskreplay.storage"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def convert_store(path, multi_writer: bool) -> dict:

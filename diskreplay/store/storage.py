@@ -1,10 +1,28 @@
-"""Kept for imports of earlier versions: the storage backends live in :mod:`diskreplay.storage`.
+"""Deprecated import path, removed in diskreplay 0.3.0: the storage backends live in
+:mod:`diskreplay.storage`. Each name taken from here still works, with a ``DeprecationWarning``
+naming its new home.
 
->>> from diskreplay.store.storage import LocalStorage
->>> LocalStorage.__module__
-'diskreplay.storage.local'
+>>> import warnings
+>>> with warnings.catch_warnings(record=True) as caught:
+...     warnings.simplefilter("always")
+...     from diskreplay.store.storage import LocalStorage
+>>> LocalStorage.__module__, caught[0].category.__name__
+('diskreplay.storage.local', 'DeprecationWarning')
 """
 
-from ..storage import LocalStorage, Storage, open_storage  # noqa: F401
+import importlib
+import warnings
+from typing import Any
+
+_MOVED = dict.fromkeys(("LocalStorage", "Storage", "open_storage"), "diskreplay.storage")
 
 __all__ = ["LocalStorage", "Storage", "open_storage"]
+
+
+def __getattr__(name: str) -> Any:
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(new), name)
