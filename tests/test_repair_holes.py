@@ -202,3 +202,43 @@ def test_pairs_best_of_n_and_info_of_a_repaired_store(tmp_path):
     best_of_n(path, str(tmp_path / "b.parquet"), k=1, format="parquet")
     assert set(pq.read_table(tmp_path / "b.parquet").column("row").to_pylist()) <= live
     assert store_info(path)["rows"] == len(live)
+
+
+# --------------------------------------------------------------------------- the manifest transforms
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(1, 5), min_size=2, max_size=8), data=st.data())
+def test_appends_and_evictions_keep_holes_exactly_the_gaps(sizes, data):
+    """Any store with holes, any appends under a row capacity: the manifest stays valid (holes exactly
+    the gaps, above head), and its live rows are the rows its segments hold from head on."""
+    entries, first = [], 0
+    for i, n in enumerate(sizes):
+        entries.append(fmt.SegmentEntry(i, first, n, 100, 0))
+        first += n
+    lost = data.draw(st.sets(st.integers(1, len(sizes) - 1), max_size=len(sizes) - 2))  # never the first
+    kept = tuple(e for e in entries if e.id not in lost)
+    gaps = []
+    for e in entries:
+        if e.id in lost:
+            if gaps and gaps[-1][1] == e.first_row:
+                gaps[-1] = (gaps[-1][0], e.end_row)
+            else:
+                gaps.append((e.first_row, e.end_row))
+    m = fmt.Manifest(generation=1, head=0, next_row=first, next_segment=len(sizes), segments=kept,
+                     holes=tuple(gaps))
+    m.validate("m")
+    capacity = data.draw(st.integers(1, 40))
+    options = fmt.StoreOptions(capacity_rows=capacity)
+    for k in range(data.draw(st.integers(0, 6))):
+        n = data.draw(st.integers(1, 6))
+        new = fmt.SegmentEntry(m.next_segment, m.next_row, n, 100, 0)
+        m = fmt.append_rows(m, [new], n, None, (), options)
+        m.validate("m")
+        assert all(a > m.head for a, _ in m.holes) and m.head >= m.next_row - capacity
+        held = {r for s in m.segments for r in range(max(s.first_row, m.head), s.end_row)}
+        assert m.num_rows == len(held)
+        assert fmt.Manifest.from_dict(m.to_dict(), "m") == m
