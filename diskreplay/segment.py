@@ -11,9 +11,11 @@ change together (every read path goes through all three).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -29,6 +31,20 @@ from .schema import Schema
 _PAGE = mmap.PAGESIZE
 # byte ranges closer than this are hinted with one madvise (see ArrowFile.advise)
 _ADVISE_GAP = 64 << 10
+
+
+def _libc_mincore():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
+    return fn
+
+
+_mincore = _libc_mincore()
 # Page checksums of a segment live in its group sidecar's schema metadata.
 PAGE_BYTES = 8192
 # ... for segments of at least this many bytes. A smaller one (a commit of a few rows) is checked whole
@@ -376,6 +392,24 @@ class ArrowFile:
                 self._mmap.madvise(mmap.MADV_WILLNEED)
             except OSError:
                 pass
+
+    def in_page_cache(self) -> bool:
+        """Whether every page of the file is in the page cache (``mincore``: one call, a byte per
+        page); False where that cannot be told (no map, not Linux, a file the caller may neither
+        write nor owns, whose unmapped pages ``mincore`` reports as absent).
+
+        >>> import tempfile
+        >>> p = tempfile.mktemp(); _ = open(p, "wb").write(encode_ipc(pa.record_batch({"x": [1]})).to_pybytes())
+        >>> isinstance(Segment(p).in_page_cache(), bool)
+        True
+        >>> os.remove(p)
+        """
+        if self._mmap is None or _mincore is None or not self.size:
+            return False
+        pages = np.empty(-(-self.size // _PAGE), dtype=np.uint8)
+        if _mincore(self._base.address, self.size, pages.ctypes.data) != 0:
+            return False
+        return bool(np.all(pages & 1))
 
     def advise(self, ranges: Any) -> None:
         """Ask the kernel to read the given ``(address, length)`` byte ranges ahead (WILLNEED).

@@ -337,10 +337,11 @@ class SegmentCache:
         for seg, _, loc in parts:
             if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
                 seg.advise_all()
-        if opened and len(parts) > 1:
+        if opened and len(parts) > 1 and not all(seg.in_page_cache() for seg, _, _ in parts):
             # segments opened by this read are likely cold (a reopened store's first batches): ask for
             # all their pages first. Later reads skip it: on warm pages a hint costs about a read, and a
-            # long-running reader's cold pages are hinted ahead by the loader (prefetch)
+            # long-running reader's cold pages are hinted ahead by the loader (prefetch). So does a
+            # restarted process whose files are all in the page cache (one mincore per segment says so)
             hint_reads(parts, cols, [view.schema[c].kind == RAGGED for c in cols], hinted)
         out: Dict[str, Column] = {}
         plans: Dict[Any, RangePlan] = {}

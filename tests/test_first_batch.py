@@ -1,0 +1,58 @@
+"""A reopened store's first batch: WILLNEED hints for every page it needs when its files are cold, none
+when they are all in the page cache (the hints cost about a read there)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from diskreplay import Collator, PromptGroupSampler, ReplayStore
+from diskreplay.segment import Segment
+from diskreplay.store.compaction import MergePolicy
+from diskreplay.synthetic import make_rollouts
+
+
+def _evict(path):
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@pytest.fixture()
+def store_path(tmp_path):
+    path = str(tmp_path / "store")
+    with ReplayStore(path, merge_policy=MergePolicy(max_bytes=1)) as store:
+        for k in range(4):
+            store.extend(make_rollouts(16, 4, seed=k, first_group=16 * k, prompt_mean=200, completion_mean=400))
+        assert len(store.manifest.segments) == 4
+    return path
+
+
+def _first_batch_hints(path, monkeypatch):
+    calls = []
+    real = Segment.advise
+
+    def advise(self, ranges):
+        calls.append(len(ranges))
+        return real(self, ranges)
+
+    monkeypatch.setattr(Segment, "advise", advise)
+    with ReplayStore(path, readonly=True) as store:
+        rows = PromptGroupSampler(num_groups=32, seed=0).sample(store, 128)
+        Collator(0).read(store, rows)
+    monkeypatch.setattr(Segment, "advise", real)
+    return calls
+
+
+def test_a_reopened_store_hints_its_first_batch_only_when_its_files_are_cold(store_path, monkeypatch):
+    with ReplayStore(store_path, readonly=True) as store:  # every page read once: all in the page cache
+        store.read(store.row_ids())
+    assert _first_batch_hints(store_path, monkeypatch) == []
+    _evict(store_path)
+    cold = _first_batch_hints(store_path, monkeypatch)
+    assert cold and sum(cold) > 0
