@@ -77,8 +77,9 @@ def test_a_second_process_loads_every_kernel_from_the_cache_and_adds_no_file(sto
         assert _cache_files(cache) == files
 
 
-def test_files_of_kernels_built_inside_a_function_are_removed(tmp_path):
-    """Older versions built the kernels in a closure: one new file per process, never read again."""
+def test_files_of_kernels_built_inside_a_function_or_at_other_lines_are_removed(tmp_path):
+    """Older versions built the kernels in a closure: one new file per process, never read again; and
+    numba names a kernel's files by its line, so another version's would stay."""
     cache = tmp_path / "numba-cache"
     from numba.core.caching import _CacheLocator
 
@@ -87,9 +88,18 @@ def test_files_of_kernels_built_inside_a_function_are_removed(tmp_path):
     for name in ("_jit._build.locals.check_pages-110.py311.1.nbc", "_jit._build.locals.check_pages-110.py311.nbi"):
         (stale / name).write_bytes(b"x")
     (stale / "other.nbi").write_bytes(b"x")
+    from diskreplay._jit import compiled
+
+    line = compiled.check_pages.py_func.__code__.co_firstlineno
+    here = cache / _CacheLocator.get_suitable_cache_subpath(compiled.__file__)
+    here.mkdir(parents=True)
+    kept = [f"compiled.check_pages-{line}.py311.nbi", f"compiled.check_pages-{line}.py311.1.nbc"]
+    for name in kept + [f"compiled.check_pages-{line + 3}.py311.nbi", f"compiled.check_pages-{line + 3}.py311.1.nbc"]:
+        (here / name).write_bytes(b"x")
     code = "import json; from diskreplay import _jit; print(json.dumps(_jit.drop_stale_cache()))"
-    assert _run(code, cache_dir=cache) == 2
+    assert _run(code, cache_dir=cache) == 4
     assert sorted(os.listdir(stale)) == ["other.nbi"]
+    assert sorted(os.listdir(here)) == sorted(kept)
 
 
 # a restarted trainer: the first batch of a new process, the kernels in numba's cache already

@@ -75,7 +75,10 @@ def dispatchers() -> dict:
 def drop_stale_cache() -> int:
     """Remove the cache files of kernels that older versions built inside a function
     (``_jit._build.locals.*``: those missed the cache in every process and added a file to it
-    each time), from the directories numba would have put them in. The number of files removed.
+    each time), and those of kernels of :mod:`.compiled` at lines they no longer start at (an
+    older diskreplay's: numba names a kernel's files by its line and keeps them), from the
+    directories numba would have put them in. The number of files removed. With these gone the
+    cache holds one index per kernel and one file per signature it was called with.
 
     >>> drop_stale_cache() >= 0
     True
@@ -87,12 +90,23 @@ def drop_stale_cache() -> int:
     except ImportError:
         return 0
     # numba's three places for a module's cache: beside it, NUMBA_CACHE_DIR, the user's cache
-    old = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_jit.py")
-    sub = _CacheLocator.get_suitable_cache_subpath(old)
-    places = [os.path.join(os.path.dirname(old), "__pycache__"),
-              os.path.join(AppDirs(appname="numba", appauthor=False).user_cache_dir, sub)]
-    if config.CACHE_DIR:
-        places.append(os.path.join(config.CACHE_DIR, sub))
+    from . import compiled
+
+    current = {f"compiled.{name}-{d.py_func.__code__.co_firstlineno}." for name, d in compiled.DISPATCHERS.items()}
+
+    def stale(name: str) -> bool:
+        if name.startswith("_jit._build.locals."):
+            return True
+        return name.startswith("compiled.") and not any(name.startswith(c) for c in current)
+
+    places = []
+    for source in (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_jit.py"),
+                   compiled.__file__):
+        sub = _CacheLocator.get_suitable_cache_subpath(source)
+        places += [os.path.join(os.path.dirname(source), "__pycache__"),
+                   os.path.join(AppDirs(appname="numba", appauthor=False).user_cache_dir, sub)]
+        if config.CACHE_DIR:
+            places.append(os.path.join(config.CACHE_DIR, sub))
     removed = 0
     for place in places:
         try:
@@ -100,7 +114,7 @@ def drop_stale_cache() -> int:
         except OSError:
             continue
         for name in names:
-            if name.startswith("_jit._build.locals.") and name.endswith((".nbi", ".nbc")):
+            if stale(name) and name.endswith((".nbi", ".nbc")):
                 try:
                     os.unlink(os.path.join(place, name))
                     removed += 1
