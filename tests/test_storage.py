@@ -502,12 +502,15 @@ def test_wrong_credentials(s3_server, tmp_path):
 
 def test_refused_endpoint(tmp_path):
     endpoint = f"http://127.0.0.1:{free_port()}"
+    st = S3Storage("s3://bucket/p", {"endpoint": endpoint, "access_key_id": "k", "secret_access_key": "s",
+                                     "region": "us-east-1"}, cache_dir=str(tmp_path / "c"))
     t = time.monotonic()
     with pytest.raises(ObjectStoreError, match=rf"^s3://bucket/p.*cannot reach the object store at "
                                                rf"{endpoint} \(connection refused") as info:
-        S3Storage("s3://bucket/p", {"endpoint": endpoint, "access_key_id": "k", "secret_access_key": "s",
-                                    "region": "us-east-1"}, cache_dir=str(tmp_path / "c"))
+        st.write_new("x", b"1")
     assert time.monotonic() - t < 5 and "\n" not in str(info.value)  # (tests/test_s3_connect.py: the rest)
+    with pytest.raises(ObjectStoreError, match="cannot reach"):
+        st.probe_conditional_put()
 
 
 def test_server_without_conditional_writes(s3_servers, tmp_path):

@@ -164,7 +164,7 @@ class S3Storage:
     variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``). Also accepted:
     ``retry_timeout`` (seconds a request is retried for, default 30; an endpoint that refuses
-    connections when the storage is made is refused at once),
+    connections before it ever took one is refused at once),
     ``max_retries`` (default 100), ``connect_timeout`` / ``timeout`` (seconds),
     ``allow_http`` (default: true when the endpoint is ``http://``) and
     ``multipart_threshold`` (bytes, default 4 GiB).
@@ -242,7 +242,6 @@ class S3Storage:
             raise ObjectStoreError(f"{self.url}: storage_options are not usable ({_short(exc)}); "
                                    f"accepted: obstore's S3 settings (endpoint, access_key_id, "
                                    f"secret_access_key, region, ...) and {', '.join(_OWN_OPTIONS)}") from None
-        self._check_listening()
         self.coalesce_bytes = int(coalesce_bytes)
         #: the newest manifest generation seen: where the search for a newer one starts
         self.generation_hint = 0
@@ -252,14 +251,18 @@ class S3Storage:
         self.link_attempted = False
         self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
         self._clock: Optional[Tuple[float, float]] = None  # (server's Date - time.time(), when measured)
-
-    def _check_listening(self) -> None:
-        """Refuse at once an endpoint that refuses connections. The client retries a refused
-        connection like a dropped one, for ``retry_timeout`` (30 s): right for a server restarting
-        under a running writer, but at open it is a wrong endpoint or a server not running. A
-        connection that times out, a name not resolved now, are left to the client's retries."""
         address = _address(self.endpoint)
-        if address is None or _proxied(str(self.endpoint), address[0]):
+        #: the endpoint's (host, port) until a connection to it opened (see _contact)
+        self._uncontacted = None if address is None or _proxied(str(self.endpoint), address[0]) else address
+
+    def _contact(self) -> None:
+        """Before the first request: refuse at once an endpoint that refuses connections. The client
+        retries a refused connection like a dropped one, for ``retry_timeout`` (30 s): right for a
+        server restarting under a running writer, but before the endpoint ever took a connection it is
+        a wrong endpoint or a server not running. A connection that times out, a name not resolved
+        now, are left to the client's retries."""
+        address = self._uncontacted
+        if address is None:
             return
         try:
             socket.create_connection(address, timeout=min(2.0, self.retry_timeout or 2.0)).close()
@@ -271,6 +274,7 @@ class S3Storage:
                     f"{self.url}: cannot reach the object store at {self.endpoint} ({why} {address[0]}:{address[1]}); "
                     "check that the server is running and that AWS_ENDPOINT_URL (or storage_options['endpoint']) "
                     "names it") from None
+        self._uncontacted = None
 
     # -- errors ---------------------------------------------------------------
 
@@ -310,6 +314,7 @@ class S3Storage:
         ``retry_timeout`` on a transport error or a 5xx. The client retries most of those
         itself, but not a request sent on a pooled connection the server closed meanwhile (a
         server restart answers it in microseconds with "error sending request")."""
+        self._contact()
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
         while True:
@@ -356,6 +361,7 @@ class S3Storage:
         start, end = check_range(rel, start, end)
         if start == end:
             return b""
+        self._contact()
         try:
             return bytes(self._ob.get_range(self._store, rel, start=start, end=end))
         except (self._exc.BaseError, FileNotFoundError, OSError) as exc:
@@ -491,6 +497,7 @@ class S3Storage:
         and :meth:`put_if_absent` then compares the bytes (our own first
         attempt may have landed).
         """
+        self._contact()
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
         while True:
@@ -729,6 +736,7 @@ class S3Storage:
         import urllib.request
 
         rel = check_rel(rel)
+        self._contact()
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
         while True:
