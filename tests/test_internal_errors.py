@@ -45,3 +45,25 @@ def test_a_delta_whose_base_is_gone_is_our_error(tmp_path):
     assert isinstance(info.value, (DiskReplayError, FileNotFoundError))
     with pytest.raises(DiskReplayError):
         ReplayStore(path, readonly=True)
+
+
+def test_a_schema_race_never_leaves_extend(tmp_path, monkeypatch):
+    """Two writers of a new multi-writer store: the second's first append finds the schema fixed by the
+    first right before it creates SCHEMA.json (the internal _SchemaRace), validates its batch against it
+    and commits; nothing escapes."""
+    from diskreplay.store import LocalStorage
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True).close()
+    a, b = ReplayStore(path), ReplayStore(path)
+    real, first = LocalStorage.put_if_absent, []
+
+    def put_if_absent(self, rel, data, **kw):
+        if self is b._committer.storage and rel == fmt.SCHEMA_FILE and not first:
+            first.append(a.extend(batch_for(1, 0)))  # a fixes the schema first
+        return real(self, rel, data, **kw)
+
+    monkeypatch.setattr(LocalStorage, "put_if_absent", put_if_absent)
+    second = b.extend(batch_for(2, 0))
+    monkeypatch.undo()
+    assert first and second[0] == first[0][-1] + 1
+    a.close(), b.close()

@@ -10,13 +10,13 @@ capabilities.)
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from .. import format as fmt
 from .._ranges import runs
-from ..errors import CorruptStoreError
+from ..errors import ArgumentError, CorruptStoreError
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
 
@@ -24,7 +24,25 @@ from ..segment import PageChecksums, Segment
 class _CacheEvicted(Exception):
     """Internal control flow, never seen by callers: a mapped cache file was evicted while a read
     still needed more of it; the store maps the segment again and repeats the read
-    (``SegmentCache.remapping``; a second eviction is an ``ArgumentError`` naming ``cache_bytes``)."""
+    (:func:`remapped`; a second eviction is an ``ArgumentError`` naming ``cache_bytes``)."""
+
+
+T = TypeVar("T")
+
+
+def remapped(action: Callable[[], T], remap: Callable[[], None], path: str) -> T:
+    """Run a read (``action``); if the cache evicted a file it maps meanwhile (a batch larger than
+    ``cache_bytes``), ``remap`` (forget the mapped segments) and repeat once. ``_CacheEvicted``
+    never leaves this call."""
+    try:
+        return action()
+    except _CacheEvicted:
+        remap()
+    try:
+        return action()
+    except _CacheEvicted:
+        raise ArgumentError(f"{path}: the local cache lost files one read still needed twice; raise "
+                            "cache_bytes (or give each process its own cache_dir)") from None
 
 
 def _pages_of(starts: np.ndarray, ends: np.ndarray, page_bytes: int) -> np.ndarray:

@@ -47,7 +47,7 @@ from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, open_storage
 from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, open_store, writer_id
-from .writing import SegmentWriter, _SchemaRace
+from .writing import SegmentWriter, after_schema_race
 
 _UNSET: Any = UNSET
 T = TypeVar("T")
@@ -538,13 +538,13 @@ class ReplayStore:
             # one from a first append that crashed before its manifest.
             schema = self.schema if self.next_row else None
         record, schema = normalize_batch(batch, schema, self.group_key)
-        try:
-            return self._append(record, schema, token)
-        except _SchemaRace:
+        def again() -> np.ndarray:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.storage)
-            record, schema = normalize_batch(batch, self.schema, self.group_key)
-            return self._append(record, schema, token)
+            fitted, fixed = normalize_batch(batch, self.schema, self.group_key)
+            return self._append(fitted, fixed, token)
+
+        return after_schema_race(lambda: self._append(record, schema, token), again)
 
     def _append(self, record: pa.RecordBatch, schema: Schema, token: Optional[str]) -> np.ndarray:
         rows, appended = self._appender.commit(self._writer_context(), record, schema, token)

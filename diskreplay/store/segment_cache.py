@@ -37,7 +37,7 @@ from ..schema import RAGGED, Schema
 from ..segment import PageChecksums, Segment, check_rows_of_parts, has_page_checksums, prefetch_files
 from .sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
 from .reading import RangePlan, gather_ragged, hint_reads, ragged_ranges, ragged_run
-from .remote import RemoteSegment, _CacheEvicted, fetch_for_read
+from .remote import RemoteSegment, fetch_for_read, remapped
 
 __all__ = ["Column", "ReadView", "SegmentCache", "row_ids"]
 
@@ -237,18 +237,13 @@ class SegmentCache:
     def remapping(self, action: Callable[[], T]) -> T:
         """Run a read; if the cache evicted a file it maps meanwhile (a batch larger than
         ``cache_bytes``), map it again and repeat once."""
-        try:
-            return action()
-        except _CacheEvicted:
-            self.trim()
-            self.segments.clear()
-            for pages in self.pages.values():
-                pages.verified[:] = False
-        try:
-            return action()
-        except _CacheEvicted:
-            raise ArgumentError(f"{self.path}: the local cache lost files one read still needed twice; raise "
-                                "cache_bytes (or give each process its own cache_dir)") from None
+        return remapped(action, self._forget_mapped, self.path)
+
+    def _forget_mapped(self) -> None:
+        self.trim()
+        self.segments.clear()
+        for pages in self.pages.values():
+            pages.verified[:] = False
 
     def locate(self, view: ReadView, rows: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row ids, segment positions, rows within their segments)`` of ``rows`` (checked live)."""

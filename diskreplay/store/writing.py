@@ -10,7 +10,7 @@ or ``SCHEMA.json`` where many writers race for it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import pyarrow as pa
 
@@ -41,7 +41,20 @@ FileToWrite = Tuple[str, Any, Optional[str]]
 
 class _SchemaRace(Exception):
     """Internal: another writer fixed a multi-writer store's schema first. ``ReplayStore.extend``
-    catches it and validates the batch against that schema; it never reaches a caller."""
+    catches it (:func:`after_schema_race`) and validates the batch against that schema; it never
+    reaches a caller."""
+
+
+T = TypeVar("T")
+
+
+def after_schema_race(append: Callable[[], T], again: Callable[[], T]) -> T:
+    """Run ``append``; if another writer of a multi-writer store fixed the schema first, run
+    ``again`` (which validates the batch against that schema). ``_SchemaRace`` never leaves this call."""
+    try:
+        return append()
+    except _SchemaRace:
+        return again()
 
 
 class SegmentWriter:
