@@ -322,7 +322,7 @@ def test_an_object_store_writer_whose_commit_was_collected_before_it_read_the_fl
         if self is a._committer.storage and rel.startswith(fmt.MANIFEST_DIR + "/") and created and not ran:
             ran.append(rel)  # writer 1 "stopped" right after its PUT, before it reads the floor
             _commit(b, acked, 2, range(20))
-            time.sleep(RETAIN + 0.3)
+            time.sleep(RETAIN + 0.5)
             _commit(b, acked, 2, range(20, 26))
             b._committer.collect(full=True)
         return created

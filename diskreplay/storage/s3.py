@@ -384,8 +384,8 @@ class S3Storage:
     def _server_now(self) -> float:
         """The server's clock now, as this host's ``time.time()`` plus the offset of the server's
         ``Date`` (measured once a minute, by a signed HEAD): ages judged by the server's clock
-        alone, so a host whose clock is ahead does not take young objects for old ones. The
-        offset errs low (``Date`` is in whole seconds, taken at the request's end): ages err young."""
+        alone, so a host whose clock is ahead does not take young objects for old ones. ``Date``
+        is in whole seconds: a skew below 2 s is not corrected, a larger one to within a second."""
         import email.utils
         import urllib.error
         import urllib.request
@@ -402,6 +402,8 @@ class S3Storage:
                     date = exc.headers.get("Date")
                 if date:
                     offset = email.utils.parsedate_to_datetime(date).timestamp() - time.time()
+                    # within the Date's resolution (whole seconds) the clocks agree: no correction
+                    offset = offset if abs(offset) >= 2 else 0.0
             except (OSError, ValueError, TypeError, self._exc.BaseError):
                 pass  # no Date: this host's clock, as before
             self._clock = (offset, mono)
