@@ -818,9 +818,20 @@ RESTART_CHILD = textwrap.dedent("""
 """)
 
 
+def _read_files(path: str) -> None:
+    """Read every file under ``path`` (into the page cache: on this VM clean pages leave it within a
+    minute or so, so a "warm" measurement warms right before it)."""
+    for root, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                while fh.read(1 << 22):
+                    pass
+
+
 def _restart_runs(store_path, layout, B, batch_groups, rounds, wait, seed0=0):
     out = []
     for i in range(rounds):
+        _read_files(store_path)
         done = subprocess.run([sys.executable, "-c", RESTART_CHILD, store_path, layout, str(B), str(batch_groups),
                                str(seed0 + i), str(int(wait))], check=True, capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
