@@ -574,7 +574,7 @@ def test_merge_windows_keep_the_small_segments_few(sizes, shape, capacity):
     for n in sizes:
         segs.append(fmt.SegmentEntry(next_id, next_row, n, 100 * n, 0))
         next_id, next_row = next_id + 1, next_row + n
-        head, kept = fmt.evict(0, next_row, tuple(segs), options)
+        head, kept, _ = fmt.evict(0, next_row, tuple(segs), options)
         segs = list(kept)
         while True:
             windows = list(policy.windows(segs, options))
