@@ -51,7 +51,7 @@ def test_a_schema_race_never_leaves_extend(tmp_path, monkeypatch):
     """Two writers of a new multi-writer store: the second's first append finds the schema fixed by the
     first right before it creates SCHEMA.json (the internal _SchemaRace), validates its batch against it
     and commits; nothing escapes."""
-    from diskreplay.store import LocalStorage
+    from diskreplay.storage import LocalStorage
     path = str(tmp_path / "s")
     ReplayStore(path, multi_writer=True).close()
     a, b = ReplayStore(path), ReplayStore(path)

@@ -222,7 +222,7 @@ class Publisher(Storage, Protocol):
     both backends are one (``isinstance(LocalStorage(root), Publisher)``).
 
     >>> sorted(n for n in vars(Publisher) if not n.startswith("_"))[:4]
-    ['delete_own', 'discard_staged', 'hold', 'link_candidates']
+    ['delete_own', 'discard_staged', 'hold', 'hold_run']
     """
 
     holds_leases: bool
