@@ -10,19 +10,11 @@ works, with a ``DeprecationWarning`` naming its new home.
 ('diskreplay.batching.collator', 'DeprecationWarning')
 """
 
-import importlib
-import warnings
-from typing import Any
+from ._moved import moved
 
 _MOVED = dict.fromkeys(("Collator", "LAYOUTS"), "diskreplay.batching.collator")
 
 __all__ = ["Collator", "LAYOUTS"]
 
 
-def __getattr__(name: str) -> Any:
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)
+__getattr__ = moved(__name__, _MOVED)

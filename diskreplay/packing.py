@@ -10,9 +10,7 @@ from here still works, with a ``DeprecationWarning`` naming its new home.
 ('diskreplay.batching.packed', 'DeprecationWarning')
 """
 
-import importlib
-import warnings
-from typing import Any
+from ._moved import moved
 
 _MOVED = dict.fromkeys(("PACKED_NAMES", "collate_packed", "pack_on_device", "packed_sizes"),
                        "diskreplay.batching.packed")
@@ -20,10 +18,4 @@ _MOVED = dict.fromkeys(("PACKED_NAMES", "collate_packed", "pack_on_device", "pac
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
 
 
-def __getattr__(name: str) -> Any:
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)
+__getattr__ = moved(__name__, _MOVED)

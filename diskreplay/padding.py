@@ -7,14 +7,12 @@ from here still works, with a ``DeprecationWarning`` naming its new home.
 ...     warnings.simplefilter("always")
 ...     from diskreplay.padding import collate
 >>> print(caught[0].message)
-diskreplay.padding is deprecated and will be removed in diskreplay 0.3.0; import collate from diskreplay.batching.padded
+diskreplay.padding.collate is deprecated and will be removed in diskreplay 0.3.0; import collate from diskreplay.batching.padded
 >>> collate.__module__
 'diskreplay.batching.padded'
 """
 
-import importlib
-import warnings
-from typing import Any
+from ._moved import moved
 
 _MOVED = {**dict.fromkeys(("PER_TOKEN_COLUMNS", "collate", "collate_unpadded", "pad_on_device", "padded_widths",
                            "repad", "repad_stacked"), "diskreplay.batching.padded"),
@@ -23,10 +21,4 @@ _MOVED = {**dict.fromkeys(("PER_TOKEN_COLUMNS", "collate", "collate_unpadded", "
 __all__ = ["collate", "collate_unpadded", "pad_on_device", "repad", "repad_stacked"]
 
 
-def __getattr__(name: str) -> Any:
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)
+__getattr__ = moved(__name__, _MOVED)

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
+from ._moved import moved
 from .errors import BatchSchemaError, FormatError
 
 PROMPT_IDS = "prompt_ids"
@@ -252,15 +253,5 @@ def check_late_column(spec: ColumnSpec, schema: "Schema") -> None:
                                "or start a new store with it in the first extend")
 
 
-def __getattr__(name: str) -> Any:
-    """``normalize_batch`` and ``infer_schema`` under their earlier import path, deprecated and removed in
-    diskreplay 0.3.0 (they live in :mod:`diskreplay.ingest`)."""
-    if name in ("normalize_batch", "infer_schema"):
-        import warnings
-
-        from . import ingest
-
-        warnings.warn(f"diskreplay.schema.{name} is deprecated and will be removed in diskreplay 0.3.0; import "
-                      f"{name} from diskreplay.ingest", DeprecationWarning, stacklevel=2)
-        return getattr(ingest, name)
-    raise AttributeError(f"module 'diskreplay.schema' has no attribute {name!r}")
+# ``normalize_batch`` and ``infer_schema`` under their earlier import path (they live in diskreplay.ingest)
+__getattr__ = moved(__name__, dict.fromkeys(("normalize_batch", "infer_schema"), "diskreplay.ingest"))

@@ -82,7 +82,7 @@ def test_links_between_documents_resolve():
 
 #: layer of each module, by the longest matching prefix (docs/ARCHITECTURE.md's table, bottom up)
 LAYERS = {
-    "errors": 1, "_fileio": 1, "_ranges": 1, "ragged": 1, "_jit": 1, "synthetic": 1,
+    "errors": 1, "_fileio": 1, "_ranges": 1, "_moved": 1, "ragged": 1, "_jit": 1, "synthetic": 1,
     "schema": 2, "ingest": 2, "groups": 2, "storage": 2,
     "format": 3, "segment": 3,
     "store": 4,

@@ -38,6 +38,7 @@ reward scalars, group spread, variance ranking, the sum tree) and
 ``distributed`` (agreeing on a generation across ranks).
 """
 
+from .._moved import moved
 from ..errors import ReplacementWarning, SamplerError, SettingError
 from .base import STATE_FORMAT, STATE_VERSION, LiveRows, Sampler, live_column
 from .distributed import agree_generation
@@ -54,11 +55,5 @@ __all__ = ["LiveRows", "PrioritizedSampler", "PromptGroupSampler", "RandomSample
            "reward_scalar", "variance_ranking"]
 
 
-def __getattr__(name: str):
-    if name == "_variance_ranking":  # the private name of the single-module version
-        import warnings
-
-        warnings.warn("diskreplay.samplers._variance_ranking is deprecated and will be removed in diskreplay 0.3.0; "
-                      "use diskreplay.samplers.variance_ranking", DeprecationWarning, stacklevel=2)
-        return variance_ranking
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# the private name of the single-module version
+__getattr__ = moved(__name__, {"_variance_ranking": "diskreplay.samplers:variance_ranking"})

@@ -12,6 +12,7 @@ backends live in :mod:`diskreplay.storage` (``store.LocalStorage``, ``store.Stor
 ``store.storage`` are deprecated paths to them, removed in diskreplay 0.3.0).
 """
 
+from .._moved import moved
 from .compaction import MAX_SEGMENT_BYTES, MERGE_CAPACITY_SHARE, MERGE_FANIN, MERGE_MAX_BYTES, MERGE_RATIO, MergePolicy  # noqa: F401
 from .committer import CommitStats
 from .ops import Conflict
@@ -21,15 +22,8 @@ from .segment_cache import MAX_OPEN_SEGMENTS  # noqa: F401
 __all__ = ["ReplayStore", "MergePolicy", "CommitStats", "Conflict", "convert_store"]
 
 
-def __getattr__(name: str):
-    if name in ("LocalStorage", "Storage"):  # their earlier import path
-        import importlib
-        import warnings
-
-        warnings.warn(f"diskreplay.store.{name} is deprecated and will be removed in diskreplay 0.3.0; import "
-                      f"{name} from diskreplay.storage", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module("diskreplay.storage"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# their earlier import path
+__getattr__ = moved(__name__, dict.fromkeys(("LocalStorage", "Storage"), "diskreplay.storage"))
 
 
 def convert_store(path, multi_writer: bool) -> dict:

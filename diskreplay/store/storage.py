@@ -10,19 +10,11 @@ naming its new home.
 ('diskreplay.storage.local', 'DeprecationWarning')
 """
 
-import importlib
-import warnings
-from typing import Any
+from .._moved import moved
 
 _MOVED = dict.fromkeys(("LocalStorage", "Storage", "open_storage"), "diskreplay.storage")
 
 __all__ = ["LocalStorage", "Storage", "open_storage"]
 
 
-def __getattr__(name: str) -> Any:
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__} is deprecated and will be removed in diskreplay 0.3.0; import {name} from {new}",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)
+__getattr__ = moved(__name__, _MOVED)
