@@ -302,10 +302,11 @@ class LocalStorage(Storage):
             except OSError:
                 continue  # gone already (another writer's clean-up), or not a plain file
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                _close(fd)
-                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                taken = _exclusive(fd)
+            except OSError:
+                continue
+            if not taken:
+                if taken is None:
                     out[rel] = None
                 continue  # leased: a live writer's commit in flight (or one stopped, not dead)
             try:
@@ -331,17 +332,16 @@ class LocalStorage(Storage):
             except FileNotFoundError:
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                _close(fd)
-                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    out[rel] = None
-                    continue
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    return out, False  # leased: the run stops here
+                taken = _exclusive(fd)
+            except OSError:
                 self.unhold(out)
                 raise
-            out[rel] = fd
+            if taken is None:
+                out[rel] = None
+            elif not taken:
+                return out, False  # leased: the run stops here
+            else:
+                out[rel] = fd
         return out, True
 
     def remove_held(self, rel: str, handle: Optional[int]) -> bool:
@@ -613,7 +613,13 @@ class LocalStorage(Storage):
                     linked = None
                     raise
                 finally:
-                    if not linked and lease is not None and lease != temp.fd:
+                    if linked is None and lease is not None:
+                        # not known whether it landed: if it did, it stays leased until the committer
+                        # has read the floor, as a clean link's (release_leases)
+                        self._fds.lease(rel, lease)
+                        if lease == temp.fd:
+                            temp.fd = -1
+                    elif not linked and lease is not None and lease != temp.fd:
                         _close(lease)
                 if not linked:
                     outcome = "lost"
@@ -1008,6 +1014,22 @@ def _pread_all(fd: int) -> bytes:
         out.append(chunk)
         offset += len(chunk)
 
+
+
+def _exclusive(fd: int) -> Optional[bool]:
+    """An exclusive ``flock`` of ``fd`` taken without waiting: True (held), False (another process
+    holds it: a writer's lease), None (this filesystem has no ``flock``); other errors raise. ``fd``
+    is closed unless the lock is held."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        _close(fd)
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return None
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
 
 def _close(fd: Optional[int]) -> None:
     if fd is not None:
