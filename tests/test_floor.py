@@ -7,6 +7,7 @@ store exactly once, bit-exact, at the rows its ``extend`` returned, and ``verify
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -493,3 +494,49 @@ def test_a_reader_pinned_at_a_generation_and_stopped_past_retention(tmp_path):
     assert line.startswith("READ") and line.endswith("None") or (
         line.startswith("GONE StoreNotFoundError") and "no longer retained" in line), (line, err)
     _exactly_once(path, acked)
+
+
+# --------------------------------------------------------------------------- a link that raised but landed
+
+
+@pytest.mark.parametrize("tokened", [True, False], ids=["token", "no-token"])
+def test_a_link_that_raised_but_landed_is_confirmed_against_the_floor(tmp_path, monkeypatch, tokened):
+    """Writer 1 read its base and stopped while writer 2 committed past the retention and swept; its link
+    then lands in a collected generation (a stale link) and raises EIO (its reply lost, as an NFS link
+    retransmitted). Reading the manifest back found it, and the commit was accepted without the floor
+    check: CommitNotDurableError said its rows were committed and visible, but every reader ignores a
+    generation below the floor, so they were lost. A link that raised but landed is now confirmed
+    against the floor exactly as a clean one (its lease held until then): here the link was stale, so
+    the commit is rebased and lands on the newest commit."""
+    from diskreplay.errors import CommitNotDurableError
+    from diskreplay.storage import LocalStorage
+
+    from .test_schedules import _b_commits_and_collects
+    path = str(tmp_path / "s")
+    a = ReplayStore(path, multi_writer=True, retain_seconds=RETAIN, merge_policy=NO_MERGES)
+    b = ReplayStore(path, merge_policy=NO_MERGES)
+    acked = {}
+    _commit(a, acked, 1, [0])
+    _commit(b, acked, 2, [0])
+    real = LocalStorage.link_new
+    ran = []
+
+    def link_new(self, src, rel):
+        if self is a._committer.storage and rel.startswith(fmt.MANIFEST_DIR + "/") and not ran:
+            ran.append(rel)
+            _b_commits_and_collects(b, acked, 1)
+            assert real(self, src, rel)  # lands in the collected slot
+            raise OSError(errno.EIO, "Input/output error", self.local_path(rel))
+        return real(self, src, rel)
+
+    monkeypatch.setattr(LocalStorage, "link_new", link_new)
+    try:
+        acked[(1, 1)] = a.extend(batch_for(1, 1), token=token_for(1, 1) if tokened else None)
+    except CommitNotDurableError as exc:
+        acked[(1, 1)] = exc.rows  # "committed and visible": then it must be there
+    monkeypatch.undo()
+    assert ran and fmt.read_floor(path) > int(os.path.basename(ran[0])[:12])
+    _commit(a, acked, 1, [2])
+    a.close(), b.close()
+    _exactly_once(path, acked)
+

@@ -386,6 +386,7 @@ class Committer:
             if not linked:
                 return False
         except BaseException as exc:
+            self._linked_t = time.perf_counter()
             visible = self._visible(rel, data)
             doubtful = visible is None or (visible is False and self.storage.link_attempted and isinstance(exc, OSError))
             if doubtful and not self.multi_writer and isinstance(exc, OSError):
@@ -418,7 +419,10 @@ class Committer:
                 raise
             if not visible:
                 raise
-            # the create/rename landed and only something after it failed: committed
+            # the create/rename landed and only something after it failed; a create counts only as a
+            # clean one does: the floor, read after it (its lease held until then), is not above it
+            if self.floored and not self._above_floor(new, data, tokened):
+                return False  # linked into a collected slot: not a commit
             self._installed(new, install)
             self._unsynced = True
             if isinstance(exc, OSError):
