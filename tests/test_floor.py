@@ -22,6 +22,7 @@ from diskreplay import ReplayStore
 from diskreplay.store.compaction import MergePolicy
 from diskreplay import format as fmt
 from diskreplay.testing.workload import batch_for, check_rows, token_for
+from diskreplay.verify import verify_store
 
 from .test_schedules import RETAIN, _exactly_once
 
@@ -540,3 +541,72 @@ def test_a_link_that_raised_but_landed_is_confirmed_against_the_floor(tmp_path, 
     a.close(), b.close()
     _exactly_once(path, acked)
 
+
+# --------------------------------------------------------------------------- a cursor's save stopped past retention
+
+STOPPED_SAVER = textwrap.dedent("""
+    import os, sys
+    from diskreplay import ReplayStore
+    store = ReplayStore(sys.argv[1])
+    store.save_state("trainer", {"cursor": 1})
+    print("READY", flush=True)
+    sys.stdin.readline()
+    try:
+        store.save_state("trainer", {"cursor": 2})
+        print("SAVED", flush=True)
+    except Exception as exc:
+        print("ERR", type(exc).__name__, str(exc).replace(chr(10), " "), flush=True)
+    os._exit(0)  # no close: unlocking the writer's lock fails under the injected ENOLCK (the lock goes with it)
+""")
+
+
+@needs_strace
+def test_a_cursor_save_stopped_past_retention_never_names_a_collected_state_file(tmp_path):
+    """A stream's cursor commit (``save_state``) passed no start time to the commit, so the age check that
+    abandons a commit whose files may be collected did not apply. Without leases (strace makes flock fail
+    with ENOLCK, as on a filesystem without a lock manager) the saver, stopped (SIGSTOP) right after
+    creating its state file for longer than retain_seconds, had that file collected by another writer's
+    sweep, and then committed a cursor naming it: the store's newest cursor could not be loaded. Now the
+    too-old commit is abandoned (CommitTimeoutError, its file removed) and the saved cursor stays loadable."""
+    path = str(tmp_path / "s")
+    ReplayStore(path, multi_writer=True, retain_seconds=RETAIN).close()
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_SAVER, path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    tracer = None
+    try:
+        assert proc.stdout.readline().strip() == "READY", proc.communicate()
+        # no flock from here on (no leases); the first fsync (of the new state file, or its directory
+        # entry) stops it: its state file is created, its commit not yet checked
+        tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=flock,fsync",
+                                   "-e", "inject=flock:error=ENOLCK", "-e", "inject=fsync:signal=SIGSTOP:when=1",
+                                   "-p", str(proc.pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE)
+        _wait_for("strace to attach", lambda: "TracerPid:\t0" not in open(f"/proc/{proc.pid}/status").read())
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        _wait_stopped(proc)
+        assert len(os.listdir(os.path.join(path, fmt.STATE_DIR))) == 2, "stopped before its state file"
+        time.sleep(RETAIN + 0.5)
+        with ReplayStore(path) as b:  # another writer's sweep: the stopped saver's file is old and unleased
+            b.extend(batch_for(2, 0), token=token_for(2, 0))
+            b._committer.collect(full=True)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if tracer is not None:
+            tracer.terminate()
+            tracer.wait(timeout=30)
+    assert proc.returncode == 0, err
+    line = [x for x in out.splitlines() if x.startswith(("SAVED", "ERR"))][-1]
+    with ReplayStore(path, readonly=True) as r:
+        state = r.load_state("trainer")  # the newest committed cursor loads
+    if line == "SAVED":
+        assert state == {"cursor": 2}
+    else:
+        assert line.startswith("ERR CommitTimeoutError") and "nothing was committed" in line, line
+        assert state == {"cursor": 1}
+        entries = os.listdir(os.path.join(path, fmt.STATE_DIR))
+        assert len(entries) == 1, entries  # the abandoned commit's file is gone
+    assert verify_store(path)["ok"]

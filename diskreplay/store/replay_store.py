@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock, crc32c
+from .._fileio import WriterLock, boot_clock, crc32c
 from ..errors import (ArgumentError, ColumnNotFoundError, DiskReplayError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
@@ -681,10 +681,13 @@ class ReplayStore:
         data = encode_state(dict(state))
         if self.multi_writer:
             self._catch_up()
+        # its file's write time: a commit naming an unleased file older than the others' retention
+        # (a saver stopped mid-save, on object storage) is abandoned, never published over a collected file
+        started = boot_clock()
         entry = write_state_file(self._committer, name, data, self.manifest.generation + 1, self._reserves_ids)
         conditional = replaces is not ...
         self._committer.commit(lambda base: ops.SaveState(entry, replaces if conditional else None, conditional),
-                               [entry.file],
+                               [entry.file], started=started,
                                install=lambda new: self._install(new, self.options))
         self._collect()
 
