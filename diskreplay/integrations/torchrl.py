@@ -44,6 +44,12 @@ set) writes nothing: ``extend`` raises and the writer follows the store.
 ``dumps`` writes the store's path and next row (``storage.json``): the rows
 are in the store, durable already.
 
+A repaired store's holes (rows ``repair`` dropped with a damaged segment) hold
+no slot: there the slots ``0 .. len(storage) - 1`` are its live rows in the
+order above (by ``r % max_size``), so TorchRL's samplers, which draw slots
+below ``len(storage)``, never draw a hole, and :class:`DiskReplayWriter`
+returns the slots of the rows it wrote in that order.
+
 Needs the ``[torchrl]`` extra (``pip install diskreplay[torchrl]``). TorchRL's
 compiled extension is not needed: its pure-Python samplers are enough.
 
@@ -156,6 +162,7 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         self.initialized = True
         self._last_cursor = None
         self._layout: Dict[str, Any] = {}
+        self._by_slot: Any = None  # (manifest, max_size, live rows in slot order) of a store with holes
         self._load_layout()
 
     # -- TorchRL's Storage interface
@@ -214,8 +221,34 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         saved = self.store.load_state(LAYOUT_STATE)
         self._layout = dict(saved.get("columns", {})) if isinstance(saved, dict) else {}
 
+    def _live_by_slot(self) -> Optional[np.ndarray]:
+        """A store with holes: its live rows in slot order (slot ``p`` is the ``p``-th); None without holes."""
+        m = self.store.manifest
+        if not m.holes:
+            return None
+        hit = self._by_slot
+        if hit is None or hit[0] is not m or hit[1] != self.max_size:
+            rows = self.store.row_ids()
+            hit = self._by_slot = (m, self.max_size, rows[np.argsort(rows % self.max_size, kind="stable")])
+        return hit[2]
+
+    def _slots(self, rows: np.ndarray) -> np.ndarray:
+        """The TorchRL slots of live ``rows``."""
+        by_slot = self._live_by_slot()
+        if by_slot is None:
+            return rows % self.max_size
+        order = np.argsort(by_slot)
+        return order[np.searchsorted(by_slot, rows, sorter=order)]
+
     def _rows(self, positions: np.ndarray) -> np.ndarray:
         """Live row ids of TorchRL slots."""
+        by_slot = self._live_by_slot()
+        if by_slot is not None:  # slots are the live rows only: a hole has none
+            n = len(by_slot)
+            if len(positions) and (positions.min() < -n or positions.max() >= n):
+                raise IndexOutOfRangeError(f"index {positions.tolist()[:10]} is outside the storage's {n} slots "
+                                           f"(the live rows of {self.store.path}, which has holes)")
+            return by_slot[np.where(positions < 0, positions + n, positions)]
         head, n = self.store.head, len(self.store)
         if len(positions) and (positions.min() < -n or positions.max() >= self.max_size):
             raise IndexOutOfRangeError(f"index {positions.tolist()[:10]} is outside the storage's {self.max_size} slots")
@@ -286,7 +319,7 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         if changed:  # a new column, or another dtype: one more commit, once
             self._layout.update(changed)
             self.store.save_state(LAYOUT_STATE, {"columns": self._layout})
-        slots = rows % self.max_size
+        slots = self._slots(rows)
         self._set_last_cursor(int(slots[-1]))
         self._bump_mutation_revision()  # TorchRL's samplers drop what they derived from the old rows
         self._follow_writers()  # the round-robin writers on this storage continue after these rows
