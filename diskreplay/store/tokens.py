@@ -154,6 +154,15 @@ class TokenIndex:
         return merged
 
     def find(self, manifest: fmt.Manifest, token: str) -> Optional[fmt.TokenRecord]:
+        """``token``'s record in ``manifest``, or None. A record whose rows intersect a hole is not
+        found: repair dropped those rows with a damaged segment, so the batch, sent again, is appended
+        again (a sealed log keeps such records; repair forgets the inline ones)."""
+        r = self._find(manifest, token)
+        if r is not None and any(a < r.end_row and r.first_row < b for a, b in manifest.holes):
+            return None
+        return r
+
+    def _find(self, manifest: fmt.Manifest, token: str) -> Optional[fmt.TokenRecord]:
         for r in reversed(manifest.tokens):
             if r.token == token:
                 return r
