@@ -800,3 +800,24 @@ def test_the_adapter_writes_no_private_attribute_of_a_torchrl_object():
                 if not on_self or id(node) in in_writer:
                     bad.append(f"line {node.lineno}: {ast.unparse(sub)}")
     assert bad == []
+
+
+def test_dumps_under_a_file_is_refused_with_the_path(tmp_path):
+    """``dumps`` to a path under a file raised os.makedirs' bare NotADirectoryError (a path that is a file:
+    FileExistsError): a DiskReplayError naming the file, nothing written. (TorchRL's own
+    ``ReplayBuffer.dumps`` makes its directory before it calls these, with pathlib's error.)"""
+    from diskreplay.errors import DiskReplayError
+
+    storage = DiskReplayStorage(tmp_path / "s", 8)
+    rb = ReplayBuffer(storage=storage, writer=DiskReplayWriter(), batch_size=2)
+    rb.extend(TensorDict({"x": torch.arange(3)}, [3]))
+    (tmp_path / "f").write_text("not a directory")
+    for where in (tmp_path / "f" / "ckpt", tmp_path / "f"):
+        for dump in (storage.dumps, rb.writer.dumps):
+            with pytest.raises(DiskReplayError, match=f"{tmp_path / 'f'} is a file") as info:
+                dump(where)
+            assert "\n" not in str(info.value)
+    assert (tmp_path / "f").read_text() == "not a directory"
+    rb.dumps(tmp_path / "ckpt")  # a new directory, as before
+    assert (tmp_path / "ckpt" / "storage" / "storage.json").exists()
+    storage.close()

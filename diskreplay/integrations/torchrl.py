@@ -67,7 +67,8 @@ import numpy as np
 import pyarrow as pa
 
 from .. import RaggedColumn, ReplayStore
-from ..errors import BatchError, IndexOutOfRangeError, MissingDependencyError, SchemaError, UnsupportedError
+from ..errors import (BatchError, IndexOutOfRangeError, MissingDependencyError, OutputExistsError, SchemaError,
+                      UnsupportedError)
 from ..schema import COMPLETION_IDS, MASK_SUFFIX, PROMPT_IDS
 
 try:
@@ -94,6 +95,18 @@ def _as_positions(index: Any) -> np.ndarray:
     if isinstance(index, range):
         return np.arange(index.start, index.stop, index.step, dtype=np.int64)
     return np.asarray(index, dtype=np.int64).reshape(-1)
+
+
+def _checkpoint_dir(path: Any) -> None:
+    """Make the directory ``dumps(path)`` writes into; a file on the way is refused by name (os.makedirs
+    would raise a bare NotADirectoryError or FileExistsError)."""
+    above = os.path.abspath(path)
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise OutputExistsError(f"dumps(path={os.fspath(path)!r}): {above} is a file, so the checkpoint directory "
+                                "cannot be made there; pass a path whose parents are directories")
+    os.makedirs(path, exist_ok=True)
 
 
 def _as_batch(data: Any) -> Any:
@@ -372,7 +385,7 @@ class DiskReplayStorage(_TorchRLStoreStorage):
     def dumps(self, path: Any) -> None:
         """Write ``storage.json`` (the store's path and next row) into the directory ``path``: the rows
         are in the store, durable already, and a checkpoint names them instead of copying them."""
-        os.makedirs(path, exist_ok=True)
+        _checkpoint_dir(path)
         with open(os.path.join(path, "storage.json"), "w") as f:
             json.dump(self.state_dict(), f)
 
@@ -471,7 +484,7 @@ class DiskReplayWriter(Writer):
     def dumps(self, path: Any) -> None:
         """Write :meth:`state_dict` into the directory ``path`` (``metadata.json``, as a round-robin writer does)."""
         state = self.state_dict()
-        os.makedirs(path, exist_ok=True)
+        _checkpoint_dir(path)
         with open(os.path.join(path, "metadata.json"), "w") as f:
             json.dump({"cursor": state["_cursor"], "write_count": state["_write_count"]}, f)
 
