@@ -610,3 +610,49 @@ def test_a_cursor_save_stopped_past_retention_never_names_a_collected_state_file
         entries = os.listdir(os.path.join(path, fmt.STATE_DIR))
         assert len(entries) == 1, entries  # the abandoned commit's file is gone
     assert verify_store(path)["ok"]
+
+
+def test_a_link_that_raised_but_landed_keeps_its_lease_until_the_floor_is_read(tmp_path, monkeypatch):
+    """The same error on a real commit (its base the newest): writer 1 reads its manifest back, and before
+    it reads the floor writer 2 commits on top, waits out the retention and sweeps. Writer 1's manifest
+    stays leased from before the link until its floor read, even though the link raised, so the sweep
+    cannot raise the floor past it: the commit stands (CommitNotDurableError with its rows, there once).
+    Unleased, the sweep raised the floor past it, writer 1 took its commit for a stale link, found its
+    token in writer 2's newer commits and removed the files they name."""
+    from diskreplay.errors import CommitNotDurableError
+    from diskreplay.storage import LocalStorage
+
+    from .test_schedules import _b_commits_and_collects
+    path = str(tmp_path / "s")
+    a = ReplayStore(path, multi_writer=True, retain_seconds=RETAIN, merge_policy=NO_MERGES)
+    b = ReplayStore(path, merge_policy=NO_MERGES)
+    acked = {}
+    _commit(a, acked, 1, [0])
+    real_link, real_read = LocalStorage.link_new, LocalStorage.read_bytes
+    ran, swept = [], []
+
+    def link_new(self, src, rel):
+        if self is a._committer.storage and rel.startswith(fmt.MANIFEST_DIR + "/") and not ran:
+            assert real_link(self, src, rel)  # the next generation: a real commit
+            ran.append(rel)
+            raise OSError(errno.EIO, "Input/output error", self.local_path(rel))
+        return real_link(self, src, rel)
+
+    def read_bytes(self, rel, *args, **kw):
+        data = real_read(self, rel, *args, **kw)
+        if self is a._committer.storage and ran and rel == ran[0] and not swept:
+            swept.append(rel)  # read back after the error; the floor is not read yet
+            _b_commits_and_collects(b, acked, 0)
+        return data
+
+    monkeypatch.setattr(LocalStorage, "link_new", link_new)
+    monkeypatch.setattr(LocalStorage, "read_bytes", read_bytes)
+    try:
+        acked[(1, 1)] = a.extend(batch_for(1, 1), token=token_for(1, 1))
+    except CommitNotDurableError as exc:  # committed and visible: its rows
+        acked[(1, 1)] = exc.rows
+    monkeypatch.undo()
+    assert swept
+    _commit(a, acked, 1, [2])
+    a.close(), b.close()
+    _exactly_once(path, acked)
