@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -124,22 +125,47 @@ def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
     return out
 
 
+def _number(kind: type, least: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` at least ``least`` (a usage error, exit status 2, otherwise)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not least <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--generators", type=int, default=4, help="generator processes (even: they work in pairs)")
-    ap.add_argument("--steps", type=int, default=24, help="batches per generator")
-    ap.add_argument("--groups", type=int, default=4, help="prompts per batch")
-    ap.add_argument("--group-size", type=int, default=8, help="completions per prompt (half from each of a pair)")
-    ap.add_argument("--batch-groups", type=int, default=4, help="groups per trainer step")
-    ap.add_argument("--max-lag", type=int, default=4, help="max_policy_lag of the trainer's stream")
-    ap.add_argument("--max-ahead", type=int, default=None,
-                    help="generators' max_ahead_rows (back-pressure; default: max-lag - 1 trainer batches)")
-    ap.add_argument("--gen-seconds", type=float, default=0.15, help="seconds a generator takes per batch")
-    ap.add_argument("--kills", type=int, default=2, help="times the trainer is SIGKILLed and resumed")
-    ap.add_argument("--store", help="store directory (default: a temporary one)")
-    ap.add_argument("--keep", action="store_true", help="keep the store")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the kill times")
+    positive, non_negative = _number(int, 1, "a positive integer"), _number(int, 0, "an integer >= 0")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--generators", type=positive, default=4, metavar="N",
+                    help="generator processes (even: they work in pairs; default: %(default)s)")
+    ap.add_argument("--steps", type=positive, default=24, metavar="N",
+                    help="batches per generator (default: %(default)s)")
+    ap.add_argument("--groups", type=positive, default=4, metavar="N",
+                    help="prompts per batch (default: %(default)s)")
+    ap.add_argument("--group-size", type=positive, default=8, metavar="N",
+                    help="completions per prompt (even: half from each of a pair; default: %(default)s)")
+    ap.add_argument("--batch-groups", type=positive, default=4, metavar="N",
+                    help="groups per trainer step (default: %(default)s)")
+    ap.add_argument("--max-lag", type=non_negative, default=4, metavar="N",
+                    help="max_policy_lag of the trainer's stream: older rows are skipped as stale "
+                         "(default: %(default)s)")
+    ap.add_argument("--max-ahead", type=positive, default=None, metavar="ROWS",
+                    help="generators' max_ahead_rows, their back-pressure (default: the rows of "
+                         "max(1, --max-lag - 1) trainer batches)")
+    ap.add_argument("--gen-seconds", type=_number(float, 0, "a number of seconds >= 0"), default=0.15,
+                    metavar="S", help="seconds a generator takes per batch (default: %(default)s)")
+    ap.add_argument("--kills", type=non_negative, default=2, metavar="N",
+                    help="times the trainer is SIGKILLed and resumed (default: %(default)s)")
+    ap.add_argument("--store", metavar="DIR",
+                    help="store directory, kept at the end (default: a temporary one, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the temporary store and its directory (default: removed)")
+    ap.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the kill times (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.generators < 2 or args.generators % 2 or args.group_size % 2:
         ap.error("--generators and --group-size must be even (a prompt's samples come from two generators)")

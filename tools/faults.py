@@ -836,28 +836,50 @@ def table(results: List[Tuple[Case, Dict[str, object]]], group_of: Dict[str, str
     return "\n".join(lines)
 
 
+def _count(text: str) -> int:
+    """A count that must be at least 1 (argparse type: a usage error, exit status 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Invariants: " + ", ".join(INVARIANTS) + ". Exit status 1 when any case broke one.")
-    parser.add_argument("--syscalls", default=",".join(DEFAULT_GROUPS),
+    parser.add_argument("--syscalls", default=",".join(DEFAULT_GROUPS), metavar="GROUP[,GROUP...]",
                         help="syscall groups to fault (default: %(default)s; also: read)")
-    parser.add_argument("--faults", default=",".join(FAULTS), help="faults to inject (default: %(default)s)")
-    parser.add_argument("--sample", type=int, help="run this many cases, drawn with --seed (default: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cases run at once")
-    parser.add_argument("--case", help="run these cases only: SYSCALL:FAULT:OCCURRENCE[,...] (e.g. openat:EIO:7)")
-    parser.add_argument("--keep", help="with one --case: copy its store, strace log and output here")
-    parser.add_argument("--json", help="also write the cases (with --list) or the results to this file")
-    parser.add_argument("--all", action="store_true", help="list every case, not only broken ones")
-    parser.add_argument("--power-loss", action="store_true", help="check the baseline's deletion order")
-    parser.add_argument("--dir", help="where stores are made (default: /dev/shm when there is one: fsync is "
-                                      "free there, and the faults are injected, not real)")
-    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--faults", default=",".join(FAULTS), metavar="FAULT[,FAULT...]",
+                        help="faults to inject (default: %(default)s)")
+    parser.add_argument("--sample", type=_count, metavar="N",
+                        help="run N cases, drawn with --seed (default: all of them)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="seed of the cases --sample draws (default: %(default)s)")
+    parser.add_argument("--jobs", type=_count, default=os.cpu_count() or 1, metavar="N",
+                        help="cases run at once (default: the number of CPUs, %(default)s here)")
+    parser.add_argument("--case", metavar="SYSCALL:FAULT:OCCURRENCE[,...]",
+                        help="run these cases only, e.g. openat:EIO:7 (see --list; default: the sweep)")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="with one --case: copy its store, strace log and output here (default: not kept)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the cases (with --list) or the results to this file (default: none)")
+    parser.add_argument("--all", action="store_true",
+                        help="list every case, not only broken ones (default: broken ones and notes)")
+    parser.add_argument("--power-loss", action="store_true",
+                        help="also check the baseline's order of creations, deletions and fsyncs (default: off)")
+    parser.add_argument("--dir", metavar="DIR",
+                        help="where stores are made (default: /dev/shm when there is one: fsync is "
+                             "free there, and the faults are injected, not real; else the temporary directory)")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit (default: run them)")
     parser.add_argument("--multi-writer", action="store_true",
                         help="sweep a multi-writer store (retain_seconds=3600, its files aged past it); every 4th "
-                             "append of the child loses a race to another writer object in the process and retries")
+                             "append of the child loses a race to another writer object in the process and "
+                             "retries (default: a single-writer store)")
     args = parser.parse_args(argv)
 
     groups = [g.strip() for g in args.syscalls.split(",") if g.strip()]

@@ -256,13 +256,33 @@ def measure_throughput(store: ReplayStore, device: torch.device, B: int, step_ms
                    f"{B / per:,.0f} rows/s")
 
 
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a positive ``kind`` (a usage error, exit status 2, otherwise)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=1024, help="prompt groups of 8 rows in the synthetic store")
-    p.add_argument("--batch-groups", type=int, default=64, help="groups per batch (8 rows each)")
-    p.add_argument("--batches", type=int, default=20, help="timed batches per measurement")
-    p.add_argument("--step-ms", type=float, default=30.0, help="simulated training step on the GPU")
-    p.add_argument("--dir", help="work directory (default: a temporary one, removed at the end)")
+    p.add_argument("--groups", type=_positive(int), default=1024, metavar="N",
+                   help="prompt groups of 8 rows in the synthetic store (default: %(default)s)")
+    p.add_argument("--batch-groups", type=_positive(int), default=64, metavar="N",
+                   help="groups per batch, 8 rows each (default: %(default)s)")
+    p.add_argument("--batches", type=_positive(int), default=20, metavar="N",
+                   help="timed batches per measurement (default: %(default)s)")
+    p.add_argument("--step-ms", type=_positive(float), default=30.0, metavar="MS",
+                   help="milliseconds of the simulated training step on the GPU (default: %(default)s)")
+    p.add_argument("--dir", metavar="DIR",
+                   help="work directory, the store made in DIR/store and kept (default: a temporary one, removed "
+                        "at the end)")
     args = p.parse_args(argv)
     B = args.batch_groups * 8
     work = args.dir or tempfile.mkdtemp(prefix="diskreplay-gpu-check-")

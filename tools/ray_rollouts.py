@@ -84,28 +84,46 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--store", help="store directory (every node must see it) or s3:// URL; default: a "
-                        "temporary directory, removed at the end unless --keep")
+    parser.add_argument("--store", metavar="DIR|s3://...",
+                        help="store directory (every node must see it) or s3:// URL (default: a temporary "
+                             "directory, removed at the end unless --keep)")
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to ReplayStore(storage_options=...) for an s3:// store (repeatable)")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary store and print its path")
-    parser.add_argument("--actors", type=int, default=4, help="rollout actors (default 4)")
-    parser.add_argument("--steps", type=int, default=6, help="batches per actor (default 6)")
-    parser.add_argument("--groups", type=int, default=4, help="prompt groups per batch (default 4)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default 8)")
-    parser.add_argument("--train-steps", type=int, default=10, help="batches the trainer draws (default 10)")
-    parser.add_argument("--train-groups", type=int, default=4, help="groups per trainer batch (default 4)")
-    parser.add_argument("--samples-per-group", type=int, default=4, help="rows per drawn group (default 4)")
-    parser.add_argument("--train-interval", type=float, default=0.2, help="seconds between draws (default 0.2)")
-    parser.add_argument("--no-kill", action="store_true", help="do not kill actor 0 mid-run")
-    parser.add_argument("--address", help="join this Ray cluster ('auto': the running one) instead of starting one")
-    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local cluster (default 2)")
-    parser.add_argument("--actor-cpus", type=float, default=0, help="CPUs each actor reserves (default 0, so "
-                        "that all actors fit a small local cluster)")
+                        help="passed to ReplayStore(storage_options=...) for an s3:// store (repeatable; "
+                             "default: none)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary store and print its path (default: removed)")
+    parser.add_argument("--actors", type=int, default=4, metavar="N", help="rollout actors (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=6, metavar="N", help="batches per actor (default: %(default)s)")
+    parser.add_argument("--groups", type=int, default=4, metavar="N",
+                        help="prompt groups per batch (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=8, metavar="N",
+                        help="completions per prompt (default: %(default)s)")
+    parser.add_argument("--train-steps", type=int, default=10, metavar="N",
+                        help="batches the trainer draws (default: %(default)s)")
+    parser.add_argument("--train-groups", type=int, default=4, metavar="N",
+                        help="groups per trainer batch (default: %(default)s)")
+    parser.add_argument("--samples-per-group", type=int, default=4, metavar="N",
+                        help="rows per drawn group (default: %(default)s)")
+    parser.add_argument("--train-interval", type=float, default=0.2, metavar="S",
+                        help="seconds between the trainer's draws (default: %(default)s)")
+    parser.add_argument("--no-kill", action="store_true",
+                        help="do not kill actor 0 mid-run (default: killed after its first acknowledged batch)")
+    parser.add_argument("--address", metavar="ADDRESS",
+                        help="join this Ray cluster ('auto': the running one) instead of starting one "
+                             "(default: a local cluster of --num-cpus CPUs)")
+    parser.add_argument("--num-cpus", type=int, default=2, metavar="N",
+                        help="CPUs of the local cluster (default: %(default)s)")
+    parser.add_argument("--actor-cpus", type=float, default=0, metavar="N",
+                        help="CPUs each actor reserves (default: %(default)s, so that all actors fit a small "
+                             "local cluster)")
     args = parser.parse_args(argv)
-    for name in ("actors", "steps", "groups", "group_size", "train_steps", "train_groups", "samples_per_group"):
+    for name in ("actors", "steps", "groups", "group_size", "train_steps", "train_groups", "samples_per_group",
+                 "num_cpus"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("train_interval", "actor_cpus"):
+        if not 0 <= getattr(args, name) < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a number >= 0, got {getattr(args, name)}")
 
     import ray
 

@@ -197,12 +197,38 @@ class Child:
         return False
 
 
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of minutes, got {text!r}")
+    return value
+
+
+def _readers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, required=True, help="how long to soak")
-    ap.add_argument("--dir", default=None, help="where to put the store (default: a temporary directory)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--readers", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=_minutes, required=True, metavar="N",
+                    help="how long to soak, in minutes (required; writers keep starting until then)")
+    ap.add_argument("--dir", default=None, metavar="DIR",
+                    help="the store is DIR/store (one already there is replaced) and is kept at the end "
+                         "(default: a temporary directory, removed at the end)")
+    ap.add_argument("--seed", type=int, default=0, metavar="S",
+                    help="seed of every random choice: kill times, the children's appends and reads, the rows "
+                         "sampled (default: %(default)s)")
+    ap.add_argument("--readers", type=_readers, default=2, metavar="N",
+                    help="reader children following the writer the whole time (0: none; default: %(default)s)")
     args = ap.parse_args(argv)
 
     from diskreplay.store import ReplayStore
