@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import google_crc32c
 
@@ -553,3 +553,29 @@ class WriterLock:
         taken = held.detach() if held is not None else None
         if taken is not None:
             _unlock(*taken[2])
+
+
+def sized_progress_bar(tqdm: Any, fp: Any, **kwargs: Any) -> Any:
+    """A ``tqdm`` bar on ``fp`` sized to its terminal and following resizes, as tqdm's own
+    ``dynamic_ncols`` does, but taking a size the terminal does not report as 80x24: tqdm takes a
+    terminal that reports 0x0 (a pty nobody sized: ``docker exec -t``, some CI runners) as -1 rows
+    and hides the bar entirely. (Here so that export and verify, layers apart, share it.)"""
+    cols, rows = terminal_shape(fp)
+    bar = tqdm(file=fp, ncols=cols, nrows=rows, **kwargs)
+    bar.dynamic_ncols = terminal_shape
+    return bar
+
+
+def terminal_shape(fp: Any) -> Tuple[int, int]:
+    """``(columns, rows)`` for a progress bar on ``fp``, as tqdm counts them (one less than the
+    terminal's), with 80x24 for a size the terminal does not report (0, or not a terminal).
+
+    >>> import io
+    >>> terminal_shape(io.StringIO())
+    (79, 23)
+    """
+    try:
+        cols, rows = os.get_terminal_size(fp.fileno())
+    except (AttributeError, ValueError, OSError):  # (io.UnsupportedOperation is both)
+        cols = rows = 0
+    return (cols if cols > 1 else 80) - 1, (rows if rows > 1 else 24) - 1

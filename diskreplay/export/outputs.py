@@ -14,7 +14,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from .._fileio import fsync_dir
+from .._fileio import fsync_dir, sized_progress_bar
 from ..errors import DiskReplayError, ExportError, OutputExistsError, OutputIOError
 from ..format import FORMAT_FILE, MANIFEST_DIR
 
@@ -373,21 +373,4 @@ def progress_bar(total: Optional[int], desc: str, enabled: bool, unit: str = "ro
             warnings.warn("progress bars need tqdm: pip install 'diskreplay[progress]'", RuntimeWarning,
                           stacklevel=3)
         return _NoBar()
-    cols, rows = _terminal_shape(sys.stderr)
-    bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, ncols=cols, nrows=rows,
-               leave=False)
-    # tqdm's own resizing (dynamic_ncols) takes a terminal that reports 0x0 (a pty nobody sized: docker
-    # exec -t, some CI runners) as -1 rows and hides the bar entirely; this follows resizes the same way
-    # but takes an unknown size as 80x24
-    bar.dynamic_ncols = _terminal_shape
-    return bar
-
-
-def _terminal_shape(fp: Any) -> "tuple[int, int]":
-    """``(columns, rows)`` for a bar on ``fp``, as tqdm counts them (one less than the terminal's), with
-    80x24 for a size the terminal does not report (0, or not a terminal)."""
-    try:
-        cols, rows = os.get_terminal_size(fp.fileno())
-    except (AttributeError, ValueError, OSError):
-        cols = rows = 0
-    return (cols if cols > 1 else 80) - 1, (rows if rows > 1 else 24) - 1
+    return sized_progress_bar(tqdm, sys.stderr, total=total, desc=desc, unit=unit, unit_scale=True, leave=False)

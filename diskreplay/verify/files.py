@@ -14,10 +14,11 @@ True
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import format as fmt
-from .._fileio import file_crc32c
+from .._fileio import file_crc32c, sized_progress_bar
 from ..errors import CorruptStoreError, FormatError, StoreNotFoundError
 from ..storage import open_storage
 
@@ -204,4 +205,4 @@ def progress_bar(progress: bool, total: int, desc: str) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
+    return sized_progress_bar(tqdm, sys.stderr, total=total, unit="B", unit_scale=True, desc=desc, leave=False)
