@@ -66,4 +66,15 @@ def test_torchrl_samplers_never_draw_a_hole(tmp_path, max_size, commits, sampler
     for _ in range(60):
         drawn |= set(rb.sample()["x"].tolist())
     assert set(new.tolist()) <= drawn and not drawn - set(new.tolist()) - live
+    # TorchRL's default writer appends too (it follows the store), and its rows are drawn
+    rb = ReplayBuffer(storage=storage, sampler=sampler(), batch_size=8)
+    more = torch.arange(2000, 2000 + ROWS)
+    rb.extend(TensorDict({"x": more, "v": more[:, None].float().expand(-1, 64)}, [ROWS]))
+    with ReplayStore(path, readonly=True) as store:
+        live = set(store.row_ids().tolist())
+    assert len(storage) == len(live)
+    drawn = set()
+    for _ in range(80):
+        drawn |= set(rb.sample()["x"].tolist())
+    assert set(more.tolist()) <= drawn and not drawn - set(more.tolist()) - set(new.tolist()) - live
     storage.close()

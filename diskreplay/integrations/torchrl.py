@@ -48,7 +48,10 @@ A repaired store's holes (rows ``repair`` dropped with a damaged segment) hold
 no slot: there the slots ``0 .. len(storage) - 1`` are its live rows in the
 order above (by ``r % max_size``), so TorchRL's samplers, which draw slots
 below ``len(storage)``, never draw a hole, and :class:`DiskReplayWriter`
-returns the slots of the rows it wrote in that order.
+returns the slots of the rows it wrote in that order. TorchRL's round-robin
+writer still returns ``row % max_size`` there, which samplers that keep
+per-slot state (``PrioritizedSampler``) would misread: use
+:class:`DiskReplayWriter` with them.
 
 Needs the ``[torchrl]`` extra (``pip install diskreplay[torchrl]``). TorchRL's
 compiled extension is not needed: its pure-Python samplers are enough.
@@ -297,7 +300,7 @@ class DiskReplayStorage(_TorchRLStoreStorage):
                                    f"{self.store.path} go to slots {expected.tolist()[:5]}... (another process "
                                    "appended, or the writer's cursor was set); nothing was written and the writer "
                                    "now follows the store: extend again")
-        slots = self._commit(data)
+        slots = self._commit(data, by_row=True)
         if not np.array_equal(slots, expected):
             raise UnsupportedError(f"another writer of {self.store.path} appended while these {n} rows were "
                                    f"committed: they went to slots {slots.tolist()[:5]}..., not to the slots "
@@ -322,8 +325,9 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         """
         return torch.from_numpy(self._commit(_as_batch(data)))
 
-    def _commit(self, data: Any) -> np.ndarray:
-        """Extend the store with the batch ``data``; the slots of its rows."""
+    def _commit(self, data: Any, by_row: bool = False) -> np.ndarray:
+        """Extend the store with the batch ``data``; the slots of its rows (``by_row``: ``row % max_size``,
+        a round-robin writer's, which a store with holes does not use for reads)."""
         if not data.shape[0]:
             raise BatchError("nothing to write: the batch has no rows")
         layout: Dict[str, Any] = {}
@@ -332,7 +336,7 @@ class DiskReplayStorage(_TorchRLStoreStorage):
         if changed:  # a new column, or another dtype: one more commit, once
             self._layout.update(changed)
             self.store.save_state(LAYOUT_STATE, {"columns": self._layout})
-        slots = self._slots(rows)
+        slots = rows % self.max_size if by_row else self._slots(rows)
         self._set_last_cursor(int(slots[-1]))
         self._bump_mutation_revision()  # TorchRL's samplers drop what they derived from the old rows
         self._follow_writers()  # the round-robin writers on this storage continue after these rows
