@@ -1,5 +1,5 @@
-"""A reopened store's first batch: WILLNEED hints for every page it needs when its files are cold, none
-when they are all in the page cache (the hints cost about a read there)."""
+"""A reopened store's first batch: WILLNEED hints for every page it needs in the segments whose files are
+cold, none for those wholly in the page cache (the hints cost about a read there)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from diskreplay.store.compaction import MergePolicy
 from diskreplay.synthetic import make_rollouts
 
 
-def _evict(path):
+def _evict(path, only=None):
     for root, _, files in os.walk(path):
         for name in files:
+            if only is not None and name != only:
+                continue
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -38,7 +40,7 @@ def _first_batch_hints(path, monkeypatch):
     real = Segment.advise
 
     def advise(self, ranges):
-        calls.append(len(ranges))
+        calls.append((os.path.basename(self.path), len(ranges)))
         return real(self, ranges)
 
     monkeypatch.setattr(Segment, "advise", advise)
@@ -55,4 +57,14 @@ def test_a_reopened_store_hints_its_first_batch_only_when_its_files_are_cold(sto
     assert _first_batch_hints(store_path, monkeypatch) == []
     _evict(store_path)
     cold = _first_batch_hints(store_path, monkeypatch)
-    assert cold and sum(cold) > 0
+    assert cold and sum(n for _, n in cold) > 0
+    assert len({name for name, _ in cold}) == 4  # every touched segment (each holds rows of the batch)
+
+
+def test_only_the_segments_with_pages_out_of_the_page_cache_are_hinted(store_path, monkeypatch):
+    with ReplayStore(store_path, readonly=True) as store:
+        store.read(store.row_ids())
+        one = os.path.basename(store.manifest.segments[1].file)
+    _evict(store_path, only=one)
+    hints = _first_batch_hints(store_path, monkeypatch)
+    assert hints and {name for name, _ in hints} == {one}

@@ -332,12 +332,14 @@ class SegmentCache:
         for seg, _, loc in parts:
             if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
                 seg.advise_all()
-        if opened and len(parts) > 1 and not all(seg.in_page_cache() for seg, _, _ in parts):
+        cold = [part for part in parts if not part[0].in_page_cache()] if opened and len(parts) > 1 else []
+        if cold:
             # segments opened by this read are likely cold (a reopened store's first batches): ask for
             # all their pages first. Later reads skip it: on warm pages a hint costs about a read, and a
-            # long-running reader's cold pages are hinted ahead by the loader (prefetch). So does a
-            # restarted process whose files are all in the page cache (one mincore per segment says so)
-            hint_reads(parts, cols, [view.schema[c].kind == RAGGED for c in cols], hinted)
+            # long-running reader's cold pages are hinted ahead by the loader (prefetch). So do the
+            # segments of a restarted process whose files are in the page cache (one mincore each
+            # says so; this VM's page cache drops a few files' pages at a time)
+            hint_reads(cold, cols, [view.schema[c].kind == RAGGED for c in cols], hinted)
         out: Dict[str, Column] = {}
         plans: Dict[Any, RangePlan] = {}
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
