@@ -34,11 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
+
+from diskreplay.cli.parser import number  # noqa: E402
 
 GENERATOR = r"""
 import json, sys, time
@@ -125,21 +126,8 @@ def _finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
     return out
 
 
-def _number(kind: type, least: float, what: str) -> Callable[[str], Any]:
-    """An argparse type: a number of ``kind`` at least ``least`` (a usage error, exit status 2, otherwise)."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not least <= value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-    return parse
-
-
 def main(argv=None) -> int:
-    positive, non_negative = _number(int, 1, "a positive integer"), _number(int, 0, "an integer >= 0")
+    positive, non_negative = number(int, 1, "a positive integer"), number(int, 0, "an integer >= 0")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--generators", type=positive, default=4, metavar="N",
                     help="generator processes (even: they work in pairs; default: %(default)s)")
@@ -157,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ahead", type=positive, default=None, metavar="ROWS",
                     help="generators' max_ahead_rows, their back-pressure (default: the rows of "
                          "max(1, --max-lag - 1) trainer batches)")
-    ap.add_argument("--gen-seconds", type=_number(float, 0, "a number of seconds >= 0"), default=0.15,
+    ap.add_argument("--gen-seconds", type=number(float, 0, "a number of seconds >= 0"), default=0.15,
                     metavar="S", help="seconds a generator takes per batch (default: %(default)s)")
     ap.add_argument("--kills", type=non_negative, default=2, metavar="N",
                     help="times the trainer is SIGKILLed and resumed (default: %(default)s)")

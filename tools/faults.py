@@ -99,6 +99,9 @@ from diskreplay import ReplayStore  # noqa: E402
 from diskreplay import format as fmt  # noqa: E402
 from diskreplay.testing.workload import expected_rows, rows_mismatch  # noqa: E402
 from diskreplay.verify import verify_store  # noqa: E402
+from diskreplay.cli.parser import number  # noqa: E402
+
+_count = number(int, 1, "a positive integer")
 
 SYSCALL_GROUPS = {
     "write": ("write",),
@@ -834,17 +837,6 @@ def table(results: List[Tuple[Case, Dict[str, object]]], group_of: Dict[str, str
         lines.append(" ".join(f"{v:>9}" if i > 1 else f"{v:<10}" for i, v in enumerate(vals[:-len(INFO)]))
                      + "".join(f" {v:>16}" for v in vals[-len(INFO):]))
     return "\n".join(lines)
-
-
-def _count(text: str) -> int:
-    """A count that must be at least 1 (argparse type: a usage error, exit status 2, otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

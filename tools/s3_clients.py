@@ -31,6 +31,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tests import s3servers  # noqa: E402
+from diskreplay.cli.parser import number  # noqa: E402
+
+_positive = number(int, 1, "a positive integer")
 
 
 class Obstore:
@@ -172,16 +175,6 @@ def measure(client, args, rnd, big_key, big):
         list(pool.map(lambda k: client.put(k + "/c", payload), keys))
         out["put16 ms"] = (time.perf_counter() - t) / len(keys) * 1e3
     return out
-
-
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def main():

@@ -207,17 +207,9 @@ def _minutes(text: str) -> float:
     return value
 
 
-def _readers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
 def main(argv=None) -> int:
+    from diskreplay.cli.parser import number
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=_minutes, required=True, metavar="N",
                     help="how long to soak, in minutes (required; writers keep starting until then)")
@@ -227,7 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, metavar="S",
                     help="seed of every random choice: kill times, the children's appends and reads, the rows "
                          "sampled (default: %(default)s)")
-    ap.add_argument("--readers", type=_readers, default=2, metavar="N",
+    ap.add_argument("--readers", type=number(int, 0, "an integer >= 0"), default=2, metavar="N",
                     help="reader children following the writer the whole time (0: none; default: %(default)s)")
     args = ap.parse_args(argv)
 

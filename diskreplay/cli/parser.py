@@ -24,24 +24,30 @@ def _columns(text: str) -> List[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def number(kind: Callable[[str], Any], least: float, what: str) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite number of ``kind`` at least ``least``, else a usage error (exit
+    status 2) saying it must be ``what``. The scripts in ``tools/`` take their counts with it too.
+
+    >>> number(int, 1, "a positive integer")("3")
+    3
+    >>> number(int, 0, "an integer >= 0")("-1")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be an integer >= 0, got '-1'
+    """
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not least <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
+_positive_int = number(int, 1, "a positive integer")
+_count = number(int, 0, "a non-negative integer")
 
 
 def _chunk_bytes(text: str) -> int:
