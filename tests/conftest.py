@@ -102,6 +102,41 @@ def store(tmp_path):
 
 
 # Real S3-compatible servers on 127.0.0.1 (seaweedfs, moto), started once per session.
+def on_a_pty_of_no_size(args):
+    """Run ``python -m diskreplay *args`` with stdin, stdout and stderr on a 0x0 pty; its exit code and output."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = b""
+    master, slave = pty.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        p = subprocess.Popen([sys.executable, "-m", "diskreplay", *args], stdin=slave, stdout=slave, stderr=slave,
+                             env=env, close_fds=True)
+        os.close(slave)
+        slave = None
+        while select.select([master], [], [], 60)[0]:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # the child closed the pty
+                break
+            if not chunk:
+                break
+            out += chunk
+        return p.wait(timeout=60), out.decode(errors="replace")
+    finally:
+        os.close(master)
+        if slave is not None:
+            os.close(slave)
+
+
 from .s3servers import s3_server, s3_servers, s3_url  # noqa: E402,F401
 
 

@@ -21,6 +21,8 @@ import pytest
 from diskreplay import ReplayStore
 from diskreplay.cli import build_parser, main
 
+from .conftest import on_a_pty_of_no_size
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["info", "export", "import", "pairs", "best-of-n", "compact", "verify", "repair"]
 HAS_VERIFY = importlib.util.find_spec("diskreplay.verify") is not None
@@ -1125,37 +1127,10 @@ def test_a_store_under_a_file_is_refused_in_one_line(capsys, tmp_path):
 def test_the_progress_bar_shows_on_a_terminal_that_reports_no_size(big_store, tmp_path):
     """On a pty nobody sized (0x0: ``docker exec -t``, some CI runners) tqdm's own resizing hid the bar
     entirely: a long export showed nothing until it ended."""
-    import fcntl
-    import pty
-    import select
-    import struct
-    import termios
-
     pytest.importorskip("tqdm")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = b""
-    master, slave = pty.openpty()
-    try:
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
-        p = subprocess.Popen([sys.executable, "-m", "diskreplay", "export", big_store, str(tmp_path / "o.jsonl"),
-                              "--limit", "4000", "--chunk-mb", "0.05"], stdin=slave, stdout=slave, stderr=slave,
-                             env=env, close_fds=True)
-        os.close(slave)
-        slave = None
-        while select.select([master], [], [], 60)[0]:
-            try:
-                chunk = os.read(master, 1 << 16)
-            except OSError:  # the child closed the pty
-                break
-            if not chunk:
-                break
-            out += chunk
-        assert p.wait(timeout=60) == 0, out
-    finally:
-        os.close(master)
-        if slave is not None:
-            os.close(slave)
-    text = out.decode(errors="replace")
+    code, text = on_a_pty_of_no_size(["export", big_store, str(tmp_path / "o.jsonl"), "--limit", "4000",
+                                      "--chunk-mb", "0.05"])
+    assert code == 0, text
     assert "export jsonl:" in text and "%|" in text and "rows/s" in text, text
     assert "exported 4,000 rows" in text
 
