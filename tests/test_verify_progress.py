@@ -1,7 +1,6 @@
 """``diskreplay verify``'s progress bar on a terminal that reports a 0x0 size (a pty nobody sized:
 ``docker exec -t``, some CI runners): tqdm's own sizing took it as -1 rows and hid the bar."""
 
-import os
 from pathlib import Path
 
 import numpy as np
