@@ -4,7 +4,9 @@
   (bytes) and :class:`Publisher` (the commit protocol's primitives, on top of the bytes);
 * :mod:`.local`: :class:`LocalStorage`, a directory on a POSIX filesystem;
 * :mod:`.s3`: :class:`S3Storage`, ``s3://bucket/prefix`` (needs ``pip install 'diskreplay[s3]'``;
-  obstore is imported only when one is made), with :mod:`.cache`, its local page cache.
+  obstore is imported only when one is made), with :mod:`.cache`, its local page cache;
+* :mod:`.memory`: :class:`MemoryStorage`, ``memory://name``, files in this process's memory, shared
+  by every store of that name in the process (tests, examples).
 
 :func:`open_storage` picks one from a path or URL.
 
@@ -21,10 +23,11 @@ from ..errors import ArgumentError
 from .base import Publisher, Storage, check_rel
 from .cache import CacheStats
 from .local import LocalStorage
+from .memory import MemoryStorage
 from .s3 import S3Storage, parse_s3_url
 
-__all__ = ["CacheStats", "LocalStorage", "Publisher", "S3Storage", "Storage", "check_rel", "is_remote", "open_storage",
-           "parse_s3_url"]
+__all__ = ["CacheStats", "LocalStorage", "MemoryStorage", "Publisher", "S3Storage", "Storage", "check_rel", "is_remote",
+           "open_storage", "parse_s3_url"]
 
 
 def is_remote(path: Any) -> bool:
@@ -39,7 +42,8 @@ def is_remote(path: Any) -> bool:
 def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None, *,
                  writer_id: str = "", **cache_options: Any) -> Storage:
     """The storage behind a store path: :class:`~diskreplay.storage.S3Storage` for an
-    ``s3://bucket/prefix`` URL, :class:`LocalStorage` for a directory.
+    ``s3://bucket/prefix`` URL, :class:`MemoryStorage` for ``memory://name``, :class:`LocalStorage`
+    for a directory.
 
     ``cache_options`` (``cache_dir``, ``cache_bytes``) configure the object store's
     local cache; ``storage_options`` its client (``endpoint``, credentials, ...).
@@ -54,6 +58,11 @@ def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None,
     """
     if is_remote(path):
         return S3Storage(path, storage_options, **{k: v for k, v in cache_options.items() if v is not None})
+    if isinstance(path, str) and path.startswith("memory://"):
+        if storage_options:
+            raise ArgumentError(f"storage_options are for s3:// URLs; {path!r} is a memory store (leave "
+                                "storage_options out)")
+        return MemoryStorage(path, **{k: v for k, v in cache_options.items() if v is not None})
     if storage_options:
         raise ArgumentError(f"storage_options are for s3:// URLs; {os.fspath(path)!r} is a local path (leave "
                             "storage_options out)")
