@@ -11,20 +11,36 @@ must map to the rows it first got. Run it from a test module::
     TestWriters = WritersMachine.TestCase
 
 Subclass and set ``MULTI_WRITER = False`` / ``WRITERS = 1`` to run the same
-machine on a single-writer store (or another backend, later).
+machine on a single-writer store. The store lives in a fresh temporary directory; another backend
+overrides :meth:`WritersMachine.new_location`, :meth:`~WritersMachine.store_options` and
+:meth:`~WritersMachine.remove_location` (:class:`InMemory` does, for ``memory://``)::
+
+    class MemoryWriters(InMemory, WritersMachine):
+        pass
+    TestMemoryWriters = MemoryWriters.TestCase
 """
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from ..errors import MissingDependencyError
 
+try:
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+except ImportError as exc:  # pragma: no cover - the suite runs with hypothesis
+    raise MissingDependencyError("diskreplay.testing.stateful is a hypothesis state machine and needs hypothesis, "
+                                 f"which is not installed ({exc}); install it with pip install hypothesis") from None
+
+from ..storage import MemoryStorage
 from ..store import MergePolicy, ReplayStore
 from .workload import batch_for, check_rows, token_for
+
+_MEMORY_NAMES = itertools.count()
 
 
 class WritersMachine(RuleBasedStateMachine):
@@ -53,11 +69,20 @@ class WritersMachine(RuleBasedStateMachine):
 
     def new_location(self) -> str:
         """Where each run's store lives: a fresh temporary directory (override for another backend,
-        e.g. a fresh ``s3://`` prefix with the ``AWS_*`` variables set)."""
+        e.g. a fresh ``s3://`` prefix)."""
         return tempfile.mkdtemp(prefix="diskreplay-machine-")
 
+    def store_options(self) -> Dict[str, Any]:
+        """Keyword arguments every ``ReplayStore`` of the run gets besides its options (an object
+        store's ``storage_options`` and ``cache_dir``)."""
+        return {}
+
+    def remove_location(self, location: str) -> None:
+        """Remove a run's store once it is checked."""
+        shutil.rmtree(location, ignore_errors=True)
+
     def _open(self, **kw) -> ReplayStore:
-        return ReplayStore(self.dir, capacity=self.capacity, merge_policy=self.policy, **kw)
+        return ReplayStore(self.dir, capacity=self.capacity, merge_policy=self.policy, **kw, **self.store_options())
 
     @property
     def head(self) -> int:
@@ -105,7 +130,7 @@ class WritersMachine(RuleBasedStateMachine):
     def readers_see_the_model(self) -> None:
         if self.dir is None:
             return
-        with ReplayStore(self.dir, readonly=True) as reader:
+        with ReplayStore(self.dir, readonly=True, **self.store_options()) as reader:
             assert (reader.head, reader.next_row) == (self.head, len(self.model))
             rows = reader.row_ids()
             if rows.size:
@@ -120,8 +145,8 @@ class WritersMachine(RuleBasedStateMachine):
         if self.dir is not None:
             from ..verify import verify_store
 
-            report = verify_store(self.dir)
-            shutil.rmtree(self.dir, ignore_errors=True)
+            report = verify_store(self.dir, storage_options=self.store_options().get("storage_options"))
+            self.remove_location(self.dir)
             assert report["ok"], report["problems"]
 
 
@@ -132,4 +157,15 @@ class SingleWriterMachine(WritersMachine):
     WRITERS = 1
 
 
-__all__ = ["WritersMachine", "SingleWriterMachine"]
+class InMemory:
+    """Mixed in before a machine: each run's store is a fresh ``memory://`` name (its writers are
+    handles of one name in this process, as processes of one directory), dropped after the run."""
+
+    def new_location(self) -> str:
+        return f"memory://diskreplay-machine-{next(_MEMORY_NAMES)}"
+
+    def remove_location(self, location: str) -> None:
+        MemoryStorage(location).destroy()
+
+
+__all__ = ["InMemory", "SingleWriterMachine", "WritersMachine"]
