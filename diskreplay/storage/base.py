@@ -1,84 +1,77 @@
 """The storage interface a store does all its file I/O through, in two parts.
 
 :class:`Storage` moves bytes: reads, ranges, listings, writes of files no
-manifest names yet, replaces, deletes. :class:`Publisher` extends it with the
-commit protocol's primitives: names reserved or created only if absent,
-publishing a manifest, staging one before the race, the collection floor's
-read-modify-write, leases and the removals a clean-up makes. Readers, the
-format code and ``verify`` need a ``Storage``; the committer and the
-collector need a ``Publisher``.
+manifest names yet, replaces, deletes, and what a place can do besides
+(locks, memory maps, moves, its root). :class:`Publisher` adds the commit
+protocol's primitives on top of those bytes: names reserved or created only
+if absent, publishing a manifest, staging one before the race, the
+collection floor's read-modify-write, leases and the removals a clean-up
+makes. Readers, the format code and ``verify`` need a ``Storage``; the
+committer and the collector need a ``Publisher``.
 
-A store's files are addressed by *relative paths*: ``/``-separated, below the
-store's root, never absolute, never with ``..`` or empty parts (so no path
-from a manifest can escape the store). Two implementations exist, each both
-parts: a directory (:class:`~diskreplay.storage.local.LocalStorage`, the
-store's own fast path) and an S3-compatible bucket prefix
-(:class:`~diskreplay.storage.S3Storage`). The contract below is what both
-honour; ``tests/test_storage.py`` runs it against each.
-
-Storage (bytes):
+A backend implements a small abstract core; every other member has a
+default built on that core, which a backend overrides only where it can do
+better (fewer requests, a rename, a lock):
 
 ==========================================  ==================================
+the core (abstract)
+==========================================  ==================================
+``url``                                     names the store in messages
 ``read_bytes(rel, limit=None)``             the whole file; ``FileNotFoundError``
                                             if absent
 ``read_range(rel, start, end)``             bytes ``[start, end)``, short at the
                                             end of the file (like ``pread``)
-``size(rel)`` / ``age(rel)``                its length in bytes / seconds since
-                                            it was written
-``list(reldir)``                            names directly in ``reldir``
-                                            (temporary names included, so a
-                                            clean-up sees them); ``[]`` if none
-``list_kinds(reldir)`` / ``list_ages``      the same names with each one's kind
-                                            / age in seconds
 ``stat(rel)``                               ``(kind, size)``, kind one of
                                             ``file``, ``dir``, ``link``,
                                             ``other`` (a symlink at ``rel`` is
-                                            not followed; an object store has
-                                            files and prefixes only); ``None``
-                                            if absent
-``move(rel, dest)``                         ``rel`` under the name ``dest`` (a
-                                            rename; on an object store a copy,
-                                            then a delete)
-``write_new(rel, data, step=)``             create a file whose name no one
-                                            else writes (a segment); no
-                                            manifest names it until it is whole
+                                            not followed); ``None`` if absent
+``list_kinds(reldir)``                      names directly in ``reldir`` with
+                                            each one's kind (temporary names
+                                            included, so a clean-up sees them)
+``list_ages(reldir)``                       the same names with each one's age
+                                            in seconds
 ``replace(rel, data, step=, sync=)``        durably and atomically replace
                                             ``rel``
-``write_files(files, dirs)``                write ``(rel, data, step)`` files
-                                            no manifest names yet (reserved or
-                                            derived from a reserved id) and
-                                            make them and ``dirs`` durable
-``delete(rel)``                             remove ``rel``; absent is no error
-``sync_dir(reldir)`` / ``ensure_dir``       make creations and deletions
-                                            durable / make a directory (no-ops
-                                            on an object store)
-``local_path(rel, size=)``                  a local file with ``rel``'s bytes,
-                                            for ``mmap``; only immutable files
-                                            (``size``, if known, saves a request)
-``fetch_ranges(rel, ranges, size=)``        like ``local_path`` but only the
-                                            byte ranges asked for are sure to
-                                            be present (a sparse cache file)
-==========================================  ==================================
-
-Publisher (the commit protocol; also a Storage):
-
-==========================================  ==================================
 ``put_if_absent(rel, data, step=)``         atomically create ``rel`` only if
                                             absent; ``True`` if this call
                                             created it (the existing file is
                                             untouched otherwise)
+``delete(rel)``                             remove ``rel``; absent is no error
+==========================================  ==================================
+
+Defaulted on the core: ``size``, ``age``, ``exists``, ``list``,
+``read_ranges`` (many ranges of one file), ``move`` (a copy, then a delete;
+``if_absent=True``: only onto a free name), ``write_new`` (a file whose
+name no one else writes: a segment), ``write_files(files, dirs)`` (files no
+manifest names yet, made durable with ``dirs``), ``some_names`` (paths
+below the root, any depth, up to a limit), ``sync_dir`` / ``ensure_dir`` /
+``make_root`` (no-ops where there are no directories), ``lock`` (``None``:
+no lock), ``map`` (``None``: nothing is mapped where it lies),
+``fetch_ranges`` / ``local_path`` (byte ranges of an immutable file brought
+into a bounded local page cache, :mod:`.cache`, and its path, for
+``mmap``), ``trim_cache``, ``cache_stats``, ``check``, ``writer``,
+``close``.
+
+Publisher (the commit protocol; also a Storage), every member defaulted on
+the core's ``put_if_absent`` (the way an object store commits: one
+conditional PUT per manifest); a directory overrides them with links,
+reserved names and ``flock`` leases:
+
+==========================================  ==================================
 ``link_candidates(rel_of, data, first)``    create ``rel_of(i)`` for the first
                                             free ``i >= first``; ``(i, rel)``
 ``reserve(rel_of, first)``                  take the first free name
                                             ``rel_of(i)``, empty, for this
                                             writer to fill; ``(i, rel)``
+                                            (``ahead``/``max_age``: names taken
+                                            several at a time, where that helps)
 ``name_durable(rel)``                       whether ``rel``'s name is durable
                                             already (reserved ahead: its
                                             directory need no fsync)
 ``publish(rel, data, files, dirs,           ``write_files``, then create the
 exclusive=)``                               manifest ``rel``: only if absent
                                             when ``exclusive`` (False if taken)
-``stage(reldir, data, files, dirs)``       ``write_files`` and a manifest-to-be
+``stage(reldir, data, files, dirs)``        ``write_files`` and a manifest-to-be
                                             whose name is not known yet, before
                                             the race: ``publish`` of the same
                                             ``data`` then only creates the name
@@ -87,7 +80,8 @@ exclusive=)``                               manifest ``rel``: only if absent
 ``update_small(rel, update)``               read-modify-write a small file
                                             (the collection floor) with no
                                             concurrent update lost: returns
-                                            the bytes it holds after
+                                            the bytes it holds after (the
+                                            default only creates it)
 ``delete_own(rel)``                         remove a file this writer made for
                                             a commit that did not happen, only
                                             while it is still that file
@@ -112,24 +106,30 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             error then leaves it in doubt
 ``release_leases()`` / ``holds_leases``     end the leases of this writer's
                                             files (after its commit) / whether
-                                            it takes any (local many-writer
-                                            stores with flock)
+                                            it takes any
+``release_ahead()``                         give up names reserved ahead
 ``probe_create_if_absent(reldir)``          raise unless ``put_if_absent`` is
                                             atomic here (many writers need it)
 ==========================================  ==================================
 
-``url`` names the store in messages (a directory or ``s3://bucket/prefix``).
-A store branches on what its storage can do, never on its type:
+A store's files are addressed by *relative paths*: ``/``-separated, below the
+store's root, never absolute, never with ``..`` or empty parts (so no path
+from a manifest can escape the store). ``diskreplay.testing`` holds the
+contract every backend passes.
+
+A store branches on what its storage can do, never on its type (the device's
+characteristics, as SQLite's VFS states them):
 
 ==========================================  ==================================
-``can_map``                                 ``local_path`` is the file itself,
-                                            mapped where it lies (else
-                                            ``fetch_ranges`` brings pages to a
-                                            cache first)
-``exclusive_lock``                          one writer can hold the store's
-                                            ``LOCK`` (flock) and keep others out
-                                            (else every commit is create-if-
-                                            absent and a floor guards clean-up)
+``can_map``                                 ``map``/``local_path`` give the
+                                            file itself, mapped where it lies
+                                            (else ``fetch_ranges`` brings pages
+                                            to a cache first)
+``exclusive_lock``                          ``lock`` gives a lock (``flock``)
+                                            one writer can hold to keep others
+                                            out (else every commit is create-
+                                            if-absent and a floor guards
+                                            clean-up)
 ``reliable_listing``                        ``list`` shows every file present
                                             (else the newest manifest is found
                                             by probing, never by listing)
@@ -137,6 +137,9 @@ A store branches on what its storage can do, never on its type:
                                             cache (``trim_cache``,
                                             ``cache_stats``); each request is a
                                             round trip, so reads batch them
+``symlinks``                                a name can be a symbolic link (a
+                                            store checks that its directories
+                                            are its own)
 ==========================================  ==================================
 
 ``remote`` (``not can_map``) is kept for callers of earlier versions.
@@ -144,18 +147,41 @@ A store branches on what its storage can do, never on its type:
 
 from __future__ import annotations
 
+import errno
 import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+import os
+import secrets
+from abc import abstractmethod
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union,
+                    runtime_checkable)
 
-from ..errors import ArgumentError
+from .._fileio import TMP_PREFIX, crash_point
+from ..errors import ArgumentError, CommitConflictError, ConditionalWriteError
 
 Buffer = Union[bytes, bytearray, memoryview]
+Files = Sequence[Tuple[str, Buffer, Optional[str]]]
+
+#: the bytes of a page cache a storage makes for itself (see :meth:`Storage.fetch_ranges`)
+DEFAULT_CACHE_BYTES = 4 << 30
+
+
+@runtime_checkable
+class Lock(Protocol):
+    """A lock :meth:`Storage.lock` gives: ``acquire`` (``StoreLockedError`` if another process
+    holds it), ``release``, and ``probe`` (raise if someone holds it now, take nothing)."""
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def probe(self) -> None: ...
 
 
 @runtime_checkable
 class Storage(Protocol):
     """The bytes of a store: what readers, the format code and ``verify`` need from the place its
-    files live (see the module docstring).
+    files live (see the module docstring). A backend subclasses it and implements the abstract
+    core; the rest is defaulted.
 
     >>> from diskreplay.storage.local import LocalStorage
     >>> import tempfile, shutil
@@ -165,53 +191,186 @@ class Storage(Protocol):
     >>> shutil.rmtree(root)
     """
 
-    url: str
-    can_map: bool
-    exclusive_lock: bool
-    reliable_listing: bool
-    cached: bool
-    remote: bool
+    # -- what it can do (the device's characteristics) --
+    can_map: bool = False
+    exclusive_lock: bool = False
+    reliable_listing: bool = True
+    cached: bool = False
+    symlinks: bool = False
 
+    # -- the core --------------------------------------------------------------
+
+    url: str
+
+    @abstractmethod
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes: ...
 
+    @abstractmethod
     def read_range(self, rel: str, start: int, end: int) -> bytes: ...
 
-    def size(self, rel: str) -> int: ...
-
-    def age(self, rel: str) -> float: ...
-
-    def exists(self, rel: str) -> bool: ...
-
-    def list(self, reldir: str) -> List[str]: ...
-
-    def list_kinds(self, reldir: str) -> Dict[str, str]: ...
-
-    def list_ages(self, reldir: str) -> Dict[str, float]: ...
-
+    @abstractmethod
     def stat(self, rel: str) -> Optional[Tuple[str, int]]: ...
 
-    def move(self, rel: str, dest: str) -> None: ...
+    @abstractmethod
+    def list_kinds(self, reldir: str) -> Dict[str, str]: ...
 
-    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None: ...
+    @abstractmethod
+    def list_ages(self, reldir: str) -> Dict[str, float]: ...
 
+    @abstractmethod
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None: ...
 
-    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None: ...
+    @abstractmethod
+    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool: ...
 
+    @abstractmethod
     def delete(self, rel: str) -> bool: ...
 
-    def sync_dir(self, reldir: str) -> None: ...
+    # -- defaulted on the core ---------------------------------------------------
 
-    def ensure_dir(self, reldir: str) -> None: ...
+    @property
+    def remote(self) -> bool:
+        """``not can_map``, for callers of earlier versions."""
+        return not self.can_map
 
-    def local_path(self, rel: str, size: Optional[int] = None) -> str: ...
+    def size(self, rel: str) -> int:
+        st = self.stat(rel)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file in the store", f"{self.url}/{rel}")
+        return st[1]
+
+    def age(self, rel: str) -> float:
+        """Seconds since ``rel`` was written (from its directory's listing)."""
+        reldir, _, name = rel.rpartition("/")
+        ages = self.list_ages(reldir)
+        if name not in ages:
+            raise FileNotFoundError(errno.ENOENT, "no such file in the store", f"{self.url}/{rel}")
+        return ages[name]
+
+    def exists(self, rel: str) -> bool:
+        return self.stat(rel) is not None
+
+    def list(self, reldir: str) -> List[str]:
+        return sorted(self.list_kinds(reldir))
+
+    def read_ranges(self, rel: str, ranges: Sequence[Tuple[int, int]]) -> List[bytes]:
+        """Bytes of each ``(start, end)`` of ``rel`` (as :meth:`read_range`); a backend with
+        concurrent range requests overrides it."""
+        return [self.read_range(rel, s, e) for s, e in ranges]
+
+    def move(self, rel: str, dest: str, *, if_absent: bool = False) -> bool:
+        """``rel`` under the name ``dest`` (a copy, then a delete: a failure between the two leaves
+        the file in both places, never in neither); ``if_absent``: only while ``dest`` is free
+        (False, and nothing moved, when it is taken). The caller syncs the directories."""
+        data = self.read_bytes(rel)
+        if if_absent:
+            if not self.put_if_absent(dest, data):
+                return False
+        else:
+            self.write_new(dest, data)
+        self.delete(rel)
+        return True
+
+    def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
+        """Create ``rel``, a name no one else writes (a segment); no manifest names it until it is
+        whole."""
+        self.replace(rel, data, step=step, sync=False)
+
+    def write_files(self, files: Files, dirs: Sequence[str] = ()) -> None:
+        """Write ``(rel, data, step)`` files no manifest names yet (reserved, or named after a
+        reserved id) and make them and ``dirs`` durable."""
+        for rel, data, step in files:
+            self.replace(rel, data, step=step, sync=False)
+        for d in dict.fromkeys(dirs):
+            self.sync_dir(d)
+
+    def some_names(self, limit: int = 1000) -> List[str]:
+        """Paths below the root, at any depth (directories too, links not followed), up to about
+        ``limit`` of them: what a new store's creation checks is not another program's."""
+        out: List[str] = []
+        todo = [""]
+        while todo and len(out) < limit:
+            reldir = todo.pop(0)
+            for name, kind in sorted(self.list_kinds(reldir).items()):
+                rel = f"{reldir}/{name}" if reldir else name
+                out.append(rel)
+                if kind == "dir":
+                    todo.append(rel)
+        return out
+
+    def sync_dir(self, reldir: str) -> None:
+        """Make creations and deletions in ``reldir`` durable (nothing to do without directories)."""
+
+    def ensure_dir(self, reldir: str) -> None:
+        """Make the directory ``reldir`` (nothing to do without directories)."""
+
+    def make_root(self, reldirs: Sequence[str] = ()) -> None:
+        """Make the store's root and ``reldirs`` in it, durably (nothing to do without directories)."""
+        for d in reldirs:
+            self.ensure_dir(d)
+
+    def lock(self, rel: str, *, shared: bool = False) -> Optional[Lock]:
+        """A lock on the file ``rel`` that keeps other processes out (``shared``: only out of an
+        exclusive hold), not taken yet; ``None`` where there are no locks (``exclusive_lock``)."""
+        return None
+
+    def map(self, rel: str, *, min_bytes: int = 0, max_bytes: Optional[int] = None) -> Any:
+        """A read-only memory map of ``rel`` where it lies, if its size is within the bounds; ``None``
+        otherwise, and always where files are not mapped in place (``can_map``)."""
+        return None
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
-                     size: Optional[int] = None) -> str: ...
+                     size: Optional[int] = None, evict: bool = True, tag: Optional[str] = None) -> str:
+        """A local file of the immutable file ``rel``'s size in which the byte ``ranges`` (all when
+        None) are present, for ``mmap``: by default a sparse file in this storage's page cache
+        (:mod:`.cache`), filled by :meth:`read_ranges` (``tag`` keeps copies of different contents
+        under one name apart; ``evict=False`` leaves the bound to :meth:`trim_cache`)."""
+        from .cache import fetch_into
 
-    def check(self) -> None: ...
+        return fetch_into(self, self.page_cache(), rel, ranges, size=size, evict=evict, tag=tag)
 
-    def trim_cache(self) -> List[str]: ...
+    def local_path(self, rel: str, size: Optional[int] = None, tag: Optional[str] = None) -> str:
+        """A local file with all of ``rel``'s bytes, for ``mmap`` (only immutable files; ``size``, if
+        known, saves a request); ``""`` gives the store's URL."""
+        if rel in ("", "."):
+            return self.url
+        return self.fetch_ranges(rel, None, size=size, tag=tag)
+
+    def page_cache(self) -> Any:
+        """The bounded local cache :meth:`fetch_ranges` fills (:class:`.cache.ObjectCache`), made on
+        first use in a private directory."""
+        cache = self.__dict__.get("_page_cache")
+        if cache is None:
+            from .cache import ObjectCache
+
+            cache = self.__dict__["_page_cache"] = ObjectCache(None, DEFAULT_CACHE_BYTES, self.url)
+        return cache
+
+    def trim_cache(self) -> List[str]:
+        """Evict the page cache down to its bound; the names evicted."""
+        cache = self.__dict__.get("_page_cache")
+        return [] if cache is None else [key.split("#", 1)[0] for key in cache.trim()]
+
+    def cache_stats(self) -> Any:
+        """Byte counters of the page cache (:class:`.cache.CacheStats`; zeros where there is none)."""
+        from .cache import CacheStats
+
+        cache = self.__dict__.get("_page_cache")
+        return CacheStats() if cache is None else cache.stats
+
+    def check(self) -> None:
+        """Raise now, naming the fix, if the place cannot be used (a missing bucket, credentials)."""
+
+    def writer(self, writer_id: str = "", *, fsync: bool = True, leases: bool = False) -> "Publisher":
+        """The handle one writer commits through (``writer_id`` in its temporary names; ``fsync``
+        and ``leases`` where the storage has them): by default this storage itself."""
+        return self  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Release what this handle keeps (descriptors, its page cache's private files)."""
+        cache = self.__dict__.pop("_page_cache", None)
+        if cache is not None:
+            cache.close()
 
 
 @runtime_checkable
@@ -219,49 +378,119 @@ class Publisher(Storage, Protocol):
     """A :class:`Storage` that also carries out the commit protocol (docs/FORMAT.md): reserving
     names, creating only if absent, publishing and staging manifests, the floor's
     read-modify-write, leases and a clean-up's removals. The committer and the collector take one;
-    both backends are one (``isinstance(LocalStorage(root), Publisher)``).
+    both backends are one (``isinstance(LocalStorage(root), Publisher)``). Every member is
+    defaulted on :meth:`Storage.put_if_absent` (conditional PUTs, no leases, no locks).
 
     >>> sorted(n for n in vars(Publisher) if not n.startswith("_"))[:4]
     ['delete_own', 'discard_staged', 'hold', 'hold_run']
     """
 
-    holds_leases: bool
-    link_attempted: bool
-
-    def put_if_absent(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> bool: ...
+    holds_leases: bool = False
+    link_attempted: bool = False
 
     def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
-                        tries: int = 1 << 16, step: Optional[str] = None) -> Tuple[int, str]: ...
+                        tries: int = 1 << 16, step: Optional[str] = None) -> Tuple[int, str]:
+        for i in range(first, first + tries):
+            rel = check_rel(rel_of(i))
+            if self.put_if_absent(rel, data, step=step):
+                return i, rel
+        raise CommitConflictError(f"{self.url}/{rel_of(first)}: no free name after {tries} tries")
 
-    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]: ...
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16, ahead: int = 1,
+                max_age: float = 0.0) -> Tuple[int, str]:
+        """Take the first free name ``rel_of(i)``, ``i >= first``, by creating it empty;
+        :meth:`write_files` fills it (``ahead``, ``max_age``: see the local backend)."""
+        return self.link_candidates(rel_of, b"", first, tries=tries)
 
-    def name_durable(self, rel: str) -> bool: ...
+    def name_durable(self, rel: str) -> bool:
+        return True
 
-    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool: ...
+    def publish(self, rel: str, data: Buffer, files: Files = (), dirs: Sequence[str] = (), *,
+                exclusive: bool, step: Optional[str] = None) -> bool:
+        self.link_attempted = False
+        self.write_files(files, dirs)
+        if files:
+            crash_point("segments.synced")
+        self.link_attempted = True  # from here an error may be a creation still carried out
+        if exclusive:
+            created = self.put_if_absent(rel, data, step=step)
+        else:
+            self.replace(rel, data, step=step)
+            created = True
+        if created and step:
+            crash_point(f"{step}.renamed")
+        return created
 
-    def stage(self, reldir: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-              dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None: ...
+    def stage(self, reldir: str, data: Buffer, files: Files = (), dirs: Sequence[str] = (), *,
+              step: Optional[str] = None) -> None:
+        self.write_files(files, dirs)
+        if files:
+            crash_point("segments.synced")
+        if step:
+            crash_point(f"{step}.written")
 
-    def discard_staged(self) -> None: ...
+    def discard_staged(self) -> None:
+        """Nothing is staged by default: a publish that lost sends its bytes again."""
 
-    def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]: ...
+    def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]:
+        try:
+            if self.put_if_absent(rel, data):
+                return True
+            return True if self.read_bytes(rel) == bytes(data) else None
+        except OSError:
+            return None
 
-    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]: ...
+    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]:
+        """By default the small file is only ever created (``put_if_absent``): once it exists, its
+        bytes are returned unchanged (the caller then does less); a backend with a lock or a
+        compare-and-swap overrides it."""
+        try:
+            current: Optional[bytes] = self.read_bytes(rel)
+        except FileNotFoundError:
+            current = None
+        new = update(current)
+        if new is None or current is not None:
+            return current
+        if self.put_if_absent(rel, new):
+            return bytes(new)
+        try:
+            return self.read_bytes(rel)
+        except FileNotFoundError:
+            return None
 
-    def delete_own(self, rel: str) -> bool: ...
+    def delete_own(self, rel: str) -> bool:
+        return self.delete(rel)
 
-    def hold(self, rels: Sequence[str]) -> Mapping[str, Any]: ...
+    def hold(self, rels: Sequence[str]) -> Mapping[str, Any]:
+        return {rel: None for rel in rels if self.exists(rel)}
 
-    def hold_run(self, rels: Sequence[str]) -> Tuple[Mapping[str, Any], bool]: ...
+    def hold_run(self, rels: Sequence[str]) -> Tuple[Mapping[str, Any], bool]:
+        return dict.fromkeys(rels), True
 
-    def remove_held(self, rel: str, handle: Any) -> bool: ...
+    def remove_held(self, rel: str, handle: Any) -> bool:
+        return self.delete(rel)
 
-    def unhold(self, held: Mapping[str, Any]) -> None: ...
+    def unhold(self, held: Mapping[str, Any]) -> None:
+        """Nothing is held by default."""
 
-    def release_leases(self) -> None: ...
+    def release_leases(self) -> None:
+        """Nothing is leased by default."""
 
-    def probe_create_if_absent(self, reldir: str) -> None: ...
+    def release_ahead(self) -> None:
+        """No names are reserved ahead by default."""
+
+    def probe_create_if_absent(self, reldir: str) -> None:
+        """Raise :class:`ConditionalWriteError` unless :meth:`put_if_absent` refuses a taken name."""
+        name = f"{reldir}/{TMP_PREFIX}probe.{secrets.token_hex(8)}"
+        try:
+            first = self.put_if_absent(name, b"1")
+            second = self.put_if_absent(name, b"2")
+            kept = self.read_bytes(name)
+        finally:
+            self.delete(name)
+        if not (first and not second and kept == b"1"):
+            raise ConditionalWriteError(f"{self.url}: many writers need an atomic create-if-absent and "
+                                        "this storage let a second creation replace the first; use one writer")
 
 
 def check_rel(rel: str, *, allow_root: bool = False) -> str:

@@ -51,7 +51,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._fileio import remove_quietly
 from .._ranges import Range, merge_ranges, subtract_ranges
@@ -423,3 +423,24 @@ class ObjectCache:
                     pass
         if self._own_dir:
             self._finalizer()  # the directory, then its lock (once)
+
+
+def fetch_into(storage: Any, cache: ObjectCache, rel: str, ranges: Optional[Sequence[Range]], *,
+               size: Optional[int] = None, evict: bool = True, tag: Optional[str] = None,
+               coalesce: int = 0) -> str:
+    """The page cache over any storage: make ``ranges`` (all when None) of the immutable file
+    ``rel`` present in ``cache``, read by ``storage.read_ranges``, and return the local file's path
+    (see :meth:`~diskreplay.storage.base.Storage.fetch_ranges`)."""
+    from .base import check_range, check_rel
+
+    rel = check_rel(rel)
+    key = rel if tag is None else f"{rel}#{tag}"
+    if ranges is not None:
+        ranges = [check_range(rel, s, e) for s, e in ranges]
+
+    def size_of() -> int:
+        return storage.size(rel) if size is None else int(size)
+
+    entry_size = cache.entry(key, size_of).size
+    return cache.fill(key, entry_size, lambda gets: storage.read_ranges(rel, gets), ranges, coalesce=coalesce,
+                      evict=evict)

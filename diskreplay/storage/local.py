@@ -22,16 +22,17 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import mmap
 import os
 import stat
 import time
 import weakref
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .._fileio import (TMP_PREFIX, Buffer, boot_clock, crash_point, durable_write, forks, fsync_dir, naming_errors,
-                       read_file, remove_quietly, run_concurrently, write_all, write_and_sync_fd)
-from ..errors import StoreIOError, UnsupportedFilesystemError
-from .base import Storage, check_range, check_rel
+from .._fileio import (TMP_PREFIX, Buffer, WriterLock, boot_clock, crash_point, durable_write, forks, fsync_dir,
+                       naming_errors, read_file, remove_quietly, run_concurrently, write_all, write_and_sync_fd)
+from ..errors import OutputExistsError, StoreIOError, UnsupportedFilesystemError
+from .base import Publisher, check_range, check_rel
 
 __all__ = ["LocalStorage"]
 
@@ -39,7 +40,7 @@ INLINE_WRITE_BYTES = 1 << 20  # a file this small is written by the committing t
 PATHS_KEPT = 256  # local paths a storage remembers (a commit's names, the manifests' and directories')
 
 
-class LocalStorage(Storage):
+class LocalStorage(Publisher):
     """A store directory on a POSIX filesystem (local disk, NFS, Lustre).
 
     >>> import tempfile
@@ -85,7 +86,7 @@ class LocalStorage(Storage):
         self.release_ahead()
         self._fds.close()
 
-    def local_path(self, rel: str, size: Optional[int] = None) -> str:
+    def local_path(self, rel: str, size: Optional[int] = None, tag: Optional[str] = None) -> str:
         path = self._paths.get(rel) if type(rel) is str else None  # a commit asks for ~15, most several times
         if path is None:
             check_rel(rel, allow_root=True)  # no name from anywhere may leave the store
@@ -154,12 +155,60 @@ class LocalStorage(Storage):
                 out[name] = 0.0
         return out
 
-    def move(self, rel: str, dest: str) -> None:
+    def move(self, rel: str, dest: str, *, if_absent: bool = False) -> bool:
         """Rename ``rel`` (a symlink itself, never its target) to ``dest``, making ``dest``'s
-        directories; the caller syncs the directories."""
+        directories; ``if_absent``: only where no ``dest`` is (False otherwise). The caller syncs
+        the directories."""
         path = self.local_path(dest)
+        if if_absent and os.path.lexists(path):
+            return False
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.rename(self.local_path(rel), path)
+        return True
+
+    def lock(self, rel: str, *, shared: bool = False) -> WriterLock:
+        """An ``flock`` of the file ``rel`` (made if absent), not taken yet (:class:`WriterLock`)."""
+        return WriterLock(self.local_path(rel), shared=shared)
+
+    def map(self, rel: str, *, min_bytes: int = 0, max_bytes: Optional[int] = None) -> Optional[mmap.mmap]:
+        """``rel`` mapped read-only where it lies, if its size is within the bounds (else None, as
+        for a file that cannot be opened: its read says what is wrong)."""
+        try:
+            fd = os.open(self.local_path(rel), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < max(min_bytes, 1) or (max_bytes is not None and size > max_bytes):
+                return None
+            return mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+
+    def make_root(self, reldirs: Sequence[str] = ()) -> None:
+        """Make the directory and ``reldirs`` in it; with ``reldirs`` (a store's creation), make
+        them, the directory and its own entry in its parent durable."""
+        path = self.root
+        if not os.path.lexists(path):
+            above = os.path.dirname(os.path.abspath(path))
+            while not os.path.lexists(above):
+                above = os.path.dirname(above)
+            if not os.path.isdir(above):  # (os.makedirs would raise a bare NotADirectoryError)
+                raise OutputExistsError(f"{above} is a file, so the store {path} cannot be created under it; "
+                                        "choose a path whose parent is a directory")
+        os.makedirs(path, exist_ok=True)
+        for d in reldirs:
+            os.makedirs(self.local_path(d), exist_ok=True)
+        if reldirs:
+            fsync_dir(path)
+            fsync_dir(os.path.dirname(path) or ".")  # the store's own directory entry
+
+    def writer(self, writer_id: str = "", *, fsync: bool = True, leases: bool = False) -> "LocalStorage":
+        """A handle of this directory for one writer: its id in temporary names, its descriptors and
+        leases (``leases``: many writers), ``fsync`` or not."""
+        return LocalStorage(self.root, writer_id, fsync=fsync, leases=leases)
 
     def write_new(self, rel: str, data: Buffer, *, step: Optional[str] = None) -> None:
         # in place: no manifest names this file yet, so a torn one is garbage (saves a rename)
@@ -234,7 +283,7 @@ class LocalStorage(Storage):
         a multi-writer store gets a name no other writer can have."""
         i, rel = self.reserve(rel_of, first, tries=tries)
         try:
-            self.write_files([(rel, data, step)])
+            self._write_files([(rel, data, step)])
         except BaseException:
             remove_quietly(self.local_path(rel))
             raise
@@ -476,8 +525,11 @@ class LocalStorage(Storage):
             except OSError:
                 pass
 
-    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = (), *,
-                    temp: Optional[Tuple["_Temp", Buffer]] = None) -> None:
+    def write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = ()) -> None:
+        self._write_files(files, dirs)
+
+    def _write_files(self, files: Sequence[Tuple[str, Buffer, Optional[str]]], dirs: Sequence[str] = (),
+                     temp: Optional[Tuple["_Temp", Buffer]] = None) -> None:
         """Every file is opened (created) first, so the directory fsyncs cover their entries; then all
         writes+fsyncs and directory fsyncs run at once (they share the journal commits and cache
         flushes: see :func:`run_concurrently`). A file :meth:`reserve` created is written through
@@ -564,7 +616,7 @@ class LocalStorage(Storage):
         self.discard_staged()
         temp = self._new_temp(reldir, "staged")
         try:
-            self.write_files(files, dirs, temp=(temp, data))
+            self._write_files(files, dirs, temp=(temp, data))
         except BaseException:
             self._drop_temp(temp)
             raise
@@ -596,7 +648,7 @@ class LocalStorage(Storage):
         outcome = ""  # "lost": keep the temporary file for the next try; "renamed": it is gone
         try:
             if not staged:
-                self.write_files(files, dirs, temp=(temp, data))
+                self._write_files(files, dirs, temp=(temp, data))
                 if files:
                     crash_point("segments.synced")
                 if step:
@@ -850,22 +902,18 @@ class LocalStorage(Storage):
     exclusive_lock = True
     reliable_listing = True
     cached = False
-    remote = False  # = not can_map, for callers of earlier versions
+    symlinks = True
 
     def check(self) -> None:
         """Nothing to check: a missing directory is found by the calls that need it (the object
         store's version gives its one clear error for a missing bucket or bad credentials)."""
 
-    def trim_cache(self) -> List[str]:
-        """A directory has no cache: nothing to trim (the object store's version returns the
-        files it evicted)."""
-        return []
-
     @property
     def url(self) -> str:
         return self.root
 
-    def fetch_ranges(self, rel: str, ranges, *, size: Optional[int] = None) -> str:
+    def fetch_ranges(self, rel: str, ranges, *, size: Optional[int] = None, evict: bool = True,
+                     tag: Optional[str] = None) -> str:
         """The file itself: every range of a local file is present (the call readers
         make on any storage, so they need no branch for local stores)."""
         return self.local_path(rel)

@@ -44,10 +44,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .._fileio import crash_point, run_concurrently
 from ..errors import (CommitConflictError, ConditionalWriteError, CorruptStoreError, MissingDependencyError,
                       ObjectStoreError)
-from .cache import CacheStats, ObjectCache
-from .base import Buffer, check_range, check_rel
+from .cache import ObjectCache, fetch_into
+from .base import DEFAULT_CACHE_BYTES, Buffer, Publisher, check_range, check_rel
 
-DEFAULT_CACHE_BYTES = 4 << 30
+_UPDATE_TRIES = 64  # lost races of a read-modify-write of the floor before it gives up (see update_small)
 _MANIFEST_PREFIX = "manifests/"
 _PROBED: set = set()  # endpoints whose conditional writes passed the probe in this process
 _OWN_OPTIONS = ("allow_http", "retry_timeout", "max_retries", "connect_timeout", "timeout",
@@ -155,7 +155,7 @@ def parse_s3_url(url: str) -> Tuple[str, str]:
     return bucket, prefix
 
 
-class S3Storage:
+class S3Storage(Publisher):
     """The storage interface over ``s3://bucket/prefix`` in any S3-compatible store.
 
     ``storage_options`` are obstore's S3 settings (``endpoint``,
@@ -249,7 +249,7 @@ class S3Storage:
         self._own_etags: Dict[str, str] = {}
         #: whether the last publish got as far as its manifest's PUT (see Committer._publish)
         self.link_attempted = False
-        self._cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
+        self._page_cache = ObjectCache(cache_dir, cache_bytes, self.url, align=align)
         self._clock: Optional[Tuple[float, float]] = None  # (server's Date - time.time(), when measured)
         address = _address(self.endpoint)
         #: the endpoint's (host, port) until a connection to it opened (see _contact)
@@ -339,7 +339,6 @@ class S3Storage:
     exclusive_lock = False
     reliable_listing = False
     cached = True
-    remote = True  # = not can_map, for callers of earlier versions
 
     def read_bytes(self, rel: str, limit: Optional[int] = None) -> bytes:
         rel = check_rel(rel)
@@ -558,9 +557,11 @@ class S3Storage:
                 return i, rel
         raise ObjectStoreError(f"{self._url_of(rel_of(first))}: no free name after {tries} tries")
 
-    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
+    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16, ahead: int = 1,
+                max_age: float = 0.0) -> Tuple[int, str]:
         """Take the first free name ``rel_of(i)``, ``i >= first``, with a conditional PUT of an
-        empty object; :meth:`write_files` fills it. No other writer can get that name."""
+        empty object; :meth:`write_files` fills it. No other writer can get that name (one PUT
+        per name: ``ahead`` is not used)."""
         empty = memoryview(b"")
         for i in range(first, first + tries):
             rel = check_rel(rel_of(i))
@@ -657,18 +658,17 @@ class S3Storage:
             return
         self._put("PUT", rel, data)
 
-    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]], *,
-                     tries: int = 64) -> Optional[bytes]:
+    def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]:
         """Read-modify-write the small object ``rel`` (the collection floor) with no concurrent
         update lost: ``update(current bytes or None)`` gives the new bytes (None: keep them), PUT
         only if the object is still the one read (``If-Match`` its ETag; ``If-None-Match: *``
         where there was none), else read again. Returns the bytes the object holds now; after
-        ``tries`` lost races, or on a server that refuses ``If-Match``, the current bytes
+        ``_UPDATE_TRIES`` lost races, or on a server that refuses ``If-Match``, the current bytes
         unchanged (the caller then does less)."""
         rel = check_rel(rel)
         delay = 0.01
         current: Optional[bytes] = None
-        for _ in range(tries):
+        for _ in range(_UPDATE_TRIES):
             try:
                 got = self._call("GET", rel, self._ob.get, rel)
                 current, etag = bytes(got.bytes()), got.meta.get("e_tag")
@@ -747,7 +747,7 @@ class S3Storage:
                 request = urllib.request.Request(url, method="DELETE", headers={"If-Match": etag})
                 with urllib.request.urlopen(request, timeout=max(5.0, self.retry_timeout)):
                     pass
-                self._cache.forget(rel)
+                self._page_cache.forget(rel)
                 return True
             except urllib.error.HTTPError as exc:
                 if exc.code in (404, 412):
@@ -768,7 +768,7 @@ class S3Storage:
             self._call("DELETE", rel, self._ob.delete, rel)
         except FileNotFoundError:
             pass
-        self._cache.forget(rel)
+        self._page_cache.forget(rel)
         return True
 
     def sync_dir(self, reldir: str) -> None:
@@ -794,16 +794,6 @@ class S3Storage:
         self.probe_conditional_put()
         _PROBED.add(key)
 
-    def local_path(self, rel: str, size: Optional[int] = None, tag: Optional[str] = None) -> str:
-        """A whole local copy of the immutable object ``rel`` (cached), for ``mmap``;
-        ``""`` gives the store's URL (for messages).
-
-        ``size`` (known from the manifest) saves a HEAD request.
-        """
-        if rel in ("", "."):
-            return self.url
-        return self.fetch_ranges(rel, None, size=size, tag=tag)
-
     # -- object-store extras ------------------------------------------------
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
@@ -824,30 +814,14 @@ class S3Storage:
         after a repair rolled a store back, and a shared cache must not serve
         the old bytes for it.
         """
-        rel = check_rel(rel)
-        key = rel if tag is None else f"{rel}#{tag}"
-        if ranges is not None:
-            ranges = [check_range(rel, s, e) for s, e in ranges]
+        return fetch_into(self, self._page_cache, rel, ranges, size=size, evict=evict, tag=tag,
+                          coalesce=self.coalesce_bytes)
 
-        def size_of() -> int:
-            return self.size(rel) if size is None else int(size)
-
-        def fetch(gets):
-            starts = [s for s, _ in gets]
-            ends = [e for _, e in gets]
-            return self._call("GET", rel, self._ob.get_ranges, rel, starts=starts, ends=ends, coalesce=0)
-
-        entry_size = self._cache.entry(key, size_of).size
-        return self._cache.fill(key, entry_size, fetch, ranges, coalesce=self.coalesce_bytes, evict=evict)
-
-    def trim_cache(self) -> List[str]:
-        """Evict down to ``cache_bytes``; returns the names evicted (their files are
-        unlinked: existing maps stay valid, a later fetch makes a new file)."""
-        return [key.split("#", 1)[0] for key in self._cache.trim()]
-
-    def cache_stats(self) -> CacheStats:
-        """Byte counters of the local cache (requested, hit, fetched, evicted, held; ``hit_rate``)."""
-        return self._cache.stats
+    def read_ranges(self, rel: str, ranges: Sequence[Tuple[int, int]]) -> List[bytes]:
+        """The byte ranges of ``rel``, fetched concurrently (one request each, none merged here)."""
+        starts = [s for s, _ in ranges]
+        ends = [e for _, e in ranges]
+        return self._call("GET", rel, self._ob.get_ranges, rel, starts=starts, ends=ends, coalesce=0)
 
     def check(self) -> None:
         """Raise :class:`ObjectStoreError` now, naming the fix, unless the bucket
@@ -921,7 +895,7 @@ class S3Storage:
 
     def close(self) -> None:
         """Remove this process's partly fetched cache files (complete ones stay for reuse)."""
-        self._cache.close()
+        self._page_cache.close()
 
     def __reduce__(self):
         # Travels to Ray actors / worker processes as its settings; the
