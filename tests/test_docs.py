@@ -68,6 +68,24 @@ def test_readme_cli_block_runs(tmp_path):
         assert len(restored) == 64
 
 
+def test_the_conformance_example_runs(tmp_path):
+    """docs/ARCHITECTURE.md's module that runs the storage contract against a backend, saved as a test
+    module and run by pytest as that backend's author would: every contract test passes."""
+    import textwrap
+
+    (code,) = _blocks((ROOT / "docs" / "ARCHITECTURE.md").read_text(), "python")
+    (tmp_path / "test_my_storage.py").write_text(textwrap.dedent(code))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_storage.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    from diskreplay.testing import StorageTests
+
+    contract = sum(1 for n in dir(StorageTests) if n.startswith("test_"))
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= contract > 20, done.stdout[-2000:]
+
+
 def test_links_between_documents_resolve():
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
