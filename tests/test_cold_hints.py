@@ -18,7 +18,7 @@ from diskreplay import CorruptStoreError, ReplayStore
 from diskreplay import format as fmt
 from diskreplay._fileio import crc32c
 from diskreplay.segment import PageChecksums, Segment, encode_ipc, field_buffers
-from diskreplay.store.sidecars import read_group_sidecar
+from diskreplay.format.sidecars import read_group_sidecar
 from diskreplay.store import replay_store, segment_cache
 from diskreplay.store.compaction import MergePolicy
 from diskreplay.verify import repair_store, verify_store
@@ -269,8 +269,8 @@ def test_index_ranges_that_do_not_fit_are_not_used(tmp_path):
     with ReplayStore(path) as store:
         want = store.read(store.row_ids())
         pages = {s.id: (s.bytes, s.crc32c, store._page_checksums(s)) for s in store.manifest.segments}
-    from diskreplay.store.sidecars import encode_group_index, _META_INDEX_BUFFERS
-    import diskreplay.store.sidecars as segment_module
+    from diskreplay.format.sidecars import encode_group_index, _META_INDEX_BUFFERS
+    import diskreplay.format.sidecars as segment_module
     real = segment_module.encode_ipc
 
     def truncate(batch):

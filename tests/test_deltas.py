@@ -132,7 +132,7 @@ def test_a_delta_holds_only_what_it_adds_and_segment_local_sidecar_rows(tmp_path
     assert m.tokens[-1].generation == gen
     # the sidecar does not depend on where the segment landed
     from diskreplay.segment import ArrowFile
-    from diskreplay.store.sidecars import segment_local_rows
+    from diskreplay.format.sidecars import segment_local_rows
     e = m.segments[-1]
     side = ArrowFile(os.path.join(path, e.groups_file), e.groups_bytes).batch
     assert segment_local_rows(side)

@@ -178,6 +178,25 @@ def test_no_module_imports_another_modules_private_names():
     assert not wrong, "\n".join(wrong)
 
 
+#: the store's modules repair commits through ("it commits through the same committer as the store", docs/FORMAT.md)
+VERIFY_COMMITS_THROUGH = {"store.committer", "store.ops"}
+
+
+def test_verify_reads_through_format():
+    """``verify`` reads a store's files through ``format/`` (and ``segment``, ``storage``), never through the
+    store's parts, so that what it checks is the format a reader knows; only ``repair`` imports the store's
+    commit path, to commit as a writer does."""
+    wrong = []
+    for module, is_package, path in _modules():
+        if module.split(".")[0] != "verify":
+            continue
+        for target, names, line in _imports(module, is_package, path):
+            allowed = module == "verify.repair" and target in VERIFY_COMMITS_THROUGH
+            if target.split(".")[0] == "store" and not allowed:
+                wrong.append(f"diskreplay.{module} imports diskreplay.{target} {names or ''} at {path.name}:{line}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_long_modules_say_why_they_are_one():
     """A module over about 600 lines states in its docstring why its job is one ("One module: ...")."""
     import ast

@@ -15,7 +15,7 @@ from diskreplay import format as fmt
 from diskreplay.groups import GroupIndex
 from diskreplay._fileio import crc32c
 from diskreplay.segment import encode_ipc
-from diskreplay.store.sidecars import group_sidecar
+from diskreplay.format.sidecars import group_sidecar
 from diskreplay.store import replay_store
 from diskreplay.store.compaction import MergePolicy
 

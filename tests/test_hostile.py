@@ -27,7 +27,7 @@ from diskreplay import format as fmt
 from diskreplay._fileio import crc32c
 from diskreplay.schema import Schema
 from diskreplay.segment import encode_ipc
-from diskreplay.store.states import STATE_META
+from diskreplay.format.states import STATE_META
 from diskreplay.verify import repair_store, verify_store
 
 from .test_durability import check_live_rows, expected_rows

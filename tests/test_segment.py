@@ -27,7 +27,7 @@ import pyarrow as pa  # noqa: E402
 
 from diskreplay.ragged import arrow_array, numpy_view  # noqa: E402
 from diskreplay.segment import PageChecksums, encode_ipc  # noqa: E402
-from diskreplay.store.sidecars import group_sidecar  # noqa: E402
+from diskreplay.format.sidecars import group_sidecar  # noqa: E402
 
 
 def _sidecar_by_dictionary(keys, first_row):
@@ -84,7 +84,7 @@ def test_page_checksums_body_holds_every_buffer_and_nothing_arrow_parses(lengths
 def test_a_sidecar_from_its_template_is_the_file_arrow_writes(n, key, other, local):
     """The template of a one-group sidecar gives byte for byte the file of the batch it stands
     for; several groups or global rows take the general path, with the same result."""
-    from diskreplay.store.sidecars import encode_group_sidecar
+    from diskreplay.format.sidecars import encode_group_sidecar
 
     keys = pa.array([key] * n, pa.int64())
     first_row = None if local else 1000

@@ -16,7 +16,7 @@ import pytest
 
 from diskreplay import CorruptStoreError, ReplayStore
 from diskreplay.segment import PAGE_BYTES, Segment
-from diskreplay.store.sidecars import read_group_sidecar
+from diskreplay.format.sidecars import read_group_sidecar
 from diskreplay.storage import S3Storage
 
 from .conftest import assert_rows_equal

@@ -1,4 +1,4 @@
-"""On-disk format v1: file names, ``FORMAT.json`` and the manifests.
+"""On-disk format v1: file names, ``FORMAT.json``, the manifests and the files they name.
 
 ``docs/FORMAT.md`` is the specification; this module is its executable form.
 Every JSON document carries ``format`` and an integer ``version`` and is
@@ -25,7 +25,11 @@ from .jsondoc import (canonical_json, check_header, check_signature, evolve, int
 from .access import as_storage, file_exists, location, read_signed
 from .options import (StoreOptions, read_shared_schema, schema_file, shared_schema_bytes)
 from .entries import (COMMIT_STATS, GroupIndexEntry, LateColumn, MAX_TOKEN_CHARS, SegmentEntry, StateEntry, TokenLog,
-                      TokenRecord, add_late_columns, parse_commit_stats, parse_token_log, store_schema, token_log_bytes)
+                      TokenRecord, add_late_columns, parse_commit_stats, store_schema)
+from .tokens import batch_digest, parse_token_log, token_log_bytes
+from .states import STATE_META, decode_state, encode_state, read_state_file
+from .sidecars import (IndexedPages, encode_group_index, encode_group_sidecar, group_sidecar, inline_group,
+                       inline_group_sidecar, read_group_index, read_group_sidecar, segment_local_rows)
 from .segment_table import SEGMENT_TABLE_MIN, SegmentTable, SegmentTableEntry, segment_table_file, table_bytes
 from .manifest import (HOLES_MANIFEST_VERSION, AppendDelta, Delta, Manifest, RewriteDelta, append_rows, delta_from_doc,
                        evict, past_holes, rewrite_rows, with_chains)

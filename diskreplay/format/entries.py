@@ -1,16 +1,16 @@
-"""What a manifest lists: segment, state and group-index entries, token records and logs, late columns."""
+"""What a manifest lists: segment, state and group-index entries, token records and logs, late columns
+(a token log's file is :mod:`.tokens`'s)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..errors import CorruptStoreError, FormatError, SchemaError
 from ..schema import ColumnSpec, Schema, late_column_problem
-from .names import (FORMAT_VERSION, GROUPS_DIR, MAX_ID, SEGMENT_DIR, TOKENS_FORMAT, check_state_name, group_index_file,
-                    groups_file, segment_file, state_file, token_log_file)
-from .jsondoc import (canonical_json, check_header, check_signature, evolve, int_field, parse_json,
-                      signature_in_bytes, signed_bytes)
+from .names import (GROUPS_DIR, MAX_ID, SEGMENT_DIR, check_state_name, group_index_file, groups_file, segment_file,
+                    state_file, token_log_file)
+from .jsondoc import canonical_json, evolve, int_field
 
 
 _SEGMENT_INT_FIELDS = ("id", "first_row", "num_rows", "bytes", "crc32c", "groups_bytes", "groups_crc32c")
@@ -294,23 +294,6 @@ class TokenLog:
 
 
 _TOKEN_LOG_FIELDS = ("id", "bytes", "crc32c", "count", "last_generation", "end_row")
-
-
-def token_log_bytes(records: Sequence[TokenRecord]) -> bytes:
-    """The file form of a token log: a signed JSON document of its records."""
-    return signed_bytes({"format": TOKENS_FORMAT, "version": FORMAT_VERSION,
-                         "records": [r.to_list() for r in records]})
-
-
-def parse_token_log(raw: bytes, where: str) -> List[TokenRecord]:
-    doc = parse_json(raw, where)
-    doc = check_header(doc, TOKENS_FORMAT, where)
-    if not signature_in_bytes(raw):
-        check_signature(doc, where)
-    records = doc.get("records")
-    if not isinstance(records, list):
-        raise FormatError(f"Unsupported records in {where}; expected a list")
-    return [TokenRecord.from_list(r, where) for r in records]
 
 
 #: what ``commit_stats`` counts: commits, lost races (each one retried), and milliseconds from

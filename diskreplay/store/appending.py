@@ -25,7 +25,7 @@ from . import ops
 from .committer import Committer
 from .compaction import split
 from .segment_cache import SegmentCache
-from .tokens import batch_digest
+from ..format.tokens import batch_digest
 from .writing import SegmentWriter, encoded_digest, fix_schema
 
 

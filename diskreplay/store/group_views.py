@@ -26,7 +26,7 @@ import pyarrow as pa
 from ..errors import CorruptStoreError
 from ..groups import GroupIndex
 from ..segment import prefetch_files
-from .sidecars import read_group_index
+from ..format.sidecars import read_group_index
 from .segment_cache import ReadView, SegmentCache
 
 __all__ = ["GroupIndexes"]

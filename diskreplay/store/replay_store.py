@@ -33,8 +33,9 @@ from ..groups import GroupIndex
 from ..ingest import normalize_batch
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
-from .sidecars import encode_group_index
-from .states import encode_state, read_state_file, write_state_file
+from ..format.sidecars import encode_group_index
+from ..format.states import encode_state, read_state_file
+from .states import write_state_file
 from . import ops
 from .committer import Committer
 from .consumers import DEAD_AFTER_S, INCOMPLETE_AFTER_S, Consumer, consumers, wait_for_consumers

@@ -35,7 +35,7 @@ from ..groups import arrow_indices
 from ..ragged import RaggedColumn
 from ..schema import RAGGED, Schema
 from ..segment import PageChecksums, Segment, check_rows_of_parts, has_page_checksums, prefetch_files
-from .sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
+from ..format.sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
 from .reading import RangePlan, gather_ragged, hint_reads, ragged_ranges, ragged_run
 from .remote import RemoteSegment, fetch_for_read, remapped
 

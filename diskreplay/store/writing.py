@@ -19,11 +19,11 @@ from .._fileio import crash_point, crc32c
 from ..errors import CommitConflictError, ConditionalWriteError
 from ..schema import Schema
 from ..segment import PageChecksums, encode_ipc, has_page_checksums
-from .sidecars import encode_group_sidecar, inline_group
+from ..format.sidecars import encode_group_sidecar, inline_group
 from ..storage import Storage
 from .committer import Committer
 from .compaction import MergePolicy
-from .tokens import digest
+from ..format.tokens import digest
 
 OWN_IDS = 4096  # segment ids a writer of a multi-writer store remembers reserving (see SegmentWriter.is_own)
 # many writers, local files: segment names each writer reserves at once, with one fsync of segments/

@@ -19,8 +19,8 @@ from .. import format as fmt
 from .._fileio import TMP_PREFIX, crc32c
 from ..errors import CorruptStoreError, FormatError
 from ..segment import META_BUFFERS_KEY, ArrowFile, Segment, buffer_ranges, field_buffers
-from ..store.sidecars import group_sidecar, inline_group, segment_local_rows
-from ..store.states import decode_state
+from ..format.sidecars import group_sidecar, inline_group, segment_local_rows
+from ..format.states import decode_state
 from .files import ROOT_NAMES, StoreFiles, progress_bar, where_in
 
 QUARANTINE_DIR = fmt.QUARANTINE_DIR

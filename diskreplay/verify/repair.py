@@ -17,7 +17,7 @@ from .._fileio import TMP_PREFIX, WriterLock, crc32c
 from .._ranges import merge_ranges
 from ..errors import CorruptStoreError, FormatError, ReadOnlyError, StoreLockedError, StoreNotFoundError
 from ..segment import PageChecksums, Segment, encode_ipc, has_page_checksums
-from ..store.sidecars import group_sidecar
+from ..format.sidecars import group_sidecar
 from ..store import ops
 from ..store.committer import Committer
 from .check import (Report, check_size, compare_inline_group, compare_sidecar, orphans_message, referenced_files,

@@ -1,4 +1,4 @@
-"""Group sidecars and persisted group indexes: the files a store keeps beside its segments.
+"""Group sidecars and persisted group indexes: the files a store keeps beside its segments, encoded and decoded.
 
 A segment's group sidecar lists its prompt groups (key, count, rows) and
 carries the segment's page checksums in its schema metadata; a persisted
