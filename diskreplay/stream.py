@@ -216,8 +216,14 @@ class RolloutStream:
         """Rows dealt with: every row below the scan point but those still waiting."""
         return self._next_row - len(self._pending)
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The cursor (and ``extra``) as a JSON-and-arrays dict (``ReplayStore.save_state`` takes it)."""
+    def state_dict(self, *, unconsumed: Any = None) -> Dict[str, Any]:
+        """The cursor (and ``extra``) as a JSON-and-arrays dict (``ReplayStore.save_state`` takes it).
+
+        ``unconsumed``: rows ``next`` handed out that the consumer has not used yet (read ahead, or
+        taken by a step its checkpoint does not cover); the cursor has them waiting again, so a stream
+        loading it hands them out first. Single-row streams only (``group_size=1``)."""
+        if unconsumed is not None and len(unconsumed):
+            return self._giving_back(unconsumed).state_dict()
         ready, incomplete = self._units()
         waited = np.maximum(boot_clock() - self._since, 0.0)  # ages, not timestamps: no clock of this host in it
         return {"kind": STREAM_KIND, "format": _FORMAT, "name": self.name, "group_size": self.group_size,
@@ -242,6 +248,24 @@ class RolloutStream:
                 raise SamplerError(f"stream {self.name!r} was saved with {field}={state[field]!r}, not "
                                    f"{getattr(self, field)!r}: use the saved setting, or another stream name to "
                                    "start a new stream from the first row")
+
+    def _giving_back(self, rows: Any) -> "RolloutStream":
+        """A copy of this stream with ``rows`` (handed out by it) waiting again, in row order."""
+        rows = np.unique(np.asarray(rows, np.int64))
+        if self.group_size != 1:
+            raise ArgumentError(f"unconsumed rows go back only to a stream of single rows (group_size=1); stream "
+                                f"{self.name!r} has group_size={self.group_size}")
+        if rows[0] < 0 or rows[-1] >= self._next_row or np.isin(rows, self._pending).any():
+            raise ArgumentError(f"unconsumed must be rows stream {self.name!r} handed out (below "
+                                f"{self._next_row} and not waiting), got {rows.tolist()[:8]}")
+        copy = object.__new__(RolloutStream)
+        copy.__dict__.update(self.__dict__)
+        order = np.argsort(np.concatenate([self._pending, rows]), kind="stable")
+        copy._pending = np.concatenate([self._pending, rows])[order]
+        copy._since = np.concatenate([self._since, np.full(rows.size, boot_clock())])[order]
+        copy._versions = np.concatenate([self._versions, np.full(rows.size, np.nan)])[order]
+        copy._counts = {**self._counts, "handed_out": self._counts["handed_out"] - rows.size}
+        return copy
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a cursor ``state_dict()`` gave (a trainer checkpoint's, or the committed one).
@@ -276,14 +300,15 @@ class RolloutStream:
         self._counts["evicted"] += int(gone.sum())
         self._remove(gone)
 
-    def save(self, extra: Optional[Mapping[str, Any]] = None) -> None:
+    def save(self, extra: Optional[Mapping[str, Any]] = None, *, unconsumed: Any = None) -> None:
         """Commit the cursor (and ``extra``: JSON values and arrays, read back as :attr:`extra`) in one
-        commit of the store; on ranks other than 0 it does nothing."""
+        commit of the store; on ranks other than 0 it does nothing. ``unconsumed``: as in
+        :meth:`state_dict`."""
         if extra is not None:
             self.extra = dict(extra)
         if self.rank == 0:
             try:
-                self._entry = self._commit(self.state_dict(), self._entry)
+                self._entry = self._commit(self.state_dict(unconsumed=unconsumed), self._entry)
             except CommitConflictError:
                 if self._current_entry() == self._entry:
                     raise  # lost races to other writers, not a newer instance

@@ -157,12 +157,13 @@ from .checkpoint import CHECKPOINT_DIR, STATE_NAME
 from .planners import REPLAY_MODES, prompt_key
 
 _LAZY = {
+    "DurableRolloutQueue": "async_buffer",
     "DiskReplayGRPOConfig": "config",
     "DiskReplayGRPOTrainer": "trainer",
 }
 
-__all__ = ["CHECKPOINT_DIR", "DiskReplayGRPOConfig", "DiskReplayGRPOTrainer", "IntegrationError", "REPLAY_MODES",
-           "ReplayConfigError", "STATE_NAME", "prompt_key"]
+__all__ = ["CHECKPOINT_DIR", "DiskReplayGRPOConfig", "DiskReplayGRPOTrainer", "DurableRolloutQueue", "IntegrationError",
+           "REPLAY_MODES", "ReplayConfigError", "STATE_NAME", "prompt_key"]
 
 
 def __getattr__(name: str) -> Any:
