@@ -1,8 +1,6 @@
 """The store-vs-model state machine of ``diskreplay.testing.stateful``, for many writers and for one, on
 every backend: a directory, memory, and an S3 server (fewer examples there: each step is requests)."""
 
-import itertools
-
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -29,9 +27,6 @@ TestMemoryManyWriters = MemoryWriters.TestCase
 TestMemoryManyWriters.settings = _SETTINGS
 TestMemorySingleWriter = MemorySingleWriter.TestCase
 TestMemorySingleWriter.settings = settings(_SETTINGS, max_examples=5)
-
-
-_BUCKETS = itertools.count()
 
 
 class S3Writers(WritersMachine):

@@ -25,11 +25,11 @@ import errno
 import itertools
 import threading
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError, CommitConflictError, CorruptStoreError
 from .base import Buffer, Publisher, check_range, check_rel
-from .cache import CacheStats, ObjectCache
+from .cache import ObjectCache
 
 SCHEME = "memory://"
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -89,7 +89,7 @@ class MemoryStorage(Publisher):
     exclusive_lock = False
     reliable_listing = True
     cached = True
-    remote = True  # = not can_map, for callers of earlier versions
+    symlinks = False
     #: nothing is leased: a stopped writer's files are judged by their age alone, as on S3
     holds_leases = False
 
@@ -102,7 +102,6 @@ class MemoryStorage(Publisher):
         self._cache_args = (cache_dir, cache_bytes)
         with _NAMES_LOCK:
             self._shared = _NAMES.setdefault(self.name, _Files())
-        self._cache: Optional[ObjectCache] = None  # made on the first read of a local copy
         #: whether the last publish got as far as its create (it cannot fail after it here)
         self.link_attempted = False
         #: the versions of the files this writer made for the commit in progress (see delete_own)
@@ -232,17 +231,6 @@ class MemoryStorage(Publisher):
         self._forget(rel)
         return gone
 
-    def sync_dir(self, reldir: str) -> None:
-        """Nothing to do: there are no directories, and nothing outlives the process anyway."""
-        check_rel(reldir, allow_root=True)
-
-    def ensure_dir(self, reldir: str) -> None:
-        """Nothing to do: there are no directories."""
-        check_rel(reldir, allow_root=True)
-
-    def check(self) -> None:
-        """Nothing can be unreachable here."""
-
     def some_names(self, limit: int = 1000) -> List[str]:
         """Paths of up to ``limit`` files anywhere in the store."""
         with self._shared.lock:
@@ -250,57 +238,31 @@ class MemoryStorage(Publisher):
 
     # -- local copies for readers -------------------------------------------------
 
-    def _local_cache(self) -> ObjectCache:
-        if self._cache is None:
+    def page_cache(self) -> ObjectCache:
+        """The bounded local cache readers' copies live in (``cache_dir``, ``cache_bytes``), made on
+        first use."""
+        cache = self.__dict__.get("_page_cache")
+        if cache is None:
             directory, capacity = self._cache_args
-            self._cache = ObjectCache(directory, capacity, self.url)
-        return self._cache
+            cache = self.__dict__["_page_cache"] = ObjectCache(directory, capacity, self.url)
+        return cache
 
     def _forget(self, rel: str) -> None:
-        if self._cache is not None:
-            self._cache.forget(rel)
-
-    def local_path(self, rel: str, size: Optional[int] = None, tag: Optional[str] = None) -> str:
-        """A whole local copy of the immutable file ``rel`` (cached), for ``mmap``; ``""`` gives the
-        store's URL (for messages)."""
-        if rel in ("", "."):
-            return self.url
-        return self.fetch_ranges(rel, None, size=size, tag=tag)
+        cache = self.__dict__.get("_page_cache")
+        if cache is not None:
+            cache.forget(rel)
 
     def fetch_ranges(self, rel: str, ranges: Optional[Sequence[Tuple[int, int]]], *,
                      size: Optional[int] = None, evict: bool = True, tag: Optional[str] = None) -> str:
-        """Make the byte ranges ``[(start, end), ...]`` of the immutable file ``rel`` (all of it for
-        None) present in a local copy and return its path (see :meth:`S3Storage.fetch_ranges
-        <diskreplay.storage.S3Storage.fetch_ranges>`: the same cache, the same arguments)."""
-        f = self._get(rel)
-        if ranges is not None:
-            ranges = [check_range(rel, s, e) for s, e in ranges]
-        # the version keeps a name written again (after a repair) apart from its old bytes
-        key = f"{rel}#{f.version}" if tag is None else f"{rel}#{f.version}-{tag}"
-        data = f.data
-        cache = self._local_cache()
-        entry_size = cache.entry(key, lambda: len(data) if size is None else int(size)).size
-        return cache.fill(key, entry_size, lambda gets: [data[s:e] for s, e in gets], ranges, evict=evict)
-
-    def trim_cache(self) -> List[str]:
-        """Evict local copies down to ``cache_bytes``; the names evicted."""
-        return [] if self._cache is None else [key.split("#", 1)[0] for key in self._cache.trim()]
-
-    def cache_stats(self) -> CacheStats:
-        """Byte counters of the local copies (requested, hit, fetched, evicted, held)."""
-        return CacheStats() if self._cache is None else self._cache.stats
-
-    def close(self) -> None:
-        """Remove this handle's local copies (the files stay, for the other handles of the name)."""
-        cache, self._cache = self._cache, None
-        if cache is not None:
-            cache.close()
+        # the file's version keeps a name written again (after a repair) apart from its old bytes
+        version = self._get(rel).version
+        return super().fetch_ranges(rel, ranges, size=size, evict=evict,
+                                    tag=f"v{version}" if tag is None else f"v{version}-{tag}")
 
     def destroy(self) -> None:
         """Remove every file of this name, for every handle (the name starts empty again)."""
-        with _NAMES_LOCK:
-            with self._shared.lock:
-                self._shared.files.clear()
+        with self._shared.lock:
+            self._shared.files.clear()
         self.close()
 
     # -- the commit protocol ------------------------------------------------------
@@ -316,48 +278,12 @@ class MemoryStorage(Publisher):
         self._forget(rel)
         return True
 
-    def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
-                        tries: int = 1 << 16, step: Optional[str] = None) -> Tuple[int, str]:
-        for i in range(first, first + tries):
-            rel = check_rel(rel_of(i))
-            if self.put_if_absent(rel, data):
-                return i, rel
-        raise ArgumentError(f"{self.url}/{rel_of(first)}: no free name after {tries} tries")
-
-    def reserve(self, rel_of: Callable[[int], str], first: int, *, tries: int = 1 << 16) -> Tuple[int, str]:
-        """Take the first free name ``rel_of(i)``, ``i >= first``, as an empty file; :meth:`write_files`
-        fills it."""
-        return self.link_candidates(rel_of, b"", first, tries=tries)
-
-    def name_durable(self, rel: str) -> bool:
-        return True
-
-    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
-        """Write ``files``, then create the manifest ``rel``: when ``exclusive`` a taken name answers
-        False (another writer committed it), else :class:`CommitConflictError`."""
-        self.link_attempted = False
-        self.write_files(files, dirs)
-        self.link_attempted = True
-        if exclusive:
-            return self.put_if_absent(rel, data)
-        self.replace(rel, data)
-        return True
-
     def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]:
         """Whether ``rel`` holds ``data`` (nothing is ever in doubt here)."""
         try:
             return self.read_bytes(rel) == bytes(data)
         except FileNotFoundError:
             return False
-
-    def stage(self, reldir: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-              dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None:
-        """Write ``files`` before the race; the manifest is created by :meth:`publish`."""
-        self.write_files(files, dirs)
-
-    def discard_staged(self) -> None:
-        """Nothing is staged."""
 
     def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]:
         """Read-modify-write ``rel`` with no concurrent update lost: ``update`` runs outside the lock
@@ -406,13 +332,6 @@ class MemoryStorage(Publisher):
 
     def remove_held(self, rel: str, handle: Optional[int]) -> bool:
         return self.delete(rel) if handle is None else self._delete_if(check_rel(rel), handle)
-
-    def unhold(self, held: Mapping[str, Optional[int]]) -> None:
-        """Nothing is held."""
-
-    def probe_create_if_absent(self, reldir: str) -> None:
-        """Nothing to probe: a create-if-absent is atomic here."""
-        check_rel(reldir, allow_root=True)
 
     def __reduce__(self):
         # a handle travels (to a thread's copy, a pickled reader) as its name: the files stay shared
