@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import List
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from diskreplay import format as fmt
@@ -173,3 +173,119 @@ def test_roll_back_conflicts_unless_planned_on_its_base():
     m3 = ops.apply(m2, ops.Evict(0), options)
     with pytest.raises(ops.Conflict):
         ops.apply(m3, back, options)
+
+
+# --------------------------------------------------------------------------
+# the conflict table, pair by pair
+# --------------------------------------------------------------------------
+
+KINDS = ("append", "rewrite", "save", "evict", "rollback", "index")
+
+
+@st.composite
+def planned(draw, base: fmt.Manifest, older: fmt.Manifest, kind: str, k: int) -> ops.Operation:
+    """An operation of ``kind`` planned on ``base`` (``older``: an earlier commit a roll back
+    returns to; ``k``: which of the concurrent writers, so that their segment ids differ)."""
+    first_id = base.next_segment + 100 * k
+    if kind == "append":
+        sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))
+        entries, row = [], 0
+        for i, n in enumerate(sizes):  # segment-local rows: applies at whatever row the base ends
+            entries.append(fmt.SegmentEntry(first_id + i, row, n, 100 * n, 7))
+            row += n
+        token = fmt.TokenRecord(f"w{k}:{draw(st.integers(0, 9))}", 0, row, 1, 1)
+        return ops.Append(tuple(entries), row, token, relocatable=True)
+    if kind == "rewrite":
+        at = draw(st.integers(0, len(base.segments) - 2))
+        a, b = base.segments[at], base.segments[at + 1]
+        return ops.Rewrite((a, b), (fmt.SegmentEntry(first_id, a.first_row, a.num_rows + b.num_rows,
+                                                     a.bytes + b.bytes, 9),))
+    if kind == "save":
+        name = draw(st.sampled_from(["sampler", "stream.trainer"]))
+        conditional = draw(st.booleans())
+        return ops.SaveState(fmt.StateEntry(name, base.generation + 1 + k, 10, k), base.states.get(name), conditional)
+    if kind == "evict":
+        return ops.Evict(draw(st.integers(base.head, base.next_row)))
+    if kind == "rollback":
+        return ops.RollBack(older, base.generation)
+    end = draw(st.integers(base.head, base.next_row))
+    return ops.IndexGroups(fmt.GroupIndexEntry(base.generation + 1, base.head, end, 64, k, (8, 16, k)))
+
+
+def _documented_conflict(op: ops.Operation, planned_on: fmt.Manifest, base: fmt.Manifest) -> bool:
+    """Whether the conflict table (ops.py's docstring, docs/FORMAT.md "Operations and conflicts") says
+    ``op``, planned on ``planned_on``, conflicts with ``base``, the commit that won the race."""
+    if isinstance(op, ops.Rewrite):  # a replaced segment is gone (merged by another, or evicted)
+        return not set(op.ids) <= {s.id for s in base.segments}
+    if isinstance(op, ops.SaveState):  # a compare-and-set: its entry changed meanwhile
+        return op.conditional and base.states.get(op.entry.name) != op.replaces
+    if isinstance(op, ops.RollBack):
+        return base.generation != planned_on.generation
+    if isinstance(op, ops.IndexGroups):  # of rows the base still has (a roll back may have taken them)
+        return op.entry.end_row > base.next_row
+    return False  # Append (rows numbered when applied), Evict (the head only moves forward)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(KINDS), st.sampled_from(KINDS), st.lists(st.integers(1, 4), min_size=3, max_size=6),
+       st.one_of(st.none(), st.integers(4, 30)), st.data())
+def test_every_pair_of_operations_rebases_or_conflicts_as_the_table_says(first, second, sizes, capacity, data):
+    """Two writers plan an operation each on one base; the first commits. Rebasing the second on its
+    commit either raises ``Conflict`` exactly where the conflict table says, or gives what the
+    second operation documents, applied on top of the first's result."""
+    options = _options(capacity)
+    older = ops.apply(fmt.Manifest(), _append(fmt.Manifest(), sizes[:1]), options)
+    base = ops.apply(older, _append(older, sizes[1:]), options)
+    base = ops.apply(base, ops.SaveState(fmt.StateEntry("sampler", base.generation + 1, 10, 3)), options)
+    assume(len(base.segments) >= 2)
+    one = data.draw(planned(base, older, first, 1))
+    two = data.draw(planned(base, older, second, 2))
+    won = ops.apply(base, one, options)
+    assert won.generation == base.generation + 1
+    if _documented_conflict(two, base, won):
+        with pytest.raises(ops.Conflict):
+            ops.apply(won, two, options)
+        return
+    m = ops.apply(won, two, options)
+    assert m.generation == won.generation + 1
+    assert fmt.Manifest.from_dict(m.to_dict(), "test") == m  # a valid manifest
+    live = _live(won)
+    if isinstance(two, ops.Append):
+        new = list(range(won.next_row, won.next_row + two.num_rows))
+        want = [r for r in live + new if capacity is None or r >= won.next_row + two.num_rows - capacity]
+        assert _live(m) == want and m.next_row == won.next_row + two.num_rows
+        assert m.tokens[-1].first_row == won.next_row and m.tokens[-1].generation == m.generation
+    elif isinstance(two, ops.Rewrite):
+        assert _live(m) == live and (m.head, m.next_row) == (won.head, won.next_row)
+        assert not set(two.ids) & {s.id for s in m.segments}
+    elif isinstance(two, ops.SaveState):
+        assert m.states == {**won.states, two.entry.name: two.entry}  # the later commit's state wins
+        assert _live(m) == live
+    elif isinstance(two, ops.Evict):
+        assert m.head == min(max(won.head, two.head), won.next_row)
+        assert _live(m) == [r for r in live if r >= m.head]
+    elif isinstance(two, ops.IndexGroups):
+        assert m.group_index == two.entry and _live(m) == live
+    else:
+        raise AssertionError(f"{two} was documented to conflict")
+
+
+def _table_rows(text: str, mark: str) -> set:
+    """The operation names that start the rows of a table in ``text``."""
+    import re
+
+    return set(re.findall(rf"^{re.escape(mark)}(\w+)", text, re.M))
+
+
+def test_the_conflict_tables_name_every_operation():
+    """ops.py's conflict table, docs/FORMAT.md's ("Operations and conflicts") and ``ops.Operation``
+    name the same operations."""
+    import typing
+    from pathlib import Path
+
+    names = {t.__name__ for t in typing.get_args(ops.Operation)}
+    assert _table_rows(ops.__doc__, "``") == names
+    docs = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    section = docs[docs.index("**Operations and conflicts.**"):]
+    section = section[:section.index("\n\n", section.index("| operation"))]
+    assert _table_rows(section, "| `") == names

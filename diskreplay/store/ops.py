@@ -20,7 +20,7 @@ operation      conflicts with a concurrent commit when
                ``replaces`` (a compare-and-set: a rollout stream's fence)
 ``Evict``      never (the head only moves forward)
 ``RollBack``   always, unless the base is the one it was planned on
-``IndexGroups``  never (a persisted group index of rows the base still has)
+``IndexGroups``  the base ends before the rows the persisted group index covers (a roll back took them)
 =============  ==========================================================
 """
 
