@@ -87,7 +87,7 @@ class StorageTests:
 
     def test_capabilities_say_what_the_backend_does(self, storage):
         """The store branches on these, never on a backend's type: each must be true to its word."""
-        for name in ("can_map", "exclusive_lock", "reliable_listing", "cached", "holds_leases"):
+        for name in ("can_map", "exclusive_lock", "reliable_listing", "cached", "holds_leases", "symlinks"):
             assert isinstance(getattr(storage, name), bool), name
         assert storage.remote is (not storage.can_map)
         storage.write_new("segments/00000003.arrow", b"abc")
@@ -105,6 +105,55 @@ class StorageTests:
             storage.write_new("segments/00000004.arrow", b"d")
             assert "00000004.arrow" in storage.list("segments")
         storage.check()  # a reachable store: no error
+
+    def test_a_lock_where_the_backend_has_one(self, storage, reopen):
+        """``lock`` gives a lock one holder keeps others out with where ``exclusive_lock`` says so,
+        else None (every commit is then a create-if-absent)."""
+        from ..errors import StoreLockedError
+        from ..storage.base import Lock
+
+        held = storage.lock("LOCK")
+        if not storage.exclusive_lock:
+            assert held is None and reopen().lock("LOCK") is None
+            return
+        assert isinstance(held, Lock)
+        held.acquire()
+        try:
+            with pytest.raises(StoreLockedError):
+                reopen().lock("LOCK").probe()
+            with pytest.raises(StoreLockedError):
+                reopen().lock("LOCK", shared=True).acquire()
+        finally:
+            held.release()
+        shared = [reopen().lock("LOCK", shared=True) for _ in range(2)]
+        for lock in shared:  # shared holders never keep one another out
+            lock.acquire()
+        for lock in shared:
+            lock.release()
+
+    def test_a_map_where_files_are_mapped_in_place(self, storage):
+        storage.write_new("manifests/00000001.json", b"x" * 5000)
+        mapped = storage.map("manifests/00000001.json", min_bytes=100)
+        if not storage.can_map:
+            assert mapped is None
+            return
+        try:
+            assert mapped[:] == b"x" * 5000
+        finally:
+            mapped.close()
+        assert storage.map("manifests/00000001.json", min_bytes=5001) is None  # outside the bounds: read it
+        assert storage.map("manifests/00000001.json", max_bytes=4999) is None
+        assert storage.map("manifests/none.json") is None
+
+    def test_a_writers_handle_sees_the_same_files(self, storage):
+        writer = storage.writer("w1", fsync=False, leases=False)
+        try:
+            assert isinstance(writer, Publisher) and writer.url == storage.url
+            assert writer.put_if_absent("manifests/1.json", b"w") is True
+            assert storage.read_bytes("manifests/1.json") == b"w"
+        finally:
+            if writer is not storage:
+                writer.close()
 
     # -- bytes --------------------------------------------------------------------------------
 
@@ -131,6 +180,17 @@ class StorageTests:
             local = f.read()
         assert len(local) == len(data)
         assert all(local[s:e] == data[s:e] for s, e in ranges)
+
+    def test_many_ranges_of_one_file(self, storage):
+        data = bytes(range(256)) * 64
+        storage.write_new("segments/00000001.arrow", data)
+        ranges = [(0, 3), (100, 4000), (16000, 16384), (16384, 20000)]
+        assert storage.read_ranges("segments/00000001.arrow", ranges) == [data[s:e] for s, e in ranges]
+
+    def test_an_empty_range_is_no_bytes(self, storage):
+        storage.write_new("segments/00000001.arrow", b"abcdefgh")
+        assert storage.read_range("segments/00000001.arrow", 7, 7) == b""
+        assert storage.read_ranges("segments/00000001.arrow", [(0, 2), (7, 7)]) == [b"ab", b""]
 
     def test_buffers_and_sizes(self, storage):
         big = os.urandom(3 << 20)
@@ -192,6 +252,14 @@ class StorageTests:
         assert storage.stat("segments/1.arrow") is None
         assert storage.read_bytes("quarantine/segments/1.arrow") == b"abcd"
         assert storage.list_kinds("quarantine") == {"segments": "dir"}
+        storage.write_new("segments/2.arrow", b"two")
+        # onto a free name only: a taken one keeps its bytes, and nothing moves
+        assert storage.move("segments/2.arrow", "quarantine/segments/1.arrow", if_absent=True) is False
+        assert storage.read_bytes("quarantine/segments/1.arrow") == b"abcd"
+        assert storage.read_bytes("segments/2.arrow") == b"two"
+        assert storage.move("segments/2.arrow", "quarantine/segments/2.arrow", if_absent=True) is True
+        assert storage.stat("segments/2.arrow") is None
+        assert {"quarantine/segments/1.arrow", "quarantine/segments/2.arrow"} <= set(storage.some_names())
 
     @pytest.mark.parametrize("rel", ["../x", "/abs", "a//b", "a/./b", "a/../b", "a\\b"])
     def test_paths_that_leave_the_store_are_refused(self, storage, rel):
