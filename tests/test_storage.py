@@ -144,6 +144,101 @@ class TestMemoryStorage(StorageTests):
     def reopen(self, storage):
         return lambda: MemoryStorage(storage.url)
 
+    def test_names_keep_their_files_apart_until_destroyed(self, storage):
+        storage.write_new("a/x", b"1")
+        other = MemoryStorage(storage.url + "-other")
+        assert other.list("a") == [] and MemoryStorage(storage.url + "/").read_bytes("a/x") == b"1"
+        clone = pickle.loads(pickle.dumps(storage))  # travels as its name: the same files
+        assert clone.url == storage.url and clone.read_bytes("a/x") == b"1"
+        storage.destroy()
+        assert clone.list("a") == [] and clone.stat("a") is None
+
+    @pytest.mark.parametrize("url", ["memory://", "memory:///", "mem://x", "/data/x"])
+    def test_bad_urls(self, url):
+        with pytest.raises(ValueError, match="memory://NAME"):
+            MemoryStorage(url)
+
+    def test_open_storage(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        st = open_storage("memory://opened", cache_dir=None, cache_bytes=1 << 20)
+        assert type(st) is MemoryStorage and st.url == "memory://opened"
+        with pytest.raises(ValueError, match="storage_options are for s3:// URLs"):
+            open_storage("memory://opened", {"endpoint": "http://x"})
+        assert not os.listdir(tmp_path)  # (not a directory named "memory:")
+
+
+class TestMemoryStores:
+    """A ``ReplayStore`` of ``memory://NAME``: its handles are the writers and readers of one store."""
+
+    @pytest.fixture
+    def url(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)  # a memory store makes no file here
+        url = f"memory://store-{next(_HANDLES)}"
+        yield url
+        MemoryStorage(url).destroy()
+        assert not os.listdir(tmp_path)
+
+    def test_a_second_handle_sees_the_first_ones_commits(self, url):
+        from diskreplay import ReplayStore
+        from diskreplay.testing.workload import batch_for, check_rows
+
+        with ReplayStore(url, capacity=10) as store:
+            assert type(store.storage) is MemoryStorage
+            store.extend(batch_for(0, 0, 4))
+            with ReplayStore(url, readonly=True) as reader:
+                assert reader.next_row == 4 and check_rows(reader, reader.row_ids()) is None
+                store.extend(batch_for(0, 1, 8))
+                assert reader.refresh() and (reader.head, reader.next_row) == (2, 12)
+                assert check_rows(reader, reader.row_ids()) is None
+
+    def test_a_second_writer_of_a_single_writer_store_fails_at_its_commit(self, url):
+        """No lock keeps it out (as on S3): its commit finds the generation taken and commits nothing."""
+        from diskreplay import CommitConflictError, ReplayStore
+        from diskreplay.testing.workload import batch_for
+
+        with ReplayStore(url) as first, ReplayStore(url) as second:
+            first.extend(batch_for(0, 0, 2))
+            with pytest.raises(CommitConflictError, match="another writer"):
+                second.extend(batch_for(1, 0, 3))
+        with ReplayStore(url, readonly=True) as reader:
+            assert reader.read(reader.row_ids(), ["tag"])["tag"] == batch_for(0, 0, 2)["tag"]
+
+    def test_many_writers_race_through_create_if_absent(self, url):
+        """Writers in threads, each its own handle of a multi-writer store: every batch is committed
+        exactly once, whatever generation each one's first try lost."""
+        from diskreplay import ReplayStore
+        from diskreplay.testing.workload import batch_for, check_rows, token_for
+
+        ReplayStore(url, multi_writer=True).close()
+        writers = [ReplayStore(url) for _ in range(3)]
+        start = threading.Barrier(len(writers))
+        errors = []
+
+        def write(w):
+            try:
+                start.wait()
+                for step in range(6):
+                    writers[w].extend(batch_for(w, step, 2), token=token_for(w, step))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(len(writers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for w in writers:
+            w.close()
+        assert not errors, errors
+        with ReplayStore(url, readonly=True) as reader:
+            tags = reader.read(reader.row_ids(), ["tag"])["tag"]
+            assert sorted(tags) == sorted(t for w in range(3) for step in range(6) for t in batch_for(w, step, 2)["tag"])
+            assert check_rows(reader, reader.row_ids()) is None
+        from diskreplay.verify import verify_store
+
+        report = verify_store(url)
+        assert report["ok"], report["problems"]
+
 
 # -- conditional-PUT race: many processes, one winner per name ------------------
 # (the contract's race is between threads; this one is between processes, where a backend's files
