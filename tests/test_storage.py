@@ -240,6 +240,29 @@ class TestMemoryStores:
         assert report["ok"], report["problems"]
 
 
+def test_the_contract_without_pytest_names_it():
+    """``import diskreplay.testing`` needs neither pytest nor hypothesis; the contract class and the
+    state machines say what they need when they are used without them."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["pytest"] = sys.modules["hypothesis"] = None  # import pytest -> ImportError
+        import diskreplay.testing
+        from diskreplay.testing.workload import batch_for
+        from diskreplay import MissingDependencyError
+        for name, needs in (("StorageTests", "pip install pytest"), ("WritersMachine", "pip install hypothesis")):
+            try:
+                getattr(diskreplay.testing, name)
+            except MissingDependencyError as exc:
+                assert needs in str(exc), exc
+            else:
+                raise AssertionError(name)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 # -- conditional-PUT race: many processes, one winner per name ------------------
 # (the contract's race is between threads; this one is between processes, where a backend's files
 # are shared by more than one process: not moto's, whose conditional PUT is not atomic under
