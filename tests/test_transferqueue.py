@@ -115,6 +115,8 @@ def test_get_checks_the_dtype_and_shape_transferqueue_expects(tmp_path):
     table = FieldTable(tmp_path / "tq")
     table.put(["0@ids"], [torch.tensor([1, 2])])
     assert table.get(["0@ids"], shapes=[torch.Size([2])], dtypes=[torch.int64])[0].tolist() == [1, 2]
+    table.put(["0@reward"], [torch.tensor(0.5)])  # a sample of a [B] field: TransferQueue says (1,), stored ()
+    assert table.get(["0@reward"], shapes=[torch.Size([1])], dtypes=[torch.float32])[0].item() == 0.5
     with pytest.raises(BatchError, match="'0@ids' holds a torch.int64 tensor but torch.float32"):
         table.get(["0@ids"], dtypes=[torch.float32])
     with pytest.raises(BatchError, match=r"shape \(2,\) but \(3,\)"):
@@ -146,3 +148,49 @@ def test_the_backend_is_registered_under_its_names_and_needs_a_path(tmp_path):
     # the store is an ordinary store: any diskreplay tool reads it
     with ReplayStore(tmp_path / "tq", readonly=True) as store:
         assert len(store) == 0
+
+
+def test_restore_brings_every_value_back_to_its_mark_by_appending(tmp_path):
+    table = FieldTable(tmp_path / "tq")
+    table.put(["0@x", "1@x", "2@x"], [torch.tensor([1]), torch.tensor([2]), "kept"])
+    mark = table.mark()
+    table.put(["0@x"], [torch.tensor([9])])  # overwritten after the checkpoint
+    table.clear(["1@x"])                      # cleared after it
+    table.put(["3@x"], [torch.tensor([3])])   # new after it
+    other = FieldTable(tmp_path / "tq")       # another process's view follows
+    assert table.restore(mark) == 3
+    assert [v.tolist() for v in other.get(["0@x", "1@x"])] == [[1], [2]] and other.get(["2@x"]) == ["kept"]
+    assert not other.contains("3@x")
+    rows = table.store.next_row
+    assert table.restore(mark) == 0 and table.store.next_row == rows  # again (a resume that crashed): nothing
+    with pytest.raises(ArgumentError, match="past the newest row"):
+        table.restore(rows + 1)
+    table.close(), other.close()
+
+
+def test_a_storage_checkpoint_is_a_row_number_and_loads_back(tmp_path):
+    import asyncio
+    import json
+
+    table = FieldTable(tmp_path / "tq")
+    manager = DiskReplayStorageManager.__new__(DiskReplayStorageManager)  # no controller: the two methods only
+    manager.storage_client = type("C", (), {"table": table, "close": lambda self: None})()
+    table.put(["0@x"], [torch.tensor([1])])
+    asyncio.run(manager.save_checkpoint(str(tmp_path / "ckpt")))
+    saved = json.loads((tmp_path / "ckpt" / "diskreplay_storage.json").read_text())
+    assert saved["mark"] == 1 and saved["version"] == 1
+    table.put(["0@x"], [torch.tensor([2])])
+    asyncio.run(manager.load_checkpoint(str(tmp_path / "ckpt")))
+    assert table.get(["0@x"])[0].tolist() == [1]
+    table.close()
+
+
+def test_the_doc_blocks_run():
+    """docs/transferqueue.md's ```python blocks run as written (```python no-run ones need a Ray cluster)."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "transferqueue.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/transferqueue.md python block {i}", "exec"), {})

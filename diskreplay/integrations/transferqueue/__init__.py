@@ -35,9 +35,11 @@ its key. ``pip install 'diskreplay[transferqueue]'``.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, List, Mapping, Optional
 
-from ...errors import ArgumentError, MissingDependencyError
+from ...errors import ArgumentError, FormatError, MissingDependencyError
 from .table import FieldTable
 
 try:
@@ -48,12 +50,26 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise MissingDependencyError(f"diskreplay.integrations.transferqueue needs TransferQueue ({exc}); install it "
                                  "with pip install 'diskreplay[transferqueue]'") from exc
 
-__all__ = ["BACKEND", "CLIENT", "DiskReplayStorageClient", "DiskReplayStorageManager", "FieldTable"]
+__all__ = ["BACKEND", "CLIENT", "DiskReplayStorageClient", "DiskReplayStorageManager", "FieldTable", "register"]
 
 #: the name to put in TransferQueue's ``backend.storage_backend``
 BACKEND = "DiskReplay"
 #: the ``StorageKVClient`` name (``client_name``) the manager uses
 CLIENT = "DiskReplayStorageClient"
+#: the file a storage checkpoint is (in TransferQueue's checkpoint directory)
+CHECKPOINT_FILE = "diskreplay_storage.json"
+CHECKPOINT_FORMAT = "diskreplay.transferqueue.checkpoint"
+
+
+def register() -> None:
+    """Register the backend in this process: importing this module did it, so this does nothing more.
+
+    Its name is what Ray's ``runtime_env={"worker_process_setup_hook":
+    "diskreplay.integrations.transferqueue.register"}`` wants, so that every Ray worker that calls
+    ``transfer_queue.init()`` (verl's agent-loop workers) finds the backend.
+
+    >>> register()
+    """
 
 
 def _options(config: Any) -> Mapping[str, Any]:
@@ -120,6 +136,39 @@ class DiskReplayStorageManager(KVStorageManager):
             raise ArgumentError(f"backend.{BACKEND}.client_name must be {CLIENT!r} or left out, got "
                                 f"{options.get('client_name')!r}")
         super().__init__(controller_info, {**options, "client_name": CLIENT}, zmq_context=zmq_context)
+
+    async def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """TransferQueue's storage checkpoint: the store's path and row number (a few bytes, fsync'd).
+
+        The values are in the store already; :meth:`load_checkpoint` brings them back to this point.
+        """
+        state = {"format": CHECKPOINT_FORMAT, "version": 1, "path": self.storage_client.table.path,
+                 "mark": self.storage_client.table.mark()}
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        target = os.path.join(checkpoint_dir, CHECKPOINT_FILE)
+        with open(target + ".tmp", "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(target + ".tmp", target)
+
+    async def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Make the store's values what they were at :meth:`save_checkpoint` (one commit of what changed)."""
+        target = os.path.join(checkpoint_dir, CHECKPOINT_FILE)
+        try:
+            with open(target) as f:
+                state = json.load(f)
+        except FileNotFoundError as exc:
+            raise FormatError(f"{target} is missing: {checkpoint_dir} was not saved by the {BACKEND} backend; "
+                              f"load it with the backend that saved it") from exc
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or state.get("version") != 1:
+            raise FormatError(f"Unsupported storage checkpoint {target}; expected format {CHECKPOINT_FORMAT!r} "
+                              "version 1")
+        table = self.storage_client.table
+        if os.path.abspath(str(state.get("path"))) != os.path.abspath(table.path):
+            raise ArgumentError(f"the checkpoint {target} is of the store {state.get('path')!r}, but this "
+                                f"TransferQueue uses {table.path!r}; set backend.{BACKEND}.path to the checkpoint's")
+        table.restore(state["mark"])
 
     def close(self) -> None:
         """Close TransferQueue's sockets and the store."""

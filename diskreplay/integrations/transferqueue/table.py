@@ -38,7 +38,7 @@ import torch
 
 from ... import ReplayStore
 from ...errors import ArgumentError, BatchError, IndexOutOfRangeError, RowsEvictedError
-from .values import CLEARED, decode, encode
+from .values import CLEARED, Encoded, decode, encode
 
 KEY, INDEX, FIELD, GEN, KIND = "tq_key", "tq_index", "tq_field", "tq_gen", "tq_kind"
 DTYPE, SHAPE, DIGEST, NBYTES, DATA, TEXT = "tq_dtype", "tq_shape", "tq_digest", "tq_nbytes", "tq_data", "tq_json"
@@ -164,7 +164,8 @@ class FieldTable:
     def get(self, keys: Sequence[str], shapes: Optional[Sequence[Any]] = None,
             dtypes: Optional[Sequence[Any]] = None) -> List[Any]:
         """The values of ``keys``, in order. ``shapes``/``dtypes`` (one per key, ``None`` for any), when
-        given, are checked against what was stored; a key without a value raises naming it."""
+        given, are checked against what was stored (the dtype, and a shape's element count); a key
+        without a value raises naming it."""
         keys = _check_keys(keys, "keys")
         for name, given in (("shapes", shapes), ("dtypes", dtypes)):
             if given is not None and len(given) != len(keys):
@@ -214,12 +215,84 @@ class FieldTable:
             if todo:
                 self._commit("clear", todo)
 
+    # ------------------------------------------------------------------ checkpoints: a row number
+
+    def mark(self) -> int:
+        """A checkpoint of every value: the store's next row, as of the newest commit of any writer.
+
+        :meth:`restore` brings the values back to what they were at this point, so a checkpoint of the
+        storage is one integer, whatever the values weigh.
+        """
+        with self._lock:
+            self._sync()
+            return self._upto
+
+    def restore(self, mark: int) -> int:
+        """Make every key hold what it held at ``mark`` (a :meth:`mark`), in one commit; returns the keys changed.
+
+        Nothing is rewritten: a key changed since ``mark`` gets a new row, its value at ``mark`` copied
+        (or a cleared row, when it had none then). Restoring twice, or again after a crash, changes nothing
+        more.
+        """
+        if not isinstance(mark, int) or isinstance(mark, bool) or mark < 0:
+            raise ArgumentError(f"mark must be a row number from FieldTable.mark(), got {mark!r}")
+        with self._lock:
+            self._sync()
+            store = self.store
+            if mark > self._upto:
+                raise ArgumentError(f"mark {mark} is past the newest row of {self.path} ({self._upto}): the "
+                                    "checkpoint belongs to another store (check backend.DiskReplay.path)")
+            rows = store.row_ids()
+            later = rows[rows >= mark]
+            touched = {k for k in self._keys_of(later)}
+            if not touched:
+                return 0
+            if mark < store.head:
+                raise RowsEvictedError(
+                    f"the values held at mark {mark} were evicted from {self.path} by its capacity of "
+                    f"{store.capacity} rows (oldest live row: {store.head}); give the store a capacity above the "
+                    "rows written between two checkpoints, or none")
+            then: Dict[str, int] = {}
+            earlier = rows[rows < mark]
+            for start in range(0, len(earlier), _SYNC_CHUNK):
+                chunk = earlier[start:start + _SYNC_CHUNK]
+                for row, key in zip(chunk.tolist(), store.read(chunk, columns=[KEY])[KEY]):
+                    if key in touched:
+                        then[key] = row
+            items = []
+            copies = sorted((row, key) for key, row in then.items())
+            values = store.read([r for r, _ in copies], columns=[GEN, DIGEST] + _VALUE) if copies else None
+            was = {key: i for i, (_, key) in enumerate(copies)}
+            for key in sorted(touched):
+                cur = self._index[key]
+                i = was.get(key)
+                if i is None or values[KIND][i] == CLEARED:
+                    if cur.kind != CLEARED:
+                        items.append((key, cur.row, cur.gen + 1, None, ""))
+                    continue
+                digest = values[DIGEST][i]
+                if cur.kind != CLEARED and cur.digest == digest:
+                    continue
+                col = values[DATA]
+                raw = col.values[col.offsets[i]:col.offsets[i + 1]].view(np.uint8)[:int(values[NBYTES][i])]
+                enc = Encoded(values[KIND][i], values[DTYPE][i], values[SHAPE][i], raw.copy(), values[TEXT][i])
+                items.append((key, cur.row, int(values[GEN][i]), enc, digest))
+            if items:
+                self._commit(f"restore@{mark}", items)
+            return len(items)
+
+    def _keys_of(self, rows: np.ndarray) -> List[str]:
+        out: List[str] = []
+        for start in range(0, len(rows), _SYNC_CHUNK):
+            out += self.store.read(rows[start:start + _SYNC_CHUNK], columns=[KEY])[KEY]
+        return out
+
     # ------------------------------------------------------------------ one commit
 
     def _commit(self, op: str, items: List[Any]) -> None:
         """Append one row per ``(key, superseded row, generation, encoded value or None, digest)``."""
         n = len(items)
-        h = hashlib.sha256(op.encode())
+        h = hashlib.sha256(op.encode())  # a restore's token names its mark: two restores differ
         keys, fields, indexes, kinds, dtypes, shapes, texts, data = [], [], [], [], [], [], [], []
         nbytes = np.zeros(n, dtype=np.int64)
         gens = np.zeros(n, dtype=np.int64)
@@ -241,7 +314,7 @@ class FieldTable:
             data.append(_words(enc.data))
         batch = {KEY: keys, INDEX: np.asarray(indexes, dtype=np.int64), FIELD: fields, GEN: gens, KIND: kinds,
                  DTYPE: dtypes, SHAPE: shapes, DIGEST: digests, NBYTES: nbytes, DATA: data, TEXT: texts}
-        rows = self.store.extend(batch, token=f"tq-{op}:{h.hexdigest()[:40]}")
+        rows = self.store.extend(batch, token=f"tq-{op.partition('@')[0]}:{h.hexdigest()[:40]}")
         if len(rows) and int(rows[0]) == self._upto:
             # nobody else committed in between: index these rows without reading them back
             self._apply(rows, keys, gens, kinds, digests)
@@ -290,13 +363,18 @@ def _short(value: Any) -> str:
 
 
 def _check_expected(key: str, value: Any, shape: Any, dtype: Any) -> None:
-    """A tensor whose stored dtype or shape is not what TransferQueue's metadata says is a mix-up: refuse it."""
+    """A tensor whose stored dtype or element count is not what TransferQueue's metadata says is a mix-up.
+
+    Only the element count of a shape is checked: TransferQueue's metadata gives a sample of a dense
+    ``[B]`` field the shape ``(1,)`` where the value stored is the 0-d tensor ``KVStorageManager`` unbound.
+    """
     if not isinstance(value, torch.Tensor):
         return
     if isinstance(dtype, torch.dtype) and value.dtype != dtype:
         raise BatchError(f"TransferQueue key {key!r} holds a {value.dtype} tensor but {dtype} was asked for; the "
                          "controller's metadata and the stored value disagree (was the index reused without a clear?)")
-    if isinstance(shape, (torch.Size, tuple, list)) and tuple(value.shape) != tuple(shape):
+    if isinstance(shape, (torch.Size, tuple, list)) and all(isinstance(d, int) for d in shape) \
+            and value.numel() != int(np.prod(shape, dtype=np.int64)):
         raise BatchError(f"TransferQueue key {key!r} holds a tensor of shape {tuple(value.shape)} but "
                          f"{tuple(shape)} was asked for; the controller's metadata and the stored value disagree")
 
