@@ -184,7 +184,7 @@ def test_direct_path_on_s3(s3_server, s3_url, tmp_path):
         rows = rng.integers(0, len(store), 32)
     with ReplayStore(s3_url, readonly=True, storage_options=s3_server.storage_options,
                      cache_dir=str(tmp_path / "cache2")) as reader:
-        assert reader.remote
+        assert not reader.storage.can_map
         packed_three_ways(reader, rows)
 
 

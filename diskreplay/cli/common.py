@@ -69,7 +69,7 @@ def human_size(n: Optional[int]) -> str:
 def store_of(args: argparse.Namespace) -> Any:
     """The command's store path, or the one-line refusal when no store is there (nothing is created).
 
-    An ``s3://`` store comes back opened read-only (with ``--storage-option``s),
+    A store URL (``s3://``) comes back opened read-only (with ``--storage-option``s),
     since the export functions take a store or a local path.
     """
     from ..export import require_store
@@ -80,9 +80,10 @@ def store_of(args: argparse.Namespace) -> Any:
 
 
 def is_remote_arg(args: argparse.Namespace) -> bool:
-    from ..storage import is_remote
+    """Whether the command's PATH is a storage URL (opened as a store), not a directory's path."""
+    from ..storage import is_url
 
-    return is_remote(args.path)
+    return is_url(args.path)
 
 
 def storage_options_of(args: argparse.Namespace) -> Optional[Dict[str, str]]:

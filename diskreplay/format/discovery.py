@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 
@@ -12,7 +13,8 @@ from ..errors import CommitConflictError, CorruptStoreError, FormatError, Manife
 from .names import (DELTA_FORMAT, FLOOR_FILE, FORMAT_FILE, FORWARD_READS, MANIFEST_DIR, MANIFEST_NAME, MAX_DELTA_CHAIN,
                     MAX_JSON_BYTES, MAX_RELISTS, manifest_file)
 from .._fileio import crc32c
-from .access import as_storage, file_exists, location, read_signed
+from ..storage.base import Storage
+from .access import StorageLike, as_storage, file_exists, location, read_signed
 from .jsondoc import parse_json, signature_in_bytes
 from .segment_table import SegmentTable, SegmentTableEntry, cut_entries
 from .options import StoreOptions
@@ -47,7 +49,7 @@ def load_manifest(path: str, generation: Optional[int] = None, *, known: Optiona
     return m
 
 
-def _resolve(root: Any, generation: int, doc: Any, verified: bool, where: str, known: Optional[Manifest],
+def _resolve(root: Storage, generation: int, doc: Any, verified: bool, where: str, known: Optional[Manifest],
              options: Optional[StoreOptions], seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
     """Manifest ``generation`` of ``root`` from its document: a full manifest, or a delta applied
     to the manifest of the generation before (recursively, back to a full one or ``known``)."""
@@ -112,7 +114,7 @@ def _check_appended(m: Manifest, where: str) -> None:
     raise FormatError(f"a segment id appears twice in {where}")
 
 
-def read_manifest_doc(root: Any, rel: str) -> Tuple[Any, bool]:
+def read_manifest_doc(root: StorageLike, rel: str) -> Tuple[Any, bool]:
     """A manifest's document and whether its bytes proved their checksum, as :func:`read_signed`
     gives it, but with ``segments`` already a :class:`SegmentTable` when the manifest names an
     intact segment table (its JSON entries are then not parsed). A table that is missing, of
@@ -132,7 +134,7 @@ def read_manifest_doc(root: Any, rel: str) -> Tuple[Any, bool]:
     return parse_json(raw if isinstance(raw, bytes) else bytes(raw), where), verified
 
 
-def _with_table(root: Any, raw: Any, where: str) -> Optional[Dict[str, Any]]:
+def _with_table(root: Storage, raw: Any, where: str) -> Optional[Dict[str, Any]]:
     """The document of ``raw`` (checksum proved) with its segment table as ``segments``, the JSON
     entries not parsed; None when it names none or the table is not intact."""
     cut = cut_entries(raw)
@@ -146,27 +148,13 @@ def _with_table(root: Any, raw: Any, where: str) -> Optional[Dict[str, Any]]:
     return doc
 
 
-def _mapped(root: Any, rel: str) -> Optional[mmap.mmap]:
-    """A read-only map of the manifest ``rel`` when its storage maps files in place and it is long
+def _mapped(root: Storage, rel: str) -> Optional[mmap.mmap]:
+    """A read-only map of the manifest ``rel`` where its storage maps files in place and it is long
     enough to name a segment table (else None: it is read)."""
-    if not getattr(root, "can_map", False):
-        return None
-    try:
-        fd = os.open(root.local_path(rel), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None  # (the read says what is wrong)
-    try:
-        size = os.fstat(fd).st_size
-        if not MAPPED_MANIFEST_BYTES <= size <= MAX_JSON_BYTES:
-            return None
-        return mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    return root.map(rel, min_bytes=MAPPED_MANIFEST_BYTES, max_bytes=MAX_JSON_BYTES)
 
 
-def _segment_table(root: Any, doc: Any, where: str) -> Optional[SegmentTable]:
+def _segment_table(root: Storage, doc: Any, where: str) -> Optional[SegmentTable]:
     try:
         entry = SegmentTableEntry.from_dict(doc.get("segment_table") if isinstance(doc, dict) else None, where)
         data = root.read_bytes(entry.file, entry.bytes)
@@ -178,7 +166,7 @@ def _segment_table(root: Any, doc: Any, where: str) -> Optional[SegmentTable]:
     return table if len(table) == entry.count else None
 
 
-def list_generations(root: Any) -> List[int]:
+def list_generations(root: StorageLike) -> List[int]:
     """Manifest generations present in ``root`` (a directory or a Storage), newest first."""
     try:
         names = as_storage(root).list(MANIFEST_DIR)
@@ -188,7 +176,7 @@ def list_generations(root: Any) -> List[int]:
     return sorted(gens, reverse=True)
 
 
-def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
+def load_newest_manifest(root: StorageLike, *, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
                          seen: Optional[Dict[int, Manifest]] = None,
                          known_is_newest: bool = False) -> Tuple[Manifest, List[str]]:
     """The newest manifest that parses and verifies, and the problems met on the way.
@@ -221,7 +209,7 @@ def load_newest_manifest(root: Any, *, known: Optional[Manifest] = None, options
                             f"newest manifest found ({MAX_RELISTS} searches): is something deleting manifests?")
 
 
-def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[StoreOptions],
+def _newest_unchecked(root: Storage, known: Optional[Manifest], options: Optional[StoreOptions],
                       seen: Optional[Dict[int, Manifest]], known_is_newest: bool,
                       start: int) -> Tuple[Manifest, List[str]]:
     """:func:`load_newest_manifest` without the floor's check; ``start``: search from that
@@ -270,7 +258,7 @@ def _newest_unchecked(root: Any, known: Optional[Manifest], options: Optional[St
     return Manifest(), problems
 
 
-def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
+def manifest_docs(root: StorageLike) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
     """Intact manifests by generation, and the manifests that could not be read.
 
     A damaged manifest (bad JSON, checksum, format) is left out of both: it
@@ -292,7 +280,7 @@ def manifest_docs(root: Any) -> Tuple[Dict[int, Manifest], Dict[int, str]]:
     return dict(sorted(out.items(), reverse=True)), unreadable
 
 
-def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = None,
+def read_manifest(root: StorageLike, generation: int, *, known: Optional[Manifest] = None,
                   options: Optional[StoreOptions] = None, seen: Optional[Dict[int, Manifest]] = None) -> Manifest:
     """Read, verify and parse manifest ``generation`` of ``root`` (a directory or a Storage);
     a delta is resolved as :func:`load_manifest` says."""
@@ -302,7 +290,7 @@ def read_manifest(root: Any, generation: int, *, known: Optional[Manifest] = Non
     return _resolve(root, generation, doc, verified, location(root, rel), known, options, seen)
 
 
-def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] = None,
+def read_forward(root: StorageLike, known: Manifest, *, options: Optional[StoreOptions] = None,
                  seen: Optional[Dict[int, Manifest]] = None, limit: int = FORWARD_READS) -> Tuple[Manifest, bool]:
     """The manifests after ``known`` in a local store, read in order until one is absent:
     ``(newest read, True)``; ``(newest read, False)`` when more than ``limit`` follow or one does
@@ -336,7 +324,7 @@ def read_forward(root: str, known: Manifest, *, options: Optional[StoreOptions] 
     return m, False
 
 
-def newer_generation(root: Any, held: int) -> Optional[int]:
+def newer_generation(root: StorageLike, held: int) -> Optional[int]:
     """The newest generation of ``root`` if it is above ``held``, else None, without listing
     ``manifests/`` (a multi-writer store keeps ``retain_seconds`` of them): the generations
     present above a present one are contiguous, so one or two probes tell that nothing is
@@ -355,7 +343,27 @@ def newer_generation(root: Any, held: int) -> Optional[int]:
     return newest if newest > held else None
 
 
-def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
+#: per storage handle: the newest generation it saw (where the next search starts), and the name
+#: its last publish created when that was taken into account
+_HINTS: "weakref.WeakKeyDictionary[Any, Tuple[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _hint(storage: Storage) -> int:
+    """The newest generation ``storage`` saw: found by a search, or created by its own publish."""
+    hint, seen = _HINTS.get(storage, (0, ""))
+    published = getattr(storage, "published", "")
+    if published != seen:
+        m = MANIFEST_NAME.match(published.rpartition("/")[2]) if published.startswith(f"{MANIFEST_DIR}/") else None
+        hint = max(hint, int(m.group(1)) if m else 0)
+        _HINTS[storage] = (hint, published)
+    return hint
+
+
+def _set_hint(storage: Storage, generation: int) -> None:
+    _HINTS[storage] = (generation, getattr(storage, "published", ""))
+
+
+def _newest_by_probing(storage: Storage, known: Optional[Manifest] = None, options: Optional[StoreOptions] = None,
                        seen: Optional[Dict[int, Manifest]] = None, start: int = 0) -> Tuple[Manifest, List[str]]:
     """The newest intact manifest of an object store, found with HEAD requests.
 
@@ -372,7 +380,7 @@ def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: 
     """
     problems: List[str] = []
     for _ in range(MAX_RELISTS):
-        hint = max(getattr(storage, "generation_hint", 0), start)
+        hint = max(_hint(storage), start)
         newest = _probe_up(storage, hint) if hint else 0
         if newest == hint and (hint == 0 or not file_exists(storage, manifest_file(hint))):
             floor = read_floor(storage)
@@ -381,7 +389,7 @@ def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: 
                 newest = _probe_up(storage, low)
             elif floor is not None and read_floor(storage) != floor:
                 start = 0
-                storage.generation_hint = 0
+                _set_hint(storage, 0)
                 continue  # the floor moved past the generation it named: read it again
             else:
                 # no floor (an older diskreplay's store), or its generation is lost (damage, or no
@@ -406,18 +414,18 @@ def _newest_by_probing(storage: Any, known: Optional[Manifest] = None, options: 
             except (CorruptStoreError, FormatError) as exc:
                 problems.append(str(exc))
                 continue
-            storage.generation_hint = gen
+            _set_hint(storage, gen)
             return m, problems
         if not vanished:
             break
-        storage.generation_hint = 0
+        _set_hint(storage, 0)
     if problems:
         raise CorruptStoreError("no intact manifest in " + storage.url + ": " + "; ".join(problems))
     raise CorruptStoreError(f"the manifests of {storage.url} kept vanishing while being read: is something "
                             "deleting them?")
 
 
-def _probe_up(storage: Any, low: int) -> int:
+def _probe_up(storage: Storage, low: int) -> int:
     """The highest present generation above ``low`` (``low`` itself when none is)."""
     step = 1
     while file_exists(storage, manifest_file(low + step)):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from ..errors import CorruptStoreError
 from .names import FLOOR_FILE, FLOOR_FORMAT, MAX_ID, MAX_JSON_BYTES, manifest_file
 from .jsondoc import check_header, check_signature, int_field, parse_json, signed_bytes
-from .access import as_storage, file_exists, location
+from ..storage.base import Publisher
+from .access import StorageLike, as_storage, file_exists, location
 
 
 # ---------------------------------------------------------------------------
@@ -37,7 +38,7 @@ def parse_floor(raw: bytes, where: str) -> int:
     return int_field(doc, "floor", where, hi=MAX_ID)
 
 
-def read_floor(root: Any) -> Optional[int]:
+def read_floor(root: StorageLike) -> Optional[int]:
     """The collection floor of ``root`` (a directory or a Storage); None where there is none (a
     single-writer local store, or one an older diskreplay wrote: it is not held to one).
 
@@ -65,7 +66,7 @@ def read_floor(root: Any) -> Optional[int]:
     return None
 
 
-def raise_floor(storage: Any, floor: int) -> int:
+def raise_floor(storage: Publisher, floor: int) -> int:
     """Make ``storage``'s collection floor at least ``floor``, durably, before anything below it
     is deleted; returns the floor now (lower than asked when it cannot be raised now: the lock of
     a local store is held by another writer, its filesystem has no locks, or an object store's
@@ -87,7 +88,7 @@ def raise_floor(storage: Any, floor: int) -> int:
     return parse_floor(raw, where) if raw and raw.strip(b" \0") else 0
 
 
-def lowest_present(storage: Any, newest: int) -> int:
+def lowest_present(storage: StorageLike, newest: int) -> int:
     """The lowest generation of the run of present manifests that ends at ``newest`` (0 for an
     empty store), found with O(log n) probes (``stat``s, HEADs) downwards: where a store gets its
     first floor (one an older diskreplay wrote, or converted to many writers), every generation

@@ -16,7 +16,7 @@ from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION,
                     REWRITE_DELTA_VERSION, manifest_file)
 from .jsondoc import canonical_json, check_header, check_signature, evolve, int_field, signed_doc
 from .jsondoc import signed_bytes  # noqa: F401  (the doctests below write deltas with it)
-from .access import as_storage
+from .access import StorageLike, as_storage
 from .options import StoreOptions
 from .segment_table import SegmentTable, SegmentTableEntry
 from .entries import (GroupIndexEntry, LateColumn, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
@@ -255,7 +255,7 @@ class Manifest:
         if not t.ids_unique():
             raise FormatError(f"a segment id appears twice in {where}")
 
-    def write(self, root: Any) -> None:
+    def write(self, root: StorageLike) -> None:
         """Write this manifest whole into ``root`` (a directory or a Storage), atomically."""
         as_storage(root).replace(self.file, self.file_bytes(), step="manifest")
 

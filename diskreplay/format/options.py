@@ -10,7 +10,7 @@ from ..schema import Schema
 from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION,
                     LATE_COLUMNS_FORMAT_VERSION, MULTI_WRITER_VERSION, SCHEMA_FILE, SCHEMA_FORMAT, STORE_FORMAT)
 from .jsondoc import check_header, check_signature, int_field, signed_bytes, signed_doc
-from .access import as_storage, location, read_signed
+from .access import StorageLike, as_storage, location, read_signed
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,12 @@ class StoreOptions:
             inline_groups=inline,
         )
 
-    def write(self, root: Any) -> None:
+    def write(self, root: StorageLike) -> None:
         """Write ``FORMAT.json`` into ``root``: a directory or a :class:`~diskreplay.storage.Storage`."""
         as_storage(root).replace(FORMAT_FILE, signed_bytes(self.body()), step="format")
 
     @classmethod
-    def read(cls, root: Any) -> "StoreOptions":
+    def read(cls, root: StorageLike) -> "StoreOptions":
         root = as_storage(root)
         path = location(root, FORMAT_FILE)
         try:
@@ -149,7 +149,7 @@ def shared_schema_bytes(schema: Schema) -> bytes:
     return signed_bytes({"format": SCHEMA_FORMAT, "version": FORMAT_VERSION, "schema": schema.to_list()})
 
 
-def read_shared_schema(root: Any) -> Optional[Schema]:
+def read_shared_schema(root: StorageLike) -> Optional[Schema]:
     """The schema a multi-writer store's first extend fixed, or None before it."""
     root = as_storage(root)
     path = location(root, SCHEMA_FILE)

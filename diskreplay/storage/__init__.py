@@ -17,7 +17,8 @@ True
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+import re
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from ..errors import ArgumentError
 from .base import Publisher, Storage, check_rel
@@ -27,7 +28,37 @@ from .memory import MemoryStorage
 from .s3 import S3Storage, parse_s3_url
 
 __all__ = ["CacheStats", "LocalStorage", "MemoryStorage", "Publisher", "S3Storage", "Storage", "check_rel", "is_remote",
-           "open_storage", "parse_s3_url"]
+           "is_url", "open_storage", "parse_s3_url"]
+
+
+def _s3(url: str, storage_options: Optional[Mapping[str, Any]], **cache_options: Any) -> Storage:
+    return S3Storage(url, storage_options, **cache_options)
+
+
+def _memory(url: str, storage_options: Optional[Mapping[str, Any]], **cache_options: Any) -> Storage:
+    if storage_options:
+        raise ArgumentError(f"storage_options are for s3:// URLs; {url!r} is a memory store (leave "
+                            "storage_options out)")
+    return MemoryStorage(url, **cache_options)
+
+
+#: the URL schemes :func:`open_storage` knows, each with the function that opens one (a new backend
+#: adds its line); anything else is a directory's path
+BACKENDS: Dict[str, Callable[..., Storage]] = {"s3": _s3, "memory": _memory}
+
+
+def is_url(path: Any) -> bool:
+    """True when ``path`` is a URL of a backend :func:`open_storage` knows (else a directory's path).
+
+    >>> is_url("s3://bucket/store"), is_url("memory://run"), is_url("/data/store"), is_url("gs://b/s")
+    (True, True, False, False)
+    """
+    return _scheme(path) is not None
+
+
+def _scheme(path: Any) -> Optional[str]:
+    m = re.match(r"([a-z][a-z0-9+.-]*)://", path) if isinstance(path, str) else None
+    return m.group(1) if m is not None and m.group(1) in BACKENDS else None
 
 
 def is_remote(path: Any) -> bool:
@@ -56,13 +87,9 @@ def open_storage(path: Any, storage_options: Optional[Mapping[str, Any]] = None,
     'S3Storage'
     >>> shutil.rmtree(root)
     """
-    if is_remote(path):
-        return S3Storage(path, storage_options, **{k: v for k, v in cache_options.items() if v is not None})
-    if isinstance(path, str) and path.startswith("memory://"):
-        if storage_options:
-            raise ArgumentError(f"storage_options are for s3:// URLs; {path!r} is a memory store (leave "
-                                "storage_options out)")
-        return MemoryStorage(path, **{k: v for k, v in cache_options.items() if v is not None})
+    scheme = _scheme(path)
+    if scheme is not None:
+        return BACKENDS[scheme](path, storage_options, **{k: v for k, v in cache_options.items() if v is not None})
     if storage_options:
         raise ArgumentError(f"storage_options are for s3:// URLs; {os.fspath(path)!r} is a local path (leave "
                             "storage_options out)")

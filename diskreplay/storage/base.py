@@ -101,6 +101,8 @@ exclusive=)``                               manifest ``rel``: only if absent
                                             True if ``rel`` holds ``data`` for
                                             good, False if it never will, None
                                             if not known
+``published``                               the name the last ``publish``
+                                            created
 ``link_attempted``                          whether the last ``publish`` got
                                             as far as its link (or PUT): an
                                             error then leaves it in doubt
@@ -149,7 +151,6 @@ from __future__ import annotations
 
 import errno
 import operator
-import os
 import secrets
 from abc import abstractmethod
 from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union,
@@ -387,6 +388,9 @@ class Publisher(Storage, Protocol):
 
     holds_leases: bool = False
     link_attempted: bool = False
+    #: the name the last successful :meth:`publish` of this handle created (where a search for a
+    #: newer commit can start)
+    published: str = ""
 
     def link_candidates(self, rel_of: Callable[[int], str], data: Buffer, first: int, *,
                         tries: int = 1 << 16, step: Optional[str] = None) -> Tuple[int, str]:
@@ -417,8 +421,10 @@ class Publisher(Storage, Protocol):
         else:
             self.replace(rel, data, step=step)
             created = True
-        if created and step:
-            crash_point(f"{step}.renamed")
+        if created:
+            self.published = rel
+            if step:
+                crash_point(f"{step}.renamed")
         return created
 
     def stage(self, reldir: str, data: Buffer, files: Files = (), dirs: Sequence[str] = (), *,

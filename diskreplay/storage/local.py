@@ -685,6 +685,7 @@ class LocalStorage(Publisher):
                 outcome = "renamed"
             if step:
                 crash_point(f"{step}.renamed")
+            self.published = rel
             return True
         finally:
             if outcome == "lost" and staged:

@@ -131,11 +131,6 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def _generation_of(rel: str) -> int:
-    m = re.match(r"manifests/(\d+)\.json$", rel)
-    return int(m.group(1)) if m else 0
-
-
 def parse_s3_url(url: str) -> Tuple[str, str]:
     """Split ``s3://bucket/prefix`` into ``(bucket, prefix)`` (prefix without slashes at its ends).
 
@@ -243,8 +238,6 @@ class S3Storage(Publisher):
                                    f"accepted: obstore's S3 settings (endpoint, access_key_id, "
                                    f"secret_access_key, region, ...) and {', '.join(_OWN_OPTIONS)}") from None
         self.coalesce_bytes = int(coalesce_bytes)
-        #: the newest manifest generation seen: where the search for a newer one starts
-        self.generation_hint = 0
         #: the ETags of the objects this writer uploaded for the commit in progress (see delete_own)
         self._own_etags: Dict[str, str] = {}
         #: whether the last publish got as far as its manifest's PUT (see Committer._publish)
@@ -452,12 +445,6 @@ class S3Storage(Publisher):
         out = self._call("LIST", rel, self._ob.list_with_delimiter, rel)
         return ("dir", 0) if out["objects"] or out["common_prefixes"] else None
 
-    def move(self, rel: str, dest: str) -> None:
-        """Copy ``rel`` to ``dest``, then delete ``rel`` (there is no rename): a failure between
-        the two leaves the object in both places, never in neither."""
-        self.write_new(dest, self.read_bytes(rel))
-        self.delete(rel)
-
     def some_names(self, limit: int = 1000) -> List[str]:
         """Paths of up to about ``limit`` objects anywhere under the store's prefix (one listing
         page, no delimiter: objects in any "folder"), relative to it."""
@@ -509,8 +496,6 @@ class S3Storage(Publisher):
                 result = self._ob.put(self._store, rel, view, mode="create", use_multipart=False)
                 if isinstance(result, Mapping) and result.get("e_tag"):
                     self._own_etags[rel] = result["e_tag"]
-                if rel.startswith(_MANIFEST_PREFIX):  # the search for the newest commit starts here
-                    self.generation_hint = max(self.generation_hint, _generation_of(rel))
                 return True
             except (self._exc.AlreadyExistsError, self._exc.PreconditionError) as exc:
                 if not _conflicting_write(exc):
@@ -609,8 +594,10 @@ class S3Storage(Publisher):
         else:
             self.replace(rel, data, step=step)
             created = True
-        if created and step:
-            crash_point(f"{step}.renamed")
+        if created:
+            self.published = rel
+            if step:
+                crash_point(f"{step}.renamed")
         return created
 
     def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]:

@@ -443,21 +443,11 @@ class Collector:
 
     def _set_aside(self, rel: str) -> str:
         """Move ``rel`` to a free name under ``quarantine/`` (a rename where the storage has one)."""
-        local = self.storage.local_path if self.storage.can_map else None
-        data = None if local is not None else self.storage.read_bytes(rel)  # an object store copies
         for n in range(1 << 16):
             dest = f"{fmt.QUARANTINE_DIR}/{rel}" + (f".{n}" if n else "")
-            if local is not None:
-                target = local(dest)
-                if os.path.lexists(target):
-                    continue
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.rename(local(rel), target)
+            if self.storage.move(rel, dest, if_absent=True):
                 self.storage.sync_dir(os.path.dirname(dest))
                 self.storage.sync_dir(os.path.dirname(rel))
-                return dest
-            if self.storage.put_if_absent(dest, data):
-                self.storage.delete(rel)
                 return dest
         raise CorruptStoreError(f"{self.storage.url}/{fmt.QUARANTINE_DIR}/ has no free name left for {rel}; "
                                 "look at what it holds and empty it")

@@ -1,6 +1,6 @@
 """Opening and creating a store: the options a caller asks for and their checks, the refusal of a
-path that holds something else, the layout a new store gets, a local writer's lock, and the
-manifest an open starts from. :class:`~diskreplay.store.ReplayStore` calls :func:`open_store`
+place that holds something else, the layout a new store gets, a writer's lock (where the storage
+has one), and the manifest an open starts from. :class:`~diskreplay.store.ReplayStore` calls :func:`open_store`
 once, from its constructor, and keeps what it returns.
 """
 
@@ -15,9 +15,9 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from .. import format as fmt
-from .._fileio import TMP_PREFIX, WriterLock, fsync_dir
+from .._fileio import TMP_PREFIX
 from ..errors import ArgumentError, CorruptStoreError, OutputExistsError, SchemaError, StoreNotFoundError
-from ..storage import LocalStorage, Storage
+from ..storage.base import Lock, Storage
 
 
 class Unset:
@@ -101,12 +101,12 @@ class Requested:
 @dataclasses.dataclass
 class Opened:
     """What an open found: the options, the manifest it starts from, the unusable newer manifests it
-    passed over, and a local writer's lock (``None`` for a reader or an object store)."""
+    passed over, and a writer's lock (``None`` for a reader, or where the storage has no lock)."""
 
     options: fmt.StoreOptions
     manifest: fmt.Manifest
     recovered_from: List[str]
-    writer_lock: Optional[WriterLock]
+    writer_lock: Optional[Lock]
 
 
 def open_store(storage: Storage, requested: Requested, *, readonly: bool,
@@ -114,9 +114,9 @@ def open_store(storage: Storage, requested: Requested, *, readonly: bool,
     """Open the store in ``storage``, creating it when it holds none and ``readonly`` is False.
 
     A reader needs an existing store; it reads the newest manifest (or generation ``generation``)
-    before the options, so the options are at least as new as the commit. A local writer takes the
-    lock (exclusive for one writer, shared for many) after checking the options, so an open refused
-    for them changes nothing. A new store is created only where nothing but a store's own entries
+    before the options, so the options are at least as new as the commit. A writer takes the
+    storage's lock where it has one (exclusive for one writer, shared for many) after checking the
+    options, so an open refused for them changes nothing. A new store is created only where nothing but a store's own entries
     is found. On any error the lock this call took is released again.
     """
     path = storage.url
@@ -128,26 +128,24 @@ def open_store(storage: Storage, requested: Requested, *, readonly: bool,
     exists = storage.exists(fmt.FORMAT_FILE)
     if not exists:
         storage.check()  # a missing bucket gives its one clear error here
-    lock: Optional[WriterLock] = None
+    lock: Optional[Lock] = None
     if readonly:
         if not exists:
             raise StoreNotFoundError(f"no diskreplay store at {path} (no {fmt.FORMAT_FILE}); "
                                      "a read-only open needs an existing store")
-    elif not storage.exclusive_lock:
-        if not exists:
-            refuse_foreign_entries(path, storage.some_names())
     else:
         many = requested.multi_writer is True
         if not exists:
-            refuse_foreign_path(path)
-        else:
+            refuse_foreign(storage)
+        elif storage.exclusive_lock:  # the lock's kind depends on the stored options: checked before it
             stored = fmt.StoreOptions.read(storage)
             requested.agree(path, stored)
             many = stored.multi_writer
-        os.makedirs(path, exist_ok=True)
+        storage.make_root()
         # one writer: exclusive; many: shared, which only a conversion to one writer conflicts with
-        lock = WriterLock(os.path.join(path, fmt.LOCK_FILE), shared=many)
-        lock.acquire()
+        lock = storage.lock(fmt.LOCK_FILE, shared=many)
+        if lock is not None:
+            lock.acquire()
     try:
         return _open_under_lock(storage, requested, exists, readonly, generation, lock)
     except BaseException:
@@ -157,11 +155,11 @@ def open_store(storage: Storage, requested: Requested, *, readonly: bool,
 
 
 def _open_under_lock(storage: Storage, requested: Requested, exists: bool, readonly: bool,
-                     generation: Optional[int], lock: Optional[WriterLock]) -> Opened:
+                     generation: Optional[int], lock: Optional[Lock]) -> Opened:
     path = storage.url
-    for d in fmt.DATA_DIRS if storage.can_map else ():
-        if os.path.islink(os.path.join(path, d)):
-            raise CorruptStoreError(f"{os.path.join(path, d)} is a symlink; a store's directories "
+    for d in fmt.DATA_DIRS if storage.symlinks else ():
+        if (storage.stat(d) or ("",))[0] == "link":
+            raise CorruptStoreError(f"{fmt.location(storage, d)} is a symlink; a store's directories "
                                     "must be its own (nothing outside it is ever read or deleted)")
     manifest: Optional[fmt.Manifest] = None
     recovered: List[str] = []
@@ -191,19 +189,15 @@ def _open_under_lock(storage: Storage, requested: Requested, exists: bool, reado
 def create_layout(storage: Storage, options: fmt.StoreOptions) -> None:
     """Make a new store's directories (durably) and write its ``FORMAT.json`` last.
 
-    Every commit to an object store is a conditional PUT (there is no lock), so a server that does
-    not honour them is refused for any store; locally, only a multi-writer store depends on them.
+    Where the storage has no lock every commit is create-if-absent, so a storage that does not
+    honour it is refused for any store; with a lock, only a multi-writer store depends on it.
     """
     if not storage.exclusive_lock:
         storage.probe_create_if_absent(fmt.MANIFEST_DIR)
     else:
-        path = storage.url
-        for d in fmt.DATA_DIRS:
-            os.makedirs(os.path.join(path, d), exist_ok=True)
+        storage.make_root(fmt.DATA_DIRS)
         if options.multi_writer:
-            LocalStorage(path, writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
-        fsync_dir(path)
-        fsync_dir(os.path.dirname(path) or ".")  # the store's own directory entry
+            storage.writer(writer_id()).probe_create_if_absent(fmt.MANIFEST_DIR)
     options.write(storage)
 
 
@@ -224,28 +218,17 @@ def load_generation(storage: Storage, generation: int) -> fmt.Manifest:
                                  f"{kept}); pin a snapshot while it is current") from None
 
 
-def refuse_foreign_path(path: str) -> None:
-    """A writer creates a store only in a new or empty directory, or in one holding nothing but a store's
-    own entries (a creation that died before FORMAT.json, another writer creating it at this moment): a
-    mistyped path to a run's directory must not be filled with store files."""
-    if not os.path.lexists(path):
-        above = os.path.dirname(os.path.abspath(path))
-        while not os.path.lexists(above):
-            above = os.path.dirname(above)
-        if not os.path.isdir(above):  # (os.makedirs would raise a bare NotADirectoryError)
-            raise OutputExistsError(f"{above} is a file, so the store {path} cannot be created under it; choose "
-                                    "a path whose parent is a directory")
+def refuse_foreign(storage: Storage) -> None:
+    """A writer creates a store only in a new or empty directory (or prefix), or in one holding nothing
+    but a store's own entries (a creation that died before FORMAT.json, another writer creating it at
+    this moment): a mistyped path to a run's directory must not be filled with store files."""
+    st = storage.stat("")
+    if st is None:
         return
-    if not os.path.isdir(path):
-        raise OutputExistsError(f"{path} is a file, not a directory; a store is a directory (pass a new or empty "
-                                "one, or the directory of an existing store)")
-    entries = []
-    for name in os.listdir(path):
-        entries.append(name)
-        if name in fmt.DATA_DIRS and os.path.isdir(os.path.join(path, name)) \
-                and not os.path.islink(os.path.join(path, name)):
-            entries += [f"{name}/{inner}" for inner in os.listdir(os.path.join(path, name))]
-    refuse_foreign_entries(path, entries)
+    if st[0] != "dir":
+        raise OutputExistsError(f"{storage.url} is a file, not a directory; a store is a directory (pass a new or "
+                                "empty one, or the directory of an existing store)")
+    refuse_foreign_entries(storage.url, storage.some_names())
 
 
 def refuse_foreign_entries(where: str, entries: Sequence[str]) -> None:
@@ -264,7 +247,7 @@ def refuse_foreign_entries(where: str, entries: Sequence[str]) -> None:
                                 f"deleted; restore it (from a backup or a copy of the store) before opening the store "
                                 "(nothing was changed)")
     if foreign:
-        kind = "prefix" if where.startswith("s3://") else "directory"
+        kind = "directory" if "://" not in where else "prefix"
         raise OutputExistsError(f"{where} is a non-empty {kind} that holds no diskreplay store (it has "
                                 f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} and no "
                                 f"{fmt.FORMAT_FILE}); pass a new or empty {kind}, or the {kind} of an existing "
