@@ -142,8 +142,6 @@ class ReplayStore:
                  cache_bytes: Optional[int] = None, fsync: bool = True) -> None:
         #: the storage every file of the store is read and written through (a directory or a bucket)
         self.storage = open_storage(path, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
-        #: whether the store lives in object storage (its files fetched into a local cache, not mapped in place)
-        self.remote = not self.storage.can_map
         self._storage_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
         self.path = self.storage.url
         self.readonly = readonly
@@ -623,13 +621,20 @@ class ReplayStore:
         return WriterContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
                              self._reserves_ids, self._install, self._collect)
 
+    @property
+    def remote(self) -> bool:
+        """Deprecated, removed in diskreplay 0.3.0: ``not store.storage.can_map`` (the store's files are
+        fetched into a local cache, not mapped where they lie)."""
+        warnings.warn("ReplayStore.remote is deprecated and removed in diskreplay 0.3.0; use "
+                      "`not store.storage.can_map`", DeprecationWarning, stacklevel=2)
+        return not self.storage.can_map
+
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = self.storage if not self.storage.exclusive_lock else LocalStorage(self.path, writer_id() if multi_writer else "",
-                                                                fsync=self.fsync)
+        storage = self.storage.writer(writer_id() if multi_writer else "", fsync=self.fsync)
         if multi_writer:
             storage.probe_create_if_absent(fmt.MANIFEST_DIR)
-        elif self.storage.exclusive_lock:
+        else:
             self._lock(shared=False)
         o = self.options
         # inline groups stay once a store has them (its manifests may name some); converting to many
@@ -637,7 +642,7 @@ class ReplayStore:
         options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer,
                                       inline_groups=o.inline_groups or multi_writer)
         options.write(storage)
-        if multi_writer and self.storage.exclusive_lock:
+        if multi_writer:
             self._lock(shared=True)
         self.options = options
         self._committer = self._make_committer(options)
@@ -645,12 +650,14 @@ class ReplayStore:
     def _lock(self, shared: bool) -> None:
         """Hold LOCK shared (a writer of many) or exclusively (the one writer). Going exclusive is
         refused while any other writer holds it: converting a store under live writers would let
-        their commits and this one's replace each other, and their reserved names collide."""
-        path = os.path.join(self.path, fmt.LOCK_FILE)
+        their commits and this one's replace each other, and their reserved names collide. Nothing
+        where the storage has no lock (every commit is create-if-absent there)."""
+        lock = self.storage.lock(fmt.LOCK_FILE, shared=shared)
+        if lock is None:
+            return
         held, self._writer_lock = self._writer_lock, None
         if held is not None:
             held.release()
-        lock = WriterLock(path, shared=shared)
         try:
             lock.acquire()
         except StoreLockedError:

@@ -114,7 +114,7 @@ def _repair_lock(files: "StoreFiles", refusal: str, dry_run: bool = False) -> Op
 
     A dry run only tests it (None), through a read-only descriptor: it needs no write access to the store.
     """
-    lock = WriterLock(os.path.join(files.url, fmt.LOCK_FILE))
+    lock = files.storage.lock(fmt.LOCK_FILE)
     if dry_run:
         try:
             lock.probe()
