@@ -282,6 +282,22 @@ def test_async_grpo_trainer_builds_on_cpu_with_the_durable_buffer(tmp_path):
     assert loader.base_dataloader.dataset.dataset.queue is q
 
 
+def test_the_docs_example_builds_the_trainer_with_the_buffer(tmp_path):
+    """docs/integrations.md's AsyncGRPOTrainer block, given what its text says the user supplies (on CPU:
+    with the stand-in for the peak-FLOPs lookup; it trains only where CUDA is)."""
+    import re
+    text = open(os.path.join(ROOT, "docs", "integrations.md")).read()
+    section = text[text.index("## TRL: a durable rollout buffer"):text.index("## TorchRL")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    save_tiny_model(str(tmp_path / "model"))
+    char_tokenizer().save_pretrained(str(tmp_path / "model"))
+    agt.get_peak_flops_per_device = lambda accelerator, dtype: None
+    scope = {"path": str(tmp_path / "store"), "model_path": str(tmp_path / "model")}
+    exec(compile(code, "docs/integrations.md AsyncGRPOTrainer block", "exec"), scope)
+    assert scope["trainer"].rollout_queue is scope["rollouts"]
+    assert any(type(c).__name__ == "DurableRolloutCallback" for c in scope["trainer"].callback_handler.callbacks)
+
+
 # ---------------------------------------------------------------------------------------------- kill / resume
 
 WORKER = """

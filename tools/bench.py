@@ -8,6 +8,7 @@
     python tools/bench.py remote [--groups 1024] [--dir DIR]
     python tools/bench.py commit-cpu [--commits 300] [--profile] [--dir DIR]
     python tools/bench.py stream [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
+    python tools/bench.py async-buffer [--groups 256] [--rounds 3] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -2314,6 +2315,96 @@ def bench_stream(args) -> None:
     print("  runs: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in runs.items()))
 
 
+def _rollout_samples(n: int, seed: int = 0) -> list:
+    """``n`` samples with TRL's ``RolloutSample`` fields (prompt + completion 256..768 tokens, groups of 8)."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length, prompt = int(rng.integers(256, 769)), int(rng.integers(32, 128))
+        out.append(SimpleNamespace(
+            prompt=[{"role": "user", "content": f"question {i // 8}"}], completion=[{"role": "assistant",
+                                                                                 "content": "answer"}],
+            input_ids=rng.integers(0, 32000, length), completion_mask=np.r_[np.zeros(prompt, np.int64),
+                                                                            np.ones(length - prompt, np.int64)],
+            old_log_probs=-rng.random(length, dtype=np.float32), advantage=float(rng.normal()), model_version=0,
+            group_id=i // 8, metrics={"reward": float(rng.random())}, enqueued_at=None))
+    return out
+
+
+def _buffer_writer(q, kind: str, n: int, ready, go, done) -> None:
+    samples = _rollout_samples(n)
+    if kind != "queue":
+        q.put_nowait(_rollout_samples(1, seed=1)[0])  # warm: the store open, the schema fixed (not timed)
+    ready.put("worker")
+    go.wait()
+    if kind == "durable-group":
+        for i in range(0, n, 8):
+            q.put_many(samples[i:i + 8])
+    else:
+        for s in samples:
+            q.put_nowait(s)
+    done.put(time.time())
+
+
+def _buffer_trainer(q, kind: str, n: int, ready, go, done) -> None:
+    if kind != "queue":
+        q.get(timeout=300)  # the warm-up sample; builds TRL's RolloutSample (imports TRL) before the clock
+    ready.put("trainer")
+    go.wait()
+    for _ in range(n):
+        q.get(timeout=300)
+    done.put(time.time())
+
+
+def async_buffer_rows_per_s(kind: str, work: str, n: int) -> Dict[str, float]:
+    """Rows (rollout samples) per second from a worker process's ``put_nowait`` to a trainer
+    process's ``get``: ``kind`` "durable" (``DurableRolloutQueue``, a commit per sample, fsynced),
+    "durable-nofsync" (the same with ``fsync=False``: survives a process's death, not the machine's),
+    "durable-group" (``put_many``, a fsynced commit per group of 8) or "queue" (the
+    ``multiprocessing.Queue`` TRL's ``AsyncRolloutWorker`` uses). Both processes are spawned, have
+    made their samples and opened their ends before the clock starts."""
+    from diskreplay.integrations.trl import DurableRolloutQueue
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue() if kind == "queue" else DurableRolloutQueue(os.path.join(work, f"{kind}-{time.monotonic_ns()}"),
+                                                                 fsync=kind != "durable-nofsync")
+    ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=f, args=(q, kind, n, ready, go, done)) for f in (_buffer_writer, _buffer_trainer)]
+    procs[0].start()
+    ready.get(timeout=600)  # the worker's warm-up sample is committed: the trainer's first get returns
+    procs[1].start()
+    ready.get(timeout=600)
+    t = time.time()
+    go.set()
+    end = max(done.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return {"rows": n, "wall": end - t, "rows_per_s": n / (end - t)}
+
+
+def bench_async_buffer(args) -> None:
+    """TRL AsyncGRPOTrainer's rollout buffer: ``DurableRolloutQueue`` (put in a worker process, get in
+    the trainer process) vs the ``multiprocessing.Queue`` it replaces, the same samples, alternating."""
+    n = args.groups * 8
+    print(f"async-buffer: {n} RolloutSamples (256..768 tokens) from a worker process to a trainer process; "
+          f"{args.rounds} alternating rounds, medians")
+    runs: Dict[str, List[float]] = {"durable": [], "durable-nofsync": [], "durable-group": [], "queue": []}
+    for _ in range(args.rounds):
+        for kind in runs:
+            runs[kind].append(async_buffer_rows_per_s(kind, args.dir, n)["rows_per_s"])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    row("", "diskreplay", "mp.Queue", "ratio")
+    row("rows/s put_nowait -> get (a commit per sample)", f"{med['durable']:,.0f}", f"{med['queue']:,.0f}",
+        f"{med['durable'] / med['queue']:.2f}x")
+    row("rows/s the same, fsync=False", f"{med['durable-nofsync']:,.0f}", f"{med['queue']:,.0f}",
+        f"{med['durable-nofsync'] / med['queue']:.2f}x")
+    row("rows/s put_many(8) -> get (a commit per group)", f"{med['durable-group']:,.0f}", f"{med['queue']:,.0f}",
+        f"{med['durable-group'] / med['queue']:.2f}x")
+    print("  (diskreplay: every commit fsynced, each sample once across a SIGKILL of either process; mp.Queue: "
+          "pickled through a pipe, gone with the trainer)")
+    print("  runs: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in runs.items()))
+
+
 def _size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -2322,7 +2413,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
-                                      "commit-cpu", "stream"])
+                                      "commit-cpu", "stream", "async-buffer"])
     p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
@@ -2346,12 +2437,12 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
     if args.groups is None:
-        args.groups = 1024 if args.what in ("writers", "remote", "stream") else 4096
+        args.groups = 1024 if args.what in ("writers", "remote", "stream") else 256 if args.what == "async-buffer" else 4096
     if args.commits is None:
         args.commits = 300 if args.what == "commit-cpu" else 100
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
-           "commit-cpu": bench_commit_cpu, "stream": bench_stream}[args.what]
+           "commit-cpu": bench_commit_cpu, "stream": bench_stream, "async-buffer": bench_async_buffer}[args.what]
     if args.dir:
         run(args)
         return

@@ -14,6 +14,11 @@
 3. **Loader throughput** with a simulated training step on the GPU (a chain
    of bf16 matmuls sized to ``--step-ms``, which reads the batch): ms per
    step with the loader against the step alone, per layout.
+4. **TRL's AsyncGRPOTrainer through the durable rollout buffer**: a few real
+   steps (tree attention: TRL loads its flash-attn kernel from the Hub, or
+   its cache) of a tiny model on samples a worker process put into a
+   ``DurableRolloutQueue``; the trainer stops after a checkpoint, a second
+   one resumes from it, and every sample reached a step once.
 
 Prints a table; exits 1 on any mismatch. Without CUDA the CPU halves of the
 checks still run (``device="cpu"``), every CUDA row says it was skipped, and
@@ -256,6 +261,112 @@ def measure_throughput(store: ReplayStore, device: torch.device, B: int, step_ms
                    f"{B / per:,.0f} rows/s")
 
 
+ASYNC_MARK = 10  # a sample's first token is ASYNC_MARK + its serial: TRL's prefix tree never merges two samples
+
+ASYNC_WORKER = """
+import sys
+from types import SimpleNamespace
+import numpy as np
+from diskreplay.integrations.trl import DurableRolloutQueue
+path, n, mark = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+q = DurableRolloutQueue(path)
+for i in range(n):
+    rng = np.random.default_rng(i)
+    ids = np.r_[mark + i, rng.integers(3, mark, 24)].astype(np.int64)
+    q.put_nowait(SimpleNamespace(prompt="q", completion="a", input_ids=ids,
+                                 completion_mask=np.r_[np.zeros(8, np.int64), np.ones(17, np.int64)],
+                                 old_log_probs=-rng.random(25, dtype=np.float32), advantage=float(i % 3) - 1.0,
+                                 model_version=0, group_id=i // 4, metrics={"reward": float(i % 2)},
+                                 enqueued_at=None))
+"""
+
+
+def check_async_grpo(work: str, report: Report, steps: int = 4) -> None:
+    """Real AsyncGRPOTrainer steps (CUDA) on samples a worker process committed to a durable buffer,
+    stopped after the checkpoint at step 2 and resumed from it: each sample trained once."""
+    import subprocess
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from diskreplay.integrations.trl import DurableRolloutQueue
+    from diskreplay.synthetic import char_tokenizer
+
+    batch, n = 4, 4 * (steps + 4)
+    model_dir, path = os.path.join(work, "async-model"), os.path.join(work, "async-store")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, intermediate_size=256, max_position_embeddings=128,
+                                 pad_token_id=0, eos_token_id=1, bos_token_id=2)).save_pretrained(model_dir)
+    DurableRolloutQueue(path).close()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", ASYNC_WORKER, path, str(n), str(ASYNC_MARK)], check=True, env=env)
+    trained: Dict[int, List[int]] = {}
+
+    class Worker:
+        def __init__(self, q: Any) -> None:
+            self.rollout_buffer, self.metrics_queue = q, __import__("queue").Queue()
+
+        def start(self) -> None: pass
+        def stop(self) -> None: pass
+        def update_model_version(self, v: int) -> None: pass
+        def check_health(self, s: float) -> None: pass
+
+    class NoWeights:
+        def init_weight_transfer(self) -> None: pass
+        def pause(self) -> None: pass
+        def send_weights(self, it: Any) -> None: pass
+        def resume(self) -> None: pass
+        def destroy(self) -> None: pass
+
+    class Recording(AsyncGRPOTrainer):
+        def training_step(self, model: Any, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> Any:
+            ids = inputs["input_ids"][inputs["attention_mask"].bool()]
+            self.now.extend((ids[ids >= ASYNC_MARK] - ASYNC_MARK).tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Stop(TrainerCallback):
+        def __init__(self, trainer: Any, at: int) -> None:
+            self.trainer, self.at = trainer, at
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            trained[state.global_step] = self.trainer.now
+            self.trainer.now = []
+            control.should_training_stop = state.global_step >= self.at
+
+    def life(stop_at: int, resume: Any) -> None:
+        q = DurableRolloutQueue(path)
+        args = AsyncGRPOConfig(output_dir=os.path.join(work, "async-out"), per_device_train_batch_size=batch,
+                               max_steps=steps, save_strategy="steps", save_steps=2, token_budget=0, report_to=[],
+                               learning_rate=1e-4, disable_tqdm=True, max_staleness=100)
+        trainer = Recording(model=model_dir, args=args, processing_class=char_tokenizer(),
+                            train_dataset=Dataset.from_dict({"prompt": ["unused"]}), rollout_worker=Worker(q),
+                            weight_transfer=NoWeights())
+        trainer.now = []
+        q.attach(trainer)
+        trainer.add_callback(Stop(trainer, stop_at))
+        trainer.train(resume_from_checkpoint=resume)
+        q.close()
+
+    name = f"AsyncGRPOTrainer {steps} steps, stopped at 3, resumed from 2"
+    t = time.perf_counter()
+    try:
+        life(3, None)                      # steps 1-3; checkpoint-2 holds the cursor; step 3 is not saved
+        life(steps, os.path.join(work, "async-out", "checkpoint-2"))
+    except Exception as exc:  # the kernel comes from the Hub: a machine that cannot reach it has no step to run
+        if "kernel" in f"{type(exc).__name__} {exc}".lower() or isinstance(exc, (OSError, ImportError)):
+            report.skip(name, f"TRL's attention kernel did not load: {type(exc).__name__}: {str(exc)[:120]}")
+            return
+        raise
+    lineage = [s for step in range(1, steps + 1) for s in trained[step]]
+    report.check(name, sorted(lineage) == list(range(steps * batch)),  # none twice, none lost
+                 f"{len(lineage)} samples trained, {len(set(lineage))} distinct, in "
+                 f"{time.perf_counter() - t:.0f} s")
+
+
 def _positive(kind: type) -> Callable[[str], Any]:
     """An argparse type: a positive ``kind`` (a usage error, exit status 2, otherwise)."""
     def parse(text: str) -> Any:
@@ -310,6 +421,12 @@ def main(argv=None) -> int:
         else:
             report.skip("loader + simulated GPU training step", "no CUDA on this machine")
         store.close()
+        print("\n4. TRL's AsyncGRPOTrainer through the durable rollout buffer")
+        if cuda:
+            check_async_grpo(work, report)
+        else:
+            report.skip("AsyncGRPOTrainer steps with DurableRolloutQueue", "no CUDA on this machine (its tree "
+                        "attention's kernel needs it; tests/test_trl_async_buffer.py runs the rest on CPU)")
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -136,6 +136,10 @@ gathers per-row tensors across processes). Tested with TRL 1.16.0 and
 transformers 5.24.0, in one process and in two (torchrun, gloo, CPU; text
 models; multimodal batches can be stored in ``off`` mode only).
 
+:class:`DurableRolloutQueue` (:mod:`.async_buffer`) is the rollout buffer of TRL's
+``AsyncGRPOTrainer`` in a store: rollouts committed once, consumed once across
+a trainer's kill and resume (docs/integrations.md).
+
 The package: :mod:`.config` (the options and their checks),
 :mod:`.planners` (which rows to replay: pure numpy over the store's public
 API, no TRL), :mod:`.rewards` (TRL's reward rules in numpy),

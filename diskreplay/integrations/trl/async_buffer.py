@@ -51,6 +51,7 @@ import json
 import math
 import queue as queue_module
 import time
+import warnings
 import weakref
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -496,7 +497,7 @@ def _callback_class() -> Any:
             self.queue = queue
             self._micro_batches: Deque[int] = collections.deque()  # each packed micro-batch's newest row
             self._substeps = 0
-            self._began = False
+            self._began = self._warned = False
 
         def state(self) -> Dict[str, Any]:
             cursor = None
@@ -535,11 +536,17 @@ def _callback_class() -> Any:
             self._began = True
 
         def _newest_row(self, examples: Any) -> int:
-            newest = -1
+            newest, seen = -1, 0
             for rows in examples:  # one micro-batch: a list of TreeRows (one per rank) of sample dicts
                 for row in rows:
                     for sample in getattr(row, "samples", ()):
+                        seen += 1
                         newest = max(newest, self.queue._row_of.get(id(sample["input_ids"]), -1))
+            if seen and newest < 0 and not self._warned:
+                self._warned = True  # then nothing is acknowledged: a resume would train these samples again
+                warnings.warn("DurableRolloutQueue cannot find its samples in TRL's micro-batch (this TRL's "
+                              "RolloutQueueDataset or batchers copy them): samples of steps a checkpoint "
+                              "covers would be handed out again after a resume", RuntimeWarning, stacklevel=2)
             return newest
 
         def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
