@@ -8,6 +8,7 @@ never against another ``ReplayStore``: what an operation does to a manifest is a
 
 from __future__ import annotations
 
+import json
 from typing import List
 
 import pytest
@@ -289,3 +290,163 @@ def test_the_conflict_tables_name_every_operation():
     section = docs[docs.index("**Operations and conflicts.**"):]
     section = section[:section.index("\n\n", section.index("| operation"))]
     assert _table_rows(section, "| `") == names
+
+
+# --------------------------------------------------------------------------
+# the manifest transforms under ops.apply (format/manifest.py, format/segment_table.py)
+# --------------------------------------------------------------------------
+
+def _with_holes(m: fmt.Manifest, dropped) -> fmt.Manifest:
+    """``m`` after a repair dropped the segments at positions ``dropped`` (never the first): their
+    rows become holes, the ranges between the segments kept and after the last."""
+    kept = tuple(s for i, s in enumerate(m.segments) if i not in dropped)
+    holes: List[tuple] = []
+    for i, s in enumerate(m.segments):
+        if i in dropped:
+            if holes and holes[-1][1] == s.first_row:
+                holes[-1] = (holes[-1][0], s.end_row)
+            else:
+                holes.append((s.first_row, s.end_row))
+    return m.evolve(generation=m.generation + 1, segments=kept, holes=tuple(holes))
+
+
+def _model_rows(m: fmt.Manifest) -> List[int]:
+    """The live rows a manifest promises: ``[head, next_row)`` less its holes."""
+    return [r for r in range(m.head, m.next_row) if not any(a <= r < b for a, b in m.holes)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=3, max_size=7), st.sets(st.integers(1, 6), max_size=3),
+       st.lists(st.tuples(st.sampled_from(["append", "evict", "merge", "state"]), st.integers(0, 40)), max_size=12),
+       st.one_of(st.none(), st.integers(6, 30)))
+def test_holes_stay_exactly_the_gaps_through_every_operation(sizes, dropped, steps, capacity):
+    """After a repair left holes, appends, evictions (by count and by capacity), merges and saves keep
+    the live rows exactly ``[head, next_row)`` less the holes, the holes exactly the gaps (the
+    manifest validates), ``head`` never inside one; a merge across a hole conflicts."""
+    options = _options(capacity)
+    m = ops.apply(fmt.Manifest(), _append(fmt.Manifest(), sizes), options)
+    m = _with_holes(m, {i for i in dropped if i < len(m.segments)})
+    for kind, arg in steps:
+        if kind == "append":
+            op = _append(m, [1 + arg % 4])
+        elif kind == "evict":
+            op = ops.Evict(arg)
+        elif kind == "state":
+            op = ops.SaveState(fmt.StateEntry("s", m.generation + 1, 1, 1))
+        else:
+            if len(m.segments) < 2:
+                continue
+            at = arg % (len(m.segments) - 1)
+            op = _merge(m, at)
+            if m.segments[at].end_row != m.segments[at + 1].first_row:
+                with pytest.raises(ops.Conflict, match="hole"):
+                    ops.apply(m, op, options)
+                continue
+        before = _model_rows(m)
+        m2 = ops.apply(m, op, options)
+        assert _live(m2) == _model_rows(m2)
+        assert set(_model_rows(m2)) <= set(before) | set(range(m.next_row, m2.next_row))
+        assert not any(a <= m2.head < b for a, b in m2.holes) and all(a > m2.head for a, _ in m2.holes)
+        assert fmt.Manifest.from_dict(json.loads(m2.file_bytes()), "test") == m2
+        m = m2
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 900)), min_size=1, max_size=10), st.integers(0, 30),
+       st.one_of(st.none(), st.integers(1, 40)), st.one_of(st.none(), st.integers(1, 5000)))
+def test_eviction_keeps_the_newest_rows_within_the_capacities(segs, head, capacity_rows, capacity_bytes):
+    """``format.evict``: the head only moves forward; at most ``capacity_rows`` row ids stay; the
+    segments kept fit ``capacity_bytes`` unless only the newest is left, and are the fewest dropped
+    to get there (FIFO); a segment table gives what its entries give."""
+    entries, row = [], 0
+    for i, (n, nbytes) in enumerate(segs):
+        entries.append(fmt.SegmentEntry(i, row, n, nbytes, 0, groups_bytes=nbytes // 10))
+        row += n
+    head = min(head, entries[0].end_row - 1)
+    options = fmt.StoreOptions(group_key=None, capacity_rows=capacity_rows, capacity_bytes=capacity_bytes)
+    new_head, kept, holes = fmt.evict(head, row, tuple(entries), options)
+    assert new_head >= head and holes == ()
+    if capacity_rows is not None:
+        assert new_head >= row - capacity_rows
+    assert list(kept) == [s for s in entries if s.end_row > new_head]
+    size = [s.bytes + s.groups_bytes for s in entries]
+    if capacity_bytes is not None and len(kept) > 1:
+        assert sum(size[len(entries) - len(kept):]) <= capacity_bytes
+    by_rows = max(head, row - capacity_rows) if capacity_rows is not None else head
+    dropped_by_bytes = [s for s in entries if s.end_row > by_rows and s not in kept]
+    if dropped_by_bytes:  # the last one it dropped was needed
+        assert sum(size[len(entries) - len(kept) - 1:]) > capacity_bytes
+    table = fmt.evict(head, row, fmt.SegmentTable.of(entries), options)
+    assert table[0] == new_head and list(table[1]) == list(kept)
+
+
+segment_entries = st.lists(st.tuples(st.integers(1, 1000), st.integers(1 << 10, 1 << 40), st.integers(0, 2 ** 32 - 1),
+                                     st.one_of(st.none(), st.integers(-(1 << 62), 1 << 62))),
+                           min_size=1, max_size=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(segment_entries, st.integers(0, 10 ** 6))
+def test_segment_table_round_trip(rows, first_row):
+    """A long manifest's entries as one Arrow table (``table_bytes``) read back as the same entries
+    (inline groups and sidecar sizes included), and the manifest naming it validates the same."""
+    entries, row = [], first_row
+    for i, (n, nbytes, crc, group) in enumerate(rows):
+        groups = (0, 0) if group is not None else (nbytes // 7 + 1, crc ^ 1)
+        entries.append(fmt.SegmentEntry(3 * i, row, n, nbytes, crc, *groups, group=group))
+        row += n
+    table = fmt.SegmentTable.from_bytes(fmt.table_bytes(fmt.SegmentTable.of(entries)), "t")
+    assert list(table) == entries and table == tuple(entries)
+    for name in ("id", "first_row", "num_rows", "bytes", "crc32c"):
+        assert table.column(name).tolist() == [getattr(e, name) for e in entries]
+    m = fmt.Manifest(generation=2, head=first_row, next_row=row, next_segment=3 * len(entries), segments=tuple(entries))
+    doc = m.to_dict()
+    assert fmt.Manifest.from_dict(dict(doc, segments=table), "t", verified=True) == m
+    assert m.file_bytes() == fmt.signed_bytes(m.body())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.lists(st.integers(1, 5), min_size=2, max_size=5),
+       st.dictionaries(st.sampled_from(fmt.COMMIT_STATS), st.integers(0, 10 ** 6)),
+       st.dictionaries(st.sampled_from(fmt.COMMIT_STATS), st.integers(0, 10 ** 6)), st.integers(0, 3))
+def test_deltas_are_their_operations(mine, before, stats, base_stats, depth):
+    """An append delta and a rewrite delta survive their signed JSON and make, on any base, the
+    manifest their operation makes (``append_rows``, ``rewrite_rows``), one more delta deep, their
+    commit counters added to the base's; a rewrite delta whose segments are gone conflicts."""
+    options = _options()
+    base = ops.apply(fmt.Manifest(), _append(fmt.Manifest(), before), options)
+    base = base.evolve(commit_stats=base_stats, depth=depth)
+    op = _append(fmt.Manifest(), mine)
+    op = ops.Append(op.entries, op.num_rows, fmt.TokenRecord("w:1", 0, op.num_rows, 5, 1), relocatable=True)
+    delta = op.delta(stats)
+    assert fmt.delta_from_doc(json.loads(fmt.signed_bytes(delta.body())), "d") == delta
+    m = delta.apply(base, options)
+    moved = [e.moved(base.next_row) for e in op.entries]
+    want = fmt.append_rows(base, moved, op.num_rows, op.token, (), options)
+    assert m.evolve(commit_stats={}) == want.evolve(commit_stats={}) and m.generation == want.generation
+    assert m.depth == depth + 1
+    assert dict(m.commit_stats) == {k: base_stats.get(k, 0) + stats.get(k, 0) for k in {*base_stats, *stats}}
+
+    merge = _merge(base, 0)
+    rewrite = merge.delta(stats)
+    assert fmt.delta_from_doc(json.loads(fmt.signed_bytes(rewrite.body())), "d") == rewrite
+    r = rewrite.apply(base, options)
+    assert r.evolve(commit_stats={}) == ops.apply(base, merge, options).evolve(commit_stats={})
+    assert r.depth == depth + 1 and _live(r) == _live(base)
+    with pytest.raises(ops.Conflict):
+        rewrite.apply(r, options)  # its segments are merged already
+    assert fmt.with_chains({r.generation: r}) == set(range(r.generation - r.depth, r.generation + 1))
+
+
+@given(st.integers(0, 60), st.lists(st.integers(1, 5), max_size=12))
+def test_past_holes_moves_the_head_out_of_any_hole(head, widths):
+    """``past_holes``: a head inside a hole moves to its end; the holes kept all start above it."""
+    holes, at = [], 1
+    for i, w in enumerate(widths):
+        if i % 2:
+            holes.append((at, at + w))
+        at += w
+    new, kept = fmt.past_holes(head, tuple(holes))
+    assert new >= head and not any(a <= new < b for a, b in holes)
+    assert kept == tuple(h for h in holes if h[0] > new)
+    assert new == head or any(b == new and a <= head for a, b in holes)
