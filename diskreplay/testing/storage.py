@@ -5,14 +5,16 @@ a third party's backend runs the same tests by subclassing it in one of its own 
 giving the two fixtures, ``storage`` (a fresh, empty storage) and ``reopen`` (a function giving
 another handle on the same files each time it is called, as another writer would hold it)::
 
+    import secrets
+
     import pytest
     from diskreplay.storage import MemoryStorage
     from diskreplay.testing import StorageTests
 
     class TestMyStorage(StorageTests):
         @pytest.fixture
-        def storage(self, request):
-            st = MemoryStorage(f"memory://{request.node.nodeid}")
+        def storage(self):
+            st = MemoryStorage(f"memory://{secrets.token_hex(8)}")
             yield st
             st.destroy()
 
@@ -25,7 +27,9 @@ The tests check what the store relies on, through :class:`~diskreplay.storage.St
 leave the store refused, the newest manifest found from nothing and from a known one, and the
 commit protocol's primitives (create-if-absent with one winner among racing handles, reserved
 names, publish and stage, the floor's read-modify-write with no update lost, held removals). What a
-backend's capabilities say it does is checked against what it does.
+backend's capabilities say it does is checked against what it does. A test a backend cannot pass
+by design (a server whose conditional writes are not atomic under concurrency) is overridden in its
+subclass with ``pytest.mark.skip`` and the reason.
 
 Needs pytest (``pip install pytest``); importing :mod:`diskreplay.testing` does not.
 """
