@@ -312,9 +312,9 @@ class StorageTests:
         assert storage.read_bytes("manifests/1.json") == b"first"
         if not storage.exclusive_lock:
             # without a lock a manifest is only ever created: a second writer of a single-writer
-            # store must fail at its commit, not replace the first's
+            # store (a publish that is not exclusive) must fail at its commit, not replace the first's
             with pytest.raises(CommitConflictError, match="another writer"):
-                storage.replace("manifests/1.json", b"third")
+                storage.publish("manifests/1.json", b"third", exclusive=False)
             assert storage.read_bytes("manifests/1.json") == b"first"
         storage.probe_create_if_absent("manifests")
 
