@@ -341,7 +341,8 @@ def check_async_grpo(work: str, report: Report, steps: int = 4) -> None:
         q = DurableRolloutQueue(path)
         args = AsyncGRPOConfig(output_dir=os.path.join(work, "async-out"), per_device_train_batch_size=batch,
                                max_steps=steps, save_strategy="steps", save_steps=2, token_budget=0, report_to=[],
-                               learning_rate=1e-4, disable_tqdm=True, max_staleness=100)
+                               learning_rate=1e-4, disable_tqdm=True, max_staleness=100,
+                               use_cpu=not torch.cuda.is_available())  # (a CPU run stops at the kernel)
         trainer = Recording(model=model_dir, args=args, processing_class=char_tokenizer(),
                             train_dataset=Dataset.from_dict({"prompt": ["unused"]}), rollout_worker=Worker(q),
                             weight_transfer=NoWeights())
@@ -358,7 +359,9 @@ def check_async_grpo(work: str, report: Report, steps: int = 4) -> None:
         life(steps, os.path.join(work, "async-out", "checkpoint-2"))
     except Exception as exc:  # the kernel comes from the Hub: a machine that cannot reach it has no step to run
         if "kernel" in f"{type(exc).__name__} {exc}".lower() or isinstance(exc, (OSError, ImportError)):
-            report.skip(name, f"TRL's attention kernel did not load: {type(exc).__name__}: {str(exc)[:120]}")
+            report.skip(name, f"TRL's attention kernel did not load ({type(exc).__name__}: {str(exc)[:100]}); "
+                              "without the Hub: fetch kernels-community/flash-attn3 into the HF cache and set "
+                              "HF_HUB_OFFLINE=1")
             return
         raise
     lineage = [s for step in range(1, steps + 1) for s in trained[step]]
