@@ -271,6 +271,26 @@ def test_acknowledged_samples_are_consumed_and_the_rest_wait_again(tmp_path):
     assert [serial_of(resumed.get(timeout=5)) for _ in range(7)] == list(range(3, 10))
 
 
+def test_a_stream_cursor_gives_back_only_rows_it_handed_out(tmp_path):
+    from diskreplay import RolloutStream
+    from diskreplay.errors import ArgumentError
+    store = ReplayStore(str(tmp_path / "s"), multi_writer=True, group_key=None)
+    store.extend({"completion_ids": [[1], [2], [3], [4]]})
+    stream = RolloutStream(store, "t")
+    assert stream.next(3, timeout=0).tolist() == [0, 1, 2]
+    state = stream.state_dict(unconsumed=[2, 1])
+    assert state["pending"].tolist() == [1, 2, 3] and state["counts"]["handed_out"] == 1
+    assert stream.stats()["handed_out"] == 3                   # the live stream is unchanged
+    with pytest.raises(ArgumentError, match="unconsumed must be rows"):
+        stream.state_dict(unconsumed=[3])                      # still waiting: never handed out
+    again = RolloutStream(store, "t")
+    again.load_state_dict(state)
+    assert again.next(3, timeout=0).tolist() == [1, 2, 3]
+    grouped = RolloutStream(ReplayStore(str(tmp_path / "g"), multi_writer=True), "t", group_size=2)
+    with pytest.raises(ArgumentError, match="group_size=1"):
+        grouped.state_dict(unconsumed=[0])
+
+
 def test_async_grpo_trainer_builds_on_cpu_with_the_durable_buffer(tmp_path):
     q = DurableRolloutQueue(str(tmp_path / "store"))
     trainer = build_trainer(str(tmp_path), q, max_steps=2, token_budget=64)
