@@ -352,7 +352,8 @@ def _first_life(root, log, marker):
 
 @pytest.mark.slow
 def test_a_sigkilled_trainer_resumes_from_its_checkpoint_with_every_rollout_consumed_once(tmp_path):
-    root, log, marker, go = str(tmp_path), str(tmp_path / "steps.jsonl"), str(tmp_path / "blocked"), str(tmp_path / "go")
+    root, log = str(tmp_path), str(tmp_path / "steps.jsonl")
+    marker, go = str(tmp_path / "blocked"), str(tmp_path / "go")
     path = os.path.join(root, "store")
     DurableRolloutQueue(path).close()
     worker = subprocess.Popen([sys.executable, "-c", WORKER.format(root=ROOT, stale=STALE), path, str(FIRST),
