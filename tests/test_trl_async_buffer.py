@@ -376,6 +376,8 @@ def test_a_sigkilled_trainer_resumes_from_its_checkpoint_with_every_rollout_cons
         q.attach(resumed)
         resumed.add_callback(Record(resumed, 2, log))
         resumed.train(resume_from_checkpoint=os.path.join(root, "out", "checkpoint-4"))
+        # the policy version went on from the checkpoint's (one per weight sync: at train begin, every step)
+        assert resumed.model_version == LAST_STEP + 2
         assert worker.wait(120) == 0, worker.stderr.read().decode()[-4000:]
     finally:
         for p in (worker, trainer):

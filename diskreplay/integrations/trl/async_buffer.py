@@ -461,6 +461,7 @@ class DurableRolloutQueue:
         self._acks = True
         _ATTACHED[(self.path, self.name)] = self
         callback = _callback_class()(self)
+        callback.trainer = weakref.proxy(trainer)
         trainer.add_callback(callback)
         return callback
 
@@ -495,6 +496,7 @@ def _callback_class() -> Any:
                     raise IntegrationError(f"no DurableRolloutQueue({path!r}, name={name!r}) is attached in this "
                                            "process: call queue.attach(trainer) before train()")
             self.queue = queue
+            self.trainer: Any = None  # attach() sets it: the policy version rides along in checkpoints
             self._micro_batches: Deque[int] = collections.deque()  # each packed micro-batch's newest row
             self._substeps = 0
             self._began = self._warned = False
@@ -503,6 +505,7 @@ def _callback_class() -> Any:
             cursor = None
             if self._began:
                 cursor = _jsonable(self.queue.state_dict())
+                cursor["model_version"] = int(getattr(self.trainer, "model_version", 0) or 0)
                 self.queue.save()  # the store's committed cursor is the checkpoint's
             return {"args": {"path": self.queue.path, "name": self.queue.name}, "attributes": {"cursor": cursor}}
 
@@ -513,6 +516,7 @@ def _callback_class() -> Any:
             cursor = saved.get("attributes", {}).get("cursor") if isinstance(saved, dict) else None
             if cursor is not None:
                 self.queue.load_state_dict(cursor)
+                self._restore_version(int(cursor.get("model_version", 0)))
             elif state.global_step:
                 raise IntegrationError(f"the checkpoint resumed at step {state.global_step} holds no cursor of "
                                        f"DurableRolloutQueue({self.queue.path!r}): it was written without "
@@ -534,6 +538,18 @@ def _callback_class() -> Any:
 
             loader.collate_fn = follow
             self._began = True
+
+        def _restore_version(self, saved: int) -> None:
+            """Continue the checkpoint's policy version, as TRL does for its own worker only: TRL's
+            staleness rule (``max_staleness``) compares the samples' versions with it. TRL's sync at
+            train begin already counted one version (and TRL's own worker restores it first)."""
+            trainer = self.trainer
+            if trainer is None or not saved or getattr(trainer, "model_version", saved + 1) > saved:
+                return
+            trainer.model_version += saved
+            worker = getattr(trainer, "rollout_worker", None)
+            if worker is not None:
+                worker.update_model_version(trainer.model_version)
 
         def _newest_row(self, examples: Any) -> int:
             newest, seen = -1, 0
