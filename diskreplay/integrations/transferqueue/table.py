@@ -190,12 +190,14 @@ class FieldTable:
                     f"capacity of {self.store.capacity} rows ({exc}); open it with a larger capacity (or none) so "
                     "that values live until they are read and cleared") from exc
         data = cols[DATA]
-        values, offsets = data.values, data.offsets
+        # one copy of all the bytes (the read may view the store's memory map); each value a view of it
+        whole = np.array(data.values, copy=True).view(np.uint8)
+        starts = (np.asarray(data.offsets, dtype=np.int64) * 4).tolist()
+        nbytes = cols[NBYTES].tolist()
         out = []
         for i, key in enumerate(keys):
-            words = values[offsets[i]:offsets[i + 1]]
-            raw = words.view(np.uint8)[:int(cols[NBYTES][i])]
-            value = decode(cols[KIND][i], cols[DTYPE][i], cols[SHAPE][i], raw, cols[TEXT][i])
+            raw = whole[starts[i]:starts[i] + nbytes[i]]
+            value = decode(cols[KIND][i], cols[DTYPE][i], cols[SHAPE][i], raw, cols[TEXT][i], owned=True)
             _check_expected(key, value, None if shapes is None else shapes[i], None if dtypes is None else dtypes[i])
             out.append(value)
         return out

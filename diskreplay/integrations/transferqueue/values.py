@@ -110,8 +110,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def decode(kind: str, dtype: str, shape: str, data: np.ndarray, text: str) -> Any:
-    """The value :func:`encode` made these columns from (``data`` a uint8 array, copied).
+def decode(kind: str, dtype: str, shape: str, data: np.ndarray, text: str, *, owned: bool = False) -> Any:
+    """The value :func:`encode` made these columns from (``data`` a uint8 array: copied, unless ``owned``
+    says the value may keep viewing it).
 
     >>> e = encode("0@x", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
     >>> decode(e.kind, e.dtype, e.shape, e.data, e.text).tolist()
@@ -122,9 +123,13 @@ def decode(kind: str, dtype: str, shape: str, data: np.ndarray, text: str) -> An
         torch_dtype = _TORCH_DTYPES[dtype]
         if not len(data):
             return torch.empty(dims, dtype=torch_dtype)
-        return torch.from_numpy(data.copy()).view(torch_dtype).reshape(dims)
+        t = torch.from_numpy(data if owned else data.copy())
+        try:
+            return t.view(torch_dtype).reshape(dims)
+        except RuntimeError:  # a view at an offset that is not a multiple of the element size
+            return t.clone().view(torch_dtype).reshape(dims)
     if kind == NUMPY:
         dims = json.loads(shape)
-        a = data.copy().view(np.dtype(dtype)) if len(data) else np.zeros(0, dtype=np.dtype(dtype))
+        a = data.copy().view(np.dtype(dtype)) if len(data) else np.zeros(0, dtype=np.dtype(dtype))  # aligned
         return a[0] if dims is None else a.reshape(dims)
     return json.loads(text)
