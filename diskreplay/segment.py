@@ -60,6 +60,11 @@ _META_BODY = b"diskreplay.body"  # "start end": byte range of the record batch's
 # buffers a read needs whatever its rows (all of them but a ragged column's values)
 META_BUFFERS_KEY = b"diskreplay.buffers"
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # the defaults (uncompressed), built once
+# Arrow type id -> numpy dtype of the fixed-width numbers a segment's columns are viewed as (Segment._view)
+_DTYPES = {t.id: np.dtype(t.to_pandas_dtype()) for t in (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(),
+                                                         pa.uint16(), pa.uint32(), pa.uint64(), pa.float16(),
+                                                         pa.float32(), pa.float64())}
+_OFFSETS = np.dtype(np.int64)  # a large_list's offsets
 
 
 class PageChecksums:
@@ -136,6 +141,20 @@ class PageChecksums:
         return cls(crcs, page_bytes, (start, end), buffer_ranges(meta.get(META_BUFFERS_KEY), start, end))
 
 
+def pages_of(starts: np.ndarray, ends: np.ndarray, page_bytes: int) -> np.ndarray:
+    """The page numbers holding the byte ranges ``[starts[i], ends[i])`` (empty ranges skipped; a
+    page may repeat).
+
+    >>> pages_of(np.array([0, 8190, 50]), np.array([10, 8200, 50]), 8192).tolist()
+    [0, 0, 1]
+    """
+    keep = ends > starts
+    first, last = starts[keep] // page_bytes, (ends[keep] - 1) // page_bytes
+    counts = last - first + 1
+    ends_at = np.cumsum(counts)
+    return np.repeat(first - (ends_at - counts), counts) + np.arange(int(ends_at[-1]) if len(counts) else 0)
+
+
 def has_page_checksums(nbytes: int) -> bool:
     """Whether a segment file of ``nbytes`` is checked page by page (else whole, when first opened).
 
@@ -159,7 +178,9 @@ def buffer_ranges(raw: Optional[bytes], body_start: int, body_end: int) -> Optio
     if not raw or len(raw) % 16:
         return None
     r = np.frombuffer(raw, dtype="<i8").reshape(-1, 2).astype(np.int64)
-    if np.any(r[:, 0] > r[:, 1]) or np.any((r[:, 1] > r[:, 0]) & ((r[:, 0] < body_start) | (r[:, 1] > body_end))):
+    # (count_nonzero: np.any goes through a Python wrapper; this runs for every segment a store opens)
+    if np.count_nonzero(r[:, 0] > r[:, 1]) or \
+            np.count_nonzero((r[:, 1] > r[:, 0]) & ((r[:, 0] < body_start) | (r[:, 1] > body_end))):
         return None
     return r
 
@@ -373,7 +394,16 @@ class ArrowFile:
         """Check the pages holding bytes ``[start, end)`` of the file (no-op without page checksums)."""
         if self.pages is not None and end > start:
             p = self.pages.page_bytes
-            self._verify_pages(np.arange(start // p, (end - 1) // p + 1))
+            first, stop = start // p, (end - 1) // p + 1
+            # (a span checked already, as a read's fixed buffers are when their segment opens: one test)
+            if np.count_nonzero(self._verified[first:stop]) < stop - first:
+                self._verify_pages(np.arange(first, stop))
+
+    def verify_ranges(self, ranges: np.ndarray) -> None:
+        """Check the pages holding the ``[k, 2]`` byte ranges ``[start, end)`` of the file, all in
+        one pass (no-op without page checksums)."""
+        if self.pages is not None and len(ranges):
+            self._verify_pages(pages_of(ranges[:, 0], ranges[:, 1], self.pages.page_bytes))
 
     def verify_buffers(self, arr: pa.Array) -> None:
         """Check every page holding a buffer of ``arr`` (``buffers()`` includes its children's)."""
@@ -409,7 +439,7 @@ class ArrowFile:
         pages = np.empty(-(-self.size // _PAGE), dtype=np.uint8)
         if _mincore(self._base.address, self.size, pages.ctypes.data) != 0:
             return False
-        return bool(np.all(pages & 1))
+        return bool(np.count_nonzero(pages & 1) == len(pages))
 
     def advise(self, ranges: Any) -> None:
         """Ask the kernel to read the given ``(address, length)`` byte ranges ahead (WILLNEED).
@@ -488,9 +518,11 @@ class Segment(ArrowFile):
         self._offset_keys: Dict[str, str] = {}
         self._states: Dict[str, tuple] = {}  # ragged column -> ragged_state
         self._rows_checked_for: Dict[tuple, np.ndarray] = {}  # ragged columns read together -> rows checked
-        self._row_pages: Dict[tuple, Tuple[np.ndarray, np.ndarray]] = {}  # the same -> _page_spans
+        self._row_pages: Dict[tuple, Tuple[np.ndarray, np.ndarray]] = {}  # the same -> _page_spans (compiled)
         self._check_tables: Dict[tuple, np.ndarray] = {}  # the same -> page_check_table
         self._names = frozenset(self.batch.schema.names)  # (has: asked per column of every read)
+        self._bytes: Optional[np.ndarray] = None  # the whole mapped file as uint8 (see _view)
+        self._addresses: Dict[str, int] = {}  # ragged column -> where its values start (see ragged)
 
     @property
     def num_rows(self) -> int:
@@ -524,20 +556,43 @@ class Segment(ArrowFile):
             hit = self._cache[name] = self._absent_ragged(name)
         if hit is None:
             arr = self.batch.column(name)
+            bufs = arr.buffers()
             if self.pages is not None:
                 base = self._base.address
                 # validity and offsets (written one after the other: one check); values page by page
                 # in check_rows_of
-                spans = [(b.address - base, b.address - base + b.size) for b in arr.buffers()[:2]
-                         if b is not None and b.size]
+                spans = [(b.address - base, b.address - base + b.size) for b in bufs[:2] if b is not None and b.size]
                 if spans:
                     self.verify_span(min(a for a, _ in spans), max(e for _, e in spans))
-            offsets = numpy_view(arr.offsets)
-            values = numpy_view(arr.values)
+            child = arr.values
+            offsets = self._view(bufs[1], _OFFSETS, arr.offset, len(arr) + 1)
+            values = self._view(bufs[-1], _DTYPES.get(child.type.id), child.offset, len(child))
+            if offsets is None or values is None:  # a layout the views below do not cover
+                offsets, values = numpy_view(arr.offsets), numpy_view(child)
+            else:  # (where the values start, for ragged_state: data_address costs ~7 us)
+                self._addresses[name] = bufs[-1].address + child.offset * values.itemsize
             validity = None if arr.null_count == 0 else numpy_view(arr.is_valid())
             self._check_offsets(name, offsets, len(values))
             hit = self._cache[name] = (values, offsets, validity)
         return hit
+
+    def _view(self, buf: Optional[pa.Buffer], dtype: Optional[np.dtype], offset: int,
+              count: int) -> Optional[np.ndarray]:
+        """``count`` elements of ``dtype`` from element ``offset`` of ``buf`` (a buffer of this file's
+        batch), as a numpy view of the mapped file; None where that does not apply (no dtype or
+        buffer, or a range outside the file). One view of the whole file is made once: a view of
+        each buffer (``np.frombuffer`` through Arrow's buffer protocol, ``numpy_view``) cost ~10 us,
+        ~300 times in a reopened store's first batch."""
+        if dtype is None or buf is None:
+            return None
+        whole = self._bytes
+        if whole is None:
+            whole = self._bytes = np.frombuffer(self._base, dtype=np.uint8)
+        start = buf.address - self._base.address + offset * dtype.itemsize
+        end = start + count * dtype.itemsize
+        if start < 0 or end > buf.address - self._base.address + buf.size or end > len(whole):
+            return None
+        return whole[start:end].view(dtype)
 
     def ragged_state(self, name: str) -> tuple:
         """``(values, offsets, validity, offsets_key, address)`` of ragged column ``name``: what a
@@ -547,7 +602,9 @@ class Segment(ArrowFile):
         state = self._states.get(name)
         if state is None:
             values, offsets, validity = self.ragged(name)
-            state = self._states[name] = (values, offsets, validity, self.offsets_key(name), data_address(values))
+            address = self._addresses.get(name) if values.size else 0
+            state = self._states[name] = (values, offsets, validity, self.offsets_key(name),
+                                          data_address(values) if address is None else address)
         return state
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
@@ -567,17 +624,24 @@ class Segment(ArrowFile):
         if np.count_nonzero(seen) == len(seen):
             return
         todo = local_rows[~seen]
-        first_page, page_count = self._row_pages[names]
-        first, counts = first_page[:, todo].ravel(), page_count[:, todo].ravel()
-        ends = np.cumsum(counts)
-        self._verify_pages(np.repeat(first - (ends - counts), counts) + np.arange(int(ends[-1])))
+        # the pages of these rows only (a per-row table of the whole segment is the compiled check's)
+        base, lo, hi = self._base.address, [], []
+        for name in names:
+            values, offsets, _, _, address = self.ragged_state(name)
+            if values.size:
+                start, item = address - base, values.itemsize
+                lo.append(start + offsets[todo] * item)
+                hi.append(start + offsets[todo + 1] * item)
+        if lo:
+            self._verify_pages(pages_of(np.concatenate(lo), np.concatenate(hi), self.pages.page_bytes))
         checked[todo] = True
 
     def _rows_checked(self, names: tuple) -> np.ndarray:
-        """The record of rows whose values in ``names`` were checked (made with their page table)."""
+        """The record of rows whose values in ``names`` were checked."""
         checked = self._rows_checked_for.get(names)
         if checked is None:
-            self._row_pages[names] = self._page_spans(names)  # (first: it checks the offsets, and may raise)
+            for name in names:
+                self.ragged_state(name)  # (first: it checks the offsets, and may raise)
             checked = self._rows_checked_for[names] = np.zeros(self.num_rows, dtype=bool)
         return checked
 
@@ -591,7 +655,7 @@ class Segment(ArrowFile):
             if self.pages is None or type(self)._verify_pages is not ArrowFile._verify_pages:
                 return None
             checked = self._rows_checked(names)
-            first, count = self._row_pages[names]
+            first, count = self._row_pages[names] = self._page_spans(names)
             p = self.pages
             table = self._check_tables[names] = np.array(
                 [checked.ctypes.data, first.ctypes.data, count.ctypes.data, self.num_rows, len(names),
@@ -625,8 +689,10 @@ class Segment(ArrowFile):
         key = self._offset_keys.get(name)
         if key is None:
             offsets = self.ragged(name)[1]
+            # (the last offsets first: columns aligned with other ids almost always differ there)
             key = next((canon for canon in set(self._offset_keys.values())
-                        if np.array_equal(self.ragged(canon)[1], offsets)), name)
+                        if len(other := self.ragged(canon)[1]) == len(offsets)
+                        and (not len(offsets) or other[-1] == offsets[-1]) and np.array_equal(other, offsets)), name)
             self._offset_keys[name] = key
         return key
 
@@ -657,7 +723,9 @@ class Segment(ArrowFile):
                 flat = numpy_view(arr.values)
                 hit = flat.reshape(len(arr), t.list_size)
             else:
-                hit = numpy_view(arr)
+                hit = self._view(arr.buffers()[1], _DTYPES.get(t.id), arr.offset, len(arr))
+                if hit is None:
+                    hit = numpy_view(arr)
             if arr.null_count and not isinstance(hit, pa.Array):
                 # only late float columns hold nulls (rows of a batch that left them out): NaN there
                 hit = hit.astype(np.float64 if hit.dtype == np.float64 else np.float32)

@@ -136,6 +136,33 @@ def test_both_paths_check_the_same_pages(original, monkeypatch):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["advantages", "completion_ids"])
+def test_damage_in_a_buffer_every_read_of_a_column_needs_is_refused_by_the_first_read(original, tmp_path,
+                                                                                     monkeypatch, path, name):
+    """The buffers a read of a column needs whatever its rows (a per-row column's values, a ragged
+    column's offsets) are checked when the read opens their segment, all in one pass: damage there is
+    refused by the first read of any row of that segment, naming the file and the page; the other
+    segments read as before."""
+    _use(monkeypatch, path)
+    src, segments, want = original
+    store_path = str(tmp_path / "s")
+    shutil.copytree(src, store_path)
+    seg = segments[1]
+    with pa.memory_map(os.path.join(store_path, seg.file)) as source:
+        data = source.read_buffer()
+        buf = pa.ipc.open_file(data).get_batch(0).column(name).buffers()[1]  # the values / the offsets
+        at = buf.address - data.address + buf.size // 2
+    flip_byte(store_path, seg.file, at)
+    page = at // PAGE_BYTES
+    with ReplayStore(store_path, readonly=True) as reader:
+        with pytest.raises(CorruptStoreError, match=f"{seg.file} fails its checksum at bytes \\[{page * PAGE_BYTES}, "):
+            reader.read(np.array([seg.first_row + seg.num_rows - 1]), [name])
+        other = segments[2].first_row
+        got = reader.read(np.array([other]), ["completion_ids"])["completion_ids"][0]
+        assert np.array_equal(got, want["completion_ids"][other])
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_the_loaders_worker_surfaces_damage(original, tmp_path, monkeypatch, path):
     """A batch the loader's worker read ahead from a damaged page raises from ``next`` (naming the
     file), never a batch of damaged values."""

@@ -269,19 +269,20 @@ class SegmentCache:
         return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows
 
     def open_segments(self, view: ReadView, entries: Sequence[fmt.SegmentEntry],
-                      cols: Optional[Sequence[str]] = None) -> Tuple[bool, Set[Segment]]:
+                      cols: Optional[Sequence[str]] = None, check: bool = False) -> Tuple[bool, Set[Segment]]:
         """Open the segments of ``entries`` not open yet, asking first, for all of them at once, for
         their header and footer pages and (where their checksums record where they lie) the buffers
         of ``cols`` that a read needs whatever its rows: cold, the pages that parsing and locating
         the rows need then arrive in one round, not one per file and kind (opening 64 segments
         otherwise waits for ~130 reads in turn, then their columns' offsets for as many more).
         ``(any opened, the opened segments whose buffers were asked for)``: the pages of an opened
-        segment are likely cold."""
+        segment are likely cold. ``check`` (a read, not a prefetch): those buffers' pages are checked
+        as each segment opens, in one pass per segment rather than one per column."""
         todo = [e for e in entries if e.id not in self.segments]
         if not todo:
             return False, set()
         fields = _field_positions(view.schema, cols)
-        wanted, hinted = [], set()
+        wanted, hinted, fixed = [], set(), {}
         for e in todo:
             pages = self.page_checksums(e, view) if self.verify_reads else None
             # with page checksums only the checksum pages outside the body are read on open, else all
@@ -290,6 +291,7 @@ class SegmentCache:
                 ranges = [(0, -(-pages.body[0] // p) * p), (pages.body[1] // p * p, 0)]
                 buffers = pages.buffer_pages(fields) if fields is not None else None
                 if buffers is not None:
+                    fixed[e.id] = buffers
                     starts, ends = coalesce(buffers[:, 0], buffers[:, 1], HINT_GAP)
                     ranges += zip(starts.tolist(), (ends - starts).tolist())
                     hinted.add(e.id)
@@ -301,6 +303,10 @@ class SegmentCache:
         if wanted:
             prefetch_files(wanted)
         segments = [self.segment(e, view) for e in todo]
+        if check:
+            for e, seg in zip(todo, segments):
+                if e.id in fixed:
+                    seg.verify_ranges(fixed[e.id])
         return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
 
     @_jit.deferring
@@ -316,7 +322,7 @@ class SegmentCache:
             self.open_concurrently(view, [m.segments[i] for i in touched], cols)
             opened, hinted = False, set()
         else:
-            opened, hinted = self.open_segments(view, [m.segments[i] for i in touched], cols)
+            opened, hinted = self.open_segments(view, [m.segments[i] for i in touched], cols, check=True)
         # Visit each touched segment once, with the output positions of its rows.
         if n and seg_idx[0] == seg_idx[-1] and (n == 1 or not np.any(seg_idx != seg_idx[0])):
             parts = [(self.segment(m.segments[int(seg_idx[0])], view), slice(None), local)]
@@ -400,8 +406,9 @@ class SegmentCache:
 def _field_positions(schema: Optional[Schema], cols: Optional[Sequence[str]]) -> Optional[np.ndarray]:
     """Positions of ``cols`` among the store's columns, ascending: field ``i`` of a segment is
     column ``i`` of the store (late columns come last, and a segment lacks only late columns
-    newer than itself). Only used to read recorded buffer ranges early: a wrong guess would
-    cost reads, never wrong bytes."""
+    newer than itself; opening a segment refuses one whose fields disagree). Used to read recorded
+    buffer ranges early and check them as a segment opens: a wrong guess would cost reads and
+    checks of pages the read does not need, never wrong bytes."""
     if not cols or schema is None:
         return None
     order = {name: i for i, name in enumerate(schema.names)}
