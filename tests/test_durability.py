@@ -1358,7 +1358,7 @@ def test_garbage_collection_failure_does_not_fail_a_commit(tmp_path, monkeypatch
 
 
 def test_new_store_directory_entry_is_synced(tmp_path, monkeypatch):
-    import diskreplay.store.opening as store_mod
+    import diskreplay.storage.local as store_mod  # (the storage makes a new store's root and syncs it)
 
     synced = []
     real = store_mod.fsync_dir

@@ -129,7 +129,7 @@ class LocalStorage(Publisher):
         path = self.local_path(rel)
         try:
             st = os.stat(path) if not rel else os.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (a file where a directory of the path should be)
             return None
         return kind_of_mode(st.st_mode), st.st_size
 
