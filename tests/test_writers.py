@@ -181,7 +181,7 @@ def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_
             raced.append(a.extend(batch_for(0, 0)))
         return real(self)
 
-    real_write = LocalStorage.write_files
+    real_write = LocalStorage._write_files  # (the one place a directory's commit writes its files)
     batches = []
 
     def write_files(self, files, dirs=(), **kw):
@@ -190,7 +190,7 @@ def test_a_deferred_append_rebased_before_its_first_publish_writes_each_sidecar_
 
     monkeypatch.setattr(Committer, "newest", newest)
     monkeypatch.setattr(SegmentWriter, "write", write_segments)
-    monkeypatch.setattr(LocalStorage, "write_files", write_files)
+    monkeypatch.setattr(LocalStorage, "_write_files", write_files)
     rows = b.extend(batch_for(1, 1))
     monkeypatch.undo()
     assert raced and rows[0] == raced[0][-1] + 1
