@@ -9,6 +9,7 @@
     python tools/bench.py commit-cpu [--commits 300] [--profile] [--dir DIR]
     python tools/bench.py stream [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
     python tools/bench.py async-buffer [--groups 256] [--rounds 3] [--dir DIR]
+    python tools/bench.py transferqueue [--groups 1024 (rows)] [--rounds 3] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -2405,6 +2406,94 @@ def bench_async_buffer(args) -> None:
     print("  runs: " + ", ".join(f"{k} {[round(x) for x in v]}" for k, v in runs.items()))
 
 
+def _tq_fields(rows: int, fields: int, max_tokens: int, seed: int = 0):
+    """TransferQueue's perftest shape: jagged float32 fields, lengths spread over 1..max_tokens."""
+    from tensordict import TensorDict
+    g = torch.Generator().manual_seed(seed)
+    data = {}
+    for f in range(fields):
+        lengths = torch.randint(1, max_tokens + 1, (rows,), generator=g).tolist()
+        flat = torch.randn(sum(lengths), generator=g)
+        data[f"field_{f}"] = torch.nested.as_nested_tensor(list(torch.split(flat, lengths)), layout=torch.jagged)
+    return TensorDict(data, batch_size=rows)
+
+
+def _tq_cycles(conf: dict, data, rounds: int) -> Dict[str, float]:
+    """put -> get -> clear of the whole batch through TransferQueue's KV API, ``rounds`` timed cycles after
+    one warm-up; median seconds of each step."""
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    tq.init(OmegaConf.create(conf))
+    keys = [f"k{i}" for i in range(data.batch_size[0])]
+    times: Dict[str, List[float]] = {"put": [], "get": [], "clear": []}
+    try:
+        for cycle in range(rounds + 1):
+            t0 = time.perf_counter()
+            tq.kv_batch_put(keys=keys, partition_id="bench", fields=data)
+            t1 = time.perf_counter()
+            got = tq.kv_batch_get(keys=keys, partition_id="bench")
+            t2 = time.perf_counter()
+            tq.kv_clear(keys=keys, partition_id="bench")
+            t3 = time.perf_counter()
+            if cycle == 0:
+                a, b = got["field_0"].unbind(0), data["field_0"].unbind(0)
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), "values came back different"
+                continue
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[k].append(dt)
+    finally:
+        tq.close()
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["cycle"] = sum(out.values())
+    return out
+
+
+def bench_transferqueue(args) -> None:
+    """TransferQueue put -> get -> clear cycles (kv_batch_put, kv_batch_get, kv_clear of one batch) through
+    SimpleStorage in memory, SimpleStorage with SSD offload, and the DiskReplay backend (every put fsynced)."""
+    import ray
+
+    import diskreplay.integrations.transferqueue  # noqa: F401  (registers the DiskReplay backend)
+    rows, fields, max_tokens = args.groups, 10, 8192
+    data = _tq_fields(rows, fields, max_tokens)
+    nbytes = sum(v.values().numel() * 4 for v in data.values())
+    print(f"transferqueue: {rows} rows x {fields} jagged float32 fields, 1..{max_tokens} tokens "
+          f"({_size(nbytes)} a batch); {args.rounds} put -> get -> clear cycles after a warm-up, medians; "
+          "a local Ray cluster on 127.0.0.1")
+    simple = {"storage_backend": "SimpleStorage", "SimpleStorage": {"num_data_storage_units": 2}}
+    ssd = {"storage_backend": "SimpleStorage", "SimpleStorage": {
+        "num_data_storage_units": 2,
+        # every value offloaded: the default 1 MiB threshold offloads none of these (a sample's field is
+        # 4 B..32 KiB)
+        "ssd_offload": {"enabled": True, "path": os.path.join(args.dir, "tq-ssd"), "threshold_bytes": 1}}}
+    durable = {"storage_backend": "DiskReplay", "DiskReplay": {"path": os.path.join(args.dir, "tq-store")}}
+    # logical CPUs: TransferQueue's controller and each storage unit are actors that each ask for one
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        res = {}
+        for name, backend in (("memory", simple), ("ssd", ssd), ("diskreplay", durable)):
+            res[name] = _tq_cycles({"controller": {"polling_mode": True}, "backend": backend}, data, args.rounds)
+            print(f"  {name}: " + ", ".join(f"{k} {v:.3f} s" for k, v in res[name].items()), flush=True)
+    finally:
+        ray.shutdown()
+    row("", "diskreplay", "SimpleStorage", "ratio (throughput)")
+    for step in ("put", "get", "clear", "cycle"):
+        d = res["diskreplay"][step]
+        for base, label in (("memory", "in memory"), ("ssd", "SSD offload")):
+            b = res[base][step]
+            row(f"{step} s ({label})", f"{d:.3f}", f"{b:.3f}", f"{b / d:.2f}x")
+    cycle = res["diskreplay"]["cycle"]
+    print(f"  diskreplay cycle: {nbytes / cycle / 2**20:,.0f} MiB/s; "
+          + target("cycle vs SimpleStorage in memory", res["memory"]["cycle"] / cycle, ">= 0.5") + "; "
+          + target("cycle vs SimpleStorage SSD offload", res["ssd"]["cycle"] / cycle, ">= 1"))
+    print("  (diskreplay: each put one fsynced commit, readable after a SIGKILL of any process; SimpleStorage: "
+          "Ray actors' memory, or files written without fsync, gone with the job)")
+    async_buffer = globals().get("bench_async_buffer")
+    if async_buffer is not None:
+        args.groups = 256
+        async_buffer(args)
+
+
 def _size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -2413,7 +2502,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
-                                      "commit-cpu", "stream", "async-buffer"])
+                                      "commit-cpu", "stream", "async-buffer", "transferqueue"])
     p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
@@ -2437,12 +2526,13 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
     if args.groups is None:
-        args.groups = 1024 if args.what in ("writers", "remote", "stream") else 256 if args.what == "async-buffer" else 4096
+        args.groups = 1024 if args.what in ("writers", "remote", "stream", "transferqueue") else 256 if args.what == "async-buffer" else 4096
     if args.commits is None:
         args.commits = 300 if args.what == "commit-cpu" else 100
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
-           "commit-cpu": bench_commit_cpu, "stream": bench_stream, "async-buffer": bench_async_buffer}[args.what]
+           "commit-cpu": bench_commit_cpu, "stream": bench_stream, "async-buffer": bench_async_buffer,
+           "transferqueue": bench_transferqueue}[args.what]
     if args.dir:
         run(args)
         return
