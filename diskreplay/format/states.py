@@ -14,6 +14,7 @@ from .._fileio import crc32c
 from ..errors import ArgumentError, CorruptStoreError
 from ..ragged import arrow_array, numpy_view
 from ..segment import encode_ipc
+from ..storage.base import Storage
 from .entries import StateEntry
 
 STATE_META = b"diskreplay.state"
@@ -102,8 +103,9 @@ def decode_state(buf: Any, path: str) -> Dict[str, Any]:
         raise CorruptStoreError(f"{path}: state nested too deeply") from None
 
 
-def read_state_file(storage: Any, root: str, entry: StateEntry) -> Dict[str, Any]:
-    """The state a manifest's ``entry`` names, checked against its size and CRC-32C."""
+def read_state_file(storage: Storage, root: str, entry: StateEntry) -> Dict[str, Any]:
+    """The state a manifest's ``entry`` names, checked against its size and CRC-32C (``root``: the
+    store's location, for messages)."""
     path = f"{root}/{entry.file}"
     raw = storage.read_bytes(entry.file, entry.bytes)
     if len(raw) != entry.bytes or crc32c(raw) != entry.crc32c:
