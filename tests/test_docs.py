@@ -158,13 +158,17 @@ def _imports(module: str, is_package: bool, path: Path):
 
 
 def test_imports_run_one_way():
-    """No module imports one of a higher layer (function-level imports included)."""
+    """No module imports one of a higher layer (function-level imports included); inside store/, no
+    part imports the facade (``store.replay_store``): the facade delegates to the parts."""
     wrong = []
     for module, is_package, path in _modules():
         for target, _, line in _imports(module, is_package, path):
             if _layer(target) > _layer(module):
                 wrong.append(f"diskreplay.{module} (layer {_layer(module)}) imports diskreplay.{target} "
                              f"(layer {_layer(target)}) at {path.name}:{line}")
+            if module.startswith("store.") and target == "store.replay_store":
+                wrong.append(f"diskreplay.{module}, a part of store/, imports the facade diskreplay.{target} "
+                             f"at {path.name}:{line}")
     assert not wrong, "\n".join(wrong)
 
 

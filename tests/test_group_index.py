@@ -16,7 +16,7 @@ from diskreplay.groups import GroupIndex
 from diskreplay._fileio import crc32c
 from diskreplay.segment import encode_ipc
 from diskreplay.format.sidecars import group_sidecar
-from diskreplay.store import replay_store
+from diskreplay.store import commits, replay_store
 from diskreplay.store.compaction import MergePolicy
 
 from .conftest import flip_byte
@@ -154,13 +154,13 @@ def test_a_damaged_index_warns_and_the_sidecars_are_used(tmp_path):
 
 def test_stores_without_an_index_open_and_get_one(tmp_path, monkeypatch):
     path = str(tmp_path / "s")
-    monkeypatch.setattr(replay_store, "INDEX_TAIL_SEGMENTS", 10 ** 6)  # what older versions wrote
+    monkeypatch.setattr(commits, "INDEX_TAIL_SEGMENTS", 10 ** 6)  # what older versions wrote
     store = _fill(path, 20)
     assert store.manifest.group_index is None
     want = _sidecar_index(store)
     assert store.group_index().keys == want.keys
     store.close()
-    monkeypatch.setattr(replay_store, "INDEX_TAIL_SEGMENTS", 16)
+    monkeypatch.setattr(commits, "INDEX_TAIL_SEGMENTS", 16)
     with ReplayStore(path, merge_policy=NO_MERGE) as writer:
         writer.extend({"prompt_id": [1], "completion_ids": [[1]]})
         assert writer.manifest.group_index is not None
@@ -186,14 +186,14 @@ def test_manifest_names_the_index_and_refuses_a_foreign_name():
 
 def test_writer_failures_writing_the_index_do_not_fail_the_append(tmp_path, monkeypatch):
     path = str(tmp_path / "s")
-    monkeypatch.setattr(replay_store, "INDEX_TAIL_SEGMENTS", 2)
+    monkeypatch.setattr(commits, "INDEX_TAIL_SEGMENTS", 2)
 
     def broken(*a, **k):
         raise OSError(28, "No space left on device")
 
     with ReplayStore(path, merge_policy=NO_MERGE) as store:
         store.extend({"prompt_id": [1], "completion_ids": [[1]]})
-        monkeypatch.setattr(replay_store, "encode_group_index", broken)
+        monkeypatch.setattr(commits, "encode_group_index", broken)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rows = store.extend({"prompt_id": [2], "completion_ids": [[2]]})

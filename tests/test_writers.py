@@ -265,11 +265,11 @@ def test_a_merge_that_loses_to_another_merge_is_dropped(tmp_path, monkeypatch):
 
     def put(self, src, rel):
         if self is a._committer.storage and rel.startswith(fmt.MANIFEST_DIR) and not b.stats()["commits"] > 1:
-            b._merger.rewrite(b._writer_context(), 0, 4, 1 << 20)  # b merges the same 4 segments first (as an overdue merge would)
+            b._writer.merger.rewrite(b._writer_context(), 0, 4, 1 << 20)  # b merges the same 4 segments first (as an overdue merge would)
         return real(self, src, rel)
 
     monkeypatch.setattr(LocalStorage, "link_new", put)
-    a._merger.merge_small_tail(a._writer_context)
+    a._writer.merger.merge_small_tail(a._writer_context)
     monkeypatch.undo()
     assert a.stats()["dropped_rewrites"] == 1 and a.stats()["conflicts"] == 1
     assert len(a.manifest.segments) == 1 and a.manifest == b.manifest

@@ -1,16 +1,17 @@
 """Appending: an ``extend``'s rows written as segments and committed, exactly once with a token.
 
-:class:`PreparedAppend` is the commit as a value: its files, written and durable, and the
-``ops.Append`` that commits them, rebased by itself on whichever manifest the commit is finally
-based on. :class:`Appender` prepares it and hands it to the one commit loop
-(:meth:`Committer.commit`). :class:`WriterContext` is what the store hands an append or a merge:
-the writer's state when it starts.
+:class:`Appender` writes the segments (:meth:`SegmentWriter.write` returns them) and builds the
+commit as a value (:class:`~.commits.Commit`: its files and the ``ops.Append`` that commits
+them, which the commit loop rebases on whichever manifest it is finally based on), hands it to
+the one commit loop (:meth:`Committer.commit`) and keeps what the published commit says.
+:class:`WriterContext` is what the store hands an append or a merge: the writer's state when it
+starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -18,10 +19,10 @@ import pyarrow as pa
 from .. import format as fmt
 from .._fileio import boot_clock, crash_point
 from ..errors import BatchError
-from ..schema import ColumnSpec, Schema
-from ..segment import PageChecksums
+from ..schema import Schema
 from ..storage import Storage
 from . import ops
+from .commits import Commit, Relocation
 from .committer import Committer
 from .compaction import split
 from .segment_cache import SegmentCache
@@ -49,42 +50,6 @@ class WriterContext:
         return self.options.multi_writer
 
 
-@dataclass
-class PreparedAppend:
-    """An append's segments (written and durable) and how they commit on any base.
-
-    ``entries`` were prepared for rows from ``first``. A relocatable append (segment-local
-    sidecar rows, an append delta) applies to any base as it is; any other has its sidecars
-    rewritten for the base's ``next_row`` when a concurrent commit moved it (:meth:`operation`).
-    ``written`` are its files, the rewritten sidecars included.
-
-    >>> p = PreparedAppend((), 0, 0, None, (), True, [], [], [])
-    >>> p.operation(fmt.Manifest(), None, None, None, False).num_rows
-    0
-    """
-
-    entries: Tuple[fmt.SegmentEntry, ...]
-    first: int
-    num_rows: int
-    token: Optional[fmt.TokenRecord]
-    columns: Tuple[ColumnSpec, ...]
-    relocatable: bool
-    pieces: Sequence[pa.RecordBatch]
-    pages: List[Optional[PageChecksums]]
-    written: List[str]
-
-    def operation(self, base: fmt.Manifest, segments: SegmentWriter, committer: Committer,
-                  options: fmt.StoreOptions, reserves_ids: bool) -> ops.Append:
-        """The ``ops.Append`` that commits these files on ``base``."""
-        if reserves_ids:
-            segments.check_reserved(base, self.entries, self.written)
-        if self.first != base.next_row and not self.relocatable:  # the sidecars record global row ids
-            self.entries = tuple(segments.rebase_sidecars(committer, options, self.entries, self.pieces,
-                                                          self.pages, base.next_row, self.written))
-            self.first = base.next_row
-        return ops.Append(self.entries, self.num_rows, self.token, self.columns, self.relocatable)
-
-
 class Appender:
     """Commits the rows of one ``extend`` (see the module docstring)."""
 
@@ -103,41 +68,32 @@ class Appender:
             rec = committer.find_token(token)
             if rec is not None:
                 return self.replayed(committer, rec, n, dig, lambda: encoded_digest(pieces)), False
-        written: List[str] = []
-        pages: List[Optional[PageChecksums]] = []
-        encoded: List[Any] = []
         started = boot_clock()
-        try:
-            options = fix_schema(self.path, self.storage, committer, at.options, schema, at.reserves_ids)
-            # written and fsynced by the commit, together with the manifest's file (an append delta's
-            # before the race, see Committer._stage_delta); with many writers of full manifests that
-            # raced lately, first, so that a race only redoes the manifest step
-            defer = not at.multi_writer or options.append_deltas or committer.uncontended()
-            entries = self.segments.write(committer, options, m, pieces,
-                                          None if at.reserves_ids else m.next_segment, m.next_row, written, pages,
-                                          defer=defer, encoded=encoded)
-            if not defer:
-                crash_point("segments.synced")
-        except BaseException:
-            committer.discard_pending()
-            committer.remove_files(written)
-            raise
-        prepared = PreparedAppend(tuple(entries), m.next_row, n,
-                                  fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None,
-                                  tuple(schema.pending()), options.append_deltas, pieces, pages, written)
-        result = committer.commit(
-            lambda base: prepared.operation(base, self.segments, committer, options, at.reserves_ids), written,
-            token=token, install=lambda new: at.install(new, options), started=started,
-            rows=lambda new: np.arange(new.next_row - n, new.next_row, dtype=np.int64))
+        options = fix_schema(self.path, self.storage, committer, at.options, schema, at.reserves_ids)
+        # written and fsynced by the commit, together with the manifest's file (an append delta's
+        # before the race, see Committer._stage_delta); with many writers of full manifests that
+        # raced lately, first, so that a race only redoes the manifest step
+        defer = not at.multi_writer or options.append_deltas or committer.uncontended()
+        written = self.segments.write(committer, options, m, pieces, None if at.reserves_ids else m.next_segment,
+                                      m.next_row, defer=defer)
+        if not defer:
+            crash_point("segments.synced")
+        relocatable = options.append_deltas  # segment-local sidecar rows: it applies to any base as it is
+        op = ops.Append(written.entries, n, fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None,
+                        tuple(schema.pending()), relocatable)
+        result = committer.commit(Commit(
+            op, written.files, written.writes, written.dirs, started, at.reserves_ids,
+            None if relocatable else Relocation(options, tuple(pieces), written.checksums, m.next_row)),
+            install=lambda new: at.install(new, options))
         if result.duplicate is not None:
             if result.manifest.generation != m.generation:
                 at.install(result.manifest, at.options)
             return self.replayed(committer, result.duplicate, n, dig, lambda: encoded_digest(pieces)), False
-        new = result.manifest
-        for e, checksums in zip(prepared.entries, pages):  # committed: not read back from its sidecar
+        new, entries = result.manifest, result.commit.entries
+        for e, checksums in zip(entries, written.checksums):  # committed: not read back from its sidecar
             if e.groups_bytes and checksums is not None:
                 self.cache.pages.setdefault(e.id, checksums)
-        self.segments.keep_small(prepared.entries, encoded)
+        self.segments.keep_small(entries, written.encoded)
         at.collect()
         return np.arange(new.next_row - n, new.next_row, dtype=np.int64), True
 

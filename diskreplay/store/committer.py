@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import format as fmt
@@ -25,6 +25,7 @@ from ..errors import (CommitConflictError, CommitNotDurableError, CommitTimeoutE
 from . import ops
 from ..storage import Publisher
 from .collector import Collector
+from .commits import Commit, CommitResult, reserved_twice
 from .tokens import TokenIndex, compact_tokens
 
 MAX_ATTEMPTS = 10_000  # commits a writer retries after losing the race, before giving up
@@ -54,14 +55,6 @@ class CommitStats:
 
     def as_dict(self) -> Dict[str, float]:
         return dict(self.__dict__)
-
-
-@dataclass
-class CommitResult:
-    manifest: fmt.Manifest
-    #: set when the token was already committed: nothing was written, these are its rows
-    duplicate: Optional[fmt.TokenRecord] = None
-    files: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -105,10 +98,6 @@ class Committer:
                             floored=self.floored)
         self._unsynced = False  # the newest commit is visible but manifests/ was not fsynced (see sync)
         self._validated_at = 0.0  # boot_clock() when the base was last found to be the newest commit
-        #: files the next publish writes and fsyncs together with the manifest (and directories
-        #: it fsyncs): an append's segments and sidecars, a rebase's rewritten sidecars
-        self.pending: List[Tuple[str, object, Optional[str]]] = []
-        self.pending_dirs: List[str] = []
         self._linked_t = 0.0  # when the newest publish attempt's link (or rename) returned
         #: counters of this writer's commits published as deltas, not yet in the store's commit_stats
         #: (a delta's file is fixed before its race, so it carries the ones of the commits before it)
@@ -168,18 +157,14 @@ class Committer:
 
     # ------------------------------------------------------------------ committing
 
-    def commit(self, plan: Callable[[fmt.Manifest], ops.Operation], written: List[str], *,
-               token: Optional[str] = None, install: Callable[[fmt.Manifest], None],
-               rows: Callable[[fmt.Manifest], object] = lambda m: None,
-               started: Optional[float] = None) -> CommitResult:
-        """Apply ``plan(base)`` to the newest manifest and publish it; returns the new manifest.
+    def commit(self, commit: Commit, install: Callable[[fmt.Manifest], None]) -> CommitResult:
+        """Publish ``commit`` on the newest manifest, rebased on it (:meth:`Commit.on`) as often as
+        another writer commits first; returns the new manifest and the commit as published.
 
-        ``written`` are this commit's files (removed when it does not happen),
-        first written at ``boot_clock()`` ``started``.
-        ``install`` makes the new manifest the caller's state; it is called as
-        soon as the commit is visible, even if making it durable then fails
-        (:class:`CommitNotDurableError`, whose ``rows`` is ``rows(new)``): a
-        writer must never reuse a visible commit's generation, ids or rows.
+        ``commit.files`` are removed when it does not happen. ``install`` makes the new manifest
+        the caller's state; it is called as soon as the commit is visible, even if making it
+        durable then fails (:class:`CommitNotDurableError`, whose ``rows`` are
+        ``commit.rows(new)``): a writer must never reuse a visible commit's generation, ids or rows.
         """
         self.require_known_state()
         self._in_doubt = None  # many writers: the base read below finds that commit if it landed
@@ -187,13 +172,14 @@ class Committer:
         # be named by a real commit (collected since, its later generations inheriting them), so this
         # commit never removes them; if they are in fact unnamed, clean-up collects them as orphans
         self._maybe_named = False
+        token, started = commit.token, commit.started
         # the commit began when its first data file was written (``started``), if it wrote any
         race = _Race(time.perf_counter(), max(0.0, boot_clock() - started) if started is not None else 0.0)
         delta: Optional[Tuple[fmt.Delta, bytes]] = None  # made once: a lost race links the same file again
         base = self.manifest
         try:
             if self.multi_writer and self.options.append_deltas:
-                delta = self._stage_delta(plan)
+                commit, delta = self._stage_delta(commit)
             # many writers: plan on the newest commit now, after the data (and an append's delta) is
             # written and durable, so that the race window is the manifest step alone (a delta's: a link)
             base = self.newest() if self.multi_writer else self.manifest
@@ -205,15 +191,18 @@ class Committer:
                     dup = self.tokens.find(base, token)
                     if dup is not None:
                         if not self._maybe_named:
-                            self.remove_files(written)
+                            self.remove_files(commit.removable(self.manifest))
                         self.manifest = base
                         return CommitResult(base, duplicate=dup)
                 self._check_age(started)
-                new, data, logs, checkpoint = self._next_manifest(base, plan(base), delta, race, written)
-                if self._publish(new, data, install, rows, token is not None):
+                commit = self._on(commit, base)
+                new, data, commit, logs, checkpoint = self._next_manifest(base, commit, delta, race)
+                published, commit = commit, commit.published()  # written, whatever the outcome
+                if self._publish(new, data, published, install, token is not None):
                     self._won(new, checkpoint, race)
                     break
-                base = self._lost(base, new, checkpoint, logs, written, race)
+                base = self._lost(base, new, checkpoint, logs, race)
+                commit = commit.without(logs)
             else:
                 raise ops.Conflict(f"gave up committing to {self.storage.url} after {MAX_ATTEMPTS} "
                                    "lost races")
@@ -222,22 +211,30 @@ class Committer:
             raise
         except BaseException:
             if self.manifest.generation == base.generation and self._in_doubt is None and not self._maybe_named:
-                self.remove_files(written)  # not committed: its files are garbage
+                self.remove_files(commit.removable(self.manifest))  # not committed: its files are garbage
             raise
         finally:
             self.storage.discard_staged()
-            self.discard_pending()  # a duplicate token or an error: never written
             self.storage.release_leases()  # published, or removed (or in doubt: then clean-up decides)
             self._count_time(race)
         self.stats.commits += 1
         self.stats.rebases += race.attempt > 0
         self._since_conflict = 0 if race.attempt else self._since_conflict + 1
-        return CommitResult(new, files=written)
+        return CommitResult(new, commit)
 
-    def _next_manifest(self, base: fmt.Manifest, op: ops.Operation, delta: Optional[Tuple[fmt.Delta, bytes]],
-                       race: "_Race", written: List[str]) -> Tuple[fmt.Manifest, bytes, List[str], bool]:
-        """The manifest this attempt publishes on ``base``: ``(manifest, its bytes, token logs it
-        wrote, whether it is a checkpoint made instead of the staged delta)``.
+    def _on(self, commit: Commit, base: fmt.Manifest) -> Commit:
+        """``commit`` rebased on ``base``, refused where ``base`` names one of its segment ids already
+        (their files are kept: :meth:`Commit.removable`)."""
+        taken = commit.taken(base)
+        if taken:
+            raise reserved_twice(self.storage.url, taken[0])
+        return commit.on(base)
+
+    def _next_manifest(self, base: fmt.Manifest, commit: Commit, delta: Optional[Tuple[fmt.Delta, bytes]],
+                       race: "_Race") -> Tuple[fmt.Manifest, bytes, Commit, List[str], bool]:
+        """The manifest this attempt publishes on ``base``: ``(manifest, its bytes, the commit with the
+        files this attempt adds, the token logs (and segment table) it wrote before the publish,
+        whether it is a checkpoint made instead of the staged delta)``.
 
         A full manifest (a checkpoint) once the base is this writer's depth past one; after a lost
         race, the delta made before it as long as the chain stays short enough (the checkpoint is
@@ -248,36 +245,43 @@ class Committer:
                                   or (race.attempt and base.depth < MAX_DELTA_DEPTH)):
             # (a rewrite delta raises ops.Conflict once the base no longer holds its segments)
             race.publish_t = time.perf_counter()
-            return delta[0].apply(base, self.options), delta[1], [], False
-        new = ops.apply(base, op, self.options).evolve(depth=0)
+            return delta[0].apply(base, self.options), delta[1], commit, [], False
+        new = ops.apply(base, commit.op, self.options).evolve(depth=0)
         new, logs = compact_tokens(new, self.tokens, self._write_token_log)
-        written += logs
+        commit = commit.adding(logs)
         race.publish_t = time.perf_counter()
         if self.multi_writer:
             new = self._count(base, new, race)
         if len(new.segments) >= fmt.SEGMENT_TABLE_MIN:
-            new = self._with_segment_table(new)
-            logs = logs + [new.segment_table.file]  # (a lost race removes it with the token logs)
-            written.append(new.segment_table.file)
-        return new, new.file_bytes(), logs, delta is not None
+            try:
+                new, table, with_manifest = self._with_segment_table(new)
+            except BaseException:
+                if not self._maybe_named:
+                    self.remove_files(logs)  # not committed (the loop removes the commit's other files)
+                raise
+            commit = commit.adding([table.file], *with_manifest)
+            logs = logs + [table.file]  # (a lost race removes it with the token logs)
+        return new, new.file_bytes(), commit, logs, delta is not None
 
-    def _with_segment_table(self, new: fmt.Manifest) -> fmt.Manifest:
-        """``new`` naming a segment table of its segments (docs/FORMAT.md, "Segment tables"), which
-        is written with the manifest (one writer) or before it, under the first free id from its
-        generation on, created only if absent (many writers, object storage: never another
-        writer's table)."""
+    def _with_segment_table(self, new: fmt.Manifest) -> Tuple[fmt.Manifest, fmt.SegmentTableEntry,
+                                                                Tuple[Tuple[Any, ...], Tuple[str, ...]]]:
+        """``new`` naming a segment table of its segments (docs/FORMAT.md, "Segment tables"), the
+        table's entry, and ``(writes, dirs)`` the publish makes durable with the manifest: the
+        table one writer writes there; many writers (and object storage) write it before, under
+        the first free id from its generation on, created only if absent (never another writer's
+        table)."""
         table = fmt.SegmentTable.of(new.segments)
         data = fmt.table_bytes(table)
         if self.multi_writer or not self.storage.exclusive_lock:
             self.storage.ensure_dir(fmt.GROUPS_DIR)
             table_id, _ = self.storage.link_candidates(fmt.segment_table_file, data, new.generation)
             self.storage.sync_dir(fmt.GROUPS_DIR)
+            with_manifest: Tuple[Tuple[Any, ...], Tuple[str, ...]] = ((), ())
         else:  # one writer, one commit per generation: a fresh name, written and made durable with the manifest
             table_id = new.generation
-            self.pending.append((fmt.segment_table_file(table_id), data, "groups"))
-            self.pending_dirs.append(fmt.GROUPS_DIR)
+            with_manifest = (((fmt.segment_table_file(table_id), data, "groups"),), (fmt.GROUPS_DIR,))
         entry = fmt.SegmentTableEntry(table_id, len(data), crc32c(data), len(table))
-        return new.evolve(segments=table, segment_table=entry)
+        return new.evolve(segments=table, segment_table=entry), entry, with_manifest
 
     def _won(self, new: fmt.Manifest, checkpoint: bool, race: "_Race") -> None:
         """After a publish: a delta's own counters ride in this writer's next commit."""
@@ -290,7 +294,7 @@ class Committer:
         if checkpoint:
             self._checkpoint_deferred, self._lost_checkpoint_at = 0, -1
 
-    def _lost(self, base: fmt.Manifest, new: fmt.Manifest, checkpoint: bool, logs: List[str], written: List[str],
+    def _lost(self, base: fmt.Manifest, new: fmt.Manifest, checkpoint: bool, logs: List[str],
               race: "_Race") -> fmt.Manifest:
         """Another writer took ``new``'s generation: drop what this attempt wrote, back off, and
         return the newest manifest to rebase on. The data files are written and durable already;
@@ -307,7 +311,6 @@ class Committer:
             race.lost_at = self._linked_t
         self.stats.conflicts += 1
         for rel in logs:
-            written.remove(rel)
             self.storage.delete(rel)
         if race.attempt:  # the first retry goes at once: the winner's manifest is there to read
             time.sleep(random.uniform(0, race.delay))
@@ -334,27 +337,23 @@ class Committer:
         self.stats.manifest_seconds += spent
         self.stats.commit_seconds += spent + race.before
 
-    def discard_pending(self) -> None:
-        """Forget the files the next publish was to write (written now, or never)."""
-        self.pending, self.pending_dirs = [], []
-
-    def _stage_delta(self, plan: Callable[[fmt.Manifest], ops.Operation]) -> Optional[Tuple[fmt.Delta, bytes]]:
+    def _stage_delta(self, commit: Commit) -> Tuple[Commit, Optional[Tuple[fmt.Delta, bytes]]]:
         """An append's (or, format v5, a rewrite's) delta, written and made durable with its data
-        before the race (it does not depend on the base): ``(delta, its bytes)``, or None for
-        another operation. It is published as it is unless the base turns out ``_checkpoint_at``
-        deltas deep (then the commit writes a full manifest)."""
-        op = plan(self.manifest)
+        before the race (it does not depend on the base): ``(the commit, its writes written, (delta,
+        its bytes))``, or no delta for another operation. It is published as it is unless the base
+        turns out ``_checkpoint_at`` deltas deep (then the commit writes a full manifest)."""
+        commit = self._on(commit, self.manifest)
+        op = commit.op
         # (a merge as a full manifest raced with a longer write and lost to the small commits around
         # it: 1.6 lost races per merge with 4 writers; its delta races for a link)
         if not (isinstance(op, ops.Append) and op.relocatable
                 or isinstance(op, ops.Rewrite) and self.options.inline_groups):
-            return None
+            return commit, None
         d = op.delta({"commits": 1, **self._unreported})
         data = fmt.signed_bytes(d.body())
-        files, dirs = self.pending, self.pending_dirs
-        self.pending, self.pending_dirs = [], []
-        self.storage.stage(fmt.MANIFEST_DIR, data, files, dirs, step="manifest")
-        return d, data
+        staged, commit = commit, commit.published()
+        self.storage.stage(fmt.MANIFEST_DIR, data, staged.writes, staged.dirs, step="manifest")
+        return commit, (d, data)
 
     def _count(self, base: fmt.Manifest, new: fmt.Manifest, race: "_Race") -> fmt.Manifest:
         """``new`` with this commit (and this writer's earlier deltas' owed counters) added to the store's
@@ -375,10 +374,11 @@ class Committer:
                                f"retain_seconds ({self.retain_seconds} s); its files may be collected by other "
                                "writers, so it is abandoned (nothing was committed; retry it)")
 
-    def _publish(self, new: fmt.Manifest, data: bytes, install, rows, tokened: bool = False) -> bool:
+    def _publish(self, new: fmt.Manifest, data: bytes, commit: Commit, install, tokened: bool = False) -> bool:
+        """Publish ``new`` (bytes ``data``) with ``commit``'s writes; False: another writer took its
+        generation (or it filled a collected slot)."""
         rel = new.file
-        files, dirs = self.pending, self.pending_dirs
-        self.pending, self.pending_dirs = [], []  # written and durable after this, whatever the outcome
+        files, dirs, rows = commit.writes, commit.dirs, commit.rows
         t = boot_clock()
         try:
             linked = self.storage.publish(rel, data, files, dirs, exclusive=self.multi_writer, step="manifest")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,7 @@ from ..errors import CorruptStoreError
 from ..groups import GroupIndex
 from ..segment import prefetch_files
 from ..format.sidecars import read_group_index
+from .reading import index_of_column
 from .segment_cache import ReadView, SegmentCache
 
 __all__ = ["GroupIndexes"]
@@ -42,6 +43,17 @@ class GroupIndexes:
         self.own_end = 0
         #: key -> (generation, index): the indexes served, each valid for its generation
         self.by_key: Dict[Optional[str], Tuple[int, GroupIndex]] = {}
+
+    def served(self, key: Optional[str], generation: Callable[[], int], build: Callable[[], GroupIndex]
+               ) -> GroupIndex:
+        """The index by ``key`` of the current commit (``generation()``): the one served for it
+        already, else ``build()``'s (kept for the generation current once it is built)."""
+        hit = self.by_key.get(key)
+        if hit is not None and hit[0] == generation():
+            return hit[1]
+        gi = build()
+        self.by_key[key] = (generation(), gi)
+        return gi
 
     def keep_valid(self, next_row: int) -> None:
         """After a commit: the index of rows still live stays valid (new rows are indexed lazily);
@@ -96,3 +108,12 @@ class GroupIndexes:
         self.cache.index_pages = pages
         # every row of the file is at least first_row: with no eviction since, nothing to drop or scan
         return GroupIndex(keys, rows, offsets, min_row=e.first_row).evicted(m.head), e.end_row
+
+
+def column_index(values: Any, ids: np.ndarray, head: int, holes: bool) -> GroupIndex:
+    """The groups of the live rows ``ids`` (from ``head``) by their ``values`` of a per-row column."""
+    gi = index_of_column(values, head)
+    if not holes:
+        return gi
+    # the index counts positions from head; the rows after a hole have larger ids
+    return GroupIndex(gi.keys, ids[gi.rows - head], gi.offsets, min_row=head)

@@ -8,7 +8,7 @@ is the pure :meth:`MergePolicy.windows`.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -19,7 +19,8 @@ from ..storage import Storage
 from . import ops
 from .segment_cache import ReadView, SegmentCache
 from .appending import WriterContext
-from .writing import SegmentWriter, dirs_of
+from .commits import Commit
+from .writing import FileToWrite, SegmentWriter, dirs_of
 
 # a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
 # advising and faulting in a small segment costs more than the copy (merged inputs are < MERGE_MAX_BYTES)
@@ -50,7 +51,9 @@ class Merger:
         started = boot_clock()
         # (many writers racing with full manifests: the data goes first, so that a race is the manifest's alone)
         defer = defer and (not at.multi_writer or at.options.inline_groups or committer.uncontended())
-        written: List[str] = []
+        files: List[str] = []  # the files this merge created (removed if it fails before its commit)
+        writes: List[FileToWrite] = []  # deferred: written and made durable with its manifest
+        dirs: List[str] = []
         entries: List[fmt.SegmentEntry] = []
         pending: List[pa.RecordBatch] = []
         pending_bytes = 0
@@ -61,9 +64,12 @@ class Merger:
             if not pending:
                 return
             record = concat_batches(pending) if len(pending) > 1 else pending[0]
-            entries.extend(self.segments.write(committer, at.options, m, [record],
-                                               None if at.reserves_ids else seg_id, first, written,
-                                               sync_dirs=defer, defer=defer))
+            written = self.segments.write(committer, at.options, m, [record], None if at.reserves_ids else seg_id,
+                                          first, sync_dirs=defer, defer=defer)
+            entries.extend(written.entries)
+            files.extend(written.files)
+            writes.extend(written.writes)
+            dirs.extend(written.dirs)
             first += record.num_rows
             seg_id += 1
             pending, pending_bytes = [], 0
@@ -83,19 +89,35 @@ class Merger:
                 committer.storage.write_files([], dirs_of(entries, committer.storage))
                 crash_point("segments.synced")
         except BaseException:
-            committer.discard_pending()
-            committer.remove_files(written)
+            committer.remove_files(files)
             raise
-        op = ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries))
-
-        def plan(base: fmt.Manifest) -> ops.Operation:
-            if at.reserves_ids:
-                self.segments.check_reserved(base, entries, written)
-            return op
-
-        result = committer.commit(plan, written, started=started, install=lambda new: at.install(new, at.options))
+        commit = Commit(ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries)), tuple(files), tuple(writes),
+                        tuple(dirs), started, at.reserves_ids)
+        result = committer.commit(commit, install=lambda new: at.install(new, at.options))
         at.collect()
         return result.manifest
+
+    def compact(self, context: Callable[[], WriterContext], target_bytes: int) -> Dict[str, int]:
+        """``compact``'s rewrite of the live rows into segments of about ``target_bytes``, a commit per
+        run of consecutive rows; ``context`` gives the writer's state before each. Returns the segment
+        counts and bytes before and after."""
+        m = context().manifest
+        before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
+        new = m
+        # a rewrite holds consecutive rows: a store with holes (repair) is rewritten run by run between them
+        for run in runs(m.segments):
+            at = context()
+            segs = at.manifest.segments
+            ids = [s.id for s in segs]
+            if run[0] not in ids:
+                continue  # another writer merged it meanwhile
+            start = ids.index(run[0])
+            stop = start + len(run)
+            # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
+            if stop - start == 1 and segs[start].first_row >= at.manifest.head:
+                continue
+            new = self.rewrite(at, start, stop, target_bytes)
+        return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
 
     def copy_source(self, at: WriterContext, entry: fmt.SegmentEntry) -> pa.RecordBatch:
         """The rows of a segment that a merge or ``compact`` copies, every byte checked against the
@@ -154,6 +176,22 @@ class Merger:
         if not at.multi_writer or self.segments.is_own(owner.id):
             return True
         return segs[-1].end_row - owner.end_row > policy.fanin * policy.ratio * segs[stop - 1].num_rows
+
+
+def runs(segments: Sequence[fmt.SegmentEntry]) -> List[List[int]]:
+    """The ids of ``segments`` in runs of consecutive rows (one run unless the store has holes).
+
+    >>> runs([fmt.SegmentEntry(i, first, 2, 10, 0, 0, 0, None) for i, first in ((0, 0), (1, 2), (2, 6))])
+    [[0, 1], [2]]
+    """
+    out: List[List[int]] = []
+    end = None
+    for s in segments:
+        if end is None or s.first_row != end:
+            out.append([])
+        out[-1].append(s.id)
+        end = s.end_row
+    return out
 
 
 def concat_batches(batches: Sequence[pa.RecordBatch]) -> pa.RecordBatch:

@@ -1,14 +1,10 @@
 """``ReplayStore``: the crash-safe, unpadded, memory-mapped rollout store (the facade).
 
-Rows get global ids that only grow. Live rows are ``[head, next_row)``;
-capacity eviction moves ``head`` and drops segments wholly below it. Each
-``extend`` is one commit: new segment files, then a new manifest, published by
-the one commit path in ``committer.py`` (see ``docs/FORMAT.md`` for the
-protocol and its guarantees). This module turns calls into operation values
-(``ops.py``), keeps the segment cache and the group codes, and reads.
-
-The facade: the public methods and their documented examples, each delegating to a part
-of this package (opening, appending, merging, states, segment_cache, group_views).
+Rows get global ids that only grow; live rows are ``[head, next_row)``. Each ``extend`` is one
+commit (docs/FORMAT.md): the writing side (``writer``) builds it as a value (``commits``) and the
+one commit loop (``committer``) publishes it. This module holds the public methods and their
+examples, each delegating to a part of this package (opening, writer, views, states,
+segment_cache, group_views, consumers); no part imports it.
 
 One module: a store's whole public API, each method with its example; about a third of it
 is those docstrings, the work is in the parts it delegates to.
@@ -17,7 +13,6 @@ is those docstrings, the work is in the parts it delegates to.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 import warnings
@@ -27,47 +22,30 @@ import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock, boot_clock, crc32c
-from ..errors import (ArgumentError, ColumnNotFoundError, DiskReplayError, ReadOnlyError, SchemaError, StoreClosedError, StoreLockedError, StoreNotFoundError)
+from .._fileio import WriterLock
+from ..errors import ArgumentError, ReadOnlyError, StoreClosedError, StoreLockedError
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
-from ..format.sidecars import encode_group_index
 from ..format.states import encode_state, read_state_file
-from .states import write_state_file
-from . import ops
+from .commits import INDEX_TAIL_SEGMENTS, state_commit  # noqa: F401 (INDEX_TAIL_SEGMENTS: the store's constant)
 from .committer import Committer
 from .consumers import DEAD_AFTER_S, INCOMPLETE_AFTER_S, Consumer, consumers, wait_for_consumers
 from .compaction import MergePolicy
-from .reading import index_of_column
-from .group_views import GroupIndexes
-from .merging import Merger
-from .appending import Appender, WriterContext
+from .group_views import GroupIndexes, column_index
+from .appending import WriterContext
 from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import LocalStorage, open_storage
 from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, open_store, writer_id
-from .writing import SegmentWriter, after_schema_race
+from .views import (STALE_RETRIES, collected_under_snapshot, following, groupable, live_rows,  # noqa: F401
+                    locked, newer_commit, no_group_key, resolve_columns, schema_of, stats)
+from .writer import Writer, checked_token, committed_rows, token_rows
+from .writing import after_schema_race
 
 _UNSET: Any = UNSET
 T = TypeVar("T")
-STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
-# A single writer persists the group index (docs/FORMAT.md, "Group index") once this many segments
-# were committed past the rows it covers: a reopened store then reads one index file and at most
-# this many sidecars, whatever its size, while the rewrites cost about one index per 16 commits.
-INDEX_TAIL_SEGMENTS = 16
-
-
-def _locked(method):
-    """Run a method under the store's re-entrant lock (a loader thread reads while the trainer appends);
-    refused once the store is closed."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.lock:
-            self._require_open()
-            return method(self, *args, **kwargs)
-    return wrapper
 
 
 def _reopen(path: str, generation: Optional[int], verify_reads: bool, storage_args: Tuple[Any, ...] = (None, None, None)
@@ -102,27 +80,14 @@ class ReplayStore:
     default is one writer at a time, holding an exclusive lock.
     ``merge_policy`` says when small segments are merged (:class:`MergePolicy`).
 
-    ``fsync=False`` makes this process's commits without ``fsync``: they stay
-    atomic and survive the process's death (SIGKILL, the OOM killer: the kernel
-    holds the bytes), but a power loss or kernel crash may lose the newest
-    commits or leave them naming data that never reached the disk
-    (``diskreplay verify`` finds it, ``diskreplay repair`` drops the rows of
-    files that are missing or damaged and keeps the rest). It is not stored: each writer chooses. Lance's and
-    Delta's appends make no fsync either; ``tools/bench.py writers`` measures
-    both settings against them. Object stores ignore it (a PUT is durable).
+    ``fsync=False`` makes this process's commits without ``fsync``: atomic and
+    safe against the process's death, not against a power loss (not stored:
+    each writer chooses; docs/FORMAT.md, "Writers without fsync").
 
     ``path`` may be ``s3://bucket/prefix`` (``pip install 'diskreplay[s3]'``):
-    the same format in an S3-compatible object store. ``storage_options``
-    configure its client (``endpoint``, ``access_key_id``,
-    ``secret_access_key``, ``region``, ...; the ``AWS_*`` environment
-    variables are used for what is not given); segments are read through a
-    local cache of at most ``cache_bytes`` in ``cache_dir`` (default: a
-    private temporary directory, removed on close; the ones of processes
-    killed before closing are removed by the next private cache made),
-    fetching only the pages a read needs.
-    There is no lock on an object store: every commit is a conditional PUT,
-    so a second writer of a single-writer store fails at its commit instead
-    of overwriting (docs/FORMAT.md, "Object storage").
+    ``storage_options`` configure its client, segments are read through a local
+    cache of at most ``cache_bytes`` in ``cache_dir``, and every commit is a
+    conditional PUT (docs/scale-out.md; docs/FORMAT.md, "Object storage").
 
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
@@ -164,22 +129,17 @@ class ReplayStore:
         self._cache = SegmentCache(self.storage, self.path, verify_reads)
         #: the group indexes this store serves (its own key's, brought forward commit by commit)
         self._groups = GroupIndexes(self._cache)
-        #: this writer's segment files: the ids it reserved, the bytes of its newest small segments
-        self._segments = SegmentWriter(self.path, merge_policy if merge_policy is not None else MergePolicy())
-        #: the merges of small segments after an append, and compact's rewrite
-        self._merger = Merger(self.storage, self._segments, self._cache)
-        #: an extend's segments written and committed
-        self._appender = Appender(self.path, self.storage, self._segments, self._cache)
+        #: the commits this store writes (appends, merges, states, group indexes), and its segment files
+        self._writer = Writer(self.path, self.storage, self._cache,
+                              merge_policy if merge_policy is not None else MergePolicy())
+        self._segments = self._writer.segments
+        self._late_schema: List[Any] = []  # the schema of the last commit with late columns (views.schema_of)
         self.recovered_from: List[str] = []
         requested = Requested(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
         try:
             opened = open_store(self.storage, requested, readonly=readonly, generation=generation)
-        except BaseException:
-            self.close()
-            raise
-        self.options, self.manifest, self.recovered_from = opened.options, opened.manifest, opened.recovered_from
-        self._writer_lock = opened.writer_lock
-        try:
+            self.options, self.manifest, self.recovered_from = opened.options, opened.manifest, opened.recovered_from
+            self._writer_lock = opened.writer_lock
             if self.recovered_from:
                 warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
                               f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
@@ -295,20 +255,7 @@ class ReplayStore:
     def schema(self) -> Optional[Schema]:
         """The stored columns (None until the first row is committed): those of the first
         commit, then the late ones of the current commit (``schema.late``)."""
-        return self._schema_of(self.manifest, self.options)
-
-    def _schema_of(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> Optional[Schema]:
-        if self.readonly and not manifest.next_row:
-            # a reader of a commit before the first row (generation 0, pinned or not): a schema
-            # on storage is a later commit's (or a first append's that crashed), not this one's
-            return None
-        if not manifest.late_columns:
-            return options.schema
-        hit = getattr(self, "_late_schema", None)
-        if hit is None or hit[0] is not manifest or hit[1] is not options.schema:
-            hit = self._late_schema = (manifest, options.schema,
-                                       fmt.store_schema(options.schema, manifest.late_columns, manifest.file))
-        return hit[2]
+        return schema_of(self.manifest, self.options, self.readonly, self._late_schema)
 
     @property
     def columns(self) -> List[str]:
@@ -347,11 +294,7 @@ class ReplayStore:
 
     def row_ids(self) -> np.ndarray:
         """Ids of all live rows, oldest first (none of a hole: see :attr:`holes`)."""
-        m = self.manifest
-        rows = np.arange(m.head, m.next_row, dtype=np.int64)
-        for a, b in reversed(m.holes):
-            rows = np.delete(rows, np.s_[a - m.head:b - m.head])
-        return rows
+        return live_rows(self.manifest)
 
     @property
     def holes(self) -> Tuple[Tuple[int, int], ...]:
@@ -381,18 +324,13 @@ class ReplayStore:
         ...     store.stats()["commits"], store.stats()["conflicts"]
         (1, 0)
         """
-        out: Dict[str, Any] = self._committer.stats.as_dict() if self._committer is not None else {}
-        out.update(generation=self.generation, segments=len(self.manifest.segments), multi_writer=self.multi_writer)
-        if self.storage.cached:
-            out["cache"] = self.storage.cache_stats().to_dict()
-        return out
+        counters = self._committer.stats.as_dict() if self._committer is not None else None
+        return stats(counters, self.manifest, self.multi_writer, self.storage)
 
     def snapshot(self, generation: Optional[int] = None) -> "ReplayStore":
-        """A read-only store pinned at the current generation (or at ``generation``, while it is
-        retained), opened with this store's options (storage options, cache, ``verify_reads``):
-        it never refreshes, so every read is of this commit (while its files are retained:
-        ``retain_seconds`` in a multi-writer store, ``KEEP_MANIFESTS`` commits otherwise).
-        Picklable; a context manager.
+        """A read-only store pinned at the current generation (or at ``generation``), opened with
+        this store's options: it never refreshes (docs/FORMAT.md, "Snapshots"). Picklable; a
+        context manager.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -406,59 +344,27 @@ class ReplayStore:
         return _reopen(self.path, self.generation if generation is None else generation, self.verify_reads,
                        self._storage_args)
 
-    @_locked
+    @locked
     def refresh(self) -> bool:
         """Load the newest commit (for a reader following a writer); True if it changed.
 
         Never goes back: a commit older than the one held is ignored. A pinned
         store (``snapshot()``, ``generation=N``) never refreshes.
         """
-        if self._pinned:
+        newer = None if self._pinned else newer_commit(self.storage, self.manifest, self.options)
+        if newer is None:
             return False
-        if not self.storage.reliable_listing:
-            # commits present above a present one are contiguous: if the next one is
-            # absent and ours is still there, nothing is newer (one or two HEADs)
-            gen = self.manifest.generation
-            if not self.storage.exists(fmt.manifest_file(gen + 1)) and gen and \
-                    self.storage.exists(fmt.manifest_file(gen)):
-                return False
-        m, _ = fmt.load_newest_manifest(self.storage, known=self.manifest, options=self.options)
-        if m.generation <= self.manifest.generation:
-            return False
-        # the schema is fixed by the first committed row: until then a writer may rewrite FORMAT.json
-        fixed = self.options.schema is not None and self.manifest.next_row > 0
-        self._install(m, self.options if fixed else fmt.StoreOptions.read(self.storage))
+        m, options = newer
+        self._install(m, options)
         if self._committer is not None:
             self._committer.manifest = m
         return True
 
     def _following(self, action: Callable[[], T]) -> T:
-        """Run ``action``; in a reader that fell more than ``KEEP_MANIFESTS`` commits
-        behind its writer (whose clean-up removed a file the held commit names),
-        catch up to the newest commit and run it again."""
-        for _ in range(STALE_RETRIES):
-            try:
-                return action()
-            except FileNotFoundError as exc:
-                if self._pinned and not isinstance(exc, DiskReplayError):
-                    raise self._collected_under_snapshot(exc) from exc
-                if not (self.readonly or self.multi_writer) or not self.refresh():
-                    raise
-        return action()
-
-    def _collected_under_snapshot(self, exc: FileNotFoundError) -> StoreNotFoundError:
-        """A pinned generation whose files the writer's clean-up removed: what to do about it."""
-        retain = self.options.retain_seconds
-        if retain:
-            kept = f"this store keeps a superseded commit {retain} s; hold a snapshot for less than that"
-        else:
-            kept = (f"a single-writer store keeps only its newest {fmt.KEEP_MANIFESTS} commits unless created with "
-                    "retain_seconds=S; to read one commit for longer (an export, a pinned snapshot) while a writer "
-                    "goes on, stop the writer meanwhile, or convert the store to many writers, which keep "
-                    f"superseded commits an hour (`diskreplay compact --multi-writer {self.path}`)")
-        return StoreNotFoundError(
-            f"generation {self.generation} of {self.path}, which this reader is pinned at, is no longer retained: "
-            f"the writer's clean-up removed {exc.filename or exc} ({kept})")
+        """Run ``action``, catching up where a writer's clean-up outran this reader (:func:`views.following`)."""
+        return following(action, self._pinned, self.readonly or self.multi_writer, self.refresh,
+                         lambda exc: collected_under_snapshot(self.path, self.generation,
+                                                              self.options.retain_seconds, exc))
 
     def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
         self._cache.forget_dead(manifest)
@@ -488,29 +394,20 @@ class ReplayStore:
         if m.generation != self.manifest.generation or options is not self.options:
             self._install(m, options)
 
-    @_locked
+    @locked
     def extend(self, batch: Mapping[str, Any], *, token: Optional[str] = None) -> np.ndarray:
         """Append a batch of rows in one atomic, durable commit; returns their row ids.
 
-        Accepts TRL's padded layout (``prompt_ids``/``prompt_mask`` left-padded,
-        ``completion_ids``/``completion_mask`` and per-token columns right-padded,
-        per-row columns ``[B]``), the ragged layout (lists of 1-D arrays), or Arrow:
-        a ``pyarrow.Table``/``RecordBatch`` or a mapping of pyarrow arrays (list
-        columns are ragged, null rows "not computed"; fixed-size lists are vectors).
-        Padding is stripped with the masks; ``None`` columns mean "not computed".
-        A nullable column the store lacks (ragged, or per-row float) is added
-        in this commit; older rows read "not computed" there (docs/FORMAT.md,
-        "Late columns"). Bad input raises ``ValueError`` naming the column and
-        row and writes nothing.
+        Accepts TRL's padded layout, the ragged layout (lists of 1-D arrays) or Arrow; padding
+        is stripped with the masks, ``None`` columns mean "not computed", and a nullable column
+        the store lacks is added in this commit (docs/batches.md, "What goes in"; docs/FORMAT.md,
+        "Late columns"). Bad input raises ``ValueError`` naming the column and row and writes nothing.
 
-        ``token`` (a non-empty str the caller makes unique per logical batch, e.g.
-        ``f"{worker}:{step}"``) makes the append exactly-once: an ``extend`` whose
-        token is already committed writes nothing and returns the rows it got
-        first (across processes, restarts and writers; while any of its rows is
-        live and for at least the newest 100,000 commits). Reusing a token for a
-        different batch is a ``ValueError``. An error after the commit point is
-        :class:`~diskreplay.errors.CommitNotDurableError` (its ``.rows`` are
-        committed): retry with the same token, never without one.
+        ``token`` (a str unique per logical batch, e.g. ``f"{worker}:{step}"``) makes the append
+        exactly-once: an ``extend`` whose token is committed writes nothing and returns the rows
+        it got first (docs/FORMAT.md, "Exactly-once tokens"). An error after the commit point is
+        :class:`~diskreplay.errors.CommitNotDurableError` (its ``.rows`` are committed): retry
+        with the same token, never without one.
 
         >>> import tempfile, torch
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -531,49 +428,25 @@ class ReplayStore:
         token = check_token(token)
         if self.multi_writer:
             self._catch_up()
-            schema = self.schema
-        else:
-            # Until a row is committed the schema is not fixed: FORMAT.json may hold
-            # one from a first append that crashed before its manifest.
-            schema = self.schema if self.next_row else None
-        record, schema = normalize_batch(batch, schema, self.group_key)
+        # until a row is committed the schema is not fixed: FORMAT.json may hold one from a first
+        # append that crashed before its manifest
+        record, schema = normalize_batch(batch, self.schema if self.multi_writer or self.next_row else None,
+                                         self.group_key)
+
         def again() -> np.ndarray:
             # another writer's first append fixed the schema first: this batch must fit it
             self.options = fmt.StoreOptions.read(self.storage)
-            fitted, fixed = normalize_batch(batch, self.schema, self.group_key)
-            return self._append(fitted, fixed, token)
+            return self._append(*normalize_batch(batch, self.schema, self.group_key), token)
 
         return after_schema_race(lambda: self._append(record, schema, token), again)
 
     def _append(self, record: pa.RecordBatch, schema: Schema, token: Optional[str]) -> np.ndarray:
-        rows, appended = self._appender.commit(self._writer_context(), record, schema, token)
-        if not appended:
-            return rows
-        try:
-            self._merger.merge_small_tail(self._writer_context)
-        except Exception as exc:
-            # the append is committed: the merge is an optimisation, retried after the next one
-            warnings.warn(f"{self.path}: merging small segments failed ({type(exc).__name__}: {exc}); the "
-                          "store is intact and the merge is retried later", RuntimeWarning, stacklevel=3)
-        try:
-            self._persist_group_index()
-        except Exception as exc:
-            warnings.warn(f"{self.path}: writing the group index failed ({type(exc).__name__}: {exc}); the "
-                          "store is intact (readers use the group sidecars) and it is retried after the next "
-                          "append", RuntimeWarning, stacklevel=3)
-        return rows
+        return self._writer.append(self._writer_context, record, schema, token, self._persist_group_index)
 
     def _collect(self) -> None:
-        try:
-            self._committer.collect()
-        except OSError as exc:
-            # the commit stands: raising would invite a retry that appends the rows twice
-            warnings.warn(f"{self.path}: generation {self.generation} is committed, but removing files it no "
-                          f"longer needs failed ({exc}); the next writer open removes them", RuntimeWarning,
-                          stacklevel=4)
+        self._writer.collect(self._committer, self.generation)
 
-
-    @_locked
+    @locked
     def compact(self, target_bytes: int = 64 << 20, *, multi_writer: Optional[bool] = None) -> Dict[str, int]:
         """Rewrite the live rows into fewer, larger segments in one commit.
 
@@ -600,22 +473,7 @@ class ReplayStore:
         if self.multi_writer:
             self._catch_up()
         self._trim_cache()
-        m = self.manifest
-        before = {"segments_before": len(m.segments), "bytes_before": m.nbytes}
-        new = m
-        # a rewrite holds consecutive rows: a store with holes (repair) is rewritten run by run between them
-        for run in _runs(m.segments):
-            segs = self.manifest.segments
-            ids = [s.id for s in segs]
-            if run[0] not in ids:
-                continue  # another writer merged it meanwhile
-            start = ids.index(run[0])
-            stop = start + len(run)
-            # one segment without evicted rows is as compact as it gets: rewriting it is a copy for nothing
-            if stop - start == 1 and segs[start].first_row >= self.manifest.head:
-                continue
-            new = self._merger.rewrite(self._writer_context(), start, stop, target_bytes)
-        return {**before, "segments_after": len(new.segments), "bytes_after": new.nbytes}
+        return self._writer.merger.compact(self._writer_context, target_bytes)
 
     def _writer_context(self) -> WriterContext:
         return WriterContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
@@ -672,7 +530,7 @@ class ReplayStore:
 
     # ------------------------------------------------------------------ states
 
-    @_locked
+    @locked
     def save_state(self, name: str, state: Mapping[str, Any], *, replaces: Any = ...) -> None:
         """Durably store a sampler's ``state_dict()`` under ``name`` (JSON + Arrow, committed).
         ``replaces``: commit only over this entry of ``manifest.states`` (None: none saved), else
@@ -689,17 +547,11 @@ class ReplayStore:
         data = encode_state(dict(state))
         if self.multi_writer:
             self._catch_up()
-        # its file's write time: a commit naming an unleased file older than the others' retention
-        # (a saver stopped mid-save, on object storage) is abandoned, never published over a collected file
-        started = boot_clock()
-        entry = write_state_file(self._committer, name, data, self.manifest.generation + 1, self._reserves_ids)
-        conditional = replaces is not ...
-        self._committer.commit(lambda base: ops.SaveState(entry, replaces if conditional else None, conditional),
-                               [entry.file], started=started,
-                               install=lambda new: self._install(new, self.options))
-        self._collect()
+        at = self._writer_context()
+        self._writer.publish(at, state_commit(at.committer, name, data, at.manifest.generation + 1, at.reserves_ids,
+                                              replaces))
 
-    @_locked
+    @locked
     def load_state(self, name: str) -> Optional[Dict[str, Any]]:
         """The state saved under ``name`` in the current commit, or None."""
         def load() -> Optional[Dict[str, Any]]:
@@ -708,7 +560,7 @@ class ReplayStore:
 
         return self._following(load)
 
-    @_locked
+    @locked
     def consumers(self) -> Dict[str, Consumer]:
         """The committed cursors of the rollout streams reading this store (by stream name), as of
         its newest commit (loaded first, unless this store is pinned to a generation).
@@ -733,17 +585,12 @@ class ReplayStore:
         """Back-pressure for a writer: wait until this store's newest commit is at most
         ``max_ahead_rows`` rows ahead of the slowest stream reading it (of ``streams``, or all).
 
-        A stream is as far as its committed cursor (``RolloutStream.save()``); a writer that
-        calls this before each ``extend`` stays within the bound plus one commit. Returns True
+        A stream is as far as its committed cursor (``RolloutStream.save()``). Returns True
         when within the bound (at once when no stream reads the store), False after ``timeout``
-        seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for; this
-        store object then does not wait for that stream again until it commits a new cursor,
-        so a dead trainer costs a writer one ``timeout``, not one per batch. A stream whose cursor
-        this writer has not seen change for ``dead_after`` seconds (default 600, on this host's boot
-        clock) is not waited for. Rows of a stream's incomplete groups count as reached until they
-        waited ``incomplete_after`` seconds (60), then against the bound. Checks every ``poll``
-        seconds at most (a few ms at first): on an object store each check lists and reads the
-        newest commit.
+        seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for; streams
+        unchanged for ``dead_after`` seconds are not waited for, and rows of incomplete groups
+        count as reached for ``incomplete_after`` seconds (docs/streams.md, "Back-pressure").
+        Checks every ``poll`` seconds at most.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -779,7 +626,7 @@ class ReplayStore:
               ranges: bool = False) -> Dict[str, Column]:
         return self._cache.remapping(lambda: self._cache.read(self._view(), rows, cols, buffers, ranges))
 
-    @_locked
+    @locked
     def read(self, rows: Any, columns: Optional[Sequence[str]] = None, *,
              out: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Column]:
         """Read rows (any order, repeats allowed) into a dict of columns.
@@ -795,13 +642,9 @@ class ReplayStore:
         >>> out = store.read([1, 0], columns=["score"]); out["score"].tolist()
         [1.5, 0.5]
 
-        ``out``: a dict you keep (start with ``{}``) in which the read keeps
-        the buffers of the ragged columns' values, reused and grown as
-        needed: a batch of 512 rows then copies into warm memory instead of
-        ~4 MB of fresh pages (half the copy's time, measured). The columns
-        returned view those buffers and stay valid until the next read with
-        the same ``out``. (A run of consecutive rows of one segment is
-        returned as views of the memory map, copying nothing.)
+        ``out``: a dict you keep (start with ``{}``) in which the read keeps the buffers of
+        the ragged columns' values, reused and grown as needed (docs/batches.md); the columns
+        returned view them and stay valid until the next read with the same ``out``.
 
         >>> buffers = {}
         >>> first = store.read([1, 0], out=buffers)["completion_ids"]
@@ -816,7 +659,7 @@ class ReplayStore:
         self._trim_cache()
         return self._following(lambda: self._read(rows, cols, out))
 
-    @_locked
+    @locked
     def read_ranges(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Column]:
         """:meth:`read`, except that ragged columns come back as
         :class:`~diskreplay.store.reading.RowRanges`: where each row's values
@@ -840,17 +683,9 @@ class ReplayStore:
         return self._following(lambda: self._read(rows, cols, ranges=True))
 
     def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
-        names = self.columns
-        if columns is None:
-            return names
-        if isinstance(columns, str):
-            columns = [columns]
-        for c in columns:
-            if c not in names:
-                raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
-        return list(columns)
+        return resolve_columns(self.columns, columns)
 
-    @_locked
+    @locked
     def prefetch(self, rows: Any, columns: Optional[Sequence[str]] = None) -> None:
         """Hint the kernel to read the pages these rows need (``madvise(WILLNEED)``).
 
@@ -869,42 +704,16 @@ class ReplayStore:
     def _own_groups(self) -> GroupIndex:
         """The index of the store's group key over the live rows (see :mod:`.group_views`)."""
         if self.group_key is None:
-            raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
-                              "pass a column name to group_index(key=...)")
+            raise no_group_key(self.path)
         return self._following(lambda: self._groups.bring_forward(self._view()))
 
     def _persist_group_index(self, force: bool = False) -> None:
-        """Write the group index of the live rows to a file and name it in a commit, once
-        ``INDEX_TAIL_SEGMENTS`` segments lie past the rows the current one covers (single writer;
-        ``force``: whatever the tail)."""
-        m = self.manifest
-        # not on an object store: a second writer there (no lock) could write the same index name
-        if self.group_key is None or self.multi_writer or not self.storage.exclusive_lock or not m.segments:
-            return
-        covered = m.group_index.end_row if m.group_index is not None else m.head
-        if not force and sum(1 for s in m.segments if s.end_row > covered) < INDEX_TAIL_SEGMENTS:
-            return
-        gi = self._own_groups()
-        pages = {}
-        for s in m.segments:
-            p = self._page_checksums(s)
-            if p is not None:
-                pages[s.id] = (s.bytes, s.crc32c, p)
-        data, frame = encode_group_index(gi.arrow_keys(self._key_type()), gi.offsets, gi.rows, m.head, m.next_row,
-                                         pages)
-        entry = fmt.GroupIndexEntry(m.generation + 1, m.head, m.next_row, data.size, crc32c(data), frame)
-        storage = self._committer.storage
-        try:
-            storage.write_new(entry.file, data, step="groups")
-            storage.sync_dir(fmt.GROUPS_DIR)
-        except BaseException:
-            self._committer.remove_files([entry.file])
-            raise
-        self._committer.commit(lambda base: ops.IndexGroups(entry), [entry.file],
-                               install=lambda new: self._install(new, self.options))
-        self._collect()
+        """Write the group index of the live rows and name it in a commit, when due (single writer;
+        ``force``: whatever the tail): :meth:`Writer.persist_group_index`."""
+        self._writer.persist_group_index(self._writer_context(), self._own_groups, self._page_checksums,
+                                         self._key_type, force)
 
-    @_locked
+    @locked
     def group_index(self, key: Optional[str] = None) -> GroupIndex:
         """Live rows grouped by ``key`` (default: the store's group key), oldest first.
 
@@ -915,29 +724,18 @@ class ReplayStore:
         sidecars it wanted) catches up to the newest commit first.
         """
         key = self.group_key if key is None else key
-        hit = self._groups.by_key.get(key)
-        if hit is not None and hit[0] == self.generation:
-            return hit[1]
-        if key is not None and key == self.group_key:
-            gi = self._own_groups()
-        else:
-            if key is None:
-                raise SchemaError(f"the store at {self.path} has no write-time group index (group_key=None); "
-                                  "pass a column name to group_index(key=...)")
-            if key not in self.columns or self.schema[key].kind != "scalar":
-                raise ColumnNotFoundError(f"cannot group by {key!r}: it is not a per-row column of the store "
-                               f"(columns: {self.columns})")
-            gi = self._following(lambda: self._index_of_column(key))
-        self._groups.by_key[key] = (self.generation, gi)
-        return gi
+
+        def build() -> GroupIndex:
+            if key is not None and key == self.group_key:
+                return self._own_groups()
+            groupable(key, self.schema, self.path)
+            return self._following(lambda: self._index_of_column(key))
+
+        return self._groups.served(key, lambda: self.generation, build)
 
     def _index_of_column(self, key: str) -> GroupIndex:
         ids = self.row_ids()
-        gi = index_of_column(self._read(ids, [key])[key], self.head)
-        if not self.manifest.holes:
-            return gi
-        # the index counts positions from head; the rows after a hole have larger ids
-        return GroupIndex(gi.keys, ids[gi.rows - self.head], gi.offsets, min_row=self.head)
+        return column_index(self._read(ids, [key])[key], ids, self.head, bool(self.manifest.holes))
 
     @property
     def num_groups(self) -> int:
@@ -954,17 +752,14 @@ class ReplayStore:
         g = gi.position(key)
         return gi.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
 
-    @_locked
+    @locked
     def committed_rows(self, token: str) -> Optional[np.ndarray]:
         """The rows ``extend(..., token=token)`` committed, or None if no remembered commit has it.
 
-        A producer restarted after a crash asks this before making a batch again
-        (a regenerated batch differs, so ``extend`` would refuse its token). In a
-        multi-writer store a writer first adopts the newest commit. A
-        ``readonly=True`` store (an audit) answers from the generation it reads
-        (``refresh()`` for newer commits); it writes nothing, so it cannot make a
-        commit durable first as a writer does: a producer deciding to skip a batch
-        asks through its writer.
+        A producer restarted after a crash asks this before making a batch again (a
+        regenerated batch differs, so ``extend`` would refuse its token). A ``readonly=True``
+        store answers from the generation it reads, and cannot make the commit durable first as
+        a writer does: a producer deciding to skip a batch asks through its writer.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp(), multi_writer=True)
@@ -974,35 +769,11 @@ class ReplayStore:
         >>> ReplayStore(store.path, readonly=True).committed_rows("worker0:3").tolist()
         [0, 1]
         """
-        if self.readonly:
-            self._require_open()
-        else:
-            self._require_writer()
-        if token is None:
-            raise ArgumentError("token must be the str an extend(..., token=...) was given, got None")
-        token = check_token(token)
+        (self._require_open if self.readonly else self._require_writer)()
+        token = checked_token(token)
         if self.readonly:  # a lookup in what this reader sees: its own index (it has no committer)
-            if self._read_tokens is None:
-                self._read_tokens = TokenIndex(self.storage)
-            rec = self._read_tokens.find(self.manifest, token)
-            return None if rec is None else np.arange(rec.first_row, rec.end_row, dtype=np.int64)
+            self._read_tokens = self._read_tokens or TokenIndex(self.storage)
+            return token_rows(self._read_tokens.find(self.manifest, token))
         if self.multi_writer:
             self._catch_up()
-        rec = self._committer.find_token(token)
-        if rec is None:
-            return None
-        rows = np.arange(rec.first_row, rec.end_row, dtype=np.int64)
-        self._committer.durable_replay(rows)  # a producer skips the batch on this answer: it must hold
-        return rows
-
-
-def _runs(segments: Sequence[fmt.SegmentEntry]) -> List[List[int]]:
-    """The ids of ``segments`` in runs of consecutive rows (one run unless the store has holes)."""
-    runs: List[List[int]] = []
-    end = None
-    for s in segments:
-        if end is None or s.first_row != end:
-            runs.append([])
-        runs[-1].append(s.id)
-        end = s.end_row
-    return runs
+        return committed_rows(self._committer, token)

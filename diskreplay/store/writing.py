@@ -10,19 +10,22 @@ or ``SCHEMA.json`` where many writers race for it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import crash_point, crc32c
-from ..errors import CommitConflictError, ConditionalWriteError
+from ..errors import CommitConflictError
 from ..schema import Schema
 from ..segment import PageChecksums, encode_ipc, has_page_checksums
 from ..format.sidecars import encode_group_sidecar, inline_group
 from ..storage import Storage
-from .committer import Committer
 from .compaction import MergePolicy
+
+if TYPE_CHECKING:  # (the committer takes commits that hold these files: it imports this module)
+    from .committer import Committer
 from ..format.tokens import digest
 
 OWN_IDS = 4096  # segment ids a writer of a multi-writer store remembers reserving (see SegmentWriter.is_own)
@@ -36,7 +39,23 @@ RESERVE_AHEAD = 16
 # would find its names too old, give them up and reserve 16 more)
 RESERVE_AHEAD_MIN_AGE = 60.0
 
+#: a file a commit writes: its name, its bytes, the crash step of its kind (``"segment"``, ``"groups"``)
 FileToWrite = Tuple[str, Any, Optional[str]]
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :meth:`SegmentWriter.write` wrote: the segments' ``entries``, the ``files`` it created
+    (in creation order), and, deferred, the ``writes`` and ``dirs`` the commit's publish still
+    makes durable with its manifest (empty when written already); each segment's page
+    ``checksums`` (None: small) and ``encoded`` bytes."""
+
+    entries: Tuple[fmt.SegmentEntry, ...]
+    files: Tuple[str, ...]
+    writes: Tuple[FileToWrite, ...]
+    dirs: Tuple[str, ...]
+    checksums: Tuple[Optional[PageChecksums], ...]
+    encoded: Tuple[Any, ...]
 
 
 class _SchemaRace(Exception):
@@ -79,56 +98,60 @@ class SegmentWriter:
         self.own_ids: Dict[int, None] = {}
         self.small: Dict[int, Any] = {}
 
-    def write(self, committer: Committer, options: fmt.StoreOptions, manifest: fmt.Manifest,
-              records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int, written: List[str],
-              pages: Optional[List[Optional[PageChecksums]]] = None, sync_dirs: bool = True, defer: bool = False,
-              encoded: Optional[List[Any]] = None) -> List[fmt.SegmentEntry]:
+    def write(self, committer: "Committer", options: fmt.StoreOptions, manifest: fmt.Manifest,
+              records: Sequence[pa.RecordBatch], seg_id: Optional[int], first_row: int, sync_dirs: bool = True,
+              defer: bool = False) -> Written:
         """Write segments and their group sidecars durably, all files' fsyncs at once
         (``Storage.write_files``); with ``sync_dirs`` their directory entries too. ``defer``: leave
-        the writes to the commit's publish, which makes them durable with the manifest's file.
+        the writes to the commit's publish, which makes them durable with the manifest's file
+        (returned in :attr:`Written.writes`). A failure removes the files this call created.
 
         ``seg_id=None`` (many writers): reserve a fresh id per segment by creating its
-        file only if absent, so no two writers ever write the same name. ``pages``
-        collects each segment's page checksums (a rebase rewrites the sidecars with them; None for a
-        small segment, checked whole: ``has_page_checksums``), ``encoded`` each segment's bytes.
+        file only if absent, so no two writers ever write the same name. Each segment's page
+        checksums (a rebase rewrites the sidecars with them; None for a small segment, checked
+        whole: ``has_page_checksums``) and bytes come back with its entry.
         """
         storage = committer.storage
         files: List[FileToWrite] = []
-        entries = []
-        for record in records:
-            data = encode_ipc(record)
-            if seg_id is None:
-                # a small segment's name reserved ahead (a large one's fsync hides its directory's)
-                ahead = self._reserve_ahead(committer, options) if data.size < self.merge_policy.max_bytes else {}
-                sid, rel = storage.reserve(fmt.segment_file, max(self.next_id, manifest.next_segment), **ahead)
-                self.next_id = sid + 1
-                self.own_ids[sid] = None
-                if len(self.own_ids) > OWN_IDS:
-                    del self.own_ids[next(iter(self.own_ids))]
-            else:
-                sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
-            written.append(rel)
-            files.append((rel, data, "segment"))
-            checksums = PageChecksums.of(data) if has_page_checksums(data.size) else None
-            if pages is not None:
+        names: List[str] = []
+        entries, pages, encoded = [], [], []
+        try:
+            for record in records:
+                data = encode_ipc(record)
+                if seg_id is None:
+                    # a small segment's name reserved ahead (a large one's fsync hides its directory's)
+                    ahead = self._reserve_ahead(committer, options) if data.size < self.merge_policy.max_bytes else {}
+                    sid, rel = storage.reserve(fmt.segment_file, max(self.next_id, manifest.next_segment), **ahead)
+                    self.next_id = sid + 1
+                    self.own_ids[sid] = None
+                    if len(self.own_ids) > OWN_IDS:
+                        del self.own_ids[next(iter(self.own_ids))]
+                else:
+                    sid, rel, seg_id = seg_id, fmt.segment_file(seg_id), seg_id + 1
+                names.append(rel)
+                files.append((rel, data, "segment"))
+                checksums = PageChecksums.of(data) if has_page_checksums(data.size) else None
                 pages.append(checksums)
-            if encoded is not None:
                 encoded.append(data)
-            g_bytes, g_crc, group = sidecar_file(options, record, checksums, sid, first_row, written, files)
-            entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes, g_crc,
-                                            group))
-            first_row += record.num_rows
-        # the new names must be durable before a manifest names the files
-        dirs = dirs_of(entries, storage) if sync_dirs else []
-        if defer:
-            committer.pending += files
-            committer.pending_dirs += dirs
-        else:
-            storage.write_files(files, dirs)
-        return entries
+                g_bytes, g_crc, group, sidecar = sidecar_file(options, record, checksums, sid, first_row)
+                if sidecar is not None:
+                    names.append(sidecar[0])
+                    files.append(sidecar)
+                entries.append(fmt.SegmentEntry(sid, first_row, record.num_rows, data.size, crc32c(data), g_bytes,
+                                                g_crc, group))
+                first_row += record.num_rows
+            # the new names must be durable before a manifest names the files
+            dirs = dirs_of(entries, storage) if sync_dirs else []
+            if not defer:
+                storage.write_files(files, dirs)
+                files, dirs = [], []
+        except BaseException:
+            committer.remove_files(names)
+            raise
+        return Written(tuple(entries), tuple(names), tuple(files), tuple(dirs), tuple(pages), tuple(encoded))
 
     @staticmethod
-    def _reserve_ahead(committer: Committer, options: fmt.StoreOptions) -> Dict[str, Any]:
+    def _reserve_ahead(committer: "Committer", options: fmt.StoreOptions) -> Dict[str, Any]:
         """How ``reserve`` takes a segment name: many writers of local files take it from names
         reserved ahead, used while younger than a quarter of ``retain_seconds`` (clean-up takes
         unnamed files past it; a commit's own files must stay younger than half of it), where that
@@ -137,44 +160,6 @@ class SegmentWriter:
                 or committer.retain_seconds < 4 * RESERVE_AHEAD_MIN_AGE:
             return {}
         return {"ahead": RESERVE_AHEAD, "max_age": committer.retain_seconds / 4}
-
-    def rebase_sidecars(self, committer: Committer, options: fmt.StoreOptions,
-                        entries: Tuple[fmt.SegmentEntry, ...], pieces: Sequence[pa.RecordBatch],
-                        pages: Sequence[Optional[PageChecksums]], first: int,
-                        written: List[str]) -> Tuple[fmt.SegmentEntry, ...]:
-        """The entries of an append moved to rows ``first, ...``: its sidecars (which record
-        global row ids) are rewritten in place, from the checksums in hand, by the retry's publish
-        (with its manifest's file). Their names were made durable by the lost attempt and no
-        manifest names them, so a torn rewrite is garbage."""
-        out, files = [], []
-        for e, piece, checksums in zip(entries, pieces, pages):
-            g_bytes, g_crc, group = sidecar_file(options, piece, checksums, e.id, first, written, files)
-            out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc, group))
-            first += e.num_rows
-        # made durable with the retry's manifest; a deferred append rebased before its first publish
-        # still has the old sidecars pending: replace them (both in one write would race)
-        rewritten = {rel for rel, _, _ in files}
-        committer.pending = [f for f in committer.pending if f[0] not in rewritten] + files
-        return tuple(out)
-
-    def check_reserved(self, base: fmt.Manifest, entries: Sequence[fmt.SegmentEntry], written: List[str]) -> None:
-        """Refuse to commit a segment id another commit already names: the id was created
-        only-if-absent, so the storage broke that promise (an object store whose
-        If-None-Match is checked before the write instead of atomically with it). Its
-        objects are kept (left out of ``written``): the other commit names them."""
-        taken = {s.id for s in base.segments} & {e.id for e in entries}
-        if not taken:
-            return
-        for e in entries:
-            if e.id in taken:
-                for rel in (e.file, e.groups_file):
-                    if rel in written:
-                        written.remove(rel)
-        raise ConditionalWriteError(
-            f"{self.path}/{fmt.segment_file(min(taken))} was created by two writers although each creates it "
-            f"only if absent (If-None-Match: *): this server does not check the condition atomically with the "
-            f"write, so concurrent commits can overwrite each other's files; run `diskreplay verify "
-            f"{self.path}`, and use a server with atomic conditional writes or one writer at a time")
 
     def keep_small(self, entries: Sequence[fmt.SegmentEntry], encoded: Sequence[Any]) -> None:
         """Remember the bytes of committed segments small enough to be merged (see :meth:`take_small`):
@@ -206,25 +191,37 @@ class SegmentWriter:
 
 
 def sidecar_file(options: fmt.StoreOptions, record: pa.RecordBatch, checksums: Optional[PageChecksums],
-                 seg_id: int, first_row: int, written: List[str], files: List[FileToWrite]
-                 ) -> Tuple[int, int, Optional[int]]:
-    """The group sidecar of a segment, added to ``files``: ``(its bytes, its CRC-32C, None)``;
-    ``(0, 0, key)`` for a small segment of one integer group in a store with inline groups
-    (no file: its manifest entry names the key), ``(0, 0, None)`` without a group key."""
+                 seg_id: int, first_row: int) -> Tuple[int, int, Optional[int], Optional[FileToWrite]]:
+    """The group sidecar of a segment: ``(its bytes, its CRC-32C, None, the file to write)``;
+    ``(0, 0, key, None)`` for a small segment of one integer group in a store with inline groups
+    (no file: its manifest entry names the key), ``(0, 0, None, None)`` without a group key."""
     if options.group_key is None:
-        return 0, 0, None
+        return 0, 0, None, None
     keys = record.column(options.group_key)
     if options.inline_groups and checksums is None:
         key = inline_group(keys)
         if key is not None:
-            return 0, 0, key
+            return 0, 0, key, None
     local = options.append_deltas  # rows counted from the segment's: the file fits any base
     gdata = encode_group_sidecar(keys, None if local else first_row, checksums)
-    rel = fmt.groups_file(seg_id)
-    if rel not in written:
-        written.append(rel)
-    files.append((rel, gdata, "groups"))
-    return gdata.size, crc32c(gdata), None
+    return gdata.size, crc32c(gdata), None, (fmt.groups_file(seg_id), gdata, "groups")
+
+
+def sidecars_on(options: fmt.StoreOptions, entries: Sequence[fmt.SegmentEntry], pieces: Sequence[pa.RecordBatch],
+                pages: Sequence[Optional[PageChecksums]], first: int
+                ) -> Tuple[Tuple[fmt.SegmentEntry, ...], Tuple[FileToWrite, ...]]:
+    """The entries of an append moved to rows ``first, ...``, and their sidecars (which record
+    global row ids) encoded again from the checksums in hand, to be rewritten in place by the
+    retry's publish (with its manifest's file). Their names were made durable by the lost attempt
+    and no manifest names them, so a torn rewrite is garbage."""
+    out, files = [], []
+    for e, piece, checksums in zip(entries, pieces, pages):
+        g_bytes, g_crc, group, sidecar = sidecar_file(options, piece, checksums, e.id, first)
+        if sidecar is not None:
+            files.append(sidecar)
+        out.append(fmt.SegmentEntry(e.id, first, e.num_rows, e.bytes, e.crc32c, g_bytes, g_crc, group))
+        first += e.num_rows
+    return tuple(out), tuple(files)
 
 
 def dirs_of(entries: Sequence[fmt.SegmentEntry], storage: Storage) -> List[str]:
@@ -241,7 +238,7 @@ def encoded_digest(pieces: Sequence[pa.RecordBatch]) -> int:
     return digest(sum(p.num_rows for p in pieces), [(d.size, crc32c(d)) for d in datas])
 
 
-def fix_schema(path: str, storage: Storage, committer: Committer, options: fmt.StoreOptions, schema: Schema,
+def fix_schema(path: str, storage: Storage, committer: "Committer", options: fmt.StoreOptions, schema: Schema,
                reserves_ids: bool) -> fmt.StoreOptions:
     """The options with ``schema``, writing it if this is the store's first append (``storage`` the
     store's own, ``committer.storage`` the one this writer commits through). Raises
@@ -274,7 +271,7 @@ def fix_schema(path: str, storage: Storage, committer: Committer, options: fmt.S
     return fixed
 
 
-def mark_late_columns(storage: Storage, committer: Committer, options: fmt.StoreOptions) -> fmt.StoreOptions:
+def mark_late_columns(storage: Storage, committer: "Committer", options: fmt.StoreOptions) -> fmt.StoreOptions:
     """Say in FORMAT.json, before the first commit that adds a late column, that the store may have
     some, so that a diskreplay without them refuses the store rather than misreading it (every
     writer writes the same document: concurrent ones agree)."""

@@ -19,7 +19,7 @@ from ..errors import CorruptStoreError, FormatError, ReadOnlyError, StoreLockedE
 from ..segment import PageChecksums, Segment, encode_ipc, has_page_checksums
 from ..format.sidecars import group_sidecar
 from ..store import ops
-from ..store.committer import Committer
+from ..store.committer import Commit, Committer
 from .check import (Report, check_size, compare_inline_group, compare_sidecar, orphans_message, referenced_files,
                     scan_manifests, with_late_columns)
 from .files import ROOT_NAMES, StoreFiles, progress_bar, where_in
@@ -379,8 +379,8 @@ class _Repair:
                                     "stop every writer and repair again")
         # newer manifests went to quarantine: the commit keeps the generation numbers going up
         base = base.evolve(generation=m.generation - 1)
-        Committer(self.files.storage, self.options, base).commit(
-            lambda b: ops.RollBack(m, base.generation), [], install=lambda new: None)
+        Committer(self.files.storage, self.options, base).commit(Commit(ops.RollBack(m, base.generation)),
+                                                                 install=lambda new: None)
 
     def _quarantine_unreferenced(self, kept: List[fmt.Manifest]) -> None:
         referenced = referenced_files(kept)
