@@ -70,7 +70,9 @@ reserved names and ``flock`` leases:
                                             directory need no fsync)
 ``publish(rel, data, files, dirs,           ``write_files``, then create the
 exclusive=)``                               manifest ``rel``: only if absent
-                                            when ``exclusive`` (False if taken)
+                                            when ``exclusive`` (False if taken),
+                                            or where there is no lock
+                                            (``CommitConflictError`` if taken)
 ``stage(reldir, data, files, dirs)``        ``write_files`` and a manifest-to-be
                                             whose name is not known yet, before
                                             the race: ``publish`` of the same
@@ -418,8 +420,18 @@ class Publisher(Storage, Protocol):
         self.link_attempted = True  # from here an error may be a creation still carried out
         if exclusive:
             created = self.put_if_absent(rel, data, step=step)
-        else:
+        elif self.exclusive_lock:
             self.replace(rel, data, step=step)
+            created = True
+        elif not self.put_if_absent(rel, data, step=step):
+            # without a lock one writer cannot keep a second out: a manifest is only ever created, and
+            # a second writer of a single-writer store learns of the first at its commit
+            raise CommitConflictError(
+                f"{self.url}/{rel} was committed by another writer while this single-writer store was open "
+                "(this storage has no lock, so a second writer is found at its commit); nothing of this commit "
+                "is visible: close the store and reopen it, and give each store one writer, or create it with "
+                "multi_writer=True for many")
+        else:
             created = True
         if created:
             self.published = rel

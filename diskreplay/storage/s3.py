@@ -48,7 +48,6 @@ from .cache import ObjectCache, fetch_into
 from .base import DEFAULT_CACHE_BYTES, Buffer, Publisher, check_range, check_rel
 
 _UPDATE_TRIES = 64  # lost races of a read-modify-write of the floor before it gives up (see update_small)
-_MANIFEST_PREFIX = "manifests/"
 _PROBED: set = set()  # endpoints whose conditional writes passed the probe in this process
 _OWN_OPTIONS = ("allow_http", "retry_timeout", "max_retries", "connect_timeout", "timeout",
                 "multipart_threshold")
@@ -579,27 +578,6 @@ class S3Storage(Publisher):
         elif calls:
             run_concurrently(calls)
 
-    def publish(self, rel: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-                dirs: Sequence[str] = (), *, exclusive: bool, step: Optional[str] = None) -> bool:
-        """Upload ``files``, then create the manifest ``rel`` with a conditional PUT: when
-        ``exclusive`` a taken name answers False (another writer committed it; rebase), else
-        (a single-writer store, which has no lock here) :class:`CommitConflictError`."""
-        self.link_attempted = False
-        self.write_files(files, dirs)
-        if files:
-            crash_point("segments.synced")
-        self.link_attempted = True  # from here an error may be a PUT the server still carries out
-        if exclusive:
-            created = self.put_if_absent(rel, data, step=step)
-        else:
-            self.replace(rel, data, step=step)
-            created = True
-        if created:
-            self.published = rel
-            if step:
-                crash_point(f"{step}.renamed")
-        return created
-
     def settle_publish(self, rel: str, data: Buffer) -> Optional[bool]:
         """After a :meth:`publish` whose PUT raised (the server may still apply it): the same conditional
         PUT again decides it. Created now, or found holding ``data``: True (the manifest is ours, for
@@ -626,24 +604,9 @@ class S3Storage(Publisher):
         """Nothing is staged: a publish that lost sends its bytes again (one PUT)."""
 
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
-        """Replace ``rel`` with one PUT, except a manifest, which is only ever created.
-
-        An object store has no lock, so a single-writer store cannot keep a
-        second writer out: instead every manifest is a conditional PUT, and a
-        writer that finds its generation taken learns of the other writer at
-        its commit (:class:`~diskreplay.errors.CommitConflictError`, nothing of
-        its commit is visible) rather than overwriting its commit.
-        """
-        rel = check_rel(rel)
-        if rel.startswith(_MANIFEST_PREFIX):
-            if not self.put_if_absent(rel, data):
-                raise CommitConflictError(
-                    f"{self._url_of(rel)} was committed by another writer while this single-writer store was "
-                    "open (an object store has no lock, so a second writer is found at its commit); nothing "
-                    "of this commit is visible: close the store and reopen it, and give each store one "
-                    "writer, or create it with multi_writer=True for many")
-            return
-        self._put("PUT", rel, data)
+        """Replace ``rel`` with one PUT (a manifest's publish is a conditional one: see
+        :meth:`Publisher.publish`)."""
+        self._put("PUT", check_rel(rel), data)
 
     def update_small(self, rel: str, update: Callable[[Optional[bytes]], Optional[bytes]]) -> Optional[bytes]:
         """Read-modify-write the small object ``rel`` (the collection floor) with no concurrent
