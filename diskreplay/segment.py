@@ -441,6 +441,20 @@ class ArrowFile:
             return False
         return bool(np.count_nonzero(pages & 1) == len(pages))
 
+    def span_in_page_cache(self, start: int, end: int) -> bool:
+        """Whether every page of the mapped addresses ``[start, end)`` is in the page cache (one
+        ``mincore``); False where that cannot be told (see :meth:`in_page_cache`)."""
+        if self._mmap is None or _mincore is None:
+            return False
+        if end <= start:
+            return True
+        base = self._base.address
+        first = base + (start - base) // _PAGE * _PAGE
+        pages = np.empty(-(-(end - first) // _PAGE), dtype=np.uint8)
+        if _mincore(first, end - first, pages.ctypes.data) != 0:
+            return False
+        return bool(np.count_nonzero(pages & 1) == len(pages))
+
     def advise(self, ranges: Any) -> None:
         """Ask the kernel to read the given ``(address, length)`` byte ranges ahead (WILLNEED).
 
@@ -606,6 +620,23 @@ class Segment(ArrowFile):
             state = self._states[name] = (values, offsets, validity, self.offsets_key(name),
                                           data_address(values) if address is None else address)
         return state
+
+    def rows_in_page_cache(self, names: Sequence[str], local_rows: np.ndarray) -> bool:
+        """Whether the values of ``local_rows`` in the ragged columns ``names`` lie in pages all in
+        the page cache: one ``mincore`` per column, over the span from the first of those rows'
+        values to the last (a batch's rows of one segment are a few groups, side by side). Asking
+        for the whole file (:meth:`in_page_cache`) cost ~0.3 ms a segment, ~40 times in a reopened
+        store's first batch."""
+        for name in names:
+            if not self.has(name) or not len(local_rows):
+                continue
+            values, offsets, _, _, address = self.ragged_state(name)
+            if values.size:
+                item = values.itemsize
+                if not self.span_in_page_cache(address + int(offsets[local_rows].min()) * item,
+                                               address + int(offsets[local_rows + 1].max()) * item):
+                    return False
+        return True
 
     def check_rows(self, name: str, local_rows: np.ndarray) -> None:
         """Check the pages holding the values of ``local_rows`` of a ragged column (once per row)."""

@@ -1,5 +1,6 @@
-"""A reopened store's first batch: WILLNEED hints for every page it needs in the segments whose files are
-cold, none for those wholly in the page cache (the hints cost about a read there)."""
+"""A reopened store's first batch: WILLNEED hints for every page it needs in the segments where a page it
+reads is cold, none for those whose pages it reads are all in the page cache (the hints cost about a read
+there)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def test_a_reopened_store_hints_its_first_batch_only_when_its_files_are_cold(sto
     # opening a segment reads ahead into its evicted pages, sooner or later: which files are still out
     # of the page cache when the read asks is the kernel's, so here every one is (as on a cold start)
     monkeypatch.setattr(Segment, "in_page_cache", lambda self: False)
+    monkeypatch.setattr(Segment, "rows_in_page_cache", lambda self, names, rows: False)
     cold = _first_batch_hints(store_path, monkeypatch)
     assert cold and sum(n for _, n in cold) > 0
     assert len({name for name, _ in cold}) == 4  # every touched segment (each holds rows of the batch)
@@ -71,5 +73,6 @@ def test_only_the_segments_with_pages_out_of_the_page_cache_are_hinted(store_pat
     # which files the page cache holds is the kernel's (opening a segment reads ahead into the pages just
     # evicted, sooner or later): the residency of each file is given here, the choice of hints is tested
     monkeypatch.setattr(Segment, "in_page_cache", lambda self: os.path.basename(self.path) != one)
+    monkeypatch.setattr(Segment, "rows_in_page_cache", lambda self, names, rows: os.path.basename(self.path) != one)
     hints = _first_batch_hints(store_path, monkeypatch)
     assert hints and {name for name, _ in hints} == {one}

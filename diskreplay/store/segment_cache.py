@@ -269,18 +269,18 @@ class SegmentCache:
         return rows, seg_idx, rows - starts[seg_idx] if rows.size else rows
 
     def open_segments(self, view: ReadView, entries: Sequence[fmt.SegmentEntry],
-                      cols: Optional[Sequence[str]] = None, check: bool = False) -> Tuple[bool, Set[Segment]]:
+                      cols: Optional[Sequence[str]] = None, check: bool = False) -> Tuple[Set[Segment], Set[Segment]]:
         """Open the segments of ``entries`` not open yet, asking first, for all of them at once, for
         their header and footer pages and (where their checksums record where they lie) the buffers
         of ``cols`` that a read needs whatever its rows: cold, the pages that parsing and locating
         the rows need then arrive in one round, not one per file and kind (opening 64 segments
         otherwise waits for ~130 reads in turn, then their columns' offsets for as many more).
-        ``(any opened, the opened segments whose buffers were asked for)``: the pages of an opened
+        ``(the segments opened, those of them whose buffers were asked for)``: the pages of an opened
         segment are likely cold. ``check`` (a read, not a prefetch): those buffers' pages are checked
         as each segment opens, in one pass per segment rather than one per column."""
         todo = [e for e in entries if e.id not in self.segments]
         if not todo:
-            return False, set()
+            return set(), set()
         fields = _field_positions(view.schema, cols)
         wanted, hinted, fixed = [], set(), {}
         for e in todo:
@@ -307,7 +307,7 @@ class SegmentCache:
             for e, seg in zip(todo, segments):
                 if e.id in fixed:
                     seg.verify_ranges(fixed[e.id])
-        return True, {seg for e, seg in zip(todo, segments) if e.id in hinted}
+        return set(segments), {seg for e, seg in zip(todo, segments) if e.id in hinted}
 
     @_jit.deferring
     def read(self, view: ReadView, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
@@ -320,7 +320,7 @@ class SegmentCache:
         touched = np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if n else []
         if self.storage.cached:
             self.open_concurrently(view, [m.segments[i] for i in touched], cols)
-            opened, hinted = False, set()
+            opened, hinted = set(), set()
         else:
             opened, hinted = self.open_segments(view, [m.segments[i] for i in touched], cols, check=True)
         # Visit each touched segment once, with the output positions of its rows.
@@ -338,7 +338,12 @@ class SegmentCache:
         for seg, _, loc in parts:
             if 4 * len(loc) >= seg.num_rows:  # a scan, not a sample: read the segment ahead
                 seg.advise_all()
-        cold = [part for part in parts if not part[0].in_page_cache()] if opened and len(parts) > 1 else []
+        # (only the segments this read opened: a segment read before had its pages asked for then;
+        # of one whose buffers were checked as it opened, only the pages of the rows' values)
+        ragged_cols = tuple(c for c in cols if view.schema[c].kind == RAGGED)
+        cold = [part for part in parts if part[0] in opened and not (
+                part[0].rows_in_page_cache(ragged_cols, part[2]) if part[0] in hinted else part[0].in_page_cache())] \
+            if opened and len(parts) > 1 else []
         if cold:
             # segments opened by this read are likely cold (a reopened store's first batches): ask for
             # all their pages first. Later reads skip it: on warm pages a hint costs about a read, and a
@@ -352,7 +357,6 @@ class SegmentCache:
         run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
                and bool(np.all(np.diff(parts[0][2]) == 1)))
         # every ragged value served is checked here, once per segment for all ragged columns
-        ragged_cols = tuple(c for c in cols if view.schema[c].kind == RAGGED)
         check_rows_of_parts([(seg, loc) for seg, _, loc in parts], ragged_cols)
         for name in cols:
             spec = view.schema[name]
