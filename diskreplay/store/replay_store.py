@@ -36,7 +36,7 @@ from .compaction import MergePolicy
 from .group_views import GroupIndexes, column_index
 from .appending import WriterContext
 from .segment_cache import Column, ReadView, SegmentCache
-from ..storage import LocalStorage, open_storage
+from ..storage import open_storage
 from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, open_store, writer_id
 from .views import (STALE_RETRIES, collected_under_snapshot, following, groupable, live_rows,  # noqa: F401
@@ -152,12 +152,9 @@ class ReplayStore:
             raise
 
     def _make_committer(self, options: fmt.StoreOptions) -> Committer:
-        if not self.storage.exclusive_lock:
-            committer = Committer(self.storage, options, self.manifest)
-        else:
-            storage = LocalStorage(self.path, writer_id() if options.multi_writer else "", fsync=self.fsync,
-                                   leases=options.multi_writer)
-            committer = Committer(storage, options, self.manifest)
+        many = options.multi_writer
+        storage = self.storage.writer(writer_id() if many else "", fsync=self.fsync, leases=many)
+        committer = Committer(storage, options, self.manifest)
         committer.ensure_floor()
         return committer
 
