@@ -441,6 +441,8 @@ class Publisher(Storage, Protocol):
 
     def stage(self, reldir: str, data: Buffer, files: Files = (), dirs: Sequence[str] = (), *,
               step: Optional[str] = None) -> None:
+        """Write ``files`` before the race for a generation; by default the manifest-to-be ``data``
+        is sent whole by :meth:`publish` (one create-if-absent), so nothing is prepared for it here."""
         self.write_files(files, dirs)
         if files:
             crash_point("segments.synced")

@@ -590,19 +590,6 @@ class S3Storage(Publisher):
         except (OSError, self._exc.BaseError):
             return None
 
-    def stage(self, reldir: str, data: Buffer, files: Sequence[Tuple[str, Buffer, Optional[str]]] = (),
-              dirs: Sequence[str] = (), *, step: Optional[str] = None) -> None:
-        """Upload ``files`` before the race for a generation; the manifest-to-be ``data`` is sent by
-        :meth:`publish` in its one conditional PUT (there is nothing to prepare for it here)."""
-        self.write_files(files, dirs)
-        if files:
-            crash_point("segments.synced")
-        if step:
-            crash_point(f"{step}.written")
-
-    def discard_staged(self) -> None:
-        """Nothing is staged: a publish that lost sends its bytes again (one PUT)."""
-
     def replace(self, rel: str, data: Buffer, *, step: Optional[str] = None, sync: bool = True) -> None:
         """Replace ``rel`` with one PUT (a manifest's publish is a conditional one: see
         :meth:`Publisher.publish`)."""
