@@ -11,14 +11,15 @@ _NEEDS_RAY = {"test_merge_tensors_to_tensordict"}
 
 
 def pytest_collection_modifyitems(config, items):
+    # a conftest's collection hook sees the whole session's items (doctests included), not only its own
     for item in items:
-        if item.originalname in _NEEDS_RAY:
+        if getattr(item, "originalname", None) in _NEEDS_RAY:
             item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
 def _local_ray_cluster(request):
-    if request.node.originalname not in _NEEDS_RAY:
+    if getattr(request.node, "originalname", None) not in _NEEDS_RAY:
         yield
         return
     ray = pytest.importorskip("ray")
