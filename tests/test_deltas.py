@@ -148,7 +148,8 @@ def test_a_lost_race_links_the_same_file_again(tmp_path, monkeypatch):
     a.extend(batch_for(0, 0))
     b.extend(batch_for(1, 0))
     mine = b._committer.storage
-    real_link, real_write = LocalStorage.link_new, LocalStorage.write_files
+    # _write_files: the one place a directory's commit writes its files (stage and publish call it)
+    real_link, real_write = LocalStorage.link_new, LocalStorage._write_files
     links, writes, raced = [], [], []
 
     def link_new(self, src, rel):
@@ -167,7 +168,7 @@ def test_a_lost_race_links_the_same_file_again(tmp_path, monkeypatch):
         return real_write(self, files, dirs, **kw)
 
     monkeypatch.setattr(LocalStorage, "link_new", link_new)
-    monkeypatch.setattr(LocalStorage, "write_files", write_files)
+    monkeypatch.setattr(LocalStorage, "_write_files", write_files)
     rows = b.extend(batch_for(1, 1), token=token_for(1, 1))
     monkeypatch.undo()
     assert raced and rows[0] == raced[0][-1] + 1
