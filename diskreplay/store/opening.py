@@ -1,7 +1,9 @@
-"""Opening and creating a store: the options a caller asks for and their checks, the refusal of a
-place that holds something else, the layout a new store gets, a writer's lock (where the storage
-has one), and the manifest an open starts from. :class:`~diskreplay.store.ReplayStore` calls :func:`open_store`
-once, from its constructor, and keeps what it returns.
+"""Opening, converting and closing a store: the options a caller asks for and their checks, the
+refusal of a place that holds something else, the layout a new store gets, a writer's lock (where
+the storage has one) and commit loop, and the manifest an open starts from.
+:class:`~diskreplay.store.ReplayStore` calls :func:`open_store` once, from its constructor, and
+keeps what it returns; :func:`convert` switches a store between one writer and many, and
+:func:`close_store` lets go of what an open took.
 """
 
 from __future__ import annotations
@@ -10,14 +12,19 @@ import dataclasses
 import os
 import random
 import socket
-from typing import Any, List, Optional, Sequence
+import warnings
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
 from .. import format as fmt
 from .._fileio import TMP_PREFIX
-from ..errors import ArgumentError, CorruptStoreError, OutputExistsError, SchemaError, StoreNotFoundError
+from ..errors import (ArgumentError, CorruptStoreError, OutputExistsError, SchemaError, StoreLockedError,
+                      StoreNotFoundError)
 from ..storage.base import Lock, Storage
+from .committer import Committer
+from .segment_cache import SegmentCache
+from .writing import SegmentWriter
 
 
 class Unset:
@@ -101,24 +108,31 @@ class Requested:
 @dataclasses.dataclass
 class Opened:
     """What an open found: the options, the manifest it starts from, the unusable newer manifests it
-    passed over, and a writer's lock (``None`` for a reader, or where the storage has no lock)."""
+    passed over, a writer's lock (``None`` for a reader, or where the storage has no lock) and a
+    writer's commit loop (``None`` for a reader)."""
 
     options: fmt.StoreOptions
     manifest: fmt.Manifest
     recovered_from: List[str]
     writer_lock: Optional[Lock]
+    committer: Optional[Committer] = None
 
 
 def open_store(storage: Storage, requested: Requested, *, readonly: bool,
-               generation: Optional[int]) -> Opened:
+               generation: Optional[int], fsync: bool = True) -> Opened:
     """Open the store in ``storage``, creating it when it holds none and ``readonly`` is False.
 
     A reader needs an existing store; it reads the newest manifest (or generation ``generation``)
     before the options, so the options are at least as new as the commit. A writer takes the
     storage's lock where it has one (exclusive for one writer, shared for many) after checking the
-    options, so an open refused for them changes nothing. A new store is created only where nothing but a store's own entries
-    is found. On any error the lock this call took is released again.
+    options, so an open refused for them changes nothing; then it starts its commit loop
+    (:func:`start_committer`, committing with ``fsync``) and sweeps what no commit names. A new
+    store is created only where nothing but a store's own entries is found. Unusable newer
+    manifests passed over warn. On any error what this call took (the lock, the commit loop) is
+    let go again.
     """
+    if not isinstance(fsync, bool):
+        raise ArgumentError(f"fsync must be True or False, got {fsync!r}")
     path = storage.url
     requested.check()
     if generation is not None and (not readonly or not isinstance(generation, (int, np.integer))
@@ -146,12 +160,91 @@ def open_store(storage: Storage, requested: Requested, *, readonly: bool,
         lock = storage.lock(fmt.LOCK_FILE, shared=many)
         if lock is not None:
             lock.acquire()
+    committer: Optional[Committer] = None
     try:
-        return _open_under_lock(storage, requested, exists, readonly, generation, lock)
+        opened = _open_under_lock(storage, requested, exists, readonly, generation, lock)
+        if opened.recovered_from:
+            warnings.warn(f"{path}: newest manifest(s) unusable, opened generation {opened.manifest.generation}: "
+                          f"{'; '.join(opened.recovered_from)}", RuntimeWarning, stacklevel=3)
+        if not readonly:
+            committer = start_committer(storage, opened.options, opened.manifest, fsync)
+            committer.collect(full=True)
+            opened.committer = committer
+        return opened
     except BaseException:
-        if lock is not None:
-            lock.release()
+        close_store(committer, lock)
         raise
+
+
+def start_committer(storage: Storage, options: fmt.StoreOptions, manifest: fmt.Manifest,
+                    fsync: bool) -> Committer:
+    """A writer's commit loop from ``manifest`` on, through its own handle of ``storage`` (with many
+    writers: a writer id of its own, and leases), its collection floor ensured."""
+    many = options.multi_writer
+    committer = Committer(storage.writer(writer_id() if many else "", fsync=fsync, leases=many), options, manifest)
+    committer.ensure_floor()
+    return committer
+
+
+def convert(storage: Storage, options: fmt.StoreOptions, multi_writer: bool, fsync: bool,
+            relock: Callable[[bool], None]) -> fmt.StoreOptions:
+    """Switch the store between one writer (exclusive lock) and many (create-if-absent commits): the
+    options it has now, written. ``relock(shared)`` takes LOCK (see :func:`relock`): exclusively
+    before the options say one writer, shared after they say many."""
+    publisher = storage.writer(writer_id() if multi_writer else "", fsync=fsync)
+    if multi_writer:
+        publisher.probe_create_if_absent(fmt.MANIFEST_DIR)
+    else:
+        relock(False)
+    # inline groups stay once a store has them (its manifests may name some); converting to many
+    # writers turns them on, as for a store created multi-writer
+    converted = dataclasses.replace(options, multi_writer=multi_writer, append_deltas=multi_writer,
+                                    inline_groups=options.inline_groups or multi_writer)
+    converted.write(publisher)
+    if multi_writer:
+        relock(True)
+    return converted
+
+
+def relock(storage: Storage, held: Optional[Lock], shared: bool) -> Optional[Lock]:
+    """Hold LOCK shared (a writer of many) or exclusively (the one writer) instead of ``held``: the
+    lock now held. Going exclusive is refused while any other writer holds it: converting a store
+    under live writers would let their commits and this one's replace each other, and their
+    reserved names collide (``held`` is taken again first). ``held`` where the storage has no
+    lock (every commit is create-if-absent there)."""
+    lock = storage.lock(fmt.LOCK_FILE, shared=shared)
+    if lock is None:
+        return held
+    if held is not None:
+        held.release()
+    try:
+        lock.acquire()
+    except StoreLockedError:
+        if held is not None:  # keep what this writer had
+            held.acquire()
+        if shared:
+            raise
+        raise StoreLockedError(f"{storage.url} is open for writing by other processes (they hold LOCK); "
+                               "converting it needs every other writer stopped (and closed)") from None
+    return lock
+
+
+def close_store(committer: Optional[Committer], writer_lock: Optional[Lock], cache: Optional[SegmentCache] = None,
+                segments: Optional[SegmentWriter] = None, storage: Optional[Storage] = None) -> None:
+    """Let go of what an open took: the commit loop first (it makes owed durability good), then the
+    writer's lock, the segments' memory maps, and ``storage`` where it is the store's own (a cache)."""
+    try:
+        if committer is not None:
+            committer.close()
+    finally:
+        if writer_lock is not None:
+            writer_lock.release()
+        if cache is not None:
+            cache.close()
+        if segments is not None:
+            segments.clear()
+        if storage is not None and storage.cached:
+            storage.close()
 
 
 def _open_under_lock(storage: Storage, requested: Requested, exists: bool, readonly: bool,

@@ -12,7 +12,6 @@ is those docstrings, the work is in the parts it delegates to.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import warnings
@@ -23,7 +22,7 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import WriterLock
-from ..errors import ArgumentError, ReadOnlyError, StoreClosedError, StoreLockedError
+from ..errors import ArgumentError, ReadOnlyError, StoreClosedError
 from ..groups import GroupIndex
 from ..ingest import normalize_batch
 from ..schema import Schema
@@ -38,7 +37,7 @@ from .appending import WriterContext
 from .segment_cache import Column, ReadView, SegmentCache
 from ..storage import open_storage
 from .tokens import TokenIndex, check_token
-from .opening import UNSET, Requested, open_store, writer_id
+from .opening import UNSET, Requested, close_store, convert, open_store, relock, start_committer
 from .views import (STALE_RETRIES, collected_under_snapshot, following, groupable, live_rows,  # noqa: F401
                     locked, newer_commit, no_group_key, resolve_columns, schema_of, stats)
 from .writer import Writer, checked_token, committed_rows, token_rows
@@ -110,8 +109,6 @@ class ReplayStore:
         self._storage_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
         self.path = self.storage.url
         self.readonly = readonly
-        if not isinstance(fsync, bool):
-            raise ArgumentError(f"fsync must be True or False, got {fsync!r}")
         #: whether this process's commits fsync their files and directories (see the class docstring)
         self.fsync = fsync
         #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
@@ -134,29 +131,17 @@ class ReplayStore:
                               merge_policy if merge_policy is not None else MergePolicy())
         self._segments = self._writer.segments
         self._late_schema: List[Any] = []  # the schema of the last commit with late columns (views.schema_of)
-        self.recovered_from: List[str] = []
-        requested = Requested(capacity, group_key, capacity_bytes, multi_writer, retain_seconds)
         try:
-            opened = open_store(self.storage, requested, readonly=readonly, generation=generation)
-            self.options, self.manifest, self.recovered_from = opened.options, opened.manifest, opened.recovered_from
-            self._writer_lock = opened.writer_lock
-            if self.recovered_from:
-                warnings.warn(f"{self.path}: newest manifest(s) unusable, opened generation "
-                              f"{self.manifest.generation}: {'; '.join(self.recovered_from)}", RuntimeWarning,
-                              stacklevel=2)
-            if not readonly:
-                self._committer = self._make_committer(self.options)
-                self._committer.collect(full=True)
+            opened = open_store(self.storage, Requested(capacity, group_key, capacity_bytes, multi_writer,
+                                                        retain_seconds), readonly=readonly, generation=generation,
+                                fsync=fsync)
         except BaseException:
             self.close()
             raise
-
-    def _make_committer(self, options: fmt.StoreOptions) -> Committer:
-        many = options.multi_writer
-        storage = self.storage.writer(writer_id() if many else "", fsync=self.fsync, leases=many)
-        committer = Committer(storage, options, self.manifest)
-        committer.ensure_floor()
-        return committer
+        self.options, self.manifest = opened.options, opened.manifest
+        #: the unusable newer manifests this open passed over (each warned about)
+        self.recovered_from: List[str] = opened.recovered_from
+        self._writer_lock, self._committer = opened.writer_lock, opened.committer
 
     # ------------------------------------------------------------------ basics
 
@@ -177,22 +162,9 @@ class ReplayStore:
         """Make owed durability good, release the writer lock and the memory maps. Idempotent; a
         closed store refuses further use (:class:`~diskreplay.errors.StoreClosedError`)."""
         with self.lock:
-            self._close()
-
-    def _close(self) -> None:
-        committer, self._committer = self._committer, None
-        try:
-            if committer is not None:
-                committer.close()
-        finally:
-            if self._writer_lock is not None:
-                self._writer_lock.release()
-                self._writer_lock = None
+            committer, lock, self._committer, self._writer_lock = self._committer, self._writer_lock, None, None
             self._closed = True
-            self._cache.close()
-            self._segments.clear()
-            if self.storage.cached:
-                self.storage.close()
+            close_store(committer, lock, self._cache, self._segments, self.storage)
 
     @property
     def closed(self) -> bool:
@@ -485,45 +457,12 @@ class ReplayStore:
         return not self.storage.can_map
 
     def _convert(self, multi_writer: bool) -> None:
-        """Switch the store between one writer (exclusive lock) and many (create-if-absent commits)."""
-        storage = self.storage.writer(writer_id() if multi_writer else "", fsync=self.fsync)
-        if multi_writer:
-            storage.probe_create_if_absent(fmt.MANIFEST_DIR)
-        else:
-            self._lock(shared=False)
-        o = self.options
-        # inline groups stay once a store has them (its manifests may name some); converting to many
-        # writers turns them on, as for a store created multi-writer
-        options = dataclasses.replace(o, multi_writer=multi_writer, append_deltas=multi_writer,
-                                      inline_groups=o.inline_groups or multi_writer)
-        options.write(storage)
-        if multi_writer:
-            self._lock(shared=True)
-        self.options = options
-        self._committer = self._make_committer(options)
+        """Switch the store between one writer and many (:func:`.opening.convert`)."""
+        self.options = convert(self.storage, self.options, multi_writer, self.fsync, self._lock)
+        self._committer = start_committer(self.storage, self.options, self.manifest, self.fsync)
 
     def _lock(self, shared: bool) -> None:
-        """Hold LOCK shared (a writer of many) or exclusively (the one writer). Going exclusive is
-        refused while any other writer holds it: converting a store under live writers would let
-        their commits and this one's replace each other, and their reserved names collide. Nothing
-        where the storage has no lock (every commit is create-if-absent there)."""
-        lock = self.storage.lock(fmt.LOCK_FILE, shared=shared)
-        if lock is None:
-            return
-        held, self._writer_lock = self._writer_lock, None
-        if held is not None:
-            held.release()
-        try:
-            lock.acquire()
-        except StoreLockedError:
-            if held is not None:  # keep what this writer had
-                held.acquire()
-                self._writer_lock = held
-            if shared:
-                raise
-            raise StoreLockedError(f"{self.path} is open for writing by other processes (they hold LOCK); "
-                                   "converting it needs every other writer stopped (and closed)") from None
-        self._writer_lock = lock
+        self._writer_lock = relock(self.storage, self._writer_lock, shared)
 
     # ------------------------------------------------------------------ states
 
