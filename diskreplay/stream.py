@@ -7,13 +7,16 @@ rows of prompt groups not yet complete, and complete groups not yet handed out. 
 that, committed as the saved state ``stream.<name>`` (``save()``) or kept in the trainer's own
 checkpoint (``state_dict()``); the writers' back-pressure reads the committed one
 (:meth:`ReplayStore.wait_for_consumers`).
+
+One module: the waiting rows with their groups, versions and readiness are one state that the
+cursor saves and every method (scan, hand out, evict, give back, resume) keeps consistent.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -21,6 +24,7 @@ from ._fileio import boot_clock
 from .errors import ArgumentError, ColumnNotFoundError, CommitConflictError, SamplerError, StreamFencedError
 from .ragged import RaggedColumn
 from .samplers.distributed import broadcast_ints
+from .schema import MAX_COLUMN_NAME
 from .store.consumers import STREAM_KIND, stream_state_name
 
 _FORMAT = 1
@@ -28,6 +32,36 @@ _FORMAT = 1
 ROW_VERSION_KEY = "policy_version"
 #: instances of one name claiming at the same moment: each lost race reads the newer epoch and tries again
 _CLAIM_ATTEMPTS = 16
+#: rows whose required columns one read asks for (bounds a poll's memory, not its count of reads)
+_READY_CHUNK = 8192
+
+
+def _required(require: Any) -> Tuple[str, ...]:
+    names = (require,) if isinstance(require, str) else require
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise ArgumentError(f"require must be column names (a list of str), got {require!r}") from None
+    for name in names:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_COLUMN_NAME:
+            raise ArgumentError(f"require names the columns a row must have values in before it is handed out; "
+                                f"{name!r} cannot be a column name (a str of 1 to {MAX_COLUMN_NAME} characters)")
+    return tuple(dict.fromkeys(names))
+
+
+def _has_value(column: Any, n: int) -> np.ndarray:
+    """Per row, whether ``column`` (as ``store.read`` returns it) holds a value: a float reads NaN where
+    a row has none (a late column, a value not written yet), a ragged row is null where its validity is
+    False, and a ragged column none of the rows has reads as None."""
+    if column is None:
+        return np.zeros(n, bool)
+    if isinstance(column, RaggedColumn):
+        return np.ones(n, bool) if column.validity is None else np.asarray(column.validity, bool).copy()
+    if isinstance(column, np.ndarray):
+        if column.dtype.kind == "f":
+            return ~np.isnan(column.reshape(n, -1)).all(axis=1)
+        return np.ones(n, bool)
+    return np.fromiter((v is not None for v in column), bool, n)
 
 
 def _non_negative_int(name: str, value: Any, allow_none: bool = False) -> Optional[int]:
@@ -57,6 +91,13 @@ class RolloutStream:
     than ``n`` rows of one key make further groups. :meth:`incomplete_groups`
     reports groups still waiting (with how long), ``drop_incomplete`` gives
     them up.
+
+    ``require=["rewards", ...]``: a row (a group: all its rows) is handed out
+    only once it has values in those columns (written with the row, or later
+    by another process), in the order the stream saw units become ready
+    (those of one poll in commit order); :meth:`incomplete_groups` says
+    which rows still miss which column. A column the store does not have yet
+    holds no values.
 
     ``max_policy_lag=L`` with ``next(..., policy_version=v)``: groups (rows)
     whose ``policy_version_key`` is below ``v - L`` are skipped and counted
@@ -104,7 +145,8 @@ class RolloutStream:
 
     def __init__(self, store: Any, name: str, *, group_size: Optional[int] = None,
                  max_policy_lag: Optional[int] = None, policy_version_key: str = "policy_version",
-                 rank: int = 0, world_size: int = 1, resume: bool = True, process_group: Any = None) -> None:
+                 require: Sequence[str] = (), rank: int = 0, world_size: int = 1, resume: bool = True,
+                 process_group: Any = None) -> None:
         self.store, self.name = store, name
         self.state_name = stream_state_name(name)
         self.group_key = getattr(store, "group_key", None)
@@ -116,6 +158,7 @@ class RolloutStream:
             raise ArgumentError(f"group_size must be >= 1, got {group_size!r}")
         self.max_policy_lag = _non_negative_int("max_policy_lag", max_policy_lag, allow_none=True)
         self.policy_version_key = policy_version_key
+        self.require = _required(require)
         self.world_size = _non_negative_int("world_size", world_size)
         self.rank = _non_negative_int("rank", rank)
         if self.world_size < 1:
@@ -128,6 +171,11 @@ class RolloutStream:
         self._since = np.zeros(0, np.float64)      # when this stream first saw each of them (boot clock)
         self._keys = np.zeros(0, object)          # their group keys (when grouped)
         self._versions = np.zeros(0, np.float64)   # their policy versions (NaN: none)
+        # when each became ready: the stream's poll count then (units go out in that order), -1 while a
+        # required column has no value for it; 0 without require, and for rows given back
+        self._ready = np.zeros(0, np.int64)
+        self._polls = 0                            # polls that found rows ready
+        self._checked: Any = None                  # the generation whose values the not-ready rows were checked at
         self._counts = {"handed_out": 0, "batches": 0, "stale": 0, "evicted": 0, "dropped_incomplete": 0}
         self.extra: Optional[Dict[str, Any]] = None
         self._warned: set = set()
@@ -230,6 +278,7 @@ class RolloutStream:
                 "group_key": self.group_key, "next_row": self._next_row, "position": self._next_row - ready.size,
                 "pending": self._pending.copy(), "waited": waited, "group_of": self._group_of(),
                 "incomplete": self._pending[incomplete], "since": time.time() - waited,
+                "require": list(self.require), "ready": self._ready.copy(), "ready_polls": self._polls,
                 "counts": dict(self._counts), "epoch": self.epoch, "saved_at": time.time(), "extra": self.extra}
 
     def _group_of(self) -> np.ndarray:
@@ -264,6 +313,7 @@ class RolloutStream:
         copy._pending = np.concatenate([self._pending, rows])[order]
         copy._since = np.concatenate([self._since, np.full(rows.size, boot_clock())])[order]
         copy._versions = np.concatenate([self._versions, np.full(rows.size, np.nan)])[order]
+        copy._ready = np.concatenate([self._ready, np.zeros(rows.size, np.int64)])[order]  # they were ready: first
         copy._counts = {**self._counts, "handed_out": self._counts["handed_out"] - rows.size}
         return copy
 
@@ -283,10 +333,15 @@ class RolloutStream:
         self._next_row = int(state["next_row"])
         self._counts = {**self._counts, **{k: int(v) for k, v in state["counts"].items()}}
         self.extra = state.get("extra")
+        ready = np.asarray(state.get("ready", np.full(pending.size, -1)), np.int64)
+        if ready.size != pending.size or list(state.get("require", ())) != list(self.require):
+            ready = np.full(pending.size, -1 if self.require else 0, np.int64)  # checked again at the next poll
+        self._polls = max(self._polls, int(state.get("ready_polls", 0)))
         self._pending, self._since = np.zeros(0, np.int64), np.zeros(0, np.float64)
         self._keys, self._versions = np.zeros(0, object), np.zeros(0, np.float64)
+        self._ready = np.zeros(0, np.int64)
         self._counts["evicted"] += int(alive.size - np.count_nonzero(alive))
-        self._adopt(pending[alive], boot_clock() - waited[alive])
+        self._adopt(pending[alive], boot_clock() - waited[alive], ready[alive])
         self._cut(np.isin(group_of[alive], group_of[~alive]))
 
     def _cut(self, hit: np.ndarray) -> None:
@@ -357,19 +412,68 @@ class RolloutStream:
         if fenced:  # (every rank raises: rank 0 saw it)
             raise self._fenced()
         self._drop_evicted(head)
-        if end <= self._next_row:
-            return
-        start = max(self._next_row, head)
-        self._counts["evicted"] += start - self._next_row
-        self._next_row = end
-        rows = np.arange(start, end, dtype=np.int64)
-        for a, b in getattr(self.store, "holes", ()):  # rows repair dropped: there is nothing to hand out
-            rows = rows[(rows < a) | (rows >= b)]
-        self._counts["evicted"] += end - start - rows.size
-        self._adopt(rows, None)
+        if end > self._next_row:
+            start = max(self._next_row, head)
+            self._counts["evicted"] += start - self._next_row
+            self._next_row = end
+            rows = np.arange(start, end, dtype=np.int64)
+            for a, b in getattr(self.store, "holes", ()):  # rows repair dropped: there is nothing to hand out
+                rows = rows[(rows < a) | (rows >= b)]
+            self._counts["evicted"] += end - start - rows.size
+            self._adopt(rows, None)
+        if self.require:
+            self._check_ready()
 
-    def _adopt(self, rows: np.ndarray, since: Optional[np.ndarray]) -> None:
-        """Add ``rows`` (ascending, above the pending ones) to the waiting rows."""
+    def _check_ready(self) -> None:
+        """Mark the waiting rows whose required columns now all have values (rank 0's reads, on every
+        rank): one poll's finds share one mark, so units go out in the order they became ready."""
+        found = self._newly_ready() if self.rank == 0 or self.world_size == 1 else None
+        if self.world_size > 1:
+            count = broadcast_ints(lambda: [found.size], 1, self.process_group)
+            if count is not None:
+                found = np.asarray(broadcast_ints(lambda: found.tolist(), count[0], self.process_group)
+                                   if count[0] else [], np.int64)
+        if found is None:  # (ranks without torch.distributed: each its own view)
+            found = self._newly_ready()
+        if found.size:
+            self._polls += 1
+            self._ready[found] = self._polls
+
+    def _newly_ready(self) -> np.ndarray:
+        """Indices of the waiting rows not ready before that have every required column now. Values
+        only arrive with a commit, so a poll at the generation checked last reads nothing, and rows
+        known ready are never read again."""
+        waiting = np.flatnonzero(self._ready < 0)
+        generation = self.store.generation
+        if not waiting.size or generation == self._checked:
+            return np.zeros(0, np.int64)
+        self._checked = generation
+        return waiting[self._have_all(self._pending[waiting])]
+
+    def _have_all(self, rows: np.ndarray) -> np.ndarray:
+        """Per row, whether every required column has a value for it; each column reads only the rows
+        the columns before it found values for."""
+        have = np.ones(rows.size, bool)
+        for name in self.require:
+            have[have] = self._has(name, rows[have])
+        return have
+
+    def _missing(self, rows: np.ndarray) -> Dict[str, np.ndarray]:
+        """For each required column, those of ``rows`` without a value in it."""
+        return {name: rows[~self._has(name, rows)] for name in self.require}
+
+    def _has(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Per row, whether column ``name`` has a value for it (none: a column the store lacks yet)."""
+        have = np.zeros(rows.size, bool)
+        if name in self.store.columns:
+            for start in range(0, rows.size, _READY_CHUNK):
+                part = rows[start:start + _READY_CHUNK]
+                have[start:start + part.size] = _has_value(self.store.read(part, columns=[name])[name], part.size)
+        return have
+
+    def _adopt(self, rows: np.ndarray, since: Optional[np.ndarray], ready: Optional[np.ndarray] = None) -> None:
+        """Add ``rows`` (ascending, above the pending ones) to the waiting rows (``ready``: their marks
+        from a saved cursor; new rows are checked at the next poll)."""
         if rows.size == 0:
             return
         columns = ([self.group_key] if self.group_size > 1 else []) + \
@@ -389,6 +493,10 @@ class RolloutStream:
             keys[:] = list(data[self.group_key])
             self._keys = np.concatenate([self._keys, keys])
         self._versions = np.concatenate([self._versions, self._row_versions(data, rows.size)])
+        if ready is None:
+            ready = np.full(rows.size, -1 if self.require else 0, np.int64)
+        self._ready = np.concatenate([self._ready, ready])
+        self._checked = None
 
     def _row_versions(self, data: Dict[str, Any], n: int) -> np.ndarray:
         column = data.get(self.policy_version_key)
@@ -427,12 +535,26 @@ class RolloutStream:
     def _remove(self, gone: np.ndarray) -> None:
         keep = ~gone
         self._pending, self._since, self._versions = self._pending[keep], self._since[keep], self._versions[keep]
+        self._ready = self._ready[keep]
         if self.group_size > 1:
             self._keys = self._keys[keep]
 
     def _units(self) -> Tuple[np.ndarray, np.ndarray]:
         """The ready units (rows of indices into the waiting rows, ascending) in the order they
-        completed, and the indices of rows of groups still incomplete."""
+        became ready, and the indices of the other waiting rows (groups short of rows, or units a
+        required column has no value for yet)."""
+        members, short = self._groups()
+        if not self.require:
+            return members, short
+        marks = self._ready[members]
+        ready = (marks >= 0).all(axis=1)
+        members, waiting = members[ready], np.sort(np.concatenate([short, members[~ready].ravel()]))
+        # by the poll that found a unit's last row ready, then (as without require) by its last row
+        return members[np.lexsort((members[:, -1], marks[ready].max(axis=1)))], waiting
+
+    def _groups(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The units complete in rows (rows of indices into the waiting rows, ascending) in the order
+        they completed, and the indices of rows of groups still short of rows."""
         n = self.group_size
         if n == 1:
             return np.arange(len(self._pending)).reshape(-1, 1), np.zeros(0, np.int64)
@@ -483,21 +605,32 @@ class RolloutStream:
     # ------------------------------------------------------------------ what is waiting
 
     def incomplete_groups(self, older_than: float = 0.0) -> List[Dict[str, Any]]:
-        """Groups still short of ``group_size`` rows that have waited ``older_than`` seconds or more:
-        ``{"key", "rows", "waiting_s"}`` each, oldest first."""
-        _, waiting = self._units()
-        groups: Dict[Any, List[int]] = {}
-        for i in waiting.tolist():
-            groups.setdefault(self._keys[i], []).append(i)
+        """Groups (rows, with ``group_size=1``) not ready that have waited ``older_than`` seconds or
+        more, oldest first: ``{"key", "rows", "waiting_s", "missing"}`` each, ``missing`` naming, for
+        each ``require`` column, the rows without a value in it; a group short of ``group_size`` rows
+        has fewer ``rows`` (``key`` is None on a stream of single rows)."""
+        out = self._waiting(older_than)
+        for g in out:
+            g["missing"] = self._missing(g["rows"])
+        return out
+
+    def _waiting(self, older_than: float) -> List[Dict[str, Any]]:
+        members, short = self._groups()
+        units: Dict[Any, List[int]] = {}
+        for i in short.tolist():
+            units.setdefault(("short", self._keys[i]), []).append(i)
+        if self.require:
+            for unit in members[(self._ready[members] < 0).any(axis=1)]:
+                units[("columns", int(unit[0]))] = unit.tolist()
         now = boot_clock()  # this process's clock since it (or the cursor it loaded) first saw the rows
-        out = [{"key": key, "rows": self._pending[idx], "waiting_s": now - float(self._since[idx].min())}
-               for key, idx in groups.items()]
+        out = [{"key": self._keys[idx[0]] if self.group_size > 1 else None, "rows": self._pending[idx],
+                "waiting_s": now - float(self._since[idx].min())} for idx in map(np.asarray, units.values())]
         return sorted((g for g in out if g["waiting_s"] >= older_than), key=lambda g: -g["waiting_s"])
 
     def drop_incomplete(self, older_than: float) -> int:
-        """Give up the incomplete groups that waited ``older_than`` seconds or more (counted in
+        """Give up the groups (rows) not ready that waited ``older_than`` seconds or more (counted in
         ``stats()["dropped_incomplete"]``); returns how many rows were dropped."""
-        dropped = {int(r) for g in self.incomplete_groups(older_than) for r in g["rows"]}
+        dropped = {int(r) for g in self._waiting(older_than) for r in g["rows"]}
         if dropped:
             self._remove(np.isin(self._pending, np.fromiter(dropped, np.int64)))
             self._counts["dropped_incomplete"] += len(dropped)
