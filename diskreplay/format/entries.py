@@ -8,8 +8,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..errors import CorruptStoreError, FormatError, SchemaError
 from ..schema import ColumnSpec, Schema, late_column_problem
-from .names import (GROUPS_DIR, MAX_ID, SEGMENT_DIR, check_state_name, group_index_file, groups_file, segment_file,
-                    state_file, token_log_file)
+from .names import (GROUPS_DIR, MAX_ID, SEGMENT_DIR, check_state_name, group_index_file, groups_file, patch_file,
+                    segment_file, state_file, token_log_file)
 from .jsondoc import canonical_json, evolve, int_field
 
 
@@ -117,6 +117,55 @@ class SegmentEntry:
                 if d.get(key, expect) != expect:
                     raise FormatError(f"Unsupported {key} {d.get(key)!r} in {where}; expected {expect!r} "
                                       "(file names follow from segment ids)")
+        return e
+
+
+@dataclass(frozen=True)
+class PatchEntry:
+    """A committed patch: values of ``columns`` for ``num_rows`` committed rows, the lowest
+    ``first_row`` and the highest ``end_row - 1`` (docs/FORMAT.md, "Patches"). Its file is an
+    Arrow IPC file of one record batch: ``row`` (int64, ascending, each once), then one column
+    per name in ``columns``, of the store's type for it.
+
+    >>> e = PatchEntry(9, 3, 40, 2, 800, 7, ("rewards",))
+    >>> e.file, PatchEntry.from_dict(e.to_dict(), "m") == e
+    ('segments/patch.000000000009.arrow', True)
+    """
+
+    id: int
+    first_row: int
+    end_row: int
+    num_rows: int
+    bytes: int
+    crc32c: int
+    columns: Tuple[str, ...]
+
+    @property
+    def file(self) -> str:
+        return patch_file(self.id)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "file": self.file, "first_row": self.first_row, "end_row": self.end_row,
+                "num_rows": self.num_rows, "bytes": self.bytes, "crc32c": self.crc32c, "columns": list(self.columns)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "PatchEntry":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported patch entry {d!r:.200} in {where}; expected an object")
+        cols = d.get("columns")
+        if (not isinstance(cols, list) or not cols or len(cols) > 4096
+                or not all(isinstance(c, str) and c for c in cols) or len(set(cols)) != len(cols)):
+            raise FormatError(f"Unsupported patch columns {cols!r:.200} in {where}; expected a non-empty list of "
+                              "distinct column names")
+        e = cls(int_field(d, "id", where, hi=MAX_ID), int_field(d, "first_row", where, hi=1 << 62),
+                int_field(d, "end_row", where, lo=1, hi=1 << 62), int_field(d, "num_rows", where, lo=1, hi=1 << 62),
+                int_field(d, "bytes", where, lo=1, hi=1 << 62), int_field(d, "crc32c", where, hi=0xFFFFFFFF),
+                tuple(cols))
+        if not e.first_row < e.end_row or e.num_rows > e.end_row - e.first_row:
+            raise FormatError(f"Unsupported patch {e.id} in {where}: {e.num_rows} rows within "
+                              f"[{e.first_row}, {e.end_row})")
+        if d.get("file", e.file) != e.file:
+            raise FormatError(f"Unsupported patch file {d.get('file')!r} in {where}; expected {e.file!r}")
         return e
 
 

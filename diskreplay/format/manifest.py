@@ -13,13 +13,13 @@ from .._fileio import crc32c
 from ..errors import CommitConflictError, FormatError
 from ..schema import ColumnSpec, late_column_problem
 from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, MANIFEST_FORMAT, MAX_ID,
-                    REWRITE_DELTA_VERSION, manifest_file)
+                    PATCHES_MANIFEST_VERSION, REWRITE_DELTA_VERSION, manifest_file)
 from .jsondoc import canonical_json, check_header, check_signature, evolve, int_field, signed_doc
 from .jsondoc import signed_bytes  # noqa: F401  (the doctests below write deltas with it)
 from .access import StorageLike, as_storage
 from .options import StoreOptions
 from .segment_table import SegmentTable, SegmentTableEntry
-from .entries import (GroupIndexEntry, LateColumn, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
+from .entries import (GroupIndexEntry, LateColumn, PatchEntry, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
                       parse_commit_stats)
 
 
@@ -68,6 +68,9 @@ class Manifest:
     #: ``[start, stop)`` row ranges above ``head`` that hold no rows (docs/FORMAT.md, "Manifests"):
     #: sorted, each exactly a gap between the segments or after the last one
     holes: Tuple[Tuple[int, int], ...] = ()
+    #: values written for committed rows, oldest first: a row's value of a column is the one in the
+    #: newest patch holding it, else its segment's (docs/FORMAT.md, "Patches")
+    patches: Tuple[PatchEntry, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -88,6 +91,7 @@ class Manifest:
         """The data files this manifest references other than its segments and their sidecars."""
         out = [st.file for st in self.states.values()]
         out += [t.file for t in self.token_logs]
+        out += [p.file for p in self.patches]
         if self.group_index is not None:
             out.append(self.group_index.file)
         if self.segment_table is not None:
@@ -99,7 +103,7 @@ class Manifest:
         segs = self.segments
         data = (int(segs.column("bytes").sum() + segs.column("groups_bytes").sum()) if isinstance(segs, SegmentTable)
                 else sum(s.bytes + s.groups_bytes for s in segs))
-        return (data + sum(st.bytes for st in self.states.values())
+        return (data + sum(st.bytes for st in self.states.values()) + sum(p.bytes for p in self.patches)
                 + (self.group_index.bytes if self.group_index is not None else 0))
 
     def evolve(self, **changes: Any) -> "Manifest":
@@ -147,6 +151,8 @@ class Manifest:
             doc["segment_table"] = self.segment_table.to_dict()
         if self.holes:
             doc.update(version=HOLES_MANIFEST_VERSION, holes=[[a, b] for a, b in self.holes])
+        if self.patches:
+            doc.update(version=PATCHES_MANIFEST_VERSION, patches=[p.to_dict() for p in self.patches])
         return doc
 
     @classmethod
@@ -154,7 +160,8 @@ class Manifest:
         """The manifest a checked document holds; its ``segments`` may be a :class:`SegmentTable`
         already (a reader that read the segment table instead of the JSON entries)."""
         doc = check_header(doc, MANIFEST_FORMAT, where,
-                           (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, HOLES_MANIFEST_VERSION))
+                           (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, HOLES_MANIFEST_VERSION,
+                            PATCHES_MANIFEST_VERSION))
         if not verified:
             check_signature(doc, where)
         segs = doc.get("segments")
@@ -179,6 +186,7 @@ class Manifest:
             segment_table=(None if doc.get("segment_table") is None
                            else SegmentTableEntry.from_dict(doc["segment_table"], where)),
             holes=_holes(doc, where),
+            patches=_patches(doc, where),
         )
         m.validate(where)
         return m
@@ -205,6 +213,12 @@ class Manifest:
                                   f"are [{self.head}, {self.next_row})")
         elif self.head != self.next_row:
             raise FormatError(f"{where} has live rows [{self.head}, {self.next_row}) but no segments")
+        for p in self.patches:
+            if p.id >= self.next_segment or p.end_row > self.next_row:
+                raise FormatError(f"patch {p.id} in {where} (rows up to {p.end_row}) is out of order: the manifest "
+                                  f"ends at row {self.next_row}, segment id {self.next_segment}")
+        if len({p.id for p in self.patches}) != len(self.patches):
+            raise FormatError(f"a patch id appears twice in {where}")
         if self.group_index is not None and self.group_index.end_row > self.next_row:
             raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
                               f"next_row {self.next_row}")
@@ -273,6 +287,17 @@ def past_holes(head: int, holes: Sequence[Tuple[int, int]]) -> Tuple[int, Tuple[
     return head, tuple((a, b) for a, b in holes if a > head)
 
 
+def live_patches(patches: Tuple[PatchEntry, ...], head: int) -> Tuple[PatchEntry, ...]:
+    """The patches that still hold a live row's value (all rows below ``head`` are evicted).
+
+    >>> [p.id for p in live_patches((PatchEntry(1, 0, 5, 2, 9, 0, ("r",)), PatchEntry(2, 3, 9, 2, 9, 0, ("r",))), 5)]
+    [2]
+    """
+    if not patches or patches[0].end_row > head and all(p.end_row > head for p in patches):
+        return patches
+    return tuple(p for p in patches if p.end_row > head)
+
+
 def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
           options: StoreOptions, holes: Sequence[Tuple[int, int]] = ()
           ) -> Tuple[int, Tuple[SegmentEntry, ...], Tuple[Tuple[int, int], ...]]:
@@ -316,7 +341,8 @@ def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, 
         late = add_late_columns(late, columns, base.next_row, generation)
     return base.evolve(generation=generation, head=head, next_row=next_row,
                        next_segment=max([base.next_segment] + [e.id + 1 for e in entries]),
-                       segments=segments, tokens=tokens, late_columns=late, holes=holes, **changes)
+                       segments=segments, tokens=tokens, late_columns=late, holes=holes,
+                       patches=live_patches(base.patches, head), **changes)
 
 
 def _sum_stats(a: Mapping[str, int], b: Mapping[str, int]) -> Dict[str, int]:
@@ -440,6 +466,8 @@ def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[Segm
                                   f"[{run[0].first_row}, {run[-1].end_row}) of the segments it replaces")
     segments = base.segments[:start] + tuple(entries) + base.segments[stop:]
     head, segments, holes = evict(base.head, base.next_row, segments, options, base.holes)
+    changes.setdefault("patches", base.patches)
+    changes["patches"] = live_patches(changes["patches"], head)
     return base.evolve(generation=base.generation + 1, head=head, segments=segments, holes=holes,
                        next_segment=max([base.next_segment] + [e.id + 1 for e in entries]), **changes)
 
@@ -517,7 +545,8 @@ def with_chains(manifests: Mapping[int, Manifest]) -> set:
 def _holes(doc: Mapping[str, Any], where: str) -> Tuple[Tuple[int, int], ...]:
     """A manifest's ``holes``: in version 3 only, non-empty, sorted, disjoint ``[start, stop)`` pairs."""
     raw = doc.get("holes")
-    if doc["version"] != HOLES_MANIFEST_VERSION:
+    if doc["version"] not in (HOLES_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION) or (
+            raw is None and doc["version"] == PATCHES_MANIFEST_VERSION):
         if raw is not None:
             raise FormatError(f"Unsupported holes in {where} (version {doc['version']}); expected them only in "
                               f"version {HOLES_MANIFEST_VERSION}")
@@ -532,7 +561,7 @@ def _holes(doc: Mapping[str, Any], where: str) -> Tuple[Tuple[int, int], ...]:
 
 def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
     late = doc.get("late_columns")
-    if doc["version"] == HOLES_MANIFEST_VERSION and late is None:
+    if doc["version"] in (HOLES_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION) and late is None:
         return ()
     if doc["version"] == FORMAT_VERSION:
         if late is not None:
@@ -545,3 +574,16 @@ def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
     if len({c.spec.name for c in out}) != len(out):
         raise FormatError(f"Unsupported late_columns in {where}: a column appears twice")
     return out
+
+
+def _patches(doc: Mapping[str, Any], where: str) -> Tuple[PatchEntry, ...]:
+    """A manifest's ``patches``: in version 4 only, a non-empty list of entries, oldest first."""
+    raw = doc.get("patches")
+    if doc["version"] != PATCHES_MANIFEST_VERSION:
+        if raw is not None:
+            raise FormatError(f"Unsupported patches in {where} (version {doc['version']}); expected them only in "
+                              f"version {PATCHES_MANIFEST_VERSION}")
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > 1 << 20:
+        raise FormatError(f"Unsupported patches {raw!r:.200} in {where}; expected a non-empty list of patches")
+    return tuple(PatchEntry.from_dict(p, where) for p in raw)

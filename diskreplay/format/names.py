@@ -100,6 +100,14 @@ DELTA_FORMAT = "diskreplay.delta"
 # A delta that rewrites segments (a merge, compact) says version 2 (format v5
 # stores): a diskreplay that knows only append deltas refuses it by its version.
 REWRITE_DELTA_VERSION = 2
+# FORMAT.json of a store that may hold patches (values written for committed rows, see
+# PatchEntry) says version 6 and "patches": true, with every other feature as an explicit
+# flag, written before the first commit that names a patch: a diskreplay without patches
+# would take that commit's manifest (v4) for a damaged one, fall back to an older commit
+# and, as a writer, collect the newer ones. With version 6 it refuses the store instead.
+PATCHES_FORMAT_VERSION = 6
+# A manifest that names patches says version 4 (holes and late columns may ride with it).
+PATCHES_MANIFEST_VERSION = 4
 # A writer commits a full manifest instead of a delta once its base is
 # CHECKPOINT_EVERY to 2 CHECKPOINT_EVERY - 1 deltas (its own depth, drawn at
 # random) past a full one, so a reader applies at most 2 CHECKPOINT_EVERY - 1.
@@ -121,6 +129,11 @@ MAX_ID = 10 ** 12 - 1
 
 def segment_file(seg_id: int) -> str:
     return f"{SEGMENT_DIR}/{seg_id:012d}.arrow"
+
+
+def patch_file(patch_id: int) -> str:
+    """A patch's file: values for committed rows (docs/FORMAT.md, "Patches"), beside the segments."""
+    return f"{SEGMENT_DIR}/patch.{patch_id:012d}.arrow"
 
 
 def groups_file(seg_id: int) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from ..errors import FormatError
 from ..schema import Schema
-from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION,
+from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION, PATCHES_FORMAT_VERSION,
                     LATE_COLUMNS_FORMAT_VERSION, MULTI_WRITER_VERSION, SCHEMA_FILE, SCHEMA_FORMAT, STORE_FORMAT)
 from .jsondoc import check_header, check_signature, int_field, signed_bytes, signed_doc
 from .access import StorageLike, as_storage, location, read_signed
@@ -33,6 +33,8 @@ class StoreOptions:
     append_deltas: bool = False
     #: a small segment of one integer group may have no sidecar: its entry names the key (``SegmentEntry.group``)
     inline_groups: bool = False
+    #: the manifests may name patches (values written for committed rows)
+    patches: bool = False
 
     def to_dict(self) -> dict:
         return signed_doc(self.body())
@@ -59,16 +61,20 @@ class StoreOptions:
             doc.update(version=APPEND_DELTAS_VERSION, append_deltas=True)
         if self.inline_groups:
             doc.update(version=INLINE_GROUPS_VERSION, inline_groups=True)
+        if self.patches:  # every feature named, as a diskreplay that reads version 6 checks them
+            doc.update(version=PATCHES_FORMAT_VERSION, patches=True, multi_writer=self.multi_writer,
+                       late_columns=self.late_columns, append_deltas=self.append_deltas,
+                       inline_groups=self.inline_groups)
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
         doc = check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION,
                                                         LATE_COLUMNS_FORMAT_VERSION, APPEND_DELTAS_VERSION,
-                                                        INLINE_GROUPS_VERSION))
+                                                        INLINE_GROUPS_VERSION, PATCHES_FORMAT_VERSION))
         if not verified:
             check_signature(doc, where)
-        multi, late, deltas, inline = _format_features(doc, where)
+        multi, late, deltas, inline, patches = _format_features(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -83,6 +89,7 @@ class StoreOptions:
             late_columns=late,
             append_deltas=deltas,
             inline_groups=inline,
+            patches=patches,
         )
 
     def write(self, root: StorageLike) -> None:
@@ -105,11 +112,21 @@ class StoreOptions:
         return options
 
 
-def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool, bool]:
-    """``(multi_writer, late_columns, append_deltas, inline_groups)`` of a FORMAT.json document,
-    checked against its version."""
+def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool, bool, bool]:
+    """``(multi_writer, late_columns, append_deltas, inline_groups, patches)`` of a FORMAT.json
+    document, checked against its version."""
     multi, late = doc.get("multi_writer", False), doc.get("late_columns", False)
     version = doc["version"]
+    if (doc.get("patches", False) is True) is not (version == PATCHES_FORMAT_VERSION):
+        raise FormatError(f"Unsupported patches={doc.get('patches')!r} with version {version} in {where}; expected "
+                          f"true exactly in version {PATCHES_FORMAT_VERSION}")
+    if version == PATCHES_FORMAT_VERSION:
+        flags = tuple(doc.get(k) for k in ("multi_writer", "late_columns", "append_deltas", "inline_groups"))
+        if not all(isinstance(f, bool) for f in flags) or (flags[2] and not flags[0]):
+            named = dict(zip(("multi_writer", "late_columns", "append_deltas", "inline_groups"), flags))
+            raise FormatError(f"Unsupported features {named} in {where}; expected each true or false (append_deltas "
+                              "only with multi_writer)")
+        return (*flags, True)  # type: ignore[return-value]
     inline = version == INLINE_GROUPS_VERSION
     if doc.get("inline_groups", False) is not inline:
         raise FormatError(f"Unsupported inline_groups={doc.get('inline_groups')!r} with version {version} in "
@@ -120,13 +137,13 @@ def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bo
             raise FormatError(f"Unsupported append_deltas={deltas!r} / multi_writer={multi!r} / late_columns={late!r} "
                               f"with version {version} in {where}; expected append_deltas and multi_writer both "
                               "true or both false, and late_columns true or false")
-        return multi, late, deltas, True
+        return multi, late, deltas, True, False
     if version == APPEND_DELTAS_VERSION:
         if doc.get("append_deltas") is not True or multi is not True or not isinstance(late, bool):
             raise FormatError(f"Unsupported append_deltas={doc.get('append_deltas')!r} / multi_writer={multi!r} / "
                               f"late_columns={late!r} with version {version} in {where}; expected append_deltas "
                               "and multi_writer true and late_columns true or false")
-        return True, late, True, False
+        return True, late, True, False, False
     if doc.get("append_deltas", False) is not False:
         raise FormatError(f"Unsupported append_deltas={doc.get('append_deltas')!r} with version {version} in "
                           f"{where}; expected it only in version {APPEND_DELTAS_VERSION}")
@@ -134,14 +151,14 @@ def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bo
         if late is not True or not isinstance(multi, bool):
             raise FormatError(f"Unsupported late_columns={late!r} / multi_writer={multi!r} with version {version} "
                               f"in {where}; expected late_columns true and multi_writer true or false")
-        return multi, True, False, False
+        return multi, True, False, False, False
     if late is not False:
         raise FormatError(f"Unsupported late_columns={late!r} with version {version} in {where}; expected it only "
                           f"in version {LATE_COLUMNS_FORMAT_VERSION}")
     if multi is not (version == MULTI_WRITER_VERSION):
         raise FormatError(f"Unsupported multi_writer={multi!r} with version {version} in {where}; "
                           f"expected true exactly in version {MULTI_WRITER_VERSION}")
-    return multi, False, False, False
+    return multi, False, False, False, False
 
 
 def shared_schema_bytes(schema: Schema) -> bytes:

@@ -229,6 +229,8 @@ class LiveRows:
     rows from the front and appends ``fill(store, start, stop)`` for rows
     committed since the last call; both are amortised O(rows changed) (the
     values sit in a buffer with room at the back, compacted when it fills).
+    A ``fill`` reading one store column (:class:`ColumnFill`) also reads again
+    the rows a patch committed since wrote that column for (``store.update``).
     Another store (or one that went back) starts over. A cache of the store,
     or sampler state where ``fill`` makes it so (counts, priorities).
 
@@ -254,6 +256,7 @@ class LiveRows:
         self._buf = np.zeros(0, dtype=np.float64 if dtype is None else dtype)
         self._start = self._n = 0
         self.epoch = 0  # counts restarts (another store, a restored state): values before it are gone
+        self._patches: Any = ()  # the store's patches whose values are in
 
     @property
     def values(self) -> np.ndarray:
@@ -304,7 +307,7 @@ class LiveRows:
         same_store = self.path is None or self.path == store.path
         self.path = store.path
         if same_store and head == self.base and nxt <= end:
-            return False
+            return self._read_patched(store)
         if not same_store or nxt < head or (self._n and head >= end):
             self._reset(head)
             end = head
@@ -324,6 +327,21 @@ class LiveRows:
                 self._start = 0
         if nxt > end:
             self._append(np.asarray(self.fill(store, end, nxt)))
+        self._read_patched(store)
+        return True
+
+    def _read_patched(self, store: Any) -> bool:
+        """Read again the rows that patches committed since the last call hold values of the
+        column ``fill`` reads (a patch's span of rows, once per patch)."""
+        column = getattr(self.fill, "column", None)
+        patches = getattr(getattr(store, "manifest", None), "patches", ())
+        if column is None or patches == self._patches:
+            return False
+        seen, self._patches = set(self._patches), patches
+        for p in patches:
+            lo, hi = max(p.first_row, self.base), min(p.end_row, self.end)
+            if p not in seen and column in p.columns and lo < hi:
+                self.values[lo - self.base:hi - self.base] = np.asarray(self.fill(store, lo, hi))
         return True
 
     def live(self, store: Any) -> np.ndarray:

@@ -72,9 +72,9 @@ class Commit:
 
     @property
     def token(self) -> Optional[str]:
-        """The token an append commits exactly once (None: none)."""
+        """The token an append or a patch commits exactly once (None: none)."""
         op = self.op
-        return op.token.token if isinstance(op, ops.Append) and op.token is not None else None
+        return op.token.token if isinstance(op, (ops.Append, ops.Patch)) and op.token is not None else None
 
     @property
     def entries(self) -> Tuple[fmt.SegmentEntry, ...]:

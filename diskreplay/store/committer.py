@@ -347,7 +347,7 @@ class Committer:
         # (a merge as a full manifest raced with a longer write and lost to the small commits around
         # it: 1.6 lost races per merge with 4 writers; its delta races for a link)
         if not (isinstance(op, ops.Append) and op.relocatable
-                or isinstance(op, ops.Rewrite) and self.options.inline_groups):
+                or isinstance(op, ops.Rewrite) and self.options.inline_groups and not op.folded):
             return commit, None
         d = op.delta({"commits": 1, **self._unreported})
         data = fmt.signed_bytes(d.body())

@@ -20,6 +20,7 @@ from . import ops
 from .segment_cache import ReadView, SegmentCache
 from .appending import WriterContext
 from .commits import Commit
+from .patching import foldable
 from .writing import FileToWrite, SegmentWriter, dirs_of
 
 # a merge's (or compact's) input file this small is read into memory rather than mapped: mapping,
@@ -58,6 +59,10 @@ class Merger:
         pending: List[pa.RecordBatch] = []
         pending_bytes = 0
         seg_id, first = m.next_segment, max(m.head, m.segments[start].first_row if m.segments else m.head)
+        # the patches holding these rows, folded into the new segments (None: one of them also holds
+        # rows outside, so none is: the segments' own values are copied and the patches stay)
+        folded = foldable(m, m.segments[start].first_row, m.segments[stop - 1].end_row) if m.patches else ()
+        at_row = first
 
         def flush() -> None:
             nonlocal pending, pending_bytes, seg_id, first
@@ -79,6 +84,9 @@ class Merger:
                 batch = at.schema.conform(self.copy_source(at, e))  # older than a late column: it gets nulls
                 if e.first_row < m.head:
                     batch = batch.slice(m.head - e.first_row)
+                if folded:
+                    batch = self.cache.patches.fold(m, at.schema, batch, at_row)
+                at_row += batch.num_rows
                 nbytes = batch.nbytes  # walks every list's offsets: once
                 if pending_bytes and pending_bytes + nbytes > target_bytes:
                     flush()
@@ -91,7 +99,8 @@ class Merger:
         except BaseException:
             committer.remove_files(files)
             raise
-        commit = Commit(ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries)), tuple(files), tuple(writes),
+        commit = Commit(ops.Rewrite(tuple(m.segments[start:stop]), tuple(entries), folded or ()), tuple(files),
+                        tuple(writes),
                         tuple(dirs), started, at.reserves_ids)
         result = committer.commit(commit, install=lambda new: at.install(new, at.options))
         at.collect()

@@ -13,11 +13,15 @@ operation      conflicts with a concurrent commit when
                it adds that the base has with another type is a
                ``SchemaError`` (the same type: it is already there)
 ``Rewrite``    a replaced segment is no longer in the base (another rewrite
-               merged it, or eviction dropped it); stored as a rewrite delta
-               in a format v5 store
+               merged it, or eviction dropped it), or a patch it folds is no
+               longer in the base; stored as a rewrite delta in a format v5
+               store when it folds no patch
 ``SaveState``  never (the state of that name from the later commit wins), unless
                ``conditional``: then when the base's state of that name is not
                ``replaces`` (a compare-and-set: a rollout stream's fence)
+``Patch``      never (it lands after every commit it raced with: its values are the newest);
+               a new column it adds that the base has with another type is a
+               ``SchemaError``, as for an append
 ``Evict``      never (the head only moves forward)
 ``RollBack``   always, unless the base is the one it was planned on
 ``IndexGroups``  the base ends before the rows the persisted group index covers (a roll back took them)
@@ -67,6 +71,9 @@ class Rewrite:
 
     replaced: Tuple[fmt.SegmentEntry, ...]
     entries: Tuple[fmt.SegmentEntry, ...]
+    #: ids of the patches whose values the new segments hold (dropped from the manifest): every
+    #: patch of the planned-on base that holds any of the rows, each holding only such rows
+    folded: Tuple[int, ...] = ()
 
     @property
     def ids(self) -> Tuple[int, ...]:
@@ -84,6 +91,17 @@ class SaveState:
     entry: fmt.StateEntry
     replaces: Optional[fmt.StateEntry] = None
     conditional: bool = False
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Values for committed rows: the patch file ``entry`` names, the new columns it adds
+    (``columns``: the schema it was validated against lacked them) and its exactly-once ``token``
+    (its ``first_row``/``num_rows`` span the patched rows)."""
+
+    entry: fmt.PatchEntry
+    token: Optional[fmt.TokenRecord] = None
+    columns: Tuple[ColumnSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,7 +127,7 @@ class IndexGroups:
     entry: fmt.GroupIndexEntry
 
 
-Operation = Union[Append, Rewrite, SaveState, Evict, RollBack, IndexGroups]
+Operation = Union[Append, Rewrite, Patch, SaveState, Evict, RollBack, IndexGroups]
 
 
 def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.Manifest:
@@ -127,7 +145,23 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
             raise Conflict(f"append prepared for row {op.entries[0].first_row}, the base ends at {base.next_row}")
         return fmt.append_rows(base, op.entries, op.num_rows, op.token, op.columns, options)
     if isinstance(op, Rewrite):
-        return fmt.rewrite_rows(base, op.ids, op.entries, options)  # (ids are never reused)
+        if not op.folded:
+            return fmt.rewrite_rows(base, op.ids, op.entries, options)  # (ids are never reused)
+        have = {p.id for p in base.patches}
+        gone = [i for i in op.folded if i not in have]
+        if gone:
+            raise Conflict(f"patch {gone[0]} was folded or evicted by another commit")
+        folded = set(op.folded)
+        return fmt.rewrite_rows(base, op.ids, op.entries, options,
+                                patches=tuple(p for p in base.patches if p.id not in folded))
+    if isinstance(op, Patch):
+        tokens, late = base.tokens, base.late_columns
+        if op.token is not None:
+            tokens = tokens + (fmt.evolve(op.token, {"generation": generation}),)
+        if op.columns:
+            late = fmt.add_late_columns(late, op.columns, base.next_row, generation)
+        return base.evolve(generation=generation, patches=base.patches + (op.entry,), tokens=tokens,
+                           late_columns=late, next_segment=max(base.next_segment, op.entry.id + 1))
     if isinstance(op, SaveState):
         if op.conditional and base.states.get(op.entry.name) != op.replaces:
             raise Conflict(f"the state {op.entry.name!r} changed since this save was planned")
@@ -135,7 +169,8 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
     if isinstance(op, Evict):
         head, holes = fmt.past_holes(min(max(base.head, op.head), base.next_row), base.holes)
         return base.evolve(generation=generation, head=head, holes=holes,
-                           segments=tuple(s for s in base.segments if s.end_row > head))
+                           segments=tuple(s for s in base.segments if s.end_row > head),
+                           patches=fmt.live_patches(base.patches, head))
     if isinstance(op, RollBack):
         if base.generation != op.base:
             raise Conflict(f"a roll back planned on generation {op.base} cannot follow generation {base.generation}")

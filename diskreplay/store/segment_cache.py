@@ -38,6 +38,7 @@ from ..segment import PageChecksums, Segment, check_rows_of_parts, has_page_chec
 from ..format.sidecars import IndexedPages, inline_group_sidecar, read_group_sidecar
 from .reading import RangePlan, gather_ragged, hint_reads, ragged_ranges, ragged_run
 from .remote import RemoteSegment, fetch_for_read, remapped
+from .patching import PatchReader
 
 __all__ = ["Column", "ReadView", "SegmentCache", "row_ids"]
 
@@ -101,6 +102,8 @@ class SegmentCache:
         self.index_pages: Optional[IndexedPages] = None  # page checksums a persisted group index carries
         self._starts: Tuple[Any, np.ndarray] = (None, np.zeros(0, dtype=np.int64))  # (manifest, first rows)
         self._pool: Any = None  # object store: threads fetching for one read
+        #: the patch files of the store and which rows they hold values for
+        self.patches = PatchReader(storage, verify_reads)
 
     def close(self) -> None:
         """Unmap every segment and stop the fetching threads."""
@@ -386,6 +389,8 @@ class SegmentCache:
                     for seg, sel, loc in parts:
                         arr[sel] = seg.scalar(name, spec)[loc]
                 out[name] = arr
+        if m.patches:
+            self.patches.overlay(m, view.schema, rows, out)
         return out
 
     def prefetch(self, view: ReadView, rows: Any, cols: List[str]) -> None:

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
+import pyarrow as pa
+
 from .. import format as fmt
 from .._fileio import TMP_PREFIX, crc32c
 from ..errors import CorruptStoreError, FormatError
@@ -121,6 +123,8 @@ def _verify_once(files: "StoreFiles", progress: bool) -> "Report":
                 _check_segment(r, seg, options, bar)
             for st in newest.states.values():
                 _check_state(r, st, bar)
+            for p in newest.patches:
+                _check_patch(r, p, options, bar)
             for log in newest.token_logs:
                 problem = _check_checksum(r, log.file, log.bytes, log.crc32c, bar)
                 if problem:
@@ -325,6 +329,7 @@ def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
         out.append((s.groups_file, s.groups_bytes))
     out += [(st.file, st.bytes) for st in m.states.values()]
     out += [(t.file, t.bytes) for t in m.token_logs]
+    out += [(p.file, p.bytes) for p in m.patches]
     if m.group_index is not None:
         out.append((m.group_index.file, m.group_index.bytes))
     return out
@@ -447,6 +452,22 @@ def _check_state(r: Report, st: fmt.StateEntry, bar: Any) -> None:
         r.problem(str(exc))
     except Exception as exc:
         r.problem(f"{path} is not a readable state file ({type(exc).__name__}: {exc})")
+
+
+def _check_patch(r: Report, p: fmt.PatchEntry, options: Optional[fmt.StoreOptions], bar: Any) -> None:
+    """A patch file as a segment is checked: size, CRC-32C, then what it holds (docs/FORMAT.md, "Patches")."""
+    problem = _check_checksum(r, p.file, p.bytes, p.crc32c, bar)
+    if problem:
+        r.problem(f"{problem} (a patch: values of {list(p.columns)} for {p.num_rows} rows in "
+                  f"[{p.first_row}, {p.end_row}))")
+        return
+    try:
+        with open(r.files.local(p.file, p.bytes), "rb") as f:
+            data = pa.py_buffer(f.read())
+        fmt.parse_patch(data, p, where_in(r.files, p.file), check=False,
+                        schema=options.schema if options is not None else None)
+    except CorruptStoreError as exc:
+        r.problem(str(exc))
 
 
 def referenced_files(manifests: Iterable[fmt.Manifest]) -> Set[str]:
