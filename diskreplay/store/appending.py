@@ -5,13 +5,14 @@ commit as a value (:class:`~.commits.Commit`: its files and the ``ops.Append`` t
 them, which the commit loop rebases on whichever manifest it is finally based on), hands it to
 the one commit loop (:meth:`Committer.commit`) and keeps what the published commit says.
 :class:`WriterContext` is what the store hands an append or a merge: the writer's state when it
-starts.
+starts. :func:`append_batch` is an ``extend`` from its batch on: catching up with other writers,
+validating the batch, and validating it again where another writer fixed the schema first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +20,7 @@ import pyarrow as pa
 from .. import format as fmt
 from .._fileio import boot_clock, crash_point
 from ..errors import BatchError
+from ..ingest import normalize_batch
 from ..schema import Schema
 from ..storage import Storage
 from . import ops
@@ -27,7 +29,7 @@ from .committer import Committer
 from .compaction import split
 from .segment_cache import SegmentCache
 from ..format.tokens import batch_digest
-from .writing import SegmentWriter, encoded_digest, fix_schema
+from .writing import SegmentWriter, after_schema_race, encoded_digest, fix_schema
 
 
 @dataclass(frozen=True)
@@ -111,3 +113,36 @@ class Appender:
         rows = np.arange(rec.first_row, rec.end_row, dtype=np.int64)
         committer.durable_replay(rows)
         return rows
+
+
+def catch_up(at: WriterContext, storage: Storage) -> None:
+    """Multi-writer: install the newest commit of any writer before planning a new one (and the
+    stored options, while those held have no schema: another writer's first append may fix it)."""
+    m = at.committer.newest()
+    options = at.options if at.options.schema is not None else fmt.StoreOptions.read(storage)
+    if m.generation != at.manifest.generation or options is not at.options:
+        at.install(m, options)
+
+
+def append_batch(context: Callable[[], WriterContext], storage: Storage, batch: Mapping[str, Any],
+                 token: Optional[str], append: Callable[[pa.RecordBatch, Schema, Optional[str]], np.ndarray]
+                 ) -> np.ndarray:
+    """An ``extend`` of ``batch`` (``token`` checked): ``append`` of the batch validated against the
+    store's schema, as of the newest commit where many write; the row ids."""
+    at = context()
+    if at.multi_writer:
+        catch_up(at, storage)
+        at = context()
+    # until a row is committed the schema is not fixed: FORMAT.json may hold one from a first
+    # append that crashed before its manifest
+    record, schema = normalize_batch(batch, at.schema if at.multi_writer or at.manifest.next_row else None,
+                                     at.group_key)
+
+    def again() -> np.ndarray:
+        # another writer's first append fixed the schema first: this batch must fit it
+        at = context()
+        at.install(at.manifest, fmt.StoreOptions.read(storage))
+        at = context()
+        return append(*normalize_batch(batch, at.schema, at.group_key), token)
+
+    return after_schema_race(lambda: append(record, schema, token), again)

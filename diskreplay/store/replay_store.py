@@ -24,7 +24,6 @@ from .. import format as fmt
 from .._fileio import WriterLock
 from ..errors import ArgumentError, ReadOnlyError, StoreClosedError
 from ..groups import GroupIndex
-from ..ingest import normalize_batch
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
 from ..format.states import encode_state, read_state_file
@@ -33,15 +32,15 @@ from .committer import Committer
 from .consumers import DEAD_AFTER_S, INCOMPLETE_AFTER_S, Consumer, consumers, wait_for_consumers
 from .compaction import MergePolicy
 from .group_views import GroupIndexes, column_index
-from .appending import WriterContext
+from .appending import WriterContext, append_batch, catch_up
 from .segment_cache import Column, ReadView, SegmentCache
+from .patching import commit_patch, prepare_update
 from ..storage import open_storage
 from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, close_store, convert, open_store, relock, start_committer
 from .views import (STALE_RETRIES, collected_under_snapshot, following, groupable, live_rows,  # noqa: F401
                     locked, newer_commit, no_group_key, resolve_columns, schema_of, stats)
 from .writer import Writer, checked_token, committed_rows, token_rows
-from .writing import after_schema_race
 
 _UNSET: Any = UNSET
 T = TypeVar("T")
@@ -356,12 +355,7 @@ class ReplayStore:
 
     def _catch_up(self) -> None:
         """Multi-writer: adopt the newest commit of any writer before planning a new one."""
-        m = self._committer.newest()
-        options = self.options
-        if options.schema is None:
-            options = fmt.StoreOptions.read(self.storage)
-        if m.generation != self.manifest.generation or options is not self.options:
-            self._install(m, options)
+        catch_up(self._writer_context(), self.storage)
 
     @locked
     def extend(self, batch: Mapping[str, Any], *, token: Optional[str] = None) -> np.ndarray:
@@ -394,26 +388,8 @@ class ReplayStore:
         ([0, 1], 2)
         """
         self._require_writer()
-        token = check_token(token)
-        if self.multi_writer:
-            self._catch_up()
-        # until a row is committed the schema is not fixed: FORMAT.json may hold one from a first
-        # append that crashed before its manifest
-        record, schema = normalize_batch(batch, self.schema if self.multi_writer or self.next_row else None,
-                                         self.group_key)
-
-        def again() -> np.ndarray:
-            # another writer's first append fixed the schema first: this batch must fit it
-            self.options = fmt.StoreOptions.read(self.storage)
-            return self._append(*normalize_batch(batch, self.schema, self.group_key), token)
-
-        return after_schema_race(lambda: self._append(record, schema, token), again)
-
-    def _append(self, record: pa.RecordBatch, schema: Schema, token: Optional[str]) -> np.ndarray:
-        return self._writer.append(self._writer_context, record, schema, token, self._persist_group_index)
-
-    def _collect(self) -> None:
-        self._writer.collect(self._committer, self.generation)
+        return append_batch(self._writer_context, self.storage, batch, check_token(token),
+                            lambda *args: self._writer.append(self._writer_context, *args, self._persist_group_index))
 
     @locked
     def compact(self, target_bytes: int = 64 << 20, *, multi_writer: Optional[bool] = None) -> Dict[str, int]:
@@ -446,7 +422,8 @@ class ReplayStore:
 
     def _writer_context(self) -> WriterContext:
         return WriterContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
-                             self._reserves_ids, self._install, self._collect)
+                             self._reserves_ids, self._install,
+                             lambda: self._writer.collect(self._committer, self.generation))
 
     @property
     def remote(self) -> bool:
@@ -713,3 +690,32 @@ class ReplayStore:
         if self.multi_writer:
             self._catch_up()
         return committed_rows(self._committer, token)
+
+    @locked
+    def update(self, rows: Any, values: Mapping[str, Any], *, token: Optional[str] = None) -> int:
+        """Write values of some columns for rows already committed: rewards scored after the
+        rollout, reference log-probs or advantages added by a later stage. One commit, exactly
+        once with ``token`` (a retry with the same rows and values returns without writing);
+        returns the number of rows updated.
+
+        ``values`` maps each column to one value per row of ``rows`` (distinct live row ids, any
+        order). A per-token value must have one value per token of its row; a column the store
+        lacks is added (earlier rows read "not computed" unless updated); the group key and the
+        token ids cannot be updated. Every read afterwards (``read``, the collators, loaders,
+        samplers, exports) returns the newest value; segments are not rewritten (a merge or
+        ``compact`` folds the values in later). See docs/FORMAT.md, "Patches".
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> _ = store.extend({"prompt_id": [0, 0], "completion_ids": [[5, 6], [7]], "rewards": [0.0, 0.0]})
+        >>> store.update([1, 0], {"rewards": [1.0, 0.5], "ref_logps": [[-0.75], [-0.25, -0.5]]}, token="judge:0")
+        2
+        >>> store.read([0, 1], ["rewards"])["rewards"].tolist(), store.read([0], ["ref_logps"])["ref_logps"][0].tolist()
+        ([0.5, 1.0], [-0.25, -0.5])
+        """
+        self._require_writer()
+        token = check_token(token)
+        if self.multi_writer:
+            self._catch_up()
+        record, new_columns = prepare_update(self._cache, self._view(), rows, values)
+        return commit_patch(self._writer_context(), record, new_columns, token)
