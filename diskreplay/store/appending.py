@@ -36,7 +36,10 @@ from .writing import SegmentWriter, after_schema_race, encoded_digest, fix_schem
 class WriterContext:
     """A writer's state when an append or a merge starts: the commit it is based on, and how to
     publish (``install`` adopts a new commit with its options, ``collect`` removes what no
-    retained commit names)."""
+    retained commit names). ``reserves_ids``: new files take the first free id (created only if
+    absent) rather than the next one in the manifest: with many writers, and where the storage
+    has no exclusive lock (an object store), since a second writer of a single-writer store is
+    not kept out there and must not overwrite a file."""
 
     manifest: fmt.Manifest
     options: fmt.StoreOptions

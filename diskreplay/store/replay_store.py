@@ -5,9 +5,6 @@ commit (docs/FORMAT.md): the writing side (``writer``) builds it as a value (``c
 one commit loop (``committer``) publishes it. This module holds the public methods and their
 examples, each delegating to a part of this package (opening, writer, views, states,
 segment_cache, group_views, consumers); no part imports it.
-
-One module: a store's whole public API, each method with its example; about a third of it
-is those docstrings, the work is in the parts it delegates to.
 """
 
 from __future__ import annotations
@@ -197,13 +194,6 @@ class ReplayStore:
             mode = "snapshot"
         return (f"ReplayStore({self.path!r}, rows={len(self)}, group_key={self.group_key!r}, "
                 f"generation={self.generation}, {mode})")
-
-    @property
-    def _reserves_ids(self) -> bool:
-        """Whether new files take the first free id (created only if absent) rather than the
-        next one in the manifest: with many writers, and on an object store, where a second
-        writer of a single-writer store is not kept out and must not overwrite a file."""
-        return self.multi_writer or not self.storage.exclusive_lock
 
     @property
     def merge_policy(self) -> MergePolicy:
@@ -417,12 +407,12 @@ class ReplayStore:
             self._convert(bool(multi_writer))
         if self.multi_writer:
             self._catch_up()
-        self._trim_cache()
+        self._cache.trim()
         return self._writer.merger.compact(self._writer_context, target_bytes)
 
     def _writer_context(self) -> WriterContext:
         return WriterContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
-                             self._reserves_ids, self._install,
+                             self.multi_writer or not self.storage.exclusive_lock, self._install,
                              lambda: self._writer.collect(self._committer, self.generation))
 
     @property
@@ -435,11 +425,11 @@ class ReplayStore:
 
     def _convert(self, multi_writer: bool) -> None:
         """Switch the store between one writer and many (:func:`.opening.convert`)."""
-        self.options = convert(self.storage, self.options, multi_writer, self.fsync, self._lock)
-        self._committer = start_committer(self.storage, self.options, self.manifest, self.fsync)
+        def lock(shared: bool) -> None:
+            self._writer_lock = relock(self.storage, self._writer_lock, shared)
 
-    def _lock(self, shared: bool) -> None:
-        self._writer_lock = relock(self.storage, self._writer_lock, shared)
+        self.options = convert(self.storage, self.options, multi_writer, self.fsync, lock)
+        self._committer = start_committer(self.storage, self.options, self.manifest, self.fsync)
 
     # ------------------------------------------------------------------ states
 
@@ -532,9 +522,6 @@ class ReplayStore:
     def _page_checksums(self, entry: fmt.SegmentEntry) -> Optional[PageChecksums]:
         return self._cache.page_checksums(entry, self._view())
 
-    def _trim_cache(self) -> None:
-        self._cache.trim()
-
     def _read(self, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
               ranges: bool = False) -> Dict[str, Column]:
         return self._cache.remapping(lambda: self._cache.read(self._view(), rows, cols, buffers, ranges))
@@ -565,11 +552,11 @@ class ReplayStore:
         >>> np.shares_memory(first.values, second.values), second[0].tolist()
         (True, [2, 3])
         """
-        cols = self._resolve_columns(columns)
+        cols = resolve_columns(self.columns, columns)
         if out is not None and not isinstance(out, dict):
             raise ArgumentError(f"out must be a dict the caller keeps between reads (start with {{}}), got "
                                 f"{type(out).__name__}")
-        self._trim_cache()
+        self._cache.trim()
         return self._following(lambda: self._read(rows, cols, out))
 
     @locked
@@ -591,12 +578,9 @@ class ReplayStore:
         ([2, 1], [2, 3], [1.5, 0.5])
         >>> store.close(); tmp.cleanup()
         """
-        cols = self._resolve_columns(columns)
-        self._trim_cache()
+        cols = resolve_columns(self.columns, columns)
+        self._cache.trim()
         return self._following(lambda: self._read(rows, cols, ranges=True))
-
-    def _resolve_columns(self, columns: Optional[Sequence[str]]) -> List[str]:
-        return resolve_columns(self.columns, columns)
 
     @locked
     def prefetch(self, rows: Any, columns: Optional[Sequence[str]] = None) -> None:
@@ -605,8 +589,8 @@ class ReplayStore:
         Cheap and asynchronous: a loader calls it for the next batch while the
         current one trains, so cold reads do not serialise on page faults.
         """
-        cols = self._resolve_columns(columns)
-        self._trim_cache()
+        cols = resolve_columns(self.columns, columns)
+        self._cache.trim()
         if not self.storage.can_map:
             return  # nothing to hint: an object store's pages are fetched (and checked) by the read itself
 
