@@ -2498,11 +2498,89 @@ def _size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def bench_update(args) -> None:
+    """Values for committed rows (``ReplayStore.update``): what a 512-row update commit costs against
+    an append of the same rows, what reading a 512-row batch costs when 10 % / 100 % of the store's
+    rows carry patched values (and after ``compact`` folded them) against the same rows with no
+    patches, and a patch's bytes against the values it holds. Reads alternate between the stores."""
+    from diskreplay.synthetic import make_rollouts
+    work, n_groups = args.dir, args.groups
+    cols = ["rewards", "advantages", "ref_per_token_logps"]
+    base = os.path.join(work, "base")
+    batches = [make_rollouts(64, 8, seed=i, first_group=i * 64, policy_version=i) for i in range(n_groups // 64)]
+    with ReplayStore(base) as store:
+        for b in batches:
+            store.extend(b)
+        n = len(store)
+        values = store.read(np.arange(n), cols)
+    print(f"update: {n} rows ({n_groups} groups of 8, prompt + completion 64..1024 tokens); updates of 512 rows "
+          f"writing {cols}; reads of 512 random rows through Collator (padded), {args.rounds * 10} batches per "
+          "store, alternating")
+
+    def chunk(rows):
+        return {"rewards": values["rewards"][rows], "advantages": values["advantages"][rows],
+                "ref_per_token_logps": [values["ref_per_token_logps"][int(r)] for r in rows]}
+
+    rng = np.random.default_rng(0)
+    stores = {"none": base}
+    update_ms, append_ms, patch_bytes, value_bytes = [], [], [], []
+    for name, share in (("10%", 0.1), ("100%", 1.0)):
+        path = stores[name] = os.path.join(work, name)
+        shutil.copytree(base, path)
+        picked = np.sort(rng.choice(n, int(n * share), replace=False))
+        with ReplayStore(path) as store:
+            for k in range(0, len(picked), 512):
+                rows = picked[k:k + 512]
+                data = chunk(rows)
+                t = time.perf_counter()
+                store.update(rows, data, token=f"bench:{k}")
+                update_ms.append((time.perf_counter() - t) * 1e3)
+                p = store.manifest.patches[-1]
+                patch_bytes.append(p.bytes)
+                value_bytes.append(8 * len(rows) + sum(v.nbytes for v in data["ref_per_token_logps"])
+                                   + data["rewards"].nbytes + data["advantages"].nbytes)
+    stores["100% compacted"] = os.path.join(work, "compacted")
+    shutil.copytree(stores["100%"], stores["100% compacted"])
+    with ReplayStore(stores["100% compacted"]) as store:
+        store.compact()
+    # the baseline commit: an append of 512 rows of the same workload (all columns)
+    with ReplayStore(os.path.join(work, "append")) as store:
+        for b in batches[:8]:
+            t = time.perf_counter()
+            store.extend(b)
+            append_ms.append((time.perf_counter() - t) * 1e3)
+    opened = {k: ReplayStore(v, readonly=True) for k, v in stores.items()}
+    collator = Collator(pad_token_id=0)
+    read_cols = ["completion_ids", *cols]
+    draws = [np.sort(rng.choice(n, 512, replace=False)) for _ in range(args.rounds * 10)]
+    times: Dict[str, List[float]] = {k: [] for k in opened}
+    for k, st in opened.items():  # warm: pages, kernels, the patch index
+        for rows in draws[:3]:
+            collator.read(st, rows, columns=read_cols)
+    for rows in draws:
+        for k, st in opened.items():
+            t = time.perf_counter()
+            collator.read(st, rows, columns=read_cols)
+            times[k].append((time.perf_counter() - t) * 1e3)
+    for st in opened.values():
+        st.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row("", "value", "baseline", "ratio")
+    row("update commit of 512 rows, ms (vs append)", f"{statistics.median(update_ms):.2f}",
+        f"{statistics.median(append_ms):.2f}", f"{statistics.median(update_ms) / statistics.median(append_ms):.2f}x")
+    for k, goal in (("10%", "<= 1.2"), ("100%", "<= 1.2"), ("100% compacted", "<= 1.05")):
+        row(f"read 512 rows, {k} of rows patched, ms", f"{med[k]:.2f}", f"{med['none']:.2f}",
+            target(f"update: read with {k} of rows patched vs none", med[k] / med["none"], goal))
+    row("patch bytes vs the values it holds", f"{statistics.median(patch_bytes):,.0f}",
+        f"{statistics.median(value_bytes):,.0f}", f"{statistics.median(patch_bytes) / statistics.median(value_bytes):.2f}x")
+    print_targets()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
-                                      "commit-cpu", "stream", "async-buffer", "transferqueue"])
+                                      "commit-cpu", "stream", "async-buffer", "transferqueue", "update"])
     p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
@@ -2526,13 +2604,13 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
     if args.groups is None:
-        args.groups = 1024 if args.what in ("writers", "remote", "stream", "transferqueue") else 256 if args.what == "async-buffer" else 4096
+        args.groups = 1024 if args.what in ("writers", "remote", "stream", "transferqueue", "update") else 256 if args.what == "async-buffer" else 4096
     if args.commits is None:
         args.commits = 300 if args.what == "commit-cpu" else 100
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
            "commit-cpu": bench_commit_cpu, "stream": bench_stream, "async-buffer": bench_async_buffer,
-           "transferqueue": bench_transferqueue}[args.what]
+           "transferqueue": bench_transferqueue, "update": bench_update}[args.what]
     if args.dir:
         run(args)
         return

@@ -41,11 +41,8 @@ def prepare_update(cache: Any, view: Any, rows: Any, values: Mapping[str, Any]) 
         raise ArgumentError("rows is empty: an update names the rows whose values it writes")
     check_distinct(ids)
 
-    def lengths(of: np.ndarray, column: str) -> np.ndarray:
-        col = cache.read(view, of, [column], ranges=True)[column]
-        return np.zeros(len(of), dtype=np.int64) if col is None else col.lengths
-
-    return patch_record(ids, values, view.schema, view.group_key, lengths)
+    return patch_record(ids, values, view.schema, view.group_key,
+                        lambda of, column: cache.remapping(lambda: cache.row_lengths(view, of, column)))
 
 
 def patch_record(rows: np.ndarray, values: Mapping[str, Any], schema: Optional[Schema], group_key: Optional[str],
@@ -133,25 +130,23 @@ def commit_patch(at: Any, record: pa.RecordBatch, new_columns: List[Any], token:
     data = encode_ipc(record)
     started = boot_clock()
     first = at.manifest.next_segment
-    if at.reserves_ids:
+    if at.reserves_ids:  # many writers, object storage: the first free name, created only if absent
         patch_id, rel = storage.link_candidates(fmt.patch_file, data, first, step="segments")
-    else:
-        patch_id, rel = first, fmt.patch_file(first)
         try:
-            storage.write_new(rel, data, step="segments")
+            storage.sync_dir(fmt.SEGMENT_DIR)
+            crash_point("segments.synced")
         except BaseException:
             committer.remove_files([rel])
             raise
-    try:
-        storage.sync_dir(fmt.SEGMENT_DIR)
-        crash_point("segments.synced")
-    except BaseException:
-        committer.remove_files([rel])
-        raise
+        writes: Tuple[Any, ...] = ()
+    else:  # one writer: written and made durable with the manifest's file, in one wait
+        patch_id, rel = first, fmt.patch_file(first)
+        writes = ((rel, data, "segments"),)
     entry = patch_entry(patch_id, record, data)
     rec = fmt.TokenRecord(token, entry.first_row, entry.end_row - entry.first_row, dig, 1) if token else None
     op = ops.Patch(entry, rec, tuple(new_columns))
-    result = committer.commit(Commit(op, (rel,), started=started), install=lambda new: at.install(new, options))
+    result = committer.commit(Commit(op, (rel,), writes, (fmt.SEGMENT_DIR,) if writes else (), started),
+                              install=lambda new: at.install(new, options))
     if result.duplicate is not None:
         if result.manifest.generation != at.manifest.generation:
             at.install(result.manifest, options)
@@ -214,12 +209,21 @@ class PatchReader:
         self._files: Dict[fmt.PatchEntry, pa.RecordBatch] = {}
         self._for: Tuple[fmt.PatchEntry, ...] = ()
         self._index: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._ragged: Dict[Tuple[fmt.PatchEntry, str], Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]] = {}
 
     def record(self, entry: fmt.PatchEntry) -> pa.RecordBatch:
         """The patch's rows and values (its file mapped, checked against its checksum once)."""
         got = self._files.get(entry)
         if got is None:
             got = self._files[entry] = read_patch(self.storage, entry, self.verify_reads)
+        return got
+
+    def ragged(self, entry: fmt.PatchEntry, name: str) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """``(values, offsets, validity)`` of a patch's ragged column (made once)."""
+        key = (entry, name)
+        got = self._ragged.get(key)
+        if got is None:
+            got = self._ragged[key] = _ragged_arrays(self.record(entry).column(name))
         return got
 
     def _column_index(self, patches: Tuple[fmt.PatchEntry, ...], name: str
@@ -231,6 +235,7 @@ class PatchReader:
                 self._index = {}
                 live = set(patches)
                 self._files = {e: r for e, r in self._files.items() if e in live}
+                self._ragged = {k: v for k, v in self._ragged.items() if k[0] in live}
             self._for = patches
         if name in self._index:
             return self._index[name]
@@ -265,18 +270,30 @@ class PatchReader:
         at = np.flatnonzero(hit)
         return _Hits(at, which[i[at]], pos[i[at]])
 
-    def overlay(self, manifest: fmt.Manifest, schema: Schema, rows: np.ndarray, out: Dict[str, Any]) -> None:
-        """Replace, in a read's columns ``out`` of ``rows``, the values that patches hold."""
+    def read_hits(self, manifest: fmt.Manifest, cols: List[str], rows: np.ndarray) -> Dict[str, _Hits]:
+        """For each of ``cols`` that patches hold values of for some of ``rows``, where."""
+        out = {}
+        for name in cols:
+            hits = self.hits(manifest.patches, name, rows)
+            if hits is not None:
+                out[name] = hits
+        return out
+
+    def overlay(self, manifest: fmt.Manifest, schema: Schema, rows: np.ndarray, out: Dict[str, Any],
+                read_hits: Optional[Dict[str, _Hits]] = None) -> None:
+        """Replace, in a read's columns ``out`` of ``rows``, the values that patches hold
+        (``read_hits``: :meth:`read_hits` of that read, if known)."""
         patches = manifest.patches
-        for name in list(out):
-            hits = self.hits(patches, name, rows)
-            if hits is None:
-                continue
+        if read_hits is None:
+            read_hits = self.read_hits(manifest, list(out), rows)
+        for name, hits in read_hits.items():
             spec = schema[name]
-            sources = {w: self.record(patches[w]).column(name) for w in np.unique(hits.which).tolist()}
             if spec.kind == RAGGED:
-                out[name] = overlay_ragged(out[name], len(rows), hits, sources, np.dtype(spec.dtype))
-            elif spec.dtype == "string":
+                arrays = {w: self.ragged(patches[w], name) for w in np.unique(hits.which).tolist()}
+                out[name] = overlay_ragged(out[name], len(rows), hits, arrays, np.dtype(spec.dtype))
+                continue
+            sources = {w: self.record(patches[w]).column(name) for w in np.unique(hits.which).tolist()}
+            if spec.dtype == "string":
                 res = list(out[name])
                 for w, at, pos in hits.by_patch():
                     vals = sources[w].take(pa.array(pos)).to_pylist()
@@ -305,7 +322,8 @@ class PatchReader:
             arr = record.column(k)
             sources = {w: self.record(manifest.patches[w]).column(name) for w in np.unique(hits.which).tolist()}
             if spec.kind == RAGGED:
-                col = overlay_ragged(arrow_ragged(arr), len(rows), hits, sources, np.dtype(spec.dtype))
+                parts = {w: self.ragged(manifest.patches[w], name) for w in sources}
+                col = overlay_ragged(arrow_ragged(arr), len(rows), hits, parts, np.dtype(spec.dtype))
                 arrays[k] = ragged_arrow(col, arr.type, len(rows))
             else:
                 arrays[k] = _fold_per_row(arr, hits, sources)
@@ -381,47 +399,46 @@ def ragged_arrow(col: Optional[RaggedColumn], arrow_type: pa.DataType, n: int) -
                                          pa.array(col.values, arrow_type.value_type), mask=mask)
 
 
-def _gather_runs(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``values[starts[i]:starts[i] + lengths[i]]`` for each ``i``, one after another."""
-    total = int(lengths.sum())
-    if not total:
-        return values[:0]
-    out_starts = np.cumsum(lengths) - lengths
-    idx = np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
-    return values[idx]
+def _ragged_arrays(arr: pa.Array) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """``(values, offsets, validity or None)`` of a large-list Arrow column, zero-copy where it can."""
+    offs = arr.offsets.to_numpy()
+    vals = arr.values.to_numpy(zero_copy_only=False)
+    return vals, offs, (arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None)
 
 
-def overlay_ragged(col: Any, n: int, hits: _Hits, sources: Mapping[int, pa.Array], dtype: np.dtype
-                   ) -> Optional[RaggedColumn]:
-    """A read's ragged column (a :class:`RaggedColumn`, or None: no row had a value) with the
-    patched rows' values in place: a new column."""
+def overlay_ragged(col: Any, n: int, hits: _Hits, sources: Mapping[int, Tuple[np.ndarray, np.ndarray, Any]],
+                   dtype: np.dtype) -> Optional[RaggedColumn]:
+    """A read's ragged column (a :class:`RaggedColumn`, or None: no row had a value, or the
+    segments were not read because every row is patched) with the patched rows' values in
+    place, as a new column: one copy of each row's values, in runs of rows that follow each
+    other in one source (``sources``: each patch's ``(values, offsets, validity)``)."""
     if col is None:
         base_vals, base_offs = np.zeros(0, dtype=dtype), np.zeros(n + 1, dtype=np.int64)
         valid = np.zeros(n, dtype=bool)
     else:
         base_vals, base_offs = np.asarray(col.values), np.asarray(col.offsets, dtype=np.int64)
         valid = np.ones(n, dtype=bool) if col.validity is None else np.array(col.validity, dtype=bool)
-    src_start = base_offs[:-1].copy()
-    lengths = np.diff(base_offs)
-    pieces = [base_vals.astype(dtype, copy=False)]
-    at_end = len(base_vals)
+    src = np.zeros(n, dtype=np.int64)  # 0: the segments' values, k: the k-th patch of `order`
+    starts, ends = base_offs[:-1].copy(), base_offs[1:].copy()
+    arrays = [base_vals]
     for w, at, pos in hits.by_patch():
-        src = sources[w]
-        offs = src.offsets.to_numpy()
-        flat = src.values.to_numpy(zero_copy_only=False)
-        s, e = offs[pos], offs[pos + 1]
-        got = _gather_runs(flat, s, e - s).astype(dtype, copy=False)
-        lengths[at] = e - s
-        src_start[at] = at_end + np.cumsum(e - s) - (e - s)
-        pieces.append(got)
-        at_end += len(got)
-        valid[at] = src.is_valid().to_numpy(zero_copy_only=False)[pos]
-    lengths[~valid] = 0
+        vals, offs, pvalid = sources[w]
+        arrays.append(vals)
+        src[at] = len(arrays) - 1
+        starts[at], ends[at] = offs[pos], offs[pos + 1]
+        valid[at] = True if pvalid is None else pvalid[pos]
+    ends[~valid] = starts[~valid]
     if not valid.any():
         return None
     offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = _gather_runs(np.concatenate(pieces), src_start, lengths)
+    np.cumsum(ends - starts, out=offsets[1:])
+    # runs: a row that starts where the previous one ended, in the same source, joins its run
+    follows = np.zeros(n, dtype=bool)
+    follows[1:] = (starts[1:] == ends[:-1]) & (src[1:] == src[:-1])
+    first = np.flatnonzero(~follows)
+    last = np.append(first[1:] - 1, n - 1)
+    pieces = [arrays[k][a:b] for k, a, b in zip(src[first].tolist(), starts[first].tolist(), ends[last].tolist())]
+    values = np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype=dtype)
     return RaggedColumn(values, offsets, None if valid.all() else valid)
 
 

@@ -356,6 +356,9 @@ class SegmentCache:
             hint_reads(cold, cols, [view.schema[c].kind == RAGGED for c in cols], hinted)
         out: Dict[str, Column] = {}
         plans: Dict[Any, RangePlan] = {}
+        # values for committed rows: a ragged column every row of which a patch holds is not read here
+        patched = self.patches.read_hits(m, cols, rows) if m.patches else {}
+        whole = {name for name, h in patched.items() if len(h.at) == n and view.schema[name].kind == RAGGED}
         # a run of consecutive rows of one segment (a scan) is returned as views, not copied
         run = (len(parts) == 1 and n > 1 and int(parts[0][2][-1]) - int(parts[0][2][0]) == n - 1
                and bool(np.all(np.diff(parts[0][2]) == 1)))
@@ -363,7 +366,9 @@ class SegmentCache:
         check_rows_of_parts([(seg, loc) for seg, _, loc in parts], ragged_cols)
         for name in cols:
             spec = view.schema[name]
-            if spec.kind == RAGGED and ranges:
+            if name in whole:
+                out[name] = None
+            elif spec.kind == RAGGED and ranges:
                 out[name] = ragged_ranges(name, parts, n, np.dtype(spec.dtype), plans)
             elif spec.kind == RAGGED and run:
                 out[name] = ragged_run(name, parts[0][0], int(parts[0][2][0]), n)
@@ -389,8 +394,22 @@ class SegmentCache:
                     for seg, sel, loc in parts:
                         arr[sel] = seg.scalar(name, spec)[loc]
                 out[name] = arr
-        if m.patches:
-            self.patches.overlay(m, view.schema, rows, out)
+        if patched:
+            self.patches.overlay(m, view.schema, rows, out, patched)
+        return out
+
+    def row_lengths(self, view: ReadView, rows: Any, name: str) -> np.ndarray:
+        """How many values each of ``rows`` holds in the ragged column ``name`` (0 where null), from
+        the segments' offsets alone (their values' pages are neither read nor checked)."""
+        rows, seg_idx, local = self.locate(view, rows)
+        out = np.zeros(len(rows), dtype=np.int64)
+        m = view.manifest
+        for i in np.flatnonzero(np.bincount(seg_idx, minlength=len(m.segments))).tolist() if len(rows) else []:
+            at = np.flatnonzero(seg_idx == i)
+            _, offsets, valid = self.segment(m.segments[i], view).ragged(name)
+            loc = local[at]
+            got = offsets[loc + 1] - offsets[loc]
+            out[at] = got if valid is None else np.where(valid[loc], got, 0)
         return out
 
     def prefetch(self, view: ReadView, rows: Any, cols: List[str]) -> None:
