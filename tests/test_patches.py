@@ -377,3 +377,61 @@ def test_two_writers_patching_one_cell_leave_the_later_commit(tmp_path):
         store.compact()
         assert store.read([0, 1, 2, 3], ["rewards"])["rewards"].tolist() == [last] * 4
     ok(path)
+
+
+# ------------------------------------------------------------------ versions
+
+
+def test_named_versions_stay_readable_after_newer_values_and_compact(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        fill(store, 16)
+        store.update([1, 2], {"rewards": [10.0, 20.0]}, version="exact-match", meta={"scorer": "em", "at": 1})
+        store.update([2, 3], {"rewards": [0.25, 0.5], "judge_logps": [np.zeros(3, np.float32), np.ones(4, np.float32)]},
+                     version="judge-v2", token="judge:0")
+        assert store.update([3, 2], {"rewards": [0.5, 0.25],
+                                     "judge_logps": [np.ones(4, np.float32), np.zeros(3, np.float32)]},
+                            version="judge-v2", token="judge:0") == 2
+        with pytest.raises(BatchError, match="judge:0"):  # the same token for another version
+            store.update([2, 3], {"rewards": [0.25, 0.5], "judge_logps": [np.zeros(3, np.float32),
+                                                                           np.ones(4, np.float32)]},
+                         version="judge-v3", token="judge:0")
+        store.update([1], {"rewards": [-1.0]})  # unnamed: newest, no version
+        assert store.versions("rewards") == {"exact-match": {"meta": {"scorer": "em", "at": 1}, "patches": 1, "rows": 2},
+                                             "judge-v2": {"meta": {}, "patches": 1, "rows": 2}}
+
+        def check():
+            got = store.read([0, 1, 2, 3], ["rewards", "rewards@exact-match", "rewards@judge-v2", "judge_logps@judge-v2"])
+            assert got["rewards"].tolist() == [0.0, -1.0, 0.25, 0.5]
+            assert np.isnan(got["rewards@exact-match"][[0, 3]]).all()
+            assert got["rewards@exact-match"][1:3].tolist() == [10.0, 20.0]
+            assert np.isnan(got["rewards@judge-v2"][:2]).all() and got["rewards@judge-v2"][2:].tolist() == [0.25, 0.5]
+            col = got["judge_logps@judge-v2"]
+            assert col.validity.tolist() == [False, False, True, True] and col[3].tolist() == [1.0] * 4
+
+        check()
+        store.compact()
+        assert all(p.folded for p in store.manifest.patches) and len(store.manifest.patches) == 2
+        check()
+    with ReplayStore(path) as store:
+        check()
+        with pytest.raises(Exception, match="its versions"):
+            store.read([0], ["rewards@nope"])
+    ok(path)
+
+
+def test_bad_versions_are_refused(tmp_path):
+    with ReplayStore(str(tmp_path / "s")) as store:
+        fill(store, 8)
+        gen = store.generation
+        for kwargs, error, says in (
+                (dict(version="a@b"), ArgumentError, "version name"),
+                (dict(version="v", meta={"x": object()}), ArgumentError, "JSON"),
+                (dict(meta={"x": 1}), ArgumentError, "version="),
+                (dict(version="v", meta={"x": "y" * 5000}), ArgumentError, "at most"),
+        ):
+            with pytest.raises(error, match=says):
+                store.update([1], {"rewards": [1.0]}, **kwargs)
+        with pytest.raises(ArgumentError, match="policy_version"):  # int: no "not computed" value
+            store.update([1], {"policy_version": [3]}, version="v")
+        assert store.generation == gen

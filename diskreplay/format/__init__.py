@@ -25,8 +25,8 @@ from .jsondoc import (canonical_json, check_header, check_signature, evolve, int
                       read_signed_json, signature_in_bytes, signed_bytes, signed_doc)
 from .access import as_storage, file_exists, location, read_signed
 from .options import (StoreOptions, read_shared_schema, schema_file, shared_schema_bytes)
-from .entries import (COMMIT_STATS, GroupIndexEntry, LateColumn, MAX_TOKEN_CHARS, PatchEntry, SegmentEntry, StateEntry, TokenLog,
-                      TokenRecord, add_late_columns, parse_commit_stats, store_schema)
+from .entries import (COMMIT_STATS, GroupIndexEntry, LateColumn, MAX_TOKEN_CHARS, PatchEntry, SegmentEntry, StateEntry,
+                      TokenLog, TokenRecord, add_late_columns, parse_commit_stats, store_schema, version_problem)
 from .tokens import batch_digest, parse_token_log, token_log_bytes
 from .patches import PATCH_ROW, parse_patch
 from .states import STATE_META, decode_state, encode_state, read_state_file

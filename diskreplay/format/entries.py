@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CorruptStoreError, FormatError, SchemaError
 from ..schema import ColumnSpec, Schema, late_column_problem
@@ -127,9 +127,17 @@ class PatchEntry:
     Arrow IPC file of one record batch: ``row`` (int64, ascending, each once), then one column
     per name in ``columns``, of the store's type for it.
 
+    ``version`` (optional) names the values it holds, with ``meta`` (a small JSON object: which
+    scorer, when): they stay readable under that name (``"rewards@judge-v2"``) after newer values
+    are written. A rewrite that puts a named patch's values into segments keeps its entry as
+    ``folded``: no longer read by default, still read by its version.
+
     >>> e = PatchEntry(9, 3, 40, 2, 800, 7, ("rewards",))
     >>> e.file, PatchEntry.from_dict(e.to_dict(), "m") == e
     ('segments/patch.000000000009.arrow', True)
+    >>> v = PatchEntry(9, 3, 40, 2, 800, 7, ("rewards",), "judge-v2", {"scorer": "m:f"})
+    >>> PatchEntry.from_dict(v.to_dict(), "m") == v, v.to_dict()["version"]
+    (True, 'judge-v2')
     """
 
     id: int
@@ -139,14 +147,27 @@ class PatchEntry:
     bytes: int
     crc32c: int
     columns: Tuple[str, ...]
+    version: Optional[str] = None
+    meta: Optional[Mapping[str, Any]] = None
+    folded: bool = False
+
+    def __hash__(self) -> int:  # (meta is a dict: an entry is hashed by what names its file)
+        return hash((self.id, self.crc32c, self.bytes, self.folded))
 
     @property
     def file(self) -> str:
         return patch_file(self.id)
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "file": self.file, "first_row": self.first_row, "end_row": self.end_row,
-                "num_rows": self.num_rows, "bytes": self.bytes, "crc32c": self.crc32c, "columns": list(self.columns)}
+        d = {"id": self.id, "file": self.file, "first_row": self.first_row, "end_row": self.end_row,
+             "num_rows": self.num_rows, "bytes": self.bytes, "crc32c": self.crc32c, "columns": list(self.columns)}
+        if self.version is not None:
+            d["version"] = self.version
+            if self.meta:
+                d["meta"] = dict(self.meta)
+        if self.folded:
+            d["folded"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "PatchEntry":
@@ -166,7 +187,31 @@ class PatchEntry:
                               f"[{e.first_row}, {e.end_row})")
         if d.get("file", e.file) != e.file:
             raise FormatError(f"Unsupported patch file {d.get('file')!r} in {where}; expected {e.file!r}")
+        version, meta, folded = d.get("version"), d.get("meta"), d.get("folded", False)
+        if version is not None and version_problem(version) or meta is not None and (
+                version is None or not isinstance(meta, dict)) or folded not in (True, False) or (
+                folded and version is None):
+            raise FormatError(f"Unsupported version={version!r} / meta={meta!r:.80} / folded={folded!r} of patch {e.id} "
+                              f"in {where}; expected a version name, an object of meta with it, and folded only "
+                              "for a named patch")
+        if version is not None:
+            e = evolve(e, {"version": version, "meta": meta, "folded": bool(folded)})
         return e
+
+
+MAX_VERSION_CHARS = 64
+
+
+def version_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot name a version of a column's values, or None.
+
+    >>> version_problem("judge-v2") is None, version_problem("a@b")
+    (True, "a version name has 1 to 64 letters, digits, '_', '.', '-' or ':', got 'a@b'")
+    """
+    if isinstance(name, str) and 0 < len(name) <= MAX_VERSION_CHARS and all(
+            c.isalnum() or c in "_.-:" for c in name):
+        return None
+    return f"a version name has 1 to {MAX_VERSION_CHARS} letters, digits, '_', '.', '-' or ':', got {name!r:.80}"
 
 
 @dataclass(frozen=True)

@@ -147,13 +147,14 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
     if isinstance(op, Rewrite):
         if not op.folded:
             return fmt.rewrite_rows(base, op.ids, op.entries, options)  # (ids are never reused)
-        have = {p.id for p in base.patches}
+        have = {p.id for p in base.patches if not p.folded}
         gone = [i for i in op.folded if i not in have]
         if gone:
             raise Conflict(f"patch {gone[0]} was folded or evicted by another commit")
-        folded = set(op.folded)
-        return fmt.rewrite_rows(base, op.ids, op.entries, options,
-                                patches=tuple(p for p in base.patches if p.id not in folded))
+        folded = set(op.folded)  # (a named patch stays readable by its version)
+        return fmt.rewrite_rows(base, op.ids, op.entries, options, patches=tuple(
+            fmt.evolve(p, {"folded": True}) if p.id in folded else p
+            for p in base.patches if p.id not in folded or p.version is not None))
     if isinstance(op, Patch):
         tokens, late = base.tokens, base.late_columns
         if op.token is not None:

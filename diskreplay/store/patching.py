@@ -19,10 +19,10 @@ import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import boot_clock, crash_point, crc32c
-from ..errors import ArgumentError, BatchError, CorruptStoreError
+from ..errors import ArgumentError, BatchError, ColumnNotFoundError
 from ..ingest import normalize_batch
 from ..ragged import RaggedColumn
-from ..schema import COMPLETION_IDS, PROMPT_IDS, RAGGED, Schema
+from ..schema import COMPLETION_IDS, PROMPT_IDS, RAGGED, Schema, late_column_problem
 from ..segment import encode_ipc
 from . import ops
 from .commits import Commit
@@ -33,16 +33,48 @@ ROW = fmt.PATCH_ROW
 # ------------------------------------------------------------------ writing
 
 
-def prepare_update(cache: Any, view: Any, rows: Any, values: Mapping[str, Any]) -> Tuple[pa.RecordBatch, List[Any]]:
+def prepare_update(cache: Any, view: Any, rows: Any, values: Mapping[str, Any], version: Optional[str] = None,
+                   meta: Optional[Mapping[str, Any]] = None) -> Tuple[pa.RecordBatch, List[Any]]:
     """:func:`patch_record` of ``ReplayStore.update``'s arguments, read through ``cache`` (a
-    ``SegmentCache``) at ``view``: the rows must be distinct and live."""
+    ``SegmentCache``) at ``view``: the rows must be distinct and live; a ``version`` names
+    columns whose rows may be "not computed" (float and per-token columns), with a small ``meta``."""
+    check_version(version, meta)
     ids, _, _ = cache.locate(view, rows)  # (refuses evicted rows and those of holes, naming one)
     if not len(ids):
         raise ArgumentError("rows is empty: an update names the rows whose values it writes")
     check_distinct(ids)
 
-    return patch_record(ids, values, view.schema, view.group_key,
-                        lambda of, column: cache.remapping(lambda: cache.row_lengths(view, of, column)))
+    record, new = patch_record(ids, values, view.schema, view.group_key,
+                               lambda of, column: cache.remapping(lambda: cache.row_lengths(view, of, column)))
+    if version is not None:
+        specs = {s.name: s for s in new}
+        for name in record.schema.names[1:]:
+            why = late_column_problem(specs.get(name) or view.schema[name])
+            if why is not None:
+                raise ArgumentError(f"update(version={version!r}) of column {name!r}: {why}; a version is read as "
+                                    "'column@version', \"not computed\" in the rows it does not hold")
+    return record, new
+
+
+MAX_META_BYTES = 4096
+
+
+def check_version(version: Optional[str], meta: Optional[Mapping[str, Any]]) -> None:
+    """Refuse a version name or ``meta`` a manifest cannot hold (naming the rule)."""
+    if version is None:
+        if meta is not None:
+            raise ArgumentError("meta describes a version: pass version='name' with it")
+        return
+    why = fmt.version_problem(version)
+    if why is not None:
+        raise ArgumentError(f"version: {why}")
+    if meta is not None:
+        try:
+            size = len(fmt.canonical_json(dict(meta)))
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"meta must be a JSON object (str keys; str, number, bool, list values): {exc}") from None
+        if size > MAX_META_BYTES:
+            raise ArgumentError(f"meta is {size} bytes as JSON; a version's meta holds at most {MAX_META_BYTES}")
 
 
 def patch_record(rows: np.ndarray, values: Mapping[str, Any], schema: Optional[Schema], group_key: Optional[str],
@@ -106,20 +138,25 @@ def patch_record(rows: np.ndarray, values: Mapping[str, Any], schema: Optional[S
     return out, new
 
 
-def patch_entry(patch_id: int, record: pa.RecordBatch, data: pa.Buffer) -> fmt.PatchEntry:
+def patch_entry(patch_id: int, record: pa.RecordBatch, data: pa.Buffer, version: Optional[str] = None,
+                meta: Optional[Mapping[str, Any]] = None) -> fmt.PatchEntry:
     """The manifest entry of ``record`` written as ``data`` under ``patch_id``."""
     rows = record.column(0)
     return fmt.PatchEntry(patch_id, rows[0].as_py(), rows[len(rows) - 1].as_py() + 1, len(rows), data.size,
-                          crc32c(data), tuple(record.schema.names[1:]))
+                          crc32c(data), tuple(record.schema.names[1:]), version,
+                          None if version is None or not meta else dict(meta))
 
 
-def commit_patch(at: Any, record: pa.RecordBatch, new_columns: List[Any], token: Optional[str]) -> int:
+def commit_patch(at: Any, record: pa.RecordBatch, new_columns: List[Any], token: Optional[str],
+                 version: Optional[str] = None, meta: Optional[Mapping[str, Any]] = None) -> int:
     """Write ``record`` (from :func:`patch_record`) as a patch file and commit it through the
     writer state ``at`` (a ``WriterContext``), exactly once with ``token``; returns the number of
     rows patched (a retry of a committed token writes nothing and returns the same)."""
     committer, storage = at.committer, at.committer.storage
     n = record.num_rows
     dig = fmt.batch_digest(record) if token is not None else 0
+    if token is not None and version is not None:  # a retry names the same version
+        dig = (dig * 31 + crc32c(fmt.canonical_json([version, dict(meta or {})]))) % (1 << 63)
     if token is not None:
         rec = committer.find_token(token)
         if rec is not None:
@@ -142,7 +179,7 @@ def commit_patch(at: Any, record: pa.RecordBatch, new_columns: List[Any], token:
     else:  # one writer: written and made durable with the manifest's file, in one wait
         patch_id, rel = first, fmt.patch_file(first)
         writes = ((rel, data, "segments"),)
-    entry = patch_entry(patch_id, record, data)
+    entry = patch_entry(patch_id, record, data, version, meta)
     rec = fmt.TokenRecord(token, entry.first_row, entry.end_row - entry.first_row, dig, 1) if token else None
     op = ops.Patch(entry, rec, tuple(new_columns))
     result = committer.commit(Commit(op, (rel,), writes, (fmt.SEGMENT_DIR,) if writes else (), started),
@@ -208,7 +245,7 @@ class PatchReader:
         self.storage, self.verify_reads = storage, verify_reads
         self._files: Dict[fmt.PatchEntry, pa.RecordBatch] = {}
         self._for: Tuple[fmt.PatchEntry, ...] = ()
-        self._index: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._index: Dict[Any, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._ragged: Dict[Tuple[fmt.PatchEntry, str], Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]] = {}
 
     def record(self, entry: fmt.PatchEntry) -> pa.RecordBatch:
@@ -226,10 +263,11 @@ class PatchReader:
             got = self._ragged[key] = _ragged_arrays(self.record(entry).column(name))
         return got
 
-    def _column_index(self, patches: Tuple[fmt.PatchEntry, ...], name: str
+    def _column_index(self, patches: Tuple[fmt.PatchEntry, ...], name: str, version: Optional[str] = None
                       ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``(rows ascending, patch index, position in its file)`` of every row a patch holds ``name``
-        for, the newest patch's where several do; None when none does."""
+        for, the newest patch's where several do; None when none does. ``version``: only the
+        patches of that name, folded or not (else only those not folded)."""
         if patches is not self._for:
             if patches != self._for:
                 self._index = {}
@@ -237,11 +275,13 @@ class PatchReader:
                 self._files = {e: r for e, r in self._files.items() if e in live}
                 self._ragged = {k: v for k, v in self._ragged.items() if k[0] in live}
             self._for = patches
-        if name in self._index:
-            return self._index[name]
-        holders = [i for i, p in enumerate(patches) if name in p.columns]
+        key = name if version is None else (name, version)
+        if key in self._index:
+            return self._index[key]
+        holders = [i for i, p in enumerate(patches) if name in p.columns and (
+            not p.folded if version is None else p.version == version)]
         if not holders:
-            self._index[name] = None  # type: ignore[assignment]
+            self._index[key] = None  # type: ignore[assignment]
             return None
         rows = [self.record(patches[i]).column(0).to_numpy() for i in holders]
         all_rows = np.concatenate(rows)
@@ -251,16 +291,18 @@ class PatchReader:
         all_rows, which, pos = all_rows[order], which[order], pos[order]
         last = np.ones(len(all_rows), dtype=bool)  # the newest patch of each row
         last[:-1] = all_rows[1:] != all_rows[:-1]
-        got = self._index[name] = (all_rows[last], which[last], pos[last])
+        got = self._index[key] = (all_rows[last], which[last], pos[last])
         return got
 
-    def hits(self, patches: Tuple[fmt.PatchEntry, ...], name: str, rows: np.ndarray) -> Optional[_Hits]:
-        """Where a patch holds ``name`` for some of ``rows`` (None: for none of them)."""
-        index = self._column_index(patches, name)
+    def hits(self, patches: Tuple[fmt.PatchEntry, ...], name: str, rows: np.ndarray,
+             version: Optional[str] = None) -> Optional[_Hits]:
+        """Where a patch holds ``name`` for some of ``rows`` (None: for none of them); ``version``:
+        a patch of that name."""
+        index = self._column_index(patches, name, version)
         if index is None or not len(rows):
             return None
         held, which, pos = index
-        if rows[-1] < held[0] and rows[0] < held[0] and rows.max() < held[0]:
+        if rows.max() < held[0] or rows.min() > held[-1]:
             return None
         i = np.searchsorted(held, rows)
         i[i == len(held)] = 0
@@ -304,6 +346,25 @@ class PatchReader:
                 arr = out[name]
                 for w, at, pos in hits.by_patch():
                     arr[at] = numeric_values(sources[w], arr.dtype)[pos]
+
+    def version_column(self, manifest: fmt.Manifest, schema: Schema, name: str, rows: np.ndarray) -> Any:
+        """``"column@version"`` of ``rows``: the values the newest patch of that version holds for
+        each row, "not computed" (NaN, a null row) where none does."""
+        column, _, version = name.rpartition("@")
+        have = versions_of(manifest, column)
+        if version not in have:
+            raise ColumnNotFoundError(f"column {column!r} has no version {version!r} (its versions: {sorted(have)})")
+        spec = schema[column]
+        hits = self.hits(manifest.patches, column, rows, version)
+        if hits is None:
+            hits = _Hits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        if spec.kind == RAGGED:
+            arrays = {w: self.ragged(manifest.patches[w], column) for w in np.unique(hits.which).tolist()}
+            return overlay_ragged(None, len(rows), hits, arrays, np.dtype(spec.dtype))
+        out = np.full((len(rows),) + ((spec.width,) if spec.width else ()), np.nan, dtype=np.dtype(spec.dtype))
+        for w, at, pos in hits.by_patch():
+            out[at] = numeric_values(self.record(manifest.patches[w]).column(column), out.dtype)[pos]
+        return out
 
     def fold(self, manifest: fmt.Manifest, schema: Schema, record: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
         """``record`` (rows ``first_row, first_row + 1, ...`` of a merge, conformed to ``schema``)
@@ -442,6 +503,22 @@ def overlay_ragged(col: Any, n: int, hits: _Hits, sources: Mapping[int, Tuple[np
     return RaggedColumn(values, offsets, None if valid.all() else valid)
 
 
+def versions_of(manifest: fmt.Manifest, column: str) -> Dict[str, Dict[str, Any]]:
+    """The named versions of ``column`` in ``manifest``: for each, the newest patch's ``meta``, the
+    number of patches and of rows they hold (a row in two counts twice).
+
+    >>> m = fmt.Manifest(patches=(fmt.PatchEntry(1, 0, 4, 2, 9, 0, ("rewards",), "judge-v2", {"by": "f"}),))
+    >>> versions_of(m, "rewards")
+    {'judge-v2': {'meta': {'by': 'f'}, 'patches': 1, 'rows': 2}}
+    """
+    out: Dict[str, Dict[str, Any]] = {}
+    for p in manifest.patches:
+        if p.version is not None and column in p.columns:
+            v = out.setdefault(p.version, {"meta": {}, "patches": 0, "rows": 0})
+            v["meta"], v["patches"], v["rows"] = dict(p.meta or {}), v["patches"] + 1, v["rows"] + p.num_rows
+    return out
+
+
 def patched_columns(manifest: fmt.Manifest) -> Dict[str, int]:
     """Each patched column of ``manifest`` and the number of patches holding it."""
     out: Dict[str, int] = {}
@@ -456,7 +533,7 @@ def foldable(manifest: fmt.Manifest, first_row: int, end_row: int) -> Optional[T
     of those rows, provided each holds no live row outside them (else None: folding one and not
     another could let an older value win; the rewrite then copies the segments' values and the
     patches stay)."""
-    touching = [p for p in manifest.patches if p.first_row < end_row and p.end_row > first_row]
+    touching = [p for p in manifest.patches if p.first_row < end_row and p.end_row > first_row and not p.folded]
     # rows below first_row are live unless it is at or below head
     if any(p.end_row > end_row or (p.first_row < first_row and first_row > manifest.head) for p in touching):
         return None

@@ -34,7 +34,7 @@ from .compaction import MergePolicy
 from .group_views import GroupIndexes, column_index
 from .appending import WriterContext, append_batch, catch_up
 from .segment_cache import Column, ReadView, SegmentCache
-from .patching import commit_patch, prepare_update
+from .patching import commit_patch, prepare_update, versions_of
 from ..storage import open_storage
 from .tokens import TokenIndex, check_token
 from .opening import UNSET, Requested, close_store, convert, open_store, relock, start_committer
@@ -679,7 +679,8 @@ class ReplayStore:
         return committed_rows(self._committer, token)
 
     @locked
-    def update(self, rows: Any, values: Mapping[str, Any], *, token: Optional[str] = None) -> int:
+    def update(self, rows: Any, values: Mapping[str, Any], *, token: Optional[str] = None,
+               version: Optional[str] = None, meta: Optional[Mapping[str, Any]] = None) -> int:
         """Write values of some columns for rows already committed: rewards scored after the
         rollout, reference log-probs or advantages added by a later stage. One commit, exactly
         once with ``token`` (a retry with the same rows and values returns without writing);
@@ -691,6 +692,10 @@ class ReplayStore:
         token ids cannot be updated. Every read afterwards (``read``, the collators, loaders,
         samplers, exports) returns the newest value; segments are not rewritten (a merge or
         ``compact`` folds the values in later). See docs/FORMAT.md, "Patches".
+
+        ``version`` names the values written (``meta``: a small JSON object saying which scorer,
+        when): they stay readable as ``"column@version"`` in any read after newer values of the
+        column are written, and after ``compact`` (``store.versions(column)`` lists them).
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -704,5 +709,20 @@ class ReplayStore:
         token = check_token(token)
         if self.multi_writer:
             self._catch_up()
-        record, new_columns = prepare_update(self._cache, self._view(), rows, values)
-        return commit_patch(self._writer_context(), record, new_columns, token)
+        record, new_columns = prepare_update(self._cache, self._view(), rows, values, version, meta)
+        return commit_patch(self._writer_context(), record, new_columns, token, version, meta)
+
+    def versions(self, column: str) -> Dict[str, Dict[str, Any]]:
+        """The named versions of ``column``'s values (``update(..., version=...)``): for each, its
+        ``meta``, how many updates and rows wrote it. Read one as ``"column@version"``.
+
+        >>> import tempfile
+        >>> store = ReplayStore(tempfile.mkdtemp())
+        >>> _ = store.extend({"prompt_id": [0, 0], "completion_ids": [[5], [7]], "rewards": [0.0, 1.0]})
+        >>> _ = store.update([0, 1], {"rewards": [0.0, 1.0]}, version="exact-match", meta={"scorer": "em"})
+        >>> _ = store.update([0, 1], {"rewards": [0.5, 0.75]}, version="judge-v2")
+        >>> sorted(store.versions("rewards")), store.read([0, 1], ["rewards", "rewards@exact-match"])["rewards@exact-match"].tolist()
+        (['exact-match', 'judge-v2'], [0.0, 1.0])
+        """
+        self._require_open()
+        return versions_of(self.manifest, column)

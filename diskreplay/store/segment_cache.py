@@ -315,7 +315,16 @@ class SegmentCache:
     @_jit.deferring
     def read(self, view: ReadView, rows: Any, cols: List[str], buffers: Optional[Dict[str, np.ndarray]] = None,
              ranges: bool = False) -> Dict[str, Column]:
-        """The columns ``cols`` of ``rows`` (see ``ReplayStore.read``; ``ranges``: ``read_ranges``)."""
+        """The columns ``cols`` of ``rows`` (see ``ReplayStore.read``; ``ranges``: ``read_ranges``;
+        ``"column@version"``: the values a named update wrote, docs/FORMAT.md "Patches")."""
+        if any(c not in view.schema for c in cols):
+            plain = [c for c in cols if c in view.schema]
+            out = self.read(view, rows, plain, buffers, ranges) if plain else {}
+            ids = self.locate(view, rows)[0]
+            for c in cols:
+                if c not in out:
+                    out[c] = self.patches.version_column(view.manifest, view.schema, c, ids)
+            return {c: out[c] for c in cols}
         rows, seg_idx, local = self.locate(view, rows)
         n = rows.size
         m = view.manifest

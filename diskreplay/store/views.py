@@ -55,8 +55,9 @@ def resolve_columns(names: List[str], columns: Optional[Sequence[str]]) -> List[
     if isinstance(columns, str):
         columns = [columns]
     for c in columns:
-        if c not in names:
-            raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names})")
+        if c not in names and not (isinstance(c, str) and c.rpartition("@")[0] in names):
+            raise ColumnNotFoundError(f"column {c!r} is not in the store (columns: {names}; a named version of "
+                                      "one's values reads as 'column@version')")
     return list(columns)
 
 
