@@ -435,3 +435,25 @@ def test_bad_versions_are_refused(tmp_path):
         with pytest.raises(ArgumentError, match="policy_version"):  # int: no "not computed" value
             store.update([1], {"policy_version": [3]}, version="v")
         assert store.generation == gen
+
+
+def test_repair_drops_a_damaged_patch_and_keeps_every_row(tmp_path):
+    from diskreplay.verify import repair_store
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        fill(store, 16)
+        store.update([1, 2], {"rewards": [5.0, 6.0]})
+        store.update([2, 3], {"rewards": [7.0, 8.0]})
+        rel = store.manifest.patches[1].file
+    with open(os.path.join(path, rel), "r+b") as f:
+        f.seek(-20, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-20, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    actions = repair_store(path)["actions"]
+    assert any("damaged patch" in a and "[2, 4)" in a for a in actions), actions
+    ok(path)
+    with ReplayStore(path) as store:
+        assert len(store) == 16
+        assert store.read([1, 2, 3], ["rewards"])["rewards"].tolist() == [5.0, 6.0, 1.5]

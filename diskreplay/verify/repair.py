@@ -197,6 +197,7 @@ class _Repair:
         else:
             chosen = self._rebuild_sidecars(chosen, with_late_columns(Report(self.root), options, chosen))
             chosen = self._drop_damaged_token_logs(chosen)
+            chosen = self._drop_damaged_patches(chosen)
             chosen = self._past_rolled_back(chosen, intact, damaged)
             generation, rows = chosen.generation, chosen.num_rows
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
@@ -365,6 +366,22 @@ class _Repair:
             self.actions.append(f"dropping the damaged token log {t.file}: its {t.count} exactly-once tokens are "
                                 "forgotten (a batch re-sent with one of them is appended again)")
         new_m = m.evolve(generation=m.generation + 1, token_logs=tuple(t for t in m.token_logs if t not in bad))
+        self._commit(new_m)
+        return new_m
+
+    def _drop_damaged_patches(self, m: fmt.Manifest) -> fmt.Manifest:
+        """``m`` without its damaged patches, committed: the rows they held values for read their
+        older values again (a segment's, an older patch's); nothing else is lost."""
+        bad = [p for p in m.patches if not self._good(p.file, p.bytes, p.crc32c)]
+        if not bad:
+            return m
+        for p in bad:
+            self.actions.append(f"dropping the damaged patch {p.file}: its values of {', '.join(p.columns)} for "
+                                f"{p.num_rows} rows in [{p.first_row}, {p.end_row})"
+                                + (f" (version {p.version!r})" if p.version else "") + " are lost, those rows read "
+                                "their older values; an update that wrote it is found committed by its token: "
+                                "send it again under a new token")
+        new_m = m.evolve(generation=m.generation + 1, patches=tuple(p for p in m.patches if p not in bad))
         self._commit(new_m)
         return new_m
 
