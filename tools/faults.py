@@ -184,9 +184,26 @@ def _append(store: ReplayStore) -> None:
     _say(f"rows {first} {n}")
 
 
+UPDATE_AT = (4, 14)  # after these appends the child writes values for its newest rows (``update``)
+UPDATE_ROWS = 6
+
+
+def update_values(rows: np.ndarray, k: int) -> np.ndarray:
+    """The ``score`` the ``k``-th update of the child writes for ``rows``."""
+    return np.asarray(rows, dtype=np.float64) * 10 + k
+
+
+def _update(store: ReplayStore, k: int) -> None:
+    rows = np.arange(store.next_row - UPDATE_ROWS, store.next_row)
+    _say(f"begin-update {k} {int(rows[0])}")
+    store.update(rows, {"score": update_values(rows, k)}, token=f"update:{k}")
+    _say(f"updated {k} {int(rows[0])}")
+
+
 def workload(path: str) -> None:
-    """What the traced child does: open as writer, 20 appends, two saved states; then, after a
-    fault or at the end, a writer open in the same process and one more append.
+    """What the traced child does: open as writer, 20 appends, two updates of committed rows, two
+    saved states; then, after a fault or at the end, a writer open in the same process and one
+    more append.
 
     strace sends SIGUSR1 with an injected error, so the child stops after the call in
     progress even when the store swallowed the error (a clean-up failure only warns).
@@ -209,6 +226,8 @@ def workload(path: str) -> None:
                 if multi and b % RACE_EVERY == RACE_EVERY - 1:
                     race.append(b)  # this append loses a race to another writer and retries
                 _append(store)
+                if b in UPDATE_AT and not faulted:
+                    _update(store, UPDATE_AT.index(b) + 1)
                 if b == 9 and not faulted:
                     _say("begin-state 1")
                     store.save_state("sampler", state_for(1))
@@ -525,6 +544,47 @@ def baseline(workdir: str, template: str, groups: Sequence[str]) -> Tuple[List[C
 # --------------------------------------------------------------------------- invariants
 
 
+def _parse_updates(out: str) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """``({k: first row} of the updates begun, of those acknowledged)``."""
+    begun, acked = {}, {}
+    for line in out.splitlines():
+        p = line.split()
+        if p[:1] == ["begin-update"]:
+            begun[int(p[1])] = int(p[2])
+        elif p[:1] == ["updated"]:
+            acked[int(p[1])] = int(p[2])
+    return begun, acked
+
+
+def updates_mismatch(store: ReplayStore, out: str) -> Optional[Tuple[str, str]]:
+    """``(invariant, what)`` when the ``score`` values the store serves break the rules: an
+    acknowledged update is there for its live rows, an update in flight wholly or not at all, and
+    no other row has a value."""
+    begun, acked = _parse_updates(out)
+    live = store.row_ids()
+    if "score" not in store.columns:
+        return ("acked", f"update(s) {sorted(acked)} acknowledged, but the store has no score column") if acked \
+            else None
+    got = store.read(live, ["score"])["score"]
+    expect_set = np.zeros(len(live), dtype=bool)
+    for k, first in begun.items():
+        rows = np.arange(first, first + UPDATE_ROWS)
+        at = np.searchsorted(live, rows)
+        inside = (at < len(live)) & (live[np.minimum(at, len(live) - 1)] == rows)
+        vals = got[at[inside]]
+        want = update_values(rows[inside], k)
+        present = vals == want
+        if k in acked and not present.all():
+            return "acked", f"update {k} acknowledged, rows {rows[inside][~present].tolist()} read {vals[~present]}"
+        if present.any() and not present.all():
+            return "partial", f"update {k} is visible for rows {rows[inside][present].tolist()} only"
+        expect_set[at[inside]] = present
+    stray = ~np.isnan(got) & ~expect_set
+    if stray.any():
+        return "partial", f"rows {live[stray][:5].tolist()} hold a score no update wrote"
+    return None
+
+
 def _parse_child(out: str):
     begun, acked, states_begun, states = [], [], [], []
     for line in out.splitlines():
@@ -633,6 +693,9 @@ def check(case: Optional[Case], store: str, rc: int, out: str, err: str, log: st
             bad = rows_mismatch(ro.read(live), live)
             if bad:
                 broken["acked" if any(f < next_row for f, _ in acked) else "partial"] = bad
+            bad_update = updates_mismatch(ro, out)
+            if bad_update:
+                broken.setdefault(*bad_update)
             got = ro.load_state("sampler")
             allowed = {max(states, default=0)} | {k for k in states_begun if k not in states}
             if got is None or got.get("k") not in allowed or np.asarray(got["weights"]).tobytes() != \
