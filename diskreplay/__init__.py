@@ -20,7 +20,7 @@ from typing import Any
 from . import errors as _errors
 from .errors import *  # noqa: F401,F403  (every error class; errors.__all__ lists them)
 from .groups import GroupIndex  # noqa: F401  (public)
-from .ragged import RaggedColumn  # noqa: F401  (public)
+from .ragged import PerTokenTensor, RaggedColumn  # noqa: F401  (public)
 from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler  # noqa: F401  (public)
 from .store import ReplayStore  # noqa: F401  (public)
 
@@ -43,6 +43,7 @@ _LAZY = {
 __all__ = sorted([
     "Collator",
     "GroupIndex",
+    "PerTokenTensor",
     "PrioritizedSampler",
     "PromptGroupSampler",
     "RaggedColumn",

@@ -34,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import BatchError, BatchSchemaError
-from .ragged import arrow_array, numpy_view
+from .ragged import PerTokenTensor, arrow_array, dtype_range, numpy_view
 from .schema import (COMPLETION_IDS, MASK_SUFFIX, MAX_COLUMN_NAME, PROMPT_IDS, RAGGED, SCALAR, VECTOR, ColumnSpec,
-                     Schema, check_late_column)
+                     Schema, check_late_column, token_tensor_problem)
 
 _INT32 = np.iinfo(np.int32)
 _TOKEN_NAME_HINTS = ("logp", "logprob", "token")
@@ -54,7 +54,7 @@ def _to_numpy(name: str, value: Any) -> Any:
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
         return t.cpu().numpy()
-    if isinstance(value, (np.ndarray, _Ragged)):
+    if isinstance(value, (np.ndarray, _Ragged, PerTokenTensor)):
         return value
     if isinstance(value, (list, tuple)):
         return list(value)
@@ -500,6 +500,10 @@ def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) 
                                  "padded 2-D tensor; masks only apply to the padded (TRL) layout")
 
     for name, v in arrays.items():
+        known = schema.columns.get(name) if schema is not None else None
+        if isinstance(v, PerTokenTensor) or (known is not None and known.shape is not None):
+            cols[name] = _token_tensor_column(name, v, known)
+            continue
         align = "prompt" if name.startswith("prompt_") else (
             "completion" if COMPLETION_IDS in arrays else None)
         if isinstance(v, np.ndarray) and v.ndim >= 2:
@@ -553,6 +557,98 @@ def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) 
     return n, cols
 
 
+def _token_tensor_column(name: str, v: Any, known: Optional[ColumnSpec]) -> "_Column":
+    """A per-token tensor column (:class:`PerTokenTensor`, or rows of a column the store declared so)
+    as flat values, ``prod(shape)`` per token; range and alignment are checked with the schema's."""
+    if isinstance(v, _Ragged):  # Arrow input: the stored layout, flat already
+        return _Column(known, ragged=v)
+    if not isinstance(v, PerTokenTensor):
+        v = PerTokenTensor(v, known.dtype, align=known.align, fill=known.fill, shape=known.shape)
+    values = _to_numpy(name, v.values) if not isinstance(v.values, list) else v.values
+    shape = v.shape
+    if isinstance(values, np.ndarray):  # padded [B, T, *shape]
+        if values.ndim < 3:
+            raise BatchError(f"column {name!r} is a padded per-token tensor of shape {values.shape}; expected "
+                             "[B, T, *shape] (one [*shape] tensor per token) or a list of [n_tokens, *shape] rows")
+        b, t = values.shape[:2]
+        lengths = (np.full(b, t, dtype=np.int64) if v.lengths is None
+                   else np.asarray(_to_numpy(name + " lengths", v.lengths), dtype=np.int64).reshape(-1))
+        if len(lengths) != b or (lengths < 0).any() or (lengths > t).any():
+            raise BatchError(f"column {name!r}: lengths must give 0 to {t} tokens for each of its {b} rows, got "
+                             f"{lengths.tolist()[:8]}")
+        rows_shape = tuple(values.shape[2:])
+        flat = values[np.arange(t) < lengths[:, None]]
+        validity = None
+    else:
+        present = []
+        lengths = np.zeros(len(values), dtype=np.int64)
+        validity = np.ones(len(values), dtype=bool)
+        rows_shape = shape
+        for i, row in enumerate(values):
+            if row is None:
+                validity[i] = False
+                continue
+            a = np.asarray(_to_numpy(name, row) if not isinstance(row, list) else row)
+            if rows_shape is None and a.ndim >= 2:
+                rows_shape = tuple(a.shape[1:])
+            if a.ndim < 2 or tuple(a.shape[1:]) != rows_shape:
+                raise BatchError(f"column {name!r} row {i} has shape {a.shape}; a per-token tensor row is "
+                                 f"[n_tokens, *{list(rows_shape or ('shape',))}]")
+            lengths[i] = a.shape[0]
+            present.append(a)
+        if rows_shape is None:
+            raise BatchError(f"column {name!r} has no row with a value; give shape= to PerTokenTensor")
+        flat = np.concatenate(present) if present else np.zeros((0,) + rows_shape, dtype=np.int64)
+        validity = None if validity.all() else validity
+    if shape is not None and tuple(rows_shape) != shape:
+        raise BatchError(f"column {name!r} holds tensors of shape {list(rows_shape)} per token but its declared "
+                         f"shape is {list(shape)}")
+    if flat.dtype.kind not in "iu" and flat.size:
+        raise BatchError(f"column {name!r} holds {flat.dtype} values; a per-token tensor holds integers "
+                         f"(stored as {v.dtype})")
+    spec = ColumnSpec(name, RAGGED, v.dtype, align=v.align, shape=tuple(int(x) for x in rows_shape), fill=v.fill)
+    why = token_tensor_problem(spec)
+    if why is not None:
+        raise BatchError(f"column {name!r} is not a valid per-token tensor: {why}")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths * spec.token_size, out=offsets[1:])
+    return _Column(spec, ragged=_Ragged(np.ascontiguousarray(flat).reshape(-1), offsets, validity))
+
+
+def _token_counts(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
+    """Tokens per row of a per-token tensor column (each row holds a whole number of tensors)."""
+    per = spec.token_size
+    lengths = _lengths(r)
+    if per == 1:
+        return lengths
+    bad = lengths % per != 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise BatchError(f"column {spec.name!r} row {i} holds {int(lengths[i])} values, not a whole number of "
+                         f"{list(spec.shape)} tensors ({per} values each)")
+    return lengths // per
+
+
+def _coerce_token_tensor(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
+    _token_counts(spec, r)
+    v = r.values
+    if not v.size:
+        return v.astype(spec.dtype, copy=False)
+    if v.dtype.kind not in "iu":
+        raise BatchError(f"column {spec.name!r} holds {v.dtype} values; a per-token tensor holds integers "
+                         f"(stored as {spec.dtype})")
+    lo, hi = dtype_range(spec.dtype)
+    if int(v.min()) < lo or int(v.max()) > hi:
+        bad = int(np.argmax((v < lo) | (v > hi)))
+        row, k = _value_at(r.offsets, bad)
+        token, at = divmod(k, spec.token_size)
+        where = list(np.unravel_index(at, spec.shape))
+        raise BatchError(f"column {spec.name!r} row {row} token {token} holds {v[bad].item()} at {[int(x) for x in where]}, "
+                         f"outside {spec.dtype} [{lo}, {hi}]; it would be stored as a different value: declare a "
+                         "wider dtype (uint16 holds expert ids up to 65535) or check the values")
+    return v.astype(spec.dtype, copy=False)
+
+
 def _align_for(name: str, align: Optional[str], arrays: Mapping[str, Any]) -> Optional[str]:
     if name in (PROMPT_IDS, COMPLETION_IDS):
         return None
@@ -583,6 +679,8 @@ def _ragged_dtype(name: str, values: np.ndarray) -> str:
 
 
 def _coerce_ragged(spec: ColumnSpec, r: _Ragged) -> np.ndarray:
+    if spec.shape is not None:
+        return _coerce_token_tensor(spec, r)
     v = r.values
     if spec.dtype == "int32":
         if v.dtype.kind == "f" and v.size:
@@ -731,6 +829,9 @@ def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> Non
         spec = schema[name]
         if spec.kind != RAGGED or spec.align is None:
             continue
+        if spec.shape is not None:
+            _check_token_tensor_alignment(spec, col.ragged, cols)
+            continue
         ref = PROMPT_IDS if spec.align == "prompt" else COMPLETION_IDS
         if ref not in cols:
             continue
@@ -743,6 +844,25 @@ def _check_alignment(n: int, cols: Mapping[str, _Column], schema: Schema) -> Non
             i = int(np.argmax(mismatch))
             raise BatchError(f"column {name!r} row {i} has {a[i]} values but {ref!r} has {b[i]} tokens; "
                              "per-token columns must align with their ids")
+
+
+def _check_token_tensor_alignment(spec: ColumnSpec, r: _Ragged, cols: Mapping[str, _Column]) -> None:
+    refs = {"prompt": (PROMPT_IDS,), "completion": (COMPLETION_IDS,), "sequence": (PROMPT_IDS, COMPLETION_IDS)}
+    names = refs[spec.align]
+    if any(n not in cols for n in names):
+        return
+    tokens = _token_counts(spec, r)
+    want = sum(_lengths(cols[n].ragged) for n in names)
+    if spec.align == "sequence":
+        want = np.maximum(want - 1, 0)  # the last token was never fed forward
+    mismatch = tokens != want
+    if r.validity is not None:
+        mismatch &= r.validity
+    if mismatch.any():
+        i = int(np.argmax(mismatch))
+        what = " + ".join(repr(n) for n in names) + (" - 1" if spec.align == "sequence" else "")
+        raise BatchError(f"column {spec.name!r} row {i} has {int(tokens[i])} tokens but {what} gives {int(want[i])}; "
+                         f"a per-token tensor aligned with the {spec.align} has one tensor per token")
 
 
 def infer_schema(cols: Mapping[str, _Column]) -> Schema:
@@ -796,6 +916,11 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
             schema = schema.with_late([cols[name].spec for name in extra])
         for name, col in cols.items():
             spec, got = schema[name], col.spec
+            if spec.shape is not None or got.shape is not None:
+                if (spec.shape, spec.dtype, spec.align, spec.fill) != (got.shape, got.dtype, got.align, got.fill):
+                    raise BatchSchemaError(f"column {name!r} is {got.to_dict()} in this batch but {spec.to_dict()} in "
+                                           "the store's schema" + _TYPE_FIX)
+                continue
             if spec.kind != got.kind or (spec.kind == VECTOR and spec.width != got.width):
                 desc = f"{got.kind}" + (f"[{got.width}]" if got.width else "")
                 want = f"{spec.kind}" + (f"[{spec.width}]" if spec.width else "")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
-from .errors import IndexOutOfRangeError
+from .errors import ArgumentError, IndexOutOfRangeError
 
 
 class RaggedColumn:
@@ -86,6 +86,69 @@ class RaggedColumn:
     def __repr__(self) -> str:
         return (f"RaggedColumn(rows={len(self)}, elements={int(self.offsets[-1] - self.offsets[0])}, "
                 f"dtype={self.values.dtype})")
+
+
+#: the dtypes of a per-token tensor column (a ragged column with a ``shape``); a reader that
+#: predates them refuses the column ("Unsupported column description") rather than misread it
+TOKEN_TENSOR_DTYPES = ("uint8", "uint16", "int16")
+#: alignments of a per-token tensor column: with the prompt, the completion, or the sequence
+#: (every prompt and completion token but the last, as vLLM returns routed experts)
+TOKEN_TENSOR_ALIGNS = ("prompt", "completion", "sequence")
+
+
+def dtype_range(dtype: str) -> tuple:
+    """The smallest and largest value of an integer dtype.
+
+    >>> dtype_range("uint8"), dtype_range("int16")
+    ((0, 255), (-32768, 32767))
+    """
+    info = np.iinfo(np.dtype(dtype))
+    return int(info.min), int(info.max)
+
+
+class PerTokenTensor:
+    """A per-token tensor column for ``extend``: each token holds a fixed-shape tensor.
+
+    ``values``: one array per row of shape ``[n_tokens, *shape]`` (``None``: not
+    computed for that row), or a padded ``[B, T, *shape]`` array or tensor with
+    ``lengths`` (tokens per row; default ``T`` for every row). ``dtype``: what the
+    store keeps, ``"uint8"`` (values 0-255: up to 256 experts), ``"uint16"`` or
+    ``"int16"`` (vLLM's); a value outside it is refused, naming its row and token.
+    ``align``: the ids it has one tensor per token of, ``"completion"``,
+    ``"prompt"`` or ``"sequence"`` (every prompt and completion token but the
+    last, as vLLM returns routed experts: ``[seq_len - 1, num_layers, top_k]``).
+    ``fill``: the value that pads it in a batch (``collate``). ``shape``: the
+    per-token shape, taken from the rows when not given. Once stored, the column's
+    declaration is the store's: later batches may pass the rows as they are.
+
+    >>> import numpy as np
+    >>> t = PerTokenTensor([np.zeros((3, 2, 4), np.int16), None], dtype="uint8", fill=255)
+    >>> len(t), t.dtype, t.align
+    (2, 'uint8', 'completion')
+    """
+
+    __slots__ = ("values", "dtype", "align", "fill", "shape", "lengths")
+
+    def __init__(self, values, dtype: str, *, align: str = "completion", fill: int = 0,
+                 shape: Optional[Sequence[int]] = None, lengths=None) -> None:
+        if dtype not in TOKEN_TENSOR_DTYPES:
+            raise ArgumentError(f"PerTokenTensor dtype={dtype!r}; expected one of {TOKEN_TENSOR_DTYPES} (uint8 "
+                                "holds expert ids 0-255, uint16 0-65535, int16 what vLLM returns)")
+        if align not in TOKEN_TENSOR_ALIGNS:
+            raise ArgumentError(f"PerTokenTensor align={align!r}; expected one of {TOKEN_TENSOR_ALIGNS}")
+        lo, hi = dtype_range(dtype)
+        if not is_int(fill) or not lo <= int(fill) <= hi:
+            raise ArgumentError(f"PerTokenTensor fill={fill!r}; expected an int in [{lo}, {hi}] (the range of "
+                                f"{dtype}), the value that pads the column in a batch")
+        self.values, self.dtype, self.align, self.fill = values, dtype, align, int(fill)
+        self.shape = None if shape is None else tuple(int(x) for x in shape)
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"PerTokenTensor(rows={len(self)}, dtype={self.dtype!r}, align={self.align!r}, shape={self.shape})"
 
 
 def gather_ranges(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray,

@@ -11,6 +11,15 @@ Column kinds:
 ``vector``  a fixed-width float/int vector per row (e.g. one reward per reward
             function), stored as ``fixed_size_list``.
 
+A ragged column with a ``shape`` is a *per-token tensor* column: each token
+holds a fixed-shape small tensor (MoE routed experts: ``[num_layers, top_k]``),
+stored as uint8, uint16 or int16 (:data:`TOKEN_TENSOR_DTYPES`), the token's
+elements one after another in the same ``large_list`` (a row of ``n`` tokens
+holds ``n * prod(shape)`` values). ``align`` may then also be ``"sequence"``:
+one tensor per token of the prompt and completion but the last (what vLLM
+returns, ``[seq_len - 1, num_layers, top_k]``). ``fill`` is the value that
+pads it in a batch.
+
 Turning a batch into columns of these kinds is :mod:`diskreplay.ingest`'s job.
 """
 
@@ -24,6 +33,7 @@ import pyarrow as pa
 
 from ._moved import moved
 from .errors import BatchSchemaError, FormatError
+from .ragged import TOKEN_TENSOR_ALIGNS, TOKEN_TENSOR_DTYPES, dtype_range
 
 PROMPT_IDS = "prompt_ids"
 COMPLETION_IDS = "completion_ids"
@@ -33,6 +43,8 @@ MASK_SUFFIX = "_mask"
 MAX_COLUMN_NAME = 256
 RAGGED, SCALAR, VECTOR = "ragged", "scalar", "vector"
 _SCALAR_DTYPES = ("int64", "float32", "float64", "bool", "string")
+_MAX_TOKEN_TENSOR = 1 << 16  # elements per token
+
 
 
 _ARROW_TYPES: Dict[Tuple[str, str, Optional[int]], pa.DataType] = {}
@@ -51,6 +63,13 @@ class ColumnSpec:
     dtype: str  # numpy dtype name, or "string"
     align: Optional[str] = None  # "prompt" | "completion" | None (ragged only)
     width: Optional[int] = None  # vector only
+    shape: Optional[Tuple[int, ...]] = None  # a per-token tensor's shape (ragged only)
+    fill: Optional[int] = None  # a per-token tensor's padding value
+
+    @property
+    def token_size(self) -> int:
+        """Values per token: ``prod(shape)`` for a per-token tensor, else 1."""
+        return 1 if self.shape is None else int(np.prod(self.shape))
 
     @property
     def arrow_type(self) -> pa.DataType:
@@ -76,27 +95,57 @@ class ColumnSpec:
             d["align"] = self.align
         if self.width is not None:
             d["width"] = self.width
+        if self.shape is not None:
+            d["shape"] = list(self.shape)
+            d["fill"] = self.fill
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ColumnSpec":
         try:
+            shape = d.get("shape")
             spec = cls(name=str(d["name"]), kind=str(d["kind"]), dtype=str(d["dtype"]),
-                       align=d.get("align"), width=d.get("width"))
+                       align=d.get("align"), width=d.get("width"),
+                       shape=None if shape is None else tuple(shape), fill=d.get("fill"))
         except (KeyError, TypeError) as exc:
             raise FormatError(f"Unsupported column description {d!r}; expected "
                               "name, kind and dtype") from exc
         ok = (
-            (spec.kind == RAGGED and spec.dtype in ("int32", "float32")
-             and spec.align in (None, "prompt", "completion") and spec.width is None)
+            (spec.kind == RAGGED and spec.dtype in ("int32", "float32") and spec.shape is None
+             and spec.fill is None and spec.align in (None, "prompt", "completion") and spec.width is None)
+            or (spec.kind == RAGGED and token_tensor_problem(spec) is None)
             or (spec.kind == SCALAR and spec.dtype in _SCALAR_DTYPES and spec.width is None)
             or (spec.kind == VECTOR and spec.dtype in ("int64", "float32", "float64", "bool")
                 and isinstance(spec.width, int) and 0 < spec.width < 1 << 20)
         )
         if not ok or not spec.name or len(spec.name) > MAX_COLUMN_NAME:
             raise FormatError(f"Unsupported column description {d!r}; expected a ragged "
-                              "int32/float32, scalar or vector column")
+                              "int32/float32, per-token tensor, scalar or vector column")
         return spec
+
+
+def token_tensor_problem(spec: ColumnSpec) -> Optional[str]:
+    """Why ``spec`` is not a valid per-token tensor column, or None.
+
+    >>> token_tensor_problem(ColumnSpec("routed_experts", "ragged", "uint8", "completion", shape=(48, 8), fill=0))
+    >>> token_tensor_problem(ColumnSpec("r", "ragged", "int32", "completion", shape=(2,), fill=0))
+    "dtype 'int32' is not one of ('uint8', 'uint16', 'int16')"
+    """
+    if spec.dtype not in TOKEN_TENSOR_DTYPES:
+        return f"dtype {spec.dtype!r} is not one of {TOKEN_TENSOR_DTYPES}"
+    if spec.align not in TOKEN_TENSOR_ALIGNS:
+        return f"align {spec.align!r} is not one of {TOKEN_TENSOR_ALIGNS}"
+    shape = spec.shape
+    if (not isinstance(shape, tuple) or not 1 <= len(shape) <= 4
+            or not all(type(x) is int and 0 < x for x in shape) or int(np.prod(shape)) > _MAX_TOKEN_TENSOR):
+        return (f"shape {shape!r} is not 1 to 4 positive ints of at most {_MAX_TOKEN_TENSOR} elements "
+                "in all")
+    lo, hi = dtype_range(spec.dtype)
+    if type(spec.fill) is not int or not lo <= spec.fill <= hi:
+        return f"fill {spec.fill!r} is not an int in [{lo}, {hi}] ({spec.dtype})"
+    if spec.width is not None:
+        return f"width {spec.width!r} is given (a vector's)"
+    return None
 
 
 class Schema:
@@ -215,7 +264,7 @@ class Schema:
         return cls(specs)
 
     def __repr__(self) -> str:
-        return f"Schema({', '.join(f'{c.name}:{c.kind}<{c.dtype}>' for c in self.columns.values())})"
+        return f"Schema({', '.join(f'{c.name}:{c.kind}<{c.dtype}>' + (str(list(c.shape)) if c.shape else '') for c in self.columns.values())})"
 
 
 def late_column_problem(spec: ColumnSpec) -> Optional[str]:

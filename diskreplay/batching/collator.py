@@ -38,6 +38,9 @@ class Collator:
     ``input_ids`` packed): ``torch.int64`` as TRL has them, or ``torch.int32``,
     half their bytes to write and to copy to a device (``nn.Embedding`` takes
     int32; the store keeps ids as int32, so nothing is lost).
+    ``schema``: the store's schema (``store.schema``), which declares its
+    per-token tensor columns (routed experts: see ``collate``); :meth:`read`
+    takes the store's own.
 
     **Validity**: the tensors a call returns are views of the collator's
     buffers; the NEXT call on the same collator overwrites them (or, when the
@@ -62,7 +65,8 @@ class Collator:
     """
 
     def __init__(self, pad_token_id: Optional[int] = None, *, layout: str = "padded",
-                 batch_dim: bool = True, pin_memory: bool = False, ids_dtype: torch.dtype = torch.int64) -> None:
+                 batch_dim: bool = True, pin_memory: bool = False, ids_dtype: torch.dtype = torch.int64,
+                 schema: Any = None) -> None:
         if layout not in LAYOUTS:
             raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if layout == "padded":
@@ -75,16 +79,17 @@ class Collator:
         self.ids_dtype = check_ids_dtype(ids_dtype)
         self.buffers = GrowingBuffers(pin_memory=bool(pin_memory))
         self.read_buffers: dict = {}  # ReplayStore.read(..., out=) buffers of Collator.read
+        self.schema = schema
 
     @_jit.deferring
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Collate ``batch`` (what ``ReplayStore.read`` returns) into this collator's buffers."""
-        return self._collate(batch, self.buffers)
+        return self._collate(batch, self.buffers, self.schema)
 
-    def _collate(self, batch: Mapping[str, Any], out: Optional[GrowingBuffers]) -> dict[str, Any]:
+    def _collate(self, batch: Mapping[str, Any], out: Optional[GrowingBuffers], schema: Any) -> dict[str, Any]:
         if self.layout == "packed":
-            return collate_packed(batch, batch_dim=self.batch_dim, out=out, ids_dtype=self.ids_dtype)
-        return collate(batch, self.pad_token_id, out=out, ids_dtype=self.ids_dtype)
+            return collate_packed(batch, batch_dim=self.batch_dim, out=out, ids_dtype=self.ids_dtype, schema=schema)
+        return collate(batch, self.pad_token_id, out=out, ids_dtype=self.ids_dtype, schema=schema)
 
     @_jit.deferring
     def read(self, store: Any, rows: Any, columns: Optional[Any] = None, *, fresh: bool = False) -> dict[str, Any]:
@@ -107,10 +112,11 @@ class Collator:
         [[5, 6]]
         """
         out = None if fresh else self.buffers
+        schema = self.schema if self.schema is not None else getattr(store, "schema", None)
         if self.layout == "packed" and hasattr(store, "read_ranges"):
             # each value is copied once, from the segments' maps into the stream
-            return self._collate(store.read_ranges(rows, columns), out)
-        return self._collate(store.read(rows, columns, out=self.read_buffers), out)
+            return self._collate(store.read_ranges(rows, columns), out, schema)
+        return self._collate(store.read(rows, columns, out=self.read_buffers), out, schema)
 
     def unpadded(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """:func:`~diskreplay.batching.padded.collate_unpadded` into this collator's buffers

@@ -283,3 +283,138 @@ def widened_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype == torch.bool or dtype.is_floating_point:
         return dtype
     return torch.int64
+
+
+# --------------------------------------------------------------------------
+# per-token tensor columns (a ragged column with a shape: MoE routed experts)
+# --------------------------------------------------------------------------
+
+def token_tensor_specs(batch: Mapping[str, Any], schema: Any) -> dict:
+    """``{name: ColumnSpec}`` of the batch's per-token tensor columns, as ``schema`` (a store's
+    ``Schema``, or a mapping of name to ``ColumnSpec``) declares them; {} without a schema."""
+    if schema is None:
+        return {}
+    specs = getattr(schema, "columns", schema)
+    if not isinstance(specs, Mapping):
+        raise ArgumentError(f"schema must be a store's schema (store.schema) or a mapping of column name to "
+                            f"ColumnSpec, got {type(schema).__name__}")
+    return {name: specs[name] for name, col in batch.items()
+            if isinstance(col, RaggedColumn) and name in specs and getattr(specs[name], "shape", None) is not None}
+
+
+def _token_rows(name: str, col: RaggedColumn, spec: Any) -> tuple:
+    """(the present rows' tensors as ``[tokens, prod(shape)]``, tokens per row (0 where not computed))."""
+    per = spec.token_size
+    offsets = np.asarray(col.offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    valid = None if col.validity is None else np.asarray(col.validity, dtype=bool)
+    values = np.asarray(col.values).reshape(-1)
+    if offsets.size:
+        values = values[offsets[0]:offsets[-1]]
+    if valid is not None and not valid.all():
+        if (lengths[~valid] > 0).any():
+            values = values[np.repeat(valid, lengths)]
+        lengths = np.where(valid, lengths, 0)
+    if (lengths % per).any():
+        i = int(np.argmax(lengths % per != 0))
+        raise BatchError(f"column {name!r} row {i} holds {int(lengths[i])} values, not a whole number of "
+                         f"{list(spec.shape)} tensors: the schema given does not describe this column")
+    return values.reshape(-1, per), lengths // per
+
+
+def _token_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _scatter_tokens(out_np: np.ndarray, dest: np.ndarray, values: np.ndarray, fill: int) -> None:
+    # fill everything, then one fancy-index write of whole per-token tensors (prod(shape) values each)
+    flat = out_np.reshape(-1, values.shape[1])
+    flat.fill(fill)
+    if dest.size:
+        flat[dest] = values
+
+
+def _token_positions(counts: np.ndarray) -> tuple:
+    """(row of each token, its position in the row), tokens of all rows one after another."""
+    total = int(counts.sum())
+    row = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    return row, np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+
+
+def _side_lengths(batch: Mapping[str, Any], name: str, B: int) -> Optional[np.ndarray]:
+    col = batch.get(name)
+    if not isinstance(col, RaggedColumn):
+        return None
+    lengths = np.diff(np.asarray(col.offsets, dtype=np.int64))
+    if col.validity is not None:
+        lengths = np.where(np.asarray(col.validity, dtype=bool), lengths, 0)
+    return lengths
+
+
+def _need_ids(name: str, spec: Any, batch: Mapping[str, Any], B: int) -> tuple:
+    """(prompt lengths, completion lengths) a tensor aligned with ``spec.align`` is laid along."""
+    want = {"prompt": ("prompt_ids",), "completion": ("completion_ids",),
+            "sequence": ("prompt_ids", "completion_ids")}[spec.align]
+    got = {n: _side_lengths(batch, n, B) for n in ("prompt_ids", "completion_ids")}
+    missing = [n for n in want if got[n] is None]
+    if missing and spec.align == "sequence":
+        raise BatchError(f"column {name!r} is aligned with the prompt and completion tokens (align='sequence'), "
+                         f"and the batch has no {missing[0]!r}: read it with the batch (columns=[..., {missing[0]!r}])")
+    return got["prompt_ids"], got["completion_ids"]
+
+
+def pad_token_tensor(name: str, col: RaggedColumn, spec: Any, batch: Mapping[str, Any], B: int,
+                     widths: Mapping[bool, int], out: Optional[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+    """A per-token tensor column in the padded layout, ``spec.fill`` where no token is: ``[B, C, *shape]``
+    right-padded with the completions (``align='completion'``), ``[B, P, *shape]`` left-padded with the
+    prompts (``'prompt'``), or ``[B, P + C, *shape]`` along ``cat([prompt_ids, completion_ids], 1)``
+    (``'sequence'``: a row's last token has no tensor). No Python loop over rows."""
+    values, counts = _token_rows(name, col, spec)
+    plen, clen = _need_ids(name, spec, batch, B)
+    row, t = _token_positions(counts)
+    longest = int(counts.max()) if B else 0
+    if spec.align == "completion":
+        W = max(widths[False], longest)
+        dest = row * W + t
+    elif spec.align == "prompt":
+        W = max(widths[True], longest)
+        dest = row * W + (W - counts)[row] + t
+    else:
+        P, C = widths[True], widths[False]
+        W = P + C
+        if (counts > np.maximum(plen + clen - 1, 0)).any():
+            i = int(np.argmax(counts > np.maximum(plen + clen - 1, 0)))
+            raise BatchError(f"column {name!r} row {i} has {int(counts[i])} tokens for {int(plen[i])} prompt and "
+                             f"{int(clen[i])} completion tokens; align='sequence' holds at most one per token but "
+                             "the last")
+        p = plen[row]
+        dest = row * W + np.where(t < p, P - p + t, P + t - p)
+    tensor = output_buffer(out, name, (B, W) + tuple(spec.shape), _token_dtype(values.dtype))
+    _scatter_tokens(tensor.numpy(), dest, values, spec.fill)
+    return tensor
+
+
+def pack_token_tensor(name: str, col: RaggedColumn, spec: Any, batch: Mapping[str, Any], B: int,
+                      cu: np.ndarray, batch_dim: bool, out: Optional[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+    """A per-token tensor column along the packed stream (``[1, T, *shape]``, or ``[T, *shape]``): each
+    row's tensors at its prompt (``'prompt'``), completion (``'completion'``) or first ``p + c - 1``
+    (``'sequence'``) positions, ``spec.fill`` elsewhere."""
+    values, counts = _token_rows(name, col, spec)
+    plen, clen = _need_ids(name, spec, batch, B)
+    zero = np.zeros(B, dtype=np.int64)
+    plen = zero if plen is None else plen
+    clen = zero if clen is None else clen
+    side = {"prompt": plen, "completion": clen, "sequence": np.maximum(plen + clen - 1, 0)}[spec.align]
+    over = counts > side
+    if over.any():
+        i = int(np.argmax(over))
+        raise BatchError(f"column {name!r} row {i}: {int(counts[i])} tensors for {int(side[i])} {spec.align} "
+                         "tokens; a per-token tensor has one per token of its side (read its ids with it)")
+    row, t = _token_positions(counts)
+    dest = cu[:-1][row] + t + (plen[row] if spec.align == "completion" else 0)
+    T = int(cu[-1])
+    shape = ((1, T) if batch_dim else (T,)) + tuple(spec.shape)
+    tensor = output_buffer(out, name, shape, _token_dtype(values.dtype))
+    _scatter_tokens(tensor.numpy(), dest, values, spec.fill)
+    return tensor

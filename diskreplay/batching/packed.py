@@ -55,7 +55,7 @@ from ..ragged import RaggedColumn, data_address
 from ..store.reading import RowRanges
 from .columns import (OFFSETS_SUFFIX, PRESENT_SUFFIX, batch_rows, check_batch_names, check_ids_dtype, check_ids_fit,
                       checked_lengths, is_prompt_column, output_buffer, output_dtype, passthrough, per_row_tensor,
-                      presence_flags, unpadded_ragged_names, widened_dtype)
+                      pack_token_tensor, presence_flags, token_tensor_specs, unpadded_ragged_names, widened_dtype)
 
 __all__ = ["collate_packed", "pack_on_device", "packed_sizes", "PACKED_NAMES"]
 
@@ -190,7 +190,7 @@ def _join(pieces: list, out: np.ndarray) -> None:
 @_jit.deferring
 def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
                    out: Optional[Mapping[str, torch.Tensor]] = None,
-                   ids_dtype: torch.dtype = torch.int64) -> dict[str, Any]:
+                   ids_dtype: torch.dtype = torch.int64, schema: Any = None) -> dict[str, Any]:
     """Pack a batch read from the store into one padding-free token stream.
 
     For B rows of prompt lengths p_i and completion lengths c_i (T = sum of
@@ -227,6 +227,11 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     * per-row arrays: [B] (or [B, K]) tensors as in
       :func:`~diskreplay.batching.padded.collate`; lists pass through; ``None`` stays
       ``None``.
+    * a per-token tensor column (declared with a ``shape`` in ``schema``, as
+      in :func:`~diskreplay.batching.padded.collate`): ``[1, T, *shape]`` (or
+      ``[T, *shape]``) in its stored dtype, each row's tensors at its
+      completion (``align="completion"``), prompt (``"prompt"``) or first
+      ``p_i + c_i - 1`` (``"sequence"``) positions, its ``fill`` elsewhere.
 
     ``prompt_ids`` and ``completion_ids`` are consumed into ``input_ids`` and
     do not appear under their own names. A completion-aligned column must
@@ -258,7 +263,9 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
     ids_dtype = check_ids_dtype(ids_dtype)
     _check_names(batch)
     B = batch_rows(batch)
-    rows = {name: _Rows(name, col) for name, col in batch.items() if isinstance(col, RaggedColumn)}
+    tensors = token_tensor_specs(batch, schema)
+    rows = {name: _Rows(name, col) for name, col in batch.items()
+            if isinstance(col, RaggedColumn) and name not in tensors}
     prompt, completion = rows.get("prompt_ids"), rows.get("completion_ids")
     zero = np.zeros(B, dtype=np.int64)
     plen = zero if prompt is None else prompt.lengths
@@ -361,6 +368,11 @@ def collate_packed(batch: Mapping[str, Any], *, batch_dim: bool = True,
             continue
         if col is None:
             result[name] = None
+        elif name in tensors:
+            result[name] = pack_token_tensor(name, col, tensors[name], batch, B, cu, batch_dim, out)
+            flag = presence_flags(out, name, col, B)
+            if flag is not None:
+                result[name + PRESENT_SUFFIX] = flag
         elif isinstance(col, RaggedColumn):
             r = rows[name]
             is_prompt = is_prompt_column(name)

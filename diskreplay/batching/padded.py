@@ -48,8 +48,8 @@ from ..ragged import RaggedColumn
 from ..store.reading import RowRanges
 from .columns import (OFFSETS_SUFFIX, PRESENT_SUFFIX, TOKEN_IDS, batch_rows, check_batch_names, check_ids_dtype,
                       check_ids_fit, check_pad_fits, check_pad_token, checked_lengths, is_prompt_column,
-                      output_buffer, output_dtype, passthrough, per_row_tensor, presence_flags,
-                      unpadded_ragged_names, widened_dtype)
+                      output_buffer, output_dtype, pad_token_tensor, passthrough, per_row_tensor, presence_flags,
+                      token_tensor_specs, unpadded_ragged_names, widened_dtype)
 
 __all__ = ["collate", "collate_unpadded", "pad_on_device", "repad", "repad_stacked"]
 
@@ -168,7 +168,8 @@ def _mask_name(name: str) -> Optional[str]:
 # --------------------------------------------------------------------------
 
 def collate(batch: Mapping[str, Any], pad_token_id: int, *,
-            out: Optional[Mapping[str, torch.Tensor]] = None, ids_dtype: torch.dtype = torch.int64) -> dict[str, Any]:
+            out: Optional[Mapping[str, torch.Tensor]] = None, ids_dtype: torch.dtype = torch.int64,
+            schema: Any = None) -> dict[str, Any]:
     """Pad a batch read from the store into TRL's GRPOTrainer layout.
 
     ``batch`` maps column names to what ``ReplayStore.read`` returns:
@@ -190,6 +191,14 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
       bool, integers become int64, floats keep their width).
     * a list (strings): returned unchanged. ``None`` (no row of the batch
       has the column): stays ``None``.
+    * a per-token tensor column (one that ``schema``, the store's
+      ``store.schema``, declares with a ``shape``: MoE routed experts):
+      ``[B, C, *shape]`` right-padded (``align="completion"``), ``[B, P, *shape]``
+      left-padded (``"prompt"``) or ``[B, P + C, *shape]`` along
+      ``cat([prompt_ids, completion_ids], 1)`` (``"sequence"``), in its stored
+      dtype (uint8, uint16, int16), the column's declared ``fill`` where no
+      token is. Without ``schema`` it is an ordinary ragged column of
+      ``prod(shape)`` values a token.
 
     ``out`` optionally maps output names (including ``prompt_mask`` and
     ``completion_mask``) to preallocated contiguous CPU tensors of the output's
@@ -217,8 +226,9 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
     pad_token_id = check_pad_fits(check_pad_token(pad_token_id), ids_dtype)
     check_batch_names(batch)
     B = batch_rows(batch)
+    tensors = token_tensor_specs(batch, schema)
     packed = {name: _packed(name, col) for name, col in batch.items()
-              if isinstance(col, RaggedColumn)}
+              if isinstance(col, RaggedColumn) and name not in tensors}
     width = {True: 0, False: 0}
     for name, (_, lengths) in packed.items():
         if lengths.size:
@@ -239,6 +249,11 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
     for name, col in batch.items():
         if col is None:
             result[name] = None
+        elif name in tensors:
+            result[name] = pad_token_tensor(name, col, tensors[name], batch, B, width, out)
+            present = presence_flags(out, name, col, B)
+            if present is not None:
+                result[name + PRESENT_SUFFIX] = present
         elif isinstance(col, RaggedColumn):
             values, lengths = packed[name]
             left = is_prompt_column(name)
