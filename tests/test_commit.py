@@ -658,8 +658,9 @@ def test_a_single_writers_clean_up_does_not_rescan_every_retained_manifest(tmp_p
         for j in range(i, i + 20):
             store.extend(expected_rows(np.arange(j, j + 1)))
         dropped = retained + 20 - len(store._committer.retained)
-    # the manifests added and dropped, not every retained one at every commit (~20 x retained)
-    assert retained > 40 and len(calls) <= 2 * (20 + dropped) + 10, (retained, dropped, len(calls))
+    # the manifests added and dropped, not every retained one at every commit (~20 x retained; a
+    # loaded machine commits fewer in retain_seconds, and 20 x 11 still far exceeds the bound)
+    assert retained > 10 and len(calls) <= 2 * (20 + dropped) + 10, (retained, dropped, len(calls))
 
 
 def test_token_logs_are_merged_by_size_tier(tmp_path):
