@@ -2576,11 +2576,65 @@ def bench_update(args) -> None:
     print_targets()
 
 
+def bench_routing(args) -> None:
+    """Routed experts (MoE router replay): a ``[48 layers, top_k 8]`` tensor per completion token stored as a
+    uint8 or int16 per-token tensor column (``PerTokenTensor``) against int32 stored as one does without them
+    (a plain ragged int32 column of 384 values a token, batched by ``collate`` as int64 ``[B, C * 384]``).
+    Bytes on disk of each store (a group key and the column; ``--groups`` groups of 8 (64 to 128), completions
+    of 32..512 tokens) and the padded batch time of 512 random rows through ``Collator.read``, the stores
+    alternating, medians of ``--rounds * 5`` batches."""
+    from diskreplay import PerTokenTensor
+    layers, top_k, B = 48, 8, 512
+    n_groups = max(B // 8, min(args.groups, 128))  # at least one batch of rows
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(32, 513, n_groups * 8)
+    experts = [rng.integers(0, 256, (int(n), layers, top_k)) for n in lengths]
+    keys = np.repeat(np.arange(n_groups), 8)
+    kinds = {"uint8": lambda rows: PerTokenTensor(rows, "uint8", fill=255),
+             "int16": lambda rows: PerTokenTensor(rows, "int16", fill=-1),
+             "int32": lambda rows: [r.astype(np.int32).reshape(-1) for r in rows]}
+    stores, disk = {}, {}
+    for kind, make in kinds.items():
+        path = os.path.join(args.dir, f"routing-{kind}")
+        with ReplayStore(path) as store:
+            for k in range(0, len(lengths), 256):
+                # the routing column alone beside the group key: the stores differ in nothing else
+                store.extend({"prompt_id": keys[k:k + 256], "routed_experts": make(experts[k:k + 256])})
+        disk[kind] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+        stores[kind] = ReplayStore(path, readonly=True)
+    tokens = int(lengths.sum())
+    print(f"routing: {len(lengths)} rows, {tokens:,} completion tokens, [{layers}, {top_k}] experts a token; "
+          f"padded batches of {B} random rows through Collator.read, {args.rounds * 5} per store, alternating")
+    collators = {k: Collator(pad_token_id=0) for k in stores}
+    draws = [np.sort(rng.choice(len(lengths), B, replace=False)) for _ in range(args.rounds * 5)]
+    times: Dict[str, List[float]] = {k: [] for k in stores}
+    shapes = {}
+    for k, st in stores.items():  # warm: pages, buffers
+        shapes[k] = tuple(collators[k].read(st, draws[0])["routed_experts"].shape)
+    for rows in draws:
+        for k, st in stores.items():
+            t = time.perf_counter()
+            batch = collators[k].read(st, rows)
+            times[k].append((time.perf_counter() - t) * 1e3)
+            assert batch["routed_experts"].numel() > 0
+    for st in stores.values():
+        st.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row("", "value", "int32 (flat)", "ratio")
+    for k in ("uint8", "int16"):
+        row(f"bytes on disk, {k} per-token tensor", _size(disk[k]), _size(disk["int32"]),
+            f"{disk[k] / disk['int32']:.2f}x")
+    for k in ("uint8", "int16"):
+        row(f"padded batch of {B}, {k} {list(shapes[k][1:])}, ms", f"{med[k]:.1f}", f"{med['int32']:.1f}",
+            f"{med[k] / med['int32']:.2f}x")
+    print(f"  (int32 batches are int64 {list(shapes['int32'][1:])}: a ragged int column as collate gives it)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
-                                      "commit-cpu", "stream", "async-buffer", "transferqueue", "update"])
+                                      "commit-cpu", "stream", "async-buffer", "transferqueue", "update", "routing"])
     p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
@@ -2610,7 +2664,7 @@ def main(argv=None) -> None:
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
            "commit-cpu": bench_commit_cpu, "stream": bench_stream, "async-buffer": bench_async_buffer,
-           "transferqueue": bench_transferqueue, "update": bench_update}[args.what]
+           "transferqueue": bench_transferqueue, "update": bench_update, "routing": bench_routing}[args.what]
     if args.dir:
         run(args)
         return
