@@ -1,4 +1,4 @@
-"""The ``diskreplay`` command: inspect, export, import, curate, compact, verify and repair stores.
+"""The ``diskreplay`` command: inspect, export, import, curate, rescore, compact, verify and repair stores.
 
 A thin layer over :mod:`diskreplay.export` (and ``ReplayStore.compact``,
 :mod:`diskreplay.verify`). ``main(argv)`` returns the exit status instead of
@@ -73,6 +73,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "import" and args.append:
             what = ("the chunks committed before it stay in the store; run the same command again to import the "
                     "rest (the chunks already committed are recognised and skipped)")
+        elif args.command == "rescore":
+            what = ("the chunks committed before it stay in the store; run the same command again to score the "
+                    "rest (the chunks committed are skipped, their rows not scored again)")
         elif args.command in ("export", "import", "pairs", "best-of-n"):
             what = "no partial output was left"
         else:

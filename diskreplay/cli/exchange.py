@@ -22,7 +22,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                      tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
                      reward_key=args.reward_key, overwrite=args.overwrite, progress=show_progress(args),
                      compression=args.compression, chunk_bytes=args.chunk_bytes, force=args.force,
-                     include_excluded=args.include_excluded, skip_damaged=args.skip_damaged)
+                     include_excluded=args.include_excluded, skip_damaged=args.skip_damaged,
+                     versions=dict(args.version or []))
     except CorruptStoreError as exc:
         if args.skip_damaged:
             raise

@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from ..errors import DiskReplayError
 from .common import EXIT_CODES, PROG, package_version
 from .exchange import cmd_best_of_n, cmd_export, cmd_import, cmd_pairs
+from .rescore import cmd_rescore, meta_object
 from .stores import cmd_compact, cmd_info, cmd_repair, cmd_verify
 
 
@@ -108,6 +109,14 @@ def _key_value(text: str) -> Tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. endpoint=http://127.0.0.1:9000), got {text!r}")
     return key.strip(), value
+
+
+def _column_version(text: str) -> Tuple[str, str]:
+    """One ``--version COL=NAME``."""
+    column, sep, version = text.partition("=")
+    if not sep or not column.strip() or not version.strip():
+        raise argparse.ArgumentTypeError(f"expected COLUMN=VERSION (e.g. rewards=judge-v2), got {text!r}")
+    return column.strip(), version.strip()
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -214,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  diskreplay export runs/grpo/replay late.parquet --policy-versions 200: --min-reward 0.5 \\\n"
              "      --columns prompt_id,completion_ids,rewards\n"
              "  diskreplay export runs/grpo/replay archive.zarr --overwrite\n"
+             "  diskreplay export runs/grpo/replay judged.parquet --version rewards=judge-v2\n"
              "  diskreplay export runs/grpo/replay rollouts.txt --format jsonl\n"
              + EXIT_CODES + "\n",
              [remote, common, out, rows, tok])
@@ -232,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mb", type=_chunk_bytes, default=64 << 20, metavar="MB", dest="chunk_bytes",
                    help="read and write about MB (> 0) of store data at a time: the memory bound and the "
                         "Parquet row-group size (default: 64)")
+    p.add_argument("--version", action="append", type=_column_version, metavar="COL=NAME",
+                   help="export version NAME of column COL (written by 'diskreplay rescore' or update(..., "
+                        "version=NAME); 'diskreplay info' lists them) under the name COL, NaN/null where it has "
+                        "no value (default: the newest values); repeatable, e.g. --version rewards=judge-v2")
     p.add_argument("--skip-damaged", action="store_true",
                    help="export the rows of a damaged store that still read and checksum, leaving out every "
                         "segment whose file is missing or fails its CRC-32C (what 'diskreplay repair' would "
@@ -348,6 +362,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=_positive_int, default=1, metavar="K", help="completions per group (default: 1)")
     p.add_argument("--min-reward", type=_finite_float, metavar="R",
                    help="only completions with reward >= R (default: no threshold)")
+
+    p = _sub(subs, "rescore", cmd_rescore, "score every row again with your function, as a named version",
+             "Run a scoring function of yours over the store's live rows, --chunk rows at a time, and\n"
+             "commit its values as version NAME of --column (ReplayStore.update(..., version=NAME)):\n"
+             "reads return the newest values, the earlier ones stay readable as COLUMN@VERSION\n"
+             "('diskreplay info' lists them; export --version COLUMN=NAME exports one).\n\n"
+             "The function: FUNCTION(batch) -> values. batch is a dict: store.read(rows, --columns)\n"
+             "(per-row columns as numpy arrays, per-token ones as RaggedColumn: batch[c][i] is row i's)\n"
+             "and batch['rows'], the int64 row ids. It returns one value per row, in that order: a\n"
+             "number (or a vector of the column's width) per row, or for a per-token column one list\n"
+             "per row as long as its completion. A wrong count or shape is refused naming the rows\n"
+             "and the column, before anything of that chunk is written.\n\n"
+             "Each chunk is one commit with the token rescore:COLUMN@NAME:FIRST_ROW. A run killed (or\n"
+             "interrupted) and started again with the same NAME and --chunk skips the chunks committed\n"
+             "before calling the function: every row is scored once, and new rows appended since are\n"
+             "scored too. It opens the store as a writer: a single-writer store must not have another\n"
+             "writer open (a multi_writer store may).",
+             "  diskreplay rescore runs/grpo/replay --column rewards --version judge-v2 --python my_scorer:score\n"
+             "  diskreplay rescore runs/grpo/replay --column rewards --version em --python ./scorers.py:exact_match \\\n"
+             "      --columns completion_ids,answer --chunk 1024 --meta '{\"scorer\": \"exact-match\"}'\n"
+             "  # my_scorer.py:\n"
+             "  #   def score(batch):\n"
+             "  #       return [len(batch['completion_ids'][i]) / 100 for i in range(len(batch['rows']))]\n"
+             + EXIT_CODES + " (130: the chunks committed stay)\n", [remote, common])
+    p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
+    p.add_argument("--column", required=True, metavar="COL",
+                   help="column the values are written to (a float or per-token column; a new one is added)")
+    p.add_argument("--version", required=True, metavar="NAME",
+                   help="name of the values (1-64 letters, digits, _ . - :), e.g. judge-v2; run again with the "
+                        "same NAME to resume")
+    p.add_argument("--python", required=True, metavar="MODULE:FUNCTION",
+                   help="the scoring function: MODULE:FUNCTION (found on PYTHONPATH or in the working directory) "
+                        "or FILE.py:FUNCTION")
+    p.add_argument("--columns", metavar="A,B,...", type=_columns,
+                   help="columns the function reads (default: all), e.g. --columns completion_ids,answer")
+    p.add_argument("--chunk", type=_positive_int, default=512, metavar="N",
+                   help="row ids per call and commit (default: 512); keep it when resuming")
+    p.add_argument("--meta", type=meta_object, metavar="JSON",
+                   help="a JSON object stored with the version (default: {\"scorer\": MODULE:FUNCTION, "
+                        "\"started\": UTC time}; its keys are added to those)")
 
     p = _sub(subs, "compact", cmd_compact, "rewrite live rows into fewer, larger segments",
              "Rewrite the live rows into fewer, larger segments in one atomic commit (readers that\n"

@@ -129,15 +129,80 @@ def is_store(path: PathLike) -> bool:
     return True
 
 
+class VersionView:
+    """A store whose reads return named versions of some columns under the columns' own names.
+
+    ``VersionView(store, {"rewards": "judge-v2"}).read(rows, ["rewards"])["rewards"]`` is
+    ``store.read(rows, ["rewards@judge-v2"])["rewards@judge-v2"]`` ("not computed", NaN or null,
+    where that version has no value); everything else is the store's. Exports, ``info`` and the
+    curation tools take one wherever they take a store (:func:`open_store` pins it).
+
+    >>> import tempfile
+    >>> store = ReplayStore(tempfile.mkdtemp())
+    >>> _ = store.extend({"prompt_id": [0, 0], "completion_ids": [[5], [7]], "rewards": [0.0, 1.0]})
+    >>> _ = store.update([0], {"rewards": [0.5]}, version="judge-v2")
+    >>> _ = store.update([0, 1], {"rewards": [0.25, 0.75]})
+    >>> VersionView(store, {"rewards": "judge-v2"}).read([0, 1], ["rewards"])["rewards"].tolist()
+    [0.5, nan]
+    >>> VersionView(store, {"rewards": "nope"})
+    Traceback (most recent call last):
+    ...
+    diskreplay.errors.ExportError: versions={'rewards': 'nope'}: column 'rewards' has no version 'nope' (its versions: ['judge-v2']); pass one of them ('diskreplay info' lists each column's versions)
+    """
+
+    def __init__(self, store: ReplayStore, versions: Mapping[str, str]) -> None:
+        if not isinstance(versions, Mapping):
+            raise ExportError(f"versions must map a column to a version name (e.g. {{'rewards': 'judge-v2'}}), got "
+                              f"{versions!r}")
+        for column, version in versions.items():
+            if column not in store.columns:
+                raise ExportError(f"versions={dict(versions)!r}: {column!r} is not a column of the store at "
+                                  f"{store.path} (columns: {store.columns}); name a column that has versions")
+            have = store.versions(column)
+            if version not in have:
+                raise ExportError(f"versions={dict(versions)!r}: column {column!r} has no version {version!r} (its "
+                                  f"versions: {sorted(have)}); pass one of them ('diskreplay info' lists each "
+                                  "column's versions)")
+        self.store, self.versions = store, dict(versions)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def _mapped(self, read: Any, rows: Any, columns: Optional[Sequence[str]], **kw: Any) -> Dict[str, Any]:
+        names = list(self.store.columns if columns is None else columns)
+        got = read(rows, list(dict.fromkeys(self._name(c) for c in names)), **kw)
+        return {c: got[self._name(c)] for c in names}
+
+    def _name(self, column: str) -> str:
+        version = self.versions.get(column)
+        return column if version is None else f"{column}@{version}"
+
+    def read(self, rows: Any, columns: Optional[Sequence[str]] = None, **kw: Any) -> Dict[str, Any]:
+        return self._mapped(self.store.read, rows, columns, **kw)
+
+    def read_ranges(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+        return self._mapped(self.store.read_ranges, rows, columns)
+
+    def close(self) -> None:
+        self.store.close()
+
+
 @contextmanager
-def open_store(store: StoreLike) -> Iterator[ReplayStore]:
+def open_store(store: Union[StoreLike, VersionView], versions: Optional[Mapping[str, str]] = None
+               ) -> Iterator[ReplayStore]:
     """Yield a snapshot of ``store`` (a store or a path): pinned at its current commit, closed after.
 
     An export reads one commit from start to end, however long it takes and
     whatever a live writer does meanwhile (its files stay while they are
     retained). A path without a store raises :class:`StoreNotFoundError`;
-    nothing is created.
+    nothing is created. ``versions`` (column -> version name) yields a
+    :class:`VersionView` of the snapshot, as does a ``VersionView`` given.
     """
+    if isinstance(store, VersionView):
+        versions, store = {**store.versions, **(versions or {})}, store.store
     if isinstance(store, ReplayStore):
         s = store.snapshot()
     else:
@@ -147,7 +212,7 @@ def open_store(store: StoreLike) -> Iterator[ReplayStore]:
         except FileNotFoundError:
             raise missing_store(store) from None
     try:
-        yield s
+        yield VersionView(s, versions) if versions else s
     finally:
         s.close()
 

@@ -1,7 +1,9 @@
-"""A summary of a store: size, layout, columns, token counts, reward statistics."""
+"""A summary of a store: size, layout, columns (with their patches and named versions), token counts, reward
+statistics."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -116,7 +118,9 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
     from ``version_key``. Rows the store records as excluded (a resumed TRL
     run's discarded timeline: ``excluded`` gives their live ranges and count)
     are left out of the token counts, statistics and version range unless
-    ``include_excluded``, as exports leave them out.
+    ``include_excluded``, as exports leave them out. Each column says how
+    many ``patches`` hold values of it that no merge or ``compact`` has folded
+    yet, and its named ``versions`` (``ReplayStore.versions``).
 
     >>> import tempfile
     >>> from diskreplay import ReplayStore
@@ -133,10 +137,14 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
         schema = st.schema
         segments = [s for s in st.manifest.segments if s.end_row > st.head]
         columns: List[Dict[str, Any]] = [] if schema is None else [c.to_dict() for c in schema.columns.values()]
+        patches = st.manifest.patches
         for c in columns:
             since = None if schema is None else schema.late.get(c["name"])
             if since is not None:  # added after the first commit: older rows have no value
                 c["since_row"] = since[0]
+            # values written for committed rows: until a merge or compact folds them, each read overlays them
+            c["patches"] = sum(1 for p in patches if c["name"] in p.columns and not p.folded)
+            c["versions"] = st.versions(c["name"])
         info: Dict[str, Any] = {
             "path": st.path, "rows": len(st), "head": st.head, "next_row": st.next_row,
             "generation": st.generation, "group_key": st.group_key,
@@ -257,7 +265,13 @@ def format_info(info: Dict[str, Any]) -> str:
             extra = f"[{c['width']}]" if c.get("width") else ""
             align = f"  aligned with {c['align']}" if c.get("align") else ""
             late = f"  from row {c['since_row']}" if c.get("since_row") is not None else ""
-            lines.append(f"  {c['name']:<{w}}  {c['kind']:<6}  {c['dtype']}{extra}{align}{late}")
+            patched = (f"  {c['patches']} patch{'' if c['patches'] == 1 else 'es'} not yet folded (compact folds "
+                       "them)" if c.get("patches") else "")
+            lines.append(f"  {c['name']:<{w}}  {c['kind']:<6}  {c['dtype']}{extra}{align}{late}{patched}")
+            for name, v in (c.get("versions") or {}).items():
+                meta = f"  {json.dumps(v['meta'], sort_keys=True)}" if v.get("meta") else ""
+                lines.append(f"  {'':<{w}}  version {c['name']}@{name}: {v['rows']:,} rows in {v['patches']} "
+                             f"patch{'' if v['patches'] == 1 else 'es'}{meta}")
     w = max([11] + [len(n) + 1 for n in info.get("stats", {})])
     for name, s in info.get("stats", {}).items():
         if s is None:

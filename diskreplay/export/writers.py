@@ -11,7 +11,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -345,7 +345,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
            tokenizer: Any = None, skip_special_tokens: bool = False, reward_key: str = "rewards",
            overwrite: bool = False, progress: bool = False, compression: Optional[str] = None,
            chunk_bytes: int = CHUNK_BYTES, force: bool = False, include_excluded: bool = False,
-           skip_damaged: bool = False) -> Dict[str, Any]:
+           skip_damaged: bool = False, versions: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """Export a store's live rows to ``out`` as ``parquet``, ``jsonl``, ``hf`` or ``zarr``.
 
     ``format=None`` takes the format from ``out``'s name (:func:`output_format`:
@@ -372,6 +372,10 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     ``skip_damaged``: then its rows are left out (the store is not changed) and
     ``skipped_damaged`` lists each one's file, rows and damage, ``skipped_rows``
     counts them (:class:`~diskreplay.export.sources.SkipDamaged`).
+    ``versions`` (``{"rewards": "judge-v2"}``) exports a named version of a
+    column's values (``ReplayStore.update(..., version=...)``) under the
+    column's own name, null/NaN where that version has none (``min_reward``
+    then filters on it too); the default is the newest values.
 
     >>> import tempfile, os, pyarrow.parquet as pq
     >>> from diskreplay import ReplayStore
@@ -393,12 +397,19 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         if tokenizer is not None:
             raise ExportError("a zarr export holds the store's columns only; --tokenizer applies to parquet, "
                               "jsonl and hf")
+        if versions:
+            with open_store(store, versions) as view:  # checks the versions; export_zarr pins the view again
+                res = export(view, out, format, columns=columns, policy_versions=policy_versions,
+                             min_reward=min_reward, limit=limit, reward_key=reward_key, overwrite=overwrite,
+                             progress=progress, chunk_bytes=chunk_bytes, force=force,
+                             include_excluded=include_excluded, skip_damaged=skip_damaged)
+            return {**res, "versions": dict(versions)}
         return export_zarr(store, out, columns=columns, policy_versions=policy_versions, min_reward=min_reward,
                            limit=limit, reward_key=reward_key, overwrite=overwrite, progress=progress,
                            chunk_bytes=chunk_bytes, force=True,  # the name was checked above
                            include_excluded=include_excluded, skip_damaged=skip_damaged)
     flt = make_filter(policy_versions, min_reward, limit, reward_key)
-    with open_store(store) as st:
+    with open_store(store, versions) as st:
         names = check_columns(st, columns)
         flt.check(st)
         excluded = Exclusions.of(st, include_excluded)
@@ -423,7 +434,7 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
         fields = [pa.field(n, arrow_type(st.schema[n], large)) for n in names]
         fields += [pa.field(c, pa.large_string() if large else pa.string()) for c in text_cols]
         schema = pa.schema(fields)
-        meta = export_metadata(st, names)
+        meta = export_metadata(st, names, **({"versions": dict(versions)} if versions else {}))
         bar = progress_bar(len(st), f"export {format}", progress)
         checked = Retokenized()
 
@@ -457,6 +468,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     out = os.path.abspath(os.fspath(out))
     res = {"path": out, "format": format, "rows": rows, "columns": names + text_cols, "bytes": tree_size(out),
            "excluded_rows": excluded.left_out, "excluded_ranges": excluded.report()["ranges"]}
+    if versions:
+        res["versions"] = dict(versions)
     if skip_damaged:
         res.update(skipped_damaged=excluded.skipped_segments(), skipped_rows=excluded.skipped)
     if decoder is not None:

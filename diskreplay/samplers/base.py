@@ -171,9 +171,21 @@ def check_column(name: str, value: Any, allow_none: bool = False) -> Optional[st
 
 
 def numeric_column(store: Any, name: str, arg: str, allow_vector: bool = True) -> None:
+    """Refuse ``name`` unless it is a per-row numeric column of ``store``, or ``column@version``: a
+    named version of one that ``store.versions(column)`` lists (``ReplayStore.update(...,
+    version=...)``; a read gives NaN where that version has no value)."""
     if name not in store.columns:
-        raise SamplerError(f"{arg}={name!r} is not a column of the store at {store.path} (columns: "
-                           f"{store.columns}); pass the name of a per-row numeric column")
+        column, at, version = name.rpartition("@")
+        versions = store.versions(column) if at and column in store.columns and hasattr(store, "versions") else None
+        if versions is not None and version not in versions:
+            raise SamplerError(f"{arg}={name!r}: column {column!r} of the store at {store.path} has no version "
+                               f"{version!r} (its versions: {sorted(versions)}); pass one of them as "
+                               f"'{column}@VERSION', or {column!r} for the newest values")
+        if versions is None:
+            raise SamplerError(f"{arg}={name!r} is not a column of the store at {store.path} (columns: "
+                               f"{store.columns}); pass the name of a per-row numeric column (or "
+                               "'column@version' for a named version of one)")
+        name = column
     spec = store.schema[name]
     if spec.kind == "ragged" or spec.dtype == "string" or (spec.kind == "vector" and not allow_vector):
         want = "per-row numeric" if allow_vector else "per-row scalar numeric"
@@ -340,7 +352,8 @@ class LiveRows:
         seen, self._patches = set(self._patches), patches
         for p in patches:
             lo, hi = max(p.first_row, self.base), min(p.end_row, self.end)
-            if p not in seen and column in p.columns and lo < hi:
+            # "rewards@judge-v2" reads the patches of "rewards" that name that version
+            if p not in seen and (column in p.columns or column.rpartition("@")[0] in p.columns) and lo < hi:
                 self.values[lo - self.base:hi - self.base] = np.asarray(self.fill(store, lo, hi))
         return True
 
