@@ -155,3 +155,37 @@ def test_recipe_on_the_store_a_resumed_trl_run_leaves(tmp_path):
         assert "append" in _chain_kinds(path, store.manifest)
     live, exported = check_recipe(path, tmp_path)
     assert (live, exported) == (72, 40)
+
+
+def _check_patched(path):
+    got = run_recipe(path)
+    with ReplayStore(path, readonly=True) as store:
+        ids = store.row_ids()
+        want = store.read(ids, ["rewards", "judge_logps"])
+    assert got["row_ids"].tolist() == ids.tolist()
+    assert got["table"].column("rewards").to_pylist() == pytest.approx(want["rewards"].tolist())
+    logps = got["table"].column("judge_logps").to_pylist()
+    assert [r is not None for r in logps] == [want["judge_logps"][i] is not None for i in range(len(ids))]
+    assert [r for r in logps if r is not None] == [want["judge_logps"][i].tolist() for i in range(len(ids))
+                                                    if want["judge_logps"][i] is not None]
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_recipe_on_a_store_with_patches(tmp_path, multi):
+    """Values written for committed rows (docs/FORMAT.md, "Patches"): the recipe applies the patches
+    as reads do (the newest wins, a folded one is in its segments), on deltas and after compact."""
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=multi, capacity=60) as store:
+        for i in range(6):
+            store.extend(_batch(i))
+        store.update([20, 30, 41], {"rewards": [5.0, 6.0, 7.0]}, version="judge")
+        lengths = store.read_ranges([30, 47], ["completion_ids"])["completion_ids"].lengths
+        store.update([30, 47], {"rewards": [8.0, 9.0], "judge_logps": [np.full(n, -1.0, np.float32) for n in lengths]})
+        for i in range(6, 9):
+            store.extend(_batch(i))  # deltas on top, rows 0-11 evicted
+    _check_patched(path)
+    with ReplayStore(path, multi_writer=multi) as store:
+        store.compact()
+        store.update([70], {"rewards": [1.5]})
+    _check_patched(path)
+    check_recipe(path, tmp_path)
