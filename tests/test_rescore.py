@@ -38,6 +38,9 @@ def score(batch):
             f.write("1")
         os.kill(os.getpid(), signal.SIGSTOP)
     out = [float(np.sum(batch["completion_ids"][i])) / 8 + float(batch["prompt_id"][i]) for i in range(len(rows))]
+    if os.environ.get("SLOW"):
+        import time
+        time.sleep(float(os.environ["SLOW"]))
     with open(os.environ["CALLS"], "a") as f:
         f.write(json.dumps([int(r) for r in rows]) + "\\n")
     return out
@@ -143,10 +146,12 @@ def test_rescore_end_to_end_then_info_and_a_resume_after_appends(tmp_path, score
     assert col["patches"] == 0 and col["versions"]["len-v1"]["rows"] == 43
 
 
-def _rescore_process(path, block_at=None, block=None):
+def _rescore_process(path, block_at=None, block=None, slow=None):
     env = dict(os.environ)
     if block is not None:
         env.update(BLOCK=str(block), BLOCK_AT=str(block_at))
+    if slow is not None:
+        env.update(SLOW=str(slow))
     return subprocess.Popen([sys.executable, "-m", "diskreplay", "rescore", path, "--column", "rewards", "--version",
                              "judge", "--python", "tscore:score", "--chunk", "8", "-q"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -190,11 +195,19 @@ def test_sigkill_at_random_moments(tmp_path, scorer):
     the values equal the model, and only a chunk in flight at a kill is scored again."""
     path = make_store(tmp_path / "s", n=80, multi_writer=True)
     rng = np.random.default_rng(1)
+    kills = 0
     for _ in range(4):
-        p = _rescore_process(path)
-        time.sleep(float(rng.uniform(0.3, 2.0)))
+        before = len(called(scorer))
+        p = _rescore_process(path, slow=0.01)
+        deadline = time.monotonic() + 60
+        while len(called(scorer)) == before and p.poll() is None:  # once it has made progress ...
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(float(rng.uniform(0.0, 0.04)))  # ... at a random point: in a call, a commit, between
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
+        kills += p.returncode == -signal.SIGKILL
+    assert kills >= 2
     p = _rescore_process(path)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
