@@ -278,7 +278,7 @@ class _Worker:
                 slot = self.ring.acquire(self.stop)
                 if slot is None:
                     return
-                host = self.build.host(batch, self.ring.sets[slot])
+                host = self.build.host(batch, self.ring.sets[slot], getattr(view, "schema", None))
                 if not self._put((slot, host, rows, state)):
                     return
                 k += 1
@@ -326,12 +326,13 @@ class _Build:
         #: from them
         self.reads_ranges = (layout == "packed" or on_device) and max_tokens is None
 
-    def host(self, batch: Mapping[str, Any], bufs: GrowingBuffers) -> Dict[str, Any]:
+    def host(self, batch: Mapping[str, Any], bufs: GrowingBuffers, schema: Any = None) -> Dict[str, Any]:
+        # schema: the read's, which lays out its per-token tensor columns (routed experts)
         if self.on_device:
             return collate_unpadded(batch, out=bufs)
         if self.layout == "packed":
-            return collate_packed(batch, out=bufs, ids_dtype=self.ids_dtype)
-        return collate(batch, self.pad_token_id, out=bufs, ids_dtype=self.ids_dtype)
+            return collate_packed(batch, out=bufs, ids_dtype=self.ids_dtype, schema=schema)
+        return collate(batch, self.pad_token_id, out=bufs, ids_dtype=self.ids_dtype, schema=schema)
 
     def fitting_rows(self, store: Any, rows: np.ndarray, batch: Mapping[str, Any]) -> int:
         """How many leading rows (whole groups) of the draw fit in ``max_tokens``.

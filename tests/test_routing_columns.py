@@ -217,3 +217,23 @@ def test_sequence_alignment_needs_its_ids_in_the_batch(tmp_path):
         collate(store.read([0], ["completion_ids", "routed"]), 0, schema=store.schema)
     assert collate(store.read([0]), 0, schema=store.schema)["routed"].tolist() == [[[1, 1], [1, 1], [-1, -1]]]
     store.close()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_replay_loader_lays_out_the_column(tmp_path, layout):
+    from diskreplay import RandomSampler, ReplayLoader
+    store = ReplayStore(str(tmp_path))
+    clens = [3, 1, 4, 2]
+    rows = [np.full((c, 2, 3), i) for i, c in enumerate(clens)]
+    store.extend({"prompt_id": [0, 0, 1, 1], "prompt_ids": [[1]] * 4, "completion_ids": [[5] * c for c in clens],
+                  "routed": PerTokenTensor(rows, "uint16", fill=65535)})
+    with ReplayLoader(store, RandomSampler(replacement=False, shuffle=False), batch_size=4,
+                      pad_token_id=None if layout == "packed" else 0, layout=layout, num_batches=1) as loader:
+        (batch,) = list(loader)
+    got = batch["routed"].numpy()
+    if layout == "padded":
+        want = _expected_padded(rows, [1] * 4, clens, "completion", 65535, (2, 3), "uint16")
+    else:
+        want = _expected_packed(rows, [1] * 4, clens, "completion", 65535, (2, 3), "uint16")[None]
+    np.testing.assert_array_equal(got, want)
+    store.close()
