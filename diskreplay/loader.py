@@ -329,7 +329,7 @@ class _Build:
     def host(self, batch: Mapping[str, Any], bufs: GrowingBuffers, schema: Any = None) -> Dict[str, Any]:
         # schema: the read's, which lays out its per-token tensor columns (routed experts)
         if self.on_device:
-            return collate_unpadded(batch, out=bufs)
+            return collate_unpadded(batch, out=bufs, schema=schema)
         if self.layout == "packed":
             return collate_packed(batch, out=bufs, ids_dtype=self.ids_dtype, schema=schema)
         return collate(batch, self.pad_token_id, out=bufs, ids_dtype=self.ids_dtype, schema=schema)

@@ -237,3 +237,15 @@ def test_replay_loader_lays_out_the_column(tmp_path, layout):
         want = _expected_packed(rows, [1] * 4, clens, "completion", 65535, (2, 3), "uint16")[None]
     np.testing.assert_array_equal(got, want)
     store.close()
+
+
+def test_the_device_path_refuses_the_column_by_name(tmp_path):
+    from diskreplay import RandomSampler, ReplayLoader
+    store = ReplayStore(str(tmp_path))
+    store.extend({"prompt_id": [0, 0], "completion_ids": [[5, 6], [7]],
+                  "routed": PerTokenTensor([np.zeros((2, 2, 2), np.int64), np.ones((1, 2, 2), np.int64)], "uint8")})
+    with ReplayLoader(store, RandomSampler(), batch_size=2, pad_token_id=0, pad_on_device=True,
+                      num_batches=1) as loader:
+        with pytest.raises(BatchError, match="'routed' is a per-token tensor column, which the device path"):
+            list(loader)
+    store.close()

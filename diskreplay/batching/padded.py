@@ -284,7 +284,7 @@ def collate(batch: Mapping[str, Any], pad_token_id: int, *,
 
 
 def collate_unpadded(batch: Mapping[str, Any], *,
-                     out: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, Any]:
+                     out: Optional[Mapping[str, torch.Tensor]] = None, schema: Any = None) -> dict[str, Any]:
     """The unpadded half of :func:`collate`: pack the batch for :func:`pad_on_device`.
 
     Each ragged column ``name`` becomes ``name`` (a 1-D tensor of the present
@@ -292,13 +292,20 @@ def collate_unpadded(batch: Mapping[str, Any], *,
     fewer bytes cross to the device) and ``name + ".offsets"`` ([B + 1] int64,
     starting at 0; a row that is None has length 0). Per-row arrays, lists and
     ``None`` are treated as in :func:`collate`. ``out`` works as there (the
-    buffers for values must have the stored dtype).
+    buffers for values must have the stored dtype). A per-token tensor column
+    that ``schema`` declares is refused: the device path does not lay it out.
 
     >>> b = {"completion_ids": RaggedColumn.from_arrays([[1], [2, 3]], dtype=np.int32)}
     >>> u = collate_unpadded(b)
     >>> u["completion_ids"].tolist(), u["completion_ids.offsets"].tolist()
     ([1, 2, 3], [0, 1, 3])
     """
+    tensors = token_tensor_specs(batch, schema)
+    if tensors:
+        name = next(iter(tensors))
+        raise BatchError(f"column {name!r} is a per-token tensor column, which the device path (pad_on_device, "
+                         "pack_on_device) does not lay out; collate on the host (pad_on_device=False) or leave the "
+                         f"column out of the read (columns=[...] without {name!r})")
     check_batch_names(batch)
     B = batch_rows(batch)
     result: dict[str, Any] = {}
