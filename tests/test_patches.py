@@ -457,3 +457,51 @@ def test_repair_drops_a_damaged_patch_and_keeps_every_row(tmp_path):
     with ReplayStore(path) as store:
         assert len(store) == 16
         assert store.read([1, 2, 3], ["rewards"])["rewards"].tolist() == [5.0, 6.0, 1.5]
+
+
+_COMPACTOR = textwrap.dedent("""
+    import sys, time
+    from diskreplay import ReplayStore, CommitConflictError
+    path, stop = sys.argv[1], sys.argv[2]
+    import os
+    store = ReplayStore(path, multi_writer=True)
+    n = 0
+    while not os.path.exists(stop):
+        try:
+            store.compact(target_bytes=1 << 20)
+            n += 1
+        except CommitConflictError:
+            pass
+    print(n)
+""")
+
+
+@pytest.mark.slow
+def test_compaction_racing_updates_never_brings_back_an_older_value(tmp_path):
+    """One process compacts (folding patches) over and over while another appends and updates the
+    same rows with ever larger values: after each update, and at the end, every read gives that
+    update's values; verify is clean."""
+    path, stop = str(tmp_path / "s"), str(tmp_path / "stop")
+    with ReplayStore(path, multi_writer=True) as store:
+        fill(store, 32)
+    compactor = subprocess.Popen([sys.executable, "-c", _COMPACTOR, path, stop], env=child_env(), cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with ReplayStore(path, multi_writer=True) as store:
+            for step in range(40):
+                rows = [3, 17, 29] if step % 2 else [3, 5]
+                store.update(rows, {"rewards": [float(step)] * len(rows)})
+                want = {3: float(step), **{r: float(step) for r in rows}}
+                if step % 5 == 0:
+                    store.extend(batch(32 + step, 2))
+                got = store.read(list(want), ["rewards"])["rewards"].tolist()
+                assert got == list(want.values()), (step, got)
+    finally:
+        open(stop, "w").close()
+        out, err = compactor.communicate(timeout=300)
+    assert compactor.returncode == 0, err[-2000:]
+    assert int(out.split()[-1]) > 0  # compactions committed (each folding the patches it could)
+    with ReplayStore(path, multi_writer=True) as store:
+        got = store.read([3, 5, 17, 29], ["rewards"])["rewards"].tolist()
+        assert got == [39.0, 38.0, 39.0, 39.0]
+    ok(path)
