@@ -507,3 +507,19 @@ def test_compaction_racing_updates_never_brings_back_an_older_value(tmp_path):
         got = store.read([3, 5, 17, 29], ["rewards"])["rewards"].tolist()
         assert got == [39.0, 38.0, 39.0, 39.0]
     ok(path)
+
+
+def test_a_per_token_tensor_column_is_updated_per_token(tmp_path):
+    from diskreplay import PerTokenTensor
+
+    with ReplayStore(str(tmp_path / "s")) as store:
+        b = batch(0, 8)
+        b["routed"] = PerTokenTensor([np.zeros((len(c), 2, 2), np.uint8) for c in b["completion_ids"]],
+                                     dtype="uint8", align="completion", fill=255)
+        store.extend(b)
+        lengths = [len(tokens(r)) for r in (1, 2)]
+        store.update([1, 2], {"routed": [np.full((n, 2, 2), 7, np.uint8) for n in lengths]})
+        got = store.read([1, 2, 3], ["routed"])["routed"]
+        assert got[0].tolist() == [7] * 4 * lengths[0] and got[2].tolist() == [0] * 4 * len(tokens(3))
+        with pytest.raises(BatchError, match=r"row 1 has 12 values \(3 tensors"):
+            store.update([1], {"routed": [np.zeros((lengths[0] + 1, 2, 2), np.uint8)]})

@@ -118,18 +118,22 @@ def patch_record(rows: np.ndarray, values: Mapping[str, Any], schema: Optional[S
         arr = record.column(name)
         if spec.kind != RAGGED or spec.align is None:
             continue
-        ref = PROMPT_IDS if spec.align == "prompt" else COMPLETION_IDS
-        if ref not in schema:
+        refs = {"prompt": (PROMPT_IDS,), "sequence": (PROMPT_IDS, COMPLETION_IDS)}.get(spec.align, (COMPLETION_IDS,))
+        if any(ref not in schema for ref in refs):
             continue
-        want = np.asarray(lengths(rows, ref), dtype=np.int64)
-        offs = arr.offsets.to_numpy()
-        have = np.diff(offs)
-        bad = (have != want) & arr.is_valid().to_numpy(zero_copy_only=False)
+        want = sum(np.asarray(lengths(rows, ref), dtype=np.int64) for ref in refs)
+        if spec.align == "sequence":
+            want = np.maximum(want - 1, 0)  # (vLLM's routed experts: the last token was never fed forward)
+        values = np.diff(arr.offsets.to_numpy())
+        size = spec.token_size if spec.shape is not None else 1
+        have = values // size
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        bad = ((have != want) | (values % size != 0)) & valid
         if bad.any():
             i = int(np.argmax(bad))
-            raise BatchError(f"update: column {name!r} row {int(rows[i])} has {have[i]} values but the row has "
-                             f"{want[i]} {'prompt' if ref == PROMPT_IDS else 'completion'} tokens; a per-token "
-                             "value must have one value per token")
+            unit = f"tensors of {list(spec.shape)} ({size} values each)" if spec.shape is not None else "values"
+            raise BatchError(f"update: column {name!r} row {int(rows[i])} has {values[i]} values ({have[i]} {unit}) "
+                             f"but the row has {want[i]} {spec.align} tokens; a per-token value has one per token")
     order = np.argsort(rows, kind="stable")
     if not np.all(order[1:] > order[:-1]):
         record = record.take(pa.array(order))
