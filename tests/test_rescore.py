@@ -227,6 +227,7 @@ def test_sigkill_at_random_moments(tmp_path, scorer):
     ("tscore:boom", "raised ZeroDivisionError: no judge on rows 0..7 of column 'rewards'"),
     ("tscore:nothing", "has no function 'nothing'"),
     ("nomodule_here:score", "cannot import 'nomodule_here'"),
+    ("./missing.py:score", "cannot import './missing.py' (FileNotFoundError"),
 ])
 def test_a_bad_function_is_refused_naming_rows_and_column_and_writes_nothing(tmp_path, scorer, capsys, function,
                                                                                message):
@@ -380,3 +381,36 @@ def test_the_docs_recipe_and_commands_run_as_written(tmp_path, capsys, monkeypat
         lengths = [len(c) for c in s.read(np.arange(20), ["completion_ids"])["completion_ids"]]
     assert pq.read_table(tmp_path / "judged.parquet")["rewards"].to_pylist() == [float(n <= 4) for n in lengths]
     exec(compile(recipe, "docs/cli.md recipe", "exec"), {})
+
+
+def test_pairs_and_best_of_n_pick_a_version(versioned, tmp_path, capsys):
+    # judge: rows 0-11 get 11..0 (the first row of each group is best); newest: 100..115 (the last is)
+    rc, _, err = cli(capsys, "best-of-n", versioned, tmp_path / "b.jsonl", "--k", "1", "--version", "rewards=judge")
+    assert rc == 0, err
+    best = [json.loads(line) for line in open(tmp_path / "b.jsonl")]
+    assert [(b["row"], b["reward"]) for b in best] == [(0, 11.0), (4, 7.0), (8, 3.0)]  # group 3: no judged reward
+    rc, _, err = cli(capsys, "best-of-n", versioned, tmp_path / "n.jsonl", "--k", "1")
+    assert [json.loads(line)["row"] for line in open(tmp_path / "n.jsonl")] == [3, 7, 11, 15]
+    rc, _, err = cli(capsys, "pairs", versioned, tmp_path / "p.jsonl", "--version", "rewards=judge")
+    assert rc == 0, err
+    pairs = [json.loads(line) for line in open(tmp_path / "p.jsonl")]
+    assert [(p["chosen_row"], p["rejected_row"], p["margin"]) for p in pairs] == [(0, 3, 3.0), (4, 7, 3.0), (8, 11, 3.0)]
+    rc, _, err = cli(capsys, "pairs", versioned, tmp_path / "x.jsonl", "--version", "rewards=nope")
+    assert rc == 1 and "has no version 'nope'" in err and not os.path.exists(tmp_path / "x.jsonl")
+    # the same from Python: a VersionView wherever a store goes
+    from diskreplay.export import VersionView, best_of_n
+
+    with ReplayStore(versioned, readonly=True) as s:
+        res = best_of_n(VersionView(s, {"rewards": "judge"}), tmp_path / "py.jsonl", k=1)
+    assert res["rows"] == 3
+    assert [json.loads(line)["row"] for line in open(tmp_path / "py.jsonl")] == [0, 4, 8]
+
+
+def test_the_function_may_be_named_by_its_file(tmp_path, scorer, capsys):
+    path = make_store(tmp_path / "s", n=10)
+    rc, out, err = cli(capsys, "rescore", path, "--column", "rewards", "--version", "v", "--python",
+                       f"{tmp_path / 'scorers' / 'tscore.py'}:score")
+    assert rc == 0 and "rescored 10 of 10" in out, err
+    rows, want = expected(path)
+    with ReplayStore(path, readonly=True) as s:
+        np.testing.assert_array_equal(s.read(rows, ["rewards@v"])["rewards@v"], want)

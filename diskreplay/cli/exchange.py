@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, Dict
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator
 
 from ..errors import ArgumentError, CorruptStoreError, StoreNotFoundError
 from .common import (emit, excluded_note, human_size, is_remote_arg, nothing_matched, open_remote, show_progress,
@@ -143,15 +144,38 @@ def _import_remote(args: argparse.Namespace, run: Callable[[str], Dict[str, Any]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def _picked(args: argparse.Namespace) -> Iterator[Any]:
+    """The command's store (a path, or an opened remote store), as a view whose reads give the
+    versions ``--version COL=NAME`` picks under the columns' own names when it gives any."""
+    store = store_of(args)
+    versions = dict(getattr(args, "version", None) or [])
+    if versions and isinstance(store, str):
+        from ..store import ReplayStore
+
+        store = ReplayStore(store, readonly=True)
+    try:
+        if versions:
+            from ..export import VersionView
+
+            yield VersionView(store, versions)
+        else:
+            yield store
+    finally:
+        if not isinstance(store, str):
+            store.close()
+
+
 def cmd_pairs(args: argparse.Namespace) -> int:
     from ..export import preference_pairs
 
-    res = preference_pairs(store_of(args), args.out, min_margin=args.min_margin, format=args.format,
-                           tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
-                           group_key=args.group_key, reward_key=args.reward_key,
-                           policy_versions=args.policy_versions, overwrite=args.overwrite,
-                           progress=show_progress(args), force=args.force, version_window=args.version_window,
-                           include_excluded=args.include_excluded)
+    with _picked(args) as store:
+        res = preference_pairs(store, args.out, min_margin=args.min_margin, format=args.format,
+                               tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
+                               group_key=args.group_key, reward_key=args.reward_key,
+                               policy_versions=args.policy_versions, overwrite=args.overwrite,
+                               progress=show_progress(args), force=args.force, version_window=args.version_window,
+                               include_excluded=args.include_excluded)
     windows = (f" ({res['version_windows']:,} windows of {args.version_window} policy version"
                f"{'' if args.version_window == 1 else 's'})" if args.version_window else "")
     # DPOTrainer tokenizes text itself and refuses ids (KeyError: 'chosen'): say so where it would bite
@@ -167,11 +191,12 @@ def cmd_pairs(args: argparse.Namespace) -> int:
 def cmd_best_of_n(args: argparse.Namespace) -> int:
     from ..export import best_of_n
 
-    res = best_of_n(store_of(args), args.out, k=args.k, min_reward=args.min_reward, format=args.format,
-                    tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
-                    group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
-                    overwrite=args.overwrite, progress=show_progress(args), force=args.force,
-                    include_excluded=args.include_excluded)
+    with _picked(args) as store:
+        res = best_of_n(store, args.out, k=args.k, min_reward=args.min_reward, format=args.format,
+                        tokenizer=args.tokenizer, skip_special_tokens=args.skip_special_tokens,
+                        group_key=args.group_key, reward_key=args.reward_key, policy_versions=args.policy_versions,
+                        overwrite=args.overwrite, progress=show_progress(args), force=args.force,
+                        include_excluded=args.include_excluded)
     emit(args, res, f"wrote {res['rows']:,} completions from {res['groups']:,} groups to {res['path']} "
                      f"({res['format']}: {', '.join(res['columns'])})" + excluded_note(args, res)
                      + "".join(f"\nwarning: {w}" for w in res.get("warnings", ()))

@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "open (e.g. 100:, :50, 7)")
     rows.add_argument("--reward-key", default="rewards", metavar="COL",
                       help="reward column (default: rewards); a vector is averaged over reward functions")
+    rows.add_argument("--version", action="append", type=_column_version, metavar="COL=NAME",
+                      help="use version NAME of column COL (written by 'diskreplay rescore' or update(..., "
+                           "version=NAME); 'diskreplay info' lists them) as COL, NaN/null where it has no value, "
+                           "in the output and the reward filters (default: the newest values); repeatable, e.g. "
+                           "--version rewards=judge-v2")
     rows.add_argument("--include-excluded", action="store_true",
                       help="also use the rows the store records as excluded (default: left out, and counted): "
                            "those a resumed TRL run discarded, committed after the checkpoint it resumed from "
@@ -242,10 +247,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mb", type=_chunk_bytes, default=64 << 20, metavar="MB", dest="chunk_bytes",
                    help="read and write about MB (> 0) of store data at a time: the memory bound and the "
                         "Parquet row-group size (default: 64)")
-    p.add_argument("--version", action="append", type=_column_version, metavar="COL=NAME",
-                   help="export version NAME of column COL (written by 'diskreplay rescore' or update(..., "
-                        "version=NAME); 'diskreplay info' lists them) under the name COL, NaN/null where it has "
-                        "no value (default: the newest values); repeatable, e.g. --version rewards=judge-v2")
     p.add_argument("--skip-damaged", action="store_true",
                    help="export the rows of a damaged store that still read and checksum, leaving out every "
                         "segment whose file is missing or fails its CRC-32C (what 'diskreplay repair' would "
@@ -356,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
              "reward, rank (0 = best), row.",
              "  diskreplay best-of-n runs/grpo/replay sft.jsonl --k 1 --min-reward 1 --tokenizer ./tokenizer\n"
              "  diskreplay best-of-n runs/grpo/replay sft.parquet --k 4\n"
+             "  diskreplay best-of-n runs/grpo/replay sft_judged.jsonl --k 1 --version rewards=judge-v2\n"
              + EXIT_CODES + "\n", [remote, common, out, rows, tok, cur])
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("out", metavar="OUT", help="output file (jsonl, parquet) or directory (hf)")

@@ -23,7 +23,7 @@ only when used (``pip install 'diskreplay[zarr]'``, ``[hf]``, ``[progress]``,
 
 from ..errors import (EvictionRefusedError, ExportError, MissingDependencyError, OutputExistsError,
                       StoreNotFoundError)
-from ._common import RowFilter, TextDecoder, is_store, load_tokenizer, require_store
+from ._common import RowFilter, TextDecoder, VersionView, is_store, load_tokenizer, require_store
 from .outputs import output_format
 from .curate import best_of_n, preference_pairs
 from .importer import ALIASES, import_rollouts
@@ -40,6 +40,7 @@ __all__ = [
     "RowFilter",
     "StoreNotFoundError",
     "TextDecoder",
+    "VersionView",
     "best_of_n",
     "export",
     "export_hf",
