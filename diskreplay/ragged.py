@@ -25,13 +25,16 @@ class RaggedColumn:
     (2, [1, 2, 3], [3, 1])
     """
 
-    __slots__ = ("values", "offsets", "validity")
+    __slots__ = ("values", "offsets", "validity", "token_spec")
 
     def __init__(self, values: np.ndarray, offsets: np.ndarray,
                  validity: Optional[np.ndarray] = None) -> None:
         self.values = values
         self.offsets = offsets
         self.validity = validity
+        #: a store's read of a per-token tensor column sets its ``ColumnSpec`` here (its shape and
+        #: fill), so that ``collate`` lays it out without being given the store's schema
+        self.token_spec = None
 
     @classmethod
     def from_arrays(cls, rows: Sequence[np.ndarray], dtype=None) -> "RaggedColumn":

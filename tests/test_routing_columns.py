@@ -249,3 +249,19 @@ def test_the_device_path_refuses_the_column_by_name(tmp_path):
         with pytest.raises(BatchError, match="'routed' is a per-token tensor column, which the device path"):
             list(loader)
     store.close()
+
+
+def test_a_store_read_lays_out_without_the_schema(tmp_path):
+    """``collate(store.read(rows))`` (no ``schema=``): the read's column carries its declaration."""
+    import numpy as np
+    from diskreplay import PerTokenTensor, ReplayStore, collate, collate_packed
+
+    with ReplayStore(str(tmp_path / "s")) as st:
+        ids = [np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32)]
+        st.extend({"prompt_id": [0, 0], "completion_ids": ids,
+                   "routed": PerTokenTensor([np.full((3, 4, 2), 1, np.uint8), np.full((2, 4, 2), 2, np.uint8)],
+                                            dtype="uint8", align="completion", fill=255)})
+        padded = collate(st.read([0, 1]), pad_token_id=0)["routed"]
+        assert tuple(padded.shape) == (2, 3, 4, 2) and int(padded[1, 2, 0, 0]) == 255
+        assert tuple(collate(st.read_ranges([0, 1]), pad_token_id=0)["routed"].shape) == (2, 3, 4, 2)
+        assert tuple(collate_packed(st.read([1, 0]))["routed"].shape) == (1, 5, 4, 2)

@@ -292,8 +292,9 @@ def widened_dtype(dtype: torch.dtype) -> torch.dtype:
 def token_tensor_specs(batch: Mapping[str, Any], schema: Any) -> dict:
     """``{name: ColumnSpec}`` of the batch's per-token tensor columns, as ``schema`` (a store's
     ``Schema``, or a mapping of name to ``ColumnSpec``) declares them; {} without a schema."""
-    if schema is None:
-        return {}
+    if schema is None:  # a store's read says it on the column itself
+        return {name: col.token_spec for name, col in batch.items()
+                if isinstance(col, RaggedColumn) and getattr(col, "token_spec", None) is not None}
     specs = getattr(schema, "columns", schema)
     if not isinstance(specs, Mapping):
         raise ArgumentError(f"schema must be a store's schema (store.schema) or a mapping of column name to "

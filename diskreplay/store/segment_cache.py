@@ -405,6 +405,9 @@ class SegmentCache:
                 out[name] = arr
         if patched:
             self.patches.overlay(m, view.schema, rows, out, patched)
+        for name in cols:  # a per-token tensor column says its shape and fill (collate lays it out)
+            if out.get(name) is not None and view.schema[name].shape is not None:
+                out[name].token_spec = view.schema[name]
         return out
 
     def row_lengths(self, view: ReadView, rows: Any, name: str) -> np.ndarray:
