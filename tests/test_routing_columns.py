@@ -265,3 +265,27 @@ def test_a_store_read_lays_out_without_the_schema(tmp_path):
         assert tuple(padded.shape) == (2, 3, 4, 2) and int(padded[1, 2, 0, 0]) == 255
         assert tuple(collate(st.read_ranges([0, 1]), pad_token_id=0)["routed"].shape) == (2, 3, 4, 2)
         assert tuple(collate_packed(st.read([1, 0]))["routed"].shape) == (1, 5, 4, 2)
+
+
+def test_parquet_export_and_import_keep_the_declaration(tmp_path):
+    """Parquet holds the column flat (large_list of its dtype) and its declaration in the export's
+    metadata; import gives back the same column, shape and fill."""
+    import numpy as np
+    from diskreplay import PerTokenTensor, ReplayStore
+    from diskreplay.export import export, import_rollouts
+
+    src, out, back = str(tmp_path / "s"), str(tmp_path / "out.parquet"), str(tmp_path / "back")
+    with ReplayStore(src) as st:
+        ids = [np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32)]
+        st.extend({"prompt_id": [0, 0], "completion_ids": ids,
+                   "routed": PerTokenTensor([np.arange(24, dtype=np.uint8).reshape(3, 4, 2),
+                                             np.full((2, 4, 2), 9, np.uint8)], dtype="uint8", align="completion",
+                                            fill=255)})
+        want = st.read([0, 1], ["routed"])["routed"]
+        spec = st.schema["routed"]
+    export(src, out)
+    import_rollouts(out, back)
+    with ReplayStore(back, readonly=True) as st:
+        assert st.schema["routed"] == spec
+        got = st.read([0, 1], ["routed"])["routed"]
+        assert got.values.tolist() == want.values.tolist() and got.offsets.tolist() == want.offsets.tolist()

@@ -294,6 +294,11 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
             if arr.values.null_count:
                 raise _null_values_error(name, arr, where)
             batch[name] = _ragged_rows(arr, dtype)
+            if hint is not None and getattr(hint, "shape", None) is not None:  # a per-token tensor, exported flat
+                from ..ingest import PerTokenTensor
+                batch[name] = PerTokenTensor([None if r is None else r.reshape((-1,) + tuple(hint.shape))
+                                              for r in batch[name]], dtype=hint.dtype, align=hint.align,
+                                             fill=hint.fill, shape=tuple(hint.shape))
         elif pa.types.is_fixed_size_list(t):
             if arr.null_count:
                 filled = _float_rows(arr, t.list_size)
@@ -523,7 +528,7 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             if old in specs:
                 s = specs[old]
                 new = rename.get(old, old)
-                hints[new] = ColumnSpec(new, s.kind, s.dtype, s.align, s.width)
+                hints[new] = ColumnSpec(new, s.kind, s.dtype, s.align, s.width, shape=s.shape, fill=s.fill)
     explicit_key = group_key is not AUTO_FORMAT
     if group_key is AUTO_FORMAT:
         mk = meta.get("group_key") if meta is not None else None
