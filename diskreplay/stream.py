@@ -431,10 +431,14 @@ class RolloutStream:
         rank): one poll's finds share one mark, so units go out in the order they became ready."""
         found = self._newly_ready() if self.rank == 0 or self.world_size == 1 else None
         if self.world_size > 1:
-            count = broadcast_ints(lambda: [found.size], 1, self.process_group)
-            if count is not None:
-                found = np.asarray(broadcast_ints(lambda: found.tolist(), count[0], self.process_group)
-                                   if count[0] else [], np.int64)
+            seen = broadcast_ints(lambda: [found.size, self.store.generation], 2, self.process_group)
+            if seen is not None:
+                found = np.asarray(broadcast_ints(lambda: found.tolist(), seen[0], self.process_group)
+                                   if seen[0] else [], np.int64)
+                # a rank reads the values of the rows it is handed: at least the commit rank 0 saw them in
+                while found.size and self.store.generation < seen[1] and not self.store.pinned:
+                    self.store.refresh()
+                    time.sleep(0.001)
         if found is None:  # (ranks without torch.distributed: each its own view)
             found = self._newly_ready()
         if found.size:
