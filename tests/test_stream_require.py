@@ -164,7 +164,7 @@ def test_the_docs_example_runs(tmp_path, capsys):
     text = (Path(__file__).resolve().parents[1] / "docs" / "streams.md").read_text()
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "require=" in b]
     exec(compile(textwrap.dedent(code), "docs/streams.md require block", "exec"), {"path": str(tmp_path / "s")})
-    assert capsys.readouterr().out.splitlines()[:2] == ["[0 1]", "{'rewards': array([2])}"]
+    assert capsys.readouterr().out.splitlines()[:2] == ["[0 1]", "{'rewards': array([3])}"]
 
 
 # ---------------------------------------------------------------- writers that score later, a killed trainer
