@@ -247,7 +247,8 @@ def test_usage_errors_and_help(capsys, tmp_path):
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and "rescore" in a.choices)
     assert all(a.help for a in sub.choices["rescore"]._actions)
     path = make_store(tmp_path / "s", n=10)
-    for args, message in [(["--meta", "[1]"], "must be a JSON object"), (["--chunk", "0"], "positive integer")]:
+    for args, message in [(["--meta", "[1]"], "must be a JSON object"), (["--chunk", "0"], "positive integer"),
+                          (["--version", "a b"], "a version name has 1 to 64 letters")]:
         rc, _, err = cli(capsys, "rescore", path, "--column", "rewards", "--version", "v", "--python", "m:f", *args)
         assert rc == 2 and message in err
     rc, _, err = cli(capsys, "rescore", str(tmp_path / "none"), "--column", "rewards", "--version", "v",

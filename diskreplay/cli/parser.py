@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from ..errors import DiskReplayError
 from .common import EXIT_CODES, PROG, package_version
 from .exchange import cmd_best_of_n, cmd_export, cmd_import, cmd_pairs
-from .rescore import cmd_rescore, meta_object
+from .rescore import cmd_rescore, meta_object, version_name
 from .stores import cmd_compact, cmd_info, cmd_repair, cmd_verify
 
 
@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH", help="store directory (or s3://BUCKET/PREFIX)")
     p.add_argument("--column", required=True, metavar="COL",
                    help="column the values are written to (a float or per-token column; a new one is added)")
-    p.add_argument("--version", required=True, metavar="NAME",
+    p.add_argument("--version", required=True, metavar="NAME", type=version_name,
                    help="name of the values (1-64 letters, digits, _ . - :), e.g. judge-v2; run again with the "
                         "same NAME to resume")
     p.add_argument("--python", required=True, metavar="MODULE:FUNCTION",

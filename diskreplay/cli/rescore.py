@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import ArgumentError, BatchError, SchemaError
+from ..format import version_problem
 from .common import emit, is_remote_arg, open_remote, show_progress, store_of
 
 ROWS_KEY = "rows"  # the batch's key holding the row ids
@@ -107,6 +108,9 @@ def rescore(store: Any, column: str, function: Callable[[Dict[str, Any]], Any], 
     3
     """
     what = f"--python {name}" if name else "the scoring function"
+    why = version_problem(version)
+    if why is not None:  # refused before the function runs, not by the first chunk's commit
+        raise ArgumentError(f"version: {why}")
     if chunk < 1:
         raise ArgumentError(f"chunk must be a positive number of rows, got {chunk}")
     schema = store.schema
@@ -159,6 +163,14 @@ def rescore(store: Any, column: str, function: Callable[[Dict[str, Any]], Any], 
             res["chunks"] += 1
             bar.update(len(rows))
     return res
+
+
+def version_name(text: str) -> str:
+    """``--version``: a version name (argparse's type: anything else is a usage error)."""
+    why = version_problem(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
 
 
 def meta_object(text: str) -> Dict[str, Any]:
