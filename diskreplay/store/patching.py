@@ -11,8 +11,7 @@ manifest's patches hold (newest wins) and overlays them on what the segments gav
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -520,15 +519,6 @@ def versions_of(manifest: fmt.Manifest, column: str) -> Dict[str, Dict[str, Any]
         if p.version is not None and column in p.columns:
             v = out.setdefault(p.version, {"meta": {}, "patches": 0, "rows": 0})
             v["meta"], v["patches"], v["rows"] = dict(p.meta or {}), v["patches"] + 1, v["rows"] + p.num_rows
-    return out
-
-
-def patched_columns(manifest: fmt.Manifest) -> Dict[str, int]:
-    """Each patched column of ``manifest`` and the number of patches holding it."""
-    out: Dict[str, int] = {}
-    for p in manifest.patches:
-        for c in p.columns:
-            out[c] = out.get(c, 0) + 1
     return out
 
 
