@@ -523,3 +523,15 @@ def test_a_per_token_tensor_column_is_updated_per_token(tmp_path):
         assert got[0].tolist() == [7] * 4 * lengths[0] and got[2].tolist() == [0] * 4 * len(tokens(3))
         with pytest.raises(BatchError, match=r"row 1 has 12 values \(3 tensors"):
             store.update([1], {"routed": [np.zeros((lengths[0] + 1, 2, 2), np.uint8)]})
+
+
+def test_the_reward_spread_filter_sees_updated_rewards(tmp_path):
+    from diskreplay import PromptGroupSampler
+
+    with ReplayStore(str(tmp_path / "s"), group_key="prompt_id") as store:
+        store.extend({"prompt_id": [0] * 4 + [1] * 4, "completion_ids": [[1]] * 8,
+                      "rewards": [1.0, 0, 0, 0, 0, 0, 0, 0]})
+        sampler = PromptGroupSampler(num_groups=1, min_reward_std=0.0, seed=0)
+        assert {int(r) // 4 for _ in range(10) for r in sampler.sample(store, 4)} == {0}
+        store.update([4, 5, 6, 7], {"rewards": [0.0, 0.0, 5.0, 0.0]})
+        assert {int(r) // 4 for _ in range(40) for r in sampler.sample(store, 4)} == {0, 1}

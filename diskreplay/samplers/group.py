@@ -226,7 +226,8 @@ class PromptGroupSampler(Sampler):
 
     def _spread_ok(self, store: Any, gi: Any, emask: Optional[np.ndarray], filt: Any) -> np.ndarray:
         """Per group position: is the reward spread of its eligible rows above ``min_reward_std``?"""
-        key = (gi, filt, self.reward_key, self.min_reward_std)
+        # (values written for committed rows change the rewards of rows already seen)
+        key = (gi, filt, self.reward_key, self.min_reward_std, getattr(getattr(store, "manifest", None), "patches", ()))
         cached, ok = self._spread
         if cached is not None and len(cached) == len(key) and all(a is b or a == b for a, b in zip(cached, key)):
             return ok
