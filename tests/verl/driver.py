@@ -7,13 +7,14 @@ tests/test_verl.py runs it with that environment's python; no GPU, no vLLM, no m
   from stdin (so it can start before the cluster is up, or before the trainer it replaces is killed), calls
   ``tq.init`` with the DiskReplay backend, then runs verl's own code for everything that touches TransferQueue:
   ``PPOTrainer._submit_batch_to_rollout`` (prompts registered with their fields and a ``pending`` tag),
-  ``ReplayBufferAsync.sample`` (verl's v1 replay buffer picks finished groups and clears their prompt keys), ``tq.kv_batch_get`` / ``tq.kv_clear`` of the sampled
-  trajectories as the trainer does, ``tq.save_checkpoint`` every second step as verl's ``_save_checkpoint``
-  does in its async modes, and on resume ``tq.load_checkpoint`` then ``PPOTrainer._reissue_inflight_prompts``. Only the
-  rollout is a stand-in (``Rollout``): it does what verl's ``AgentLoopWorkerTQ`` does with TransferQueue (a
-  ``running`` tag, one ``kv_batch_put`` per session of key ``{uid}_{session}_0``, then ``finished``), with
-  trajectories that are a fixed function of (uid, session) instead of a model's output. It leaves half a
-  batch of groups running (some sessions put) and a batch pending at every checkpoint.
+  ``ReplayBufferAsync.sample`` (verl's v1 replay buffer picks finished groups and clears their prompt keys),
+  ``tq.kv_batch_get`` / ``tq.kv_clear`` of the sampled trajectories as the trainer does,
+  ``tq.save_checkpoint`` every second step as verl's ``_save_checkpoint`` does in its async modes, and on
+  resume ``tq.load_checkpoint`` then ``PPOTrainer._reissue_inflight_prompts``. Only the rollout is a
+  stand-in (``Rollout``): it does what verl's ``AgentLoopWorkerTQ`` does with TransferQueue (a ``running``
+  tag, one ``kv_batch_put`` per session of key ``{uid}_{session}_0``, then ``finished``), with trajectories
+  that are a fixed function of (uid, session) instead of a model's output. It leaves half a batch of groups
+  running (some sessions put) and a batch pending at every checkpoint.
 
 The trainer prints one JSON line per event, after the call it reports has returned: ``gen`` (a group's
 rollout starts), ``put`` (a trajectory acknowledged), ``trained`` (a step's groups, ``bad`` listing any value
