@@ -501,10 +501,12 @@ def test_sigkilled_writer_and_restarted_server(s3_server, s3_url, tmp_path):
     lines += victim.stdout.read().splitlines()
     if steady is None:  # one writer at a time: it meets the restart instead
         steady = _start_writer(s3_url, opts, 1, 12, tmp_path)
-        while not _acks(lines[-1:]) or not lines[-1].startswith("ack 1 "):
-            line = steady.stdout.readline()
-            assert line, steady.stderr.read()[-3000:]
-            lines.append(line)
+    # the steady writer has opened the store and committed (on a loaded machine its start-up can
+    # outlast the victim's run: the server must go down under a writer, not under its open)
+    while not _acks(lines[-1:]) or not lines[-1].startswith("ack 1 "):
+        line = steady.stdout.readline()
+        assert line, steady.stderr.read()[-3000:]
+        lines.append(line)
     s3_server.stop()
     time.sleep(1.0)
     s3_server.restart()
