@@ -510,7 +510,9 @@ def test_sigkilled_writer_and_restarted_server(s3_server, s3_url, tmp_path):
     s3_server.stop()
     time.sleep(1.0)
     s3_server.restart()
-    out, err = steady.communicate(timeout=300)
+    out = steady.stdout.read()  # (not communicate(): the lines read above left the rest in this buffer)
+    steady.wait(timeout=300)
+    err = steady.stderr.read()
     assert steady.returncode == 0, err[-3000:]
     acks = _acks(lines + out.splitlines())
     assert sum(1 for w, _ in acks if w == 1) == 12
