@@ -2527,6 +2527,7 @@ def bench_update(args) -> None:
     for name, share in (("10%", 0.1), ("100%", 1.0)):
         path = stores[name] = os.path.join(work, name)
         shutil.copytree(base, path)
+        os.sync()  # the copy's dirty pages written back first: an fsync would otherwise wait for them
         picked = np.sort(rng.choice(n, int(n * share), replace=False))
         with ReplayStore(path) as store:
             for k in range(0, len(picked), 512):
