@@ -399,7 +399,9 @@ CAMPAIGN_WRITER = textwrap.dedent("""
     collector.SHARED_GC_EVERY = 4  # sweeps often, so that they meet the stopped writers
     store = ReplayStore(path, fsync=w % 2 == 0)
     tokened = w != 3  # writer 3 sends no tokens: on a store with leases nothing it commits is in doubt
-    while not os.path.exists(stop):
+    first = True  # a restarted writer re-sends its last batch even if the run is ending (it may be committed)
+    while first or not os.path.exists(stop):
+        first = False
         while True:
             try:
                 rows = store.extend(batch_for(w, step), token=token_for(w, step) if tokened else None)
