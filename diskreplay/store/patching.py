@@ -250,6 +250,7 @@ class PatchReader:
         self._for: Tuple[fmt.PatchEntry, ...] = ()
         self._index: Dict[Any, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._ragged: Dict[Tuple[fmt.PatchEntry, str], Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]] = {}
+        self._numeric: Dict[Tuple[fmt.PatchEntry, str, np.dtype], np.ndarray] = {}
 
     def record(self, entry: fmt.PatchEntry) -> pa.RecordBatch:
         """The patch's rows and values (its file mapped, checked against its checksum once)."""
@@ -266,6 +267,14 @@ class PatchReader:
             got = self._ragged[key] = _ragged_arrays(self.record(entry).column(name))
         return got
 
+    def numeric(self, entry: fmt.PatchEntry, name: str, dtype: np.dtype) -> np.ndarray:
+        """A patch's per-row column as numpy of ``dtype``, NaN where null (made once)."""
+        key = (entry, name, np.dtype(dtype))
+        got = self._numeric.get(key)
+        if got is None:
+            got = self._numeric[key] = numeric_values(self.record(entry).column(name), dtype)
+        return got
+
     def _column_index(self, patches: Tuple[fmt.PatchEntry, ...], name: str, version: Optional[str] = None
                       ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``(rows ascending, patch index, position in its file)`` of every row a patch holds ``name``
@@ -277,6 +286,7 @@ class PatchReader:
                 live = set(patches)
                 self._files = {e: r for e, r in self._files.items() if e in live}
                 self._ragged = {k: v for k, v in self._ragged.items() if k[0] in live}
+                self._numeric = {k: v for k, v in self._numeric.items() if k[0] in live}
             self._for = patches
         key = name if version is None else (name, version)
         if key in self._index:
@@ -337,18 +347,17 @@ class PatchReader:
                 arrays = {w: self.ragged(patches[w], name) for w in np.unique(hits.which).tolist()}
                 out[name] = overlay_ragged(out[name], len(rows), hits, arrays, np.dtype(spec.dtype))
                 continue
-            sources = {w: self.record(patches[w]).column(name) for w in np.unique(hits.which).tolist()}
             if spec.dtype == "string":
                 res = list(out[name])
                 for w, at, pos in hits.by_patch():
-                    vals = sources[w].take(pa.array(pos)).to_pylist()
+                    vals = self.record(patches[w]).column(name).take(pa.array(pos)).to_pylist()
                     for i, v in zip(at.tolist(), vals):
                         res[i] = v
                 out[name] = res
             else:
                 arr = out[name]
                 for w, at, pos in hits.by_patch():
-                    arr[at] = numeric_values(sources[w], arr.dtype)[pos]
+                    arr[at] = self.numeric(patches[w], name, arr.dtype)[pos]
 
     def version_column(self, manifest: fmt.Manifest, schema: Schema, name: str, rows: np.ndarray) -> Any:
         """``"column@version"`` of ``rows``: the values the newest patch of that version holds for
@@ -366,7 +375,7 @@ class PatchReader:
             return overlay_ragged(None, len(rows), hits, arrays, np.dtype(spec.dtype))
         out = np.full((len(rows),) + ((spec.width,) if spec.width else ()), np.nan, dtype=np.dtype(spec.dtype))
         for w, at, pos in hits.by_patch():
-            out[at] = numeric_values(self.record(manifest.patches[w]).column(column), out.dtype)[pos]
+            out[at] = self.numeric(manifest.patches[w], column, out.dtype)[pos]
         return out
 
     def fold(self, manifest: fmt.Manifest, schema: Schema, record: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
@@ -448,10 +457,8 @@ def arrow_ragged(arr: pa.Array) -> Optional[RaggedColumn]:
     """A large-list Arrow column as a :class:`RaggedColumn` (None when every row is null)."""
     if arr.null_count == len(arr):
         return None
-    offs = arr.offsets.to_numpy()
-    vals = arr.values.to_numpy(zero_copy_only=False)[int(offs[0]):int(offs[-1])]
-    valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
-    return RaggedColumn(vals, offs - offs[0], valid)
+    vals, offs, valid = _ragged_arrays(arr)
+    return RaggedColumn(vals[int(offs[0]):int(offs[-1])], offs - offs[0], valid)
 
 
 def ragged_arrow(col: Optional[RaggedColumn], arrow_type: pa.DataType, n: int) -> pa.Array:
