@@ -215,6 +215,40 @@ def test_a_clean_up_never_removes_a_file_a_live_writer_leases(tmp_path):
     a.close(), b.close()
 
 
+def test_a_clean_ups_hold_on_a_file_a_writer_opens_does_not_end_its_leases(tmp_path):
+    """A clean-up held a group sidecar left under the name of a segment id a writer had just
+    reserved (an abandoned commit's file) while the writer opened it: the writer took the held
+    lock for a filesystem without ``flock`` and wrote every later file unleased, so a clean-up
+    whose clock ran ahead removed a segment of a commit in flight, and the manifest named a
+    missing file. The writer now waits for the hold to end, fails the commit if it lasts, and
+    keeps leasing its files."""
+    path = str(tmp_path / "s")
+    a, b = _two_writers(path)
+    a.extend(batch_for(1, 0))
+    mine, theirs = a._committer.storage, b._committer.storage
+    sid, rel = mine.reserve(fmt.segment_file, 1000)
+    sidecar = fmt.groups_file(sid)
+    os.makedirs(os.path.dirname(os.path.join(path, sidecar)), exist_ok=True)
+    with open(os.path.join(path, sidecar), "wb") as f:
+        f.write(b"an abandoned commit's sidecar")
+    held = theirs.hold([sidecar])
+    assert list(held) == [sidecar]
+    files = [(rel, b"in flight", None), (sidecar, b"its groups", None)]
+    with pytest.raises(StoreIOError, match="clean-up kept"):
+        mine.write_files(files)
+    theirs.unhold(held)
+    mine.write_files(files)
+    old = time.time() - 3600  # a clean-up whose clock runs an hour ahead finds them old
+    for r in (rel, sidecar):
+        os.utime(os.path.join(path, r), (old, old))
+    b._committer.collect(full=True)
+    assert os.path.exists(os.path.join(path, rel)) and os.path.exists(os.path.join(path, sidecar))
+    _, later = mine.reserve(fmt.segment_file, 2000)
+    assert theirs.hold([later]) == {}, "a file the writer created later is not leased"
+    mine.release_leases()
+    a.close(), b.close()
+
+
 def test_a_publish_the_server_carries_out_late_is_in_doubt_and_keeps_its_files(tmp_path, monkeypatch):
     """The link answered ETIMEDOUT and landed 0.3 s later (an NFS server that was slow): reading it back
     at once found nothing, the commit was taken for one that never happened and its files were

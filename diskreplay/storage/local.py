@@ -295,17 +295,45 @@ class LocalStorage(Publisher):
 
     def _create_exclusive(self, rel: str) -> int:
         fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        self._lease(fd)
+        if not self._lease(fd, wait=False):
+            # a clean-up holds the new name (it listed it unnamed): it may remove it, so the name is
+            # not this writer's to use; it is left to the clean-up, and the next id is tried
+            _close(fd)
+            raise FileExistsError(errno.EEXIST, "held by a clean-up", self.local_path(rel))
         return fd
 
-    def _lease(self, fd: int) -> None:
-        """Take this writer's lease (a shared ``flock``) on a file it just created."""
-        if self.leases and not self._fds.no_leases:
+    def _lease(self, fd: int, wait: bool = True) -> bool:
+        """Take this writer's lease (a shared ``flock``) on a file it just created or opened to
+        write: False when a clean-up holds the file (it judges it, and may remove it: the caller
+        must not use it), True otherwise. Only a filesystem that refuses ``flock`` turns leases off
+        (files are then judged by their age): a clean-up's hold is not a refusal, and taking it
+        for one left every later file of this writer unleased, to a clean-up whose clock ran ahead."""
+        if not self.leases or self._fds.no_leases:
+            return True
+        for attempt in range(LOCK_TRIES if wait else 1):  # a clean-up's hold is brief unless it is stopped
             try:
-                if not _flock_briefly(fd, fcntl.LOCK_SH):  # (a sweep's brief look at a new file: it is young)
-                    self._fds.no_leases = True
-            except OSError:
-                self._fds.no_leases = True
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    self._fds.no_leases = True  # this filesystem has no flock
+                    return True
+            if attempt + 1 < LOCK_TRIES and wait:
+                time.sleep(0.001)
+        return False
+
+    def _open_leased(self, rel: str) -> int:
+        """Open ``rel`` to write it whole (a group sidecar: the name of a segment id this writer
+        reserved), leased. A clean-up holding a file left under that name (an abandoned commit's)
+        may remove it: the name is opened again once it lets go, and a hold that lasts (a clean-up
+        stopped) fails the commit before anything is published."""
+        for _ in range(LEASE_OPENS):
+            fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            if self._lease(fd):
+                return fd
+            _close(fd)
+        raise StoreIOError(errno.EAGAIN, f"a clean-up kept {rel} held while this commit was writing it; nothing "
+                           "was committed: try the call again", self.local_path(rel))
 
     @property
     def holds_leases(self) -> bool:
@@ -543,8 +571,7 @@ class LocalStorage(Publisher):
                 if fd is None:
                     fd = self._fds.take_lease(rel)  # a sidecar rewritten after a rebase: its lease goes on
                 if fd is None:
-                    fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-                    self._lease(fd)
+                    fd = self._open_leased(rel)
                 else:
                     os.ftruncate(fd, 0)
                     os.lseek(fd, 0, os.SEEK_SET)
@@ -746,8 +773,7 @@ class LocalStorage(Publisher):
                 fd = os.open(self.local_path(temp.rel), os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
                 return None  # the link below fails on it too
-        self._lease(fd)
-        if not self.holds_leases:
+        if not self._lease(fd) or not self.holds_leases:
             if fd != temp.fd:
                 _close(fd)
             return None
@@ -1036,6 +1062,7 @@ class _Descriptors:
 
 _TEMP_NAMES = itertools.count()  # the <n> of this process's temporary names (see LocalStorage._create_temp)
 LOCK_TRIES = 200  # a brief exclusive lock (the floor's) is tried this many times, 1 ms apart
+LEASE_OPENS = 5  # a name a clean-up holds is opened again this many times (LOCK_TRIES each)
 
 
 def _flock_briefly(fd: int, how: int) -> bool:
