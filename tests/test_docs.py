@@ -172,6 +172,19 @@ def test_imports_run_one_way():
     assert not wrong, "\n".join(wrong)
 
 
+#: the most lines the facade may have, docstrings with their examples included: it delegates to the parts
+FACADE_MAX_LINES = 600
+
+
+def test_the_facade_delegates_in_a_few_hundred_lines():
+    """``store/replay_store.py`` holds the public methods and their examples, and each delegates to a part of
+    ``store/``; the bodies live in the parts, so the facade stays within ``FACADE_MAX_LINES``."""
+    facade = ROOT / "diskreplay" / "store" / "replay_store.py"
+    lines = facade.read_text().count("\n")
+    assert lines <= FACADE_MAX_LINES, (f"{facade} has {lines} lines (at most {FACADE_MAX_LINES}): move the body of "
+                                       "a method into a part of store/ and delegate to it")
+
+
 def test_no_module_imports_another_modules_private_names():
     wrong = []
     for module, is_package, path in _modules():

@@ -206,6 +206,16 @@ def convert(storage: Storage, options: fmt.StoreOptions, multi_writer: bool, fsy
     return converted
 
 
+def switch_writers(store: Any, multi_writer: bool) -> None:
+    """``compact(multi_writer=...)``'s conversion of ``store`` (handed in, never imported here):
+    :func:`convert` under its lock, then a commit loop for the new options."""
+    def lock(shared: bool) -> None:
+        store._writer_lock = relock(store.storage, store._writer_lock, shared)
+
+    store.options = convert(store.storage, store.options, multi_writer, store.fsync, lock)
+    store._committer = start_committer(store.storage, store.options, store.manifest, store.fsync)
+
+
 def relock(storage: Storage, held: Optional[Lock], shared: bool) -> Optional[Lock]:
     """Hold LOCK shared (a writer of many) or exclusively (the one writer) instead of ``held``: the
     lock now held. Going exclusive is refused while any other writer holds it: converting a store

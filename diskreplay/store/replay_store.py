@@ -2,12 +2,9 @@
 
 Rows get global ids that only grow; live rows are ``[head, next_row)``. Each ``extend`` is one
 commit (docs/FORMAT.md): the writing side (``writer``) builds it as a value (``commits``) and the
-one commit loop (``committer``) publishes it. This module holds the public methods and their
-examples, each delegating to a part of this package (opening, writer, views, states,
-segment_cache, group_views, consumers); no part imports it.
-
-One module: a store's whole public API, each method with its example; over half of it is those
-docstrings, the work is in the parts it delegates to.
+one commit loop (``committer``) publishes it. This module holds the public methods with their
+examples; each delegates to a part of this package (``opening``, ``writer``, ``views``,
+``segment_cache``, ``group_views``, ``consumers``, ``patching``), and no part imports it.
 """
 
 from __future__ import annotations
@@ -15,35 +12,33 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
-from .._fileio import WriterLock
-from ..errors import ArgumentError, ReadOnlyError, StoreClosedError
+from ..errors import ArgumentError, StoreClosedError
 from ..groups import GroupIndex
 from ..schema import Schema
 from ..segment import PageChecksums, Segment
-from ..format.states import encode_state, read_state_file
-from .commits import INDEX_TAIL_SEGMENTS, state_commit  # noqa: F401 (INDEX_TAIL_SEGMENTS: the store's constant)
+from ..storage import open_storage
+from ..storage.base import Lock
+from .commits import INDEX_TAIL_SEGMENTS  # noqa: F401 (the store's constant)
 from .committer import Committer
 from .consumers import DEAD_AFTER_S, INCOMPLETE_AFTER_S, Consumer, consumers, wait_for_consumers
 from .compaction import MergePolicy
-from .group_views import GroupIndexes, column_index
-from .appending import WriterContext, append_batch, catch_up
+from .group_views import GroupIndexes
+from .appending import WriterContext, append_batch
 from .segment_cache import Column, ReadView, SegmentCache
-from .patching import commit_patch, prepare_update, versions_of
-from ..storage import open_storage
-from .tokens import TokenIndex, check_token
-from .opening import UNSET, Requested, close_store, convert, open_store, relock, start_committer
-from .views import (STALE_RETRIES, collected_under_snapshot, following, groupable, live_rows,  # noqa: F401
-                    locked, newer_commit, no_group_key, resolve_columns, schema_of, stats)
-from .writer import Writer, checked_token, committed_rows, token_rows
+from .patching import versions_of
+from .tokens import check_token
+from .opening import UNSET, Requested, close_store, open_store
+from . import views, writer
+from .views import STALE_RETRIES, follow, live_rows, locked, schema_of  # noqa: F401 (STALE_RETRIES: re-exported)
+from .writer import Writer
 
 _UNSET: Any = UNSET
-T = TypeVar("T")
 
 
 def _reopen(path: str, generation: Optional[int], verify_reads: bool, storage_args: Tuple[Any, ...] = (None, None, None)
@@ -56,36 +51,28 @@ def _reopen(path: str, generation: Optional[int], verify_reads: bool, storage_ar
 class ReplayStore:
     """A persistent replay store of rollouts in one directory.
 
-    Creates the store when ``path`` holds none, else reopens it; options given
-    must agree with those stored (leave them out to use the stored ones).
-    ``capacity`` bounds the live rows (exact FIFO), ``capacity_bytes`` the
-    bytes of live segments (whole oldest segments are evicted). ``group_key``
-    names the per-row column indexed at write time (``None``: no index).
-    Options shown as ``<stored>`` in the signature take the stored value on a
-    reopen; a new store gets no capacities, ``group_key="prompt_id"`` and one
-    writer (``multi_writer=False``).
-    ``readonly=True`` never writes, works on a read-only directory, and can
-    follow a live writer with :meth:`refresh`; with ``generation=N`` it is
-    pinned to that commit (a snapshot: it never refreshes) while its files are
-    retained. ``verify_reads`` checks every
-    page of a segment against its checksum the first time this process reads
-    from it, so damaged data is never served; turn it off only on storage you
-    trust, and run ``diskreplay verify`` instead.
+    Creates the store when ``path`` holds none, else reopens it; options given must agree with those stored (leave
+    them out to use the stored ones). ``capacity`` bounds the live rows (exact FIFO), ``capacity_bytes`` the bytes
+    of live segments (whole oldest segments are evicted). ``group_key`` names the per-row column indexed at write
+    time (``None``: no index). Options shown as ``<stored>`` in the signature take the stored value on a reopen; a
+    new store gets no capacities, ``group_key="prompt_id"`` and one writer (``multi_writer=False``).
+    ``readonly=True`` never writes, works on a read-only directory, and can follow a live writer with
+    :meth:`refresh`; with ``generation=N`` it is pinned to that commit (a snapshot: it never refreshes) while its
+    files are retained. ``verify_reads`` checks every page of a segment against its checksum the first time this
+    process reads from it, so damaged data is never served; turn it off only on storage you trust, and run
+    ``diskreplay verify`` instead.
 
-    ``multi_writer=True`` creates a store any number of processes (on any
-    hosts sharing the directory) may append to at once; files of superseded
-    commits are kept ``retain_seconds`` (default 3600) for pinned readers. The
-    default is one writer at a time, holding an exclusive lock.
-    ``merge_policy`` says when small segments are merged (:class:`MergePolicy`).
+    ``multi_writer=True`` creates a store any number of processes (on any hosts sharing the directory) may append
+    to at once; files of superseded commits are kept ``retain_seconds`` (default 3600) for pinned readers. The
+    default is one writer at a time, holding an exclusive lock. ``merge_policy`` says when small segments are
+    merged (:class:`MergePolicy`).
 
-    ``fsync=False`` makes this process's commits without ``fsync``: atomic and
-    safe against the process's death, not against a power loss (not stored:
-    each writer chooses; docs/FORMAT.md, "Writers without fsync").
+    ``fsync=False`` makes this process's commits without ``fsync``: atomic and safe against the process's death,
+    not against a power loss (not stored: each writer chooses; docs/FORMAT.md, "Writers without fsync").
 
-    ``path`` may be ``s3://bucket/prefix`` (``pip install 'diskreplay[s3]'``):
-    ``storage_options`` configure its client, segments are read through a local
-    cache of at most ``cache_bytes`` in ``cache_dir``, and every commit is a
-    conditional PUT (docs/scale-out.md; docs/FORMAT.md, "Object storage").
+    ``path`` may be ``s3://bucket/prefix`` (``pip install 'diskreplay[s3]'``): ``storage_options`` configure its
+    client, segments are read through a local cache of at most ``cache_bytes`` in ``cache_dir``, and every commit
+    is a conditional PUT (docs/scale-out.md; docs/FORMAT.md, "Object storage").
 
     >>> import tempfile, numpy as np
     >>> with ReplayStore(tempfile.mkdtemp(), capacity=100) as store:
@@ -97,30 +84,26 @@ class ReplayStore:
     """
 
     def __init__(self, path: Union[str, os.PathLike], capacity: Optional[int] = _UNSET,
-                 group_key: Optional[str] = _UNSET, *, readonly: bool = False,
-                 capacity_bytes: Optional[int] = _UNSET, verify_reads: bool = True,
-                 multi_writer: bool = _UNSET, retain_seconds: Optional[int] = _UNSET,
+                 group_key: Optional[str] = _UNSET, *, readonly: bool = False, capacity_bytes: Optional[int] = _UNSET,
+                 verify_reads: bool = True, multi_writer: bool = _UNSET, retain_seconds: Optional[int] = _UNSET,
                  generation: Optional[int] = None, merge_policy: Optional[MergePolicy] = None,
                  storage_options: Optional[Mapping[str, Any]] = None, cache_dir: Optional[str] = None,
                  cache_bytes: Optional[int] = None, fsync: bool = True) -> None:
         #: the storage every file of the store is read and written through (a directory or a bucket)
         self.storage = open_storage(path, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes)
         self._storage_args = (dict(storage_options) if storage_options else None, cache_dir, cache_bytes)
-        self.path = self.storage.url
-        self.readonly = readonly
+        self.path, self.readonly = self.storage.url, readonly
         #: whether this process's commits fsync their files and directories (see the class docstring)
         self.fsync = fsync
         #: check segment pages against their checksums the first time they are read (docs/FORMAT.md)
         self.verify_reads = verify_reads
         #: re-entrant lock held by every method; hold it yourself to make several calls atomic
         self.lock = threading.RLock()
-        self._writer_lock: Optional[WriterLock] = None
+        self._writer_lock: Optional[Lock] = None
         self._committer: Optional[Committer] = None
-        self._read_tokens: Optional[TokenIndex] = None  # readonly: committed_rows' lookups
         self._gave_up_on: Dict[str, float] = {}  # wait_for_consumers: streams it stopped waiting for
         self._cursors_read: Dict[str, Any] = {}  # consumers: the stream cursors read, by state entry
-        self._closed = False
-        self._pinned = generation is not None
+        self._closed, self._pinned = False, generation is not None
         #: the segments this store has open and the reads through them
         self._cache = SegmentCache(self.storage, self.path, verify_reads)
         #: the group indexes this store serves (its own key's, brought forward commit by commit)
@@ -178,8 +161,7 @@ class ReplayStore:
 
     @property
     def pinned(self) -> bool:
-        """True for a store pinned at one generation (a :meth:`snapshot`, or ``generation=``): it never
-        refreshes.
+        """True for a store pinned at one generation (a :meth:`snapshot`, or ``generation=``): it never refreshes.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -192,11 +174,7 @@ class ReplayStore:
         return self.manifest.num_rows
 
     def __repr__(self) -> str:
-        mode = "readonly" if self.readonly else ("multi-writer" if self.multi_writer else "writer")
-        if self._pinned:
-            mode = "snapshot"
-        return (f"ReplayStore({self.path!r}, rows={len(self)}, group_key={self.group_key!r}, "
-                f"generation={self.generation}, {mode})")
+        return views.describe(self)
 
     @property
     def merge_policy(self) -> MergePolicy:
@@ -286,12 +264,11 @@ class ReplayStore:
         (1, 0)
         """
         counters = self._committer.stats.as_dict() if self._committer is not None else None
-        return stats(counters, self.manifest, self.multi_writer, self.storage)
+        return views.stats(counters, self.manifest, self.multi_writer, self.storage)
 
     def snapshot(self, generation: Optional[int] = None) -> "ReplayStore":
         """A read-only store pinned at the current generation (or at ``generation``), opened with
-        this store's options: it never refreshes (docs/FORMAT.md, "Snapshots"). Picklable; a
-        context manager.
+        this store's options: it never refreshes (docs/FORMAT.md, "Snapshots"). Picklable; a context manager.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -312,26 +289,7 @@ class ReplayStore:
         Never goes back: a commit older than the one held is ignored. A pinned
         store (``snapshot()``, ``generation=N``) never refreshes.
         """
-        newer = None if self._pinned else newer_commit(self.storage, self.manifest, self.options)
-        if newer is None:
-            return False
-        m, options = newer
-        self._install(m, options)
-        if self._committer is not None:
-            self._committer.manifest = m
-        return True
-
-    def _following(self, action: Callable[[], T]) -> T:
-        """Run ``action``, catching up where a writer's clean-up outran this reader (:func:`views.following`)."""
-        return following(action, self._pinned, self.readonly or self.multi_writer, self.refresh,
-                         lambda exc: collected_under_snapshot(self.path, self.generation,
-                                                              self.options.retain_seconds, exc))
-
-    def _install(self, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
-        self._cache.forget_dead(manifest)
-        self.manifest, self.options = manifest, options
-        # the group index of rows still live stays valid; new rows are indexed lazily
-        self._groups.keep_valid(manifest.next_row)
+        return views.refresh(self)
 
     # ------------------------------------------------------------------ writing
 
@@ -339,16 +297,9 @@ class ReplayStore:
         if self._closed:
             raise StoreClosedError(f"{self.path} is closed; open it again to use it")
 
-    def _require_writer(self) -> None:
-        self._require_open()
-        if self.readonly:
-            raise ReadOnlyError(f"{self.path} is open read-only; open it without readonly=True to write")
-        if self._committer is not None:
-            self._committer.require_known_state()
-
     def _catch_up(self) -> None:
         """Multi-writer: adopt the newest commit of any writer before planning a new one."""
-        catch_up(self._writer_context(), self.storage)
+        writer.catch_up_store(self)
 
     @locked
     def extend(self, batch: Mapping[str, Any], *, token: Optional[str] = None) -> np.ndarray:
@@ -367,20 +318,14 @@ class ReplayStore:
 
         >>> import tempfile, torch
         >>> store = ReplayStore(tempfile.mkdtemp())
-        >>> store.extend({"prompt_id": torch.tensor([3, 3]),
-        ...               "completion_ids": torch.tensor([[5, 6], [7, 0]]),
-        ...               "completion_mask": torch.tensor([[1, 1], [1, 0]]),
-        ...               "ref_per_token_logps": None}, token="worker0:step0").tolist()
-        [0, 1]
-        >>> store.read([1])["completion_ids"][0].tolist()
-        [7]
-        >>> store.extend({"prompt_id": torch.tensor([3, 3]),
-        ...               "completion_ids": torch.tensor([[5, 6], [7, 0]]),
-        ...               "completion_mask": torch.tensor([[1, 1], [1, 0]]),
-        ...               "ref_per_token_logps": None}, token="worker0:step0").tolist(), len(store)
+        >>> batch = {"prompt_id": torch.tensor([3, 3]), "completion_ids": torch.tensor([[5, 6], [7, 0]]),
+        ...          "completion_mask": torch.tensor([[1, 1], [1, 0]]), "ref_per_token_logps": None}
+        >>> store.extend(batch, token="worker0:step0").tolist(), store.read([1])["completion_ids"][0].tolist()
+        ([0, 1], [7])
+        >>> store.extend(batch, token="worker0:step0").tolist(), len(store)  # the token is committed: no rows added
         ([0, 1], 2)
         """
-        self._require_writer()
+        views.require_writer(self)
         return append_batch(self._writer_context, self.storage, batch, check_token(token),
                             lambda *args: self._writer.append(self._writer_context, *args, self._persist_group_index))
 
@@ -388,11 +333,10 @@ class ReplayStore:
     def compact(self, target_bytes: int = 64 << 20, *, multi_writer: Optional[bool] = None) -> Dict[str, int]:
         """Rewrite the live rows into fewer, larger segments in one commit.
 
-        Row ids, groups and states are unchanged; rows below ``head`` are
-        dropped from the first segment. The old files stay until no retained
-        manifest names them, so readers keep working throughout. Returns the
-        segment counts and bytes before and after; a store of one segment
-        without evicted rows is left as it is (no commit).
+        Row ids, groups and states are unchanged; rows below ``head`` are dropped from the first segment. The old
+        files stay until no retained manifest names them, so readers keep working throughout. Returns the segment
+        counts and bytes before and after; a store of one segment without evicted rows is left as it is (no
+        commit).
 
         ``multi_writer=True`` (or ``False``) first converts the store to a
         multi-writer (single-writer) store: stop every other writer first.
@@ -403,20 +347,11 @@ class ReplayStore:
         >>> store.compact()["segments_after"]
         1
         """
-        self._require_writer()
-        if target_bytes <= 0:
-            raise ArgumentError(f"target_bytes must be positive, got {target_bytes}")
-        if multi_writer is not None and multi_writer != self.multi_writer:
-            self._convert(bool(multi_writer))
-        if self.multi_writer:
-            self._catch_up()
-        self._cache.trim()
-        return self._writer.merger.compact(self._writer_context, target_bytes)
+        views.require_writer(self)
+        return writer.compact(self, target_bytes, multi_writer)
 
     def _writer_context(self) -> WriterContext:
-        return WriterContext(self.manifest, self.options, self.schema, self.group_key, self._committer,
-                             self.multi_writer or not self.storage.exclusive_lock, self._install,
-                             lambda: self._writer.collect(self._committer, self.generation))
+        return writer.writer_context(self)
 
     @property
     def remote(self) -> bool:
@@ -425,14 +360,6 @@ class ReplayStore:
         warnings.warn("ReplayStore.remote is deprecated and removed in diskreplay 0.3.0; use "
                       "`not store.storage.can_map`", DeprecationWarning, stacklevel=2)
         return not self.storage.can_map
-
-    def _convert(self, multi_writer: bool) -> None:
-        """Switch the store between one writer and many (:func:`.opening.convert`)."""
-        def lock(shared: bool) -> None:
-            self._writer_lock = relock(self.storage, self._writer_lock, shared)
-
-        self.options = convert(self.storage, self.options, multi_writer, self.fsync, lock)
-        self._committer = start_committer(self.storage, self.options, self.manifest, self.fsync)
 
     # ------------------------------------------------------------------ states
 
@@ -448,23 +375,13 @@ class ReplayStore:
         >>> store.load_state("sampler")["cursor"]
         4
         """
-        self._require_writer()
-        fmt.check_state_name(name)
-        data = encode_state(dict(state))
-        if self.multi_writer:
-            self._catch_up()
-        at = self._writer_context()
-        self._writer.publish(at, state_commit(at.committer, name, data, at.manifest.generation + 1, at.reserves_ids,
-                                              replaces))
+        views.require_writer(self)
+        writer.save_state(self, name, state, replaces)
 
     @locked
     def load_state(self, name: str) -> Optional[Dict[str, Any]]:
         """The state saved under ``name`` in the current commit, or None."""
-        def load() -> Optional[Dict[str, Any]]:
-            entry = self.manifest.states.get(name)
-            return None if entry is None else read_state_file(self.storage, self.path, entry)
-
-        return self._following(load)
+        return views.saved_state(self, name)
 
     @locked
     def consumers(self) -> Dict[str, Consumer]:
@@ -483,7 +400,7 @@ class ReplayStore:
         """
         self._require_open()
         self.refresh()
-        return self._following(lambda: consumers(self, self._cursors_read))
+        return follow(self, lambda: consumers(self, self._cursors_read))
 
     def wait_for_consumers(self, max_ahead_rows: int, *, timeout: Optional[float] = 60.0,
                            streams: Optional[Sequence[str]] = None, dead_after: float = DEAD_AFTER_S,
@@ -491,12 +408,11 @@ class ReplayStore:
         """Back-pressure for a writer: wait until this store's newest commit is at most
         ``max_ahead_rows`` rows ahead of the slowest stream reading it (of ``streams``, or all).
 
-        A stream is as far as its committed cursor (``RolloutStream.save()``). Returns True
-        when within the bound (at once when no stream reads the store), False after ``timeout``
-        seconds (None: no limit) with a ``RuntimeWarning`` naming the stream waited for; streams
-        unchanged for ``dead_after`` seconds are not waited for, and rows of incomplete groups
-        count as reached for ``incomplete_after`` seconds (docs/streams.md, "Back-pressure").
-        Checks every ``poll`` seconds at most.
+        A stream is as far as its committed cursor (``RolloutStream.save()``). Returns True when within the bound
+        (at once when no stream reads the store), False after ``timeout`` seconds (None: no limit) with a
+        ``RuntimeWarning`` naming the stream waited for; streams unchanged for ``dead_after`` seconds are not
+        waited for, and rows of incomplete groups count as reached for ``incomplete_after`` seconds
+        (docs/streams.md, "Back-pressure"). Checks every ``poll`` seconds at most.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -534,10 +450,9 @@ class ReplayStore:
              out: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Column]:
         """Read rows (any order, repeats allowed) into a dict of columns.
 
-        A ragged column comes back as a :class:`RaggedColumn` (``values``,
-        ``offsets``, ``[i]``), or ``None`` when none of the rows has a value; a
-        per-row column as a numpy array (``[n, width]`` for vectors) or a list
-        of str. Only the bytes of the returned rows are touched.
+        A ragged column comes back as a :class:`RaggedColumn` (``values``, ``offsets``, ``[i]``), or ``None`` when
+        none of the rows has a value; a per-row column as a numpy array (``[n, width]`` for vectors) or a list of
+        str. Only the bytes of the returned rows are touched.
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp(), group_key=None)
@@ -545,9 +460,9 @@ class ReplayStore:
         >>> out = store.read([1, 0], columns=["score"]); out["score"].tolist()
         [1.5, 0.5]
 
-        ``out``: a dict you keep (start with ``{}``) in which the read keeps the buffers of
-        the ragged columns' values, reused and grown as needed (docs/batches.md); the columns
-        returned view them and stay valid until the next read with the same ``out``.
+        ``out``: a dict you keep (start with ``{}``) in which the read keeps the buffers of the ragged columns'
+        values, reused and grown as needed (docs/batches.md); the columns returned view them and stay valid until
+        the next read with the same ``out``.
 
         >>> buffers = {}
         >>> first = store.read([1, 0], out=buffers)["completion_ids"]
@@ -555,22 +470,15 @@ class ReplayStore:
         >>> np.shares_memory(first.values, second.values), second[0].tolist()
         (True, [2, 3])
         """
-        cols = resolve_columns(self.columns, columns)
-        if out is not None and not isinstance(out, dict):
-            raise ArgumentError(f"out must be a dict the caller keeps between reads (start with {{}}), got "
-                                f"{type(out).__name__}")
-        self._cache.trim()
-        return self._following(lambda: self._read(rows, cols, out))
+        return views.read_rows(self, rows, columns, out)
 
     @locked
     def read_ranges(self, rows: Any, columns: Optional[Sequence[str]] = None) -> Dict[str, Column]:
         """:meth:`read`, except that ragged columns come back as
-        :class:`~diskreplay.store.reading.RowRanges`: where each row's values
-        lie in the segments' memory maps (their pages checked as ``read``
-        checks them), not yet copied. A consumer that lays rows out its own
-        way copies them once, straight into its output:
-        ``Collator(layout="packed").read`` does. Anything else may use them as
-        the ``RaggedColumn`` they are (gathered on first access of ``values``).
+        :class:`~diskreplay.store.reading.RowRanges`: where each row's values lie in the segments' memory maps
+        (their pages checked as ``read`` checks them), not yet copied. A consumer that lays rows out its own way
+        copies them once, straight into its output: ``Collator(layout="packed").read`` does. Anything else may use
+        them as the ``RaggedColumn`` they are (gathered on first access of ``values``).
 
         >>> import tempfile
         >>> tmp = tempfile.TemporaryDirectory()
@@ -581,9 +489,7 @@ class ReplayStore:
         ([2, 1], [2, 3], [1.5, 0.5])
         >>> store.close(); tmp.cleanup()
         """
-        cols = resolve_columns(self.columns, columns)
-        self._cache.trim()
-        return self._following(lambda: self._read(rows, cols, ranges=True))
+        return views.read_rows(self, rows, columns, ranges=True)
 
     @locked
     def prefetch(self, rows: Any, columns: Optional[Sequence[str]] = None) -> None:
@@ -592,50 +498,26 @@ class ReplayStore:
         Cheap and asynchronous: a loader calls it for the next batch while the
         current one trains, so cold reads do not serialise on page faults.
         """
-        cols = resolve_columns(self.columns, columns)
-        self._cache.trim()
-        if not self.storage.can_map:
-            return  # nothing to hint: an object store's pages are fetched (and checked) by the read itself
-
-        self._following(lambda: self._cache.prefetch(self._view(), rows, cols))
+        views.prefetch(self, rows, columns)
 
     # ------------------------------------------------------------------ groups
-
-    def _own_groups(self) -> GroupIndex:
-        """The index of the store's group key over the live rows (see :mod:`.group_views`)."""
-        if self.group_key is None:
-            raise no_group_key(self.path)
-        return self._following(lambda: self._groups.bring_forward(self._view()))
 
     def _persist_group_index(self, force: bool = False) -> None:
         """Write the group index of the live rows and name it in a commit, when due (single writer;
         ``force``: whatever the tail): :meth:`Writer.persist_group_index`."""
-        self._writer.persist_group_index(self._writer_context(), self._own_groups, self._page_checksums,
-                                         self._key_type, force)
+        self._writer.persist_group_index(self._writer_context(), lambda: views.own_groups(self),
+                                         self._page_checksums, self._key_type, force)
 
     @locked
     def group_index(self, key: Optional[str] = None) -> GroupIndex:
         """Live rows grouped by ``key`` (default: the store's group key), oldest first.
 
-        For the store's own key this comes from the sidecars without reading
-        any segment; for another per-row column it is built from that column
-        and cached until the next commit. A read-only store that fell more than
-        ``KEEP_MANIFESTS`` commits behind its writer (whose clean-up removed the
-        sidecars it wanted) catches up to the newest commit first.
+        For the store's own key this comes from the sidecars without reading any segment; for another per-row
+        column it is built from that column and cached until the next commit. A read-only store that fell more
+        than ``KEEP_MANIFESTS`` commits behind its writer (whose clean-up removed the sidecars it wanted) catches
+        up to the newest commit first.
         """
-        key = self.group_key if key is None else key
-
-        def build() -> GroupIndex:
-            if key is not None and key == self.group_key:
-                return self._own_groups()
-            groupable(key, self.schema, self.path)
-            return self._following(lambda: self._index_of_column(key))
-
-        return self._groups.served(key, lambda: self.generation, build)
-
-    def _index_of_column(self, key: str) -> GroupIndex:
-        ids = self.row_ids()
-        return column_index(self._read(ids, [key])[key], ids, self.head, bool(self.manifest.holes))
+        return views.group_index(self, key)
 
     @property
     def num_groups(self) -> int:
@@ -648,9 +530,7 @@ class ReplayStore:
 
     def group_rows(self, key: Any) -> np.ndarray:
         """Row ids of the group ``key``, oldest first (empty if it has no live rows)."""
-        gi = self.group_index()
-        g = gi.position(key)
-        return gi.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
+        return views.group_rows(self.group_index(), key)
 
     @locked
     def committed_rows(self, token: str) -> Optional[np.ndarray]:
@@ -669,33 +549,25 @@ class ReplayStore:
         >>> ReplayStore(store.path, readonly=True).committed_rows("worker0:3").tolist()
         [0, 1]
         """
-        (self._require_open if self.readonly else self._require_writer)()
-        token = checked_token(token)
-        if self.readonly:  # a lookup in what this reader sees: its own index (it has no committer)
-            self._read_tokens = self._read_tokens or TokenIndex(self.storage)
-            return token_rows(self._read_tokens.find(self.manifest, token))
-        if self.multi_writer:
-            self._catch_up()
-        return committed_rows(self._committer, token)
+        self._require_open() if self.readonly else views.require_writer(self)
+        return writer.committed_rows_of(self, token)
 
     @locked
     def update(self, rows: Any, values: Mapping[str, Any], *, token: Optional[str] = None,
                version: Optional[str] = None, meta: Optional[Mapping[str, Any]] = None) -> int:
-        """Write values of some columns for rows already committed: rewards scored after the
-        rollout, reference log-probs or advantages added by a later stage. One commit, exactly
-        once with ``token`` (a retry with the same rows and values returns without writing);
-        returns the number of rows updated.
+        """Write values of some columns for rows already committed: rewards scored after the rollout, reference
+        log-probs or advantages added by a later stage. One commit, exactly once with ``token`` (a retry with the
+        same rows and values returns without writing); returns the number of rows updated.
 
-        ``values`` maps each column to one value per row of ``rows`` (distinct live row ids, any
-        order). A per-token value must have one value per token of its row; a column the store
-        lacks is added (earlier rows read "not computed" unless updated); the group key and the
-        token ids cannot be updated. Every read afterwards (``read``, the collators, loaders,
-        samplers, exports) returns the newest value; segments are not rewritten (a merge or
-        ``compact`` folds the values in later). See docs/FORMAT.md, "Patches".
+        ``values`` maps each column to one value per row of ``rows`` (distinct live row ids, any order). A
+        per-token value must have one value per token of its row; a column the store lacks is added (earlier rows
+        read "not computed" unless updated); the group key and the token ids cannot be updated. Every read
+        afterwards (``read``, the collators, loaders, samplers, exports) returns the newest value; segments are
+        not rewritten (a merge or ``compact`` folds the values in later). See docs/FORMAT.md, "Patches".
 
-        ``version`` names the values written (``meta``: a small JSON object saying which scorer,
-        when): they stay readable as ``"column@version"`` in any read after newer values of the
-        column are written, and after ``compact`` (``store.versions(column)`` lists them).
+        ``version`` names the values written (``meta``: a small JSON object saying which scorer, when): they stay
+        readable as ``"column@version"`` in any read after newer values of the column are written, and after
+        ``compact`` (``store.versions(column)`` lists them).
 
         >>> import tempfile
         >>> store = ReplayStore(tempfile.mkdtemp())
@@ -705,12 +577,8 @@ class ReplayStore:
         >>> store.read([0, 1], ["rewards"])["rewards"].tolist(), store.read([0], ["ref_logps"])["ref_logps"][0].tolist()
         ([0.5, 1.0], [-0.25, -0.5])
         """
-        self._require_writer()
-        token = check_token(token)
-        if self.multi_writer:
-            self._catch_up()
-        record, new_columns = prepare_update(self._cache, self._view(), rows, values, version, meta)
-        return commit_patch(self._writer_context(), record, new_columns, token, version, meta)
+        views.require_writer(self)
+        return writer.update(self, rows, values, token, version, meta)
 
     def versions(self, column: str) -> Dict[str, Dict[str, Any]]:
         """The named versions of ``column``'s values (``update(..., version=...)``): for each, its

@@ -2,8 +2,9 @@
 
 The schema of a commit (its first commit's columns and the late ones it adds), its live row ids,
 the columns a read names, the newer commit a reader adopts on ``refresh``, and the retries of a
-read that a writer's clean-up outran (:func:`following`): the reading side of ``ReplayStore``,
-which passes in its state and never is imported here.
+read that a writer's clean-up outran (:func:`following`): the reading side of ``ReplayStore``.
+The functions taking ``store`` are the bodies of the facade's reading methods; they are handed the
+store (its ``manifest``, ``options``, segment cache and group indexes) and never import it.
 
 >>> live_rows(fmt.Manifest(head=2, next_row=6, holes=((3, 5),))).tolist()
 [2, 5]
@@ -17,9 +18,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .. import format as fmt
-from ..errors import ColumnNotFoundError, DiskReplayError, SchemaError, StoreNotFoundError
+from ..errors import (ArgumentError, ColumnNotFoundError, DiskReplayError, ReadOnlyError, SchemaError,
+                      StoreNotFoundError)
+from ..format.states import read_state_file
+from ..groups import GroupIndex
 from ..schema import Schema
 from ..storage import Storage
+from .group_views import column_index
 
 T = TypeVar("T")
 STALE_RETRIES = 20  # catch-ups a reader tries when the writer's clean-up outruns it
@@ -147,3 +152,113 @@ def stats(counters: Optional[Dict[str, Any]], manifest: fmt.Manifest, multi_writ
     if storage.cached:
         out["cache"] = storage.cache_stats().to_dict()
     return out
+
+
+# ---------------------------------------------------------------- the facade's reading methods
+
+
+def describe(store: Any) -> str:
+    """``repr(store)``: its path, rows, group key, generation and mode."""
+    mode = "readonly" if store.readonly else ("multi-writer" if store.multi_writer else "writer")
+    if store.pinned:
+        mode = "snapshot"
+    return (f"ReplayStore({store.path!r}, rows={len(store)}, group_key={store.group_key!r}, "
+            f"generation={store.generation}, {mode})")
+
+
+def require_writer(store: Any) -> None:
+    """Refuse a write to a closed or read-only ``store``, or by a writer whose last commit is in doubt."""
+    store._require_open()
+    if store.readonly:
+        raise ReadOnlyError(f"{store.path} is open read-only; open it without readonly=True to write")
+    if store._committer is not None:
+        store._committer.require_known_state()
+
+
+def install(store: Any, manifest: fmt.Manifest, options: fmt.StoreOptions) -> None:
+    """Make ``manifest`` (with its ``options``) the commit ``store`` reads: the segments it no longer
+    names are let go; the group index of rows still live stays valid (new rows are indexed lazily)."""
+    store._cache.forget_dead(manifest)
+    store.manifest, store.options = manifest, options
+    store._groups.keep_valid(manifest.next_row)
+
+
+def refresh(store: Any) -> bool:
+    """``ReplayStore.refresh``: install the newest commit if it is newer than the one held (never
+    for a pinned store); True if it changed."""
+    newer = None if store.pinned else newer_commit(store.storage, store.manifest, store.options)
+    if newer is None:
+        return False
+    install(store, *newer)
+    if store._committer is not None:
+        store._committer.manifest = newer[0]
+    return True
+
+
+def follow(store: Any, action: Callable[[], T]) -> T:
+    """:func:`following` for ``store``: a reader (or one of many writers) catches up by refreshing;
+    a pinned one says its generation is no longer retained."""
+    return following(action, store.pinned, store.readonly or store.multi_writer, store.refresh,
+                     lambda exc: collected_under_snapshot(store.path, store.generation,
+                                                          store.options.retain_seconds, exc))
+
+
+def read_rows(store: Any, rows: Any, columns: Optional[Sequence[str]], out: Optional[Dict[str, np.ndarray]] = None,
+              ranges: bool = False) -> Dict[str, Any]:
+    """``ReplayStore.read`` (``ranges``: ``read_ranges``): the columns named, read at the newest
+    commit this store can follow, ragged values into ``out``'s buffers where given."""
+    cols = resolve_columns(store.columns, columns)
+    if out is not None and not isinstance(out, dict):
+        raise ArgumentError(f"out must be a dict the caller keeps between reads (start with {{}}), got "
+                            f"{type(out).__name__}")
+    store._cache.trim()
+    return follow(store, lambda: store._read(rows, cols, out, ranges))
+
+
+def prefetch(store: Any, rows: Any, columns: Optional[Sequence[str]]) -> None:
+    """``ReplayStore.prefetch``: ``madvise(WILLNEED)`` of the pages the rows need, where the storage
+    maps its files in place (an object store's pages are fetched, and checked, by the read itself)."""
+    cols = resolve_columns(store.columns, columns)
+    store._cache.trim()
+    if store.storage.can_map:
+        follow(store, lambda: store._cache.prefetch(store._view(), rows, cols))
+
+
+def own_groups(store: Any) -> GroupIndex:
+    """The index of ``store``'s group key over its live rows, brought forward from the sidecars."""
+    if store.group_key is None:
+        raise no_group_key(store.path)
+    return follow(store, lambda: store._groups.bring_forward(store._view()))
+
+
+def group_index(store: Any, key: Optional[str]) -> GroupIndex:
+    """``ReplayStore.group_index``: the store's own key's index (:func:`own_groups`), or one built
+    from another per-row column's values; served from cache until the next commit."""
+    key = store.group_key if key is None else key
+
+    def of_column() -> GroupIndex:
+        ids = store.row_ids()
+        return column_index(store._read(ids, [key])[key], ids, store.head, bool(store.manifest.holes))
+
+    def build() -> GroupIndex:
+        if key is not None and key == store.group_key:
+            return own_groups(store)
+        groupable(key, store.schema, store.path)
+        return follow(store, of_column)
+
+    return store._groups.served(key, lambda: store.generation, build)
+
+
+def group_rows(groups: GroupIndex, key: Any) -> np.ndarray:
+    """``ReplayStore.group_rows``: the row ids of ``key``'s group in ``groups`` (a copy), oldest first."""
+    g = groups.position(key)
+    return groups.group(g).copy() if g is not None else np.zeros(0, dtype=np.int64)
+
+
+def saved_state(store: Any, name: str) -> Optional[Dict[str, Any]]:
+    """``ReplayStore.load_state``: the state saved under ``name`` in the commit ``store`` reads, or None."""
+    def load() -> Optional[Dict[str, Any]]:
+        entry = store.manifest.states.get(name)
+        return None if entry is None else read_state_file(store.storage, store.path, entry)
+
+    return follow(store, load)

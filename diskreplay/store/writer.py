@@ -5,7 +5,8 @@ commit: :class:`Appender`; merges and ``compact``: :class:`Merger`). Each writin
 commit as a value (:class:`~.commits.Commit`) and hands it to the one commit loop
 (:meth:`Committer.commit`), whose result the store installs. The store's state reaches it as a
 :class:`WriterContext` (the commit it is based on, how to install a new one); it never imports
-the facade.
+the facade. The functions taking ``store`` are the bodies of the facade's writing methods; they
+are handed the store and never import it either.
 
 >>> import tempfile
 >>> from diskreplay import ReplayStore
@@ -17,25 +18,30 @@ the facade.
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
 from ..errors import ArgumentError
+from ..format.states import encode_state
 from ..groups import GroupIndex
 from ..schema import Schema
 from ..segment import PageChecksums
 from ..storage import Storage
-from .appending import Appender, WriterContext
-from .commits import Commit, group_index_commit, index_due
+from .appending import Appender, WriterContext, catch_up
+from .commits import Commit, group_index_commit, index_due, state_commit
 from .committer import Committer
 from .compaction import MergePolicy
 from .merging import Merger
+from .opening import switch_writers
+from .patching import commit_patch, prepare_update
 from .segment_cache import SegmentCache
-from .tokens import check_token
+from .tokens import TokenIndex, check_token
+from .views import install
 from .writing import SegmentWriter
 
 
@@ -50,6 +56,8 @@ class Writer:
         self.merger = Merger(storage, self.segments, cache)
         #: an extend's segments written and committed
         self.appender = Appender(path, storage, self.segments, cache)
+        #: a read-only store's token lookups (``committed_rows``; a writer asks its committer)
+        self.read_tokens: Optional[TokenIndex] = None
 
     def append(self, context: Callable[[], WriterContext], record: pa.RecordBatch, schema: Schema,
                token: Optional[str], persist_index: Callable[[], None]) -> np.ndarray:
@@ -107,6 +115,71 @@ class Writer:
             warnings.warn(f"{self.path}: generation {generation} is committed, but removing files it no "
                           f"longer needs failed ({exc}); the next writer open removes them", RuntimeWarning,
                           stacklevel=5)
+
+
+    def tokens_read(self, manifest: fmt.Manifest, token: str) -> Optional[np.ndarray]:
+        """A read-only store's ``committed_rows``: the token looked up in what it reads (``manifest``)."""
+        self.read_tokens = self.read_tokens or TokenIndex(self.storage)
+        return token_rows(self.read_tokens.find(manifest, token))
+
+
+def writer_context(store: Any) -> WriterContext:
+    """What ``store``'s next commit starts from: its commit, options and committer; it installs what
+    it publishes into ``store`` and then collects. New files reserve their ids with many writers and
+    where the storage has no exclusive lock."""
+    return WriterContext(store.manifest, store.options, store.schema, store.group_key, store._committer,
+                         store.multi_writer or not store.storage.exclusive_lock, functools.partial(install, store),
+                         lambda: store._writer.collect(store._committer, store.generation))
+
+
+def catch_up_store(store: Any) -> None:
+    """Multi-writer: ``store`` adopts the newest commit of any writer before planning a new one."""
+    catch_up(writer_context(store), store.storage)
+
+
+def save_state(store: Any, name: str, state: Mapping[str, Any], replaces: Any) -> None:
+    """``ReplayStore.save_state``: the state's file and its commit (over ``replaces`` only, where given)."""
+    fmt.check_state_name(name)
+    data = encode_state(dict(state))
+    if store.multi_writer:
+        catch_up_store(store)
+    at = writer_context(store)
+    store._writer.publish(at, state_commit(at.committer, name, data, at.manifest.generation + 1, at.reserves_ids,
+                                           replaces))
+
+
+def compact(store: Any, target_bytes: int, multi_writer: Optional[bool]) -> Dict[str, int]:
+    """``ReplayStore.compact``: convert first where asked (:func:`.opening.switch_writers`), then
+    :meth:`Merger.compact` from the newest commit."""
+    if target_bytes <= 0:
+        raise ArgumentError(f"target_bytes must be positive, got {target_bytes}")
+    if multi_writer is not None and multi_writer != store.multi_writer:
+        switch_writers(store, bool(multi_writer))
+    if store.multi_writer:
+        catch_up_store(store)
+    store._cache.trim()
+    return store._writer.merger.compact(lambda: writer_context(store), target_bytes)
+
+
+def committed_rows_of(store: Any, token: Any) -> Optional[np.ndarray]:
+    """``ReplayStore.committed_rows``: a reader answers from the commit it reads; a writer (of many:
+    caught up first) through its committer, making the commit durable first."""
+    token = checked_token(token)
+    if store.readonly:
+        return store._writer.tokens_read(store.manifest, token)
+    if store.multi_writer:
+        catch_up_store(store)
+    return committed_rows(store._committer, token)
+
+
+def update(store: Any, rows: Any, values: Mapping[str, Any], token: Optional[str], version: Optional[str],
+           meta: Optional[Mapping[str, Any]]) -> int:
+    """``ReplayStore.update``: the values checked against the rows they are for, then one patch commit."""
+    token = check_token(token)
+    if store.multi_writer:
+        catch_up_store(store)
+    record, new_columns = prepare_update(store._cache, store._view(), rows, values, version, meta)
+    return commit_patch(writer_context(store), record, new_columns, token, version, meta)
 
 
 def checked_token(token: Any) -> str:
