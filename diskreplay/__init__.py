@@ -21,6 +21,7 @@ from . import errors as _errors
 from .errors import *  # noqa: F401,F403  (every error class; errors.__all__ lists them)
 from .groups import GroupIndex  # noqa: F401  (public)
 from .ragged import PerTokenTensor, RaggedColumn  # noqa: F401  (public)
+from .schema import Media  # noqa: F401  (public: a media column for extend, stored once per content)
 from .samplers import PrioritizedSampler, PromptGroupSampler, RandomSampler  # noqa: F401  (public)
 from .store import ReplayStore  # noqa: F401  (public)
 
@@ -38,11 +39,14 @@ _LAZY = {
     "collate_packed": "batching.packed",
     "pack_on_device": "batching.packed",
     "Collator": "batching.collator",
+    "MediaReader": "store.media",
 }
 
 __all__ = sorted([
     "Collator",
     "GroupIndex",
+    "Media",
+    "MediaReader",
     "PerTokenTensor",
     "PrioritizedSampler",
     "PromptGroupSampler",

@@ -36,7 +36,7 @@ import pyarrow as pa
 from .errors import BatchError, BatchSchemaError
 from .ragged import PerTokenTensor, arrow_array, dtype_range, numpy_view
 from .schema import (COMPLETION_IDS, MASK_SUFFIX, MAX_COLUMN_NAME, PROMPT_IDS, RAGGED, SCALAR, VECTOR, ColumnSpec,
-                     Schema, check_late_column, token_tensor_problem)
+                     Media, Schema, check_late_column, media_spec, token_tensor_problem)
 
 _INT32 = np.iinfo(np.int32)
 _TOKEN_NAME_HINTS = ("logp", "logprob", "token")
@@ -54,7 +54,7 @@ def _to_numpy(name: str, value: Any) -> Any:
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
         return t.cpu().numpy()
-    if isinstance(value, (np.ndarray, _Ragged, PerTokenTensor)):
+    if isinstance(value, (np.ndarray, _Ragged, PerTokenTensor, Media)):
         return value
     if isinstance(value, (list, tuple)):
         return list(value)
@@ -271,8 +271,8 @@ def _arrow_columns(batch: Any, schema: "Schema") -> Optional[Tuple[int, Dict[str
     cols: Dict[str, _Column] = {}
     for name, col in zip(names, batch.columns):
         spec = schema.columns.get(name)
-        if spec is None or col.type != spec.arrow_type or col.null_count:
-            return None
+        if spec is None or col.type != spec.arrow_type or col.null_count or spec.media:
+            return None  # (a media column's rows come as Media, with their bytes)
         value = _arrow_column(name, col)  # its buffers read as the general path reads them
         cols[name] = _Column(spec, ragged=value) if spec.kind == RAGGED else _Column(spec, array=value)
     return batch.num_rows, cols
@@ -501,6 +501,12 @@ def _parse_columns(batch: Mapping[str, Any], schema: Optional["Schema"] = None) 
 
     for name, v in arrays.items():
         known = schema.columns.get(name) if schema is not None else None
+        if isinstance(v, Media) or (known is not None and known.media):
+            if not isinstance(v, Media):
+                raise BatchError(f"column {name!r} is a media column: pass its rows as diskreplay.Media(values, "
+                                 "mime=...) (bytes or arrays), which stores each content once")
+            cols[name] = _Column(media_spec(name), array=v.blobs(name)[0])
+            continue
         if isinstance(v, PerTokenTensor) or (known is not None and known.shape is not None):
             cols[name] = _token_tensor_column(name, v, known)
             continue
@@ -921,7 +927,7 @@ def normalize_batch(batch: Mapping[str, Any], schema: Optional[Schema],
                     raise BatchSchemaError(f"column {name!r} is {got.to_dict()} in this batch but {spec.to_dict()} in "
                                            "the store's schema" + _TYPE_FIX)
                 continue
-            if spec.kind != got.kind or (spec.kind == VECTOR and spec.width != got.width):
+            if spec.kind != got.kind or (spec.kind == VECTOR and spec.width != got.width) or spec.media != got.media:
                 desc = f"{got.kind}" + (f"[{got.width}]" if got.width else "")
                 want = f"{spec.kind}" + (f"[{spec.width}]" if spec.width else "")
                 raise BatchSchemaError(f"column {name!r} is a {desc} column in this batch but a {want} column in "

@@ -20,6 +20,10 @@ one tensor per token of the prompt and completion but the last (what vLLM
 returns, ``[seq_len - 1, num_layers, top_k]``). ``fill`` is the value that
 pads it in a batch.
 
+A vector column with ``media`` is a *media* column (:class:`Media`): each row
+names one image, video, audio clip or array stored once per content in the
+store; the row holds its SHA-256 content hash (four int64), not its bytes.
+
 Turning a batch into columns of these kinds is :mod:`diskreplay.ingest`'s job.
 """
 
@@ -65,6 +69,7 @@ class ColumnSpec:
     width: Optional[int] = None  # vector only
     shape: Optional[Tuple[int, ...]] = None  # a per-token tensor's shape (ragged only)
     fill: Optional[int] = None  # a per-token tensor's padding value
+    media: bool = False  # a media column: each row holds a content hash (docs/FORMAT.md, "Media")
 
     @property
     def token_size(self) -> int:
@@ -98,6 +103,8 @@ class ColumnSpec:
         if self.shape is not None:
             d["shape"] = list(self.shape)
             d["fill"] = self.fill
+        if self.media:
+            d["media"] = True
         return d
 
     @classmethod
@@ -106,7 +113,8 @@ class ColumnSpec:
             shape = d.get("shape")
             spec = cls(name=str(d["name"]), kind=str(d["kind"]), dtype=str(d["dtype"]),
                        align=d.get("align"), width=d.get("width"),
-                       shape=None if shape is None else tuple(shape), fill=d.get("fill"))
+                       shape=None if shape is None else tuple(shape), fill=d.get("fill"),
+                       media=d.get("media", False))
         except (KeyError, TypeError) as exc:
             raise FormatError(f"Unsupported column description {d!r}; expected "
                               "name, kind and dtype") from exc
@@ -116,12 +124,149 @@ class ColumnSpec:
             or (spec.kind == RAGGED and token_tensor_problem(spec) is None)
             or (spec.kind == SCALAR and spec.dtype in _SCALAR_DTYPES and spec.width is None)
             or (spec.kind == VECTOR and spec.dtype in ("int64", "float32", "float64", "bool")
-                and isinstance(spec.width, int) and 0 < spec.width < 1 << 20)
+                and isinstance(spec.width, int) and 0 < spec.width < 1 << 20 and spec.media is False)
+            or (spec.kind == VECTOR and spec.dtype == "int64" and spec.width == MEDIA_WIDTH and spec.media is True
+                and spec.align is None and spec.shape is None and spec.fill is None)
         )
         if not ok or not spec.name or len(spec.name) > MAX_COLUMN_NAME:
             raise FormatError(f"Unsupported column description {d!r}; expected a ragged "
                               "int32/float32, per-token tensor, scalar or vector column")
         return spec
+
+
+#: a media column's width: a SHA-256 content hash as four little-endian int64
+MEDIA_WIDTH = 4
+#: the media type of an array stored as raw bytes with its dtype and shape
+ARRAY_MIME = "application/x-array"
+_MEDIA_MAX_BYTES = 1 << 40
+
+
+def media_spec(name: str) -> ColumnSpec:
+    """The column description of a media column.
+
+    >>> media_spec("image").to_dict()
+    {'name': 'image', 'kind': 'vector', 'dtype': 'int64', 'width': 4, 'media': True}
+    """
+    return ColumnSpec(name, VECTOR, "int64", width=MEDIA_WIDTH, media=True)
+
+
+def media_hash(descriptor: Mapping[str, Any], payload: Any) -> bytes:
+    """The 32-byte content hash of a blob: SHA-256 of its descriptor (canonical JSON) and its bytes
+    (docs/FORMAT.md, "Media").
+
+    >>> media_hash({"mime": "image/png"}, b"x").hex()[:16]
+    '1dce71f46c7587c5'
+    """
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(dict(descriptor), sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    h.update(payload)
+    return h.digest()
+
+
+def hash_words(digest: bytes) -> np.ndarray:
+    """A 32-byte hash as the four int64 a media column's row holds (and back: ``words.tobytes()``).
+
+    >>> hash_words(bytes(range(32))).tobytes() == bytes(range(32))
+    True
+    """
+    return np.frombuffer(digest, dtype="<i8").copy()
+
+
+_MIME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$&^_.+-/")
+
+def mime_problem(mime: Any) -> Optional[str]:
+    """Why ``mime`` is not a media type a store records (``type/subtype``, at most 127 characters), or None.
+
+    >>> mime_problem("image/png"), mime_problem("png")
+    (None, "'png' is not a media type like 'image/png'")
+    """
+    if (not isinstance(mime, str) or not 3 <= len(mime) <= 127 or mime.count("/") != 1
+            or not set(mime) <= _MIME_CHARS or mime.startswith("/") or mime.endswith("/")):
+        return f"{mime!r} is not a media type like 'image/png'"
+    return None
+
+
+class Media:
+    """A media column for ``extend``: one image, video, audio clip or array per row, stored once
+    per content (docs/media.md). A row is ``bytes`` (encoded media, ``mime`` says what they are:
+    one type for the column or one per row) or a numpy array (stored as its raw C-order bytes with
+    its dtype and shape, mime ``application/x-array``; object arrays are refused: nothing is
+    pickled). Rows with equal content (a group's samples sharing their prompt's image) name one
+    blob; the column reads back as the content hashes, ``[n, 4]`` int64, which
+    :class:`~diskreplay.MediaReader` turns into bytes.
+
+    >>> import numpy as np
+    >>> m = Media([b"PNG 1", b"PNG 1", np.zeros((2, 2), np.uint8)], mime="image/png")
+    >>> len(m), len(set(h.tobytes() for h in m.hashes()[0]))
+    (3, 2)
+    """
+
+    __slots__ = ("values", "mime", "_blobs")
+
+    def __init__(self, values: Sequence[Any], mime: Any = None) -> None:
+        from .errors import ArgumentError
+
+        if isinstance(values, (bytes, bytearray, memoryview, np.ndarray)) and not (
+                isinstance(values, np.ndarray) and values.dtype == object):
+            raise ArgumentError("Media(values=...) takes one value per row (a list of bytes or arrays), got a single "
+                                f"{type(values).__name__}; wrap it in a list")
+        self.values, self.mime, self._blobs = list(values), mime, None
+        if isinstance(mime, (list, tuple)) and len(mime) != len(self.values):
+            raise ArgumentError(f"Media mime= has {len(mime)} entries for {len(self.values)} rows; give one type for "
+                                "the column or one per row")
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        return f"Media(rows={len(self)}, mime={self.mime!r})"
+
+    def blobs(self, name: str) -> Tuple[np.ndarray, Dict[bytes, Tuple[dict, Any]]]:
+        """``(hashes [n, 4] int64, {hash: (descriptor, payload)})``, each distinct content once;
+        raises ``BatchError`` naming the column and row of a value that is not media. Hashed once
+        per instance (the writer and the validation both ask)."""
+        from .errors import BatchError
+
+        if self._blobs is not None:
+            return self._blobs
+
+        words = np.empty((len(self.values), MEDIA_WIDTH), dtype=np.int64)
+        out: Dict[bytes, Tuple[dict, Any]] = {}
+        for i, v in enumerate(self.values):
+            mime = self.mime[i] if isinstance(self.mime, (list, tuple)) else self.mime
+            if isinstance(v, np.ndarray):
+                if v.dtype.hasobject or v.dtype.fields is not None:
+                    raise BatchError(f"column {name!r} row {i} is an array of {v.dtype}; media arrays hold numbers "
+                                     "(nothing is pickled)")
+                v = np.ascontiguousarray(v)
+                desc: dict = {"mime": ARRAY_MIME, "dtype": v.dtype.str, "shape": [int(x) for x in v.shape]}
+                payload: Any = memoryview(v).cast("B") if v.size else b""
+            elif isinstance(v, (bytes, bytearray, memoryview)):
+                if mime is None:
+                    raise BatchError(f"column {name!r} row {i} holds bytes without a media type; give "
+                                     "Media(..., mime='image/png') (or one per row)")
+                why = mime_problem(mime)
+                if why is not None:
+                    raise BatchError(f"column {name!r} row {i}: mime {why}")
+                desc, payload = {"mime": mime}, v
+            else:
+                raise BatchError(f"column {name!r} row {i} is a {type(v).__name__}; a media row is bytes (with a "
+                                 "mime type) or a numpy array")
+            if len(payload) > _MEDIA_MAX_BYTES:
+                raise BatchError(f"column {name!r} row {i} holds {len(payload)} bytes, more than a blob may hold "
+                                 f"({_MEDIA_MAX_BYTES})")
+            digest = media_hash(desc, payload)
+            words[i] = np.frombuffer(digest, dtype="<i8")
+            out.setdefault(digest, (desc, payload))
+        self._blobs = (words, out)
+        return words, out
+
+    def hashes(self) -> Tuple[np.ndarray, int]:
+        """``(hashes [n, 4] int64, distinct contents)`` without keeping the payloads."""
+        words, blobs = self.blobs("media")
+        return words, len(blobs)
 
 
 def token_tensor_problem(spec: ColumnSpec) -> Optional[str]:
@@ -280,6 +425,8 @@ def late_column_problem(spec: ColumnSpec) -> Optional[str]:
     >>> late_column_problem(ColumnSpec("policy_version", "scalar", "int64"))[:28]
     'a scalar column of int64 has'
     """
+    if spec.media:
+        return "a media column names a blob in every row, so it is given in the store's first extend"
     if spec.kind == RAGGED or spec.dtype in ("float32", "float64"):
         return None
     return (f"a {spec.kind} column of {spec.dtype} has no \"not computed\" value for the rows committed "

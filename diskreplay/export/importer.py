@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import DiskReplayError, EvictionRefusedError
-from ..schema import RAGGED, SCALAR, VECTOR, ColumnSpec
+from ..schema import RAGGED, SCALAR, VECTOR, ColumnSpec, Media, media_spec
 from ..store import ReplayStore
 from ._common import is_store
 from .outputs import (ExportError, atomic_output, check_interrupt, check_output, interrupts_deferred, progress_bar,
@@ -228,7 +228,42 @@ def _ragged_rows(arr: pa.Array, dtype: Optional[str]) -> List[Optional[np.ndarra
     return [values[a:b] if ok else None for a, b, ok in zip(starts, ends, valid.tolist())]
 
 
-def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Union[Where, str]) -> Dict[str, Any]:
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
+          (b"RIFF", "audio/wav"), (b"fLaC", "audio/flac"), (b"OggS", "audio/ogg"), (b"ID3", "audio/mpeg"))
+
+
+def _media_rows(name: str, arr: pa.Array, descriptors: Optional[Mapping[str, Any]], where: Union[Where, str]) -> Any:
+    """A ``{"bytes", "path"}`` struct column (a media column of a Parquet or HF export, or HF's
+    ``Image``/``Audio`` storage) as :class:`~diskreplay.Media`: each row's bytes with the descriptor
+    the export's metadata records for its hash (``path``), so the same blobs are stored again
+    bit-exact; without one, the media type is taken from the bytes' signature."""
+    from ..schema import ARRAY_MIME
+
+    if arr.null_count:
+        raise _null_rows_error(name, arr, where)
+    data, paths = arr.field("bytes"), arr.field("path")
+    if data.null_count:
+        raise _null_rows_error(name, data, where)
+    values, mimes = [], []
+    for raw, path in zip(data.to_pylist(), paths.to_pylist()):
+        desc = (descriptors or {}).get(path) if isinstance(path, str) else None
+        if desc is not None and desc.get("mime") == ARRAY_MIME:
+            values.append(np.frombuffer(raw, dtype=np.dtype(desc["dtype"])).reshape(desc["shape"]))
+            mimes.append(ARRAY_MIME)
+            continue
+        mime = desc.get("mime") if desc is not None else next(
+            (m for magic, m in _MAGIC if raw.startswith(magic)), "application/octet-stream")
+        values.append(raw)
+        mimes.append(mime)
+    return Media(values, mime=mimes)
+
+
+def _is_media(t: pa.DataType) -> bool:
+    return pa.types.is_struct(t) and sorted(t.field(i).name for i in range(t.num_fields)) == ["bytes", "path"]
+
+
+def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Union[Where, str],
+                   media: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """One Arrow table as an ``extend`` batch (ragged columns as lists of arrays).
 
     ``hints`` are the expected column specs (the store's schema once it has
@@ -259,6 +294,12 @@ def table_to_batch(table: pa.Table, hints: Mapping[str, ColumnSpec], where: Unio
             # check_token_ids let it through, so no row holds a value: only the declared type is wrong
             arr = arr.cast(pa.large_list(pa.int32()))
             t = arr.type
+        if _is_media(t):
+            batch[name] = _media_rows(name, arr, media, where)
+            continue
+        if pa.types.is_struct(t) and (hint is not None and hint.media or t.get_field_index("hash") >= 0):
+            raise ExportError(f"{where}: column {name!r} holds media by reference (a JSONL export); import a "
+                              "Parquet or HF export, which carries the bytes")
         if _is_list(t) and is_numeric_list(t):
             n_valid = len(arr) - arr.null_count
             lengths = None
@@ -528,7 +569,8 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
             if old in specs:
                 s = specs[old]
                 new = rename.get(old, old)
-                hints[new] = ColumnSpec(new, s.kind, s.dtype, s.align, s.width, shape=s.shape, fill=s.fill)
+                hints[new] = ColumnSpec(new, s.kind, s.dtype, s.align, s.width, shape=s.shape, fill=s.fill,
+                                        media=s.media)
     explicit_key = group_key is not AUTO_FORMAT
     if group_key is AUTO_FORMAT:
         mk = meta.get("group_key") if meta is not None else None
@@ -570,7 +612,7 @@ def _import(source: Any, src: str, path: str, fmt: str, mapping: Any, aliases: b
                 table = table.select(order)
             token = None if resume is None else f"import:{resume}:{i}"
             while True:
-                batch = table_to_batch(table, hints, where)
+                batch = table_to_batch(table, hints, where, meta.get("media") if meta is not None else None)
                 if i == 0 and append and len(store.columns):
                     _check_new_columns(store, _specs_of(batch), src)
                 for name, spec in nan_columns.items():
@@ -749,6 +791,9 @@ def _specs_of(batch: Mapping[str, Any]) -> Dict[str, ColumnSpec]:
     """The column kind an ``extend`` batch gives each column, as far as "may it be null" goes."""
     specs = {}
     for name, value in batch.items():
+        if isinstance(value, Media):
+            specs[name] = media_spec(name)
+            continue
         if value is None or isinstance(value, list) and (not value or not isinstance(value[0], str)):
             specs[name] = ColumnSpec(name, RAGGED, "float32")
         else:

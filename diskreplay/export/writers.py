@@ -226,6 +226,10 @@ class HFSink:
         self.schema = schema
         self.rows = 0
         self.features = self.datasets.Features.from_arrow_schema(schema)
+        for f in schema:  # media columns of images (or audio) only: HF's Image (Audio) feature
+            kind = (f.metadata or {}).get(b"diskreplay.media")
+            if kind is not None:
+                self.features[f.name] = self.datasets.Image() if kind == b"image" else self.datasets.Audio()
         self._build = temporary_sibling(path, "build") + ".arrow"
         self._writer = ArrowWriter(features=self.features, path=self._build)
 
@@ -294,7 +298,7 @@ def hf_schema(schema: pa.Schema) -> pa.Schema:
             t = pa.list_(t.value_type)
         elif pa.types.is_large_string(t):
             t = pa.string()
-        fields.append(pa.field(f.name, t))
+        fields.append(pa.field(f.name, t, metadata=f.metadata))
     return pa.schema(fields)
 
 
@@ -431,10 +435,11 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                                   f"(columns: {st.columns})")
         read_cols = list(dict.fromkeys(names + [f"{c}_ids" for c in text_cols]))
         large = format != "hf"
-        fields = [pa.field(n, arrow_type(st.schema[n], large)) for n in names]
+        media = MediaColumns(st, names, format, large)
+        fields = [media.field(n) if n in media.names else pa.field(n, arrow_type(st.schema[n], large)) for n in names]
         fields += [pa.field(c, pa.large_string() if large else pa.string()) for c in text_cols]
         schema = pa.schema(fields)
-        meta = export_metadata(st, names, **({"versions": dict(versions)} if versions else {}))
+        meta = export_metadata(st, names, **({"versions": dict(versions)} if versions else {}), **media.metadata())
         bar = progress_bar(len(st), f"export {format}", progress)
         checked = Retokenized()
 
@@ -444,7 +449,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                 for rows in pieces:
                     data = st.read(rows, read_cols) if read_cols else {}
                     n = len(rows)
-                    arrays = [column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
+                    arrays = [media.column(data[c]) if c in media.names
+                              else column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
                               for c in names]
                     if text_cols:
                         ids = {c: data[f"{c}_ids"] for c in text_cols}
@@ -478,6 +484,57 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     if notes:
         res["warnings"] = notes
     return res
+
+
+class MediaColumns:
+    """How an export writes a store's media columns (docs/media.md, "Exports"): Parquet and HF hold
+    each row's bytes as ``{"bytes", "path"}`` (the layout of HF's ``Image``/``Audio`` features,
+    which an HF export declares where every blob is an image, or every one audio), with the
+    content hash as ``path``; JSONL holds ``{"hash", "mime"}`` by reference. The export's metadata
+    carries each blob's descriptor (media type, an array's dtype and shape) by hash, so that
+    ``import_rollouts`` stores the same blobs again, bit-exact."""
+
+    def __init__(self, store: Any, names: Sequence[str], format: str, large: bool) -> None:
+        schema = store.schema
+        self.names = [n for n in names if schema[n].media]
+        self.format, self.large = format, large
+        self.entries = {e.hash: e for e in store.manifest.media} if self.names else {}
+        self.reader = None
+        if self.names:
+            from ..store.media import MediaReader
+
+            self.reader = MediaReader(store)
+
+    def _feature(self) -> Optional[bytes]:
+        mimes = {e.mime.split("/")[0] for e in self.entries.values()}
+        return {"image": b"image", "audio": b"audio"}.get(mimes.pop()) if len(mimes) == 1 else None
+
+    def field(self, name: str) -> pa.Field:
+        if self.format == "jsonl":
+            return pa.field(name, pa.struct([("hash", pa.string()), ("mime", pa.string())]))
+        t = pa.struct([("bytes", pa.large_binary() if self.large else pa.binary()),
+                       ("path", pa.large_string() if self.large else pa.string())])
+        feature = self._feature() if self.format == "hf" else None
+        return pa.field(name, t, metadata=None if feature is None else {b"diskreplay.media": feature})
+
+    def metadata(self) -> Dict[str, Any]:
+        if not self.names:
+            return {}
+        return {"media": {h: e.descriptor for h, e in sorted(self.entries.items())}}
+
+    def column(self, refs: Any) -> pa.Array:
+        from ..store.media import hash_rows, hex_of
+
+        words = hash_rows(refs)
+        hashes = [hex_of(w) for w in words]
+        if self.format == "jsonl":
+            mimes = [self.reader.entry(h).mime for h in hashes]
+            return pa.StructArray.from_arrays([pa.array(hashes, pa.string()), pa.array(mimes, pa.string())],
+                                              names=["hash", "mime"])
+        values = self.reader.batch(words, decode=lambda v, e: v.tobytes() if isinstance(v, np.ndarray) else bytes(v))
+        return pa.StructArray.from_arrays(
+            [pa.array(values, pa.large_binary() if self.large else pa.binary()),
+             pa.array(hashes, pa.large_string() if self.large else pa.string())], names=["bytes", "path"])
 
 
 def export_parquet(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:

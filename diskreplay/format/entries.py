@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CorruptStoreError, FormatError, SchemaError
-from ..schema import ColumnSpec, Schema, late_column_problem
-from .names import (GROUPS_DIR, MAX_ID, SEGMENT_DIR, check_state_name, group_index_file, groups_file, patch_file,
+from ..schema import ColumnSpec, Schema, late_column_problem, mime_problem
+from .names import (GROUPS_DIR, MAX_ID, SEGMENT_DIR, check_state_name, group_index_file, groups_file, media_file, patch_file,
                     segment_file, state_file, token_log_file)
 from .jsondoc import canonical_json, evolve, int_field
 
@@ -196,6 +196,72 @@ class PatchEntry:
                               "for a named patch")
         if version is not None:
             e = evolve(e, {"version": version, "meta": meta, "folded": bool(folded)})
+        return e
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class MediaEntry:
+    """A committed media blob (docs/FORMAT.md, "Media"): the bytes of content ``hash`` (64 hex
+    digits, SHA-256 of its descriptor and bytes) in ``segments/media.<id>.bin``, ``bytes`` long
+    with CRC-32C ``crc32c``; ``last_row`` is the newest row that names it (eviction drops the entry
+    once it is below ``head``). ``mime`` says what the bytes are; an array (``application/x-array``)
+    also has its numpy ``dtype`` string and ``shape``.
+
+    >>> e = MediaEntry("ab" * 32, 4, 10, 7, 99, "image/png")
+    >>> e.file, MediaEntry.from_dict(e.to_dict(), "m") == e
+    ('segments/media.000000000004.bin', True)
+    """
+
+    hash: str
+    id: int
+    bytes: int
+    crc32c: int
+    last_row: int
+    mime: str
+    dtype: Optional[str] = None
+    shape: Optional[Tuple[int, ...]] = None
+
+    @property
+    def file(self) -> str:
+        return media_file(self.id)
+
+    @property
+    def descriptor(self) -> dict:
+        """What the content hash covers besides the bytes."""
+        d: Dict[str, Any] = {"mime": self.mime}
+        if self.dtype is not None:
+            d.update(dtype=self.dtype, shape=list(self.shape or ()))
+        return d
+
+    def to_dict(self) -> dict:
+        d = {"hash": self.hash, "id": self.id, "file": self.file, "bytes": self.bytes, "crc32c": self.crc32c,
+             "last_row": self.last_row, "mime": self.mime}
+        if self.dtype is not None:
+            d.update(dtype=self.dtype, shape=list(self.shape or ()))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "MediaEntry":
+        if not isinstance(d, dict):
+            raise FormatError(f"Unsupported media entry {d!r:.200} in {where}; expected an object")
+        h, mime, dtype, shape = d.get("hash"), d.get("mime"), d.get("dtype"), d.get("shape")
+        if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
+            raise FormatError(f"Unsupported media hash {h!r:.80} in {where}; expected 64 lowercase hex digits")
+        if mime_problem(mime) is not None:
+            raise FormatError(f"Unsupported media type {mime!r:.80} in {where}; expected one like 'image/png'")
+        if (dtype is None) is not (shape is None) or dtype is not None and (
+                not isinstance(dtype, str) or not 2 <= len(dtype) <= 8 or not isinstance(shape, list)
+                or len(shape) > 8 or not all(type(x) is int and 0 <= x < 1 << 40 for x in shape)):
+            raise FormatError(f"Unsupported media dtype/shape {dtype!r:.20}/{shape!r:.80} in {where}; expected "
+                              "both or neither, a numpy dtype string and a list of at most 8 sizes")
+        e = cls(h, int_field(d, "id", where, hi=MAX_ID), int_field(d, "bytes", where, hi=1 << 62),
+                int_field(d, "crc32c", where, hi=0xFFFFFFFF), int_field(d, "last_row", where, hi=1 << 62), mime,
+                dtype, None if shape is None else tuple(shape))
+        if d.get("file", e.file) != e.file:
+            raise FormatError(f"Unsupported media file {d.get('file')!r} in {where}; expected {e.file!r}")
         return e
 
 

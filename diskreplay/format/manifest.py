@@ -13,13 +13,15 @@ from .._fileio import crc32c
 from ..errors import CommitConflictError, FormatError
 from ..schema import ColumnSpec, late_column_problem
 from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, MANIFEST_FORMAT, MAX_ID,
-                    PATCHES_MANIFEST_VERSION, REWRITE_DELTA_VERSION, manifest_file)
+                    MEDIA_DELTA_VERSION, MEDIA_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION, REWRITE_DELTA_VERSION,
+                    manifest_file)
 from .jsondoc import canonical_json, check_header, check_signature, evolve, int_field, signed_doc
 from .jsondoc import signed_bytes  # noqa: F401  (the doctests below write deltas with it)
 from .access import StorageLike, as_storage
 from .options import StoreOptions
 from .segment_table import SegmentTable, SegmentTableEntry
-from .entries import (GroupIndexEntry, LateColumn, PatchEntry, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
+from .media import add_media, delta_media as _delta_media, live_media, manifest_media as _media
+from .entries import (GroupIndexEntry, LateColumn, MediaEntry, PatchEntry, SegmentEntry, StateEntry, TokenLog, TokenRecord, add_late_columns,
                       parse_commit_stats)
 
 
@@ -71,6 +73,8 @@ class Manifest:
     #: values written for committed rows, oldest first: a row's value of a column is the one in the
     #: newest patch holding it, else its segment's (docs/FORMAT.md, "Patches")
     patches: Tuple[PatchEntry, ...] = ()
+    #: media blobs named by live rows, oldest first, each hash once (docs/FORMAT.md, "Media")
+    media: Tuple[MediaEntry, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +96,7 @@ class Manifest:
         out = [st.file for st in self.states.values()]
         out += [t.file for t in self.token_logs]
         out += [p.file for p in self.patches]
+        out += [e.file for e in self.media]
         if self.group_index is not None:
             out.append(self.group_index.file)
         if self.segment_table is not None:
@@ -104,6 +109,7 @@ class Manifest:
         data = (int(segs.column("bytes").sum() + segs.column("groups_bytes").sum()) if isinstance(segs, SegmentTable)
                 else sum(s.bytes + s.groups_bytes for s in segs))
         return (data + sum(st.bytes for st in self.states.values()) + sum(p.bytes for p in self.patches)
+                + sum(e.bytes for e in self.media)
                 + (self.group_index.bytes if self.group_index is not None else 0))
 
     def evolve(self, **changes: Any) -> "Manifest":
@@ -153,6 +159,8 @@ class Manifest:
             doc.update(version=HOLES_MANIFEST_VERSION, holes=[[a, b] for a, b in self.holes])
         if self.patches:
             doc.update(version=PATCHES_MANIFEST_VERSION, patches=[p.to_dict() for p in self.patches])
+        if self.media:
+            doc.update(version=MEDIA_MANIFEST_VERSION, media=[e.to_dict() for e in self.media])
         return doc
 
     @classmethod
@@ -161,7 +169,7 @@ class Manifest:
         already (a reader that read the segment table instead of the JSON entries)."""
         doc = check_header(doc, MANIFEST_FORMAT, where,
                            (FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, HOLES_MANIFEST_VERSION,
-                            PATCHES_MANIFEST_VERSION))
+                            PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION))
         if not verified:
             check_signature(doc, where)
         segs = doc.get("segments")
@@ -187,6 +195,7 @@ class Manifest:
                            else SegmentTableEntry.from_dict(doc["segment_table"], where)),
             holes=_holes(doc, where),
             patches=_patches(doc, where),
+            media=_media(doc, where),
         )
         m.validate(where)
         return m
@@ -219,6 +228,12 @@ class Manifest:
                                   f"ends at row {self.next_row}, segment id {self.next_segment}")
         if len({p.id for p in self.patches}) != len(self.patches):
             raise FormatError(f"a patch id appears twice in {where}")
+        for e in self.media:
+            if e.id >= self.next_segment or e.last_row >= self.next_row:
+                raise FormatError(f"media blob {e.id} in {where} (named up to row {e.last_row}) is out of order: the "
+                                  f"manifest ends at row {self.next_row}, segment id {self.next_segment}")
+        if len({e.id for e in self.media}) != len(self.media) or len({e.hash for e in self.media}) != len(self.media):
+            raise FormatError(f"a media blob id or hash appears twice in {where}")
         if self.group_index is not None and self.group_index.end_row > self.next_row:
             raise FormatError(f"the group_index of {where} covers rows up to {self.group_index.end_row}, beyond "
                               f"next_row {self.next_row}")
@@ -325,7 +340,8 @@ def evict(head: int, next_row: int, segments: Tuple[SegmentEntry, ...],
 
 
 def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, token: Optional[TokenRecord],
-                columns: Sequence[ColumnSpec], options: StoreOptions, **changes: Any) -> Manifest:
+                columns: Sequence[ColumnSpec], options: StoreOptions, media: Sequence[MediaEntry] = (),
+                media_last: Sequence[Tuple[str, int]] = (), **changes: Any) -> Manifest:
     """``base`` plus an append of ``num_rows`` rows in ``entries`` (whose ``first_row`` must be
     ``base.next_row`` onwards), its token and the late columns it adds; capacities applied;
     ``changes`` of other fields made in the same copy.
@@ -339,10 +355,11 @@ def append_rows(base: Manifest, entries: Sequence[SegmentEntry], num_rows: int, 
     late = base.late_columns
     if columns:  # the schema changes in the same commit as the rows that need it
         late = add_late_columns(late, columns, base.next_row, generation)
+    named = add_media(base.media, media, media_last, base.next_row)
     return base.evolve(generation=generation, head=head, next_row=next_row,
-                       next_segment=max([base.next_segment] + [e.id + 1 for e in entries]),
+                       next_segment=max([base.next_segment] + [e.id + 1 for e in entries] + [e.id + 1 for e in media]),
                        segments=segments, tokens=tokens, late_columns=late, holes=holes,
-                       patches=live_patches(base.patches, head), **changes)
+                       patches=live_patches(base.patches, head), media=live_media(named, head), **changes)
 
 
 def _sum_stats(a: Mapping[str, int], b: Mapping[str, int]) -> Dict[str, int]:
@@ -379,10 +396,16 @@ class AppendDelta:
     columns: Tuple[ColumnSpec, ...] = ()
     #: the writer's commit counters not yet in the store's (``COMMIT_STATS`` keys)
     commit_stats: Mapping[str, int] = field(default_factory=dict)
+    #: media blobs it wrote, and per hash its rows name the last such row (counted from 0): see :func:`add_media`
+    media: Tuple[MediaEntry, ...] = ()
+    media_last: Tuple[Tuple[str, int], ...] = ()
 
     def body(self) -> dict:
         doc = {"format": DELTA_FORMAT, "version": FORMAT_VERSION, "num_rows": self.num_rows,
                "segments": [e.to_dict() for e in self.entries]}
+        if self.media_last:
+            doc.update(version=MEDIA_DELTA_VERSION, media=[e.to_dict() for e in self.media],
+                       media_last=[[h, r] for h, r in self.media_last])
         if self.token is not None:
             doc["token"] = self.token.to_list()
         if self.columns:
@@ -393,7 +416,7 @@ class AppendDelta:
 
     @classmethod
     def from_doc(cls, doc: Any, where: str, verified: bool = False) -> "AppendDelta":
-        doc = check_header(doc, DELTA_FORMAT, where)
+        doc = check_header(doc, DELTA_FORMAT, where, (FORMAT_VERSION, MEDIA_DELTA_VERSION))
         if not verified:
             check_signature(doc, where)
         segs, cols = doc.get("segments"), doc.get("late_columns", [])
@@ -406,7 +429,10 @@ class AppendDelta:
                           num_rows=int_field(doc, "num_rows", where, lo=1),
                           token=None if doc.get("token") is None else TokenRecord.from_list(doc["token"], where),
                           columns=tuple([ColumnSpec.from_dict(c) for c in cols]) if cols else (),
-                          commit_stats=parse_commit_stats(doc.get("commit_stats", {}), where))
+                          commit_stats=parse_commit_stats(doc.get("commit_stats", {}), where),
+                          media=(), media_last=())
+        if doc["version"] == MEDIA_DELTA_VERSION:
+            d.__dict__.update(_delta_media(doc, d.num_rows, where))
         end = 0
         for e in d.entries:
             if e.first_row != end:
@@ -425,7 +451,8 @@ class AppendDelta:
         """The manifest of the generation after ``base`` that this delta makes."""
         at = base.next_row
         entries = tuple([e.moved(at) for e in self.entries])
-        return append_rows(base, entries, self.num_rows, self.token, self.columns, options, depth=base.depth + 1,
+        return append_rows(base, entries, self.num_rows, self.token, self.columns, options, self.media,
+                           self.media_last, depth=base.depth + 1,
                            commit_stats=_sum_stats(base.commit_stats, self.commit_stats))
 
 
@@ -468,6 +495,7 @@ def rewrite_rows(base: Manifest, replaced: Sequence[int], entries: Sequence[Segm
     head, segments, holes = evict(base.head, base.next_row, segments, options, base.holes)
     changes.setdefault("patches", base.patches)
     changes["patches"] = live_patches(changes["patches"], head)
+    changes["media"] = live_media(changes.get("media", base.media), head)
     return base.evolve(generation=base.generation + 1, head=head, segments=segments, holes=holes,
                        next_segment=max([base.next_segment] + [e.id + 1 for e in entries]), **changes)
 
@@ -545,8 +573,8 @@ def with_chains(manifests: Mapping[int, Manifest]) -> set:
 def _holes(doc: Mapping[str, Any], where: str) -> Tuple[Tuple[int, int], ...]:
     """A manifest's ``holes``: in version 3 only, non-empty, sorted, disjoint ``[start, stop)`` pairs."""
     raw = doc.get("holes")
-    if doc["version"] not in (HOLES_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION) or (
-            raw is None and doc["version"] == PATCHES_MANIFEST_VERSION):
+    if doc["version"] not in (HOLES_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION) or (
+            raw is None and doc["version"] in (PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION)):
         if raw is not None:
             raise FormatError(f"Unsupported holes in {where} (version {doc['version']}); expected them only in "
                               f"version {HOLES_MANIFEST_VERSION}")
@@ -561,7 +589,7 @@ def _holes(doc: Mapping[str, Any], where: str) -> Tuple[Tuple[int, int], ...]:
 
 def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
     late = doc.get("late_columns")
-    if doc["version"] in (HOLES_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION) and late is None:
+    if doc["version"] in (HOLES_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION) and late is None:
         return ()
     if doc["version"] == FORMAT_VERSION:
         if late is not None:
@@ -579,7 +607,9 @@ def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
 def _patches(doc: Mapping[str, Any], where: str) -> Tuple[PatchEntry, ...]:
     """A manifest's ``patches``: in version 4 only, a non-empty list of entries, oldest first."""
     raw = doc.get("patches")
-    if doc["version"] != PATCHES_MANIFEST_VERSION:
+    if doc["version"] == MEDIA_MANIFEST_VERSION and raw is None:
+        return ()
+    if doc["version"] not in (PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION):
         if raw is not None:
             raise FormatError(f"Unsupported patches in {where} (version {doc['version']}); expected them only in "
                               f"version {PATCHES_MANIFEST_VERSION}")
@@ -587,3 +617,4 @@ def _patches(doc: Mapping[str, Any], where: str) -> Tuple[PatchEntry, ...]:
     if not isinstance(raw, list) or not raw or len(raw) > 1 << 20:
         raise FormatError(f"Unsupported patches {raw!r:.200} in {where}; expected a non-empty list of patches")
     return tuple(PatchEntry.from_dict(p, where) for p in raw)
+

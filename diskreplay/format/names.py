@@ -44,7 +44,8 @@ def is_data_file(rel: str) -> bool:
     return bool(name) and d in DATA_DIRS and d != MANIFEST_DIR and not name.startswith(TMP_PREFIX)
 
 #: the names a store gives its files in its data directories (and their temporary names)
-_STORE_FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\.|index-)?\d{12}\.(?:arrow|json)$")
+_STORE_FILE_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\.|index-)?\d{12}\.(?:arrow|json)$"
+                              r"|^media\.\d{12}\.bin$")
 
 
 def is_store_entry(rel: str) -> bool:
@@ -108,6 +109,15 @@ REWRITE_DELTA_VERSION = 2
 PATCHES_FORMAT_VERSION = 6
 # A manifest that names patches says version 4 (holes and late columns may ride with it).
 PATCHES_MANIFEST_VERSION = 4
+# FORMAT.json of a store that may hold media blobs (MediaEntry, docs/FORMAT.md "Media") says
+# version 7 and "media": true, with every other feature (patches included) as an explicit flag,
+# written before the first commit that names a blob: a diskreplay without media refuses the
+# store instead of taking that commit's manifest (v5) for a damaged one.
+MEDIA_FORMAT_VERSION = 7
+# A manifest that names media blobs says version 5 (holes, late columns and patches may ride with it).
+MEDIA_MANIFEST_VERSION = 5
+# An append delta that names or adds media blobs says version 3.
+MEDIA_DELTA_VERSION = 3
 # A writer commits a full manifest instead of a delta once its base is
 # CHECKPOINT_EVERY to 2 CHECKPOINT_EVERY - 1 deltas (its own depth, drawn at
 # random) past a full one, so a reader applies at most 2 CHECKPOINT_EVERY - 1.
@@ -134,6 +144,15 @@ def segment_file(seg_id: int) -> str:
 def patch_file(patch_id: int) -> str:
     """A patch's file: values for committed rows (docs/FORMAT.md, "Patches"), beside the segments."""
     return f"{SEGMENT_DIR}/patch.{patch_id:012d}.arrow"
+
+
+def media_file(media_id: int) -> str:
+    """A media blob's file (docs/FORMAT.md, "Media"), beside the segments.
+
+    >>> media_file(7)
+    'segments/media.000000000007.bin'
+    """
+    return f"{SEGMENT_DIR}/media.{media_id:012d}.bin"
 
 
 def groups_file(seg_id: int) -> str:

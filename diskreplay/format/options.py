@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from ..errors import FormatError
 from ..schema import Schema
-from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION, PATCHES_FORMAT_VERSION,
+from .names import (APPEND_DELTAS_VERSION, FORMAT_FILE, FORMAT_VERSION, INLINE_GROUPS_VERSION, MEDIA_FORMAT_VERSION, PATCHES_FORMAT_VERSION,
                     LATE_COLUMNS_FORMAT_VERSION, MULTI_WRITER_VERSION, SCHEMA_FILE, SCHEMA_FORMAT, STORE_FORMAT)
 from .jsondoc import check_header, check_signature, int_field, signed_bytes, signed_doc
 from .access import StorageLike, as_storage, location, read_signed
@@ -35,6 +35,8 @@ class StoreOptions:
     inline_groups: bool = False
     #: the manifests may name patches (values written for committed rows)
     patches: bool = False
+    #: the manifests may name media blobs (docs/FORMAT.md, "Media")
+    media: bool = False
 
     def to_dict(self) -> dict:
         return signed_doc(self.body())
@@ -65,16 +67,25 @@ class StoreOptions:
             doc.update(version=PATCHES_FORMAT_VERSION, patches=True, multi_writer=self.multi_writer,
                        late_columns=self.late_columns, append_deltas=self.append_deltas,
                        inline_groups=self.inline_groups)
+        if self.media:  # every feature named, patches included
+            doc.update(version=MEDIA_FORMAT_VERSION, media=True, patches=self.patches, multi_writer=self.multi_writer,
+                       late_columns=self.late_columns, append_deltas=self.append_deltas,
+                       inline_groups=self.inline_groups)
         return doc
 
     @classmethod
     def from_dict(cls, doc: Any, where: str = FORMAT_FILE, verified: bool = False) -> "StoreOptions":
         doc = check_header(doc, STORE_FORMAT, where, (FORMAT_VERSION, MULTI_WRITER_VERSION,
                                                         LATE_COLUMNS_FORMAT_VERSION, APPEND_DELTAS_VERSION,
-                                                        INLINE_GROUPS_VERSION, PATCHES_FORMAT_VERSION))
+                                                        INLINE_GROUPS_VERSION, PATCHES_FORMAT_VERSION,
+                                                        MEDIA_FORMAT_VERSION))
         if not verified:
             check_signature(doc, where)
-        multi, late, deltas, inline, patches = _format_features(doc, where)
+        media = doc["version"] == MEDIA_FORMAT_VERSION
+        if (doc.get("media", False) is True) is not media:
+            raise FormatError(f"Unsupported media={doc.get('media')!r} with version {doc['version']} in {where}; "
+                              f"expected true exactly in version {MEDIA_FORMAT_VERSION}")
+        multi, late, deltas, inline, patches = _media_features(doc, where) if media else _format_features(doc, where)
         gk = doc.get("group_key")
         if gk is not None and (not isinstance(gk, str) or not gk):
             raise FormatError(f"Unsupported group_key {gk!r} in {where}; expected a column name or null")
@@ -90,6 +101,7 @@ class StoreOptions:
             append_deltas=deltas,
             inline_groups=inline,
             patches=patches,
+            media=media,
         )
 
     def write(self, root: StorageLike) -> None:
@@ -110,6 +122,16 @@ class StoreOptions:
             if schema is not None:
                 options = replace(options, schema=schema)
         return options
+
+
+def _media_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool, bool, bool]:
+    """The features of a version-7 FORMAT.json (media): every one an explicit flag."""
+    keys = ("multi_writer", "late_columns", "append_deltas", "inline_groups", "patches")
+    flags = tuple(doc.get(k) for k in keys)
+    if not all(isinstance(f, bool) for f in flags) or (flags[2] and not flags[0]):
+        raise FormatError(f"Unsupported features {dict(zip(keys, flags))} in {where}; expected each true or false "
+                          "(append_deltas only with multi_writer)")
+    return flags  # type: ignore[return-value]
 
 
 def _format_features(doc: Mapping[str, Any], where: str) -> Tuple[bool, bool, bool, bool, bool]:

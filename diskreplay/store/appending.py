@@ -11,15 +11,17 @@ validating the batch, and validating it again where another writer fixed the sch
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import boot_clock, crash_point
-from ..errors import BatchError
+from ..errors import BatchError, CommitConflictError
 from ..ingest import normalize_batch
 from ..schema import Schema
 from ..storage import Storage
@@ -30,6 +32,15 @@ from .compaction import split
 from .segment_cache import SegmentCache
 from ..format.tokens import batch_digest
 from .writing import SegmentWriter, after_schema_race, encoded_digest, fix_schema
+from .media import media_last_rows, media_writes, mark_media, pending_media
+
+# the media blobs of the ``extend`` being committed ({hash: (descriptor, payload)}): set by
+# append_batch around the append it hands to the store's writer, read by Appender.commit (the
+# writer's append takes the record and schema only; the blobs' bytes are not part of the record)
+_BLOBS: contextvars.ContextVar[Optional[Dict[bytes, Tuple[dict, Any]]]] = contextvars.ContextVar(
+    "diskreplay_media_blobs", default=None)
+# plans of one append on newer bases after a media blob it named was evicted meanwhile
+MEDIA_REPLANS = 8
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,29 @@ class Appender:
     def commit(self, at: WriterContext, record: pa.RecordBatch, schema: Schema,
                token: Optional[str] = None) -> Tuple[np.ndarray, bool]:
         """Write ``record`` (validated against ``schema``) and commit it; ``(row ids, appended)``,
-        ``appended`` False when ``token`` was committed before (nothing written: its rows)."""
+        ``appended`` False when ``token`` was committed before (nothing written: its rows).
+
+        With media columns, the blobs of hashes the base does not name are written with the
+        segments; if a blob the base named is evicted before the commit lands (``ops.Append``
+        conflicts), the append is planned again on the newest commit, writing that blob."""
+        blobs = _BLOBS.get()
+        last = media_last_rows(record, schema) if blobs else ()
+        for attempt in range(MEDIA_REPLANS + 1):
+            try:
+                return self._commit(at, record, schema, token, blobs or {}, last)
+            except CommitConflictError:
+                if not last or attempt == MEDIA_REPLANS:
+                    raise
+                newest = at.committer.newest()
+                named = {e.hash for e in newest.media}
+                if all(h in named for h, _ in last):
+                    raise  # (not a blob evicted since: another conflict)
+                at.install(newest, at.options)
+                at = dataclasses.replace(at, manifest=newest)
+        raise AssertionError("unreachable")
+
+    def _commit(self, at: WriterContext, record: pa.RecordBatch, schema: Schema, token: Optional[str],
+                blobs: Mapping[bytes, Tuple[dict, Any]], last: Tuple[Tuple[str, int], ...]) -> Tuple[np.ndarray, bool]:
         m, committer = at.manifest, at.committer
         n = record.num_rows
         pieces = split(record)
@@ -75,6 +108,8 @@ class Appender:
                 return self.replayed(committer, rec, n, dig, lambda: encoded_digest(pieces)), False
         started = boot_clock()
         options = fix_schema(self.path, self.storage, committer, at.options, schema, at.reserves_ids)
+        if last and not options.media:
+            options = mark_media(committer, options)
         # written and fsynced by the commit, together with the manifest's file (an append delta's
         # before the race, see Committer._stage_delta); with many writers of full manifests that
         # raced lately, first, so that a race only redoes the manifest step
@@ -84,10 +119,22 @@ class Appender:
         if not defer:
             crash_point("segments.synced")
         relocatable = options.append_deltas  # segment-local sidecar rows: it applies to any base as it is
+        new_media: Tuple[fmt.MediaEntry, ...] = ()
+        files, writes, dirs = written.files, written.writes, written.dirs
+        if last:
+            try:
+                new_media, m_files, m_writes = media_writes(committer, m, blobs, last, written.entries,
+                                                            at.reserves_ids)
+            except BaseException:
+                committer.remove_files(written.files)
+                raise
+            files, writes = files + m_files, writes + m_writes
+            if m_writes and fmt.SEGMENT_DIR not in dirs:
+                dirs = dirs + (fmt.SEGMENT_DIR,)
         op = ops.Append(written.entries, n, fmt.TokenRecord(token, 0, n, dig, 1) if token is not None else None,
-                        tuple(schema.pending()), relocatable)
+                        tuple(schema.pending()), relocatable, new_media, last)
         result = committer.commit(Commit(
-            op, written.files, written.writes, written.dirs, started, at.reserves_ids,
+            op, files, writes, dirs, started, at.reserves_ids,
             None if relocatable else Relocation(options, tuple(pieces), written.checksums, m.next_row)),
             install=lambda new: at.install(new, options))
         if result.duplicate is not None:
@@ -140,6 +187,7 @@ def append_batch(context: Callable[[], WriterContext], storage: Storage, batch: 
     # append that crashed before its manifest
     record, schema = normalize_batch(batch, at.schema if at.multi_writer or at.manifest.next_row else None,
                                      at.group_key)
+    blobs = pending_media(batch)
 
     def again() -> np.ndarray:
         # another writer's first append fixed the schema first: this batch must fit it
@@ -148,4 +196,8 @@ def append_batch(context: Callable[[], WriterContext], storage: Storage, batch: 
         at = context()
         return append(*normalize_batch(batch, at.schema, at.group_key), token)
 
-    return after_schema_race(lambda: append(record, schema, token), again)
+    held = _BLOBS.set(blobs)
+    try:
+        return after_schema_race(lambda: append(record, schema, token), again)
+    finally:
+        _BLOBS.reset(held)

@@ -11,7 +11,12 @@ operation      conflicts with a concurrent commit when
 =============  ==========================================================
 ``Append``     never (row ids are assigned when it is applied); a late column
                it adds that the base has with another type is a
-               ``SchemaError`` (the same type: it is already there)
+               ``SchemaError`` (the same type: it is already there); a media
+               hash its rows name that the base no longer names (evicted since
+               it was planned) and that it did not write itself: then the
+               appender plans it again, writing the blob (a hash the base names
+               takes the base's blob: a blob the append wrote for it is left
+               unnamed, docs/FORMAT.md "Media")
 ``Rewrite``    a replaced segment is no longer in the base (another rewrite
                merged it, or eviction dropped it), or a patch it folds is no
                longer in the base; stored as a rewrite delta in a format v5
@@ -57,12 +62,17 @@ class Append:
     #: late columns its segments hold that the schema it was validated against lacked
     columns: Tuple[ColumnSpec, ...] = ()
     relocatable: bool = False
+    #: media blobs it wrote (hashes its base did not name), and for every hash its rows name the
+    #: last such row, counted from its first row (:func:`~diskreplay.format.manifest.add_media`)
+    media: Tuple[fmt.MediaEntry, ...] = ()
+    media_last: Tuple[Tuple[str, int], ...] = ()
 
     def delta(self, commit_stats: Optional[dict] = None) -> fmt.AppendDelta:
         """This append as a delta (rows numbered from 0)."""
         first = self.entries[0].first_row
         return fmt.AppendDelta(tuple(e.moved(-first) for e in self.entries),
-                               self.num_rows, self.token, self.columns, commit_stats or {})
+                               self.num_rows, self.token, self.columns, commit_stats or {}, self.media,
+                               self.media_last)
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,8 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
             return op.delta().apply(base, options)  # the committer says whether it is stored as one
         if op.entries and op.entries[0].first_row != base.next_row:
             raise Conflict(f"append prepared for row {op.entries[0].first_row}, the base ends at {base.next_row}")
-        return fmt.append_rows(base, op.entries, op.num_rows, op.token, op.columns, options)
+        return fmt.append_rows(base, op.entries, op.num_rows, op.token, op.columns, options, op.media,
+                               op.media_last)
     if isinstance(op, Rewrite):
         if not op.folded:
             return fmt.rewrite_rows(base, op.ids, op.entries, options)  # (ids are never reused)
@@ -171,7 +182,7 @@ def apply(base: fmt.Manifest, op: Operation, options: fmt.StoreOptions) -> fmt.M
         head, holes = fmt.past_holes(min(max(base.head, op.head), base.next_row), base.holes)
         return base.evolve(generation=generation, head=head, holes=holes,
                            segments=tuple(s for s in base.segments if s.end_row > head),
-                           patches=fmt.live_patches(base.patches, head))
+                           patches=fmt.live_patches(base.patches, head), media=fmt.live_media(base.media, head))
     if isinstance(op, RollBack):
         if base.generation != op.base:
             raise Conflict(f"a roll back planned on generation {op.base} cannot follow generation {base.generation}")

@@ -94,6 +94,10 @@ def patch_record(rows: np.ndarray, values: Mapping[str, Any], schema: Optional[S
                                 + ("it is the group key, which the group index is built from" if name == group_key
                                    else f"{name!r} is reserved" if name == ROW
                                    else "a row's token ids are what the row is (append a new row instead)"))
+    for name in values:
+        if name in schema and schema[name].media:
+            raise ArgumentError(f"column {name!r} cannot be updated: it is a media column, whose rows name blobs "
+                                "stored once per content (append a new row with the new media instead)")
     existing = [c for c in values if c in schema]
     sub = Schema([schema[c] for c in existing], {c: schema.late[c] for c in existing if c in schema.late})
     try:

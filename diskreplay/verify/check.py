@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 import pyarrow as pa
 
 from .. import format as fmt
+from ..format import media as fmt_media
 from .._fileio import TMP_PREFIX, crc32c
 from ..errors import CorruptStoreError, FormatError
 from ..segment import META_BUFFERS_KEY, ArrowFile, Segment, buffer_ranges, field_buffers
@@ -125,6 +126,8 @@ def _verify_once(files: "StoreFiles", progress: bool) -> "Report":
                 _check_state(r, st, bar)
             for p in newest.patches:
                 _check_patch(r, p, options, bar)
+            for e in newest.media:
+                _check_media(r, e, bar)
             for log in newest.token_logs:
                 problem = _check_checksum(r, log.file, log.bytes, log.crc32c, bar)
                 if problem:
@@ -330,6 +333,7 @@ def _sized_files(m: fmt.Manifest) -> List[Tuple[str, int]]:
     out += [(st.file, st.bytes) for st in m.states.values()]
     out += [(t.file, t.bytes) for t in m.token_logs]
     out += [(p.file, p.bytes) for p in m.patches]
+    out += [(e.file, e.bytes) for e in m.media]
     if m.group_index is not None:
         out.append((m.group_index.file, m.group_index.bytes))
     return out
@@ -468,6 +472,20 @@ def _check_patch(r: Report, p: fmt.PatchEntry, options: Optional[fmt.StoreOption
                         schema=options.schema if options is not None else None)
     except CorruptStoreError as exc:
         r.problem(str(exc))
+
+
+def _check_media(r: Report, e: fmt.MediaEntry, bar: Any) -> None:
+    """A media blob: size, CRC-32C, then its content hash (docs/FORMAT.md, "Media")."""
+    what = f" (the media blob {e.hash[:16]}... ({e.mime}), named by rows up to {e.last_row})"
+    problem = _check_checksum(r, e.file, e.bytes, e.crc32c, bar)
+    if problem:
+        r.problem(problem + what)
+        return
+    try:
+        with open(r.files.local(e.file, e.bytes), "rb") as f:
+            fmt_media.check_blob(f.read(), e, where_in(r.files, e.file), content=True)
+    except CorruptStoreError as exc:
+        r.problem(str(exc) + what)
 
 
 def referenced_files(manifests: Iterable[fmt.Manifest]) -> Set[str]:

@@ -198,6 +198,7 @@ class _Repair:
             chosen = self._rebuild_sidecars(chosen, with_late_columns(Report(self.root), options, chosen))
             chosen = self._drop_damaged_token_logs(chosen)
             chosen = self._drop_damaged_patches(chosen)
+            chosen = self._drop_damaged_media(chosen)
             chosen = self._past_rolled_back(chosen, intact, damaged)
             generation, rows = chosen.generation, chosen.num_rows
             kept = [chosen] + [m for m in kept if m.generation < chosen.generation]
@@ -382,6 +383,21 @@ class _Repair:
                                 "their older values; an update that wrote it is found committed by its token: "
                                 "send it again under a new token")
         new_m = m.evolve(generation=m.generation + 1, patches=tuple(p for p in m.patches if p not in bad))
+        self._commit(new_m)
+        return new_m
+
+    def _drop_damaged_media(self, m: fmt.Manifest) -> fmt.Manifest:
+        """``m`` without its damaged or missing media blobs, committed: the rows naming one keep their
+        other columns, and reads of their media raise an error naming the blob; a later append of the
+        same content stores it again, and they read it (docs/FORMAT.md, "Media")."""
+        bad = [e for e in m.media if not self._good(e.file, e.bytes, e.crc32c)]
+        if not bad:
+            return m
+        for e in bad:
+            self.actions.append(f"dropping the damaged media blob {e.file} ({e.mime}, {e.hash[:16]}...): the rows "
+                                f"naming it (up to row {e.last_row}) keep their other columns, and reads of its "
+                                "bytes raise an error until an append of the same content stores it again")
+        new_m = m.evolve(generation=m.generation + 1, media=tuple(e for e in m.media if e not in bad))
         self._commit(new_m)
         return new_m
 
