@@ -29,10 +29,9 @@ from .committer import Committer
 from .consumers import DEAD_AFTER_S, INCOMPLETE_AFTER_S, Consumer, consumers, wait_for_consumers
 from .compaction import MergePolicy
 from .group_views import GroupIndexes
-from .appending import WriterContext, append_batch
+from .appending import WriterContext
 from .segment_cache import Column, ReadView, SegmentCache
 from .patching import versions_of
-from .tokens import check_token
 from .opening import UNSET, Requested, close_store, open_store
 from . import views, writer
 from .views import STALE_RETRIES, follow, live_rows, locked, schema_of  # noqa: F401 (STALE_RETRIES: re-exported)
@@ -326,8 +325,7 @@ class ReplayStore:
         ([0, 1], 2)
         """
         views.require_writer(self)
-        return append_batch(self._writer_context, self.storage, batch, check_token(token),
-                            lambda *args: self._writer.append(self._writer_context, *args, self._persist_group_index))
+        return writer.extend(self, batch, token)
 
     @locked
     def compact(self, target_bytes: int = 64 << 20, *, multi_writer: Optional[bool] = None) -> Dict[str, int]:
@@ -505,8 +503,7 @@ class ReplayStore:
     def _persist_group_index(self, force: bool = False) -> None:
         """Write the group index of the live rows and name it in a commit, when due (single writer;
         ``force``: whatever the tail): :meth:`Writer.persist_group_index`."""
-        self._writer.persist_group_index(self._writer_context(), lambda: views.own_groups(self),
-                                         self._page_checksums, self._key_type, force)
+        writer.persist_group_index(self, force)
 
     @locked
     def group_index(self, key: Optional[str] = None) -> GroupIndex:

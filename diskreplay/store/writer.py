@@ -32,7 +32,7 @@ from ..groups import GroupIndex
 from ..schema import Schema
 from ..segment import PageChecksums
 from ..storage import Storage
-from .appending import Appender, WriterContext, catch_up
+from .appending import Appender, WriterContext, append_batch, catch_up
 from .commits import Commit, group_index_commit, index_due, state_commit
 from .committer import Committer
 from .compaction import MergePolicy
@@ -41,7 +41,7 @@ from .opening import switch_writers
 from .patching import commit_patch, prepare_update
 from .segment_cache import SegmentCache
 from .tokens import TokenIndex, check_token
-from .views import install
+from .views import install, own_groups
 from .writing import SegmentWriter
 
 
@@ -130,6 +130,23 @@ def writer_context(store: Any) -> WriterContext:
     return WriterContext(store.manifest, store.options, store.schema, store.group_key, store._committer,
                          store.multi_writer or not store.storage.exclusive_lock, functools.partial(install, store),
                          lambda: store._writer.collect(store._committer, store.generation))
+
+
+def extend(store: Any, batch: Mapping[str, Any], token: Optional[str]) -> np.ndarray:
+    """``ReplayStore.extend``: :func:`.appending.append_batch` of ``batch`` from ``store``'s state,
+    committed by :meth:`Writer.append` (then its merges and the group index)."""
+    token = check_token(token)
+    context = functools.partial(writer_context, store)
+    persist = functools.partial(persist_group_index, store)
+    return append_batch(context, store.storage, batch, token,
+                        lambda *args: store._writer.append(context, *args, persist))
+
+
+def persist_group_index(store: Any, force: bool = False) -> None:
+    """:meth:`Writer.persist_group_index` of ``store``'s own group index, when due (``force``: whatever
+    the tail)."""
+    store._writer.persist_group_index(writer_context(store), lambda: own_groups(store), store._page_checksums,
+                                      store._key_type, force)
 
 
 def catch_up_store(store: Any) -> None:
