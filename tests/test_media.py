@@ -413,3 +413,44 @@ def test_jsonl_exports_media_by_reference(tmp_path):
     assert [r["image"] for r in rows] == [{"hash": h, "mime": "image/png"}] * 2
     with pytest.raises(ExportError, match="column 'image' holds a JSON object"):  # no bytes to store
         import_rollouts(str(tmp_path / "o.jsonl"), str(tmp_path / "back"))
+
+
+# ------------------------------------------------------------------ crash points
+
+_CRASHING = r"""
+import sys, hashlib, numpy as np
+from diskreplay import Media, ReplayStore
+path, multi = sys.argv[1], sys.argv[2] == "multi"
+def image(k, size=300):
+    return hashlib.sha256(b"img%d" % k).digest() * (size // 32) + bytes([k % 256])
+with ReplayStore(path, multi_writer=multi) as store:
+    keys = [1, 1, 9, 9]  # image 1 is stored already, image 9 is new
+    store.extend({"prompt_id": np.array(keys), "completion_ids": [[5]] * 4,
+                  "image": Media([image(k) for k in keys], mime="image/png")}, token="crash")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["single", "multi"])
+@pytest.mark.parametrize("step", ["segment.written", "segment.written#2", "segment.renamed#2", "segments.synced",
+                                  "manifest.written", "manifest.renamed", "manifest.committed"])
+def test_sigkill_at_each_step_of_a_media_commit(tmp_path, step, mode):
+    path = str(tmp_path / "s")
+    with ReplayStore(path, multi_writer=mode == "multi") as store:
+        store.extend(group([1], per=2))
+    proc = subprocess.run([sys.executable, "-c", _CRASHING, path, mode], capture_output=True, text=True,
+                          timeout=120, env={**child_env(), "DISKREPLAY_CRASH_AT": step}, cwd=ROOT)
+    assert proc.returncode in (0, -signal.SIGKILL), proc.stderr[-2000:]
+    with ReplayStore(path, multi_writer=mode == "multi") as store:
+        assert len(store) in (2, 6)  # the previous commit or the new one, whole
+        reader = MediaReader(store)
+        assert [bytes(v) for v in reader.batch(store.read(store.row_ids())["image"])] == \
+            [image(1)] * 2 + [image(k) for k in [1, 1, 9, 9]][: len(store) - 2]
+        # the producer re-sends its batch with its token: committed exactly once
+        store.extend({"prompt_id": np.array([1, 1, 9, 9]), "completion_ids": [[5]] * 4,
+                      "image": Media([image(k) for k in [1, 1, 9, 9]], mime="image/png")}, token="crash")
+        assert len(store) == 6 and len(store.manifest.media) == 2
+        assert [bytes(v) for v in reader.batch(store.read(store.row_ids())["image"])] == \
+            [image(1)] * 4 + [image(9)] * 2
+    report = verify_store(path)
+    assert report["ok"], report["problems"]
