@@ -234,8 +234,14 @@ class Media:
 
         words = np.empty((len(self.values), MEDIA_WIDTH), dtype=np.int64)
         out: Dict[bytes, Tuple[dict, Any]] = {}
+        # a group's samples usually pass the same object: hashed once (the list keeps each alive)
+        same: Dict[Tuple[int, Any], np.ndarray] = {}
         for i, v in enumerate(self.values):
             mime = self.mime[i] if isinstance(self.mime, (list, tuple)) else self.mime
+            known = same.get((id(v), mime))
+            if known is not None:
+                words[i] = known
+                continue
             if isinstance(v, np.ndarray):
                 if v.dtype.hasobject or v.dtype.fields is not None:
                     raise BatchError(f"column {name!r} row {i} is an array of {v.dtype}; media arrays hold numbers "
@@ -258,7 +264,7 @@ class Media:
                 raise BatchError(f"column {name!r} row {i} holds {len(payload)} bytes, more than a blob may hold "
                                  f"({_MEDIA_MAX_BYTES})")
             digest = media_hash(desc, payload)
-            words[i] = np.frombuffer(digest, dtype="<i8")
+            words[i] = same[(id(v), mime)] = np.frombuffer(digest, dtype="<i8")
             out.setdefault(digest, (desc, payload))
         self._blobs = (words, out)
         return words, out

@@ -10,6 +10,7 @@
     python tools/bench.py stream [--groups 1024] [--commits 100] [--rounds 3] [--dir DIR]
     python tools/bench.py async-buffer [--groups 256] [--rounds 3] [--dir DIR]
     python tools/bench.py transferqueue [--groups 1024 (rows)] [--rounds 3] [--dir DIR]
+    python tools/bench.py media [--groups 4096] [--image-kib 1024] [--rounds 3] [--dir DIR]
 
 Every number is printed next to its baseline and the ratio. The workload is
 the GRPO one of diskreplay.synthetic: 8 completions per prompt, prompts ~256
@@ -2631,11 +2632,94 @@ def bench_routing(args) -> None:
     print(f"  (int32 batches are int64 {list(shapes['int32'][1:])}: a ragged int column as collate gives it)")
 
 
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def bench_media(args) -> None:
+    """Media columns: ``--groups`` prompt groups of 8 samples sharing one ``--image-kib`` image per group,
+    stored as a media column (``diskreplay.Media``: one blob per content) against the same bytes stored in
+    every row (a ragged int32 column of the image's bytes, 4 to a value: what a store without media
+    columns holds). Bytes on disk against one copy per group, and the time of a batch of 8 random groups
+    (64 rows): the media store's hashes alone, its hashes and each row's blob served zero-copy
+    (``MediaReader.batch``, a ``memoryview`` of the mapped blob, one per distinct image), the per-row store's
+    bytes (copied into the batch); medians of ``--rounds * 5`` batches, the stores alternating."""
+    from diskreplay import Media, MediaReader
+    size = args.image_kib << 10
+    groups, per, commit_groups = args.groups, 8, 16
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, size, dtype=np.uint8)
+
+    def image(g: int) -> bytes:  # a distinct image per group (its first 8 bytes say which)
+        a = base.copy()
+        a[:8] = np.frombuffer(np.int64(g).tobytes(), np.uint8)
+        return a.tobytes()
+
+    paths = {k: os.path.join(args.dir, f"media-{k}") for k in ("media", "rows")}
+    commit_s = {}
+    for kind, path in paths.items():
+        t = time.perf_counter()
+        with ReplayStore(path) as store:
+            for g0 in range(0, groups, commit_groups):
+                gs = range(g0, min(groups, g0 + commit_groups))
+                keys = np.repeat(np.array(list(gs)), per)
+                imgs = [image(g) for g in gs]
+                rows = [imgs[i // per] for i in range(len(keys))]
+                col = (Media(rows, mime="image/png") if kind == "media"
+                       else [np.frombuffer(r, dtype=np.int32) for r in rows])
+                # the image column alone beside the group key: the stores differ in nothing else
+                store.extend({"prompt_id": keys, "image": col})
+        commit_s[kind] = time.perf_counter() - t
+    disk = {k: _tree_bytes(p) for k, p in paths.items()}
+    one_copy = groups * size
+    print(f"media: {groups} groups x {per} samples sharing one {args.image_kib} KiB image per group "
+          f"({_size(one_copy)} of images, one copy each); commits of {commit_groups} groups")
+    row("", "value", "baseline", "ratio")
+    row("bytes on disk, media column", _size(disk["media"]), f"{_size(one_copy)} (one copy per group)",
+        f"{disk['media'] / one_copy:.3f}x (target <= 1.05x)")
+    row("bytes on disk, bytes in every row", _size(disk["rows"]), f"{_size(one_copy)} (one copy per group)",
+        f"{disk['rows'] / one_copy:.3f}x")
+    row("append time, media / in-row, s", f"{commit_s['media']:.1f}", f"{commit_s['rows']:.1f}",
+        f"{commit_s['media'] / commit_s['rows']:.2f}x")
+    stores = {k: ReplayStore(p, readonly=True) for k, p in paths.items()}
+    reader = MediaReader(stores["media"])
+    draws = [np.sort((rng.choice(groups, 8, replace=False)[:, None] * per + np.arange(per)).reshape(-1))
+             for _ in range(args.rounds * 5)]
+
+    def refs(rows):
+        return stores["media"].read(rows, ["image"])["image"]
+
+    def served(rows):
+        views = reader.batch(stores["media"].read(rows, ["image"])["image"])
+        return sum(v.nbytes for v in views)
+
+    def in_row(rows):
+        return stores["rows"].read(rows, ["image"])["image"].values.nbytes
+
+    fns = {"refs": refs, "served": served, "in-row": in_row}
+    for f in fns.values():
+        f(draws[0])  # warm: pages, buffers
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for rows in draws:
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f(rows)
+            times[k].append((time.perf_counter() - t) * 1e3)
+    for st in stores.values():
+        st.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row("batch of 64 rows (8 groups), hashes only, ms", f"{med['refs']:.3f}", f"{med['in-row']:.2f} (bytes in rows)",
+        f"{med['refs'] / med['in-row']:.4f}x")
+    row("batch of 64 rows, hashes + blobs served, ms", f"{med['served']:.3f}", f"{med['in-row']:.2f} (bytes in rows)",
+        f"{med['served'] / med['in-row']:.4f}x")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("what", choices=["store", "sample", "export", "priorities", "writers", "remote",
-                                      "commit-cpu", "stream", "async-buffer", "transferqueue", "update", "routing"])
+                                      "commit-cpu", "stream", "async-buffer", "transferqueue", "update", "routing",
+                                      "media"])
     p.add_argument("--groups", type=int, default=None, help="prompt groups of 8 rows in the workload "
                    "(default 4096; writers: per writer, and remote: default 1024)")
     p.add_argument("--commits", type=int, default=None,
@@ -2656,6 +2740,7 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="32768,1000000,10000000",
                    help="priorities: live-row counts to measure, comma separated")
     p.add_argument("--profile", action="store_true", help="commit-cpu: cProfile tables of commits and open")
+    p.add_argument("--image-kib", type=int, default=1024, help="media: the size of a group's image, KiB")
     p.add_argument("--steps", type=int, default=41, help="priorities: timed steps per size")
     args = p.parse_args(argv)
     if args.groups is None:
@@ -2665,7 +2750,8 @@ def main(argv=None) -> None:
     run = {"store": bench_store, "export": bench_export, "sample": bench_sample,
            "priorities": bench_priorities, "writers": bench_writers, "remote": bench_remote,
            "commit-cpu": bench_commit_cpu, "stream": bench_stream, "async-buffer": bench_async_buffer,
-           "transferqueue": bench_transferqueue, "update": bench_update, "routing": bench_routing}[args.what]
+           "transferqueue": bench_transferqueue, "update": bench_update, "routing": bench_routing,
+           "media": bench_media}[args.what]
     if args.dir:
         run(args)
         return
