@@ -454,3 +454,45 @@ def test_sigkill_at_each_step_of_a_media_commit(tmp_path, step, mode):
             [image(1)] * 4 + [image(9)] * 2
     report = verify_store(path)
     assert report["ok"], report["problems"]
+
+
+# ------------------------------------------------------------------ batches
+
+
+def _tiny_processor(values):
+    """A Qwen2-VL-shaped image processor: each row's image cut into 14x14 patches, flattened
+    (``pixel_values`` [sum of patches, 3 * 14 * 14]) and its grid (``image_grid_thw`` [B, 3])."""
+    import torch
+
+    pixels, grids = [], []
+    for img in values:
+        h, w = img.shape[0] // 14, img.shape[1] // 14
+        patches = img[:h * 14, :w * 14].reshape(h, 14, w, 14, 3).transpose(0, 2, 4, 1, 3).reshape(h * w, -1)
+        pixels.append(torch.from_numpy(patches.astype(np.float32) / 255))
+        grids.append([1, h, w])
+    return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_collator_processes_each_blob_once_into_a_vlm_batch(tmp_path, layout):
+    import torch
+    from diskreplay import Collator
+
+    rng = np.random.default_rng(0)
+    imgs = {k: rng.integers(0, 256, (28, 14 * (k + 1), 3), dtype=np.uint8) for k in range(3)}
+    keys = [0, 0, 0, 1, 1, 2]
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend({"prompt_id": np.array(keys), "completion_ids": [[1, 2], [3], [4], [5, 6], [7], [8]],
+                      "image": Media([imgs[k] for k in keys])})
+        decoded = []
+        collator = Collator(0, layout=layout, media={"image": _tiny_processor},
+                            media_decode={"image": lambda v, e: decoded.append(e.hash) or np.array(v)})
+        rows = [5, 0, 3, 1]
+        batch = collator.read(store, rows)
+        assert len(decoded) == 3  # one decode per distinct image of the batch, not per row
+        want = _tiny_processor([imgs[keys[r]] for r in rows])
+        assert torch.equal(batch["pixel_values"], want["pixel_values"])
+        assert batch["image_grid_thw"].tolist() == [[1, 2, 3], [1, 2, 1], [1, 2, 2], [1, 2, 1]]
+        assert batch["image"].shape == (4, 4)  # the hashes ride along
+        with pytest.raises(ArgumentError, match="media_decode"):
+            Collator(0, media_decode={"image": lambda v, e: v})

@@ -9,7 +9,7 @@ grown (with headroom) only when a batch needs more.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -41,6 +41,11 @@ class Collator:
     ``schema``: the store's schema (``store.schema``), which declares its
     per-token tensor columns (routed experts: see ``collate``); :meth:`read`
     takes the store's own.
+    ``media``: for a media column (docs/media.md), ``{column: process}``: :meth:`read` serves
+    the batch's blobs (``MediaReader.batch``: one value per row, the rows naming one blob
+    sharing one object, decoded once by ``media_decode[column](value, entry)`` where given) and
+    adds what ``process(values)`` returns (a VLM processor's ``pixel_values``,
+    ``image_grid_thw``, ...) to the batch, which keeps the column's hashes.
 
     **Validity**: the tensors a call returns are views of the collator's
     buffers; the NEXT call on the same collator overwrites them (or, when the
@@ -66,7 +71,8 @@ class Collator:
 
     def __init__(self, pad_token_id: Optional[int] = None, *, layout: str = "padded",
                  batch_dim: bool = True, pin_memory: bool = False, ids_dtype: torch.dtype = torch.int64,
-                 schema: Any = None) -> None:
+                 schema: Any = None, media: Optional[Mapping[str, Callable[[List[Any]], Mapping[str, Any]]]] = None,
+                 media_decode: Optional[Mapping[str, Callable[[Any, Any], Any]]] = None) -> None:
         if layout not in LAYOUTS:
             raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if layout == "padded":
@@ -80,6 +86,11 @@ class Collator:
         self.buffers = GrowingBuffers(pin_memory=bool(pin_memory))
         self.read_buffers: dict = {}  # ReplayStore.read(..., out=) buffers of Collator.read
         self.schema = schema
+        self.media, self.media_decode = dict(media or {}), dict(media_decode or {})
+        if set(self.media_decode) - set(self.media):
+            raise ArgumentError(f"media_decode names {sorted(set(self.media_decode) - set(self.media))}, which media= "
+                                "does not process; give each decoded column a process function in media=")
+        self._readers: Dict[int, Any] = {}  # MediaReader per store read
 
     @_jit.deferring
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,8 +126,28 @@ class Collator:
         schema = self.schema if self.schema is not None else getattr(store, "schema", None)
         if self.layout == "packed" and hasattr(store, "read_ranges"):
             # each value is copied once, from the segments' maps into the stream
-            return self._collate(store.read_ranges(rows, columns), out, schema)
-        return self._collate(store.read(rows, columns, out=self.read_buffers), out, schema)
+            data = store.read_ranges(rows, columns)
+        else:
+            data = store.read(rows, columns, out=self.read_buffers)
+        batch = self._collate(data, out, schema)
+        if self.media:
+            batch.update(self._media(store, data))
+        return batch
+
+    def _media(self, store: Any, data: Mapping[str, Any]) -> Dict[str, Any]:
+        """What the ``media`` processors make of the batch's blobs."""
+        reader = self._readers.get(id(store))
+        if reader is None or reader.store is not store:
+            from ..store.media import MediaReader
+
+            reader = self._readers[id(store)] = MediaReader(store)
+        added: Dict[str, Any] = {}
+        for name, process in self.media.items():
+            if name not in data:
+                raise ArgumentError(f"media= names column {name!r}, which this read does not hold (columns: "
+                                    f"{sorted(data)})")
+            added.update(process(reader.batch(data[name], decode=self.media_decode.get(name))))
+        return added
 
     def unpadded(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """:func:`~diskreplay.batching.padded.collate_unpadded` into this collator's buffers
