@@ -496,3 +496,29 @@ def test_a_collator_processes_each_blob_once_into_a_vlm_batch(tmp_path, layout):
         assert batch["image"].shape == (4, 4)  # the hashes ride along
         with pytest.raises(ArgumentError, match="media_decode"):
             Collator(0, media_decode={"image": lambda v, e: v})
+
+
+def test_a_writer_that_read_the_options_before_media_were_marked_keeps_the_flag(tmp_path, monkeypatch):
+    """Writer b reads the store's options after a's first append fixed the schema and before it marked
+    media in FORMAT.json; b's first update marks patches: FORMAT.json must keep saying media (a
+    diskreplay without media would otherwise take the manifests naming blobs for damaged ones)."""
+    import diskreplay.store.appending as appending
+
+    path = str(tmp_path / "mw")
+    real = appending.mark_media
+    opened = []
+
+    def late_mark(committer, options):
+        opened.append(ReplayStore(path, multi_writer=True))  # reads SCHEMA.json and a FORMAT.json without media
+        return real(committer, options)
+
+    monkeypatch.setattr(appending, "mark_media", late_mark)
+    with ReplayStore(path, multi_writer=True) as a:
+        a.extend({**group([1], per=2), "rewards": np.zeros(2, np.float32)})
+    monkeypatch.undo()
+    (b,) = opened
+    assert not b.options.media
+    b.update([0], {"rewards": [1.0]})
+    b.close()
+    doc = json.load(open(os.path.join(path, "FORMAT.json")))
+    assert doc["version"] == fmt.MEDIA_FORMAT_VERSION and doc["media"] is True and doc["patches"] is True

@@ -104,6 +104,21 @@ class StoreOptions:
             media=media,
         )
 
+    def with_stored_flags(self, root: StorageLike) -> "StoreOptions":
+        """These options with every feature flag the stored FORMAT.json has turned on as well: what a
+        writer that marks a feature (patches, media) writes, so that a writer whose options were read
+        before another marked its feature does not turn that flag off again (flags only go on).
+
+        >>> StoreOptions().with_stored_flags("/nonexistent").media
+        False
+        """
+        try:
+            stored = StoreOptions.read(root)
+        except (OSError, FormatError):
+            return self  # (nothing readable to keep: what this writer knows is all there is)
+        return replace(self, late_columns=self.late_columns or stored.late_columns,
+                       patches=self.patches or stored.patches, media=self.media or stored.media)
+
     def write(self, root: StorageLike) -> None:
         """Write ``FORMAT.json`` into ``root``: a directory or a :class:`~diskreplay.storage.Storage`."""
         as_storage(root).replace(FORMAT_FILE, signed_bytes(self.body()), step="format")

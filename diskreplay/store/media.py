@@ -19,6 +19,7 @@ from .._fileio import crash_point, crc32c
 from ..errors import ArgumentError, RowsEvictedError
 from ..format.media import blob_value, check_blob
 from ..schema import MEDIA_WIDTH, Media, Schema
+from .writing import fresh_id
 
 Blobs = Mapping[bytes, Tuple[dict, Any]]
 
@@ -82,7 +83,7 @@ def media_writes(committer: Any, base: fmt.Manifest, blobs: Blobs, last: Sequenc
                 continue  # stored once: the base's blob serves these rows
             desc, payload = by_hex[h]
             if reserves_ids:
-                bid, rel = committer.storage.reserve(fmt.media_file, at)
+                bid, rel = fresh_id(committer, base, lambda i: committer.storage.reserve(fmt.media_file, i), at)
             else:
                 bid, rel = at, fmt.media_file(at)
             at = bid + 1
@@ -100,7 +101,7 @@ def media_writes(committer: Any, base: fmt.Manifest, blobs: Blobs, last: Sequenc
 def mark_media(committer: Any, options: fmt.StoreOptions) -> fmt.StoreOptions:
     """Say in FORMAT.json (version 7), before the first commit that names a blob, that the store may
     have them, so that a diskreplay without media refuses it rather than misreading it."""
-    marked = dataclasses.replace(options, media=True)
+    marked = dataclasses.replace(options.with_stored_flags(committer.storage), media=True)
     doc = dataclasses.replace(marked, schema=None) if marked.multi_writer else marked
     committer.storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc.body()), step="format")
     crash_point("format.done")

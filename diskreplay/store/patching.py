@@ -25,6 +25,7 @@ from ..schema import COMPLETION_IDS, PROMPT_IDS, RAGGED, Schema, late_column_pro
 from ..segment import encode_ipc
 from . import ops
 from .commits import Commit
+from .writing import fresh_id
 
 ROW = fmt.PATCH_ROW
 
@@ -175,7 +176,8 @@ def commit_patch(at: Any, record: pa.RecordBatch, new_columns: List[Any], token:
     started = boot_clock()
     first = at.manifest.next_segment
     if at.reserves_ids:  # many writers, object storage: the first free name, created only if absent
-        patch_id, rel = storage.link_candidates(fmt.patch_file, data, first, step="segments")
+        patch_id, rel = fresh_id(committer, at.manifest,
+                                 lambda i: storage.link_candidates(fmt.patch_file, data, i, step="segments"))
         try:
             storage.sync_dir(fmt.SEGMENT_DIR)
             crash_point("segments.synced")
@@ -214,8 +216,9 @@ def mark_patches(at: Any, late: bool) -> fmt.StoreOptions:
     """Say in FORMAT.json, before the first commit that names a patch (or adds a column by one),
     that the store may have them, so that a diskreplay without them refuses the store rather than
     misreading it (every writer writes the same document: concurrent ones agree)."""
-    marked = dataclasses.replace(at.options, patches=True, late_columns=at.options.late_columns or late)
     storage = at.committer.storage
+    marked = dataclasses.replace(at.options.with_stored_flags(storage), patches=True,
+                                 late_columns=at.options.late_columns or late)
     doc = dataclasses.replace(marked, schema=None) if marked.multi_writer else marked
     storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc.body()), step="format")
     crash_point("format.done")
