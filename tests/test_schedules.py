@@ -136,6 +136,53 @@ def test_a_writer_stopped_between_its_base_and_its_link_does_not_commit_into_a_c
     assert ran and slots == 1 and fmt.read_floor(path) > int(os.path.basename(ran[0])[:12])
 
 
+def test_a_writer_stopped_before_it_reserves_an_id_never_takes_one_a_commit_named(tmp_path, monkeypatch):
+    """Writer 1 caught up and then stopped, before it reserved its segment's id, for longer than
+    retain_seconds, while writer 2 committed segments, merged them and collected their files: the
+    first free id at writer 1's ``next_segment`` was one writer 2 had committed, and writer 1 took it
+    again. Ids are never reused (docs/FORMAT.md): the cache of an open segment, a writer's small
+    segments kept for merges and a clean-up's bookkeeping all take an id for one file."""
+    path = str(tmp_path / "s")
+    retain = 2 * RETAIN  # (a sweep slower than half of it removes no file: a loaded machine's are slow)
+    a = ReplayStore(path, multi_writer=True, retain_seconds=retain)
+    b = ReplayStore(path)
+    acked = {}
+    _commit(a, acked, 1, [0])
+    named = set()
+    storage = a._committer.storage
+    real = type(storage).reserve
+    ran = []
+
+    def reserve(self, *args, **kwargs):
+        if self is storage and not ran:
+            ran.append(1)
+            # writer 2's segments, merged into one, then commits past a full manifest (the deltas
+            # before it can go), older than retain_seconds when it collects
+            for step in range(60):
+                _commit(b, acked, 2, [step])
+                named.update(e.id for e in b.manifest.segments)
+                if step == 19:
+                    b.compact()
+                if step == 39:
+                    time.sleep(retain + 0.3)
+            for _ in range(5):
+                b._committer.collect(full=True)
+                ran.extend(i for i in named if not os.path.exists(os.path.join(path, fmt.segment_file(i))))
+                if len(ran) > 1:
+                    break
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(storage), "reserve", reserve)
+    _commit(a, acked, 1, [1])
+    monkeypatch.undo()
+    assert len(ran) > 1, "the clean-up freed no id"
+    row = int(acked[(1, 1)][0])
+    mine = {e.id for e in a.manifest.segments if e.first_row <= row < e.first_row + e.num_rows}
+    assert mine and not mine & named, f"writer 1 took ids {sorted(mine & named)} writer 2 had committed"
+    a.close(), b.close()
+    _exactly_once(path, acked)
+
+
 def test_a_suspended_host_does_not_take_a_collected_generation_for_the_newest(tmp_path, monkeypatch):
     """A clock that stops while the host is suspended (``time.monotonic``) told writer 1 that the
     generation it held was the newest moments ago, so it read on from it without probing and took

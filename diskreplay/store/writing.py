@@ -121,7 +121,8 @@ class SegmentWriter:
                 if seg_id is None:
                     # a small segment's name reserved ahead (a large one's fsync hides its directory's)
                     ahead = self._reserve_ahead(committer, options) if data.size < self.merge_policy.max_bytes else {}
-                    sid, rel = storage.reserve(fmt.segment_file, max(self.next_id, manifest.next_segment), **ahead)
+                    sid, rel = fresh_id(committer, manifest,
+                                        lambda first: storage.reserve(fmt.segment_file, first, **ahead), self.next_id)
                     self.next_id = sid + 1
                     self.own_ids[sid] = None
                     if len(self.own_ids) > OWN_IDS:
@@ -188,6 +189,31 @@ class SegmentWriter:
     def clear(self) -> None:
         """Forget the bytes held (the store is closed)."""
         self.small.clear()
+
+
+def fresh_id(committer: "Committer", manifest: fmt.Manifest, reserve: Callable[[int], Tuple[int, str]],
+             first: int = 0) -> Tuple[int, str]:
+    """``reserve(first)`` (which creates the first free name of an id ``>= first``, as
+    ``Storage.reserve`` does) from ``manifest.next_segment`` on, for a writer of many: an id no
+    commit ever named (docs/FORMAT.md, "Names no other writer produces").
+
+    A free name is not enough: a commit may have named the id since ``manifest`` (a writer
+    stopped between its catch-up and this call), a merge dropped it and a clean-up removed its
+    file. That clean-up raised the collection floor past the generation that dropped it, above
+    ``manifest``'s successor; so a floor read after the name was created that is at most that
+    successor proves the id new. Otherwise the name is given back, with the names reserved
+    ahead (made on a base as old), and the newest commit's ``next_segment`` taken instead."""
+    storage = committer.storage
+    base, first = manifest.generation, max(first, manifest.next_segment)
+    while True:
+        i, rel = reserve(first)
+        floor = fmt.read_floor(storage)
+        if floor is None or floor <= base + 1:
+            return i, rel
+        committer.remove_files([rel])
+        storage.release_ahead()
+        newest = committer.newest()
+        base, first = newest.generation, max(i + 1, newest.next_segment)
 
 
 def sidecar_file(options: fmt.StoreOptions, record: pa.RecordBatch, checksums: Optional[PageChecksums],
