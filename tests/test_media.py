@@ -522,3 +522,16 @@ def test_a_writer_that_read_the_options_before_media_were_marked_keeps_the_flag(
     b.close()
     doc = json.load(open(os.path.join(path, "FORMAT.json")))
     assert doc["version"] == fmt.MEDIA_FORMAT_VERSION and doc["media"] is True and doc["patches"] is True
+
+
+def test_a_zarr_export_refuses_a_media_column(tmp_path):
+    from diskreplay.errors import ExportError
+    from diskreplay.export import export
+
+    src = str(tmp_path / "s")
+    with ReplayStore(src) as store:
+        store.extend(group([1], per=2))
+    with pytest.raises(ExportError, match="media column"):
+        export(src, str(tmp_path / "o.zarr"))
+    assert not os.path.exists(tmp_path / "o.zarr")
+    export(src, str(tmp_path / "o.zarr"), columns=["prompt_id", "completion_ids"])

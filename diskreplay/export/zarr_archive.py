@@ -185,6 +185,10 @@ def export_zarr(store: StoreLike, out: Any, *, columns: Optional[Sequence[str]] 
     flt = make_filter(policy_versions, min_reward, limit, reward_key)
     with open_store(store) as st:
         names = check_columns(st, columns)
+        media = [n for n in names if st.schema[n].media]
+        if media:  # its rows hold hashes: an archive of them alone would lose the media
+            raise ExportError(f"column {media[0]!r} is a media column, whose bytes a zarr archive does not hold; "
+                              "export it to parquet or hf (each row's bytes), or leave it out with --columns")
         flt.check(st)
         excluded = Exclusions.of(st, include_excluded)
         if skip_damaged:
