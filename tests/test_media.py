@@ -535,3 +535,23 @@ def test_a_zarr_export_refuses_a_media_column(tmp_path):
         export(src, str(tmp_path / "o.zarr"))
     assert not os.path.exists(tmp_path / "o.zarr")
     export(src, str(tmp_path / "o.zarr"), columns=["prompt_id", "completion_ids"])
+
+
+def test_an_export_fails_on_a_damaged_blob_unless_told_to_skip_its_rows(tmp_path):
+    from diskreplay.export import export, import_rollouts
+
+    src = str(tmp_path / "s")
+    with ReplayStore(src) as store:
+        store.extend(group([1, 2], per=3))
+        e = next(x for x in store.manifest.media if x.last_row == 5)
+    with open(os.path.join(src, e.file), "r+b") as f:
+        f.write(b"\x00\x01")
+    with pytest.raises(CorruptStoreError, match=e.file.split("/")[1]):
+        export(src, str(tmp_path / "o.parquet"))
+    res = export(src, str(tmp_path / "o.parquet"), skip_damaged=True)
+    assert res["rows"] == 3 and res["skipped_rows"] == 3
+    assert res["skipped_damaged"] == [{"file": e.file, "hash": e.hash, "row_ids": [3, 4, 5],
+                                       "why": res["skipped_damaged"][0]["why"]}]
+    import_rollouts(str(tmp_path / "o.parquet"), str(tmp_path / "back"))
+    with ReplayStore(str(tmp_path / "back")) as back:
+        assert [bytes(v) for v in MediaReader(back).batch(back.read(back.row_ids())["image"])] == [image(1)] * 3

@@ -25,6 +25,7 @@ from ._common import (CHUNK_BYTES, META_KEY, TEXT_COLUMNS, Exclusions, StoreLike
                       resolve_tokenizer, tree_size, Retokenized)
 from .outputs import (ExportError, temporary_sibling, atomic_output, check_interrupt, output_format, progress_bar,
                       remove_path, replaceable_dir, replaceable_file)
+from .media import MediaColumns
 from .sources import SkipDamaged
 
 FORMATS = ("parquet", "jsonl", "hf", "zarr")
@@ -376,6 +377,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     ``skip_damaged``: then its rows are left out (the store is not changed) and
     ``skipped_damaged`` lists each one's file, rows and damage, ``skipped_rows``
     counts them (:class:`~diskreplay.export.sources.SkipDamaged`).
+    A media column (docs/media.md, "Exports") holds each row's bytes in Parquet and HF, its
+    hash by reference in JSONL; ``skip_damaged`` also leaves out the rows naming a damaged blob.
     ``versions`` (``{"rewards": "judge-v2"}``) exports a named version of a
     column's values (``ReplayStore.update(..., version=...)``) under the
     column's own name, null/NaN where that version has none (``min_reward``
@@ -447,6 +450,10 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
             for pieces in iter_rows(st, flt, chunk_bytes, bar, excluded):
                 parts = []
                 for rows in pieces:
+                    if media.names and skip_damaged:
+                        rows = media.servable(rows)
+                        if not len(rows):
+                            continue
                     data = st.read(rows, read_cols) if read_cols else {}
                     n = len(rows)
                     arrays = [media.column(data[c]) if c in media.names
@@ -461,7 +468,8 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
                         texts = ([prompt] if "prompt" in ids else []) + completions
                         arrays += [pa.array(t, type=pa.large_string() if large else pa.string()) for t in texts]
                     parts.append(pa.Table.from_arrays(arrays, schema=schema))
-                yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+                if parts:
+                    yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
         try:
             kw = {"compression": compression, "row_group_bytes": chunk_bytes} if format == "parquet" else {}
@@ -477,64 +485,14 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
     if versions:
         res["versions"] = dict(versions)
     if skip_damaged:
-        res.update(skipped_damaged=excluded.skipped_segments(), skipped_rows=excluded.skipped)
+        res.update(skipped_damaged=excluded.skipped_segments() + media.skipped(),
+                   skipped_rows=excluded.skipped + media.skipped_rows)
     if decoder is not None:
         res["retokenize_mismatches"] = checked.bad
         notes += filter(None, [checked.warning("rows", decoder.path, decoder.skip_special_tokens)])
     if notes:
         res["warnings"] = notes
     return res
-
-
-class MediaColumns:
-    """How an export writes a store's media columns (docs/media.md, "Exports"): Parquet and HF hold
-    each row's bytes as ``{"bytes", "path"}`` (the layout of HF's ``Image``/``Audio`` features,
-    which an HF export declares where every blob is an image, or every one audio), with the
-    content hash as ``path``; JSONL holds ``{"hash", "mime"}`` by reference. The export's metadata
-    carries each blob's descriptor (media type, an array's dtype and shape) by hash, so that
-    ``import_rollouts`` stores the same blobs again, bit-exact."""
-
-    def __init__(self, store: Any, names: Sequence[str], format: str, large: bool) -> None:
-        schema = store.schema
-        self.names = [n for n in names if schema[n].media]
-        self.format, self.large = format, large
-        self.entries = {e.hash: e for e in store.manifest.media} if self.names else {}
-        self.reader = None
-        if self.names:
-            from ..store.media import MediaReader
-
-            self.reader = MediaReader(store)
-
-    def _feature(self) -> Optional[bytes]:
-        mimes = {e.mime.split("/")[0] for e in self.entries.values()}
-        return {"image": b"image", "audio": b"audio"}.get(mimes.pop()) if len(mimes) == 1 else None
-
-    def field(self, name: str) -> pa.Field:
-        if self.format == "jsonl":
-            return pa.field(name, pa.struct([("hash", pa.string()), ("mime", pa.string())]))
-        t = pa.struct([("bytes", pa.large_binary() if self.large else pa.binary()),
-                       ("path", pa.large_string() if self.large else pa.string())])
-        feature = self._feature() if self.format == "hf" else None
-        return pa.field(name, t, metadata=None if feature is None else {b"diskreplay.media": feature})
-
-    def metadata(self) -> Dict[str, Any]:
-        if not self.names:
-            return {}
-        return {"media": {h: e.descriptor for h, e in sorted(self.entries.items())}}
-
-    def column(self, refs: Any) -> pa.Array:
-        from ..store.media import hash_rows, hex_of
-
-        words = hash_rows(refs)
-        hashes = [hex_of(w) for w in words]
-        if self.format == "jsonl":
-            mimes = [self.reader.entry(h).mime for h in hashes]
-            return pa.StructArray.from_arrays([pa.array(hashes, pa.string()), pa.array(mimes, pa.string())],
-                                              names=["hash", "mime"])
-        values = self.reader.batch(words, decode=lambda v, e: v.tobytes() if isinstance(v, np.ndarray) else bytes(v))
-        return pa.StructArray.from_arrays(
-            [pa.array(values, pa.large_binary() if self.large else pa.binary()),
-             pa.array(hashes, pa.large_string() if self.large else pa.string())], names=["bytes", "path"])
 
 
 def export_parquet(store: StoreLike, out: Any, **kw: Any) -> Dict[str, Any]:
