@@ -555,3 +555,44 @@ def test_an_export_fails_on_a_damaged_blob_unless_told_to_skip_its_rows(tmp_path
     import_rollouts(str(tmp_path / "o.parquet"), str(tmp_path / "back"))
     with ReplayStore(str(tmp_path / "back")) as back:
         assert [bytes(v) for v in MediaReader(back).batch(back.read(back.row_ids())["image"])] == [image(1)] * 3
+
+
+# ------------------------------------------------------------------ the rule, against a model
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(capacity=st.integers(1, 12),
+       appends=st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=6), st.booleans(),
+                                  st.integers(0, 3)), min_size=1, max_size=25))
+def test_media_entries_are_exactly_the_hashes_live_rows_name(capacity, appends):
+    """Appends (single rows naming hashes 0-5, as a delta or a full manifest) and evictions against a
+    model: after every commit the entries are exactly the hashes some live row names, each with the
+    last row naming it; a hash is written as a new blob only when the base does not name it."""
+    from diskreplay.store import ops
+
+    options = fmt.StoreOptions(capacity_rows=capacity)
+    m = fmt.Manifest()
+    named_by = {}  # row -> hash
+    for hashes, as_delta, evict in appends:
+        base_names = {e.hash for e in m.media}
+        last, new = {}, []
+        for i, h in enumerate(hashes):
+            last["%064x" % h] = i
+        for h in last:
+            if h not in base_names:
+                new.append(fmt.MediaEntry(h, m.next_segment + 1 + len(new), 1, 0, last[h], "image/png"))
+        seg = fmt.SegmentEntry(m.next_segment, m.next_row, len(hashes), 10, 0)
+        op = ops.Append((seg,), len(hashes), None, (), as_delta, tuple(new), tuple(last.items()))
+        for i, h in enumerate(hashes):
+            named_by[m.next_row + i] = "%064x" % h
+        m = ops.apply(m, op, options)
+        if evict:
+            m = ops.apply(m, ops.Evict(m.head + evict), options)
+        live = {r: h for r, h in named_by.items() if r >= m.head}
+        want = {}
+        for r, h in live.items():
+            want[h] = max(want.get(h, -1), r)
+        assert {e.hash: e.last_row for e in m.media} == want
+        assert fmt.Manifest.from_dict(json.loads(m.file_bytes()), "m") == m
