@@ -292,6 +292,25 @@ def test_a_clean_ups_hold_on_a_file_a_writer_opens_does_not_end_its_leases(tmp_p
     assert os.path.exists(os.path.join(path, rel)) and os.path.exists(os.path.join(path, sidecar))
     _, later = mine.reserve(fmt.segment_file, 2000)
     assert theirs.hold([later]) == {}, "a file the writer created later is not leased"
+    # a hold that ends with the file removed: the writer's data goes to a new file under the name,
+    # not to the removed one
+    sid, rel = mine.reserve(fmt.segment_file, 3000)
+    sidecar = fmt.groups_file(sid)
+    with open(os.path.join(path, sidecar), "wb") as f:
+        f.write(b"another abandoned commit's sidecar")
+    held = theirs.hold([sidecar])
+
+    def clean_up():
+        time.sleep(0.05)
+        theirs.remove_held(sidecar, held[sidecar])
+        theirs.unhold(held)
+
+    gone = threading.Thread(target=clean_up)
+    gone.start()
+    mine.write_files([(rel, b"in flight", None), (sidecar, b"its groups", None)])
+    gone.join()
+    with open(os.path.join(path, sidecar), "rb") as f:
+        assert f.read() == b"its groups"
     mine.release_leases()
     a.close(), b.close()
 

@@ -329,8 +329,12 @@ class LocalStorage(Publisher):
         stopped) fails the commit before anything is published."""
         for _ in range(LEASE_OPENS):
             fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            if self._lease(fd):
-                return fd
+            try:
+                # leased once the hold ended; the clean-up may have removed the file meanwhile
+                if self._lease(fd) and (not self.holds_leases or self._still_mine(rel, fd)):
+                    return fd
+            except OSError:
+                pass
             _close(fd)
         raise StoreIOError(errno.EAGAIN, f"a clean-up kept {rel} held while this commit was writing it; nothing "
                            "was committed: try the call again", self.local_path(rel))
