@@ -240,13 +240,26 @@ def test_a_damaged_blob_is_named_by_verify_never_served_and_repair_drops_it(tmp_
             MediaReader(store).get(refs[1])
     actions = repair_store(path)["actions"]
     assert any("dropping the damaged media blob" in a for a in actions)
-    assert verify_store(path)["ok"]
+    report = verify_store(path)
+    assert report["ok"] and any("rows [4, 5, 6, 7] name the media blob" in w for w in report["warnings"])
     with ReplayStore(path) as store:
         assert len(store) == 8 and store.read([4])["completion_ids"][0].tolist() == [4]  # the rows stay
         with pytest.raises(RowsEvictedError, match="repair"):
             MediaReader(store).get(store.read([4])["image"][0])
         store.extend(group([2], per=1))  # the same content again: stored again, the old rows read it
         assert bytes(MediaReader(store).get(store.read([4])["image"][0])) == image(2)
+    assert verify_store(path)["warnings"] == []
+
+
+def test_verify_names_a_row_whose_blob_entry_would_be_freed_before_it(tmp_path):
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        store.extend(group([1], per=3))
+        m = store.manifest
+    forged = m.evolve(generation=m.generation + 1, media=(fmt.evolve(m.media[0], {"last_row": 1}),))
+    forged.write(path)
+    report = verify_store(path)
+    assert not report["ok"] and "row 2 names the media blob" in report["problems"][0]
 
 
 def test_an_older_diskreplay_refuses_a_store_with_media(tmp_path):

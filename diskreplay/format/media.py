@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
+import pyarrow as pa
 
 from .._fileio import crc32c
-from ..errors import CommitConflictError, CorruptStoreError, FormatError
-from ..schema import ARRAY_MIME, media_hash
+from ..errors import ArgumentError, CommitConflictError, CorruptStoreError, FormatError
+from ..schema import ARRAY_MIME, MEDIA_WIDTH, media_hash
 from .entries import MediaEntry
 from .jsondoc import evolve
 from .names import MEDIA_MANIFEST_VERSION
@@ -120,3 +121,22 @@ def delta_media(doc: Mapping[str, Any], num_rows: int, where: str) -> Dict[str, 
     if not {e.hash for e in media} <= {h for h, _ in pairs}:
         raise FormatError(f"Unsupported media in {where}: a blob no row of the append names")
     return {"media": media, "media_last": tuple(pairs)}
+
+
+def hash_rows(col: Any) -> np.ndarray:
+    """A media column's rows (Arrow ``fixed_size_list<int64, 4>`` or a ``[n, 4]`` array) as
+    ``[n, 4]`` int64."""
+    if isinstance(col, (pa.Array, pa.ChunkedArray)):
+        if isinstance(col, pa.ChunkedArray):
+            col = col.combine_chunks()
+        return np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.int64).reshape(-1, MEDIA_WIDTH)
+    arr = np.asarray(col)
+    if arr.ndim != 2 or arr.shape[1] != MEDIA_WIDTH or arr.dtype.kind not in "iu":
+        raise ArgumentError(f"media references must be [n, {MEDIA_WIDTH}] int64 (a media column as read), got "
+                            f"{arr.dtype}{list(arr.shape)}")
+    return arr.astype(np.int64, copy=False)
+
+
+def hex_of(words: np.ndarray) -> str:
+    """The content hash (64 hex digits) of one media row (four int64)."""
+    return np.ascontiguousarray(words, dtype="<i8").tobytes().hex()

@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import pyarrow as pa
 
 from .. import format as fmt
 from .._fileio import crash_point, crc32c
-from ..errors import ArgumentError, RowsEvictedError
-from ..format.media import blob_value, check_blob
-from ..schema import MEDIA_WIDTH, Media, Schema
+from ..errors import RowsEvictedError
+from ..format.media import blob_value, check_blob, hash_rows, hex_of
+from ..schema import Media, Schema
 from .writing import fresh_id
 
 Blobs = Mapping[bytes, Tuple[dict, Any]]
@@ -33,25 +32,6 @@ def pending_media(batch: Any) -> Optional[Dict[bytes, Tuple[dict, Any]]]:
         if isinstance(v, Media):
             out.update(v.blobs(str(name))[1])  # (hashed once: normalize_batch asked already)
     return out or None
-
-
-def hash_rows(col: Any) -> np.ndarray:
-    """A media column's rows (Arrow ``fixed_size_list<int64, 4>`` or a ``[n, 4]`` array) as
-    ``[n, 4]`` int64."""
-    if isinstance(col, (pa.Array, pa.ChunkedArray)):
-        if isinstance(col, pa.ChunkedArray):
-            col = col.combine_chunks()
-        return np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.int64).reshape(-1, MEDIA_WIDTH)
-    arr = np.asarray(col)
-    if arr.ndim != 2 or arr.shape[1] != MEDIA_WIDTH or arr.dtype.kind not in "iu":
-        raise ArgumentError(f"media references must be [n, {MEDIA_WIDTH}] int64 (a media column as read), got "
-                            f"{arr.dtype}{list(arr.shape)}")
-    return arr.astype(np.int64, copy=False)
-
-
-def hex_of(words: np.ndarray) -> str:
-    """The content hash (64 hex digits) of one media row (four int64)."""
-    return np.ascontiguousarray(words, dtype="<i8").tobytes().hex()
 
 
 def media_last_rows(record: pa.RecordBatch, schema: Schema) -> Tuple[Tuple[str, int], ...]:

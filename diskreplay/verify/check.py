@@ -128,6 +128,7 @@ def _verify_once(files: "StoreFiles", progress: bool) -> "Report":
                 _check_patch(r, p, options, bar)
             for e in newest.media:
                 _check_media(r, e, bar)
+            _check_media_rows(r, newest, options)
             for log in newest.token_logs:
                 problem = _check_checksum(r, log.file, log.bytes, log.crc32c, bar)
                 if problem:
@@ -486,6 +487,38 @@ def _check_media(r: Report, e: fmt.MediaEntry, bar: Any) -> None:
             fmt_media.check_blob(f.read(), e, where_in(r.files, e.file), content=True)
     except CorruptStoreError as exc:
         r.problem(str(exc) + what)
+
+
+def _check_media_rows(r: Report, m: fmt.Manifest, options: Optional[fmt.StoreOptions]) -> None:
+    """Every live row's media hash is named by an entry whose ``last_row`` is at or after the row
+    (else eviction could free a blob a live row names: a problem). A hash no entry names is a
+    warning: ``repair`` dropped its damaged blob, and an append of the same content mends it."""
+    names = [c.name for c in options.schema.columns.values() if c.media] if options and options.schema else []
+    if not names:
+        return
+    last = {e.hash: e.last_row for e in m.media}
+    unnamed: Dict[str, List[int]] = {}
+    for s in m.segments:
+        try:
+            with open(r.files.local(s.file, s.bytes), "rb") as f:
+                record = pa.ipc.open_file(pa.py_buffer(f.read())).get_batch(0)
+        except Exception:
+            continue  # (the segment's own check reports it)
+        skip = max(0, m.head - s.first_row)
+        for name in names:
+            if name not in record.schema.names:
+                continue
+            for i, w in enumerate(fmt_media.hash_rows(record.column(name).slice(skip))):
+                row, h = s.first_row + skip + i, fmt_media.hex_of(w)
+                if h not in last:
+                    unnamed.setdefault(h, []).append(row)
+                elif last[h] < row:
+                    r.problem(f"{where_in(r.files, m.file)}: row {row} names the media blob {h[:16]}... whose entry "
+                              f"says its last row is {last[h]}: eviction would free it while the row lives")
+    for h, rows in unnamed.items():
+        r.warn(f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} name the media blob {h[:16]}..., which "
+               f"{where_in(r.files, m.file)} does not name (repair dropped it as damaged): their media cannot be "
+               "read until an append of the same content stores it again")
 
 
 def referenced_files(manifests: Iterable[fmt.Manifest]) -> Set[str]:
