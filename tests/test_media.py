@@ -609,3 +609,14 @@ def test_media_entries_are_exactly_the_hashes_live_rows_name(capacity, appends):
             want[h] = max(want.get(h, -1), r)
         assert {e.hash: e.last_row for e in m.media} == want
         assert fmt.Manifest.from_dict(json.loads(m.file_bytes()), "m") == m
+
+
+def test_info_counts_the_blobs(tmp_path):
+    from diskreplay.export.info import format_info, store_info
+
+    path = str(tmp_path / "s")
+    with ReplayStore(path) as store:
+        store.extend(group([1, 2], per=4))
+    info = store_info(path)
+    assert info["media"] == {"blobs": 2, "bytes": 2 * len(image(1))}
+    assert "media       2 blobs" in format_info(info)

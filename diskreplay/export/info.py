@@ -153,6 +153,9 @@ def store_info(store: StoreLike, *, progress: bool = False, version_key: str = "
             "capacity_bytes": st.capacity_bytes, "columns": columns,
             "multi_writer": st.multi_writer, "retain_seconds": _retain_seconds(st),
             "commit_stats": commit_stats(st.manifest),
+            # media blobs live rows name, each content once (docs/media.md)
+            "media": ({"blobs": len(st.manifest.media), "bytes": sum(e.bytes for e in st.manifest.media)}
+                      if st.manifest.media else None),
             # every file (retained commits' files, merge inputs, commits in flight), not the live rows' only
             "disk_bytes": tree_size(st.path) if st.storage.can_map else None,
         }
@@ -253,6 +256,8 @@ def format_info(info: Dict[str, Any]) -> str:
                      "the 'trl.replay' state); "
                      + ("counted below (--include-excluded)" if ex["included"] else
                         "left out below and by export, pairs and best-of-n (--include-excluded to use them)"))
+    if info.get("media"):
+        lines.append(f"media       {info['media']['blobs']:,} blobs, {info['media']['bytes']:,} bytes (each content once)")
     if info.get("tokens"):
         lines.append("tokens      " + ", ".join(f"{k} {v:,}" for k, v in info["tokens"].items()))
     if info.get("policy_version"):
@@ -262,7 +267,7 @@ def format_info(info: Dict[str, Any]) -> str:
         lines.append("columns")
         w = max(len(c["name"]) for c in info["columns"])
         for c in info["columns"]:
-            extra = f"[{c['width']}]" if c.get("width") else ""
+            extra = " (media: content hashes)" if c.get("media") else f"[{c['width']}]" if c.get("width") else ""
             align = f"  aligned with {c['align']}" if c.get("align") else ""
             late = f"  from row {c['since_row']}" if c.get("since_row") is not None else ""
             patched = (f"  {c['patches']} patch{'' if c['patches'] == 1 else 'es'} not yet folded (compact folds "
