@@ -192,8 +192,8 @@ class Media:
     """A media column for ``extend``: one image, video, audio clip or array per row, stored once
     per content (docs/media.md). A row is ``bytes`` (encoded media, ``mime`` says what they are:
     one type for the column or one per row) or a numpy array (stored as its raw C-order bytes with
-    its dtype and shape, mime ``application/x-array``; object arrays are refused: nothing is
-    pickled). Rows with equal content (a group's samples sharing their prompt's image) name one
+    its dtype and shape, mime ``application/x-array``; a torch tensor as its numpy array; object
+    arrays are refused: nothing is pickled). Rows with equal content (a group's samples sharing their prompt's image) name one
     blob; the column reads back as the content hashes, ``[n, 4]`` int64, which
     :class:`~diskreplay.MediaReader` turns into bytes.
 
@@ -242,6 +242,9 @@ class Media:
             if known is not None:
                 words[i] = known
                 continue
+            if hasattr(v, "detach") and hasattr(v, "numpy"):  # a torch tensor (bfloat16 has no numpy dtype)
+                t = v.detach().cpu()
+                v = (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()
             if isinstance(v, np.ndarray):
                 if v.dtype.hasobject or v.dtype.fields is not None:
                     raise BatchError(f"column {name!r} row {i} is an array of {v.dtype}; media arrays hold numbers "

@@ -620,3 +620,15 @@ def test_info_counts_the_blobs(tmp_path):
     info = store_info(path)
     assert info["media"] == {"blobs": 2, "bytes": 2 * len(image(1))}
     assert "media       2 blobs" in format_info(info)
+
+
+def test_a_torch_tensor_row_is_stored_as_its_array(tmp_path):
+    import torch
+
+    with ReplayStore(str(tmp_path / "s")) as store:
+        t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+        store.extend({"prompt_id": [1, 1], "completion_ids": [[1], [2]],
+                      "pixels": Media([t, t.float().numpy()])})  # bfloat16 is stored as float32: one blob
+        assert len(store.manifest.media) == 1
+        got = MediaReader(store).get(store.read([0])["pixels"][0])
+        assert got.dtype == np.float32 and got.tolist() == [[0, 1, 2], [3, 4, 5]]
