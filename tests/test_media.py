@@ -300,27 +300,33 @@ def test_writers_killed_at_random_store_each_blob_once_and_every_acknowledged_ro
     path = str(tmp_path / "mw")
     ReplayStore(path, multi_writer=True).close()
     rng = random.Random(5)
-    batches, writers = 12, 3
+    batches, writers = 24, 3
     acked = {w: {} for w in range(writers)}
     nxt = {w: 0 for w in range(writers)}
-    kills = 0
+    kills = mid_run = 0
     env = child_env()
     while any(nxt[w] < batches for w in range(writers)):
         procs = {w: subprocess.Popen([sys.executable, "-c", _WRITER, path, str(w), str(nxt[w]), str(batches)],
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
                  for w in range(writers) if nxt[w] < batches}
-        time.sleep(rng.uniform(0.3, 1.5))
-        victim = rng.choice(list(procs))
-        procs[victim].send_signal(signal.SIGKILL)
-        kills += 1
+        victim, early = None, {}
+        if kills < 4:  # then a last round runs every writer to its end
+            # SIGKILL a writer after its k-th acknowledged batch: mid-run, whatever the machine's speed
+            victim, k = rng.choice(list(procs)), rng.randint(1, 4)
+            early[victim] = [procs[victim].stdout.readline() for _ in range(k)]
+            time.sleep(rng.uniform(0, 0.02))  # (somewhere in its next commit)
+            procs[victim].send_signal(signal.SIGKILL)
+            kills += 1
         for w, p in procs.items():
             out, _ = p.communicate(timeout=120)
-            for line in out.splitlines():
+            lines = [line for line in early.get(w, []) + out.splitlines() if line.strip()]
+            mid_run += w == victim and bool(lines)
+            for line in lines:
                 _, i, first = line.split()
                 acked[w][int(i)] = int(first)
             # a killed writer re-sends its last unacknowledged batch with its token
             nxt[w] = max(acked[w]) + 1 if acked[w] else 0
-    assert kills >= 1
+    assert kills == 4 and mid_run >= 3, (kills, mid_run)
     with ReplayStore(path, multi_writer=True) as store:
         m = store.manifest
         assert len(store) == writers * batches * 8  # every batch exactly once
