@@ -249,7 +249,7 @@ class Media:
                 if v.dtype.hasobject or v.dtype.fields is not None:
                     raise BatchError(f"column {name!r} row {i} is an array of {v.dtype}; media arrays hold numbers "
                                      "(nothing is pickled)")
-                v = np.ascontiguousarray(v)
+                v = v if v.flags.c_contiguous else v.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
                 desc: dict = {"mime": ARRAY_MIME, "dtype": v.dtype.str, "shape": [int(x) for x in v.shape]}
                 payload: Any = memoryview(v).cast("B") if v.size else b""
             elif isinstance(v, (bytes, bytearray, memoryview)):

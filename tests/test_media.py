@@ -638,3 +638,13 @@ def test_a_torch_tensor_row_is_stored_as_its_array(tmp_path):
         assert len(store.manifest.media) == 1
         got = MediaReader(store).get(store.read([0])["pixels"][0])
         assert got.dtype == np.float32 and got.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_array_rows_keep_their_shape_and_dtype_bit_exact(tmp_path):
+    rows = [np.array(5), np.zeros((0, 3), np.float32), np.array([True, False]), np.arange(12).reshape(3, 4)[:, ::2],
+            np.array([1.5], dtype=np.float16)]
+    with ReplayStore(str(tmp_path / "s")) as store:
+        store.extend({"prompt_id": [1] * 5, "completion_ids": [[1]] * 5, "x": Media(rows)})
+        got = MediaReader(store).batch(store.read(store.row_ids())["x"])
+    for a, b in zip(rows, got):
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
