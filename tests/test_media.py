@@ -648,3 +648,17 @@ def test_array_rows_keep_their_shape_and_dtype_bit_exact(tmp_path):
         got = MediaReader(store).batch(store.read(store.row_ids())["x"])
     for a, b in zip(rows, got):
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_an_export_cuts_its_chunks_by_the_media_bytes_its_rows_name(tmp_path):
+    import pyarrow.parquet as pq
+    from diskreplay.export import export
+
+    src = str(tmp_path / "s")
+    with ReplayStore(src) as store:
+        store.extend(group(list(range(6)), per=4))  # 24 rows of 32 bytes name 6 images of 301 bytes
+    out = str(tmp_path / "o.parquet")
+    export(src, out, chunk_bytes=700)  # about two images' bytes a row group
+    f = pq.ParquetFile(out)
+    assert f.metadata.num_row_groups >= 10 and f.metadata.num_rows == 24
+    assert [r["bytes"] for r in f.read()["image"].to_pylist()] == [image(k) for k in range(6) for _ in range(4)]

@@ -70,6 +70,34 @@ class MediaColumns:
         self.skipped_rows += int((~keep).sum())
         return rows[keep]
 
+    def split(self, pieces: Sequence[np.ndarray], chunk_bytes: int, skip_damaged: bool) -> List[np.ndarray]:
+        """The rows of ``pieces`` (less those naming a damaged blob, with ``skip_damaged``) cut so that each
+        piece's media bytes stay within about ``chunk_bytes`` (one row at least): a chunk planned by
+        the rows' own bytes (32 a media row) would otherwise hold the bytes of every blob they name."""
+        out: List[np.ndarray] = []
+        for rows in pieces:
+            if skip_damaged:
+                rows = self.servable(rows)
+            if not len(rows):
+                continue
+            if self.format == "jsonl":  # (by reference: no bytes)
+                out.append(rows)
+                continue
+            data = self.store.read(rows, self.names)
+            sizes = np.zeros(len(rows), dtype=np.int64)
+            for name in self.names:
+                for i, w in enumerate(hash_rows(data[name])):
+                    e = self.entries.get(hex_of(w))
+                    sizes[i] += e.bytes if e is not None else 0
+            ends = np.cumsum(sizes)
+            start = 0
+            while start < len(rows):
+                before = int(ends[start - 1]) if start else 0
+                stop = max(start + 1, int(np.searchsorted(ends, before + chunk_bytes, side="right")))
+                out.append(rows[start:stop])
+                start = stop
+        return out
+
     def skipped(self) -> List[Dict[str, Any]]:
         """The damaged blobs ``--skip-damaged`` left rows out for: file, rows, damage."""
         out = []

@@ -448,28 +448,30 @@ def export(store: StoreLike, out: Any, format: Optional[str] = None, *, columns:
 
         def tables() -> Iterator[pa.Table]:
             for pieces in iter_rows(st, flt, chunk_bytes, bar, excluded):
-                parts = []
-                for rows in pieces:
-                    if media.names and skip_damaged:
-                        rows = media.servable(rows)
-                        if not len(rows):
-                            continue
-                    data = st.read(rows, read_cols) if read_cols else {}
-                    n = len(rows)
-                    arrays = [media.column(data[c]) if c in media.names
-                              else column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
-                              for c in names]
-                    if text_cols:
-                        ids = {c: data[f"{c}_ids"] for c in text_cols}
-                        prompt, completions, bad = decoder.texts(
-                            ids.get("prompt"), [ids[c] for c in text_cols if c != "prompt"], n,
-                            [f"{c}_ids" for c in TEXT_COLUMNS])
-                        checked.add(bad, [f"row {i}" for i in rows])
-                        texts = ([prompt] if "prompt" in ids else []) + completions
-                        arrays += [pa.array(t, type=pa.large_string() if large else pa.string()) for t in texts]
-                    parts.append(pa.Table.from_arrays(arrays, schema=schema))
+                if media.names:  # a chunk's rows may name far more media bytes than their own: cut it
+                    pieces = media.split(pieces, chunk_bytes, skip_damaged)
+                    for rows in pieces[:-1]:
+                        yield table_of(rows)
+                    pieces = pieces[-1:]
+                parts = [table_of(rows) for rows in pieces if len(rows)]
                 if parts:
                     yield parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+        def table_of(rows: np.ndarray) -> pa.Table:
+            data = st.read(rows, read_cols) if read_cols else {}
+            n = len(rows)
+            arrays = [media.column(data[c]) if c in media.names
+                      else column_to_arrow(st.schema[c], data[c], n, large, late=c in st.schema.late)
+                      for c in names]
+            if text_cols:
+                ids = {c: data[f"{c}_ids"] for c in text_cols}
+                prompt, completions, bad = decoder.texts(
+                    ids.get("prompt"), [ids[c] for c in text_cols if c != "prompt"], n,
+                    [f"{c}_ids" for c in TEXT_COLUMNS])
+                checked.add(bad, [f"row {i}" for i in rows])
+                texts = ([prompt] if "prompt" in ids else []) + completions
+                arrays += [pa.array(t, type=pa.large_string() if large else pa.string()) for t in texts]
+            return pa.Table.from_arrays(arrays, schema=schema)
 
         try:
             kw = {"compression": compression, "row_group_bytes": chunk_bytes} if format == "parquet" else {}
