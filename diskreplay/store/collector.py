@@ -525,7 +525,7 @@ def _file_keys(m: fmt.Manifest, before: Optional[Tuple[int, fmt.Manifest, frozen
     objects (a delta's manifest keeps its base's states, token logs and index) is not named again."""
     prev = before[1] if before is not None else None
     if prev is not None and m.states is prev.states and m.token_logs is prev.token_logs \
-            and m.group_index is prev.group_index:
+            and m.group_index is prev.group_index and m.media is prev.media:  # (an append delta may name blobs)
         if m.segments is prev.segments:
             return before[2]
         # only segments changed (an append, a merge): the other keys are the strings of the keys before
