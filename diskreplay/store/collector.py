@@ -518,14 +518,18 @@ def _generation_of(rel: str) -> int:
     return int(rel.rsplit("/", 1)[-1].split(".", 1)[0])
 
 
+#: the manifest's fields naming files besides its segments (``Manifest.files_besides_segments``)
+_FILE_LISTS = ("states", "token_logs", "patches", "media", "group_index", "segment_table")
+
+
 def _file_keys(m: fmt.Manifest, before: Optional[Tuple[int, fmt.Manifest, frozenset]] = None) -> frozenset:
     """The files ``m`` names, a segment (and its sidecar) by its id: a sweep compares the files of
     thousands of generations, and two names per segment cost 10x the ids (:func:`_file_names`).
     ``before``: the generation before, its manifest and its keys; what ``m`` holds as the same
     objects (a delta's manifest keeps its base's states, token logs and index) is not named again."""
     prev = before[1] if before is not None else None
-    if prev is not None and m.states is prev.states and m.token_logs is prev.token_logs \
-            and m.group_index is prev.group_index and m.media is prev.media:  # (an append delta may name blobs)
+    # (an append delta may name blobs: any file list a delta changes is read whole)
+    if prev is not None and all(getattr(m, f) is getattr(prev, f) for f in _FILE_LISTS):
         if m.segments is prev.segments:
             return before[2]
         # only segments changed (an append, a merge): the other keys are the strings of the keys before
