@@ -567,3 +567,21 @@ def test_the_plain_pyarrow_recipe_of_format_md(late_store):
     assert table.num_rows == 6 and table.column("score").to_pylist() == want_score
     got = table.column(LATE).to_pylist()
     assert [None if g is None else pytest.approx(g) for g in got] == want_logps
+
+
+def test_a_writer_with_stale_options_adding_a_late_column_keeps_the_patches_flag(tmp_path):
+    """Writer b read the store's options before writer a's first update marked patches in FORMAT.json;
+    b's first late column marks late columns from those options: FORMAT.json must keep saying patches
+    (a diskreplay without patches would otherwise take the manifests naming them for damaged ones)."""
+    path = str(tmp_path / "mw")
+    a = ReplayStore(path, multi_writer=True)
+    a.extend({"prompt_id": [1, 1], "rewards": np.zeros(2, np.float32)})
+    b = ReplayStore(path)
+    a.update([0], {"rewards": [1.0]})
+    b.extend({"prompt_id": [2, 2], "rewards": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32)})
+    a.close(), b.close()
+    with open(os.path.join(path, "FORMAT.json")) as f:
+        doc = json.load(f)
+    assert doc["patches"] is True and doc["late_columns"] is True, doc
+    with ReplayStore(path, readonly=True) as r:
+        assert r.read([0], ["rewards"])["rewards"].tolist() == [1.0]

@@ -301,7 +301,8 @@ def mark_late_columns(storage: Storage, committer: "Committer", options: fmt.Sto
     """Say in FORMAT.json, before the first commit that adds a late column, that the store may have
     some, so that a diskreplay without them refuses the store rather than misreading it (every
     writer writes the same document: concurrent ones agree)."""
-    marked = dataclasses.replace(options, late_columns=True)
+    # (the flags another writer turned on since these options were read stay on)
+    marked = dataclasses.replace(options.with_stored_flags(committer.storage), late_columns=True)
     if options.multi_writer:  # its schema stays in SCHEMA.json
         doc = dataclasses.replace(marked, schema=None).body()
         committer.storage.replace(fmt.FORMAT_FILE, fmt.signed_bytes(doc), step="format")
