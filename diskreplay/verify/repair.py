@@ -8,7 +8,7 @@ person can inspect them.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import pyarrow as pa
 
@@ -373,31 +373,30 @@ class _Repair:
     def _drop_damaged_patches(self, m: fmt.Manifest) -> fmt.Manifest:
         """``m`` without its damaged patches, committed: the rows they held values for read their
         older values again (a segment's, an older patch's); nothing else is lost."""
-        bad = [p for p in m.patches if not self._good(p.file, p.bytes, p.crc32c)]
-        if not bad:
-            return m
-        for p in bad:
-            self.actions.append(f"dropping the damaged patch {p.file}: its values of {', '.join(p.columns)} for "
-                                f"{p.num_rows} rows in [{p.first_row}, {p.end_row})"
-                                + (f" (version {p.version!r})" if p.version else "") + " are lost, those rows read "
-                                "their older values; an update that wrote it is found committed by its token: "
-                                "send it again under a new token")
-        new_m = m.evolve(generation=m.generation + 1, patches=tuple(p for p in m.patches if p not in bad))
-        self._commit(new_m)
-        return new_m
+        return self._drop_damaged(m, "patches", lambda p: (
+            f"dropping the damaged patch {p.file}: its values of {', '.join(p.columns)} for {p.num_rows} rows in "
+            f"[{p.first_row}, {p.end_row})" + (f" (version {p.version!r})" if p.version else "") + " are lost, those "
+            "rows read their older values; an update that wrote it is found committed by its token: send it again "
+            "under a new token"))
 
     def _drop_damaged_media(self, m: fmt.Manifest) -> fmt.Manifest:
         """``m`` without its damaged or missing media blobs, committed: the rows naming one keep their
         other columns, and reads of their media raise an error naming the blob; a later append of the
         same content stores it again, and they read it (docs/FORMAT.md, "Media")."""
-        bad = [e for e in m.media if not self._good(e.file, e.bytes, e.crc32c)]
+        return self._drop_damaged(m, "media", lambda e: (
+            f"dropping the damaged media blob {e.file} ({e.mime}, {e.hash[:16]}...): the rows naming it (up to row "
+            f"{e.last_row}) keep their other columns, and reads of its bytes raise an error until an append of the "
+            "same content stores it again"))
+
+    def _drop_damaged(self, m: fmt.Manifest, field: str, action: Callable[[Any], str]) -> fmt.Manifest:
+        """``m`` without the entries of its list ``field`` whose file is damaged or missing, committed
+        (``m`` itself where none is), with ``action(entry)`` said for each one dropped."""
+        entries = getattr(m, field)
+        bad = [e for e in entries if not self._good(e.file, e.bytes, e.crc32c)]
         if not bad:
             return m
-        for e in bad:
-            self.actions.append(f"dropping the damaged media blob {e.file} ({e.mime}, {e.hash[:16]}...): the rows "
-                                f"naming it (up to row {e.last_row}) keep their other columns, and reads of its "
-                                "bytes raise an error until an append of the same content stores it again")
-        new_m = m.evolve(generation=m.generation + 1, media=tuple(e for e in m.media if e not in bad))
+        self.actions.extend(action(e) for e in bad)
+        new_m = m.evolve(generation=m.generation + 1, **{field: tuple(e for e in entries if e not in bad)})
         self._commit(new_m)
         return new_m
 
