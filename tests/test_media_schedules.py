@@ -166,6 +166,45 @@ def test_a_blob_first_named_by_an_append_delta_outlives_the_retention(tmp_path):
         assert all(_expected_media_ok(v, FREQUENT + i // 2) for i, v in enumerate(values))
 
 
+def test_an_append_whose_blob_is_evicted_and_stored_again_by_others_before_it_replans_commits(tmp_path):
+    """The schedule the capacity campaign below met: an append names a blob its base names; before it
+    commits, another writer's commit evicts that blob's rows (the append conflicts), and before the
+    writer looks at the newest commit to plan again, a third commit stores the same content again (a new
+    entry of the same hash). The append is planned again and commits (docs/FORMAT.md, "Media": the
+    writer plans it again on the newest manifest), it does not fail with the conflict."""
+    path = str(tmp_path / "mw")
+    with ReplayStore(path, multi_writer=True, capacity=6) as a, \
+            ReplayStore(path, multi_writer=True, capacity=6) as b:
+        seven = lambda n: {"prompt_id": np.full(n, 7), "completion_ids": [[1]] * n,  # noqa: E731
+                           "image": Media([content(5)[0]] * n, mime="image/png")}
+        eight = {"prompt_id": np.full(6, 8), "completion_ids": [[2]] * 6,
+                 "image": Media([content(6)[0]] * 6, mime="image/png")}
+        a.extend(seven(2))  # rows 0-1 name content 7
+        first_id = a.manifest.media[0].id
+        real, calls = a._committer.newest, []
+
+        def newest():
+            calls.append(1)  # 1: the catch-up before planning; 2: the commit's base; 3: the look before replanning
+            if len(calls) == 2:
+                b.extend(eight)  # evicts rows 0-1, and content 7's entry with them: a's append conflicts
+            elif len(calls) == 3:
+                b.extend(seven(1))  # content 7 stored again (another entry) before a plans again
+            return real()
+
+        a._committer.newest = newest
+        try:
+            rows = a.extend(seven(2), token="a:1")
+        finally:
+            del a._committer.newest
+        assert len(calls) >= 3
+        a.refresh()
+        [e] = [e for e in a.manifest.media if bytes(MediaReader(a).get(e.hash)) == content(5)[0]]
+        assert e.id != first_id and rows.tolist() == [9, 10] and e.last_row == 10
+        assert [bytes(v) for v in MediaReader(a).batch(a.read(rows)["image"])] == [content(5)[0]] * 2
+    report = verify_store(path)
+    assert report["ok"], report["problems"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, 40])
 def test_media_writers_stopped_past_retention_killed_and_a_jumped_clock_every_batch_once_bit_exact(
