@@ -88,10 +88,13 @@ class Appender:
             except CommitConflictError:
                 if not last or attempt == MEDIA_REPLANS:
                     raise
+                planned = {e.hash: e.id for e in at.manifest.media}
                 newest = at.committer.newest()
-                named = {e.hash for e in newest.media}
-                if all(h in named for h, _ in last):
-                    raise  # (not a blob evicted since: another conflict)
+                named = {e.hash: e.id for e in newest.media}
+                # a blob the plan took from its base that is gone since, or stored again under another id
+                # (evicted, then appended by another writer: ids are never used twice); else another conflict
+                if all(h not in planned or named.get(h) == planned[h] for h, _ in last):
+                    raise
                 at.install(newest, at.options)
                 at = dataclasses.replace(at, manifest=newest)
         raise AssertionError("unreachable")
