@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 from diskreplay import Media, MediaReader, ReplayStore
 from diskreplay.testing.workload import batch_for, check_rows
 from diskreplay.verify import verify_store
+from tests.campaign import writer_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETAIN = 2  # seconds: generations and unnamed blobs are collected within the run
@@ -64,35 +64,7 @@ def media_batch(w: int, step: int):
     return batch
 
 
-CAMPAIGN_WRITER = textwrap.dedent("""
-    import os, sys, time
-    path, w, step, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    if w == 0:  # this writer's wall clock runs an hour ahead: its clean-up finds everything old
-        real = time.time
-        time.time = lambda: real() + 3600
-    from diskreplay import ReplayStore
-    from diskreplay.store import collector
-    from diskreplay.testing.workload import token_for
-    from tests.test_media_schedules import media_batch
-    collector.SHARED_GC_EVERY = 4  # sweeps often, so that they meet the stopped writers
-    store = ReplayStore(path, fsync=w % 2 == 0)
-    tokened = w != 3  # writer 3 sends no tokens: on a store with leases nothing it commits is in doubt
-    first = True  # a restarted writer re-sends its last batch even if the run is ending (it may be committed)
-    while first or not os.path.exists(stop):
-        first = False
-        while True:
-            try:
-                rows = store.extend(media_batch(w, step), token=token_for(w, step) if tokened else None)
-                break
-            except OSError as exc:  # in doubt or abandoned (CommitTimeoutError): the token finds out
-                print("RETRY" if tokened else "ERR", step, type(exc).__name__, exc, flush=True)
-                if not tokened:
-                    raise
-        print("ACK", step, int(rows[0]), len(rows), flush=True)
-        step += 1
-        time.sleep(0.01)
-    store.close()
-""")
+CAMPAIGN_WRITER = writer_script("tests.test_media_schedules:media_batch")
 
 
 def _expected_media_ok(got, k):

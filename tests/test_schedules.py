@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import types
@@ -27,6 +26,7 @@ from diskreplay.storage import LocalStorage
 from diskreplay.store import committer as committer_module
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import repair_store, verify_store
+from tests.campaign import writer_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETAIN = 2  # seconds: a test's retention, so that generations are collected within its run
@@ -487,34 +487,7 @@ def test_a_conditional_write_conflict_409_is_retried(s3_server, s3_url, tmp_path
 
 # --------------------------------------------------------------------------- stopped writers, a jumped clock
 
-CAMPAIGN_WRITER = textwrap.dedent("""
-    import os, sys, time
-    path, w, step, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    if w == 0:  # this writer's wall clock runs an hour ahead: its clean-up finds everything old
-        real = time.time
-        time.time = lambda: real() + 3600
-    from diskreplay import ReplayStore
-    from diskreplay.store import collector
-    from diskreplay.testing.workload import batch_for, token_for
-    collector.SHARED_GC_EVERY = 4  # sweeps often, so that they meet the stopped writers
-    store = ReplayStore(path, fsync=w % 2 == 0)
-    tokened = w != 3  # writer 3 sends no tokens: on a store with leases nothing it commits is in doubt
-    first = True  # a restarted writer re-sends its last batch even if the run is ending (it may be committed)
-    while first or not os.path.exists(stop):
-        first = False
-        while True:
-            try:
-                rows = store.extend(batch_for(w, step), token=token_for(w, step) if tokened else None)
-                break
-            except OSError as exc:  # in doubt or abandoned (CommitTimeoutError): the token finds out
-                print("RETRY" if tokened else "ERR", step, type(exc).__name__, exc, flush=True)
-                if not tokened:
-                    raise
-        print("ACK", step, int(rows[0]), len(rows), flush=True)
-        step += 1
-        time.sleep(0.01)
-    store.close()
-""")
+CAMPAIGN_WRITER = writer_script()
 
 
 @pytest.mark.slow
