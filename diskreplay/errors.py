@@ -66,7 +66,7 @@ class FormatError(DiskReplayError, ValueError):
     ...     StoreOptions.from_dict({"format": "diskreplay", "version": 99})
     ... except FormatError as exc:
     ...     print(exc)
-    Unsupported version 99 in FORMAT.json; this diskreplay reads version 1 to 6 only (a newer diskreplay wrote it? upgrade to read it)
+    Unsupported version 99 in FORMAT.json; this diskreplay reads version 1 to 7 only (a newer diskreplay wrote it? upgrade to read it)
     """
 
 

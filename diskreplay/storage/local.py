@@ -293,13 +293,14 @@ class LocalStorage(Publisher):
         """An ``OSError`` without a file name (``write``, ``fsync``) becomes a ``StoreIOError`` naming it."""
         return naming_errors(self.local_path(rel), doing)
 
-    def _create_exclusive(self, rel: str) -> int:
+    def _create_exclusive(self, rel: str) -> Optional[int]:
+        """Create ``rel``, leased: its descriptor, or None where a clean-up holds the new name (it
+        listed it unnamed, and may remove it: the name is not this writer's to use, and is left to
+        the clean-up). ``FileExistsError`` where the name is taken."""
         fd = os.open(self.local_path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         if not self._lease(fd, wait=False):
-            # a clean-up holds the new name (it listed it unnamed): it may remove it, so the name is
-            # not this writer's to use; it is left to the clean-up, and the next id is tried
             _close(fd)
-            raise FileExistsError(errno.EEXIST, "held by a clean-up", self.local_path(rel))
+            return None
         return fd
 
     def _lease(self, fd: int, wait: bool = True) -> bool:
@@ -451,9 +452,11 @@ class LocalStorage(Publisher):
     def _create_first_free(self, rel_of: Callable[[int], str], first: int, tries: int) -> Tuple[int, str, int]:
         for i in range(first, first + tries):
             try:
-                return i, rel_of(i), self._create_exclusive(rel_of(i))
+                fd = self._create_exclusive(rel_of(i))
             except FileExistsError:
                 continue
+            if fd is not None:  # (None: a clean-up holds it; the next id is tried)
+                return i, rel_of(i), fd
         raise StoreIOError(errno.EEXIST, f"no free name after {tries} tries", rel_of(first))
 
     def _reserve_ahead(self, rel_of: Callable[[int], str], first: int, tries: int, ahead: int,

@@ -82,12 +82,14 @@ class Appender:
         conflicts), the append is planned again on the newest commit, writing that blob."""
         blobs = _BLOBS.get()
         last = media_last_rows(record, schema) if blobs else ()
-        for attempt in range(MEDIA_REPLANS + 1):
+        attempt = 0
+        while True:
             try:
                 return self._commit(at, record, schema, token, blobs or {}, last)
             except CommitConflictError:
                 if not last or attempt == MEDIA_REPLANS:
                     raise
+                attempt += 1
                 planned = {e.hash: e.id for e in at.manifest.media}
                 newest = at.committer.newest()
                 named = {e.hash: e.id for e in newest.media}
@@ -97,7 +99,6 @@ class Appender:
                     raise
                 at.install(newest, at.options)
                 at = dataclasses.replace(at, manifest=newest)
-        raise AssertionError("unreachable")
 
     def _commit(self, at: WriterContext, record: pa.RecordBatch, schema: Schema, token: Optional[str],
                 blobs: Mapping[bytes, Tuple[dict, Any]], last: Tuple[Tuple[str, int], ...]) -> Tuple[np.ndarray, bool]:
