@@ -7,7 +7,13 @@ sends no tokens (on a store with leases nothing it commits is in doubt); a resta
 last batch even if the run is ending (it may be committed).
 """
 
+import os
+import random
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 _SCRIPT = textwrap.dedent("""
     import os, sys, time
@@ -44,3 +50,67 @@ def writer_script(batches: str = "diskreplay.testing.workload:batch_for") -> str
     """The campaign writer's source, taking its batches from ``batches`` (``module:function`` of ``(w, step)``)."""
     module, function = batches.split(":")
     return _SCRIPT.replace("BATCHES_MODULE", module).replace("BATCHES_FUNCTION", function)
+
+
+def run_campaign(path, stop, *, seed, stops, kills, retain, batches=None, observe=None, writers=4):
+    """Run ``writers`` campaign writer processes on the store at ``path`` until ``stops`` SIGSTOPs (each
+    longer than ``retain`` seconds) and ``kills`` SIGKILLs landed at moments drawn from ``seed``;
+    writer 0 (the clock an hour ahead) is never stopped, writer 3 (no tokens) never killed, a killed
+    writer is started again and re-sends its last batch. ``observe()`` runs between the moves.
+    Returns ``{(writer, step): row ids}`` of every acknowledged batch."""
+    script = writer_script() if batches is None else writer_script(batches)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rnd = random.Random(seed)
+    acked, procs = {}, {}
+
+    def start(w):
+        nxt = max((s for (v, s) in acked if v == w), default=-1) + 1  # a killed one re-sends its last batch
+        procs[w] = subprocess.Popen([sys.executable, "-c", script, path, str(w), str(nxt), stop],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+
+    def drain(w):
+        out, err = procs[w].communicate()
+        for line in out.splitlines():
+            if line.startswith("ACK"):
+                _, step, first, n = line.split()
+                acked[(w, int(step))] = list(range(int(first), int(first) + int(n)))
+        assert procs[w].returncode in (0, -signal.SIGKILL), err
+
+    stopped = killed = 0
+    try:
+        for w in range(writers):
+            start(w)
+        deadline = time.time() + 300  # against a hang only
+        while (stopped < stops or killed < kills) and time.time() < deadline:
+            time.sleep(rnd.uniform(0.2, 0.6))
+            if observe is not None:
+                observe()
+            w = rnd.randrange(1, writers)  # the writer with the jumped clock is never stopped: it sweeps
+            p = procs[w]
+            if p.poll() is not None:
+                drain(w)
+                start(w)
+            elif stopped < stops and (killed >= kills or rnd.random() < 0.5):
+                p.send_signal(signal.SIGSTOP)
+                time.sleep(retain + rnd.uniform(0.5, 1.5))  # the others commit and collect meanwhile
+                if observe is not None:
+                    observe()
+                p.send_signal(signal.SIGCONT)
+                stopped += 1
+            elif killed < kills and w != 3:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                killed += 1
+                drain(w)
+                start(w)
+    finally:
+        open(stop, "w").close()
+        for w in procs:
+            try:
+                procs[w].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                procs[w].kill()
+            drain(w)
+    assert stopped == stops and killed == kills, (stopped, killed)
+    return acked

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
-import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -21,9 +17,8 @@ import pytest
 from diskreplay import Media, MediaReader, ReplayStore
 from diskreplay.testing.workload import batch_for, check_rows
 from diskreplay.verify import verify_store
-from tests.campaign import writer_script
+from tests.campaign import run_campaign
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETAIN = 2  # seconds: generations and unnamed blobs are collected within the run
 
 FREQUENT, RARE = 3, 12  # contents 0-2 are in most batches; 3-14 come rarely, so eviction frees them
@@ -64,7 +59,6 @@ def media_batch(w: int, step: int):
     return batch
 
 
-CAMPAIGN_WRITER = writer_script("tests.test_media_schedules:media_batch")
 
 
 def _expected_media_ok(got, k):
@@ -187,68 +181,20 @@ def test_media_writers_stopped_past_retention_killed_and_a_jumped_clock_every_ba
     fail. With a capacity, eviction frees blobs during the run and the same contents are stored again.
     Counted, not timed: the run ends once enough stops and kills landed."""
     path = str(tmp_path / "s")
-    stop = str(tmp_path / "stop")
     ReplayStore(path, multi_writer=True, retain_seconds=RETAIN, capacity=capacity).close()
-    n_writers, stops_wanted, kills_wanted = 4, 4, 5
-    rnd = random.Random(23)
-    acked, procs = {}, {}
     ids_seen = {}  # hash -> the blob ids that named it over the run (two: freed and stored again)
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    reader = ReplayStore(path, readonly=True)
 
-    def start(w):
-        nxt = max((s for (v, s) in acked if v == w), default=-1) + 1  # a killed one re-sends its last batch
-        procs[w] = subprocess.Popen([sys.executable, "-c", CAMPAIGN_WRITER, path, str(w), str(nxt), stop],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-
-    def drain(w):
-        out, err = procs[w].communicate()
-        for line in out.splitlines():
-            if line.startswith("ACK"):
-                _, step, first, n = line.split()
-                acked[(w, int(step))] = list(range(int(first), int(first) + int(n)))
-        assert procs[w].returncode in (0, -signal.SIGKILL), err
-
-    def observe(reader):
+    def observe():
         reader.refresh()
         for e in reader.manifest.media:
             ids_seen.setdefault(e.hash, set()).add(e.id)
 
-    stops = kills = 0
     try:
-        for w in range(n_writers):
-            start(w)
-        reader = ReplayStore(path, readonly=True)
-        deadline = time.time() + 300  # against a hang only
-        while (stops < stops_wanted or kills < kills_wanted) and time.time() < deadline:
-            time.sleep(rnd.uniform(0.2, 0.6))
-            observe(reader)
-            w = rnd.randrange(1, n_writers)  # the writer with the jumped clock is never stopped: it sweeps
-            p = procs[w]
-            if p.poll() is not None:
-                drain(w)
-                start(w)
-            elif stops < stops_wanted and (kills >= kills_wanted or rnd.random() < 0.5):
-                p.send_signal(signal.SIGSTOP)
-                time.sleep(RETAIN + rnd.uniform(0.5, 1.5))  # the others commit, evict and collect meanwhile
-                observe(reader)
-                p.send_signal(signal.SIGCONT)
-                stops += 1
-            elif kills < kills_wanted and w != 3:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-                kills += 1
-                drain(w)
-                start(w)
-        reader.close()
+        acked = run_campaign(path, str(tmp_path / "stop"), seed=23, stops=4, kills=5, retain=RETAIN,
+                             batches="tests.test_media_schedules:media_batch", observe=observe)
     finally:
-        open(stop, "w").close()
-        for w in procs:
-            try:
-                procs[w].wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                procs[w].kill()
-            drain(w)
-    assert stops == stops_wanted and kills == kills_wanted, (stops, kills)
+        reader.close()
     assert len(acked) >= 30, len(acked)
     live, blobs = _exactly_once_with_media(path, acked)
     if capacity is not None:

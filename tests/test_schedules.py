@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -26,9 +22,8 @@ from diskreplay.storage import LocalStorage
 from diskreplay.store import committer as committer_module
 from diskreplay.testing.workload import batch_for, check_rows, token_for
 from diskreplay.verify import repair_store, verify_store
-from tests.campaign import writer_script
+from tests.campaign import run_campaign
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETAIN = 2  # seconds: a test's retention, so that generations are collected within its run
 
 
@@ -487,7 +482,6 @@ def test_a_conditional_write_conflict_409_is_retried(s3_server, s3_url, tmp_path
 
 # --------------------------------------------------------------------------- stopped writers, a jumped clock
 
-CAMPAIGN_WRITER = writer_script()
 
 
 @pytest.mark.slow
@@ -499,57 +493,7 @@ def test_writers_stopped_past_retention_and_a_jumped_clock_every_acknowledged_ba
     acknowledged batch is there exactly once.
     Counted, not timed: the run ends once enough stops and kills landed."""
     path = str(tmp_path / "s")
-    stop = str(tmp_path / "stop")
     ReplayStore(path, multi_writer=True, retain_seconds=RETAIN).close()
-    n_writers, stops_wanted, kills_wanted = 4, 6, 6
-    rnd = random.Random(11)
-    acked, procs = {}, {}
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-    def start(w):
-        nxt = max((s for (v, s) in acked if v == w), default=-1) + 1  # a killed one re-sends its last batch
-        procs[w] = subprocess.Popen([sys.executable, "-c", CAMPAIGN_WRITER, path, str(w), str(nxt), stop],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    def drain(w):
-        out, err = procs[w].communicate()
-        for line in out.splitlines():
-            if line.startswith("ACK"):
-                _, step, first, n = line.split()
-                acked[(w, int(step))] = list(range(int(first), int(first) + int(n)))
-        assert procs[w].returncode in (0, -signal.SIGKILL), err
-
-    stops = kills = 0
-    try:
-        for w in range(n_writers):
-            start(w)
-        deadline = time.time() + 300  # against a hang only
-        while (stops < stops_wanted or kills < kills_wanted) and time.time() < deadline:
-            time.sleep(rnd.uniform(0.2, 0.6))
-            w = rnd.randrange(1, n_writers)  # the writer with the jumped clock is never stopped: it sweeps
-            p = procs[w]
-            if p.poll() is not None:
-                drain(w)
-                start(w)
-            elif stops < stops_wanted and (kills >= kills_wanted or rnd.random() < 0.5):
-                p.send_signal(signal.SIGSTOP)
-                time.sleep(RETAIN + rnd.uniform(0.5, 1.5))  # the others commit and collect meanwhile
-                p.send_signal(signal.SIGCONT)
-                stops += 1
-            elif kills < kills_wanted and w != 3:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-                kills += 1
-                drain(w)
-                start(w)
-    finally:
-        open(stop, "w").close()
-        for w in range(n_writers):
-            try:
-                procs[w].wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                procs[w].kill()
-            drain(w)
-    assert stops == stops_wanted and kills == kills_wanted, (stops, kills)
+    acked = run_campaign(path, str(tmp_path / "stop"), seed=11, stops=6, kills=6, retain=RETAIN)
     assert len(acked) >= 40, len(acked)
     _exactly_once(path, acked)
