@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Mapping, Optional, Tuple
 
 import pyarrow as pa
 
@@ -117,3 +117,23 @@ def check_signature(doc: Mapping[str, Any], where: str) -> None:
 
 def canonical_json(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def entry_list(doc: Mapping[str, Any], key: str, versions: Collection[int], *, optional_in: Collection[int] = (),
+               limit: int, what: str, parse: Callable[[Any, str], Any], where: str) -> Tuple[Any, ...]:
+    """A document's list ``key`` of entries (``parse(item, where)`` each): a non-empty list in
+    ``versions`` (absent where the version is in ``optional_in``: no entries), absent in any other.
+
+    >>> entry_list({"version": 5}, "media", (5,), optional_in=(5,), limit=10, what="media blobs",
+    ...            parse=lambda e, w: e, where="m.json")
+    ()
+    """
+    raw, version = doc.get(key), doc["version"]
+    if version not in versions or (raw is None and version in optional_in):
+        if raw is not None:
+            raise FormatError(f"Unsupported {key} in {where} (version {version}); expected them only in "
+                              f"version {' or '.join(map(str, sorted(versions)))}")
+        return ()
+    if not isinstance(raw, list) or not raw or len(raw) > limit:
+        raise FormatError(f"Unsupported {key} {raw!r:.200} in {where}; expected a non-empty list of {what}")
+    return tuple(parse(e, where) for e in raw)

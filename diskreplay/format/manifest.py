@@ -15,7 +15,7 @@ from ..schema import ColumnSpec, late_column_problem
 from .names import (DELTA_FORMAT, FORMAT_VERSION, LATE_COLUMNS_MANIFEST_VERSION, MANIFEST_FORMAT, MAX_ID,
                     MEDIA_DELTA_VERSION, MEDIA_MANIFEST_VERSION, PATCHES_MANIFEST_VERSION, REWRITE_DELTA_VERSION,
                     manifest_file)
-from .jsondoc import canonical_json, check_header, check_signature, evolve, int_field, signed_doc
+from .jsondoc import canonical_json, check_header, check_signature, entry_list, evolve, int_field, signed_doc
 from .jsondoc import signed_bytes  # noqa: F401  (the doctests below write deltas with it)
 from .access import StorageLike, as_storage
 from .options import StoreOptions
@@ -605,16 +605,9 @@ def _late_columns(doc: Mapping[str, Any], where: str) -> Tuple[LateColumn, ...]:
 
 
 def _patches(doc: Mapping[str, Any], where: str) -> Tuple[PatchEntry, ...]:
-    """A manifest's ``patches``: in version 4 only, a non-empty list of entries, oldest first."""
-    raw = doc.get("patches")
-    if doc["version"] == MEDIA_MANIFEST_VERSION and raw is None:
-        return ()
-    if doc["version"] not in (PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION):
-        if raw is not None:
-            raise FormatError(f"Unsupported patches in {where} (version {doc['version']}); expected them only in "
-                              f"version {PATCHES_MANIFEST_VERSION}")
-        return ()
-    if not isinstance(raw, list) or not raw or len(raw) > 1 << 20:
-        raise FormatError(f"Unsupported patches {raw!r:.200} in {where}; expected a non-empty list of patches")
-    return tuple(PatchEntry.from_dict(p, where) for p in raw)
+    """A manifest's ``patches``: in version 4 (and, where it has any, 5), a non-empty list of entries,
+    oldest first."""
+    return entry_list(doc, "patches", (PATCHES_MANIFEST_VERSION, MEDIA_MANIFEST_VERSION),
+                      optional_in=(MEDIA_MANIFEST_VERSION,), limit=1 << 20, what="patches",
+                      parse=PatchEntry.from_dict, where=where)
 

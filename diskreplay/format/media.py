@@ -13,7 +13,7 @@ from .._fileio import crc32c
 from ..errors import ArgumentError, CommitConflictError, CorruptStoreError, FormatError
 from ..schema import ARRAY_MIME, MEDIA_WIDTH, media_hash
 from .entries import MediaEntry
-from .jsondoc import evolve
+from .jsondoc import entry_list, evolve
 from .names import MEDIA_MANIFEST_VERSION
 
 
@@ -94,15 +94,8 @@ def add_media(media: Tuple[MediaEntry, ...], new: Sequence[MediaEntry], last: Se
 
 def manifest_media(doc: Mapping[str, Any], where: str) -> Tuple[MediaEntry, ...]:
     """A manifest's ``media``: in version 5 only, a non-empty list of entries, oldest first."""
-    raw = doc.get("media")
-    if doc["version"] != MEDIA_MANIFEST_VERSION:
-        if raw is not None:
-            raise FormatError(f"Unsupported media in {where} (version {doc['version']}); expected them only in "
-                              f"version {MEDIA_MANIFEST_VERSION}")
-        return ()
-    if not isinstance(raw, list) or not raw or len(raw) > 1 << 24:
-        raise FormatError(f"Unsupported media {raw!r:.200} in {where}; expected a non-empty list of media blobs")
-    return tuple(MediaEntry.from_dict(e, where) for e in raw)
+    return entry_list(doc, "media", (MEDIA_MANIFEST_VERSION,), limit=1 << 24, what="media blobs",
+                      parse=MediaEntry.from_dict, where=where)
 
 
 def delta_media(doc: Mapping[str, Any], num_rows: int, where: str) -> Dict[str, Any]:
