@@ -311,17 +311,14 @@ class LocalStorage(Publisher):
         for one left every later file of this writer unleased, to a clean-up whose clock ran ahead."""
         if not self.leases or self._fds.no_leases:
             return True
-        for attempt in range(LOCK_TRIES if wait else 1):  # a clean-up's hold is brief unless it is stopped
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                return True
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    self._fds.no_leases = True  # this filesystem has no flock
-                    return True
-            if attempt + 1 < LOCK_TRIES and wait:
-                time.sleep(0.001)
-        return False
+        try:  # (a clean-up's hold is brief unless it is stopped)
+            taken = _flock_briefly(fd, fcntl.LOCK_SH, LOCK_TRIES if wait else 1)
+        except OSError:
+            taken = None
+        if taken is None:  # this filesystem has no flock
+            self._fds.no_leases = True
+            return True
+        return taken
 
     def _open_leased(self, rel: str) -> int:
         """Open ``rel`` to write it whole (a group sidecar: the name of a segment id this writer
@@ -1072,18 +1069,19 @@ LOCK_TRIES = 200  # a brief exclusive lock (the floor's) is tried this many time
 LEASE_OPENS = 5  # a name a clean-up holds is opened again this many times (LOCK_TRIES each)
 
 
-def _flock_briefly(fd: int, how: int) -> bool:
-    """Take ``flock(how)`` on ``fd`` within about ``LOCK_TRIES`` ms; False when another holder
-    keeps it that long or the filesystem has no locks."""
-    for _ in range(LOCK_TRIES):
+def _flock_briefly(fd: int, how: int, tries: int = LOCK_TRIES) -> Optional[bool]:
+    """Take ``flock(how)`` on ``fd`` within about ``tries`` ms: True; False when another holder keeps
+    it that long; None when the filesystem has no locks."""
+    for attempt in range(tries):
         try:
             fcntl.flock(fd, how | fcntl.LOCK_NB)
             return True
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    return False
+                    return None
                 raise
+        if attempt + 1 < tries:
             time.sleep(0.001)
     return False
 
